@@ -1,0 +1,18 @@
+# looplm — the two Quickstart targets set everything up on a fresh machine.
+PY ?= python3
+TORCH_VERSION ?= 2.13.0
+
+.PHONY: install demo test bench clean
+
+install:
+	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"   # CPU wheel lies on disk here; install it first
+	$(PY) -m pip install -q -e '.[dev]'
+
+demo: install
+	$(PY) -m looplm.cli demo
+
+test: install
+	$(PY) -m pytest -x -q tests
+
+bench: install
+	$(PY) benchmarks/bench_vs_hf.py

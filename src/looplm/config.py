@@ -1,0 +1,337 @@
+"""Model configuration: typed, validated dataclasses and the presets registry.
+
+A looped model is described by ``(p, s, K, c)`` (recurrence-effectiveness paper, §2):
+
+* ``n_prelude = p`` non-recurrent blocks run once,
+* ``n_core = s`` blocks whose parameters are reused at every loop iteration,
+* ``n_loops = K`` the training-time loop count of the core,
+* ``n_coda = c`` non-recurrent blocks run once after the loop.
+
+Physical depth ``L_phys = p + s + c``; effective depth at ``r`` loops ``L_eff = p + s·r + c``.
+The Looped-Mamba paper's ``N⊗R`` is ``(0, N, R, 0)``.
+
+Each component has its own dataclass (``AttentionConfig``, ``Mamba2Config``, ``RuleConfig``) nested
+in ``ModelConfig``. ``ModelConfig.from_dict`` reports every bad field in one ``ConfigError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from .dataclass_util import ConfigError, apply_overrides, from_dict, to_dict
+
+PRESET_DIR = Path(__file__).parent / "presets"
+
+
+@dataclass
+class RopeScaling:
+    """Llama-3 RoPE frequency scaling (``rope_type: llama3`` in transformers)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def validate(self) -> list[str]:
+        errs = []
+        if self.factor <= 0:
+            errs.append(f"factor: must be > 0, got {self.factor}")
+        if self.high_freq_factor <= self.low_freq_factor:
+            errs.append("high_freq_factor: must be > low_freq_factor")
+        if self.original_max_position_embeddings < 1:
+            errs.append("original_max_position_embeddings: must be >= 1")
+        return errs
+
+
+@dataclass
+class AttentionConfig:
+    """Causal self-attention: GQA, RoPE (optionally Llama-3 scaled, optionally partial), QK-norm."""
+
+    n_heads: int = 4
+    n_kv_heads: int | None = None  # None = n_heads (MHA)
+    head_dim: int | None = None  # None = d_model // n_heads
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k (per head) before RoPE
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    rotary_dim: int | None = None  # None = head_dim; hybrid Mamba models use 64
+    bias: bool = False
+
+    def validate(self) -> list[str]:
+        errs = []
+        if self.n_heads < 1:
+            errs.append(f"n_heads: must be >= 1, got {self.n_heads}")
+        kv = self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
+        if kv < 1:
+            errs.append(f"n_kv_heads: must be >= 1, got {kv}")
+        elif self.n_heads >= 1 and self.n_heads % kv:
+            errs.append(f"n_kv_heads: {kv} does not divide n_heads={self.n_heads}")
+        if self.head_dim is not None and (self.head_dim < 2 or self.head_dim % 2):
+            errs.append(f"head_dim: must be an even number >= 2, got {self.head_dim}")
+        if self.rotary_dim is not None:
+            if self.rotary_dim % 2 or self.rotary_dim < 2:
+                errs.append(f"rotary_dim: must be an even number >= 2, got {self.rotary_dim}")
+            elif self.head_dim is not None and self.rotary_dim > self.head_dim:
+                errs.append(f"rotary_dim: {self.rotary_dim} exceeds head_dim={self.head_dim}")
+        if self.rope_theta <= 0:
+            errs.append(f"rope_theta: must be > 0, got {self.rope_theta}")
+        return errs
+
+
+@dataclass
+class Mamba2Config:
+    """Mamba-2 mixer hyper-parameters (defaults = the mamba_ssm ``Mamba2`` reference defaults)."""
+
+    expand: int = 2
+    d_state: int = 128
+    d_conv: int = 4
+    headdim: int = 64
+    ngroups: int = 1
+    chunk_size: int = 64  # pure-torch SSD chunk; 64 measured fastest on our CPUs
+    conv_bias: bool = True
+    bias: bool = False
+
+    def validate(self) -> list[str]:
+        errs = []
+        for name in ("expand", "d_state", "d_conv", "headdim", "ngroups", "chunk_size"):
+            if getattr(self, name) < 1:
+                errs.append(f"{name}: must be >= 1, got {getattr(self, name)}")
+        return errs
+
+
+@dataclass
+class RuleConfig:
+    """Which recurrence rule passes information between loop iterations, and its options.
+
+    ``name`` selects a class registered in ``looplm.recurrence``; ``options`` are passed to it.
+    """
+
+    name: str = "vanilla"
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> list[str]:
+        from .recurrence import RULES
+
+        if self.name not in RULES:
+            from .dataclass_util import _suggest
+
+            return [f"rule.name: unknown rule {self.name!r}{_suggest(self.name, sorted(RULES))}; known: {sorted(RULES)}"]
+        return RULES[self.name].validate_options(self.options)
+
+
+@dataclass
+class ModelConfig:
+    """A looped language model ``embed → prelude(p) → core(s) × K → coda(c) → norm → head``."""
+
+    name: str = "custom"
+    vocab_size: int = 256
+    d_model: int = 64
+    # (p, s, K, c)
+    n_prelude: int = 0
+    n_core: int = 2
+    n_loops: int = 1
+    n_coda: int = 0
+    # mixer of each physical block: "attention" or "mamba2"; attn_layer_idx (0-based over the physical
+    # stack prelude+core+coda) switches individual blocks to attention (hybrid Mamba-2/attention stacks)
+    mixer: Literal["attention", "mamba2"] = "attention"
+    attn_layer_idx: list[int] = field(default_factory=list)
+    d_ff: int = 0  # SwiGLU hidden width; 0 = no MLP sub-layer (Mamba-2 blocks)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    mamba: Mamba2Config = field(default_factory=Mamba2Config)
+    rule: RuleConfig = field(default_factory=RuleConfig)
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    embed_scale: bool = False  # multiply embeddings by sqrt(d_model) (StateLoop eq. 1)
+    max_seq_len: int = 2048
+    init_std: float = 0.02
+    description: str = ""
+
+    # ---- derived quantities -------------------------------------------------------------------
+    @property
+    def n_physical(self) -> int:
+        """Physical depth ``L_phys = p + s + c``."""
+        return self.n_prelude + self.n_core + self.n_coda
+
+    def effective_depth(self, num_loops: int | None = None) -> int:
+        """Effective depth ``L_eff = p + s·r + c`` (r defaults to the training loop count K)."""
+        r = self.n_loops if num_loops is None else num_loops
+        return self.n_prelude + self.n_core * r + self.n_coda
+
+    @property
+    def head_dim(self) -> int:
+        return self.attention.head_dim or self.d_model // self.attention.n_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.attention.n_kv_heads or self.attention.n_heads
+
+    def mixer_of(self, layer: int) -> str:
+        """Mixer kind of physical block ``layer`` (0-based over prelude+core+coda)."""
+        return "attention" if layer in self.attn_layer_idx else self.mixer
+
+    def validate(self) -> list[str]:
+        errs: list[str] = []
+        if self.vocab_size < 1:
+            errs.append(f"vocab_size: must be >= 1, got {self.vocab_size}")
+        if self.d_model < 1:
+            errs.append(f"d_model: must be >= 1, got {self.d_model}")
+        for n in ("n_prelude", "n_coda", "d_ff"):
+            if getattr(self, n) < 0:
+                errs.append(f"{n}: must be >= 0, got {getattr(self, n)}")
+        if self.n_core < 1:
+            errs.append(f"n_core: the recurrent core needs at least one block, got {self.n_core}")
+        if self.n_loops < 1:
+            errs.append(f"n_loops: loops must be >= 1, got {self.n_loops}")
+        if self.max_seq_len < 1:
+            errs.append(f"max_seq_len: must be >= 1, got {self.max_seq_len}")
+        if self.norm_eps <= 0:
+            errs.append(f"norm_eps: must be > 0, got {self.norm_eps}")
+        bad_idx = [i for i in self.attn_layer_idx if not 0 <= i < self.n_physical]
+        if bad_idx:
+            errs.append(
+                f"attn_layer_idx: {bad_idx} out of range for {self.n_physical} physical layers (0..{self.n_physical - 1})"
+            )
+        uses_attn = self.mixer == "attention" or bool(self.attn_layer_idx)
+        if uses_attn:
+            a = self.attention
+            if a.head_dim is None and a.n_heads >= 1 and self.d_model % a.n_heads:
+                errs.append(f"attention.n_heads: {a.n_heads} does not divide d_model={self.d_model} (or set attention.head_dim)")
+            errs += [f"attention.{e}" for e in a.validate()]
+            if a.rope_scaling is not None:
+                errs += [f"attention.rope_scaling.{e}" for e in a.rope_scaling.validate()]
+            if a.rotary_dim is not None and a.head_dim is None and a.n_heads >= 1 and a.rotary_dim > self.d_model // a.n_heads:
+                errs.append(f"attention.rotary_dim: {a.rotary_dim} exceeds head_dim={self.d_model // a.n_heads}")
+        uses_mamba = self.mixer == "mamba2" and len(set(self.attn_layer_idx)) < self.n_physical
+        if uses_mamba:
+            m = self.mamba
+            errs += [f"mamba.{e}" for e in m.validate()]
+            if m.expand >= 1 and m.headdim >= 1 and (m.expand * self.d_model) % m.headdim:
+                errs.append(f"mamba.headdim: {m.headdim} does not divide d_inner={m.expand * self.d_model}")
+            if m.ngroups >= 1 and m.expand >= 1 and m.headdim >= 1 and ((m.expand * self.d_model) // m.headdim) % m.ngroups:
+                errs.append(f"mamba.ngroups: {m.ngroups} does not divide the number of heads {(m.expand * self.d_model) // m.headdim}")
+        try:
+            errs += [f"rule.{e}" if not e.startswith("rule.") else e for e in self.rule.validate()]
+        except Exception as e:  # pragma: no cover - defensive
+            errs.append(f"rule: {e}")
+        return errs
+
+    def __post_init__(self):  # direct construction in Python is validated too (from_dict validates itself)
+        errs = self.validate()
+        if errs:
+            raise ConfigError(errs, "model config")
+
+    # ---- (de)serialisation --------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: dict) -> "ModelConfig":
+        return from_dict(cls, data, what="model config")
+
+    def to_dict(self) -> dict:
+        return to_dict(self)
+
+    def replace(self, **overrides) -> "ModelConfig":
+        """A new validated config with ``overrides`` (dotted keys allowed: ``attention.n_heads=2``)."""
+        return ModelConfig.from_dict(apply_overrides(self.to_dict(), overrides))
+
+
+# ------------------------------------------------------------------------------------------------
+# presets registry: one YAML per model under looplm/presets/ (shipped with the package)
+# ------------------------------------------------------------------------------------------------
+
+
+def _preset_files() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(PRESET_DIR.rglob("*.yaml"))}
+
+
+def list_presets() -> list[str]:
+    """Names of every shipped preset."""
+    return sorted(_preset_files())
+
+
+def _read_yaml(path: Path) -> dict:
+    import yaml
+
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: top level must be a mapping"], "model config")
+    # presets may carry documentation keys that are not part of the model config
+    data = dict(data)
+    data.pop("reference", None)
+    inherit = data.pop("inherit", None)
+    if inherit:
+        parent = _preset_files().get(inherit)
+        if parent is None:
+            raise ConfigError([f"{path}: inherit: unknown preset {inherit!r}"], "model config")
+        base = _read_yaml(parent)
+        data = _deep_merge(base, data)
+    return data
+
+
+def _deep_merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict) and k != "options":
+            out[k] = _deep_merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def preset_dict(name: str) -> dict:
+    """The raw (merged) dict of a preset, with ``name`` filled in."""
+    files = _preset_files()
+    if name not in files:
+        from .dataclass_util import _suggest
+
+        raise ValueError(f"unknown preset {name!r}{_suggest(name, list(files))}. Run `looplm presets` to list them.")
+    data = _read_yaml(files[name])
+    data["name"] = name
+    return data
+
+
+def load_model_config(spec: "str | Path | dict | ModelConfig", overrides: dict | list[str] | None = None) -> ModelConfig:
+    """Resolve a preset name, a YAML path, a dict or a ``ModelConfig`` plus overrides into a config.
+
+    ``overrides`` are ``{"attention.n_heads": 2}`` or ``["attention.n_heads=2", ...]``.
+    """
+    if isinstance(spec, ModelConfig):
+        data = spec.to_dict()
+    elif isinstance(spec, dict):
+        data = dict(spec)
+    else:
+        p = Path(spec)
+        if p.suffix in (".yaml", ".yml") or p.exists():
+            if not p.exists():
+                raise FileNotFoundError(f"model config file {str(p)!r} does not exist")
+            data = _read_yaml(p)
+            data.setdefault("name", p.stem)
+            if "model" in data and isinstance(data["model"], dict):  # a training config: take its model
+                data = data["model"]
+        else:
+            data = preset_dict(str(spec))
+    if overrides:
+        data = apply_overrides(data, overrides)
+    return ModelConfig.from_dict(data)
+
+
+def swiglu_hidden(d: int, multiple_of: int = 64) -> int:
+    """LLaMA's SwiGLU width rule: ``8d/3`` rounded up to a multiple (5504 for d=2048, 2752 for d=1024)."""
+    return multiple_of * math.ceil(8 * d / 3 / multiple_of)
+
+
+__all__ = [
+    "AttentionConfig",
+    "Mamba2Config",
+    "ModelConfig",
+    "RopeScaling",
+    "RuleConfig",
+    "ConfigError",
+    "list_presets",
+    "load_model_config",
+    "preset_dict",
+    "swiglu_hidden",
+    "dataclasses",
+]

@@ -1,0 +1,85 @@
+"""Autoregressive decoding with per-(loop iteration, layer) caches, batched with left padding."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
+                generator: torch.Generator | None = None) -> torch.Tensor:
+    """Pick the next token from ``logits [B, V]``: greedy, or temperature / top-k / top-p sampling."""
+    if not do_sample or temperature == 0:
+        return logits.argmax(-1)
+    logits = logits.float() / max(temperature, 1e-8)
+    if top_k is not None and top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and 0 < top_p < 1:
+        sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        # drop tokens once the cumulative mass *before* them exceeds top_p (the top token always stays)
+        drop = probs.cumsum(-1) - probs > top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
+    probs = F.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+@torch.no_grad()
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    max_new_tokens: int = 32,
+    *,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    num_loops: int | None = None,
+    generator: torch.Generator | None = None,
+    use_cache: bool = True,
+) -> torch.Tensor:
+    """Return ``[B, T + max_new_tokens]`` token ids, prompt included.
+
+    Batches of different prompt lengths are left-padded; pass their ``attention_mask`` (1 = token).
+    Rows that emitted ``eos_token_id`` keep emitting ``pad_token_id`` (default: the eos id); decoding
+    stops early when every row has finished (the result is then shorter).
+    ``use_cache=False`` recomputes the full forward each step (the reference the cache is tested against).
+    """
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    was_training = model.training
+    model.eval()
+    B = input_ids.shape[0]
+    if pad_token_id is None:
+        pad_token_id = eos_token_id if eos_token_id is not None else 0
+    if attention_mask is None:
+        attention_mask = torch.ones_like(input_ids, dtype=torch.long)
+    attention_mask = attention_mask.long()
+    padded = bool((attention_mask == 0).any())
+    cache = model.new_cache(B, num_loops) if use_cache else None
+    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    out, mask = input_ids, attention_mask
+    step_input = input_ids
+    try:
+        for _ in range(max_new_tokens):
+            if use_cache:
+                res = model(step_input, cache=cache, attention_mask=mask if padded else None, num_loops=num_loops)
+            else:
+                res = model(out, attention_mask=mask if padded else None, num_loops=num_loops)
+            nxt = sample_next(res.logits[:, -1], do_sample, temperature, top_k, top_p, generator)
+            nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
+            out = torch.cat([out, nxt[:, None]], dim=1)
+            mask = torch.cat([mask, torch.ones_like(nxt[:, None])], dim=1)
+            step_input = nxt[:, None]
+            if eos_token_id is not None:
+                finished |= nxt == eos_token_id
+                if bool(finished.all()):
+                    break
+    finally:
+        model.train(was_training)
+    return out

@@ -1,0 +1,101 @@
+"""Causal self-attention with grouped-query heads, RoPE, optional QK-norm and a KV cache.
+
+The attention product itself is ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory
+efficient kernels where the device has them) with ``enable_gqa`` so that key/value heads are not
+materialised ``n_heads / n_kv_heads`` times.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .rope import apply_rotary
+
+
+class KVCache:
+    """Keys and values of one (loop iteration, physical layer) slot: ``[B, H_kv, T_past, head_dim]``.
+
+    Grows by concatenation. ``index_select`` keeps batch rows (beam search / dropping finished rows).
+    A planned per-token early exit at decode time writes the skipped iterations' entries through
+    ``update`` like any other token, so later tokens can attend to them.
+    """
+
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    @property
+    def seqlen(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.k is None:
+            self.k, self.v = k, v
+        else:
+            self.k = torch.cat([self.k, k], dim=2)
+            self.v = torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def index_select(self, idx: torch.Tensor) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k.index_select(0, idx), self.v.index_select(0, idx)
+
+
+class Attention(nn.Module):
+    """Multi-head causal self-attention (GQA). Parameter names follow HF Llama/Qwen3.
+
+    ``q = W_q x``, ``k = W_k x``, ``v = W_v x`` split into heads; optional per-head RMSNorm of q and k
+    (Qwen3 QK-norm) *before* RoPE; ``softmax(q kᵀ / √hd + mask) v``; output projection ``W_o``.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        *,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-5,
+        bias: bool = False,
+    ):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
+        self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+        self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        attn_mask: torch.Tensor | None = None,
+        is_causal: bool = True,
+        cache: KVCache | None = None,
+    ) -> torch.Tensor:
+        B, T, _ = x.shape
+        # [B, T, H*hd] -> [B, H, T, hd]
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(k, v)  # [B, H_kv, T_past + T, hd]
+        y = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=attn_mask,
+            is_causal=is_causal and attn_mask is None,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )  # [B, H, T, hd]
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

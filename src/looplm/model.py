@@ -1,0 +1,296 @@
+"""LoopedLM: ``embed → prelude (p) → [core (s) ∘ rule] × r → coda (c) → norm → head``.
+
+The driver below is the whole looped computation. It calls the recurrence rule between iterations
+(see :mod:`looplm.recurrence.base`) and never branches on which rule it holds. Parallelism,
+activation checkpointing (per loop iteration: wrap ``model.core``) and ``torch.compile`` are
+applied from outside (:mod:`looplm.parallel`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .blocks import ForwardContext, Stack
+from .cache import LoopCache
+from .config import ModelConfig, load_model_config
+from .layers.rope import RotaryEmbedding
+from .recurrence import LoopContext, build_rule
+
+
+@dataclass
+class LoopedLMOutput:
+    logits: torch.Tensor  # [B, T, V]
+    loss: torch.Tensor | None = None  # mean next-token cross-entropy when labels are given
+    iterations: list[torch.Tensor] | None = None  # H^k for k < r, each [B, T, d], when asked
+    hidden: torch.Tensor | None = None  # final hidden state before the head (after the final norm)
+    cache: LoopCache | None = None
+
+
+class LoopCore(nn.Module):
+    """The shared core: ``s`` blocks run once per loop iteration (the unit of per-loop checkpointing)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.stack = Stack(cfg, cfg.n_prelude, cfg.n_core)
+
+    def forward(self, z: torch.Tensor, fctx: ForwardContext, caches=None, mods=None) -> torch.Tensor:
+        return self.stack(z, fctx, caches, mods)
+
+
+class LoopedLM(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        d = cfg.d_model
+        self.embed = nn.Embedding(cfg.vocab_size, d)
+        self.prelude = Stack(cfg, 0, cfg.n_prelude)
+        self.core = LoopCore(cfg)
+        self.coda = Stack(cfg, cfg.n_prelude + cfg.n_core, cfg.n_coda)
+        self.rule = build_rule(cfg)
+        self.norm = nn.RMSNorm(d, eps=cfg.norm_eps)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.embed.weight._no_muon = True
+        self.lm_head.weight._no_muon = True
+        self.embed_multiplier = math.sqrt(d) if cfg.embed_scale else 1.0
+        uses_attn = any(cfg.mixer_of(i) == "attention" for i in range(cfg.n_physical)) or self._rule_uses_rope()
+        if uses_attn:
+            a = cfg.attention
+            self.rotary = RotaryEmbedding(a.rotary_dim or cfg.head_dim, a.rope_theta, a.rope_scaling)
+        else:
+            self.rotary = None
+        self.reset_parameters()
+
+    def _rule_uses_rope(self) -> bool:
+        return bool(getattr(self.rule, "uses_rope", False))
+
+    # ------------------------------------------------------------------------------------------
+    def reset_parameters(self) -> None:
+        """Initialise: N(0, std) for Linear/Embedding weights, zeros for biases, then each module's own
+        ``looplm_init()`` (rules' zero/identity inits, Mamba-2's A/dt/D) so papers' init claims hold."""
+        if self.embed.weight.is_meta:  # nothing to initialise (parameter counting); keeps `looplm info` fast
+            return
+        std = self.config.init_std
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=std)
+                if getattr(m, "bias", None) is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.RMSNorm) and m.weight is not None:
+                nn.init.ones_(m.weight)
+        for m in self.modules():
+            if m is not self and hasattr(m, "looplm_init"):
+                m.looplm_init()
+        if self.rotary is not None:
+            self.rotary.reset_buffers()
+
+    def num_params(self, exclude_embeddings: bool = False) -> int:
+        """Distinct parameters (shared core counted once; a tied head counted once)."""
+        seen, n = set(), 0
+        for p in self.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            n += p.numel()
+        if exclude_embeddings:
+            n -= self.embed.weight.numel()
+            if not self.config.tie_embeddings:
+                n -= self.lm_head.weight.numel()
+        return n
+
+    def new_cache(self, batch_size: int, num_loops: int | None = None) -> LoopCache:
+        p = next(self.parameters())
+        return LoopCache(num_loops or self.config.n_loops, batch_size, device=p.device, dtype=p.dtype)
+
+    # ------------------------------------------------------------------------------------------
+    def _check_inputs(self, input_ids: torch.Tensor, cache: LoopCache | None, attention_mask) -> None:
+        cfg = self.config
+        if not isinstance(input_ids, torch.Tensor):
+            raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must have shape [batch, seq_len], got {tuple(input_ids.shape)}")
+        if input_ids.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+            raise ValueError(f"input_ids must be integer token ids, got dtype {input_ids.dtype}")
+        B, T = input_ids.shape
+        if B == 0 or T == 0:
+            raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}); pass at least one token")
+        past = cache.seqlen if cache is not None else 0
+        if past + T > cfg.max_seq_len:
+            raise ValueError(
+                f"sequence length {past + T} exceeds the model's max_seq_len={cfg.max_seq_len}; "
+                "truncate the input or build the model with a larger max_seq_len"
+            )
+        if torch.compiler.is_compiling():
+            return
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= cfg.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size}); check that the tokenizer matches the model"
+            )
+        if attention_mask is not None and attention_mask.shape != (B, past + T):
+            raise ValueError(
+                f"attention_mask must have shape [batch, past + seq_len] = {(B, past + T)}, got {tuple(attention_mask.shape)}"
+            )
+        if cache is not None and cache.batch_size != B:
+            raise ValueError(f"cache holds batch size {cache.batch_size}, input has {B}")
+
+    def _forward_context(self, input_ids, attention_mask, position_ids, past: int) -> ForwardContext:
+        B, T = input_ids.shape
+        dev = input_ids.device
+        if position_ids is None:
+            if attention_mask is not None:
+                # left padding: positions count real tokens only, so a padded row matches the row alone
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+            else:
+                position_ids = torch.arange(past, past + T, device=dev).unsqueeze(0).expand(B, T)
+        rope = self.rotary(position_ids) if self.rotary is not None else None
+        attn_mask, is_causal, pad_mask = None, past == 0, None
+        if attention_mask is not None or (past > 0 and T > 1):
+            q_pos = torch.arange(past, past + T, device=dev)[:, None]
+            k_pos = torch.arange(past + T, device=dev)[None, :]
+            allowed = (k_pos <= q_pos)[None, None]  # [1, 1, T, past+T]
+            if attention_mask is not None:
+                keep = attention_mask.bool()
+                allowed = allowed & keep[:, None, None, :]
+                # a padding query row attends to itself only: finite garbage, never NaN (it is masked as a key)
+                allowed = allowed | (k_pos == q_pos)[None, None]
+                pad_mask = keep[:, -T:]
+            attn_mask = allowed
+            is_causal = False
+        elif past > 0:  # one new token attends to everything before it
+            is_causal = False
+        return ForwardContext(rope=rope, attn_mask=attn_mask, is_causal=is_causal, pad_mask=pad_mask)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache: LoopCache | None = None,
+        num_loops: int | None = None,
+        num_grad_loops: int | None = None,
+        output_iterations: bool = False,
+        output_hidden: bool = False,
+        loop_options: dict | None = None,
+    ) -> LoopedLMOutput:
+        """Run the looped model.
+
+        Args:
+            input_ids: ``[B, T]`` token ids (new tokens only when ``cache`` holds a prefix).
+            labels: ``[B, T]`` targets aligned with ``input_ids`` (shifted inside; ``-100`` ignored).
+            attention_mask: ``[B, T_past + T]``, 1 = real token, 0 = left padding.
+            cache: decoding cache (see :mod:`looplm.cache`); filled in place.
+            num_loops: ``r``, loops to run (default: the training count ``K``).
+            num_grad_loops: truncated backprop: only the last ``m`` iterations record gradients.
+            output_iterations: also return every iteration's core output ``H^k`` (free when off).
+            loop_options: rule-specific inference options (``LoopContext.extras``).
+        """
+        cfg = self.config
+        self._check_inputs(input_ids, cache, attention_mask)
+        r = num_loops if num_loops is not None else (cache.num_loops if cache is not None else cfg.n_loops)
+        if r < 1:
+            raise ValueError(f"num_loops must be >= 1, got {r}")
+        if cache is not None and cache.num_loops != r:
+            raise ValueError(f"cache was built for {cache.num_loops} loops, forward asked for {r}")
+        past = cache.seqlen if cache is not None else 0
+        fctx = self._forward_context(input_ids, attention_mask, position_ids, past)
+        B = input_ids.shape[0]
+
+        def slots(it: int, stack) -> list | None:
+            if cache is None:
+                return None
+            return [cache.slot((it, blk.layer_idx), lambda blk=blk: blk.new_cache(B)) for blk in stack.blocks]
+
+        x = self.embed(input_ids) * self.embed_multiplier  # [B, T, d]
+        x = self.prelude(x, fctx, slots(0, self.prelude))
+        lctx = LoopContext(iteration=0, num_loops=r, train_loops=cfg.n_loops, forward=fctx, cache=cache, extras=loop_options or {})
+        no_grad_until = r - num_grad_loops if num_grad_loops is not None and self.training else 0
+        iterations = [] if output_iterations else None
+
+        state = self.rule.begin(x, lctx)
+        for k in range(r):
+            lctx.iteration = k
+            with torch.set_grad_enabled(torch.is_grad_enabled() and k >= no_grad_until):
+                z = self.rule.next_input(state, lctx)  # Z^k  [B, T, d]
+                h = self.core(z, fctx, slots(k, self.core.stack), self.rule.block_modulation(lctx))  # H^k
+                state = self.rule.step(state, h, lctx)
+            if iterations is not None:
+                iterations.append(h)
+        y = self.rule.finish(state, lctx)  # [B, T, d]
+        y = self.coda(y, fctx, slots(0, self.coda))
+        hidden = self.norm(y)
+        logits = self.lm_head(hidden)  # [B, T, V]
+        if cache is not None:
+            cache.seqlen += input_ids.shape[1]
+
+        loss = None
+        if labels is not None:
+            loss = F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
+        return LoopedLMOutput(
+            logits=logits, loss=loss, iterations=iterations, hidden=hidden if output_hidden else None, cache=cache
+        )
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, **kwargs) -> torch.Tensor:
+        """Decode ``max_new_tokens`` tokens (see :func:`looplm.generate.generate` for all options)."""
+        from .generate import generate
+
+        return generate(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)
+
+
+def build(spec="tiny-llama", *, device=None, dtype=None, overrides=None, **kw) -> LoopedLM:
+    """Build a model from a preset name, a YAML path, a dict or a :class:`ModelConfig`.
+
+    Extra keyword arguments are config overrides (``n_loops=4``); dotted overrides go in
+    ``overrides={"attention.n_heads": 2}``. ``device="meta"`` builds without memory (parameter counts).
+    """
+    if isinstance(overrides, (list, tuple)):
+        from .dataclass_util import _split, parse_value
+
+        overrides = {k: parse_value(v) for k, v in map(_split, overrides)}
+    ov = dict(overrides or {})
+    ov.update(kw)
+    cfg = load_model_config(spec, ov or None)
+    with torch.device(device) if device is not None else _nullctx(), _skip_init(str(device) == "meta"):
+        model = LoopedLM(cfg)
+    if dtype is not None:
+        model = model.to(dtype)
+    return model
+
+
+@contextlib.contextmanager
+def _skip_init(active: bool):
+    """On the meta device there are no values to initialise; torch's init functions would still
+    dispatch through its reference implementations (importing dynamo, ~2 s). Skip them."""
+    if not active:
+        yield
+        return
+    names = ["normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "zeros_", "ones_", "constant_", "trunc_normal_"]
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda t, *a, **k: t)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
+class _nullctx:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False

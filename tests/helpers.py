@@ -1,0 +1,27 @@
+"""Test helpers: tiny variants of the real presets (same structure, toy widths)."""
+
+from __future__ import annotations
+
+from looplm.config import ModelConfig, preset_dict
+
+
+def tiny_variant(name: str, **extra) -> ModelConfig:
+    """The preset's structure — (p, s, K, c), mixers and attention indices, GQA ratio, QK-norm, tied
+    embeddings, RoPE scaling, embedding scale, rule — at toy widths, so every real preset runs in tests."""
+    d = preset_dict(name)
+    d.update(vocab_size=128, d_model=64, max_seq_len=64)
+    if d.get("d_ff", 0):
+        d["d_ff"] = 96
+    att = dict(d.get("attention") or {})
+    n_heads = att.get("n_heads", 4)
+    ratio = n_heads // (att.get("n_kv_heads") or n_heads)
+    att.update(n_heads=4, n_kv_heads=max(1, 4 // ratio), head_dim=16)
+    if att.get("rotary_dim"):
+        att["rotary_dim"] = 8
+    if att.get("rope_scaling"):
+        att["rope_scaling"] = dict(att["rope_scaling"], original_max_position_embeddings=16)
+    d["attention"] = att
+    if d.get("mixer") == "mamba2":
+        d["mamba"] = dict(d.get("mamba") or {}, d_state=8, headdim=16, ngroups=1, chunk_size=8)
+    d.update(extra)
+    return ModelConfig.from_dict(d)

@@ -1,0 +1,196 @@
+"""The loop driver: K loops == K unrolled core calls, caches, padding, inputs, errors."""
+
+import pytest
+import torch
+
+import looplm
+from looplm.blocks import ForwardContext
+from looplm.config import ConfigError, ModelConfig
+
+TINY = ["tiny-llama", "tiny-qwen3", "tiny-coreloop", "tiny-mamba2", "tiny-hybrid"]
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_loop_equals_unrolled_core_calls(name):
+    model = looplm.build(name).eval()
+    cfg = model.config
+    x = torch.randint(0, cfg.vocab_size, (2, 10))
+    with torch.no_grad():
+        ref = model(x).logits
+        # unrolled by hand: embed -> prelude -> core K times -> coda -> norm -> head
+        fctx = model._forward_context(x, None, None, 0)
+        h = model.embed(x) * model.embed_multiplier
+        for blk in model.prelude.blocks:
+            h = blk(h, fctx)
+        for _ in range(cfg.n_loops):
+            for blk in model.core.stack.blocks:
+                h = blk(h, fctx)
+        for blk in model.coda.blocks:
+            h = blk(h, fctx)
+        manual = model.lm_head(model.norm(h))
+    torch.testing.assert_close(ref, manual, atol=1e-6, rtol=1e-6)
+
+
+def test_num_loops_changes_depth_and_matches_a_config_with_that_k():
+    model = looplm.build("tiny-llama").eval()
+    x = torch.randint(0, 260, (1, 8))
+    other = looplm.LoopedLM(model.config.replace(n_loops=5)).eval()
+    other.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        a = model(x, num_loops=5).logits
+        b = other(x).logits
+        c = model(x).logits
+    torch.testing.assert_close(a, b)
+    assert not torch.allclose(a, c)
+
+
+def test_output_iterations_are_the_core_outputs():
+    model = looplm.build("tiny-llama").eval()
+    x = torch.randint(0, 260, (2, 8))
+    with torch.no_grad():
+        out = model(x, output_iterations=True, output_hidden=True)
+        assert len(out.iterations) == 3
+        torch.testing.assert_close(model.lm_head(model.norm(out.iterations[-1])), out.logits)
+        torch.testing.assert_close(out.hidden, model.norm(out.iterations[-1]))
+        short = model(x, num_loops=2).logits
+        torch.testing.assert_close(model.lm_head(model.norm(out.iterations[1])), short)
+    assert model(x).iterations is None
+
+
+def test_truncated_backprop_only_reaches_last_loops():
+    model = looplm.build("tiny-coreloop")
+    x = torch.randint(0, 260, (2, 8))
+    # with 1 gradient loop, the prelude still gets gradients only through... nothing (vanilla rule) -> no grad
+    model(x, labels=x, num_grad_loops=1).loss.backward()
+    assert model.prelude.blocks[0].mlp.up_proj.weight.grad is None
+    assert model.core.stack.blocks[0].mlp.up_proj.weight.grad is not None
+    model.zero_grad(set_to_none=True)
+    model(x, labels=x).loss.backward()
+    assert model.prelude.blocks[0].mlp.up_proj.weight.grad is not None
+
+
+def test_loss_is_shifted_cross_entropy_with_ignore_index():
+    model = looplm.build("tiny-llama")
+    x = torch.randint(0, 260, (2, 9))
+    labels = x.clone()
+    labels[0, 3] = -100
+    out = model(x, labels=labels)
+    logits = out.logits[:, :-1].reshape(-1, 260)
+    ref = torch.nn.functional.cross_entropy(logits, labels[:, 1:].reshape(-1), ignore_index=-100)
+    torch.testing.assert_close(out.loss, ref)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_cached_decoding_matches_full_forward(name):
+    model = looplm.build(name).eval()
+    x = torch.randint(0, model.config.vocab_size, (2, 14))
+    with torch.no_grad():
+        full = model(x).logits
+        cache = model.new_cache(2)
+        parts = [model(x[:, :5], cache=cache).logits]
+        parts.append(model(x[:, 5:9], cache=cache).logits)  # multi-token continuation
+        parts += [model(x[:, t : t + 1], cache=cache).logits for t in range(9, 14)]
+    assert cache.seqlen == 14
+    assert len([k for k in cache.slots if k[0] != "rule"]) == model.config.n_prelude + model.config.n_coda + model.config.n_core * model.config.n_loops
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", TINY)
+def test_left_padded_batch_equals_each_sequence_alone(name):
+    model = looplm.build(name).eval()
+    V = model.config.vocab_size
+    a, b = torch.randint(0, V, (1, 11)), torch.randint(0, V, (1, 6))
+    ids = torch.zeros(2, 11, dtype=torch.long)
+    mask = torch.zeros(2, 11, dtype=torch.long)
+    ids[0], mask[0] = a[0], 1
+    ids[1, 5:], mask[1, 5:] = b[0], 1
+    with torch.no_grad():
+        batch = model(ids, attention_mask=mask).logits
+        alone_a, alone_b = model(a).logits, model(b).logits
+    torch.testing.assert_close(batch[0], alone_a[0], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(batch[1, 5:], alone_b[0], atol=2e-5, rtol=1e-4)
+    # and generation: padded batch == each prompt alone (greedy)
+    gen = model.generate(ids, max_new_tokens=5, attention_mask=mask)
+    ga = model.generate(a, max_new_tokens=5)
+    gb = model.generate(b, max_new_tokens=5)
+    assert torch.equal(gen[0], ga[0]) and torch.equal(gen[1, 5:], gb[0])
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mamba2"])
+def test_generate_with_cache_equals_without(name):
+    model = looplm.build(name).eval()
+    x = torch.randint(0, 260, (2, 6))
+    a = model.generate(x, max_new_tokens=8)
+    b = looplm.generate.generate(model, x, max_new_tokens=8, use_cache=False)
+    assert a.shape == (2, 14) and torch.equal(a[:, :6], x)
+    assert torch.equal(a, b)
+    # r != K at decode time
+    c = model.generate(x, max_new_tokens=4, num_loops=5)
+    d = looplm.generate.generate(model, x, max_new_tokens=4, num_loops=5, use_cache=False)
+    assert torch.equal(c, d)
+
+
+def test_generate_sampling_and_eos():
+    model = looplm.build("tiny-llama").eval()
+    x = torch.randint(0, 260, (3, 4))
+    g = torch.Generator().manual_seed(1)
+    s1 = model.generate(x, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, generator=g)
+    g = torch.Generator().manual_seed(1)
+    s2 = model.generate(x, max_new_tokens=6, do_sample=True, temperature=0.8, top_k=20, top_p=0.9, generator=g)
+    assert torch.equal(s1, s2)
+    greedy = model.generate(x, max_new_tokens=6)
+    eos = int(greedy[0, 4])  # the first greedy token of row 0 becomes "eos"
+    out = model.generate(x, max_new_tokens=6, eos_token_id=eos, pad_token_id=0)
+    assert out[0, 4] == eos and (out[0, 5:] == 0).all()
+
+
+def test_input_errors_are_clear():
+    model = looplm.build("tiny-llama")
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model(torch.tensor([[1, 2, 260]]))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        model(torch.tensor([[-1, 2]]))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.zeros(1, 513, dtype=torch.long))
+    with pytest.raises(ValueError, match="empty"):
+        model(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\[batch, seq_len\]"):
+        model(torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer"):
+        model(torch.zeros(1, 3))
+    with pytest.raises(ValueError, match="num_loops"):
+        model(torch.zeros(1, 3, dtype=torch.long), num_loops=0)
+
+
+def test_config_errors_name_every_bad_field():
+    with pytest.raises(ConfigError) as e:
+        ModelConfig.from_dict(
+            dict(d_model=60, n_loops=0, n_core=0, attention=dict(n_heads=8, n_kv_heads=3, n_head=2), mixer="attention",
+                 attn_layer_idx=[7], vocab_sise=3)
+        )
+    msg = str(e.value)
+    for needle in ["n_loops", "n_core", "n_kv_heads", "does not divide d_model", "attn_layer_idx", "vocab_sise",
+                   "did you mean 'vocab_size'", "attention.n_head", "did you mean 'n_heads'"]:
+        assert needle in msg, needle
+    assert isinstance(e.value, ValueError)
+    with pytest.raises(ConfigError, match="ngroups"):
+        ModelConfig(mixer="mamba2", d_ff=0, mamba=looplm.config.Mamba2Config(headdim=16, ngroups=3))
+    with pytest.raises(ConfigError, match="unknown rule"):
+        ModelConfig.from_dict(dict(rule=dict(name="vanila")))
+    with pytest.raises(ValueError, match="unknown preset"):
+        looplm.build("tiny-lama")
+
+
+def test_meta_build_and_overrides():
+    m = looplm.build("tiny-llama", n_loops=7, overrides={"attention.n_kv_heads": 4})
+    assert m.config.n_loops == 7 and m.config.n_kv_heads == 4
+    meta = looplm.build("qwen3-0.6b", device="meta")
+    assert meta.embed.weight.is_meta
+    assert meta.lm_head.weight is meta.embed.weight  # tied
+
+
+def test_init_statistics():
+    model = looplm.build("tiny-llama", d_model=256, d_ff=512, attention={"n_heads": 4, "n_kv_heads": 2})
+    w = model.core.stack.blocks[0].mlp.up_proj.weight
+    assert abs(w.std().item() - 0.02) < 0.002
+    assert torch.all(model.norm.weight == 1)
