@@ -12,7 +12,7 @@ import json
 import sys
 
 # modules providing ``register(subparsers)``; missing optional pieces are skipped
-COMMAND_MODULES = ["looplm.data.cli", "looplm.train.cli", "looplm.eval.cli", "looplm.hf.cli"]
+COMMAND_MODULES = ["looplm.data.cli", "looplm.train.cli"]
 
 
 def _cmd_presets(args) -> int:
@@ -53,9 +53,10 @@ def _cmd_generate(args) -> int:
 
     from .data.tokenizers import load_tokenizer
     from .model import build
-    from .train.checkpoint import load_model_for_inference
 
     if args.checkpoint:
+        from .train.checkpoint import load_model_for_inference
+
         model, tok = load_model_for_inference(args.checkpoint)
     else:
         model = build(args.model, overrides=args.set or None)
