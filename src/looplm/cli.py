@@ -19,12 +19,44 @@ def _cmd_presets(args) -> int:
     from .config import list_presets, preset_dict
 
     names = list_presets()
+    if args.markdown:
+        print(presets_markdown())
+        return 0
     if args.json:
         print(json.dumps(names))
         return 0
     for n in names:
         print(f"{n:34s} {preset_dict(n).get('description', '')}")
     return 0
+
+
+def presets_markdown() -> str:
+    """The README's preset table: sizes computed on the meta device, next to the papers' figures."""
+    from .config import list_presets, preset_dict
+    from .info import model_info
+
+    rows = ["| preset | parameters | paper | (p, s, K, c) | effective depth | mixers |", "| --- | ---: | ---: | --- | ---: | --- |"]
+    for n in list_presets():
+        info = model_info(n)
+        ref = preset_dict_reference(n)
+        mixers = ", ".join(f"{v} {k}" for k, v in info["mixers"].items() if v)
+        p, s, K, c = info["p_s_K_c"]
+        rows.append(f"| `{n}` | {info['params']:,} | {ref} | ({p}, {s}, {K}, {c}) | {info['effective_depth']} | {mixers} |")
+    return "\n".join(rows)
+
+
+def preset_dict_reference(name: str) -> str:
+    from .config import PRESET_DIR
+
+    import yaml
+
+    path = next(PRESET_DIR.rglob(f"{name}.yaml"))
+    ref = (yaml.safe_load(path.read_text()) or {}).get("reference") or {}
+    if "params" in ref:
+        return f"{ref['params']:,}"
+    if "params_nominal" in ref:
+        return f"≈{ref['params_nominal']} (nominal)"
+    return str(ref.get("params_rounded", ""))
 
 
 def _cmd_info(args) -> int:
@@ -77,6 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("presets", help="list the model presets")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="a table with sizes and the papers' figures")
     p.set_defaults(func=_cmd_presets)
 
     p = sub.add_parser("info", help="parameters, depths and FLOPs of a preset or YAML config (meta device)")
