@@ -1,0 +1,1 @@
+"""Evaluation: perplexity (token and word level, :mod:`looplm.eval.ppl`) and more."""

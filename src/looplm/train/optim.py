@@ -1,0 +1,179 @@
+"""Optimizers: Muon for hidden weight matrices, AdamW for everything else.
+
+Parameter grouping (recurrence-effectiveness paper, §3 "Optimization"):
+
+* **Muon** (``torch.optim.Muon``: momentum 0.95, Nesterov, 5 Newton–Schulz steps) takes every 2-D
+  parameter — attention, MLP and recurrence-rule projection matrices — *except* those marked
+  ``p._no_muon = True`` by the model (token embedding and LM head).
+* **AdamW** takes the rest: embeddings, head, norm weights, biases, vectors and scalars.
+* Decoupled weight decay (0.1 by default) applies to every parameter except the *no-decay* ones:
+  all parameters with fewer than 2 dimensions (norm weights, biases, gates, scalars), every
+  parameter of a normalisation module, and every parameter marked ``p._no_weight_decay = True``
+  (e.g. Mamba-2's ``A_log``, ``D``, ``dt_bias``).
+
+With ``optim.name: adamw`` (the Looped-Mamba recipe) everything goes to AdamW with the same decay
+rule.
+
+``MultiOptimizer`` presents the two torch optimizers as one object with ``step``, ``zero_grad``,
+``state_dict`` and ``load_state_dict``. Every parameter group stores its peak learning rate in
+``group["peak_lr"]``; the schedule sets ``group["lr"] = peak_lr · λ(t)`` (see ``schedule.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+__all__ = ["ParamPlan", "plan_param_groups", "build_optimizer", "MultiOptimizer"]
+
+MUON = "muon"
+MUON_NO_DECAY = "muon_no_decay"
+ADAMW_DECAY = "adamw_decay"
+ADAMW_NO_DECAY = "adamw_no_decay"
+
+
+def _is_norm(module: nn.Module) -> bool:
+    norm_types = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d)
+    return isinstance(module, norm_types) or "norm" in type(module).__name__.lower()
+
+
+@dataclass
+class ParamPlan:
+    """Which optimizer group each parameter (by fully-qualified name) belongs to."""
+
+    group_of: dict[str, str] = field(default_factory=dict)
+
+    def names(self, group: str) -> list[str]:
+        return [n for n, g in self.group_of.items() if g == group]
+
+    def summary(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for g in self.group_of.values():
+            out[g] = out.get(g, 0) + 1
+        return out
+
+
+def plan_param_groups(model: nn.Module, use_muon: bool = True) -> ParamPlan:
+    """Assign every trainable parameter of ``model`` to a group (see module docstring).
+
+    Call this on the *unwrapped* model (before DDP / FSDP): FSDP2 replaces parameters by sharded
+    ones and the ``_no_muon`` / ``_no_weight_decay`` marks live on the original tensors. Names stay
+    the same, so the plan can be applied to the wrapped model afterwards.
+    """
+    norm_params: set[int] = set()
+    for module in model.modules():
+        if _is_norm(module):
+            norm_params.update(id(p) for p in module.parameters(recurse=False))
+    plan = ParamPlan()
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        no_decay = p.ndim < 2 or id(p) in norm_params or getattr(p, "_no_weight_decay", False)
+        muon = use_muon and p.ndim == 2 and not getattr(p, "_no_muon", False) and id(p) not in norm_params
+        if muon:
+            plan.group_of[name] = MUON_NO_DECAY if no_decay else MUON
+        else:
+            plan.group_of[name] = ADAMW_NO_DECAY if no_decay else ADAMW_DECAY
+    return plan
+
+
+class MultiOptimizer:
+    """Several ``torch.optim.Optimizer`` objects stepped together (Muon + AdamW).
+
+    ``optimizers`` is an ordered ``{name: optimizer}`` dict; ``param_groups`` lists the groups of all
+    of them, so code that adjusts learning rates can treat this like a single optimizer.
+    """
+
+    def __init__(self, optimizers: dict[str, torch.optim.Optimizer]):
+        if not optimizers:
+            raise ValueError("MultiOptimizer needs at least one optimizer (the model has no trainable parameters?)")
+        self.optimizers = dict(optimizers)
+
+    def __iter__(self):
+        return iter(self.optimizers.values())
+
+    def __len__(self) -> int:
+        return len(self.optimizers)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [g for opt in self.optimizers.values() for g in opt.param_groups]
+
+    def step(self) -> None:
+        for opt in self.optimizers.values():
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers.values():
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        """Per-optimizer state dicts keyed by optimizer name (parameter *indices*, not names).
+
+        Checkpoints use the name-keyed form from ``looplm.train.checkpoint`` instead, which also
+        works across DDP / FSDP and world sizes.
+        """
+        return {name: opt.state_dict() for name, opt in self.optimizers.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        missing = set(self.optimizers) - set(state)
+        if missing:
+            raise KeyError(f"optimizer state has no entry for {sorted(missing)} (has {sorted(state)})")
+        for name, opt in self.optimizers.items():
+            opt.load_state_dict(state[name])
+
+    def lrs(self) -> dict[str, float]:
+        """Current learning rate of each optimizer's first group (for logging)."""
+        return {name: opt.param_groups[0]["lr"] for name, opt in self.optimizers.items()}
+
+
+def build_optimizer(model: nn.Module, cfg, plan: ParamPlan | None = None) -> MultiOptimizer:
+    """Build the optimizer(s) described by an ``OptimConfig`` for ``model``.
+
+    Args:
+        model: the model whose ``named_parameters()`` names match ``plan`` (pass the inner module
+            of a DDP wrapper; FSDP2-sharded modules keep their names).
+        cfg: ``OptimConfig`` (name ``muon_adamw`` or ``adamw``).
+        plan: grouping computed on the unwrapped model; computed from ``model`` when omitted.
+    """
+    use_muon = cfg.name == "muon_adamw"
+    if plan is None:
+        plan = plan_param_groups(model, use_muon=use_muon)
+    params = dict(model.named_parameters())
+    unknown = [n for n in plan.group_of if n not in params]
+    if unknown:
+        raise KeyError(f"parameter plan names {unknown[:5]} are not parameters of the model; build the plan on the same model")
+
+    def pick(*groups: str) -> list[torch.Tensor]:
+        return [params[n] for n, g in plan.group_of.items() if g in groups]
+
+    optimizers: dict[str, torch.optim.Optimizer] = {}
+    muon_groups = []
+    if pick(MUON):
+        muon_groups.append({"params": pick(MUON), "weight_decay": cfg.weight_decay, "peak_lr": cfg.muon_lr})
+    if pick(MUON_NO_DECAY):
+        muon_groups.append({"params": pick(MUON_NO_DECAY), "weight_decay": 0.0, "peak_lr": cfg.muon_lr})
+    if muon_groups:
+        if not use_muon:
+            raise ValueError("plan puts parameters in Muon groups but optim.name is 'adamw'")
+        optimizers["muon"] = torch.optim.Muon(
+            muon_groups,
+            lr=cfg.muon_lr,
+            weight_decay=cfg.weight_decay,
+            momentum=cfg.momentum,
+            nesterov=cfg.nesterov,
+            ns_steps=cfg.ns_steps,
+            adjust_lr_fn=cfg.muon_adjust_lr,
+        )
+    adam_groups = []
+    if pick(ADAMW_DECAY):
+        adam_groups.append({"params": pick(ADAMW_DECAY), "weight_decay": cfg.weight_decay, "peak_lr": cfg.lr})
+    if pick(ADAMW_NO_DECAY):
+        adam_groups.append({"params": pick(ADAMW_NO_DECAY), "weight_decay": 0.0, "peak_lr": cfg.lr})
+    if adam_groups:
+        optimizers["adamw"] = torch.optim.AdamW(
+            adam_groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=cfg.foreach
+        )
+    return MultiOptimizer(optimizers)
