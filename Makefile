@@ -12,7 +12,7 @@ demo: install
 	$(PY) -m looplm.cli demo
 
 test: install
-	$(PY) -m pytest -x -q tests
+	$(PY) -m pytest -x tests --durations=15
 
 bench: install
 	$(PY) benchmarks/bench_vs_hf.py

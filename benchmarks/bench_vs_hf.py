@@ -81,12 +81,16 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (ours, hf) per precision")
+    ap.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both",
+                    help="bf16 autocast is very slow on CPUs without native bf16 (AVX2-only): fp32 is then the useful one")
     args = ap.parse_args()
 
     import transformers
 
     print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} threads={torch.get_num_threads()}")
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+    from looplm.train.trainer import cpu_has_fast_bf16
+
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, native CPU bf16: {cpu_has_fast_bf16()}")
     print(
         f"model: d={args.d_model} ff={args.d_ff} heads={args.heads}/{args.kv_heads} vocab={args.vocab}; "
         f"looplm {args.core} blocks x {args.loops} loops vs transformers {args.core * args.loops} blocks; "
@@ -97,7 +101,7 @@ def main():
     x = torch.randint(0, args.vocab, (args.batch, args.seq))
     tokens = args.batch * args.seq
     print(f"{'precision':10s} {'looplm tok/s':>14s} {'hf tok/s':>12s} {'ratio':>7s}")
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16") if args.precision == "both" else (args.precision,):
         ours_t, hf_t = [], []
         for _ in range(args.rounds):  # alternate to spread machine noise over both
             ours_t += time_steps(ours, x, precision, args.steps, args.warmup)

@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `looplm presets | head`
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

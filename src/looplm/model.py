@@ -235,9 +235,9 @@ class LoopedLM(nn.Module):
 
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1), ignore_index=-100
-            )
+            # shift the targets, not the logits: slicing logits[:, :-1] would copy a [B, T, V] tensor
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # [B, T], the last position predicts nothing
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
         return LoopedLMOutput(
             logits=logits, loss=loss, iterations=iterations, hidden=hidden if output_hidden else None, cache=cache
         )

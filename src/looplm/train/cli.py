@@ -247,16 +247,10 @@ def register(subparsers) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Stand-alone entry point (``python -m looplm.train.cli``); ``looplm`` itself is ``looplm.cli``."""
-    ap = argparse.ArgumentParser(prog="looplm")
-    sub = ap.add_subparsers(dest="command", required=True)
-    register(sub)
-    args = ap.parse_args(argv)
-    try:
-        return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    """Stand-alone entry point (``python -m looplm.train.cli``): the same as ``looplm`` itself."""
+    from ..cli import main as looplm_main
+
+    return looplm_main(argv)
 
 
 if __name__ == "__main__":
