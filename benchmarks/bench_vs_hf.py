@@ -81,6 +81,7 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (ours, hf) per precision")
+    ap.add_argument("--compile", action="store_true", help="also time both models under torch.compile")
     ap.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both",
                     help="bf16 autocast is very slow on CPUs without native bf16 (AVX2-only): fp32 is then the useful one")
     args = ap.parse_args()
@@ -108,6 +109,14 @@ def main():
             hf_t += time_steps(hf, x, precision, args.steps, args.warmup)
         a, b = tokens / statistics.median(ours_t), tokens / statistics.median(hf_t)
         print(f"{precision:10s} {a:14.0f} {b:12.0f} {a / b:7.2f}")
+        if args.compile:
+            c_ours, c_hf = torch.compile(ours), torch.compile(hf)
+            ours_t, hf_t = [], []
+            for _ in range(args.rounds):
+                ours_t += time_steps(c_ours, x, precision, args.steps, args.warmup)
+                hf_t += time_steps(c_hf, x, precision, args.steps, args.warmup)
+            a, b = tokens / statistics.median(ours_t), tokens / statistics.median(hf_t)
+            print(f"{precision + '+compile':10s} {a:14.0f} {b:12.0f} {a / b:7.2f}")
 
 
 if __name__ == "__main__":
