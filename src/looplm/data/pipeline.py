@@ -299,6 +299,12 @@ class TokenStream(_BatchStream):
                 raise EmptyCorpusError(
                     f"{self.source.description}: no non-empty documents in the {self.split!r} split "
                     f"(selection {self.selection.rule}); check the paths / text_field / max_docs"
+                    + (
+                        ". A corpus of few large documents (e.g. one .txt file) has no held-out documents: split "
+                        "it with data.split_mode=blank_lines (or lines), or give data.val_paths, or set data.val_every_nth=0"
+                        if self.split == "val"
+                        else ""
+                    )
                 )
             if self.epochs is not None and self.epoch + 1 >= self.epochs:
                 return None
