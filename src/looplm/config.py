@@ -16,7 +16,6 @@ in ``ModelConfig``. ``ModelConfig.from_dict`` reports every bad field in one ``C
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -333,5 +332,4 @@ __all__ = [
     "load_model_config",
     "preset_dict",
     "swiglu_hidden",
-    "dataclasses",
 ]

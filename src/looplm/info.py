@@ -12,7 +12,6 @@ FLOPs convention (forward pass, per token, multiply-add = 2 FLOPs), at ``r`` loo
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from .config import ModelConfig
@@ -82,4 +81,4 @@ def human(n: float) -> str:
     return str(n)
 
 
-__all__ = ["forward_flops_per_token", "model_info", "human", "torch"]
+__all__ = ["forward_flops_per_token", "model_info", "human"]

@@ -65,8 +65,9 @@ class RecurrenceRule(nn.Module):
     rule_name: ClassVar[str] = "base"
 
     def __init__(self, cfg, **options):
+        """Subclasses read what they need from ``cfg`` (the ModelConfig) and declare their options as
+        keyword-only arguments (they become the valid ``rule.options`` keys)."""
         super().__init__()
-        self.cfg = None  # not a submodule; rules read what they need in __init__
 
     # --- configuration ---------------------------------------------------------------------------
     @classmethod
