@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PPLResult", "word_count", "ppl_from_nll", "document_windows", "evaluate_documents", "evaluate_token_batches"]
+__all__ = ["PPLResult", "word_count", "ppl_from_nll", "document_windows", "evaluate_documents"]
 
 
 def word_count(text: str) -> int:
@@ -166,27 +166,4 @@ def evaluate_documents(
     finally:
         if was_training and hasattr(model, "train"):
             model.train()
-    return result
-
-
-@torch.no_grad()
-def evaluate_token_batches(model, batches: Iterable[torch.Tensor], device=None, precision: str = "fp32",
-                           num_loops: int | None = None) -> PPLResult:
-    """Token-level NLL over packed rows ``[B, T]`` (each row predicts its tokens 2..T)."""
-    if device is None:
-        device = next(model.parameters()).device
-    device = torch.device(device)
-    autocast = (
-        torch.autocast(device_type=device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
-    )
-    model.eval()
-    result = PPLResult()
-    for batch in batches:
-        x = batch.to(device)
-        with autocast:
-            logits = _model_logits(model, x, num_loops)
-        result.nll += float(
-            F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1), reduction="sum")
-        )
-        result.tokens += x.shape[0] * (x.shape[1] - 1)
     return result

@@ -45,6 +45,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .distributed import barrier, broadcast_object
+
 __all__ = [
     "CheckpointError",
     "checkpoint_path",
@@ -126,11 +128,6 @@ def _is_dist() -> bool:
 
 def _rank() -> int:
     return dist.get_rank() if _is_dist() else 0
-
-
-def _barrier() -> None:
-    if _is_dist():
-        dist.barrier()
 
 
 def _fsync_file(path: Path) -> None:
@@ -316,7 +313,7 @@ def save_checkpoint(
         os.replace(marker_tmp, final / MARKER)
         _fsync_dir(final)
         _prune(root, keep_last)
-    _barrier()
+    barrier()
     return final if _rank() == 0 else None
 
 
@@ -373,14 +370,6 @@ def verify_checkpoint(path: str | os.PathLike, check_hashes: bool = True) -> dic
     return manifest
 
 
-def _broadcast_object(obj):
-    if not _is_dist():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def load_checkpoint(
     path: str | os.PathLike,
     model: nn.Module,
@@ -412,7 +401,7 @@ def load_checkpoint(
             rng = _load_tensors(path / RNG_FILE) if (path / RNG_FILE).exists() else {}
         except CheckpointError as e:
             error = str(e)
-    error = _broadcast_object(error)
+    error = broadcast_object(error)
     if error is not None:
         raise CheckpointError(error)
 
@@ -437,7 +426,7 @@ def load_checkpoint(
                 f"the optimizer state in {str(path / OPTIM_TENSORS)!r} does not fit this optimizer ({e}); "
                 "the optimizer settings (optim.name) must match the ones the checkpoint was trained with"
             ) from e
-    state = _broadcast_object(state)
+    state = broadcast_object(state)
     if restore_rng:
         if rng.get("torch_cpu") is not None:
             torch.set_rng_state(rng["torch_cpu"])
