@@ -170,9 +170,9 @@ def test_step_decoding_matches_forward(ngroups):
     u = torch.randn(2, 21, 32)
     with torch.no_grad():
         y_full = m(u)
-        st = m.allocate_state(2)
+        st = m.new_cache(2)
         assert st.seqlen_offset == 0 and st.ssm_state.dtype == torch.float32
-        ys = [m(u[:, t : t + 1], state=st) for t in range(u.shape[1])]
+        ys = [m(u[:, t : t + 1], cache=st) for t in range(u.shape[1])]
     assert st.seqlen_offset == 21
     torch.testing.assert_close(torch.cat(ys, 1), y_full, atol=ATOL, rtol=1e-5)
 
@@ -183,10 +183,10 @@ def test_prefill_then_step_matches_forward(k):
     u = torch.randn(2, 20, 32)
     with torch.no_grad():
         y_full = m(u)
-        st = m.allocate_state(2)
-        ys = [m(u[:, :k], state=st)]
+        st = m.new_cache(2)
+        ys = [m(u[:, :k], cache=st)]
         assert st.seqlen_offset == k
-        ys += [m(u[:, t : t + 1], state=st) for t in range(k, 20)]
+        ys += [m(u[:, t : t + 1], cache=st) for t in range(k, 20)]
     torch.testing.assert_close(torch.cat(ys, 1), y_full, atol=ATOL, rtol=1e-5)
 
 
@@ -195,9 +195,9 @@ def test_prefill_then_multi_token_continuation_matches_forward():
     u = torch.randn(2, 30, 32)
     with torch.no_grad():
         y_full = m(u)
-        st = m.allocate_state(2)
-        ys = [m(u[:, :7], state=st), m(u[:, 7:8], state=st), m(u[:, 8:19], state=st), m(u[:, 19:21], state=st)]
-        ys += [m(u[:, t : t + 1], state=st) for t in range(21, 30)]
+        st = m.new_cache(2)
+        ys = [m(u[:, :7], cache=st), m(u[:, 7:8], cache=st), m(u[:, 8:19], cache=st), m(u[:, 19:21], cache=st)]
+        ys += [m(u[:, t : t + 1], cache=st) for t in range(21, 30)]
     assert st.seqlen_offset == 30
     torch.testing.assert_close(torch.cat(ys, 1), y_full, atol=ATOL, rtol=1e-5)
 
@@ -206,14 +206,14 @@ def test_final_state_of_prefill_equals_reference_scan():
     m = _mixer()
     u = torch.randn(1, 11, 32)
     with torch.no_grad():
-        st = m.allocate_state(1)
-        m(u, state=st)
+        st = m.new_cache(1)
+        m(u, cache=st)
         # conv_state: the last d_conv conv inputs (the xBC part of in_proj), oldest first
         xBC = m.in_proj(u)[..., m.d_inner : m.d_inner + m.conv_dim]
         torch.testing.assert_close(st.conv_state, xBC[:, -m.d_conv :].transpose(1, 2))
         # a short prefill (T < d_conv) keeps the leading zeros
-        st2 = m.allocate_state(1)
-        m(u[:, :2], state=st2)
+        st2 = m.new_cache(1)
+        m(u[:, :2], cache=st2)
         assert torch.equal(st2.conv_state[..., :2], torch.zeros(1, m.conv_dim, 2))
 
 
@@ -222,22 +222,22 @@ def test_offset_zero_state_ignores_stale_contents():
     u = torch.randn(2, 9, 32)
     with torch.no_grad():
         y = m(u)
-        st = m.allocate_state(2)
+        st = m.new_cache(2)
         st.conv_state.normal_()
         st.ssm_state.normal_()
-        torch.testing.assert_close(m(u, state=st), y)
+        torch.testing.assert_close(m(u, cache=st), y)
 
 
 def test_state_index_select():
     m = _mixer()
     u = torch.randn(3, 12, 32)
     with torch.no_grad():
-        st = m.allocate_state(3)
-        m(u[:, :8], state=st)
+        st = m.new_cache(3)
+        m(u[:, :8], cache=st)
         idx = torch.tensor([2, 0])
         st.index_select(idx)
         assert st.conv_state.shape[0] == 2 and st.ssm_state.shape[0] == 2
-        ys = [m(u[idx, t : t + 1], state=st) for t in range(8, 12)]
+        ys = [m(u[idx, t : t + 1], cache=st) for t in range(8, 12)]
         y_full = m(u[idx])
     torch.testing.assert_close(torch.cat(ys, 1), y_full[:, 8:], atol=ATOL, rtol=1e-5)
 
@@ -258,10 +258,10 @@ def test_left_padding_matches_unpadded():
         for i, (s, n) in enumerate(zip(seqs, lens)):
             torch.testing.assert_close(y[i, T - n :], m(s)[0], atol=ATOL, rtol=1e-5)
         # decoding continues from a left-padded prefill exactly as from the row alone
-        st = m.allocate_state(len(lens))
-        m(u, pad_mask=pad_mask, state=st)
+        st = m.new_cache(len(lens))
+        m(u, pad_mask=pad_mask, cache=st)
         nxt = torch.randn(len(lens), 1, 32)
-        y_next = m(nxt, state=st, pad_mask=torch.ones(len(lens), 1, dtype=torch.bool))
+        y_next = m(nxt, cache=st, pad_mask=torch.ones(len(lens), 1, dtype=torch.bool))
         for i, (s, n) in enumerate(zip(seqs, lens)):
             ref = m(torch.cat([s, nxt[i : i + 1]], 1))[0, -1]
             torch.testing.assert_close(y_next[i, 0], ref, atol=ATOL, rtol=1e-5)
@@ -270,10 +270,10 @@ def test_left_padding_matches_unpadded():
 def test_pad_step_leaves_ssm_state_untouched():
     m = _mixer()
     with torch.no_grad():
-        st = m.allocate_state(1)
-        m(torch.randn(1, 5, 32), state=st)
+        st = m.new_cache(1)
+        m(torch.randn(1, 5, 32), cache=st)
         before = st.ssm_state.clone()
-        m(torch.randn(1, 1, 32), state=st, pad_mask=torch.zeros(1, 1, dtype=torch.bool))
+        m(torch.randn(1, 1, 32), cache=st, pad_mask=torch.zeros(1, 1, dtype=torch.bool))
     torch.testing.assert_close(st.ssm_state, before, atol=0, rtol=0)
 
 
@@ -298,9 +298,9 @@ def test_bf16_autocast_runs_scan_in_fp32():
     with torch.no_grad():
         y32 = m(u)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            st = m.allocate_state(2)
-            y16 = m(u, state=st)
-            y16_step = m(u[:, :1], state=st)
+            st = m.new_cache(2)
+            y16 = m(u, cache=st)
+            y16_step = m(u[:, :1], cache=st)
     assert y16.dtype == torch.bfloat16 and st.ssm_state.dtype == torch.float32
     assert torch.isfinite(y16_step.float()).all()
     assert (y16.float() - y32).abs().max() < 0.1 * y32.abs().max()
@@ -366,8 +366,8 @@ def test_parity_with_transformers(use_bias):
         # transformers < 5 has a separate `torch_forward`; in 5.x `forward` falls back to torch without kernels
         y_hf = hf.torch_forward(u) if hasattr(hf, "torch_forward") else hf(u)
         y = ours(u)
-        st = ours.allocate_state(2)
-        y_dec = torch.cat([ours(u[:, :30], state=st)] + [ours(u[:, t : t + 1], state=st) for t in range(30, 45)], 1)
+        st = ours.new_cache(2)
+        y_dec = torch.cat([ours(u[:, :30], cache=st)] + [ours(u[:, t : t + 1], cache=st) for t in range(30, 45)], 1)
     torch.testing.assert_close(y, y_hf, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(y_dec, y_hf, atol=1e-4, rtol=1e-4)
 
@@ -390,8 +390,8 @@ def test_cuda_kernels_match_torch_path():
         torch.testing.assert_close(m(u), ref(u), atol=2e-3, rtol=2e-3)
         ys = {}
         for name, mod in (("kernel", m), ("torch", ref)):
-            st = mod.allocate_state(2)
-            ys[name] = torch.cat([mod(u[:, :50], state=st)] + [mod(u[:, t : t + 1], state=st) for t in range(50, 77)], 1)
+            st = mod.new_cache(2)
+            ys[name] = torch.cat([mod(u[:, :50], cache=st)] + [mod(u[:, t : t + 1], cache=st) for t in range(50, 77)], 1)
         torch.testing.assert_close(ys["kernel"], ys["torch"], atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(ys["kernel"], ref(u), atol=2e-3, rtol=2e-3)
     # backward through the kernel

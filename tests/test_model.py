@@ -144,6 +144,51 @@ def test_generate_sampling_and_eos():
     assert out[0, 4] == eos and (out[0, 5:] == 0).all()
 
 
+def test_top_k_and_top_p_restrict_the_sampled_tokens():
+    from looplm.generate import sample_next
+
+    probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
+    logits = probs.log().expand(4000, 4)
+    g = torch.Generator().manual_seed(0)
+
+    def support(**kw):
+        return set(sample_next(logits, True, 1.0, generator=g, **{"top_k": None, "top_p": None, **kw}).tolist())
+
+    assert support() == {0, 1, 2, 3}
+    assert support(top_k=2) == {1, 3}
+    assert support(top_k=1) == {1}
+    assert support(top_p=0.7) == {1, 3}  # 0.5 < 0.7 keeps token 3; 0.5 + 0.3 > 0.7 drops the rest
+    assert support(top_p=0.45) == {1}
+    assert support(top_p=0.9) == {1, 2, 3}
+    assert support(top_p=1.0) == {0, 1, 2, 3}
+    assert support(top_k=3, top_p=0.7) == {1, 3}
+
+
+def test_generate_arguments_are_checked_up_front():
+    model = looplm.build("tiny-llama").eval()
+    x = torch.randint(0, 260, (2, 4))
+    for kw, msg in [
+        (dict(do_sample=True, top_p=0.0), "top_p must be in"),
+        (dict(do_sample=True, top_p=1.5), "top_p must be in"),
+        (dict(top_k=-1), "top_k must be"),
+        (dict(temperature=-0.1), "temperature must be"),
+        (dict(max_new_tokens=-1), "max_new_tokens must be"),
+        (dict(attention_mask=torch.ones(2, 3)), "attention_mask must have the shape"),
+        (dict(max_new_tokens=600), "exceeds the model's max_seq_len=512"),
+        (dict(num_loops=2.5), "num_loops must be a positive int"),
+    ]:
+        with pytest.raises((ValueError, TypeError), match=msg):
+            model.generate(x, **{"max_new_tokens": 2, **kw})
+    # the max_seq_len check fires before any decoding work
+    calls = []
+    handle = model.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model.generate(x, max_new_tokens=509)
+    handle.remove()
+    assert calls == []
+    assert model.generate(x, max_new_tokens=508).shape == (2, 512)
+
+
 def test_input_errors_are_clear():
     model = looplm.build("tiny-llama")
     with pytest.raises(ValueError, match="outside the vocabulary"):

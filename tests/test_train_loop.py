@@ -74,7 +74,9 @@ def test_grad_accumulation_equals_one_big_batch(corpus, tmp_path):
 def test_activation_checkpointing_gives_the_same_gradients(corpus, tmp_path):
     rec, g, _ = grads_of_first_step(tiny(corpus), tmp_path / "a")
     rec_ckpt, g_ckpt, tr = grads_of_first_step(tiny(corpus, activation_checkpointing=True), tmp_path / "b")
-    assert getattr(tr.model.core, "_looplm_checkpointed", False)
+    from looplm.parallel import CheckpointedCore
+
+    assert isinstance(tr.model.core, CheckpointedCore)
     assert rec_ckpt["loss"] == rec["loss"]
     for n in g:
         torch.testing.assert_close(g_ckpt[n], g[n], rtol=1e-6, atol=1e-8, msg=n)

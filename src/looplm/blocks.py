@@ -1,88 +1,142 @@
-"""Residual blocks: one pre-norm mixer branch (attention or Mamba-2) and an optional SwiGLU branch.
+"""Residual blocks: one pre-norm token-mixer branch and an optional SwiGLU branch.
 
 * Transformer block (Llama / Qwen3):   ``x += Attn(N₁(x))``;  ``x += MLP(N₂(x))``
 * Mamba-2 block (mamba_ssm ``Block`` with ``d_intermediate = 0``): ``x += Mamba2(N₁(x))``
 * Hybrid stacks: Mamba-2 blocks everywhere except ``attn_layer_idx`` (attention, no MLP when
   ``d_ff = 0``), as in the Looped-Mamba paper (§E.4).
 
-Timestep conditioning (recurrence-effectiveness paper, §3.3) needs hooks inside each branch: a
-block accepts an optional :class:`BranchModulation` per call, ``u ← u + g ⊙ B(s ⊙ N(u))``, where the
-rule supplies the norm scale ``s`` and the branch gate ``g`` (``None`` = 1). Without it the block is
+One mixer interface
+-------------------
+Every token mixer (attention, Mamba-2, and any mixer a recurrence rule owns) is called as
+``mixer(u, fctx, cache) -> [B, T, d]`` and makes its own empty decoding slot with
+``mixer.new_cache(batch_size, device=None, dtype=None)`` (see :class:`looplm.cache.CacheSlot`). So
+:class:`Block` never asks which kind of mixer it holds.
+
+Modulation hooks (for the recurrence rules)
+-------------------------------------------
+Timestep conditioning (recurrence-effectiveness paper §3.3) and hyper-connections (Hyperloop) need
+hooks inside each branch. A block accepts an optional :class:`BlockModulation` per call; each branch
+then computes::
+
+    u = read(x)                       # default: the residual stream itself        [B, T, d]
+    u = N(u) · scale + shift          # default: scale = 1, shift = 0 (per channel or per token)
+    y = B(u) · gate                   # default: gate = 1
+    x = write(x, y)                   # default: x + y
+
+``read`` / ``write`` let a rule own the block's residual carrier (e.g. ``n`` parallel streams
+``[B, T, n, d]``) without the block knowing which rule it serves. Without modulation the block is
 the plain pre-norm residual block.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .config import ModelConfig
-from .layers.attention import Attention, KVCache
 from .layers.mlp import SwiGLU
 
 
 @dataclass
 class BranchModulation:
-    """Multipliers applied inside a block's branches; each is ``None`` (= 1) or broadcastable to ``[B, T, d]``."""
+    """Hooks of one residual branch. Tensors are ``None`` (identity) or broadcastable to ``[B, T, d]``
+    (per channel ``[d]``, per sequence ``[B, 1, d]`` or per token ``[B, T, d]``)."""
 
-    mixer_scale: torch.Tensor | None = None
-    mixer_gate: torch.Tensor | None = None
-    mlp_scale: torch.Tensor | None = None
-    mlp_gate: torch.Tensor | None = None
+    scale: torch.Tensor | None = None  # multiplies the normalised branch input
+    shift: torch.Tensor | None = None  # added to the normalised branch input (after the scale)
+    gate: torch.Tensor | None = None  # multiplies the branch output
+    read: Callable[[torch.Tensor], torch.Tensor] | None = None  # residual carrier -> branch input [B, T, d]
+    write: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (carrier, branch out) -> carrier
+
+
+@dataclass
+class BlockModulation:
+    """The modulation of one block call: one :class:`BranchModulation` per branch (``None`` = plain)."""
+
+    mixer: BranchModulation | None = None
+    mlp: BranchModulation | None = None
 
 
 @dataclass
 class ForwardContext:
-    """Per-forward information shared by every block (built once by the model)."""
+    """Per-forward information shared by every block (built once per forward by the model): ``fctx``."""
 
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [B, T, rot]
+    rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # rotary dim -> cos, sin [B, T, rot]
+    positions: torch.Tensor | None = None  # [B, T] position of each token (left padding counts real tokens only)
     attn_mask: torch.Tensor | None = None  # bool [B, 1, T, T_past+T]; None = plain causal
     is_causal: bool = True
     pad_mask: torch.Tensor | None = None  # bool [B, T], True = real token (left padding)
 
+    def rope_for(self, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` tables ``[B, T, rotary_dim]``; the model builds one per rotary dim it declares."""
+        try:
+            return self.rope[rotary_dim]
+        except KeyError:
+            raise KeyError(
+                f"no rotary tables for rotary dim {rotary_dim} (have {sorted(self.rope)}); a recurrence rule that "
+                "owns an attention mixer must declare its head dim in `rope_dims`"
+            ) from None
 
-def _branch(x, norm, fn, scale, gate):
-    u = norm(x)
-    if scale is not None:
-        u = u * scale
+
+def _branch(x: torch.Tensor, norm: nn.Module, fn, m: BranchModulation | None) -> torch.Tensor:
+    if m is None:
+        return x + fn(norm(x))
+    u = norm(m.read(x) if m.read is not None else x)  # [B, T, d]
+    if m.scale is not None:
+        u = u * m.scale
+    if m.shift is not None:
+        u = u + m.shift
     y = fn(u)
-    if gate is not None:
-        y = y * gate
-    return x + y
+    if m.gate is not None:
+        y = y * m.gate
+    return m.write(x, y) if m.write is not None else x + y
+
+
+def build_mixer(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+    """The token mixer of physical block ``layer_idx`` (``cfg.mixer_of(layer_idx)``)."""
+    if cfg.mixer_of(layer_idx) == "attention":
+        from .layers.attention import Attention
+
+        a = cfg.attention
+        return Attention(
+            cfg.d_model,
+            a.n_heads,
+            cfg.n_kv_heads,
+            cfg.head_dim,
+            qk_norm=a.qk_norm,
+            norm_eps=cfg.norm_eps,
+            bias=a.bias,
+            rotary_dim=cfg.rotary_dim,
+        )
+    from .layers.mamba2 import Mamba2Mixer
+
+    m = cfg.mamba
+    return Mamba2Mixer(
+        cfg.d_model,
+        expand=m.expand,
+        d_state=m.d_state,
+        d_conv=m.d_conv,
+        headdim=m.headdim,
+        ngroups=m.ngroups,
+        chunk_size=m.chunk_size,
+        conv_bias=m.conv_bias,
+        bias=m.bias,
+        norm_eps=cfg.norm_eps,
+    )
 
 
 class Block(nn.Module):
-    """Physical block ``layer_idx`` of the stack (mixer chosen by ``cfg.mixer_of(layer_idx)``)."""
+    """Physical block ``layer_idx`` of the stack: a mixer branch and an optional SwiGLU branch."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.kind = cfg.mixer_of(layer_idx)
         d = cfg.d_model
         self.mixer_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
-        if self.kind == "attention":
-            a = cfg.attention
-            self.mixer = Attention(
-                d, a.n_heads, cfg.n_kv_heads, cfg.head_dim, qk_norm=a.qk_norm, norm_eps=cfg.norm_eps, bias=a.bias
-            )
-        else:
-            from .layers.mamba2 import Mamba2Mixer
-
-            m = cfg.mamba
-            self.mixer = Mamba2Mixer(
-                d,
-                expand=m.expand,
-                d_state=m.d_state,
-                d_conv=m.d_conv,
-                headdim=m.headdim,
-                ngroups=m.ngroups,
-                chunk_size=m.chunk_size,
-                conv_bias=m.conv_bias,
-                bias=m.bias,
-                norm_eps=cfg.norm_eps,
-            )
+        self.mixer = build_mixer(cfg, layer_idx)
         if cfg.d_ff > 0:
             self.mlp_norm = nn.RMSNorm(d, eps=cfg.norm_eps)
             self.mlp = SwiGLU(d, cfg.d_ff)
@@ -90,22 +144,15 @@ class Block(nn.Module):
             self.mlp_norm = self.mlp = None
 
     def new_cache(self, batch_size: int, device=None, dtype=None):
-        """An empty decoding cache slot for this block (KV for attention, (conv, ssm) for Mamba-2)."""
-        if self.kind == "attention":
-            return KVCache()
-        return self.mixer.allocate_state(batch_size, device=device, dtype=dtype)
+        """An empty decoding cache slot for this block (made by its mixer)."""
+        return self.mixer.new_cache(batch_size, device=device, dtype=dtype)
 
-    def _mix(self, u: torch.Tensor, ctx: ForwardContext, cache) -> torch.Tensor:
-        if self.kind == "attention":
-            return self.mixer(u, ctx.rope, attn_mask=ctx.attn_mask, is_causal=ctx.is_causal, cache=cache)
-        return self.mixer(u, pad_mask=ctx.pad_mask, state=cache)
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext, cache=None, mod: BranchModulation | None = None):
-        # x [B, T, d] -> [B, T, d]
-        m = mod or BranchModulation()
-        x = _branch(x, self.mixer_norm, lambda u: self._mix(u, ctx, cache), m.mixer_scale, m.mixer_gate)
+    def forward(self, x: torch.Tensor, fctx: ForwardContext, cache=None, mod: BlockModulation | None = None):
+        # x [B, T, d] (or the carrier a rule's read/write hooks define) -> same shape
+        m = mod if mod is not None else BlockModulation()
+        x = _branch(x, self.mixer_norm, lambda u: self.mixer(u, fctx, cache), m.mixer)
         if self.mlp is not None:
-            x = _branch(x, self.mlp_norm, self.mlp, m.mlp_scale, m.mlp_gate)
+            x = _branch(x, self.mlp_norm, self.mlp, m.mlp)
         return x
 
 
@@ -120,8 +167,8 @@ class Stack(nn.Module):
     def __len__(self) -> int:
         return len(self.blocks)
 
-    def forward(self, x, ctx: ForwardContext, caches=None, mods=None):
+    def forward(self, x, fctx: ForwardContext, caches=None, mods=None):
         """``caches``/``mods``: ``None`` or one entry per block."""
         for i, blk in enumerate(self.blocks):
-            x = blk(x, ctx, None if caches is None else caches[i], None if mods is None else mods[i])
+            x = blk(x, fctx, None if caches is None else caches[i], None if mods is None else mods[i])
         return x

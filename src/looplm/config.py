@@ -171,6 +171,22 @@ class ModelConfig:
         """Mixer kind of physical block ``layer`` (0-based over prelude+core+coda)."""
         return "attention" if layer in self.attn_layer_idx else self.mixer
 
+    @property
+    def uses_attention(self) -> bool:
+        """Whether any physical block mixes tokens with attention."""
+        return any(self.mixer_of(i) == "attention" for i in range(self.n_physical))
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each attention head that RoPE rotates (``attention.rotary_dim`` or the head dim)."""
+        return self.attention.rotary_dim or self.head_dim
+
+    @property
+    def rope_dims(self) -> tuple[int, ...]:
+        """Rotary dims the backbone's attention layers need tables for (empty without attention).
+        The model adds the dims its recurrence rule declares in ``RecurrenceRule.rope_dims``."""
+        return (self.rotary_dim,) if self.uses_attention else ()
+
     def validate(self) -> list[str]:
         errs: list[str] = []
         if self.vocab_size < 1:
@@ -193,8 +209,7 @@ class ModelConfig:
             errs.append(
                 f"attn_layer_idx: {bad_idx} out of range for {self.n_physical} physical layers (0..{self.n_physical - 1})"
             )
-        uses_attn = self.mixer == "attention" or bool(self.attn_layer_idx)
-        if uses_attn:
+        if self.mixer == "attention" or self.attn_layer_idx:  # validated even when the depth is also wrong
             a = self.attention
             if a.head_dim is None and a.n_heads >= 1 and self.d_model % a.n_heads:
                 errs.append(f"attention.n_heads: {a.n_heads} does not divide d_model={self.d_model} (or set attention.head_dim)")

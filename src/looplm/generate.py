@@ -15,15 +15,44 @@ def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_k
     if top_k is not None and top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and 0 < top_p < 1:
+    if top_p is not None and top_p < 1:
         sorted_logits, idx = torch.sort(logits, descending=True, dim=-1)
         probs = sorted_logits.softmax(-1)
-        # drop tokens once the cumulative mass *before* them exceeds top_p (the top token always stays)
-        drop = probs.cumsum(-1) - probs > top_p
+        # keep the smallest set whose mass reaches top_p: drop a token once the mass before it does
+        drop = probs.cumsum(-1) - probs >= top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
     probs = F.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def _check_generate_args(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, attention_mask) -> None:
+    """Fail before any decoding work, naming the argument and the valid range."""
+    errs = []
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a [batch, seq_len] (or [seq_len]) tensor of token ids, got {shape}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        errs.append(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
+    if temperature is None or temperature < 0:
+        errs.append(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+        errs.append(f"top_k must be an int >= 0 (0 or None = off), got {top_k!r}")
+    if top_p is not None and not 0 < top_p <= 1:
+        errs.append(f"top_p must be in (0, 1] (1 or None = off), got {top_p!r}")
+    if attention_mask is not None and (
+        not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape)
+    ):
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        errs.append(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
+    limit = model.config.max_seq_len
+    if not errs and input_ids.shape[1] + max_new_tokens > limit:
+        errs.append(
+            f"prompt length {input_ids.shape[1]} + max_new_tokens {max_new_tokens} exceeds the model's "
+            f"max_seq_len={limit}; shorten the prompt or ask for at most {max(0, limit - input_ids.shape[1])} new tokens"
+        )
+    if errs:
+        raise ValueError("generate: " + "; ".join(errs))
 
 
 @torch.no_grad()
@@ -50,8 +79,9 @@ def generate(
     stops early when every row has finished (the result is then shorter).
     ``use_cache=False`` recomputes the full forward each step (the reference the cache is tested against).
     """
-    if input_ids.dim() == 1:
+    if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
         input_ids = input_ids[None]
+    _check_generate_args(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, attention_mask)
     was_training = model.training
     model.eval()
     B = input_ids.shape[0]
@@ -61,7 +91,8 @@ def generate(
         attention_mask = torch.ones_like(input_ids, dtype=torch.long)
     attention_mask = attention_mask.long()
     padded = bool((attention_mask == 0).any())
-    cache = model.new_cache(B, num_loops) if use_cache else None
+    cache_loops = int(num_loops.max()) if isinstance(num_loops, torch.Tensor) else num_loops
+    cache = model.new_cache(B, cache_loops) if use_cache else None
     finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
     out, mask = input_ids, attention_mask
     step_input = input_ids

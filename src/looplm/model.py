@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from .blocks import ForwardContext, Stack
 from .cache import LoopCache
@@ -26,10 +27,12 @@ from .recurrence import LoopContext, build_rule
 @dataclass
 class LoopedLMOutput:
     logits: torch.Tensor  # [B, T, V]
-    loss: torch.Tensor | None = None  # mean next-token cross-entropy when labels are given
+    loss: torch.Tensor | None = None  # training loss when labels are given: lm_loss_weight·CE + aux_loss
+    aux_loss: torch.Tensor | None = None  # the rule's auxiliary loss on its own (None when it has none)
     iterations: list[torch.Tensor] | None = None  # H^k for k < r, each [B, T, d], when asked
     hidden: torch.Tensor | None = None  # final hidden state before the head (after the final norm)
     cache: LoopCache | None = None
+    executed_loops: int | None = None  # iterations the driver ran (fewer than r when every token halted)
 
 
 class LoopCore(nn.Module):
@@ -60,16 +63,11 @@ class LoopedLM(nn.Module):
         self.embed.weight._no_muon = True
         self.lm_head.weight._no_muon = True
         self.embed_multiplier = math.sqrt(d) if cfg.embed_scale else 1.0
-        uses_attn = any(cfg.mixer_of(i) == "attention" for i in range(cfg.n_physical)) or self._rule_uses_rope()
-        if uses_attn:
-            a = cfg.attention
-            self.rotary = RotaryEmbedding(a.rotary_dim or cfg.head_dim, a.rope_theta, a.rope_scaling)
-        else:
-            self.rotary = None
+        # one table builder per rotary dim: the backbone's attention (config) and the rule's own mixers
+        a = cfg.attention
+        dims = sorted(set(cfg.rope_dims) | set(self.rule.rope_dims))
+        self.rotary = nn.ModuleDict({str(r): RotaryEmbedding(r, a.rope_theta, a.rope_scaling) for r in dims})
         self.reset_parameters()
-
-    def _rule_uses_rope(self) -> bool:
-        return bool(getattr(self.rule, "uses_rope", False))
 
     # ------------------------------------------------------------------------------------------
     def reset_parameters(self) -> None:
@@ -88,8 +86,8 @@ class LoopedLM(nn.Module):
         for m in self.modules():
             if m is not self and hasattr(m, "looplm_init"):
                 m.looplm_init()
-        if self.rotary is not None:
-            self.rotary.reset_buffers()
+        for rot in self.rotary.values():
+            rot.reset_buffers()
 
     def num_params(self, exclude_embeddings: bool = False) -> int:
         """Distinct parameters (shared core counted once; a tied head counted once)."""
@@ -127,6 +125,12 @@ class LoopedLM(nn.Module):
                 f"sequence length {past + T} exceeds the model's max_seq_len={cfg.max_seq_len}; "
                 "truncate the input or build the model with a larger max_seq_len"
             )
+        if attention_mask is not None and tuple(attention_mask.shape) != (B, past + T):
+            raise ValueError(
+                f"attention_mask must have shape [batch, past + seq_len] = {(B, past + T)}, got {tuple(attention_mask.shape)}"
+            )
+        if cache is not None and cache.batch_size != B:
+            raise ValueError(f"cache holds batch size {cache.batch_size}, input has {B}")
         if torch.compiler.is_compiling():
             return
         lo, hi = int(input_ids.min()), int(input_ids.max())
@@ -135,12 +139,31 @@ class LoopedLM(nn.Module):
             raise ValueError(
                 f"token id {bad} is outside the vocabulary [0, {cfg.vocab_size}); check that the tokenizer matches the model"
             )
-        if attention_mask is not None and attention_mask.shape != (B, past + T):
-            raise ValueError(
-                f"attention_mask must have shape [batch, past + seq_len] = {(B, past + T)}, got {tuple(attention_mask.shape)}"
+
+    def _resolve_loops(self, num_loops, cache: LoopCache | None, batch: int) -> tuple[int, torch.Tensor | None]:
+        """``num_loops`` (None, an int, or a ``[B]`` integer tensor of per-sequence counts) -> (r, per-row)."""
+        if num_loops is None:
+            r = cache.num_loops if cache is not None else self.config.n_loops
+            return r, None
+        if isinstance(num_loops, torch.Tensor) and num_loops.dim() == 1:
+            if num_loops.dtype.is_floating_point or num_loops.dtype == torch.bool or num_loops.shape[0] != batch:
+                raise ValueError(
+                    f"per-sequence num_loops must be an integer tensor of shape [batch] = [{batch}], "
+                    f"got dtype {num_loops.dtype} and shape {tuple(num_loops.shape)}"
+                )
+            r = int(num_loops.max())
+            if int(num_loops.min()) < 1:
+                raise ValueError(f"every per-sequence loop count must be >= 1, got {num_loops.tolist()}")
+            return r, num_loops.to(self.embed.weight.device, torch.long)
+        if isinstance(num_loops, torch.Tensor) and num_loops.dim() == 0 and not num_loops.dtype.is_floating_point:
+            num_loops = int(num_loops)
+        if isinstance(num_loops, bool) or not isinstance(num_loops, int):
+            raise TypeError(
+                f"num_loops must be a positive int or a [batch] integer tensor, got {num_loops!r} ({type(num_loops).__name__})"
             )
-        if cache is not None and cache.batch_size != B:
-            raise ValueError(f"cache holds batch size {cache.batch_size}, input has {B}")
+        if num_loops < 1:
+            raise ValueError(f"num_loops must be >= 1, got {num_loops}")
+        return num_loops, None
 
     def _forward_context(self, input_ids, attention_mask, position_ids, past: int) -> ForwardContext:
         B, T = input_ids.shape
@@ -151,7 +174,7 @@ class LoopedLM(nn.Module):
                 position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
             else:
                 position_ids = torch.arange(past, past + T, device=dev).unsqueeze(0).expand(B, T)
-        rope = self.rotary(position_ids) if self.rotary is not None else None
+        rope = {int(r): rot(position_ids) for r, rot in self.rotary.items()}  # rotary dim -> cos, sin [B, T, r]
         attn_mask, is_causal, pad_mask = None, past == 0, None
         if attention_mask is not None or (past > 0 and T > 1):
             q_pos = torch.arange(past, past + T, device=dev)[:, None]
@@ -167,7 +190,18 @@ class LoopedLM(nn.Module):
             is_causal = False
         elif past > 0:  # one new token attends to everything before it
             is_causal = False
-        return ForwardContext(rope=rope, attn_mask=attn_mask, is_causal=is_causal, pad_mask=pad_mask)
+        return ForwardContext(rope=rope, positions=position_ids, attn_mask=attn_mask, is_causal=is_causal, pad_mask=pad_mask)
+
+    def _slots(self, cache: LoopCache | None, stack: Stack, key, batch: int) -> list | None:
+        """Decoding slots of ``stack``'s blocks under ``(*key, layer)`` (``None`` without a cache)."""
+        if cache is None:
+            return None
+        return [cache.slot((*key, blk.layer_idx), lambda blk=blk: blk.new_cache(batch)) for blk in stack.blocks]
+
+    def _readout(self, h: torch.Tensor, lctx: LoopContext) -> torch.Tensor:
+        """Logits of an intermediate iterate (``lctx.readout``): coda -> final norm -> head."""
+        y = self.coda(h, lctx.fctx, self._slots(lctx.cache, self.coda, ("readout", lctx.iteration), h.shape[0]))
+        return self.lm_head(self.norm(y))
 
     def forward(
         self,
@@ -177,7 +211,7 @@ class LoopedLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         cache: LoopCache | None = None,
-        num_loops: int | None = None,
+        num_loops: int | torch.Tensor | None = None,
         num_grad_loops: int | None = None,
         output_iterations: bool = False,
         output_hidden: bool = False,
@@ -190,30 +224,27 @@ class LoopedLM(nn.Module):
             labels: ``[B, T]`` targets aligned with ``input_ids`` (shifted inside; ``-100`` ignored).
             attention_mask: ``[B, T_past + T]``, 1 = real token, 0 = left padding.
             cache: decoding cache (see :mod:`looplm.cache`); filled in place.
-            num_loops: ``r``, loops to run (default: the training count ``K``).
+            num_loops: ``r``, loops to run (default: the training count ``K``); an int, or a ``[B]``
+                integer tensor of per-sequence counts (finished rows pass through unchanged).
             num_grad_loops: truncated backprop: only the last ``m`` iterations record gradients.
             output_iterations: also return every iteration's core output ``H^k`` (free when off).
-            loop_options: rule-specific inference options (``LoopContext.extras``).
+            loop_options: rule-specific inference options (``lctx.loop_options``).
         """
-        cfg = self.config
         self._check_inputs(input_ids, cache, attention_mask)
-        r = num_loops if num_loops is not None else (cache.num_loops if cache is not None else cfg.n_loops)
-        if r < 1:
-            raise ValueError(f"num_loops must be >= 1, got {r}")
+        B = input_ids.shape[0]
+        r, loops_per_row = self._resolve_loops(num_loops, cache, B)
         if cache is not None and cache.num_loops != r:
             raise ValueError(f"cache was built for {cache.num_loops} loops, forward asked for {r}")
-        past = cache.seqlen if cache is not None else 0
-        fctx = self._forward_context(input_ids, attention_mask, position_ids, past)
-        B = input_ids.shape[0]
+        fctx = self._forward_context(input_ids, attention_mask, position_ids, cache.seqlen if cache is not None else 0)
+        targets = None if labels is None else F.pad(labels[:, 1:], (0, 1), value=-100)  # [B, T]; shift targets, not logits
 
-        def slots(it: int, stack) -> list | None:
-            if cache is None:
-                return None
-            return [cache.slot((it, blk.layer_idx), lambda blk=blk: blk.new_cache(B)) for blk in stack.blocks]
-
-        x = self.embed(input_ids) * self.embed_multiplier  # [B, T, d]
-        x = self.prelude(x, fctx, slots(0, self.prelude))
-        lctx = LoopContext(iteration=0, num_loops=r, train_loops=cfg.n_loops, forward=fctx, cache=cache, extras=loop_options or {})
+        E = self.embed(input_ids) * self.embed_multiplier  # [B, T, d]
+        x = self.prelude(E, fctx, self._slots(cache, self.prelude, (0,), B))
+        lctx = LoopContext(
+            num_loops=r, train_loops=self.config.n_loops, loops_per_row=loops_per_row, fctx=fctx, cache=cache,
+            loop_options=loop_options or {}, embeddings=E, embed_weight=self.embed.weight,
+            embed_multiplier=self.embed_multiplier, targets=targets, readout_fn=self._readout,
+        )  # fmt: skip
         no_grad_until = r - num_grad_loops if num_grad_loops is not None and self.training else 0
         iterations = [] if output_iterations else None
 
@@ -221,26 +252,41 @@ class LoopedLM(nn.Module):
         for k in range(r):
             lctx.iteration = k
             with torch.set_grad_enabled(torch.is_grad_enabled() and k >= no_grad_until):
-                z = self.rule.next_input(state, lctx)  # Z^k  [B, T, d]
-                h = self.core(z, fctx, slots(k, self.core.stack), self.rule.block_modulation(lctx))  # H^k
-                state = self.rule.step(state, h, lctx)
+                z = lctx.core_input = self.rule.next_input(state, lctx)  # Z^k  [B, T, d]
+                mods = self.rule.block_modulation(state, lctx)
+                h = self.core(z, fctx, self._slots(cache, self.core.stack, (k,), B), mods)  # H^k
+                new_state = self.rule.step(state, h, lctx)
+                active = lctx.active_rows()  # [B] or None: rows whose own loop count is not reached yet
+                state = new_state if active is None else self.rule.select_rows(active, new_state, state)
             if iterations is not None:
-                iterations.append(h)
+                iterations.append(h if active is None or k == 0 else torch.where(active[:, None, None], h, iterations[-1]))
+            if cache is None and k < r - 1 and self._all_halted(state, lctx):
+                break
         y = self.rule.finish(state, lctx)  # [B, T, d]
-        y = self.coda(y, fctx, slots(0, self.coda))
+        y = self.coda(y, fctx, self._slots(cache, self.coda, (0,), B))
         hidden = self.norm(y)
         logits = self.lm_head(hidden)  # [B, T, V]
         if cache is not None:
             cache.seqlen += input_ids.shape[1]
 
-        loss = None
+        loss = aux = None
         if labels is not None:
-            # shift the targets, not the logits: slicing logits[:, :-1] would copy a [B, T, V] tensor
-            targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # [B, T], the last position predicts nothing
-            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
+            aux = self.rule.aux_loss(state, lctx)
+            lm = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
+            w = self.rule.lm_loss_weight
+            loss = (lm if w == 1.0 else w * lm) if aux is None else w * lm + aux
         return LoopedLMOutput(
-            logits=logits, loss=loss, iterations=iterations, hidden=hidden if output_hidden else None, cache=cache
-        )
+            logits=logits, loss=loss, aux_loss=aux, iterations=iterations, hidden=hidden if output_hidden else None,
+            cache=cache, executed_loops=lctx.iteration + 1,
+        )  # fmt: skip
+
+    def _all_halted(self, state: dict, lctx: LoopContext) -> bool:
+        halted = self.rule.halted(state, lctx)  # [B, T] bool or None
+        if halted is None:
+            return False
+        if lctx.fctx.pad_mask is not None:  # padding never has to halt
+            halted = halted | ~lctx.fctx.pad_mask
+        return bool(halted.all())  # one host sync per iteration, only for rules that halt
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, **kwargs) -> torch.Tensor:
@@ -263,34 +309,30 @@ def build(spec="tiny-llama", *, device=None, dtype=None, overrides=None, **kw) -
     ov = dict(overrides or {})
     ov.update(kw)
     cfg = load_model_config(spec, ov or None)
-    with torch.device(device) if device is not None else _nullctx(), _skip_init(str(device) == "meta"):
+    meta = str(device) == "meta"
+    with torch.device(device) if device is not None else contextlib.nullcontext(), _SkipMetaInit() if meta else contextlib.nullcontext():
         model = LoopedLM(cfg)
     if dtype is not None:
         model = model.to(dtype)
     return model
 
 
-@contextlib.contextmanager
-def _skip_init(active: bool):
-    """On the meta device there are no values to initialise; torch's init functions would still
-    dispatch through its reference implementations (importing dynamo, ~2 s). Skip them."""
-    if not active:
-        yield
-        return
-    names = ["normal_", "uniform_", "kaiming_uniform_", "kaiming_normal_", "zeros_", "ones_", "constant_", "trunc_normal_"]
-    saved = {n: getattr(nn.init, n) for n in names}
-    try:
-        for n in names:
-            setattr(nn.init, n, lambda t, *a, **k: t)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(nn.init, n, f)
+class _SkipMetaInit(TorchFunctionMode):
+    """Make torch's random initialisers no-ops on meta tensors, for this ``with`` block only.
 
+    A meta tensor has no values to initialise, yet ``normal_`` on the meta device dispatches through
+    torch's Python reference kernels, which import dynamo (about 2 s) — most of ``looplm info``'s time.
+    """
 
-class _nullctx:
-    def __enter__(self):
-        return None
+    _SKIP = frozenset(
+        [nn.init.normal_, nn.init.trunc_normal_, nn.init.uniform_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_,
+         torch.Tensor.normal_, torch.Tensor.uniform_]
+    )  # fmt: skip
 
-    def __exit__(self, *a):
-        return False
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in self._SKIP:
+            t = args[0] if args else kwargs.get("tensor")
+            if isinstance(t, torch.Tensor) and t.is_meta:
+                return t
+        return func(*args, **kwargs)

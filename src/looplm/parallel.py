@@ -6,28 +6,37 @@
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+
+class CheckpointedCore(nn.Module):
+    """A loop core whose every iteration is recomputed in the backward pass.
+
+    Holds the same ``stack`` as the :class:`~looplm.model.LoopCore` it replaces, so parameter names and
+    state-dict keys (``core.stack.…``) are unchanged: checkpoints move freely between runs with and
+    without activation checkpointing. Decoding (a cache) and no-grad forwards run the stack directly.
+    """
+
+    def __init__(self, core: nn.Module):
+        super().__init__()
+        self.stack = core.stack
+
+    def forward(self, z, fctx, caches=None, mods=None):
+        if caches is not None or not torch.is_grad_enabled():  # decoding / eval: nothing to save
+            return self.stack(z, fctx, caches, mods)
+        return checkpoint(self.stack, z, fctx, caches, mods, use_reentrant=False)
 
 
 def apply_activation_checkpointing(model) -> None:
     """Recompute each loop iteration in the backward pass instead of storing its activations.
 
-    Wraps ``model.core`` (the shared blocks, run once per iteration): the forward keeps only the
-    input of each iteration, so activation memory is nearly flat in the loop count K (the rule's
-    per-iteration tensors remain). Idempotent.
+    Replaces ``model.core`` (the shared blocks, run once per iteration) by a :class:`CheckpointedCore`:
+    the forward keeps only the input of each iteration, so activation memory is nearly flat in the loop
+    count K (the rule's per-iteration tensors remain). Idempotent.
     """
-    core = model.core
-    if getattr(core, "_looplm_checkpointed", False):
-        return
-    inner = core.forward
-
-    def forward(z, fctx, caches=None, mods=None):
-        if caches is not None or not torch.is_grad_enabled():  # decoding / eval: nothing to save
-            return inner(z, fctx, caches, mods)
-        return checkpoint(inner, z, fctx, caches, mods, use_reentrant=False)
-
-    core.forward = forward
-    core._looplm_checkpointed = True
+    if not isinstance(model.core, CheckpointedCore):
+        model.core = CheckpointedCore(model.core)
 
 
 def compile_model(model, **kwargs):

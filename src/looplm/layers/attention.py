@@ -3,6 +3,11 @@
 The attention product itself is ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory
 efficient kernels where the device has them) with ``enable_gqa`` so that key/value heads are not
 materialised ``n_heads / n_kv_heads`` times.
+
+It follows the library's one mixer interface (:mod:`looplm.blocks`): ``attn(u, fctx, cache)`` and
+``attn.new_cache(batch_size)``. A recurrence rule can own an ``Attention`` at its own width (e.g.
+StateLoop's causal-attention token mixer over the state, at ``d_s``); it declares the head dim in
+``rope_dims`` so the model builds rotary tables for it.
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ from .rope import apply_rotary
 class KVCache:
     """Keys and values of one (loop iteration, physical layer) slot: ``[B, H_kv, T_past, head_dim]``.
 
-    Grows by concatenation. ``index_select`` keeps batch rows (beam search / dropping finished rows).
-    A planned per-token early exit at decode time writes the skipped iterations' entries through
-    ``update`` like any other token, so later tokens can attend to them.
+    Grows by concatenation. Implements the cache-slot protocol of :mod:`looplm.cache`: ``seqlen``,
+    ``index_select`` (keep / reorder batch rows: beam search, dropping finished rows) and ``crop``
+    (drop the newest tokens: speculative decoding, retries).
     """
 
     def __init__(self) -> None:
@@ -42,12 +47,20 @@ class KVCache:
         if self.k is not None:
             self.k, self.v = self.k.index_select(0, idx), self.v.index_select(0, idx)
 
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` tokens."""
+        if not 0 <= length <= self.seqlen:
+            raise ValueError(f"cannot crop a KV cache of {self.seqlen} tokens to {length}")
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+
 
 class Attention(nn.Module):
     """Multi-head causal self-attention (GQA). Parameter names follow HF Llama/Qwen3.
 
     ``q = W_q x``, ``k = W_k x``, ``v = W_v x`` split into heads; optional per-head RMSNorm of q and k
-    (Qwen3 QK-norm) *before* RoPE; ``softmax(q kᵀ / √hd + mask) v``; output projection ``W_o``.
+    (Qwen3 QK-norm) *before* RoPE on the first ``rotary_dim`` channels (``None`` = no RoPE);
+    ``softmax(q kᵀ / √hd + mask) v``; output projection ``W_o``.
     """
 
     def __init__(
@@ -60,9 +73,11 @@ class Attention(nn.Module):
         qk_norm: bool = False,
         norm_eps: float = 1e-5,
         bias: bool = False,
+        rotary_dim: int | None = None,
     ):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
+        self.rotary_dim = rotary_dim
         self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
         self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
@@ -70,14 +85,12 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor] | None,
-        attn_mask: torch.Tensor | None = None,
-        is_causal: bool = True,
-        cache: KVCache | None = None,
-    ) -> torch.Tensor:
+    def new_cache(self, batch_size: int, device=None, dtype=None) -> KVCache:
+        """An empty KV slot (it grows on first use, so batch size / device / dtype are not needed)."""
+        return KVCache()
+
+    def forward(self, x: torch.Tensor, fctx, cache: KVCache | None = None) -> torch.Tensor:
+        """``x [B, T, d_model]`` -> ``[B, T, d_model]``; masks and rotary tables come from ``fctx``."""
         B, T, _ = x.shape
         # [B, T, H*hd] -> [B, H, T, hd]
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
@@ -85,8 +98,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            cos, sin = rope
+        if self.rotary_dim is not None:
+            cos, sin = fctx.rope_for(self.rotary_dim)  # [B, T, rot]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v)  # [B, H_kv, T_past + T, hd]
@@ -94,8 +107,8 @@ class Attention(nn.Module):
             q,
             k,
             v,
-            attn_mask=attn_mask,
-            is_causal=is_causal and attn_mask is None,
+            attn_mask=fctx.attn_mask,
+            is_causal=fctx.is_causal and fctx.attn_mask is None,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )  # [B, H, T, hd]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))

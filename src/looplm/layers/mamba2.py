@@ -263,7 +263,7 @@ def ssd_chunked(
 
 @dataclass
 class Mamba2State:
-    """Decoding state of one (loop iteration, layer) slot.
+    """Decoding state of one (loop iteration, layer) slot (the cache-slot protocol of :mod:`looplm.cache`).
 
     ``conv_state`` [B, conv_dim, d_conv]: the last ``d_conv`` inputs of the convolution, oldest first.
     ``ssm_state`` [B, nheads, headdim, d_state]: the SSM state ``H``, float32.
@@ -274,10 +274,22 @@ class Mamba2State:
     ssm_state: Tensor
     seqlen_offset: int = 0
 
+    @property
+    def seqlen(self) -> int:
+        return self.seqlen_offset
+
     def index_select(self, idx: Tensor) -> None:
         """Keep batch rows ``idx`` (reordering for beam search, dropping finished rows)."""
         self.conv_state = self.conv_state.index_select(0, idx)
         self.ssm_state = self.ssm_state.index_select(0, idx)
+
+    def crop(self, length: int) -> None:
+        """A recurrent state cannot forget tokens: only a no-op crop (``length == seqlen``) is allowed."""
+        if length != self.seqlen_offset:
+            raise ValueError(
+                f"cannot crop a Mamba-2 state from {self.seqlen_offset} to {length} tokens: the SSM state has "
+                "absorbed them; re-run the prefix from an empty cache instead"
+            )
 
 
 class RMSNormGated(nn.Module):
@@ -378,7 +390,7 @@ class Mamba2Mixer(nn.Module):
         self.A_log.copy_(torch.log(torch.empty(self.nheads).uniform_(*self.A_init_range)))
         self.D.fill_(1.0)
 
-    def allocate_state(self, batch_size: int, device=None, dtype=None) -> Mamba2State:
+    def new_cache(self, batch_size: int, device=None, dtype=None) -> Mamba2State:
         """An empty (all zero, ``seqlen_offset = 0``) decoding state."""
         device = self.in_proj.weight.device if device is None else device
         dtype = self.in_proj.weight.dtype if dtype is None else dtype
@@ -424,7 +436,16 @@ class Mamba2Mixer(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------------------
 
-    def forward(self, x: Tensor, *, pad_mask: Tensor | None = None, state: Mamba2State | None = None) -> Tensor:
+    def forward(self, x: Tensor, fctx=None, cache: Mamba2State | None = None, *, pad_mask: Tensor | None = None) -> Tensor:
+        """``x [b, T, d_model]`` -> ``[b, T, d_model]`` (the mixer interface of :mod:`looplm.blocks`).
+
+        ``fctx.pad_mask`` (or ``pad_mask``) ``[b, T]`` marks real tokens under left padding; ``cache``
+        is this slot's :class:`Mamba2State`, updated in place (a single token on a non-empty state takes
+        the recurrent step).
+        """
+        if pad_mask is None and fctx is not None:
+            pad_mask = fctx.pad_mask
+        state = cache
         if state is not None and state.seqlen_offset > 0 and x.shape[1] == 1:
             return self._step(x, pad_mask, state)
         batch, seqlen, _ = x.shape
