@@ -9,7 +9,7 @@ One mixer interface
 -------------------
 Every token mixer (attention, Mamba-2, and any mixer a recurrence rule owns) is called as
 ``mixer(u, fctx, cache) -> [B, T, d]`` and makes its own empty decoding slot with
-``mixer.new_cache(batch_size, device=None, dtype=None)`` (see :class:`looplm.cache.CacheSlot`). So
+``mixer.new_cache(batch_size, device=None, dtype=None, capacity=None)`` (see :class:`looplm.cache.CacheSlot`). So
 :class:`Block` never asks which kind of mixer it holds.
 
 Modulation hooks (for the recurrence rules)
@@ -143,9 +143,9 @@ class Block(nn.Module):
         else:
             self.mlp_norm = self.mlp = None
 
-    def new_cache(self, batch_size: int, device=None, dtype=None):
-        """An empty decoding cache slot for this block (made by its mixer)."""
-        return self.mixer.new_cache(batch_size, device=device, dtype=dtype)
+    def new_cache(self, batch_size: int, device=None, dtype=None, capacity: int | None = None):
+        """An empty decoding cache slot for this block (made by its mixer; ``capacity`` = most tokens)."""
+        return self.mixer.new_cache(batch_size, device=device, dtype=dtype, capacity=capacity)
 
     def forward(self, x: torch.Tensor, fctx: ForwardContext, cache=None, mod: BlockModulation | None = None):
         # x [B, T, d] (or the carrier a rule's read/write hooks define) -> same shape

@@ -100,9 +100,10 @@ class TensorSlot:
 class LoopCache:
     """All decoding state of one batch. Created by :meth:`LoopedLM.new_cache` or lazily by ``generate``."""
 
-    def __init__(self, num_loops: int, batch_size: int, device=None, dtype=None):
+    def __init__(self, num_loops: int, batch_size: int, device=None, dtype=None, capacity: int | None = None):
         self.num_loops = num_loops
         self.batch_size = batch_size
+        self.capacity = capacity  # most tokens any slot will hold (preallocated KV), None = grow
         self.device, self.dtype = device, dtype
         self.seqlen = 0  # tokens absorbed so far
         self.slots: dict[Any, Any] = {}

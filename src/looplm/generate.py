@@ -84,33 +84,41 @@ def generate(
     _check_generate_args(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, attention_mask)
     was_training = model.training
     model.eval()
-    B = input_ids.shape[0]
+    B, T = input_ids.shape
+    dev = input_ids.device
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0
-    if attention_mask is None:
-        attention_mask = torch.ones_like(input_ids, dtype=torch.long)
-    attention_mask = attention_mask.long()
-    padded = bool((attention_mask == 0).any())
+    padded = attention_mask is not None and bool((attention_mask == 0).any())
+    # the lean path: output ids and mask preallocated, KV slots preallocated for T + max_new_tokens,
+    # the head applied to the last position only, token ids checked once (for the prompt), and no
+    # host synchronisation per token except the all-rows-finished check when an eos id is given
+    out = torch.empty(B, T + max_new_tokens, dtype=input_ids.dtype, device=dev)
+    out[:, :T] = input_ids
+    mask = torch.ones(B, T + max_new_tokens, dtype=torch.long, device=dev)
+    if padded:
+        mask[:, :T] = attention_mask.long()
     cache_loops = int(num_loops.max()) if isinstance(num_loops, torch.Tensor) else num_loops
-    cache = model.new_cache(B, cache_loops) if use_cache else None
-    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
-    out, mask = input_ids, attention_mask
-    step_input = input_ids
+    cache = model.new_cache(B, cache_loops, capacity=T + max_new_tokens) if use_cache else None
+    finished = torch.zeros(B, dtype=torch.bool, device=dev)
+    n = T
     try:
-        for _ in range(max_new_tokens):
+        for i in range(max_new_tokens):
+            step_mask = mask[:, :n] if padded else None
             if use_cache:
-                res = model(step_input, cache=cache, attention_mask=mask if padded else None, num_loops=num_loops)
+                step_input = out[:, :n] if i == 0 else out[:, n - 1 : n]
+                res = model(step_input, cache=cache, attention_mask=step_mask, num_loops=num_loops, logits_to_keep=1,
+                            validate=i == 0)  # fmt: skip
             else:
-                res = model(out, attention_mask=mask if padded else None, num_loops=num_loops)
-            nxt = sample_next(res.logits[:, -1], do_sample, temperature, top_k, top_p, generator)
+                res = model(out[:, :n], attention_mask=step_mask, num_loops=num_loops, logits_to_keep=1, validate=i == 0)
+            nxt = sample_next(res.logits[:, -1], do_sample, temperature, top_k, top_p, generator)  # [B]
             nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
-            out = torch.cat([out, nxt[:, None]], dim=1)
-            mask = torch.cat([mask, torch.ones_like(nxt[:, None])], dim=1)
-            step_input = nxt[:, None]
+            out[:, n] = nxt
+            n += 1
             if eos_token_id is not None:
                 finished |= nxt == eos_token_id
                 if bool(finished.all()):
                     break
     finally:
         model.train(was_training)
-    return out
+    return out[:, :n]
+

@@ -20,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 from .blocks import ForwardContext, Stack
 from .cache import LoopCache
 from .config import ModelConfig, load_model_config
+from .layers.loss import linear_cross_entropy
 from .layers.rope import RotaryEmbedding
 from .recurrence import LoopContext, build_rule
 
@@ -103,9 +104,10 @@ class LoopedLM(nn.Module):
                 n -= self.lm_head.weight.numel()
         return n
 
-    def new_cache(self, batch_size: int, num_loops: int | None = None) -> LoopCache:
+    def new_cache(self, batch_size: int, num_loops: int | None = None, capacity: int | None = None) -> LoopCache:
+        """An empty decoding cache for ``num_loops`` iterations; ``capacity`` tokens preallocates KV slots."""
         p = next(self.parameters())
-        return LoopCache(num_loops or self.config.n_loops, batch_size, device=p.device, dtype=p.dtype)
+        return LoopCache(num_loops or self.config.n_loops, batch_size, device=p.device, dtype=p.dtype, capacity=capacity)
 
     # ------------------------------------------------------------------------------------------
     def _check_inputs(self, input_ids: torch.Tensor, cache: LoopCache | None, attention_mask) -> None:
@@ -196,7 +198,10 @@ class LoopedLM(nn.Module):
         """Decoding slots of ``stack``'s blocks under ``(*key, layer)`` (``None`` without a cache)."""
         if cache is None:
             return None
-        return [cache.slot((*key, blk.layer_idx), lambda blk=blk: blk.new_cache(batch)) for blk in stack.blocks]
+        return [
+            cache.slot((*key, blk.layer_idx), lambda blk=blk: blk.new_cache(batch, capacity=cache.capacity))
+            for blk in stack.blocks
+        ]
 
     def _readout(self, h: torch.Tensor, lctx: LoopContext) -> torch.Tensor:
         """Logits of an intermediate iterate (``lctx.readout``): coda -> final norm -> head."""
@@ -216,6 +221,9 @@ class LoopedLM(nn.Module):
         output_iterations: bool = False,
         output_hidden: bool = False,
         loop_options: dict | None = None,
+        return_logits: bool = True,
+        logits_to_keep: int | None = None,
+        validate: bool = True,
     ) -> LoopedLMOutput:
         """Run the looped model.
 
@@ -229,8 +237,17 @@ class LoopedLM(nn.Module):
             num_grad_loops: truncated backprop: only the last ``m`` iterations record gradients.
             output_iterations: also return every iteration's core output ``H^k`` (free when off).
             loop_options: rule-specific inference options (``lctx.loop_options``).
+            return_logits: ``False`` with ``labels``: the loss is computed chunk by chunk from the final
+                hidden state (:func:`~looplm.layers.loss.linear_cross_entropy`) and the ``[B, T, V]``
+                logits are never materialised (``output.logits`` is ``None``). The trainer's path.
+            logits_to_keep: apply the head to the last ``n`` positions only (decoding: ``1``).
+            validate: check token ids against the vocabulary (a host sync); ``generate`` checks the
+                prompt once and skips it for the tokens it sampled itself.
         """
-        self._check_inputs(input_ids, cache, attention_mask)
+        if validate:
+            self._check_inputs(input_ids, cache, attention_mask)
+        if logits_to_keep is not None and labels is not None:
+            raise ValueError("logits_to_keep is for decoding; the loss needs the logits of every position")
         B = input_ids.shape[0]
         r, loops_per_row = self._resolve_loops(num_loops, cache, B)
         if cache is not None and cache.num_loops != r:
@@ -265,14 +282,19 @@ class LoopedLM(nn.Module):
         y = self.rule.finish(state, lctx)  # [B, T, d]
         y = self.coda(y, fctx, self._slots(cache, self.coda, (0,), B))
         hidden = self.norm(y)
-        logits = self.lm_head(hidden)  # [B, T, V]
         if cache is not None:
             cache.seqlen += input_ids.shape[1]
+        fused_loss = labels is not None and not return_logits
+        head_in = hidden if logits_to_keep is None else hidden[:, -logits_to_keep:]
+        logits = None if fused_loss else self.lm_head(head_in)  # [B, T, V]
 
         loss = aux = None
         if labels is not None:
             aux = self.rule.aux_loss(state, lctx)
-            lm = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
+            if fused_loss:
+                lm = linear_cross_entropy(hidden, self.lm_head.weight, targets)
+            else:
+                lm = F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), targets.reshape(-1), ignore_index=-100)
             w = self.rule.lm_loss_weight
             loss = (lm if w == 1.0 else w * lm) if aux is None else w * lm + aux
         return LoopedLMOutput(

@@ -22,37 +22,59 @@ from .rope import apply_rotary
 class KVCache:
     """Keys and values of one (loop iteration, physical layer) slot: ``[B, H_kv, T_past, head_dim]``.
 
-    Grows by concatenation. Implements the cache-slot protocol of :mod:`looplm.cache`: ``seqlen``,
-    ``index_select`` (keep / reorder batch rows: beam search, dropping finished rows) and ``crop``
-    (drop the newest tokens: speculative decoding, retries).
+    With a ``capacity`` (``generate`` knows prompt + new tokens) the buffers are allocated once, at
+    the first update, and each token is written in place; without one they grow by concatenation.
+    Implements the cache-slot protocol of :mod:`looplm.cache`: ``seqlen``, ``index_select`` (keep /
+    reorder batch rows: beam search, dropping finished rows) and ``crop`` (drop the newest tokens).
     """
 
-    def __init__(self) -> None:
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+    def __init__(self, capacity: int | None = None) -> None:
+        self.capacity = capacity
+        self._k: torch.Tensor | None = None  # [B, H_kv, capacity or T_past, hd]
+        self._v: torch.Tensor | None = None
+        self._len = 0
 
     @property
     def seqlen(self) -> int:
-        return 0 if self.k is None else self.k.shape[2]
+        return self._len
+
+    @property
+    def k(self) -> torch.Tensor | None:
+        return None if self._k is None else self._k[:, :, : self._len]
+
+    @property
+    def v(self) -> torch.Tensor | None:
+        return None if self._v is None else self._v[:, :, : self._len]
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.k is None:
-            self.k, self.v = k, v
+        """Append ``k, v [B, H_kv, T, hd]``; return every key and value so far."""
+        T = k.shape[2]
+        if self.capacity is None:
+            self._k = k if self._k is None else torch.cat([self._k, k], dim=2)
+            self._v = v if self._v is None else torch.cat([self._v, v], dim=2)
         else:
-            self.k = torch.cat([self.k, k], dim=2)
-            self.v = torch.cat([self.v, v], dim=2)
+            if self._len + T > self.capacity:
+                raise ValueError(f"KV cache capacity {self.capacity} exceeded ({self._len} + {T} tokens)")
+            if self._k is None:
+                B, H, _, hd = k.shape
+                self._k = k.new_empty(B, H, self.capacity, hd)
+                self._v = v.new_empty(B, H, self.capacity, v.shape[-1])
+            self._k[:, :, self._len : self._len + T] = k
+            self._v[:, :, self._len : self._len + T] = v
+        self._len += T
         return self.k, self.v
 
     def index_select(self, idx: torch.Tensor) -> None:
-        if self.k is not None:
-            self.k, self.v = self.k.index_select(0, idx), self.v.index_select(0, idx)
+        if self._k is not None:
+            self._k, self._v = self._k.index_select(0, idx), self._v.index_select(0, idx)
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens."""
-        if not 0 <= length <= self.seqlen:
-            raise ValueError(f"cannot crop a KV cache of {self.seqlen} tokens to {length}")
-        if self.k is not None:
-            self.k, self.v = self.k[:, :, :length], self.v[:, :, :length]
+        if not 0 <= length <= self._len:
+            raise ValueError(f"cannot crop a KV cache of {self._len} tokens to {length}")
+        if self._k is not None and self.capacity is None:
+            self._k, self._v = self._k[:, :, :length], self._v[:, :, :length]
+        self._len = length
 
 
 class Attention(nn.Module):
@@ -85,9 +107,9 @@ class Attention(nn.Module):
         self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
         self.k_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
 
-    def new_cache(self, batch_size: int, device=None, dtype=None) -> KVCache:
-        """An empty KV slot (it grows on first use, so batch size / device / dtype are not needed)."""
-        return KVCache()
+    def new_cache(self, batch_size: int, device=None, dtype=None, capacity: int | None = None) -> KVCache:
+        """An empty KV slot, allocated at its first update (``capacity`` tokens, or growing when ``None``)."""
+        return KVCache(capacity)
 
     def forward(self, x: torch.Tensor, fctx, cache: KVCache | None = None) -> torch.Tensor:
         """``x [B, T, d_model]`` -> ``[B, T, d_model]``; masks and rotary tables come from ``fctx``."""

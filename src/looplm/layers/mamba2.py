@@ -390,8 +390,8 @@ class Mamba2Mixer(nn.Module):
         self.A_log.copy_(torch.log(torch.empty(self.nheads).uniform_(*self.A_init_range)))
         self.D.fill_(1.0)
 
-    def new_cache(self, batch_size: int, device=None, dtype=None) -> Mamba2State:
-        """An empty (all zero, ``seqlen_offset = 0``) decoding state."""
+    def new_cache(self, batch_size: int, device=None, dtype=None, capacity: int | None = None) -> Mamba2State:
+        """An empty (all zero, ``seqlen_offset = 0``) decoding state (fixed size: ``capacity`` is unused)."""
         device = self.in_proj.weight.device if device is None else device
         dtype = self.in_proj.weight.dtype if dtype is None else dtype
         return Mamba2State(

@@ -1,0 +1,93 @@
+"""The language-model head and its cross-entropy, chunked over tokens so that the ``[N, V]`` logits
+never exist in full.
+
+The plain path — ``F.cross_entropy(F.linear(h, W).float(), y)`` — materialises the logits in the
+compute dtype, again in fp32 for the log-softmax, and keeps both for the backward pass. At the
+StateLoop 1.4B shape (vocabulary 50,432, 8 × 2048 tokens per micro-batch) the fp32 logits alone are
+3.3 GB. :func:`linear_cross_entropy` instead walks over chunks of ``chunk_size`` tokens and, for each
+chunk, computes the logits, the loss *and* the gradients with respect to ``h`` and ``W`` at once
+(the gradient of the mean loss is ``(softmax(z) − onehot(y)) / n``), then drops the chunk's logits.
+The backward pass only scales the stored gradients by the incoming gradient, so nothing is
+recomputed. Peak extra memory is one chunk of logits plus one gradient of ``h`` and of ``W``.
+
+:func:`linear_cross_entropy_reference` is the readable unchunked form it is tested against.
+
+(Why not a library kernel: the fused kernels in the ecosystem — Liger, Apple's cut-cross-entropy —
+are Triton / CUDA only, and this has to run on CPU too; a chunked PyTorch version is small.)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def linear_cross_entropy_reference(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of ``h [N, d] @ weight[V, d]ᵀ`` against ``targets [N]`` (``-100`` ignored)."""
+    return F.cross_entropy(F.linear(h, weight).float(), targets, ignore_index=-100)
+
+
+def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmul would run in: the autocast dtype when autocast is on, else the inputs'."""
+    dev = h.device.type
+    if torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return torch.promote_types(h.dtype, weight.dtype)
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk_size):
+        # h [N, d], weight [V, d], targets [N]
+        dtype = _compute_dtype(h, weight)
+        acc = torch.promote_types(dtype, torch.float32)  # softmax and sums: fp32 (fp64 stays fp64)
+        with torch.autocast(h.device.type, enabled=False):
+            hc, wc = h.to(dtype), weight.to(dtype)
+            valid = targets != -100  # [N]
+            n_valid = valid.sum()
+            scale = 1.0 / n_valid.clamp(min=1).to(acc)
+            need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+            grad_h = torch.empty_like(hc) if need_grad else None  # [N, d]
+            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad else None  # [V, d]
+            loss = torch.zeros((), dtype=acc, device=h.device)
+            for s in range(0, h.shape[0], chunk_size):
+                e = min(s + chunk_size, h.shape[0])
+                z = (hc[s:e] @ wc.t()).to(acc)  # [n, V] logits of this chunk only
+                y = targets[s:e]
+                ok = valid[s:e]
+                lse = torch.logsumexp(z, dim=-1)  # [n]
+                y_safe = torch.where(ok, y, 0)
+                picked = z.gather(1, y_safe[:, None]).squeeze(1)  # [n]
+                loss = loss + torch.where(ok, lse - picked, 0.0).sum()
+                if need_grad:
+                    # d(mean loss)/dz = (softmax(z) − onehot(y)) / n_valid, zero on ignored rows
+                    g = torch.softmax(z, dim=-1)
+                    g[torch.arange(e - s, device=z.device), y_safe] -= 1.0
+                    g = g * (ok[:, None].to(acc) * scale)  # [n, V]
+                    grad_h[s:e] = (g.to(dtype) @ wc).to(grad_h.dtype)  # [n, d]
+                    grad_w += g.t().to(dtype).matmul(hc[s:e]).to(acc)  # [V, d]
+            loss = loss / n_valid.to(acc)  # nan when every target is ignored, like F.cross_entropy
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_h, grad_w = ctx.saved_tensors
+        gh = (grad_h * grad_out).to(ctx.h_dtype) if ctx.needs_input_grad[0] else None
+        gw = (grad_w * grad_out).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        return gh, gw, None, None
+
+
+def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+    """Mean cross-entropy of the logits ``h @ weightᵀ`` against ``targets``, without materialising them.
+
+    ``h [..., d]``, ``weight [V, d]``, ``targets [...]`` (``-100`` = ignored). Equal to
+    :func:`linear_cross_entropy_reference` (loss and gradients) up to float summation order.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), chunk_size)
+
+
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
