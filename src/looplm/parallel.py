@@ -42,3 +42,18 @@ def apply_activation_checkpointing(model) -> None:
 def compile_model(model, **kwargs):
     """``torch.compile`` the whole looped forward (the loop unrolls at a fixed K; no graph breaks)."""
     return torch.compile(model, **kwargs)
+
+
+def compile_blocks(model, **kwargs) -> None:
+    """Compile every block in place (``nn.Module.compile``), leaving the loop itself in Python.
+
+    A looped core calls the same blocks ``r`` times, and blocks of one shape share one compiled graph
+    (torch inlines module parameters as graph inputs), so the core compiles once, not ``K`` times, and
+    random loop counts or ``num_grad_loops`` never trigger a recompile after warm-up (only a change of
+    grad mode adds one variant). Works under per-loop activation checkpointing too.
+    """
+    from .blocks import Block
+
+    for m in model.modules():
+        if isinstance(m, Block):
+            m.compile(**kwargs)

@@ -1,0 +1,149 @@
+"""Decoding speed at the SmolLM2-135M shape: looplm ``generate`` vs transformers ``generate``.
+
+Shape: 30 layers, d 576, SwiGLU 1536, 9 / 3 heads, vocabulary 49,152, tied (random weights: the speed
+does not depend on their values; no EOS stops a run early), and its looped 10 × 3 form (same
+effective depth, a third of the weights: reads the same bytes per token, so it should cost the same).
+Prompt 32 tokens, 128 new tokens, greedy, batch 1 and 8, fp32 and bf16 weights.
+
+Baseline: transformers ``generate`` with its dynamic cache (and its static cache, where it runs on
+CPU), measured in the same run. The physical limit at batch 1 is the weight bytes read per token
+divided by the memory bandwidth, measured here as a 256 MB read; "share of limit" is that limit over
+the measured time per token (1.0 = at the bandwidth limit).
+
+    python benchmarks/bench_decode.py [--new 128] [--prompt 32] [--batches 1,8] [--dtypes fp32,bf16] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+SHAPE = dict(vocab=49152, d=576, ff=1536, heads=9, kv=3)
+
+
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def native_bf16() -> bool:
+    try:
+        flags = open("/proc/cpuinfo").read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def bandwidth() -> float:
+    """Bytes/s of reading a 256 MB tensor (median of 7 sums)."""
+    a = torch.ones(64 * 1024 * 1024, dtype=torch.float32)  # 256 MB
+    a.sum()
+    times = []
+    for _ in range(7):
+        t = time.perf_counter()
+        a.sum()
+        times.append(time.perf_counter() - t)
+    return a.numel() * 4 / statistics.median(times)
+
+
+def build_looplm(core: int, loops: int, dtype, seq: int):
+    import looplm
+
+    cfg = {
+        "name": f"smollm2-shape-{core}x{loops}",
+        "vocab_size": SHAPE["vocab"], "d_model": SHAPE["d"], "n_core": core, "n_loops": loops, "d_ff": SHAPE["ff"],
+        "attention": {"n_heads": SHAPE["heads"], "n_kv_heads": SHAPE["kv"], "rope_theta": 100000.0},
+        "tie_embeddings": True, "max_seq_len": seq,
+    }  # fmt: skip
+    return looplm.build(cfg, dtype=dtype).eval()
+
+
+def build_hf(dtype, seq: int):
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=SHAPE["vocab"], hidden_size=SHAPE["d"], intermediate_size=SHAPE["ff"], num_hidden_layers=30,
+        num_attention_heads=SHAPE["heads"], num_key_value_heads=SHAPE["kv"], max_position_embeddings=seq,
+        rope_theta=100000.0, tie_word_embeddings=True,
+    )  # fmt: skip
+    cfg._attn_implementation = "sdpa"
+    return transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def weight_bytes_per_token(core: int, loops: int, dtype) -> int:
+    """Bytes of weights read for one token: every block at every iteration, the final norm and the head
+    (the embedding lookup reads one row)."""
+    d, ff, V = SHAPE["d"], SHAPE["ff"], SHAPE["vocab"]
+    hd = d // SHAPE["heads"]
+    block = d * (SHAPE["heads"] * hd) * 2 + d * (SHAPE["kv"] * hd) * 2 + 3 * d * ff + 2 * d
+    return (block * core * loops + V * d + d) * torch.finfo(dtype).bits // 8
+
+
+def time_generate(fn, rounds: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--new", type=int, default=128)
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--no-static", action="store_true", help="skip transformers' static cache")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    bw = bandwidth()
+    seq = args.prompt + args.new
+    print(f"# CPU: {cpu_name()} ({os.cpu_count()} cores, native bf16: {native_bf16()}, torch {torch.__version__})")
+    print(f"# memory bandwidth {bw / 1e9:.1f} GB/s (256 MB read, same run); prompt {args.prompt}, {args.new} new tokens, greedy")
+    print("| dtype | batch | contender | ms/token | vs hf dynamic | limit ms/token (batch 1) | share of limit |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    for dname in args.dtypes.split(","):
+        dtype = torch.bfloat16 if dname == "bf16" else torch.float32
+        hf = build_hf(dtype, seq)
+        flat = build_looplm(30, 1, dtype, seq)
+        looped = build_looplm(10, 3, dtype, seq)
+        for B in (int(b) for b in args.batches.split(",")):
+            x = torch.randint(0, SHAPE["vocab"], (B, args.prompt))
+            hf_kw = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+            rows = [
+                ("hf dynamic cache", lambda: hf.generate(x, **hf_kw), (30, 1)),
+                ("looplm 30x1", lambda: flat.generate(x, max_new_tokens=args.new), (30, 1)),
+                ("looplm 10x3", lambda: looped.generate(x, max_new_tokens=args.new), (10, 3)),
+            ]
+            if not args.no_static:
+                rows.insert(1, ("hf static cache", lambda: hf.generate(x, cache_implementation="static", **hf_kw), (30, 1)))
+            base = None
+            for name, fn, (core, loops) in rows:
+                try:
+                    with torch.no_grad():
+                        ms = time_generate(fn, args.rounds) / args.new * 1e3
+                except Exception as e:  # e.g. a cache kind this transformers version cannot run on CPU
+                    print(f"| {dname} | {B} | {name} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
+                    continue
+                if name == "hf dynamic cache":
+                    base = ms
+                limit = weight_bytes_per_token(core, loops, dtype) / bw * 1e3
+                share = f"{limit / ms:.0%}" if B == 1 else "–"
+                ratio = f"{base / ms:.2f}x" if base else "–"
+                print(f"| {dname} | {B} | {name} | {ms:.1f} | {ratio} | {limit:.1f} | {share} |")
+
+
+if __name__ == "__main__":
+    main()
