@@ -51,3 +51,53 @@ def test_activation_checkpointing_gives_same_gradients():
         torch.testing.assert_close(p.grad, q.grad, msg=n)
     with torch.no_grad():  # decoding through a checkpointed model gives the same tokens
         assert torch.equal(b.generate(x[:, :4], max_new_tokens=3), a.generate(x[:, :4], max_new_tokens=3))
+
+
+def test_compiled_blocks_do_not_recompile_for_random_loop_counts():
+    import random
+
+    import torch._dynamo.utils as dynamo_utils
+
+    from looplm.parallel import compile_blocks
+
+    torch._dynamo.reset()
+    model = looplm.build("tiny-coreloop")
+    compile_blocks(model, backend="eager")  # dynamo's guards decide recompiles, whatever the backend
+    x = torch.randint(0, 260, (2, 16))
+    rng = random.Random(0)
+
+    def step(loops, grad_loops):
+        model(x, labels=x, num_loops=loops, num_grad_loops=grad_loops).loss.backward()
+
+    step(3, None)
+    step(4, 1)  # warm-up: with and without the no-grad prefix
+    warm = dynamo_utils.counters["stats"]["unique_graphs"]
+    for _ in range(20):
+        step(rng.randint(1, 6), rng.choice([None, 1, 2]))
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == warm
+
+
+def test_bf16_autocast_casts_each_looped_weight_once_per_forward():
+    """The looped core's weights are cast to bf16 once per forward, not once per iteration
+    (autocast caches the casts of leaf parameters for the life of the autocast region)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountCasts(TorchDispatchMode):
+        def __init__(self, ptrs):
+            super().__init__()
+            self.ptrs, self.n = ptrs, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.ptrs:
+                self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for loops in (1, 4):
+        model = looplm.build("tiny-llama", n_loops=loops)
+        ptrs = {p.data_ptr() for p in model.parameters() if p.dim() == 2}
+        x = torch.randint(0, 260, (2, 8))
+        with CountCasts(ptrs) as mode, torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x, labels=x)
+        counts[loops] = mode.n
+    assert counts[1] > 0 and counts[4] == counts[1]
