@@ -5,10 +5,15 @@ from __future__ import annotations
 from looplm.config import ModelConfig, preset_dict
 
 
+# toy sizes of the token mixers a rule owns (StateLoop's attention / Mamba-2 mixers over the state)
+TINY_RULE_OPTIONS = {"mixer_head_dim": 16, "mamba_d_state": 8, "mamba_headdim": 16, "mamba_ngroups": 2, "mamba_chunk_size": 8}
+
+
 def tiny_variant(name: str, **extra) -> ModelConfig:
     """The preset's structure — (p, s, K, c), mixers and attention indices, GQA ratio, QK-norm, tied
     embeddings, RoPE scaling, embedding scale, rule — at toy widths, so every real preset runs in tests."""
     d = preset_dict(name)
+    d_model = d.get("d_model", 64)
     d.update(vocab_size=128, d_model=64, max_seq_len=64)
     if d.get("d_ff", 0):
         d["d_ff"] = 96
@@ -23,5 +28,12 @@ def tiny_variant(name: str, **extra) -> ModelConfig:
     d["attention"] = att
     if d.get("mixer") == "mamba2":
         d["mamba"] = dict(d.get("mamba") or {}, d_state=8, headdim=16, ngroups=1, chunk_size=8)
+    rule = dict(d.get("rule") or {})
+    if rule.get("options"):  # a rule's own widths shrink with the backbone (e.g. StateLoop's d_s and mixers)
+        opts = dict(rule["options"])
+        if opts.get("d_s"):
+            opts["d_s"] = max(8, opts["d_s"] * 64 // d_model)
+        opts.update({k: v for k, v in TINY_RULE_OPTIONS.items() if k in opts})
+        d["rule"] = dict(rule, options=opts)
     d.update(extra)
     return ModelConfig.from_dict(d)

@@ -1,13 +1,20 @@
-"""`looplm presets`, `looplm info`, `looplm generate` (in-process, plus one real subprocess)."""
+"""`looplm presets`, `looplm info`, `looplm generate` (in-process, plus two real subprocesses)."""
 
 import json
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
+import torch
 
+import looplm
+from looplm.checkpoint_io import CheckpointWarning
 from looplm.cli import main
+from looplm.data.tokenizers import ByteTokenizer
+from looplm.dataclass_util import to_dict
+from looplm.train.checkpoint import save_checkpoint
 
 
 def test_presets_lists_paper_models(capsys):
@@ -58,6 +65,106 @@ def test_info_reports_config_errors(capsys):
 
 def test_generate_from_random_preset(capsys):
     assert main(["generate", "--model", "tiny-llama", "--prompt", "Hello", "--max-new-tokens", "5"]) == 0
+    printed = capsys.readouterr().out
+    torch.manual_seed(0)  # the CLI built its random model right after conftest's manual_seed(0)
+    model = looplm.build("tiny-llama")
+    ids = model.generate(torch.tensor([list(b"Hello")]), max_new_tokens=5, do_sample=False, eos_token_id=256)
+    assert printed == ByteTokenizer().decode(ids[0, 5:].tolist()) + "\n"
+
+
+# ------------------------------------------------------------------------------------ generate --checkpoint
+@pytest.fixture
+def tiny_run(tmp_path):
+    """A run directory with one checkpoint of a random tiny-llama (max_seq_len 16), trained with 'byte'."""
+    torch.manual_seed(1)
+    model = looplm.build("tiny-llama", max_seq_len=16)
+    run = tmp_path / "run"
+    record = {"model": to_dict(model.config), "tokenizer": "byte", "tokenizer_fingerprint": ByteTokenizer().fingerprint()}
+    save_checkpoint(run / "ckpt", 3, model, None, {"step": 3}, record)
+    return run, model
+
+
+def _generate(run, capsys, *args):
+    rc = main(["generate", "--checkpoint", str(run), "--prompt", "abc", "--max-new-tokens", "4", *args])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _greedy(model, prompt: bytes, n: int, **kw) -> str:
+    ids = model.generate(torch.tensor([list(prompt)]), max_new_tokens=n, do_sample=False, eos_token_id=256, **kw)
+    return ByteTokenizer().decode(ids[0, len(prompt):].tolist())
+
+
+def test_generate_from_a_checkpoint_decodes_its_weights(tiny_run, capsys):
+    run, model = tiny_run
+    rc, out, err = _generate(run, capsys)
+    assert rc == 0, err
+    assert out == _greedy(model, b"abc", 4) + "\n"
+    rc, out, _ = _generate(run, capsys, "--set", "n_loops=5")  # inference-time override: the default loop count
+    assert rc == 0 and out == _greedy(model, b"abc", 4, num_loops=5) + "\n"
+
+
+def test_generate_set_takes_inference_fields_only(tiny_run, capsys):
+    run, _ = tiny_run
+    long_prompt = "x" * 20  # longer than the trained max_seq_len of 16
+    rc = main(["generate", "--checkpoint", str(run), "--prompt", long_prompt, "--max-new-tokens", "1"])
+    assert rc == 2 and "max_seq_len=16" in capsys.readouterr().err
+    rc = main(["generate", "--checkpoint", str(run), "--prompt", long_prompt, "--max-new-tokens", "1",
+               "--set", "max_seq_len=64"])
+    assert rc == 0, capsys.readouterr().err
+    capsys.readouterr()
+    rc, out, err = _generate(run, capsys, "--set", "d_model=32", "--set", "rule.name=vanilla")
+    assert rc == 2 and out == ""
+    assert "d_model: cannot be changed on a trained checkpoint" in err and "rule.name: cannot be changed" in err
+    assert "only max_seq_len, n_loops can be set" in err and "Traceback" not in err
+
+
+def test_generate_tokenizer_override_warns_when_it_differs(tiny_run, tmp_path, capsys):
+    from looplm.data.tokenizers import train_bpe
+
+    run, _ = tiny_run
+    bpe = train_bpe(None, 260, tmp_path / "tok", texts=["abc abd abe " * 20, "hello world"])  # fits vocab 260
+    expected = rf"fingerprint {bpe.fingerprint()}\) is not the one .* \('byte', fingerprint {ByteTokenizer().fingerprint()}\)"
+    with pytest.warns(CheckpointWarning, match=expected):
+        rc, out, err = _generate(run, capsys, "--tokenizer", str(tmp_path / "tok"))
+    assert rc == 0 and out.strip()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the recorded tokenizer: no warning
+        rc, out, err = _generate(run, capsys, "--tokenizer", "byte")
+    assert rc == 0
+
+
+def test_generate_without_a_checkpoint_is_a_clean_error(tmp_path, capsys):
+    (tmp_path / "empty_run").mkdir()
+    rc = main(["generate", "--checkpoint", str(tmp_path / "empty_run")])
+    err = capsys.readouterr().err
+    assert rc == 1 and err.startswith("error: ") and "holds no complete checkpoint" in err
+    rc = main(["generate", "--checkpoint", str(tmp_path / "missing")])
+    assert rc == 1 and "does not exist" in capsys.readouterr().err
+
+
+def test_generate_and_eval_do_not_import_the_training_code(tiny_run, tmp_path):
+    run, _ = tiny_run
+    (tmp_path / "doc.txt").write_text("some text to score")
+    code = (
+        "import sys\n"
+        "from looplm.cli import main\n"
+        f"assert main(['generate', '--checkpoint', {str(run)!r}, '--max-new-tokens', '2']) == 0\n"
+        f"assert main(['eval', 'ppl', {str(run)!r}, '--data', {str(tmp_path / 'doc.txt')!r}, '--seq-len', '8']) == 0\n"
+        "print('TRAIN MODULES', sorted(m for m in sys.modules if m.startswith('looplm.train')))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "TRAIN MODULES []" in r.stdout
+
+
+def test_empty_model_yaml_is_refused(tmp_path, capsys):
+    (tmp_path / "empty.yaml").write_text("# nothing but a comment\n")
+    assert main(["info", str(tmp_path / "empty.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "empty.yaml: the file is empty or holds only comments" in err
+    assert main(["generate", "--model", str(tmp_path / "empty.yaml")]) == 2
+    assert "holds only comments" in capsys.readouterr().err
 
 
 def test_info_is_fast_for_the_largest_presets():

@@ -13,6 +13,7 @@ import torch
 from looplm.data import (
     ByteTokenizer,
     DataConfig,
+    DataError,
     EmptyCorpusError,
     ListSource,
     MemmapStream,
@@ -104,7 +105,7 @@ def test_sources_txt_jsonl_parquet(tmp_path):
     src = make_source(DataConfig(source="files", paths=[str(tmp_path / "*.jsonl")], text_field="body"))
     assert list(src) == ["j0", "j1", "j2"]  # sorted file order
     assert list(src.iter_from(2)) == ["j2"]  # the resume position: documents consumed
-    with pytest.raises(KeyError, match="no field 'text'.*'body'"):
+    with pytest.raises(DataError, match="no field 'text'.*'body'"):
         list(make_source(DataConfig(source="files", paths=[str(tmp_path / "a.jsonl")])))
 
     pq.write_table(pa.table({"content": ["p0", "p1", "p2"], "n": [0, 1, 2]}), tmp_path / "t.parquet")
@@ -304,7 +305,7 @@ def test_prepare_memmap_layout(prepared):
     docs, cfg, meta, out = prepared
     assert meta == read_meta(out)
     assert meta["dtype"] == "uint16" and meta["tokenizer"] == {"name": "byte", "vocab_size": 259, "eos_id": 256,
-                                                             "bos_id": 257}
+                                                             "bos_id": 257, "fingerprint": BYTE.fingerprint()}
     train, val = meta["splits"]["train"], meta["splits"]["val"]
     assert train["docs"] == 190 and val["docs"] == 10
     assert len(train["files"]) > 1 and all(s == 1000 for s in train["shard_sizes"][:-1])
@@ -399,3 +400,70 @@ def test_cli_data_prepare(tmp_path, capsys):
     args = parser.parse_args(["data", "prepare", "--out", str(tmp_path / "x"), str(tmp_path / "none*.jsonl")])
     with pytest.raises(SystemExit, match="no files match"):
         args.func(args)
+
+
+# ------------------------------------------------------------------------------- bad input files
+def files_cfg(path, **kw):
+    return DataConfig(source="files", paths=[str(path)], val_every_nth=0, seq_len=4, shuffle_buffer=0, **kw)
+
+
+def test_rows_without_text_fail_by_default_with_count_and_line(tmp_path):
+    rows = [{"text": "a0"}, {"body": "no text"}, {"text": "a2"}, {"text": None}, {"text": "a4"}]
+    (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError, match=r"m\.jsonl: 2 row\(s\) have no 'text' value \(missing or null\), the first at "
+                                        r"line 2 \(its fields: \['body'\]\).*missing_text: skip"):
+        list(build_stream(files_cfg(tmp_path / "m.jsonl"), BYTE, epochs=1).iter_documents())
+    # skip-with-warning: the other rows, in order; the skipped rows still count as source positions
+    with pytest.warns(UserWarning) as caught:
+        docs = list(build_stream(files_cfg(tmp_path / "m.jsonl", missing_text="skip"), BYTE, epochs=1).iter_documents())
+    assert docs == ["a0", "a2", "a4"]
+    messages = [str(w.message) for w in caught]
+    assert any("skipping rows without text" in m and "first at line 2" in m for m in messages)
+    assert any("skipped 2 row(s) without a 'text' value" in m for m in messages)
+    with pytest.raises(ConfigError, match="missing_text: must be one of"):
+        from_dict(DataConfig, {"missing_text": "drop"})
+
+
+def test_unreadable_files_are_named(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(EmptyCorpusError, match=r"empty\.jsonl: the file\(s\) are empty"):
+        build_stream(files_cfg(tmp_path / "empty.jsonl"), BYTE).next_batch(1)
+    (tmp_path / "latin1.txt").write_bytes("fine line\ncaf\xe9 au lait\n".encode("latin-1"))
+    with pytest.raises(DataError, match=r"latin1\.txt line 2 is not valid UTF-8 \(byte 0xe9 at column 4\)"):
+        build_stream(files_cfg(tmp_path / "latin1.txt"), BYTE).next_batch(1)
+    (tmp_path / "broken.jsonl").write_text('{"text": "ok"}\n{"text": "unterminated\n')
+    with pytest.raises(DataError, match=r"broken\.jsonl line 2 is not valid JSON"):
+        build_stream(files_cfg(tmp_path / "broken.jsonl"), BYTE).next_batch(1)
+    write_jsonl(tmp_path / "body.jsonl", ["x", "y"], field="body")
+    with pytest.raises(DataError, match=r"no field 'text'; their fields are \['body', 'id'\]"):
+        build_stream(files_cfg(tmp_path / "body.jsonl"), BYTE).next_batch(1)
+
+
+def test_cli_reports_bad_data_without_a_traceback(tmp_path, capsys):
+    from looplm.cli import main
+
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "m.jsonl").write_text('{"text": "a"}\n{"other": 1}\n')
+    for name, expected in [("empty.jsonl", r"error: .*the file\(s\) are empty"), ("m.jsonl", "error: .*the first at line 2")]:
+        with pytest.raises(SystemExit, match=expected):  # a message and exit status 1, no traceback
+            main(["data", "prepare", "--out", str(tmp_path / "mm"), str(tmp_path / name)])
+    cfg = {"model": "tiny-llama", "data": {"source": "files", "paths": [str(tmp_path / "m.jsonl")], "seq_len": 8},
+           "train": {"max_steps": 1, "precision": "fp32"}, "logging": {"progress_bar": False, "tensorboard": False}}
+    (tmp_path / "t.yaml").write_text(json.dumps(cfg))
+    assert main(["train", str(tmp_path / "t.yaml"), "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "m.jsonl: 1 row(s) have no 'text' value" in err
+
+
+def test_stream_modules_import_no_cycle():
+    """memmap (the reader) and pipeline share looplm.data.stream instead of importing each other."""
+    import ast
+    import importlib
+
+    def local_imports(module):
+        tree = ast.parse(open(importlib.import_module(module).__file__).read())
+        return {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 1}
+
+    assert local_imports("looplm.data.memmap") <= {"sources", "stream", "tokenizers", "config"}
+    assert "prepare" not in local_imports("looplm.data.pipeline")
+    assert {"memmap", "pipeline", "stream"} <= local_imports("looplm.data.prepare")

@@ -1,7 +1,11 @@
 """The ``looplm`` command line.
 
 Sub-commands are registered by the package that implements them (``register(subparsers)``), so
-this file stays a table of contents.
+this file stays a table of contents. A command's module is imported only when that command runs
+(or for ``--help``): ``looplm generate`` and ``looplm eval`` never import the training code.
+
+Errors a user can fix (bad configs, data, checkpoints) print ``error: ...`` and exit non-zero,
+without a traceback; warnings print as ``warning: ...``.
 """
 
 from __future__ import annotations
@@ -10,13 +14,29 @@ import argparse
 import importlib
 import json
 import sys
+import warnings
 
-# modules providing ``register(subparsers)``; missing optional pieces are skipped
-COMMAND_MODULES = ["looplm.data.cli", "looplm.train.cli"]
+from .checkpoint_io import CheckpointError
+
+# sub-command -> the module whose ``register(subparsers)`` adds it; missing optional pieces are skipped
+COMMAND_MODULES = {
+    "data": "looplm.data.cli",
+    "tokenizer": "looplm.data.cli",
+    "eval": ("looplm.eval.cli", "looplm.eval.threshold", "looplm.eval.harness"),  # a tuple: several modules add sub-commands
+    "train": "looplm.train.cli",
+    "plot": "looplm.train.cli",
+    "demo": "looplm.train.cli",
+    "task": "looplm.tasks.cli",
+    "grid": "looplm.grid",
+    "analyze": "looplm.analysis.cli",
+    "bench": "looplm.bench",
+    "export": "looplm.hf.cli",
+    "import": "looplm.hf.cli",
+}
 
 
 def _cmd_presets(args) -> int:
-    from .config import list_presets, preset_dict
+    from .config import ModelConfig, list_presets, preset_dict
 
     names = list_presets()
     if args.markdown:
@@ -26,7 +46,9 @@ def _cmd_presets(args) -> int:
         print(json.dumps(names))
         return 0
     for n in names:
-        print(f"{n:34s} {preset_dict(n).get('description', '')}")
+        d = preset_dict(n)
+        pskc = tuple(d.get(k, ModelConfig.__dataclass_fields__[k].default) for k in ("n_prelude", "n_core", "n_loops", "n_coda"))
+        print(f"{n:44s} {str(pskc):15s} {d.get('description', '')}")
     return 0
 
 
@@ -60,8 +82,10 @@ def preset_dict_reference(name: str) -> str:
 
 
 def _cmd_info(args) -> int:
+    from .dataclass_util import refuse_empty_yaml
     from .info import human, model_info
 
+    refuse_empty_yaml(args.model, "model config")
     info = model_info(args.model, overrides=args.set or None, num_loops=args.loops, seq_len=args.seq_len)
     if args.json:
         print(json.dumps(info, indent=2))
@@ -83,16 +107,19 @@ def _cmd_info(args) -> int:
 def _cmd_generate(args) -> int:
     import torch
 
-    from .data.tokenizers import load_tokenizer
+    from .checkpoint_io import load_model_for_inference
+    from .data.tokenizers import check_vocab, load_tokenizer
+    from .dataclass_util import refuse_empty_yaml
     from .model import build
 
     if args.checkpoint:
-        from .train.checkpoint import load_model_for_inference
-
-        model, tok = load_model_for_inference(args.checkpoint)
+        # --tokenizer replaces the recorded tokenizer (a warning if it differs); --set takes inference-time fields only
+        model, tok = load_model_for_inference(args.checkpoint, tokenizer=args.tokenizer, overrides=args.set)
     else:
+        refuse_empty_yaml(args.model, "model config")
         model = build(args.model, overrides=args.set or None)
-        tok = load_tokenizer(args.tokenizer)
+        tok = load_tokenizer(args.tokenizer or "byte")
+        check_vocab(tok, model.config.vocab_size)
     torch.manual_seed(args.seed)
     ids = torch.tensor([tok.encode(args.prompt)], dtype=torch.long)
     out = model.generate(
@@ -103,7 +130,9 @@ def _cmd_generate(args) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``looplm`` parser. ``command``: the sub-command about to run, so that only its module is
+    imported (a built-in command imports none); ``None`` or an unknown name registers them all."""
     ap = argparse.ArgumentParser(prog="looplm", description="Looped (recurrent-depth) language models.")
     sub = ap.add_subparsers(dest="command", required=True)
 
@@ -124,7 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--checkpoint", help="run dir or checkpoint dir written by `looplm train`")
     g.add_argument("--model", help="preset name or YAML (random weights)")
-    p.add_argument("--tokenizer", default="byte")
+    p.add_argument("--tokenizer", default=None,
+                   help="'byte' (default with --model), a tokenizer path or hub name; with --checkpoint it replaces "
+                        "the tokenizer the run recorded (with a warning if it differs)")
     p.add_argument("--prompt", default="The ")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -132,10 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--loops", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--set", action="append", metavar="KEY=VALUE")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a model config field; with --checkpoint only max_seq_len and n_loops")
     p.set_defaults(func=_cmd_generate)
 
-    for mod in COMMAND_MODULES:
+    if command in COMMAND_MODULES:
+        modules = _as_list(COMMAND_MODULES[command])
+    elif command in sub.choices:  # a built-in command
+        modules = []
+    else:  # --help, or a misspelt command: list them all
+        modules = list(dict.fromkeys(m for v in COMMAND_MODULES.values() for m in _as_list(v)))
+    for mod in modules:
         try:
             m = importlib.import_module(mod)
         except ModuleNotFoundError as e:
@@ -146,16 +184,36 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _as_list(modules) -> list[str]:
+    return [modules] if isinstance(modules, str) else list(modules)
+
+
+def _command_of(argv: list[str]) -> str | None:
+    """The sub-command named in ``argv`` (its first word that is not an option)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def _format_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser(_command_of(argv)).parse_args(argv)
+    formatwarning, warnings.formatwarning = warnings.formatwarning, _format_warning
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
+    except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return 1
     except BrokenPipeError:  # `looplm presets | head`
         sys.stderr.close()
         return 0
+    except (ValueError, OSError) as e:  # bad configs, data, tokenizers (ValueError); missing / unreadable files
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        warnings.formatwarning = formatwarning
 
 
 if __name__ == "__main__":

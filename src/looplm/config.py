@@ -122,6 +122,25 @@ class RuleConfig:
 
 
 @dataclass
+class PauseConfig:
+    """Pause tokens (Goyal et al. 2024): ``n_pause`` copies of a learned pause token after every input
+    token, the loss on real tokens only (:class:`looplm.pause.PauseLM`). The pause embedding is row
+    ``token_id`` of the embedding (default: the last id, ``vocab_size − 1`` — keep it unused by the
+    tokenizer, as the padding rows of a padded vocabulary are)."""
+
+    n_pause: int = 3
+    token_id: int | None = None
+
+    def validate(self) -> list[str]:
+        errs = []
+        if self.n_pause < 1:
+            errs.append(f"n_pause: must be >= 1, got {self.n_pause}")
+        if self.token_id is not None and self.token_id < 0:
+            errs.append(f"token_id: must be >= 0 (or null = vocab_size - 1), got {self.token_id}")
+        return errs
+
+
+@dataclass
 class ModelConfig:
     """A looped language model ``embed → prelude(p) → core(s) × K → coda(c) → norm → head``."""
 
@@ -141,6 +160,7 @@ class ModelConfig:
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     mamba: Mamba2Config = field(default_factory=Mamba2Config)
     rule: RuleConfig = field(default_factory=RuleConfig)
+    pause: PauseConfig | None = None  # pause tokens after every input token (looplm.pause); None = off
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     embed_scale: bool = False  # multiply embeddings by sqrt(d_model) (StateLoop eq. 1)
@@ -226,6 +246,8 @@ class ModelConfig:
                 errs.append(f"mamba.headdim: {m.headdim} does not divide d_inner={m.expand * self.d_model}")
             if m.ngroups >= 1 and m.expand >= 1 and m.headdim >= 1 and ((m.expand * self.d_model) // m.headdim) % m.ngroups:
                 errs.append(f"mamba.ngroups: {m.ngroups} does not divide the number of heads {(m.expand * self.d_model) // m.headdim}")
+        if self.pause is not None and self.pause.token_id is not None and self.pause.token_id >= self.vocab_size:
+            errs.append(f"pause.token_id: {self.pause.token_id} is outside the vocabulary [0, {self.vocab_size})")
         try:
             errs += [f"rule.{e}" if not e.startswith("rule.") else e for e in self.rule.validate()]
         except Exception as e:  # pragma: no cover - defensive
@@ -265,12 +287,9 @@ def list_presets() -> list[str]:
 
 
 def _read_yaml(path: Path) -> dict:
-    import yaml
+    from .dataclass_util import read_yaml_file
 
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
-    if not isinstance(data, dict):
-        raise ConfigError([f"{path}: top level must be a mapping"], "model config")
+    data = read_yaml_file(path, "model config")  # bad YAML, empty / comment-only, not a mapping
     # presets may carry documentation keys that are not part of the model config
     data = dict(data)
     data.pop("reference", None)
@@ -341,6 +360,7 @@ __all__ = [
     "Mamba2Config",
     "ModelConfig",
     "RopeScaling",
+    "PauseConfig",
     "RuleConfig",
     "ConfigError",
     "list_presets",

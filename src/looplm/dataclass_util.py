@@ -195,7 +195,7 @@ def apply_overrides(data: dict, overrides: list[str] | dict) -> dict:
     import copy
 
     out = copy.deepcopy(data)
-    items = overrides.items() if isinstance(overrides, dict) else (_split(o) for o in overrides)
+    items = overrides.items() if isinstance(overrides, dict) else (split_override(o) for o in overrides)
     for key, value in items:
         node = out
         parts = key.split(".")
@@ -207,8 +207,46 @@ def apply_overrides(data: dict, overrides: list[str] | dict) -> dict:
     return out
 
 
-def _split(o: str) -> tuple[str, str]:
+def split_override(o: str) -> tuple[str, str]:
+    """``"a.b=value"`` -> ``("a.b", "value")`` (the value still unparsed)."""
     if "=" not in o:
         raise ConfigError([f"override {o!r} is not of the form key=value"], "override")
     k, v = o.split("=", 1)
     return k.strip(), v
+
+
+
+
+def read_yaml_file(path, what: str) -> dict:
+    """The top-level mapping of a YAML config file.
+
+    Raises one ``ConfigError`` (titled ``what``) when the file is not valid YAML, is empty or holds
+    only comments (which would silently mean "all defaults"), or is not a mapping.
+    """
+    from pathlib import Path
+
+    import yaml
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError([f"{path}: not valid YAML: {e}"], what) from e
+    if data is None or data == {}:
+        raise ConfigError(
+            [f"{path}: the file is empty or holds only comments; write the settings into it (an empty config "
+             "would silently mean all defaults)"],
+            what,
+        )
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: the top level must be a mapping of settings, got a {type(data).__name__}"], what)
+    return data
+
+
+def refuse_empty_yaml(spec, what: str) -> None:
+    """If ``spec`` names an existing ``.yaml`` / ``.yml`` file, check it with :func:`read_yaml_file`
+    (presets and dicts pass untouched)."""
+    from pathlib import Path
+
+    if isinstance(spec, (str, Path)) and str(spec).endswith((".yaml", ".yml")) and Path(spec).is_file():
+        read_yaml_file(spec, what)

@@ -22,7 +22,7 @@ def _linear_flops(module: nn.Module) -> int:
 
 
 def _block_extra_flops(block, cfg: ModelConfig, seq_len: int) -> int:
-    if block.kind == "attention":
+    if cfg.mixer_of(block.layer_idx) == "attention":
         return 2 * 2 * cfg.attention.n_heads * cfg.head_dim * (seq_len + 1) // 2
     mx = block.mixer
     nheads = mx.nheads if hasattr(mx, "nheads") else (cfg.mamba.expand * cfg.d_model) // cfg.mamba.headdim

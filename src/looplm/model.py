@@ -30,6 +30,7 @@ class LoopedLMOutput:
     logits: torch.Tensor  # [B, T, V]
     loss: torch.Tensor | None = None  # training loss when labels are given: lm_loss_weight·CE + aux_loss
     aux_loss: torch.Tensor | None = None  # the rule's auxiliary loss on its own (None when it has none)
+    lm_loss: torch.Tensor | None = None  # the plain next-token cross-entropy of the final logits (for perplexity)
     iterations: list[torch.Tensor] | None = None  # H^k for k < r, each [B, T, d], when asked
     hidden: torch.Tensor | None = None  # final hidden state before the head (after the final norm)
     cache: LoopCache | None = None
@@ -288,7 +289,7 @@ class LoopedLM(nn.Module):
         head_in = hidden if logits_to_keep is None else hidden[:, -logits_to_keep:]
         logits = None if fused_loss else self.lm_head(head_in)  # [B, T, V]
 
-        loss = aux = None
+        loss = aux = lm = None
         if labels is not None:
             aux = self.rule.aux_loss(state, lctx)
             if fused_loss:
@@ -298,7 +299,7 @@ class LoopedLM(nn.Module):
             w = self.rule.lm_loss_weight
             loss = (lm if w == 1.0 else w * lm) if aux is None else w * lm + aux
         return LoopedLMOutput(
-            logits=logits, loss=loss, aux_loss=aux, iterations=iterations, hidden=hidden if output_hidden else None,
+            logits=logits, loss=loss, aux_loss=aux, lm_loss=lm, iterations=iterations, hidden=hidden if output_hidden else None,
             cache=cache, executed_loops=lctx.iteration + 1,
         )  # fmt: skip
 
@@ -325,9 +326,9 @@ def build(spec="tiny-llama", *, device=None, dtype=None, overrides=None, **kw) -
     ``overrides={"attention.n_heads": 2}``. ``device="meta"`` builds without memory (parameter counts).
     """
     if isinstance(overrides, (list, tuple)):
-        from .dataclass_util import _split, parse_value
+        from .dataclass_util import parse_value, split_override
 
-        overrides = {k: parse_value(v) for k, v in map(_split, overrides)}
+        overrides = {k: parse_value(v) for k, v in map(split_override, overrides)}
     ov = dict(overrides or {})
     ov.update(kw)
     cfg = load_model_config(spec, ov or None)

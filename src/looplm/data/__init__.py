@@ -13,19 +13,20 @@ See ``docs/data.md`` for the recipe and the resume contract.
 """
 
 from .config import DataConfig
-from .memmap import MemmapStream, prepare_memmap, read_meta
+from .memmap import MemmapStream, read_meta
 from .pipeline import (
     Packer,
     Selection,
     ShuffleBuffer,
-    StreamExhausted,
     TokenStream,
     build_stream,
     iter_val_batches,
     pack_documents,
     shard_batch,
 )
+from .prepare import prepare_memmap
 from .sources import (
+    DataError,
     DatasetsSource,
     DocumentSource,
     EmptyCorpusError,
@@ -34,18 +35,23 @@ from .sources import (
     resolve_files,
     stdlib_source,
 )
+from .stream import BatchStream, StreamExhausted
 from .tokenizers import (
     ByteTokenizer,
     HFTokenizer,
     Tokenizer,
+    TokenizerMismatchError,
     check_vocab,
     load_tokenizer,
+    tokenizer_fingerprint,
     train_bpe,
 )
 
 __all__ = [
+    "BatchStream",
     "ByteTokenizer",
     "DataConfig",
+    "DataError",
     "DatasetsSource",
     "DocumentSource",
     "EmptyCorpusError",
@@ -58,6 +64,7 @@ __all__ = [
     "StreamExhausted",
     "TokenStream",
     "Tokenizer",
+    "TokenizerMismatchError",
     "build_stream",
     "check_vocab",
     "iter_val_batches",
@@ -69,5 +76,6 @@ __all__ = [
     "resolve_files",
     "shard_batch",
     "stdlib_source",
+    "tokenizer_fingerprint",
     "train_bpe",
 ]

@@ -29,6 +29,8 @@ def _add_input_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stdlib", action="store_true",
                    help="use the built-in corpus of Python standard-library docstrings instead of INPUTS")
     p.add_argument("--text-field", default="text", help="jsonl field / parquet column with the text (default: text)")
+    p.add_argument("--missing-text", default="error", choices=["error", "skip"],
+                   help="rows without the text field: stop with an error (default) or skip them with a warning")
     p.add_argument("--split-mode", default="document", choices=["document", "blank_lines", "lines"],
                    help=".txt files: one document per file (default), per blank-line paragraph, or per line")
     p.add_argument("--max-docs", type=int, default=None, help="read at most this many documents")
@@ -84,7 +86,8 @@ def _data_config(args, **extra) -> DataConfig:
     from looplm.dataclass_util import from_dict
 
     d = {"source": "stdlib"} if args.stdlib else {"source": "files", "paths": list(args.inputs)}
-    d.update(text_field=args.text_field, split_mode=args.split_mode, max_docs=args.max_docs, **extra)
+    d.update(text_field=args.text_field, missing_text=args.missing_text, split_mode=args.split_mode,
+             max_docs=args.max_docs, **extra)
     return from_dict(DataConfig, d, what="data options")
 
 
@@ -96,7 +99,7 @@ def _documents(args) -> Iterable[str]:
 
 def cmd_data_prepare(args) -> int:
     """Handler of ``looplm data prepare``: write memmap shards and print a summary."""
-    from .memmap import prepare_memmap
+    from .prepare import prepare_memmap
 
     _check_inputs(args)
     extra = {"shuffle_buffer": args.shuffle_buffer, "seed": args.seed, "tokenizer": args.tokenizer}

@@ -16,6 +16,10 @@ Sources (``source``):
 * ``"memmap"`` -- a directory written by ``looplm data prepare`` (``paths: [dir]``); the same as
   ``source: files`` + ``format: memmap``.
 
+Rows (jsonl, parquet, hub) whose ``text_field`` is missing or null: ``missing_text: error`` (the
+default) stops with the file, the number of such rows and the line of the first one;
+``missing_text: skip`` skips them with a warning.
+
 Validation split (``split="val"``), first rule that applies:
 
 1. ``val_paths`` -- separate validation files (or a memmap directory); training uses all documents;
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 SOURCES = ("stdlib", "files", "hf", "memmap")
 FORMATS = ("auto", "text", "jsonl", "parquet", "memmap")
 SPLIT_MODES = ("document", "blank_lines", "lines")
+MISSING_TEXT_POLICIES = ("error", "skip")  # what a row without text is: see looplm.data.sources
 DEFAULT_VAL_EVERY_NTH = 50
 
 
@@ -43,6 +48,7 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)  # files, globs, directories; or "hf:org/name"
     format: str = "auto"  # "auto" | "text" | "jsonl" | "parquet" | "memmap"
     text_field: str = "text"  # jsonl field / parquet column / hub dataset column holding the text
+    missing_text: str = "error"  # rows whose text_field is missing or null: "error" (count + first line) | "skip" (warn)
     split_mode: str = "document"  # .txt files: "document" (one file = one doc) | "blank_lines" | "lines"
     hf_name: str | None = None  # hub dataset, e.g. "HuggingFaceFW/fineweb-edu"
     hf_config: str | None = None  # hub dataset config ("name" argument of load_dataset)
@@ -108,6 +114,8 @@ class DataConfig:
             errs.append("paths: 'hf:' needs a dataset name, e.g. 'hf:org/name'")
         if not self.text_field:
             errs.append("text_field: must not be empty")
+        if self.missing_text not in MISSING_TEXT_POLICIES:
+            errs.append(f"missing_text: must be one of {list(MISSING_TEXT_POLICIES)}, got {self.missing_text!r}")
         if not self.tokenizer:
             errs.append("tokenizer: must not be empty (use 'byte' for the built-in byte tokenizer)")
         if not self.hf_split:

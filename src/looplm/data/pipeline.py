@@ -14,7 +14,9 @@ A packed row of ``L`` tokens is both the input and the target: the model shifts 
 position (documents consumed), the epoch, the shuffle buffer's contents and RNG state, and the
 packer's carried tokens. A stream built fresh from the same config + ``load_state_dict(state)``
 produces exactly the batches the saved stream would have produced next. The state is plain JSON
-(the trainer stores it with the checkpoint).
+(the trainer stores it with the checkpoint). It also records the tokenizer's fingerprint (a hash of
+its vocabulary, :func:`~looplm.data.tokenizers.tokenizer_fingerprint`): a tokenizer replaced at the
+same path is refused instead of silently producing other token ids.
 
 **Distributed training.** Every rank builds the *same global* stream and calls
 ``next_batch(global_batch_size)``; each rank keeps its own rows (:func:`shard_batch`). All ranks
@@ -35,27 +37,21 @@ from typing import Any
 import torch
 
 from .config import DataConfig
+from .memmap import MemmapStream
 from .sources import DocumentSource, EmptyCorpusError, make_source
-from .tokenizers import Tokenizer, load_tokenizer
-
-STATE_VERSION = 1
-
-
-class StreamExhausted(EOFError):
-    """A finite stream (validation, one-epoch pass) has no more full batches."""
+from .stream import (
+    STATE_VERSION,
+    BatchStream,
+    StreamExhausted,
+    check_config,
+    resolve_tokenizer,
+    rng_state_from_json,
+    rng_state_to_json,
+)
+from .tokenizers import Tokenizer, check_tokenizer_fingerprint, tokenizer_fingerprint
 
 
 # ------------------------------------------------------------------------------ shuffle buffer
-def _rng_state_to_json(state: tuple) -> list:
-    version, internal, gauss = state
-    return [version, list(internal), gauss]
-
-
-def _rng_state_from_json(data: list) -> tuple:
-    version, internal, gauss = data
-    return (int(version), tuple(int(x) for x in internal), gauss)
-
-
 class ShuffleBuffer:
     """Reservoir-style shuffle buffer over a stream of items (documents).
 
@@ -107,7 +103,7 @@ class ShuffleBuffer:
 
     def state_dict(self) -> dict:
         return {"size": self.size, "seed": self.seed, "items": list(self.items),
-                "rng": _rng_state_to_json(self.rng.getstate())}
+                "rng": rng_state_to_json(self.rng.getstate())}
 
     def load_state_dict(self, state: dict) -> None:
         if int(state["size"]) != self.size:
@@ -116,7 +112,7 @@ class ShuffleBuffer:
                 "resume with the same data.shuffle_buffer"
             )
         self.items = list(state["items"])
-        self.rng.setstate(_rng_state_from_json(state["rng"]))
+        self.rng.setstate(rng_state_from_json(state["rng"]))
 
 
 # -------------------------------------------------------------------------------------- packer
@@ -207,29 +203,7 @@ class Selection:
 
 
 # -------------------------------------------------------------------------------------- stream
-class _BatchStream:
-    """Shared helpers of :class:`TokenStream` and :class:`~looplm.data.memmap.MemmapStream`."""
-
-    seq_len: int
-
-    def next_batch(self, n: int, allow_partial: bool = False) -> torch.Tensor:  # pragma: no cover
-        raise NotImplementedError
-
-    def iter_batches(self, n_batches: int | None, batch_size: int) -> Iterator[torch.Tensor]:
-        """Yield up to ``n_batches`` batches (``None`` = until a finite stream ends).
-
-        The last batch of a finite stream may have fewer than ``batch_size`` rows.
-        """
-        i = 0
-        while n_batches is None or i < n_batches:
-            try:
-                yield self.next_batch(batch_size, allow_partial=True)
-            except StreamExhausted:
-                return
-            i += 1
-
-
-class TokenStream(_BatchStream):
+class TokenStream(BatchStream):
     """Packed token batches from a document source, with exact resume.
 
     Args:
@@ -365,6 +339,7 @@ class TokenStream(_BatchStream):
             "rows_emitted": self.rows_emitted,
             "shuffle": self.shuffle.state_dict(),
             "packer": self.packer.state_dict(),
+            "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -376,6 +351,9 @@ class TokenStream(_BatchStream):
             )
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported data state version {state.get('version')} (expected {STATE_VERSION})")
+        # states written before fingerprints were recorded carry none: nothing to compare
+        check_tokenizer_fingerprint(self.tokenizer, state.get("tokenizer_fingerprint"), "the saved data state",
+                                    fix="use the tokenizer the state was saved with")
         mine = self._fingerprint()
         theirs = {k: state.get(k) for k in mine}
         theirs["selection"] = list(theirs["selection"] or [])
@@ -399,23 +377,6 @@ class TokenStream(_BatchStream):
 
 
 # ------------------------------------------------------------------------------------ building
-def _resolve_tokenizer(cfg: DataConfig, tokenizer: Tokenizer | str | None) -> Tokenizer:
-    if tokenizer is None:
-        return load_tokenizer(cfg.tokenizer)
-    if isinstance(tokenizer, str):
-        return load_tokenizer(tokenizer)
-    return tokenizer
-
-
-def check_config(cfg: DataConfig) -> None:
-    """Raise one ``ConfigError`` listing every problem of a ``DataConfig`` built by hand."""
-    from looplm.dataclass_util import ConfigError
-
-    errors = cfg.validate()
-    if errors:
-        raise ConfigError(errors, "data config")
-
-
 def selection_for(cfg: DataConfig, split: str) -> Selection:
     """The :class:`Selection` of ``split`` within ``cfg``'s source (hold-out rules only)."""
     rule, n = cfg.holdout()
@@ -436,7 +397,7 @@ def build_stream(cfg: DataConfig, tokenizer: Tokenizer | str | None = None, spli
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
     check_config(cfg)
-    tok = _resolve_tokenizer(cfg, tokenizer)
+    tok = resolve_tokenizer(cfg, tokenizer)
     rule, n = cfg.holdout()
     if split == "val" and rule == "none":
         raise ValueError(
@@ -444,8 +405,6 @@ def build_stream(cfg: DataConfig, tokenizer: Tokenizer | str | None = None, spli
             "data.val_every_nth, data.val_first_n or data.val_paths"
         )
     if cfg.kind == "memmap":
-        from .memmap import MemmapStream
-
         if split == "train":
             return MemmapStream(cfg.paths[0], cfg.seq_len, seed=cfg.seed, split="train", tokenizer=tok,
                                 epochs=epochs)

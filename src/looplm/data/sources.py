@@ -14,17 +14,29 @@ at exactly the right document.
   whose state is saved exactly.
 
 :func:`make_source` builds the right source for a :class:`~looplm.data.config.DataConfig`.
+
+**Rows without text** (jsonl / parquet / hub rows whose ``text_field`` is missing or null) are an
+error by default (``DataConfig.missing_text: error``): a :class:`DataError` names the file, how
+many of its rows lack the field and the line of the first one. ``missing_text: skip`` skips such
+rows instead, with a warning naming the first one and, at the end of each pass, their count. A
+source whose rows have no such field at all, a file that is not UTF-8 or not valid JSON, and a
+source of only empty files are errors that name the file (and line) too.
 """
 
 from __future__ import annotations
 
+import bz2
 import glob as _glob
+import gzip
+import json
+import lzma
 import os
+import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from .config import DataConfig
+from .config import MISSING_TEXT_POLICIES, DataConfig
 
 TEXT_EXTS = (".txt", ".text", ".md")
 JSON_EXTS = (".jsonl", ".json", ".ndjson")
@@ -34,8 +46,16 @@ _BUILDER_OF_FORMAT = {"text": "text", "jsonl": "json", "parquet": "parquet"}
 _SAMPLE_BY = {"document": "document", "blank_lines": "paragraph", "lines": "line"}
 
 
-class EmptyCorpusError(ValueError):
+class DataError(ValueError):
+    """The data cannot be read as configured (the message names the file and what to change)."""
+
+
+class EmptyCorpusError(DataError):
     """A source (or a split of it) contains no usable document."""
+
+
+class DataWarning(UserWarning):
+    """Something in the data was skipped (``missing_text: skip``)."""
 
 
 class DocumentSource(ABC):
@@ -91,11 +111,16 @@ class DatasetsSource(DocumentSource):
         builder_kwargs: extra ``load_dataset`` arguments (``sample_by`` for text files).
         strip_newlines: strip leading/trailing newlines of each document (paragraph mode).
         max_docs: read at most this many documents.
+        missing_text: ``"error"`` (default): a row whose ``text_field`` is missing or null raises a
+            :class:`DataError` with the count and the first line; ``"skip"``: such rows count as
+            empty documents (skipped by the pipeline), with a :class:`DataWarning`.
     """
 
     def __init__(self, path: str, data_files: list[str] | None = None, name: str | None = None,
                  split: str = "train", text_field: str = "text", builder_kwargs: dict | None = None,
-                 strip_newlines: bool = False, max_docs: int | None = None):
+                 strip_newlines: bool = False, max_docs: int | None = None, missing_text: str = "error"):
+        if missing_text not in MISSING_TEXT_POLICIES:
+            raise ValueError(f"missing_text must be one of {list(MISSING_TEXT_POLICIES)}, got {missing_text!r}")
         self.path = path
         self.data_files = data_files
         self.name = name
@@ -104,6 +129,7 @@ class DatasetsSource(DocumentSource):
         self.builder_kwargs = dict(builder_kwargs or {})
         self.strip_newlines = strip_newlines
         self.max_docs = max_docs
+        self.missing_text = missing_text
         self.is_hub = data_files is None
         if self.is_hub:
             self.description = f"hf:{path}" + (f"/{name}" if name else "") + f"[{split}]"
@@ -144,6 +170,8 @@ class DatasetsSource(DocumentSource):
                     f"{self.split!r}): {type(e).__name__}: {str(e)[:400]}. Offline? Use local files "
                     "(source: files) or the built-in corpus (source: stdlib)."
                 ) from e
+        if all(os.path.getsize(f) == 0 for f in self.data_files):
+            raise EmptyCorpusError(f"{self.description}: the file(s) are empty (0 bytes); point data.paths at the corpus")
         return datasets.load_dataset(self.path, data_files=self.data_files, split="train",
                                      streaming=True, **kwargs)
 
@@ -156,21 +184,128 @@ class DatasetsSource(DocumentSource):
         if self.max_docs is not None:
             ds = ds.take(self.max_docs - start)
         field = self.text_field
-        for i, row in enumerate(ds):
+        skipped = 0
+        rows = self._read_rows(ds)
+        for index, row in enumerate(rows, start):
             if field not in row:
-                raise KeyError(
-                    f"{self.description}: document {start + i} has no field {field!r}; its fields are "
-                    f"{sorted(row)}. Set data.text_field to the column that holds the text."
+                raise DataError(
+                    f"{self.description}: the rows have no field {field!r}; their fields are {sorted(row)} "
+                    f"(document {index}). Set data.text_field (--text-field) to the field that holds the text."
                 )
             text = row[field]
             if text is None:
-                text = ""
+                if self.missing_text == "error":
+                    raise DataError(self._missing_text_message(index))
+                if skipped == 0:
+                    warnings.warn(f"skipping rows without text (data.missing_text: skip): "
+                                  f"{self._missing_text_where(index)}", DataWarning, stacklevel=2)
+                skipped += 1
+                text = ""  # an empty document: the pipeline skips it, the source position still counts it
             elif not isinstance(text, str):
-                raise TypeError(
-                    f"{self.description}: field {field!r} of document {start + i} is a "
-                    f"{type(text).__name__}, not a string; set data.text_field to a text column"
+                raise DataError(
+                    f"{self.description}: field {field!r} of document {index} is a "
+                    f"{type(text).__name__}, not a string; set data.text_field (--text-field) to a text field"
                 )
             yield text.strip("\r\n") if self.strip_newlines else text
+        if skipped:
+            warnings.warn(f"{self.description}: skipped {skipped} row(s) without a {field!r} value in this pass "
+                          "(data.missing_text: skip)", DataWarning, stacklevel=2)
+
+    def _read_rows(self, ds) -> Iterator[dict]:
+        """The rows of ``ds``; a file that cannot be decoded or parsed becomes a :class:`DataError` naming it."""
+        rows = iter(ds)
+        while True:
+            try:
+                row = next(rows)
+            except StopIteration:
+                return
+            except (UnicodeDecodeError, ValueError, OSError) as e:  # pyarrow's ArrowInvalid is a ValueError
+                line_based = self.path in ("text", "json") and self.data_files  # local text / jsonl files
+                where = locate_unreadable(self.data_files, jsonl=self.path == "json") if line_based else None
+                if where is None:
+                    raise DataError(f"{self.description}: cannot read the data ({type(e).__name__}: {str(e)[:300]})") from e
+                raise DataError(where) from e
+            yield row
+
+    def _missing_text_where(self, index: int) -> str:
+        """Where the first row without text is: ``FILE: N row(s) ..., the first at line L`` or its index."""
+        found = first_row_without(self.data_files or [], self.text_field) if self.path == "json" else None
+        if found is None:
+            return f"{self.description}: document {index} has no {self.text_field!r} value (missing or null)"
+        file, line, count, fields = found
+        return (f"{file}: {count} row(s) have no {self.text_field!r} value (missing or null), the first at "
+                f"line {line} (its fields: {fields})")
+
+    def _missing_text_message(self, index: int) -> str:
+        return (
+            f"{self._missing_text_where(index)}. Fix those rows, set data.text_field (--text-field) to the field "
+            "that holds the text, or set data.missing_text: skip (--missing-text skip) to skip such rows with a warning."
+        )
+
+
+# ------------------------------------------------------------------------------ locating problems
+def _open_binary(path: str):
+    """``path`` opened for reading bytes, decompressed by its extension (``None`` if we cannot)."""
+    name = path.lower()
+    if name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if name.endswith(".bz2"):
+        return bz2.open(path, "rb")
+    if name.endswith(".xz"):
+        return lzma.open(path, "rb")
+    if name.endswith(COMPRESSION_EXTS):
+        return None
+    return open(path, "rb")
+
+
+def _lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """``(1-based line number, raw line)`` of a (possibly compressed) file; nothing if unreadable."""
+    f = _open_binary(path)
+    if f is None:
+        return
+    with f:
+        yield from enumerate(f, 1)
+
+
+def locate_unreadable(files: Sequence[str], jsonl: bool) -> str | None:
+    """The first line of ``files`` that is not UTF-8 (or, for ``jsonl``, not valid JSON), described
+    as ``"FILE line N is not valid UTF-8 ..."``; ``None`` if every line reads fine."""
+    for path in files:
+        for n, raw in _lines(path):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                return (f"{path} line {n} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                        "convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8")
+            if jsonl and line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as e:
+                    return f"{path} line {n} is not valid JSON ({e.msg} at column {e.colno}); one JSON object per line is expected"
+    return None
+
+
+def first_row_without(files: Sequence[str], field: str) -> tuple[str, int, int, list[str]] | None:
+    """For jsonl ``files``: ``(file, line, count, fields)`` of the first file with rows whose ``field``
+    is missing or null -- the first such row's line and fields, and how many such rows that file
+    has. ``None`` if there is none, or the files are not one JSON object per line."""
+    for path in files:
+        first, count = None, 0
+        try:
+            for n, raw in _lines(path):
+                if not raw.strip():
+                    continue
+                row = json.loads(raw)
+                if not isinstance(row, dict):
+                    return None
+                if row.get(field) is None:
+                    count += 1
+                    first = first or (n, sorted(row))
+        except (ValueError, OSError):  # not jsonl (a JSON array, a broken line): the caller says less
+            return None
+        if first is not None:
+            return path, first[0], count, first[1]
+    return None
 
 
 # ------------------------------------------------------------------------------ file handling
@@ -259,7 +394,7 @@ def file_source(paths: Sequence[str], cfg: DataConfig, max_docs: int | None = No
         text_field = "text"
     return DatasetsSource(_BUILDER_OF_FORMAT[fmt], data_files=files, text_field=text_field,
                           builder_kwargs=kwargs, strip_newlines=(fmt == "text" and cfg.split_mode != "document"),
-                          max_docs=max_docs)
+                          max_docs=max_docs, missing_text=cfg.missing_text)
 
 
 def hub_source(name: str, config: str | None, split: str, cfg: DataConfig,
@@ -268,7 +403,7 @@ def hub_source(name: str, config: str | None, split: str, cfg: DataConfig,
     if not name:
         raise ValueError("a hub dataset needs a name, e.g. 'hf:org/name'")
     return DatasetsSource(name, data_files=None, name=config, split=split, text_field=cfg.text_field,
-                          max_docs=max_docs)
+                          max_docs=max_docs, missing_text=cfg.missing_text)
 
 
 def make_source(cfg: DataConfig, split: str = "train") -> DocumentSource:

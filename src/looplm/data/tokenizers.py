@@ -10,13 +10,23 @@ Every tokenizer in looplm follows :class:`Tokenizer`::
     pad_id: int | None
     name: str                      # what load_tokenizer() was given: "byte", a path, a hub name
     save(dir)                      # write files so that load_tokenizer(dir) gives it back
+    fingerprint() -> str           # optional: a hash of the vocabulary (see tokenizer_fingerprint)
 
 :func:`load_tokenizer` turns a spec string into a tokenizer; :func:`train_bpe` trains a byte-level
 BPE with the ``tokenizers`` library; :func:`check_vocab` compares a tokenizer with a model.
+
+**Fingerprints.** A checkpoint and a data-stream state record the tokenizer by its spec (a path,
+say) *and* by :func:`tokenizer_fingerprint`: a SHA-256 of its vocabulary (every token string with
+its id, added tokens included) and its special-token ids. It does not depend on file layout,
+library version or dictionary order, so it changes only when the token ids would. Resuming,
+evaluating or decoding with a tokenizer whose fingerprint differs from the recorded one fails
+(:func:`check_tokenizer_fingerprint`): a tokenizer replaced at the same path with the same
+vocabulary size would otherwise give garbage silently.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterable, Sequence
@@ -44,6 +54,19 @@ class Tokenizer(Protocol):
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def save(self, directory: str | os.PathLike) -> None: ...
+
+
+class TokenizerMismatchError(ValueError):
+    """A tokenizer is not the one a checkpoint / data state / memmap directory was made with."""
+
+
+def _vocabulary_digest(vocab: dict[str, int], eos_id: int, bos_id: int | None, pad_id: int | None) -> str:
+    """``sha256:<16 hex>`` of the vocabulary (sorted by id) and the special ids: deterministic."""
+    canonical = json.dumps(
+        {"vocab": sorted(([i, t] for t, i in vocab.items())), "eos_id": eos_id, "bos_id": bos_id, "pad_id": pad_id},
+        ensure_ascii=False, separators=(",", ":"),
+    )
+    return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------- bytes
@@ -74,6 +97,11 @@ class ByteTokenizer:
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         (d / META_FILE).write_text(json.dumps({"type": "byte", "vocab_size": self.vocab_size}, indent=2))
+
+    def fingerprint(self) -> str:
+        """The hash of the 256 byte ids and the three specials (the same for every ``ByteTokenizer``)."""
+        vocab = {f"<0x{b:02X}>": b for b in range(256)} | {"<eos>": self.EOS, "<bos>": self.BOS, "<pad>": self.PAD}
+        return _vocabulary_digest(vocab, self.eos_id, self.bos_id, self.pad_id)
 
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=259, eos=256, bos=257, pad=258)"
@@ -182,6 +210,12 @@ class HFTokenizer:
         if self._kind == "tokenizers":
             return self._tok.get_vocab(with_added_tokens=True)
         return self._tok.get_vocab()
+
+    def fingerprint(self) -> str:
+        """The hash of the vocabulary and the special ids (computed once, then cached)."""
+        if getattr(self, "_fingerprint", None) is None:
+            self._fingerprint = _vocabulary_digest(self._vocab(), self.eos_id, self.bos_id, self.pad_id)
+        return self._fingerprint
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.name!r}, vocab_size={self.vocab_size}, eos_id={self.eos_id})"
@@ -350,6 +384,40 @@ def train_bpe(
                       pad_token="<|pad|>" if "<|pad|>" in special_tokens else None)
     out.save(out_dir)
     return out
+
+
+def tokenizer_fingerprint(tokenizer: Tokenizer) -> str | None:
+    """``tokenizer.fingerprint()``: ``"sha256:<16 hex digits>"`` of its vocabulary and special ids.
+
+    ``None`` for a tokenizer object without a ``fingerprint`` method (nothing can be checked).
+    """
+    fingerprint = getattr(tokenizer, "fingerprint", None)
+    return fingerprint() if callable(fingerprint) else None
+
+
+def check_tokenizer_fingerprint(tokenizer: Tokenizer, recorded: str | None, what: str, fix: str) -> str | None:
+    """Compare ``tokenizer`` with the fingerprint ``recorded`` by ``what`` (a checkpoint, a data state).
+
+    Raises :class:`TokenizerMismatchError` naming both fingerprints and the tokenizer's path when
+    they differ; ``fix`` says what to do instead. Returns a warning message when ``what`` recorded
+    no fingerprint (written by an older looplm) and the tokenizer has files that could have been
+    replaced, else ``None``.
+    """
+    current = tokenizer_fingerprint(tokenizer)
+    if recorded is None:
+        if tokenizer.name == "byte" or current is None:  # built in: nothing at a path to replace
+            return None
+        return (
+            f"{what} records no tokenizer fingerprint (written by an older looplm), so it cannot be checked that "
+            f"the tokenizer at {tokenizer.name!r} is the one it was made with"
+        )
+    if current is not None and current != recorded:
+        raise TokenizerMismatchError(
+            f"the tokenizer at {tokenizer.name!r} has fingerprint {current}, but {what} was made with a tokenizer "
+            f"of fingerprint {recorded}: the tokenizer files were replaced or changed (same vocabulary size or not, "
+            f"the token ids differ). Restore the original tokenizer, or {fix}."
+        )
+    return None
 
 
 def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:

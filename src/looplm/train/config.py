@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..data.config import DataConfig
-from ..dataclass_util import ConfigError, apply_overrides, from_dict, to_dict
+from ..dataclass_util import ConfigError, apply_overrides, from_dict, read_yaml_file, refuse_empty_yaml, to_dict
 
 __all__ = [
     "OptimConfig",
@@ -155,13 +155,20 @@ class TrainLoopConfig:
     device: str = "auto"  # "auto" (cuda if available) | "cpu" | "cuda"
     cpu_threads: int | None = None  # torch.set_num_threads on CPU (None = torch's default)
     activation_checkpointing: bool = False  # recompute each loop iteration in backward
+    compile: bool | str = "auto"  # compile every block (looplm.parallel.compile_blocks): true | false | "auto" (see resolve_compile)
     num_grad_loops: int | None = None  # fixed truncated BPTT: backprop through the last m loops only
     random_loops: RandomLoopsConfig | None = None
     nan_policy: str = "stop"  # "stop" | "skip": what to do on a non-finite loss / grad norm
+    max_consecutive_skips: int = 5  # nan_policy skip: stop with an error after this many skipped updates in a row
     parallel: str = "ddp"  # "ddp" | "fsdp" | "none" (only used with more than one process)
     fsdp_granularity: str = "core"  # "core" (shard core blocks + root) | "root" (one unit)
     debug_nan_at_step: int | None = None  # testing aid: make the loss NaN at this 1-based step
+    debug_nan_steps: int = 1  # testing aid: ... and at the steps after it, this many steps in all
     debug_step_sleep_s: float = 0.0  # testing aid: sleep after every step (e.g. to kill a run mid-way)
+    init_from: str | None = None  # start from these model weights (checkpoint or run dir); new rule parameters keep their init
+    freeze: list[str] = field(default_factory=list)  # fnmatch patterns of parameter names: requires_grad off, not in the optimizer
+    init_map: dict[str, list[int]] | None = None  # with init_from: pretrained layers -> {prelude, core, coda} (looplm.hf.retrofit)
+    loop_schedule: list[list[int]] | None = None  # [[step, loops], ...]: the loop count from each step on (looplm.hf.retrofit)
 
     def validate(self) -> list[str]:
         errs = []
@@ -179,8 +186,14 @@ class TrainLoopConfig:
             errs.append(f"precision: must be 'bf16', 'fp32' or 'auto' (fp16 is not supported), got {self.precision!r}")
         if self.device not in ("auto", "cpu", "cuda"):
             errs.append(f"device: must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.compile not in (True, False, "auto"):
+            errs.append(f"compile: must be true, false or 'auto', got {self.compile!r}")
         if self.nan_policy not in ("stop", "skip"):
             errs.append(f"nan_policy: must be 'stop' or 'skip', got {self.nan_policy!r}")
+        if self.max_consecutive_skips < 1:
+            errs.append(f"max_consecutive_skips: must be >= 1, got {self.max_consecutive_skips}")
+        if self.debug_nan_steps < 1:
+            errs.append(f"debug_nan_steps: must be >= 1, got {self.debug_nan_steps}")
         if self.parallel not in ("ddp", "fsdp", "none"):
             errs.append(f"parallel: must be 'ddp', 'fsdp' or 'none', got {self.parallel!r}")
         if self.fsdp_granularity not in ("core", "root"):
@@ -193,6 +206,8 @@ class TrainLoopConfig:
             errs.append(f"seed: must be >= 0, got {self.seed}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
             errs.append(f"cpu_threads: must be >= 1 or null, got {self.cpu_threads}")
+        if any(not isinstance(f, str) or not f for f in self.freeze):
+            errs.append(f"freeze: must be a list of parameter-name patterns (e.g. 'core.*'), got {self.freeze!r}")
         return errs
 
 
@@ -267,6 +282,7 @@ class TrainConfig:
         """Cross-section checks; the model config is resolved (not built) so its errors show too."""
         errs: list[str] = []
         try:
+            refuse_empty_yaml(self.model, "model config")
             mcfg = self.model_config()
         except ConfigError as e:
             errs += [f"model: {m}" for m in e.errors]
@@ -278,6 +294,10 @@ class TrainConfig:
         rl = self.train.random_loops if self.train is not None else None
         if rl is not None and rl.grad_loops is not None and rl.grad_loops > rl.max:
             errs.append(f"train.random_loops.grad_loops: {rl.grad_loops} exceeds random_loops.max={rl.max}")
+        if self.train is not None and (self.train.init_map is not None or self.train.loop_schedule is not None):
+            from ..hf.retrofit import validate_retrofit  # layer map / loop schedule of a retrofit
+
+            errs += validate_retrofit(self.train, mcfg)
         if self.train is not None and self.train.num_grad_loops is not None and self.train.num_grad_loops > mcfg.n_loops:
             errs.append(f"train.num_grad_loops: {self.train.num_grad_loops} exceeds the model's n_loops={mcfg.n_loops}")
         return errs
@@ -296,10 +316,9 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | None = N
     """Read a training YAML (or a dict), apply ``key=value`` overrides, validate everything.
 
     A relative ``model:`` path is resolved against the YAML file's directory when it exists there.
-    Raises one ``ConfigError`` that lists every unknown key (with suggestions) and every bad value.
+    Raises one ``ConfigError`` that lists every unknown key (with suggestions) and every bad value;
+    an empty or comment-only file is refused (it would silently train the defaults).
     """
-    import yaml
-
     base_dir = None
     if isinstance(source, dict):
         data = dict(source)
@@ -307,12 +326,7 @@ def load_train_config(source: str | Path | dict, overrides: list[str] | None = N
         path = Path(source)
         if not path.exists():
             raise FileNotFoundError(f"training config {str(path)!r} does not exist")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ConfigError([f"{path}: not valid YAML: {e}"], "training config") from e
-        if not isinstance(data, dict):
-            raise ConfigError([f"{path}: the top level must be a mapping of sections"], "training config")
+        data = read_yaml_file(path, "training config")  # refuses an empty / comment-only file
         base_dir = path.parent
     if overrides:
         data = apply_overrides(data, list(overrides))

@@ -31,7 +31,43 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["DistInfo", "init_distributed", "wrap_model", "unwrap_model", "all_reduce_mean", "barrier", "cleanup", "broadcast_object"]
+__all__ = [
+    "DistInfo",
+    "init_distributed",
+    "is_distributed",
+    "get_rank",
+    "get_world_size",
+    "is_main_process",
+    "wrap_model",
+    "unwrap_model",
+    "all_reduce_mean",
+    "barrier",
+    "cleanup",
+    "broadcast_object",
+]
+
+
+def is_distributed() -> bool:
+    """Whether a process group is up (``torchrun`` with more than one process, after :func:`init_distributed`)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """This process's rank: from the process group, else from ``torchrun``'s ``RANK`` (0 without one).
+
+    The environment covers the time before :func:`init_distributed` and after :func:`cleanup`.
+    """
+    return dist.get_rank() if is_distributed() else int(os.environ.get("RANK", "0"))
+
+
+def get_world_size() -> int:
+    """The number of processes: from the process group, else ``WORLD_SIZE`` (1 without ``torchrun``)."""
+    return dist.get_world_size() if is_distributed() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def is_main_process() -> bool:
+    """Rank 0: the process that writes files and prints."""
+    return get_rank() == 0
 
 
 @dataclass
@@ -67,14 +103,12 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistInfo:
 
     Returns a ``DistInfo``; without ``WORLD_SIZE`` (or with 1) no process group is created.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     dev = _pick_device(device, local_rank)
-    if world <= 1:
+    if get_world_size() <= 1:
         return DistInfo(0, 1, 0, dev, None)
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    if not dist.is_initialized():
+    if not is_distributed():
         kwargs = {"backend": backend, "timeout": datetime.timedelta(seconds=timeout_s)}
         if dev.type == "cuda":
             kwargs["device_id"] = dev
@@ -84,18 +118,18 @@ def init_distributed(device: str = "auto", timeout_s: int = 1800) -> DistInfo:
 
 def cleanup() -> None:
     """Destroy the process group (if this process created one)."""
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.destroy_process_group()
 
 
 def barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if is_distributed():
         dist.barrier()
 
 
 def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
     """Mean of ``value`` over ranks (identity without a process group)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if is_distributed() and dist.get_world_size() > 1:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         value /= dist.get_world_size()
@@ -104,7 +138,7 @@ def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
 
 def broadcast_object(obj, src: int = 0):
     """``obj`` from rank ``src`` on every rank (identity without a process group)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    if is_distributed() and dist.get_world_size() > 1:
         box = [obj]
         dist.broadcast_object_list(box, src=src)
         return box[0]

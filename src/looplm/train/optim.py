@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-__all__ = ["ParamPlan", "plan_param_groups", "build_optimizer", "MultiOptimizer"]
+__all__ = ["ParamPlan", "plan_param_groups", "build_optimizer", "MultiOptimizer", "freeze_parameters"]
 
 MUON = "muon"
 MUON_NO_DECAY = "muon_no_decay"
@@ -77,6 +77,28 @@ def plan_param_groups(model: nn.Module, use_muon: bool = True) -> ParamPlan:
         else:
             plan.group_of[name] = ADAMW_NO_DECAY if no_decay else ADAMW_DECAY
     return plan
+
+
+def freeze_parameters(model: nn.Module, patterns: list[str]) -> list[str]:
+    """Freeze the parameters named by ``train.freeze``: ``fnmatch`` patterns, and ``!pattern`` for
+    exceptions (``["*", "!rule.*"]`` = everything but the recurrence rule's parameters). A frozen
+    parameter gets ``requires_grad = False``, so :func:`plan_param_groups` leaves it out of the
+    optimizer: no update, no weight decay, no optimizer state. Returns the frozen names; a pattern
+    matching nothing is an error (a typo would silently train everything)."""
+    import fnmatch
+
+    names = [n for n, _ in model.named_parameters()]
+    keep = [pat[1:] for pat in patterns if pat.startswith("!")]
+    take = [pat for pat in patterns if not pat.startswith("!")]
+    unmatched = [pat for pat in take + keep if not any(fnmatch.fnmatchcase(n, pat) for n in names)]
+    if unmatched:
+        raise ValueError(f"train.freeze: pattern(s) {unmatched} match no parameter of the model (names look like {names[:3]})")
+    frozen = []
+    for n, p in model.named_parameters():
+        if any(fnmatch.fnmatchcase(n, t) for t in take) and not any(fnmatch.fnmatchcase(n, k) for k in keep):
+            p.requires_grad_(False)
+            frozen.append(n)
+    return frozen
 
 
 class MultiOptimizer:

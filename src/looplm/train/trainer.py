@@ -10,7 +10,8 @@ One optimizer update (``step`` counts completed updates; update ``t`` is 0-based
         with autocast(bf16):  loss = model(x, labels=x, num_loops=r, num_grad_loops=m).loss
         (loss / n_micro).backward()                         (gradient accumulation, paper §3)
     grad_norm = clip_grad_norm_(params, 1.0)               (global L2 norm, after the all-reduce)
-    non-finite loss or grad norm -> stop before the update (nan_policy: stop) or skip it (skip)
+    non-finite loss or grad norm -> stop before the update (nan_policy: stop) or skip it (skip;
+                                    max_consecutive_skips skipped updates in a row stop the run)
     optimizer.step(); optimizer.zero_grad()
 
 Master weights stay fp32; ``precision: bf16`` autocasts the forward on CPU and CUDA (never fp16).
@@ -20,7 +21,11 @@ or ``random_loops`` (random loop count per step, optionally truncated) is set.
 
 Resuming: ``Trainer.fit`` loads the newest complete checkpoint of ``OUT/ckpt`` (model, optimizer,
 data-stream position, step, token count) and continues; ``metrics.jsonl`` is cut back to that step
-and appended to. On CPU in fp32 a resumed run reproduces an uninterrupted one bit for bit.
+and appended to. On CPU in fp32 a resumed run reproduces an uninterrupted one bit for bit. A
+tokenizer whose fingerprint differs from the checkpoint's is refused.
+
+One trainer per output directory: ``fit`` holds :class:`~looplm.train.run_lock.RunDirLock` on
+``OUT`` (rank 0) from before it touches the directory until it returns or dies.
 """
 
 from __future__ import annotations
@@ -38,19 +43,42 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..data.tokenizers import check_tokenizer_fingerprint, tokenizer_fingerprint
 from ..dataclass_util import to_dict
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .distributed import DistInfo, all_reduce_mean, broadcast_object, cleanup, init_distributed, wrap_model
 from .metrics import MetricsLogger, truncate_metrics, write_run_json
-from .optim import MultiOptimizer, build_optimizer, plan_param_groups
+from .optim import MultiOptimizer, build_optimizer, freeze_parameters, plan_param_groups
+from .run_lock import RunDirLock, RunDirLockedError
 from .schedule import apply_lr, build_lr_lambda
 
 __all__ = ["Trainer", "TrainingDivergedError", "train", "step_seed", "batch_hash"]
 
 
+def _load_init_weights(model: nn.Module, path: str) -> str:
+    """``train.init_from``: load a checkpoint's model weights into ``model`` (before any resume).
+    Parameters the checkpoint lacks are allowed only under ``rule.`` (a rule added for continued
+    training, e.g. the exit gate on a fixed-loop model) and keep their initialisation."""
+    from ..checkpoint_io import CheckpointError, load_tensors, resolve_checkpoint, verify_checkpoint
+
+    ckpt = resolve_checkpoint(path)
+    if (ckpt / "COMPLETE").exists():
+        verify_checkpoint(ckpt)
+    sd = load_tensors(ckpt / "model.safetensors")
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    bad = [k for k in missing if not k.startswith("rule.")]
+    if bad or unexpected:
+        raise CheckpointError(
+            f"train.init_from {str(ckpt)!r} does not fit this model: missing {bad[:5]}, unexpected {list(unexpected)[:5]} "
+            "(only new recurrence-rule parameters may be missing)"
+        )
+    return f"initialised from {ckpt}" + (f" (new parameters keep their init: {missing})" if missing else "")
+
+
 class TrainingDivergedError(RuntimeError):
-    """The loss or the gradient norm became NaN / Inf (raised before the optimizer update)."""
+    """The loss or the gradient norm became NaN / Inf (raised before the optimizer update), or too
+    many updates in a row were skipped for it (``nan_policy: skip``)."""
 
 
 def step_seed(seed: int, step: int, purpose: str = "step") -> int:
@@ -84,6 +112,22 @@ def resolve_precision(precision: str, device: torch.device) -> str:
     return "bf16" if cpu_has_fast_bf16() else "fp32"
 
 
+# compiling the blocks costs tens of seconds once; below this many steps it does not pay back
+COMPILE_AUTO_MIN_STEPS = 200
+
+
+def resolve_compile(setting, device: torch.device, precision: str, max_steps: int) -> bool:
+    """``train.compile``: ``true`` / ``false``, or ``auto`` = compile where it pays: on CUDA, and on a CPU
+    training in bf16 with native bf16 matmuls (where fusing the casts and elementwise ops of the
+    autocast step measured faster, see benchmarks/bench_train.py), for runs of at least
+    ``COMPILE_AUTO_MIN_STEPS`` steps (short runs would spend more time compiling than they save)."""
+    if setting != "auto":
+        return bool(setting)
+    if max_steps < COMPILE_AUTO_MIN_STEPS:
+        return False
+    return device.type == "cuda" or (precision == "bf16" and cpu_has_fast_bf16())
+
+
 @dataclass
 class _Geometry:
     global_batch: int
@@ -101,14 +145,20 @@ class Trainer:
     """Trains ``cfg`` into ``out_dir`` (resuming from ``out_dir/ckpt`` when a checkpoint is there).
 
     >>> Trainer(load_train_config("configs/train/tiny.yaml"), "runs/demo").fit()
+
+    ``lock``: a :class:`RunDirLock` of ``out_dir`` the caller already holds (it stays held after
+    ``fit``); by default ``fit`` takes the lock itself and releases it when it returns.
     """
 
-    def __init__(self, cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, quiet: bool = False):
+    def __init__(self, cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, quiet: bool = False,
+                 lock: RunDirLock | None = None):
         self.cfg = cfg
         self.out = Path(out_dir)
         self.resume = resume
         self.quiet = quiet
         self.ckpt_root = self.out / "ckpt"
+        self.lock = lock if lock is not None else RunDirLock(self.out)
+        self._owns_lock = lock is None
 
     # ------------------------------------------------------------------------------ setup
     def _log(self, msg: str) -> None:
@@ -157,12 +207,26 @@ class Trainer:
         self.model_cfg = cfg.model_config()
         check_vocab(self.tokenizer, self.model_cfg.vocab_size)
         model = build(self.model_cfg).to(info.device)
+        if tc.init_from:  # continued training (e.g. exit-gate stages): start from these weights
+            if tc.init_map is not None:  # retrofit: pretrained layers -> prelude / core / coda (looplm.hf.retrofit)
+                from ..hf.retrofit import apply_layer_map
+
+                self._log(apply_layer_map(model, tc.init_from, tc.init_map))
+            else:
+                self._log(_load_init_weights(model, tc.init_from))
+        self.frozen = freeze_parameters(model, tc.freeze) if tc.freeze else []
         self.model = model  # unwrapped (FSDP2 shards it in place)
         self.plan = plan_param_groups(model, use_muon=cfg.optim.name == "muon_adamw")
         if tc.activation_checkpointing:
             from ..parallel import apply_activation_checkpointing
 
             apply_activation_checkpointing(model)
+        self.compiled = resolve_compile(tc.compile, info.device, self.precision, tc.max_steps)
+        self._compile_logged = False
+        if self.compiled:
+            from ..parallel import compile_blocks
+
+            compile_blocks(model)  # one graph per block shape: the looped core compiles once, not K times
         truncated = tc.random_loops is not None or tc.num_grad_loops is not None
         self.wrapped: nn.Module = wrap_model(model, tc.parallel, info, tc.fsdp_granularity, find_unused_parameters=truncated)
         self.is_ddp = isinstance(self.wrapped, torch.nn.parallel.DistributedDataParallel)
@@ -179,6 +243,19 @@ class Trainer:
         self.step = 0
         self.tokens = 0
         self.elapsed = 0.0
+        self.consecutive_skips = 0  # updates skipped in a row (nan_policy: skip)
+
+    def _lock_run_dir(self) -> None:
+        """Take the run directory's lock on rank 0; every rank fails if another trainer holds it."""
+        error = None
+        if self.info.is_main:
+            try:
+                self.lock.acquire()
+            except RunDirLockedError as e:
+                error = str(e)
+        error = broadcast_object(error)
+        if error is not None:
+            raise RunDirLockedError(error)
 
     def _autocast(self):
         if self.precision == "bf16":
@@ -186,7 +263,8 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _config_record(self) -> dict:
-        return {"train": to_dict(self.cfg), "model": to_dict(self.model_cfg), "tokenizer": self.tokenizer.name}
+        return {"train": to_dict(self.cfg), "model": to_dict(self.model_cfg), "tokenizer": self.tokenizer.name,
+                "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer)}
 
     # ------------------------------------------------------------------------------ resume
     def _maybe_resume(self) -> None:
@@ -202,10 +280,17 @@ class Trainer:
                     self._log(f"note: no checkpoint in {self.ckpt_root}; starting from scratch and clearing {metrics_path}")
             return
         state = load_checkpoint(latest, self.wrapped, list(self.optimizer), verify=self.cfg.checkpoint.verify)
+        note = check_tokenizer_fingerprint(
+            self.tokenizer, state.get("tokenizer_fingerprint"), f"checkpoint {latest!r}",
+            fix=f"start a new run with this tokenizer (--no-resume, or another --out than {str(self.out)!r})",
+        )
+        if note:
+            self._log(f"warning: {note}")
         self.stream.load_state_dict(state["data"])
         self.step = int(state["step"])
         self.tokens = int(state.get("tokens", 0))
         self.elapsed = float(state.get("elapsed_s", 0.0))
+        self.consecutive_skips = int(state.get("consecutive_skips", 0))
         if state.get("global_batch_size") not in (None, self.geo.global_batch):
             self._log(
                 f"warning: the checkpoint was trained with global_batch_size={state['global_batch_size']}, "
@@ -218,6 +303,11 @@ class Trainer:
     # ------------------------------------------------------------------------------ one step
     def _loop_counts(self, step: int) -> tuple[int | None, int | None]:
         tc = self.cfg.train
+        if tc.loop_schedule is not None:  # retrofit: the loop count rises with the step (looplm.hf.retrofit)
+            from ..hf.retrofit import loops_at
+
+            r = loops_at(tc.loop_schedule, step)
+            return r, None if tc.num_grad_loops is None else min(tc.num_grad_loops, r)
         rl = tc.random_loops
         if rl is None:
             return None, tc.num_grad_loops
@@ -249,14 +339,18 @@ class Trainer:
         local = shard_batch(batch, info.rank, info.world_size).to(info.device, non_blocking=True)
         self.wrapped.train()
         loss_sum = torch.zeros((), device=info.device, dtype=torch.float32)
+        aux_sum = None
         for i, x in enumerate(local.split(geo.micro)):
             last = i == geo.n_micro - 1
             with self._sync_context(last):
-                with self._autocast():
-                    out = self.wrapped(x, labels=x, num_loops=num_loops, num_grad_loops=grad_loops)
+                with self._autocast():  # the chunked loss: no [B, T, V] logits (LoopedLM.forward return_logits)
+                    out = self.wrapped(x, labels=x, num_loops=num_loops, num_grad_loops=grad_loops, return_logits=False)
                 loss = out.loss.float()
-                if tc.debug_nan_at_step is not None and step + 1 == tc.debug_nan_at_step:
-                    loss = loss * float("nan")  # testing aid: simulate a diverged step
+                if out.aux_loss is not None:  # the rule's own term (already inside out.loss), logged on its own
+                    aux = out.aux_loss.detach().float()
+                    aux_sum = aux if aux_sum is None else aux_sum + aux
+                if tc.debug_nan_at_step is not None and 0 <= step + 1 - tc.debug_nan_at_step < tc.debug_nan_steps:
+                    loss = loss * float("nan")  # testing aid: simulate diverged steps
                 (loss / geo.n_micro).backward()
             loss_sum += loss.detach()
         loss_value = float(all_reduce_mean(loss_sum / geo.n_micro))
@@ -276,6 +370,11 @@ class Trainer:
         }
         if "muon" in self.optimizer.optimizers:
             record["muon_lr"] = multiplier * self.cfg.optim.muon_lr
+        if aux_sum is not None:
+            record["aux_loss"] = float(all_reduce_mean(aux_sum / geo.n_micro))
+        rule_metrics = getattr(self.model.rule, "train_metrics", None)  # e.g. the exit gate's entropy / expected step
+        if callable(rule_metrics):
+            record.update(rule_metrics())
         if num_loops is not None:
             record["num_loops"] = num_loops
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
@@ -287,12 +386,27 @@ class Trainer:
                     f"optimizer update, the model is unchanged since step {step}. Lower the learning rate, check the "
                     "data, resume from the last checkpoint, or set train.nan_policy=skip to skip such steps."
                 )
+            self.consecutive_skips += 1
+            if self.consecutive_skips >= tc.max_consecutive_skips:
+                first = step + 2 - self.consecutive_skips
+                raise TrainingDivergedError(
+                    f"step {step + 1}: the {what}, and the {self.consecutive_skips} updates of steps {first}-{step + 1} "
+                    f"were all skipped (train.nan_policy=skip, train.max_consecutive_skips={tc.max_consecutive_skips}): "
+                    f"training has diverged; stopped, the model is unchanged since step {first - 1}. Lower the learning "
+                    "rate, check the data, or resume from an earlier checkpoint."
+                )
             record["skipped"] = True
-            self._log(f"warning: step {step + 1}: the {what}; skipped this update (train.nan_policy=skip)")
+            self._log(f"warning: step {step + 1}: the {what}; skipped this update (train.nan_policy=skip, "
+                      f"{self.consecutive_skips} in a row of at most {tc.max_consecutive_skips})")
         else:
+            self.consecutive_skips = 0
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
+        if self.compiled and not self._compile_logged:
+            self._compile_logged = True
+            record["compile_step_s"] = dt  # the first step after (re)start includes compiling the blocks
+            self._log(f"compile: the first step took {dt:.1f} s including block compilation")
         record.update(
             tokens_per_s=geo.tokens_per_step / dt if dt > 0 else None,
             step_time_s=dt,
@@ -318,9 +432,9 @@ class Trainer:
             local = shard_batch(batch[:usable], info.rank, info.world_size).to(info.device)
             for x in local.split(geo.micro):
                 with self._autocast():
-                    out = self.wrapped(x, labels=x)
+                    out = self.wrapped(x, labels=x, return_logits=False)
                 n = x.shape[0] * (x.shape[1] - 1)
-                nll += out.loss.double() * n
+                nll += out.lm_loss.double() * n  # the next-token loss alone, whatever the rule adds
                 count += n
         self.wrapped.train()
         if info.distributed:
@@ -344,6 +458,8 @@ class Trainer:
             "world_size": self.info.world_size,
             "global_batch_size": self.geo.global_batch,
             "schedule": {"name": self.cfg.schedule.name, "multiplier_next": self.lr_lambda(self.step)},
+            "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer),
+            "consecutive_skips": self.consecutive_skips,
         }
         path = save_checkpoint(
             self.ckpt_root, self.step, self.wrapped, list(self.optimizer), state, self._config_record(),
@@ -357,10 +473,13 @@ class Trainer:
         try:
             return self._fit()
         finally:
+            if self._owns_lock:
+                self.lock.release()
             cleanup()
 
     def _fit(self) -> dict:
         self._setup()
+        self._lock_run_dir()  # before anything in the directory is read or written
         cfg, tc, info = self.cfg, self.cfg.train, self.info
         if info.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
@@ -379,6 +498,7 @@ class Trainer:
                     "precision": self.precision,
                     "resumed_from_step": start_step or None,
                     "param_groups": self.plan.summary(),
+                    "frozen_params": len(self.frozen),
                 },
             )
         logger = MetricsLogger(

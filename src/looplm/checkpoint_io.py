@@ -1,0 +1,267 @@
+"""Reading the checkpoints ``looplm train`` writes: locate, verify, load weights, rebuild for inference.
+
+Everything here works without ``torch.distributed`` and without the training code, so
+``looplm generate`` and ``looplm eval`` load checkpoints without importing :mod:`looplm.train`
+(which writes checkpoints and resumes from them, see :mod:`looplm.train.checkpoint` for the layout).
+
+* :func:`resolve_checkpoint` accepts a checkpoint directory, a ``ckpt/`` directory or a run
+  directory (its newest *complete* checkpoint);
+* :func:`verify_checkpoint` checks every file's size and SHA-256 against the ``COMPLETE`` manifest
+  and raises :class:`CheckpointError` naming the missing / truncated / corrupted file;
+* :func:`load_model_for_inference` rebuilds the model from ``config.json``, loads the safetensors
+  weights (never a pickle) and loads the tokenizer the run recorded, refusing one whose
+  fingerprint changed since training (a tokenizer replaced at the same path).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .dataclass_util import ConfigError, split_override
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointWarning",
+    "INFERENCE_OVERRIDES",
+    "checkpoint_path",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "resolve_checkpoint",
+    "verify_checkpoint",
+    "load_model_weights",
+    "read_checkpoint_config",
+    "load_model_for_inference",
+]
+
+MARKER = "COMPLETE"
+MODEL_FILE = "model.safetensors"
+OPTIM_TENSORS = "optimizer.safetensors"
+OPTIM_JSON = "optimizer.json"
+RNG_FILE = "rng.safetensors"
+STATE_FILE = "trainer_state.json"
+CONFIG_FILE = "config.json"
+STEP_RE = re.compile(r"^step_(\d+)$")
+FORMAT_VERSION = 1
+
+# model-config fields that may differ from training when decoding: neither changes a weight's
+# shape nor what the weights compute (n_loops is the default loop count, like --loops)
+INFERENCE_OVERRIDES = ("max_seq_len", "n_loops")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete, truncated or corrupted (the message names the file)."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint can be used, but something could not be checked or differs from training."""
+
+
+# ----------------------------------------------------------------------------------- locating
+def checkpoint_path(root: str | os.PathLike, step: int) -> Path:
+    """``root/step_000123``."""
+    return Path(root) / f"step_{step:06d}"
+
+
+def list_checkpoints(root: str | os.PathLike, complete_only: bool = True) -> list[tuple[int, Path]]:
+    """``(step, path)`` of the checkpoints under ``root``, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    out = []
+    for p in root.iterdir():
+        m = STEP_RE.match(p.name)
+        if m and p.is_dir() and (not complete_only or (p / MARKER).is_file()):
+            out.append((int(m.group(1)), p))
+    return sorted(out)
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Path | None:
+    """The newest *complete* checkpoint under ``root`` (``None`` if there is none)."""
+    ckpts = list_checkpoints(root)
+    return ckpts[-1][1] if ckpts else None
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """Accept a checkpoint directory, a ``ckpt/`` directory or a run directory; return a checkpoint.
+
+    A run directory resolves to the newest complete checkpoint in ``RUN/ckpt``.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise CheckpointError(f"checkpoint or run directory {str(p)!r} does not exist")
+    if (p / MODEL_FILE).exists() or STEP_RE.match(p.name):
+        return p
+    for root in (p / "ckpt", p):
+        latest = latest_checkpoint(root)
+        if latest is not None:
+            return latest
+    raise CheckpointError(
+        f"{str(p)!r} holds no complete checkpoint (looked for step_*/{MARKER} in {p / 'ckpt'} and {p}); "
+        "train with checkpointing on, or pass a checkpoint directory"
+    )
+
+
+# ----------------------------------------------------------------------------------- reading files
+def sha256_of(path: Path) -> str:
+    """Hex SHA-256 of a file's bytes."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file as CPU tensors (``CheckpointError`` naming it if missing or unreadable)."""
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {str(path)!r} is missing")
+    try:
+        return load_file(str(path), device="cpu")
+    except Exception as e:
+        raise CheckpointError(f"checkpoint file {str(path)!r} is truncated or corrupted and cannot be read ({e})") from e
+
+
+def load_json(path: Path) -> Any:
+    """A JSON file of a checkpoint (``CheckpointError`` naming it if missing or not valid JSON)."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {str(path)!r} is missing")
+    try:
+        return json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint file {str(path)!r} is truncated or corrupted: not valid JSON ({e})") from e
+
+
+def verify_checkpoint(path: str | os.PathLike, check_hashes: bool = True) -> dict:
+    """Check the ``COMPLETE`` manifest against the files; return the manifest.
+
+    Raises ``CheckpointError`` naming the first missing / truncated / corrupted file.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory {str(path)!r} does not exist")
+    marker = path / MARKER
+    if not marker.is_file():
+        raise CheckpointError(
+            f"checkpoint {str(path)!r} is incomplete: it has no {MARKER} marker (it was interrupted while being "
+            "written). Delete it or pass an earlier checkpoint; `looplm train` skips it automatically."
+        )
+    manifest = load_json(marker)
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"checkpoint file {str(marker)!r} is corrupted: it lists no files")
+    for name, info in files.items():
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file {str(f)!r} is missing (listed in {MARKER})")
+        size = f.stat().st_size
+        if size != info["bytes"]:
+            raise CheckpointError(
+                f"checkpoint file {str(f)!r} is truncated or corrupted: {size} bytes, expected {info['bytes']}"
+            )
+        if check_hashes and sha256_of(f) != info["sha256"]:
+            raise CheckpointError(f"checkpoint file {str(f)!r} is corrupted: its SHA-256 does not match the one in {MARKER}")
+    return manifest
+
+
+# ----------------------------------------------------------------------------------- loading
+def load_model_weights(path: str | os.PathLike, model: nn.Module, verify: bool = True) -> Path:
+    """Load only the model weights of a checkpoint (or a run directory's newest one) into an
+    unwrapped ``model``, without any collective; returns the checkpoint directory used."""
+    ckpt = resolve_checkpoint(path)
+    if (ckpt / MARKER).exists():
+        verify_checkpoint(ckpt, check_hashes=verify)
+    sd = load_tensors(ckpt / MODEL_FILE)
+    try:
+        model.load_state_dict(sd, strict=True)
+    except RuntimeError as e:
+        raise CheckpointError(f"the weights in {str(ckpt / MODEL_FILE)!r} do not fit this model: {e}") from e
+    return ckpt
+
+
+def read_checkpoint_config(path: str | os.PathLike) -> dict:
+    """The ``config.json`` of a checkpoint (``{"train": {...}, "model": {...}, "tokenizer": ...}``)."""
+    ckpt = resolve_checkpoint(path)
+    return load_json(ckpt / CONFIG_FILE)
+
+
+def _inference_overrides(overrides: list[str] | dict | None) -> dict:
+    """``--set`` items for a trained model: only :data:`INFERENCE_OVERRIDES`, all problems in one error."""
+    if not overrides:
+        return {}
+    items = dict(overrides) if isinstance(overrides, dict) else dict(split_override(o) for o in overrides)
+    bad = [k for k in items if k not in INFERENCE_OVERRIDES]
+    if bad:
+        allowed = ", ".join(INFERENCE_OVERRIDES)
+        raise ConfigError(
+            [f"{k}: cannot be changed on a trained checkpoint (it changes the weights' shapes or what they compute); "
+             f"only {allowed} can be set" for k in bad],
+            "overrides for a checkpoint",
+        )
+    return items
+
+
+def load_model_for_inference(
+    path: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    verify: bool = True,
+    *,
+    tokenizer=None,
+    overrides: list[str] | dict | None = None,
+):
+    """``(model, tokenizer)`` from a checkpoint or a run directory (newest complete checkpoint).
+
+    The model is rebuilt from the checkpoint's ``config.json`` (resolved model config), loaded with
+    the safetensors weights, moved to ``device`` and put in eval mode.
+
+    Args:
+        tokenizer: ``None`` = the tokenizer the run recorded; its fingerprint must match the
+            recorded one (a :class:`~looplm.data.tokenizers.TokenizerMismatchError` otherwise).
+            A tokenizer or spec given here replaces it, with a :class:`CheckpointWarning` when its
+            fingerprint differs from the recorded one.
+        overrides: ``["max_seq_len=4096", ...]`` or a dict: only :data:`INFERENCE_OVERRIDES` are
+            accepted (anything else would not fit or would misuse the trained weights).
+    """
+    from .config import load_model_config
+    from .data.tokenizers import check_tokenizer_fingerprint, check_vocab, load_tokenizer, tokenizer_fingerprint
+    from .model import build
+
+    ckpt = resolve_checkpoint(path)
+    cfg = load_json(ckpt / CONFIG_FILE)
+    if not isinstance(cfg, dict) or "model" not in cfg:
+        raise CheckpointError(f"checkpoint file {str(ckpt / CONFIG_FILE)!r} has no model config; cannot rebuild the model")
+    model = build(load_model_config(cfg["model"], _inference_overrides(overrides) or None))
+    load_model_weights(ckpt, model, verify=verify)
+
+    recorded_spec = cfg.get("tokenizer") or cfg.get("train", {}).get("data", {}).get("tokenizer", "byte")
+    recorded = cfg.get("tokenizer_fingerprint")
+    what = f"checkpoint {str(ckpt)!r}"
+    if tokenizer is None:
+        tok = load_tokenizer(recorded_spec)
+        note = check_tokenizer_fingerprint(
+            tok, recorded, what, fix="pass the tokenizer it was trained with explicitly (looplm generate --tokenizer)"
+        )
+        if note:
+            warnings.warn(note, CheckpointWarning, stacklevel=2)
+    else:
+        tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        current = tokenizer_fingerprint(tok)
+        if recorded is not None and current is not None and current != recorded:
+            warnings.warn(
+                f"the tokenizer {tok.name!r} (fingerprint {current}) is not the one {what} was trained with "
+                f"({recorded_spec!r}, fingerprint {recorded}): its token ids mean other text to this model",
+                CheckpointWarning, stacklevel=2,
+            )
+    check_vocab(tok, model.config.vocab_size)
+    return model.to(device).eval(), tok

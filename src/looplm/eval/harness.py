@@ -1,0 +1,542 @@
+"""lm-evaluation-harness for looped models: the ``looplm`` model, the papers' suites, local data.
+
+``looplm eval harness CHECKPOINT --tasks ...`` runs lm-eval (0.4.x) on a looplm checkpoint (a run or
+checkpoint directory, or a ``looplm export hf`` directory) at any loop count ``r`` and exit
+threshold ``q``::
+
+    looplm eval harness runs/demo --tasks looplm_mamba7 --data-dir ../shared/data/eval --limit 200
+    looplm eval harness runs/demo --tasks my_task --include-path tasks/ --loops 6 --output-json out.json
+
+The model (:class:`LoopLMEvalModel`, registered as ``looplm``; from Python:
+``lm_eval.simple_evaluate(model="looplm", model_args="pretrained=runs/demo,loops=4")`` after
+:func:`register_lm_eval_model`) implements lm-eval's ``TemplateLM``:
+
+* ``loglikelihood`` — contexts and continuations tokenised together (lm-eval's ``_encode_pair``),
+  scored in batches sorted by length, right-padded with an attention mask; an empty context is
+  conditioned on EOS, the document separator looplm trains with (it never adds a BOS);
+* ``loglikelihood_rolling`` — perplexity tasks: disjoint windows of ``max_length`` tokens, each
+  token predicted once (lm-eval's rolling windows, first token conditioned on EOS);
+* ``generate_until`` — greedy (or sampled, per request) decoding with the per-(loop, layer) cache,
+  left-padded batches, stopping at any ``until`` string, EOS or ``max_gen_toks`` tokens.
+
+Model arguments: ``pretrained`` (path), ``loops`` (r, default the trained K), ``exit_threshold``
+(q, passed as ``loop_options={"exit_threshold": q}``), ``dtype`` (``float32`` | ``bfloat16``),
+``device``, ``batch_size``, ``max_length``, ``max_gen_toks``.
+
+Suites (task groups written by :func:`write_task_configs`, scored with each task's headline metric,
+unweighted means, printed in the papers' table layouts by :func:`suite_tables`):
+
+* ``looplm_stateloop8_0shot`` / ``looplm_stateloop8_5shot`` — StateLoop Tab. 2: LAMBADA-OpenAI,
+  ARC-E, ARC-C, WinoGrande, PIQA, HellaSwag, SciQ, RACE-high; accuracy; Avg-8;
+* ``looplm_mamba7`` — Looped-Mamba Tab. 4/5: PIQA, BoolQ, WinoGrande, OBQA (5-shot), HellaSwag
+  (10-shot), ARC-C (25-shot), ARC-E (8-shot); Avg;
+* ``looplm_knowledge`` / ``looplm_reasoning`` / ``looplm_bbh14`` — the recurrence-effectiveness
+  paper's groups (unweighted means of headline metrics, §B) and its 14 BBH subtasks (Tab. 6).
+  The membership of Knowledge (3 tasks, PIQA among them) and Reasoning (8 tasks) is in the lost
+  Tabs. 4-5; ours is a reading: Knowledge = PIQA, SciQ, ARC-E; Reasoning = ARC-C, HellaSwag,
+  WinoGrande, BoolQ, OBQA, SIQA, CommonsenseQA, LAMBADA-OpenAI (change :data:`SUITES` to correct it).
+
+``--data-dir DIR`` points lm-eval's own task definitions at local copies (``DIR/<task>/`` saved by
+``datasets.save_to_disk``: ``dataset_path: arrow`` on its ``.arrow`` file, ``training_split: null``
+so few-shot examples come from the evaluation split, never the document itself); suite tasks
+without a local copy are skipped with a note. Nothing touches the hub then.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+try:  # lm-eval is an optional dependency (pip install 'looplm[eval]')
+    from lm_eval.api.model import TemplateLM
+except ImportError:  # pragma: no cover - exercised only without lm-eval
+    TemplateLM = object
+
+__all__ = [
+    "LoopLMEvalModel",
+    "SUITES",
+    "register",
+    "register_lm_eval_model",
+    "run_harness",
+    "suite_tables",
+    "write_task_configs",
+]
+
+
+# ------------------------------------------------------------------------------------------ model
+class LoopLMEvalModel(TemplateLM):
+    """A looplm model for lm-eval (see the module docstring for the arguments)."""
+
+    backend = "causal"
+
+    def __init__(self, pretrained: str | None = None, *, model=None, tokenizer=None, loops: int | str | None = None,
+                 exit_threshold: float | str | None = None, dtype: str = "float32", device: str | None = None,
+                 batch_size: int | str = 8, max_length: int | str | None = None, max_gen_toks: int | str = 256,
+                 **kwargs):
+        if TemplateLM is object:
+            raise ImportError("the lm-eval harness needs lm-eval: pip install 'looplm[eval]' (or pip install lm-eval)")
+        super().__init__()
+        if (pretrained is None) == (model is None):
+            raise ValueError("LoopLMEvalModel needs pretrained=PATH (a checkpoint, run or export directory) or model=")
+        if device in (None, "auto"):
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        if model is None:
+            model, tokenizer, seq_len = load_for_eval(pretrained, tokenizer)
+        else:
+            from ..data.tokenizers import load_tokenizer
+
+            if tokenizer is None:
+                raise ValueError("model= needs tokenizer= (a looplm tokenizer or a spec such as 'byte')")
+            tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+            seq_len = None
+        dt = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+              "float16": torch.float16, "auto": None}.get(str(dtype))
+        if str(dtype) not in ("float32", "fp32", "bfloat16", "bf16", "float16", "auto"):
+            raise ValueError(f"dtype must be float32, bfloat16, float16 or auto, got {dtype!r}")
+        self.model = model.to(device=device, dtype=dt).eval() if dt is not None else model.to(device).eval()
+        self.tok = tokenizer
+        self._device = torch.device(device)
+        self.loops = int(loops) if loops not in (None, "", "None") else None
+        if self.loops is not None and self.loops < 1:
+            raise ValueError(f"loops must be >= 1, got {loops}")
+        q = float(exit_threshold) if exit_threshold not in (None, "", "None") else None
+        self.loop_options = {"exit_threshold": q} if q is not None else None
+        self.batch_size = int(str(batch_size).split(":")[0]) if str(batch_size) != "auto" else 8
+        cfg_max = self.model.config.max_seq_len
+        self._max_length = min(int(max_length), cfg_max) if max_length not in (None, "", "None") else min(seq_len or cfg_max, cfg_max)
+        self.max_gen_toks = int(max_gen_toks)
+
+    # --- what lm-eval asks of a TemplateLM ---
+    @property
+    def eot_token_id(self) -> int:
+        return self.tok.eos_id
+
+    @property
+    def max_length(self) -> int:
+        return self._max_length
+
+    @property
+    def device(self):
+        return self._device
+
+    @property
+    def tokenizer_name(self) -> str:
+        return str(getattr(self.tok, "name", "looplm")).replace("/", "__")
+
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+        return list(self.tok.encode(string))  # looplm never adds special tokens
+
+    def tok_decode(self, tokens, **kwargs) -> str:
+        return self.tok.decode(list(tokens))
+
+    # --- scoring ---
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """Log-probabilities ``[B, T, V]`` (float32) of a right-padded batch."""
+        with torch.no_grad():
+            out = self.model(ids, attention_mask=mask, num_loops=self.loops, loop_options=self.loop_options)
+        return F.log_softmax(out.logits.float(), dim=-1)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+        """``[(key, context_ids, continuation_ids)] -> [(sum log p(continuation), is_greedy)]``."""
+        L = self.max_length
+        items = []
+        for i, (_, ctx, cont) in enumerate(requests):
+            if not cont:
+                raise ValueError("an empty continuation cannot be scored")
+            whole = (list(ctx) + list(cont))[-(L + 1):]
+            inp = whole[:-1]  # the model reads everything but the last token ...
+            items.append((i, inp, len(cont), whole[-len(cont):]))  # ... and predicts the last len(cont)
+        items.sort(key=lambda it: -len(it[1]))  # longest first: similar lengths share a batch
+        results: list[tuple[float, bool] | None] = [None] * len(items)
+        for b in range(0, len(items), self.batch_size):
+            chunk = items[b : b + self.batch_size]
+            T = max(len(it[1]) for it in chunk)
+            ids = torch.zeros(len(chunk), T, dtype=torch.long)
+            mask = torch.zeros(len(chunk), T, dtype=torch.long)
+            for r, (_, inp, _, _) in enumerate(chunk):
+                ids[r, : len(inp)] = torch.tensor(inp)
+                mask[r, : len(inp)] = 1
+            padded = bool((mask == 0).any())
+            logp = self._forward(ids.to(self.device), mask.to(self.device) if padded else None)  # [B, T, V]
+            for r, (i, inp, n, target) in enumerate(chunk):
+                lp = logp[r, len(inp) - n : len(inp)]  # [n, V]: predictions of the continuation tokens
+                tgt = torch.tensor(target, device=lp.device)
+                score = float(lp.gather(-1, tgt[:, None]).sum())
+                greedy = bool((lp.argmax(-1) == tgt).all())
+                results[i] = (score, greedy)
+                self.cache_hook.add_partial("loglikelihood", requests[i][0], (score, greedy))
+        return results  # type: ignore[return-value]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        from lm_eval import utils
+
+        out = []
+        for (string,) in [req.args for req in requests]:
+            windows = list(map(utils.make_disjoint_window, utils.get_rolling_token_windows(
+                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length, context_len=1)))  # fmt: skip
+            scores = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows], disable_tqdm=True)
+            total = sum(s for s, _ in scores)
+            out.append(total)
+            self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
+        return out
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        results: list[str | None] = [None] * len(requests)
+        groups: dict[str, list[int]] = {}
+        for i, req in enumerate(requests):
+            groups.setdefault(json.dumps(req.args[1], sort_keys=True, default=str), []).append(i)
+        for idxs in groups.values():
+            kw = dict(requests[idxs[0]].args[1])
+            until = kw.pop("until", None) or []
+            until = [until] if isinstance(until, str) else list(until)
+            max_new = int(kw.pop("max_gen_toks", self.max_gen_toks))
+            do_sample = bool(kw.pop("do_sample", False))
+            temperature = float(kw.pop("temperature", 0.0) or 0.0)
+            idxs = sorted(idxs, key=lambda i: -len(self.tok_encode(requests[i].args[0])))
+            for b in range(0, len(idxs), self.batch_size):
+                chunk = idxs[b : b + self.batch_size]
+                texts = self._generate([requests[i].args[0] for i in chunk], until, max_new, do_sample, temperature)
+                for i, text in zip(chunk, texts):
+                    results[i] = text
+                    self.cache_hook.add_partial("generate_until", requests[i].args, text)
+        return results  # type: ignore[return-value]
+
+    @torch.no_grad()
+    def _generate(self, contexts: list[str], until: list[str], max_new: int, do_sample: bool, temperature: float) -> list[str]:
+        """Decode a left-padded batch with the per-(loop, layer) cache; cut each text at its first stop string."""
+        from ..generate import sample_next
+
+        max_new = max(0, min(max_new, self.max_length - 1))
+        prompts = [self.tok_encode(c)[-(self.max_length - max_new):] or [self.eot_token_id] for c in contexts]
+        B, T = len(prompts), max(len(p) for p in prompts)
+        ids = torch.full((B, T), self.eot_token_id, dtype=torch.long)
+        mask = torch.zeros(B, T + max_new, dtype=torch.long)
+        for r, p in enumerate(prompts):
+            ids[r, T - len(p):] = torch.tensor(p)
+            mask[r, T - len(p):] = 1
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        padded = bool((mask[:, :T] == 0).any())
+        r = self.loops or self.model.config.n_loops
+        cache = self.model.new_cache(B, r)
+        new: list[list[int]] = [[] for _ in range(B)]
+        done = [False] * B
+        step = ids
+        for t in range(max_new):
+            n = T + t
+            out = self.model(step, cache=cache, attention_mask=mask[:, :n] if padded else None, num_loops=r,
+                             loop_options=self.loop_options, logits_to_keep=1)
+            nxt = sample_next(out.logits[:, -1], do_sample, temperature, None, None)  # [B]
+            for row in range(B):
+                if done[row]:
+                    continue
+                tok = int(nxt[row])
+                if tok == self.eot_token_id:
+                    done[row] = True
+                    continue
+                new[row].append(tok)
+                if until and any(s in self.tok_decode(new[row]) for s in until):
+                    done[row] = True
+            if all(done):
+                break
+            step = nxt[:, None]
+        texts = []
+        for row in range(B):
+            text = self.tok_decode(new[row])
+            for s in until:  # cut at the first stop string
+                if s and s in text:
+                    text = text.split(s)[0]
+            texts.append(text)
+        return texts
+
+
+def load_for_eval(path, tokenizer=None):
+    """``(model, tokenizer, training seq_len or None)`` from a checkpoint / run directory or an HF export."""
+    p = Path(path)
+    cfg_file = p / "config.json"
+    if cfg_file.is_file() and json.loads(cfg_file.read_text()).get("model_type") == "looplm":
+        from ..hf.importer import read_export
+
+        model, tok = read_export(p)
+        return model, tokenizer or tok, None
+    from ..checkpoint_io import load_model_for_inference, read_checkpoint_config
+
+    model, tok = load_model_for_inference(p, tokenizer=tokenizer)
+    seq_len = read_checkpoint_config(p).get("train", {}).get("data", {}).get("seq_len")
+    return model, tok, seq_len
+
+
+def register_lm_eval_model() -> None:
+    """Register :class:`LoopLMEvalModel` as lm-eval's ``looplm`` model (idempotent).
+
+    lm-eval 0.4.x has no plugin entry point: ``lm_eval.models`` must be imported first (it fills the
+    registry with the built-in models; registering before would leave only ours). The entry point
+    ``lm_eval.models: looplm`` is declared in ``pyproject.toml`` for releases that read it.
+    """
+    import lm_eval.models  # noqa: F401  (the built-in models register themselves on import)
+    from lm_eval.api.registry import get_model, register_model
+
+    try:
+        if get_model("looplm") is LoopLMEvalModel:
+            return
+    except (KeyError, ValueError):
+        pass
+    register_model("looplm")(LoopLMEvalModel)
+
+
+# ------------------------------------------------------------------------------------------ suites
+@dataclass(frozen=True)
+class SuiteTask:
+    task: str  # lm-eval's task name
+    label: str  # the papers' column header
+    shots: int = 0
+    metric: str = "acc"  # the headline metric
+
+
+_SL8 = [("lambada_openai", "LAMBADA OAI"), ("arc_easy", "ARC-E"), ("arc_challenge", "ARC-C"), ("winogrande", "WinoG."),
+        ("piqa", "PIQA"), ("hellaswag", "Hella."), ("sciq", "SciQ"), ("race", "RACE")]
+BBH14 = ["causal_judgement", "date_understanding", "disambiguation_qa", "hyperbaton", "logical_deduction_five_objects",
+         "logical_deduction_three_objects", "penguins_in_a_table", "reasoning_about_colored_objects",
+         "salient_translation_error_detection", "snarks", "temporal_sequences", "tracking_shuffled_objects_five_objects",
+         "tracking_shuffled_objects_seven_objects", "tracking_shuffled_objects_three_objects"]
+
+# suite name -> (title, average column header, tasks)
+SUITES: dict[str, tuple[str, str, list[SuiteTask]]] = {
+    "looplm_stateloop8_0shot": ("StateLoop Tab. 2, zero-shot accuracy (%)", "Avg-8", [SuiteTask(t, l, 0) for t, l in _SL8]),
+    "looplm_stateloop8_5shot": ("StateLoop Tab. 2, five-shot accuracy (%)", "Avg-8", [SuiteTask(t, l, 5) for t, l in _SL8]),
+    "looplm_mamba7": ("Looped-Mamba Tab. 4, accuracy (%)", "Avg.", [
+        SuiteTask("piqa", "PIQA", 5), SuiteTask("boolq", "BoolQ", 5), SuiteTask("winogrande", "WinoGrande", 5),
+        SuiteTask("openbookqa", "OBQA", 5), SuiteTask("hellaswag", "HellaSwag", 10),
+        SuiteTask("arc_challenge", "ARC-C", 25), SuiteTask("arc_easy", "ARC-E", 8)]),
+    "looplm_knowledge": ("Recurrence paper, Knowledge group (%)", "Knowledge", [
+        SuiteTask("piqa", "PIQA"), SuiteTask("sciq", "SciQ"), SuiteTask("arc_easy", "ARC-E")]),
+    "looplm_reasoning": ("Recurrence paper, Reasoning group (%)", "Reasoning", [
+        SuiteTask("arc_challenge", "ARC-C"), SuiteTask("hellaswag", "HellaSwag"), SuiteTask("winogrande", "WinoGrande"),
+        SuiteTask("boolq", "BoolQ"), SuiteTask("openbookqa", "OBQA"), SuiteTask("siqa", "SIQA"),
+        SuiteTask("commonsense_qa", "CSQA"), SuiteTask("lambada_openai", "LAMBADA")]),
+    "looplm_bbh14": ("Recurrence paper, 14 BBH subtasks, 3-shot exact match (%)", "BBH-14", [
+        SuiteTask(f"bbh_fewshot_{t}", t, 3, "exact_match") for t in BBH14]),
+}
+
+# lm-eval task -> its YAML under lm_eval/tasks (included by our wrappers), and the local folder name
+_BUILTIN_YAML = {
+    "lambada_openai": "lambada/lambada_openai.yaml", "arc_easy": "arc/arc_easy.yaml",
+    "arc_challenge": "arc/arc_challenge.yaml", "winogrande": "winogrande/default.yaml", "piqa": "piqa/piqa.yaml",
+    "hellaswag": "hellaswag/hellaswag.yaml", "sciq": "sciq/sciq.yaml", "race": "race/race.yaml",
+    "boolq": "super_glue/boolq/default.yaml", "openbookqa": "openbookqa/openbookqa.yaml", "siqa": "siqa/siqa.yaml",
+    "commonsense_qa": "commonsense_qa/default.yaml",
+    **{f"bbh_fewshot_{t}": f"bbh/fewshot/{t}.yaml" for t in BBH14},
+}
+LOCAL_DIRS = {"lambada_openai": "lambada-openai", "arc_easy": "arc-easy", "arc_challenge": "arc-challenge",
+              "winogrande": "winogrande", "piqa": "piqa", "hellaswag": "hellaswag", "sciq": "sciq", "boolq": "boolq",
+              "openbookqa": "openbookqa"}
+_LOCAL_FIXES = {"boolq": {"doc_to_target": "{{answer|int}}"}}  # the local copy has a bool `answer`, not `label`
+
+
+def _local_overrides(task: str, data_dir: Path) -> dict | None:
+    """Config fields that point ``task`` at ``data_dir/<task>/`` (``None`` if there is no local copy)."""
+    sub = LOCAL_DIRS.get(task)
+    if sub is None:
+        return None
+    arrows = sorted((data_dir / sub).glob("*.arrow"))
+    if not arrows:
+        return None
+    split = "test" if task == "lambada_openai" else "validation"
+    ov = {"dataset_path": "arrow", "dataset_name": None,
+          "dataset_kwargs": {"data_files": {split: [str(a.resolve()) for a in arrows]}},
+          "training_split": None, "validation_split": split if split == "validation" else None,
+          "test_split": split if split == "test" else None, "fewshot_split": split}
+    ov.update(_LOCAL_FIXES.get(task, {}))
+    return ov
+
+
+def write_task_configs(out_dir: str | Path, data_dir: str | Path | None = None) -> dict[str, list[tuple[str, SuiteTask]]]:
+    """Write one wrapper task YAML per (suite task, shots) and one group YAML per suite into ``out_dir``.
+
+    Each wrapper ``include``-s lm-eval's own YAML and sets ``num_fewshot`` (and, with ``data_dir``,
+    the local dataset); it has its own name (``<suite>_<task>``, aliased to the task's name) so the
+    same task can run in several suites (and at several shot counts) in one evaluation. Returns, per suite, the
+    ``(wrapper name, SuiteTask)`` pairs written (tasks without a local copy are left out).
+    """
+    import yaml
+    import lm_eval
+
+    root = Path(lm_eval.__file__).parent / "tasks"
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = Path(data_dir) if data_dir is not None else None
+    written: dict[str, list[tuple[str, SuiteTask]]] = {}
+    done: set[str] = set()
+    for suite, (_, _, tasks) in SUITES.items():
+        members = []
+        for st in tasks:
+            src = root / _BUILTIN_YAML[st.task]
+            if not src.is_file():
+                raise FileNotFoundError(f"lm-eval has no {src} (task {st.task!r}); this lm-eval version is not supported")
+            name = f"{suite}_{st.task}" + ("_local" if data is not None else "")  # one per suite: lm-eval refuses
+            # a task that appears in two groups of one evaluation (mamba7 and stateloop8_5shot share 5-shot PIQA)
+            if name not in done:
+                cfg = {"include": str(src), "task": name, "task_alias": st.task, "num_fewshot": st.shots}
+                if data is not None:
+                    ov = _local_overrides(st.task, data)
+                    if ov is None:
+                        continue
+                    cfg.update(ov)
+                cfg["tag"] = []  # not in the included task's tags (ai2_arc, ...)
+                (out / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+                done.add(name)
+            members.append((name, st))
+        if members:
+            group = {"group": suite, "task": [m for m, _ in members],
+                     "aggregate_metric_list": [{"metric": tasks[0].metric, "aggregation": "mean", "weight_by_size": False}],
+                     "metadata": {"version": 1.0}}
+            (out / f"_{suite}.yaml").write_text(yaml.safe_dump(group, sort_keys=False))
+            written[suite] = members
+    return written
+
+
+def suite_tables(results: dict, suites: dict[str, list[tuple[str, SuiteTask]]], model_name: str = "model") -> str:
+    """Markdown tables in the papers' layouts (one row: the model; columns: the tasks; the mean) for
+    every suite whose tasks ran. Scores are ``100 × headline metric``; the mean is unweighted."""
+    lines = []
+    res = results.get("results", {})
+    for suite, members in suites.items():
+        title, avg_name, all_tasks = SUITES[suite]
+        ran = {st: name for name, st in members}
+        cells, vals = [], []
+        for st in all_tasks:  # every column of the paper's table; "–" where the task did not run
+            name = ran.get(st)
+            r = None if name is None else res.get(name)
+            v = None if r is None else r.get(f"{st.metric},none", r.get(st.metric))
+            if v is None and r is not None and st.metric == "exact_match":
+                v = r.get("exact_match,get-answer")
+            cells.append((st.label, v))
+            if isinstance(v, (int, float)):
+                vals.append(float(v))
+        if not vals:
+            continue
+        lines.append(f"**{title}** ({len(vals)} of {len(SUITES[suite][2])} tasks)")
+        lines.append("| Model | " + " | ".join(l for l, _ in cells) + f" | {avg_name} |")
+        lines.append("| --- |" + " ---: |" * (len(cells) + 1))
+        fmt = [f"{100 * v:.2f}" if isinstance(v, (int, float)) else "–" for _, v in cells]
+        lines.append(f"| {model_name} | " + " | ".join(fmt) + f" | {100 * sum(vals) / len(vals):.2f} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ running
+def run_harness(checkpoint, tasks: list[str], *, loops=None, exit_threshold=None, num_fewshot=None, limit=None,
+                include_path=None, data_dir=None, output_json=None, batch_size=8, device=None, dtype="float32",
+                max_length=None, seed: int = 1234, task_dir=None, include_defaults: bool | None = None) -> dict:
+    """Evaluate ``checkpoint`` on ``tasks`` (task, group or suite names); returns lm-eval's results dict
+    with ``looplm_tables`` (the suites' tables) added, and writes it to ``output_json`` when given.
+
+    ``include_defaults``: index lm-eval's own task folder too (slow: thousands of YAMLs); ``None`` =
+    only when a requested task is neither a suite nor in ``include_path``."""
+    import tempfile
+
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    register_lm_eval_model()
+    tmp = tempfile.TemporaryDirectory(prefix="looplm-tasks-") if task_dir is None else None
+    suite_dir = Path(task_dir or tmp.name)
+    suites = write_task_configs(suite_dir, data_dir)
+    paths = [str(suite_dir)] + [str(p) for p in (include_path or [])]
+    local = TaskManager(include_path=paths, include_defaults=False)
+    needs_defaults = any(not local.match_tasks([t]) for t in tasks) if include_defaults is None else include_defaults
+    tm = TaskManager(include_path=paths, include_defaults=True) if needs_defaults else local
+    missing = [t for t in tasks if not tm.match_tasks([t])]
+    if missing:
+        hint = " (suites: " + ", ".join(SUITES) + ")"
+        if data_dir is not None:
+            hint += f"; with --data-dir only tasks with a local copy run ({', '.join(sorted(LOCAL_DIRS))})"
+        raise ValueError(f"unknown task(s) {missing}{hint}")
+    if limit is not None and limit >= 1:
+        limit = int(limit)
+    lm = LoopLMEvalModel(str(checkpoint), loops=loops, exit_threshold=exit_threshold, dtype=dtype, device=device,
+                         batch_size=batch_size, max_length=max_length)
+    t0 = time.perf_counter()
+    results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                                      task_manager=tm, random_seed=seed, numpy_random_seed=seed,
+                                      torch_random_seed=seed, fewshot_random_seed=seed, log_samples=False)
+    if tmp is not None:
+        tmp.cleanup()
+    ran = {s: m for s, m in suites.items() if s in tasks}
+    out = {k: results[k] for k in ("results", "groups", "n-shot", "versions", "n-samples") if k in results}
+    out["config"] = {"checkpoint": str(checkpoint), "tasks": list(tasks), "loops": loops or lm.model.config.n_loops,
+                     "exit_threshold": exit_threshold, "num_fewshot": num_fewshot, "limit": limit,
+                     "data_dir": str(data_dir) if data_dir else None, "max_length": lm.max_length,
+                     "time_s": time.perf_counter() - t0}
+    out["looplm_tables"] = suite_tables(out, ran, model_name=Path(str(checkpoint)).name)
+    if output_json:
+        Path(output_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(output_json).write_text(json.dumps(out, indent=2, default=_json_default))
+    return out
+
+
+def _json_default(o):
+    if isinstance(o, float) and math.isnan(o):
+        return None
+    return str(o)
+
+
+def _print_results(out: dict) -> None:
+    from lm_eval.utils import make_table
+
+    print(make_table(out))
+    if out.get("groups"):
+        print(make_table(out, "groups"))
+    if out.get("looplm_tables"):
+        print(out["looplm_tables"])
+
+
+def cmd_eval_harness(args) -> int:
+    if args.write_tasks:
+        suites = write_task_configs(args.write_tasks, args.data_dir)
+        print(f"wrote {sum(len(m) for m in suites.values())} task and {len(suites)} group configs to {args.write_tasks} "
+              f"(lm_eval --include_path {args.write_tasks} --tasks {','.join(suites)})")
+        if not args.checkpoint:
+            return 0
+    if not args.checkpoint or not args.tasks:
+        raise ValueError("looplm eval harness needs CHECKPOINT and --tasks (or only --write-tasks DIR)")
+    tasks = [t for t in args.tasks.split(",") if t]
+    out = run_harness(args.checkpoint, tasks, loops=args.loops, exit_threshold=args.exit_threshold,
+                      num_fewshot=args.num_fewshot, limit=args.limit, include_path=args.include_path,
+                      data_dir=args.data_dir, output_json=args.output_json, batch_size=args.batch_size,
+                      device=args.device, dtype=args.dtype, max_length=args.max_length, seed=args.seed)
+    _print_results(out)
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add ``eval harness`` to the ``looplm`` command line."""
+    from .cli import _eval_subparsers
+
+    ev = _eval_subparsers(subparsers)
+    if "harness" in ev.choices:
+        return
+    p = ev.add_parser("harness", help="lm-evaluation-harness tasks and the papers' suites on a checkpoint")
+    p.add_argument("checkpoint", nargs="?", help="checkpoint or run directory, or a `looplm export hf` directory")
+    p.add_argument("--tasks", help="comma-separated lm-eval tasks / groups, or suites: " + ", ".join(SUITES))
+    p.add_argument("--loops", type=int, default=None, help="loop count r (default: the trained K)")
+    p.add_argument("--exit-threshold", type=float, default=None, help="exit threshold q (exit-gate rules)")
+    p.add_argument("--num-fewshot", type=int, default=None, help="override every task's shots (default: the suite's)")
+    p.add_argument("--limit", type=float, default=None, help="at most N documents per task (a fraction if < 1)")
+    p.add_argument("--include-path", action="append", default=None, help="a folder of extra lm-eval task YAMLs (repeatable)")
+    p.add_argument("--data-dir", default=None, help="local task data (DIR/<task>/ as saved by datasets.save_to_disk)")
+    p.add_argument("--output-json", default=None, help="write the results (and the suites' tables) here")
+    p.add_argument("--write-tasks", default=None, metavar="DIR", help="write the suites' task YAMLs to DIR (for lm_eval --include_path)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--max-length", type=int, default=None, help="context window (default: the training seq_len)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--device", default=None)
+    p.add_argument("--seed", type=int, default=1234)
+    p.set_defaults(func=cmd_eval_harness)

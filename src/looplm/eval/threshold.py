@@ -1,0 +1,160 @@
+"""Exit-gate threshold sweeps and the fixed-loop ablation (Looped-Mamba App. F, G; Figure 1).
+
+* **Threshold sweep** (Tab. 16-19): for ``q ∈ {0.2, 0.4, 0.6, 0.8, 1.0}`` every token selects
+  ``z_i(q) = min{r : CDF_i(r) >= q}``; we report the mean selected depth ``Iter``, the metric (PPL of
+  the selected outputs, or task accuracy) and, separately, the **executed** depth — always the full
+  ``R``: output selection runs every recurrent step, so ``Iter`` is not a compute saving.
+* **Fixed-loop ablation** (Tab. 12-15): force ``r = 1..R`` loops on a model trained with ``R``
+  (``num_loops=r``; for an exit-gate model this puts the remaining mass on step ``r``, i.e. selects it).
+* **Plot** (Figure 1 style): metric against selected depth — the threshold sweep as a line, the
+  fixed depths as separate markers.
+
+``looplm eval threshold RUN --data stdlib`` sweeps a language-model checkpoint (PPL);
+``looplm task {mano,phop} eval RUN --thresholds ... --loops ... --png F`` a task run (accuracy).
+Downstream benchmark scores (PIQA, BoolQ, ...) go through the lm-eval model of the ecosystem issue.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["PAPER_THRESHOLDS", "lm_metric", "sweep", "format_sweep", "plot_sweep", "register"]
+
+PAPER_THRESHOLDS = (0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def lm_metric(batches: list[torch.Tensor], precision: str = "fp32") -> Callable:
+    """``metric(model, num_loops, loop_options) -> {"ppl", "loss", "tokens", "iter"?}`` over fixed token
+    batches ``[B, T]`` (every position but the last predicts the next token; PPL of the model's output
+    logits, i.e. of the selected iterate for an exit-gate model)."""
+
+    @torch.no_grad()
+    def metric(model, num_loops=None, loop_options=None) -> dict:
+        dev = next(model.parameters()).device
+        nll, n, depth = 0.0, 0, 0.0
+        gate = hasattr(model.rule, "exit_summary")
+        for x in batches:
+            x = x.to(dev)
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=precision == "bf16"):
+                logits = model(x, num_loops=num_loops, loop_options=loop_options).logits
+            lp = logits[:, :-1].float()
+            nll += float(F.cross_entropy(lp.reshape(-1, lp.shape[-1]), x[:, 1:].reshape(-1), reduction="sum"))
+            n += x[:, 1:].numel()
+            if gate:
+                depth += float(model.rule.last_exit["selected_depth"][:, :-1].float().sum())
+        res = {"loss": nll / n, "ppl": math.exp(min(nll / n, 700.0)), "tokens": n}
+        if gate:
+            res["iter"] = depth / n
+        return res
+
+    return metric
+
+
+def sweep(model, metric: Callable, thresholds=PAPER_THRESHOLDS, fixed_loops=None) -> list[dict]:
+    """Rows ``{"setting", "q" | "r", "iter", "executed_depth", <metric>...}``: thresholds first (only
+    for a model with an exit gate), then forced loop counts."""
+    R = model.config.n_loops
+    rows = []
+    if thresholds:
+        if not hasattr(model.rule, "exit_summary"):
+            raise ValueError(f"a threshold sweep needs an exit-gate model (rule exit_gate); this one uses {model.config.rule.name!r}")
+        for q in thresholds:
+            res = metric(model, loop_options={"exit_threshold": float(q)})
+            rows.append({"setting": "threshold", "q": float(q), "executed_depth": R, **res})
+    for r in fixed_loops or []:
+        res = metric(model, num_loops=int(r))
+        res["iter"] = float(r)  # every token's output comes from step r
+        rows.append({"setting": "fixed", "r": int(r), "executed_depth": int(r), **res})
+    return rows
+
+
+def format_sweep(rows: list[dict], metrics=("ppl",)) -> str:
+    """Markdown in the layout of Tab. 16-19 (sweep) and Tab. 12-15 (forced loops)."""
+    out = ["| setting | q / forced r | Iter (selected depth) | executed depth | " + " | ".join(m for m in metrics) + " |",
+           "| --- | ---: | ---: | ---: |" + " ---: |" * len(metrics)]
+    for r in rows:
+        key = f"{r['q']:.2f}" if r["setting"] == "threshold" else str(r["r"])
+        vals = " | ".join(f"{r[m]:.2%}" if m == "accuracy" else f"{r[m]:.2f}" for m in metrics)
+        out.append(f"| {r['setting']} | {key} | {r['iter']:.2f} | {r['executed_depth']} | {vals} |")
+    return "\n".join(out)
+
+
+def plot_sweep(rows: list[dict], path, metric: str = "ppl", title: str = "") -> None:
+    """Figure 1 style: metric vs selected depth; the sweep as a line, fixed depths as markers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.6))
+    th = sorted((r for r in rows if r["setting"] == "threshold"), key=lambda r: r["iter"])
+    fx = [r for r in rows if r["setting"] == "fixed"]
+    if th:
+        ax.plot([r["iter"] for r in th], [r[metric] for r in th], "o-", label="exit gate (q sweep)")
+        for r in th:
+            ax.annotate(f"q={r['q']:.1f}", (r["iter"], r[metric]), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    if fx:
+        ax.plot([r["iter"] for r in fx], [r[metric] for r in fx], "s", label="fixed depth r (forced)")
+    ax.set_xlabel("selected depth (Iter); every row executes all R steps")
+    ax.set_ylabel({"ppl": "validation PPL", "accuracy": "accuracy"}.get(metric, metric))
+    if metric == "ppl" and all(r["ppl"] > 0 for r in rows) and max(r["ppl"] for r in rows) / min(r["ppl"] for r in rows) > 20:
+        ax.set_yscale("log")
+    ax.set_title(title or "selected depth vs performance", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI: looplm eval threshold
+# ------------------------------------------------------------------------------------------------
+def _cmd_threshold(args) -> int:
+    from ..checkpoint_io import load_model_for_inference, read_checkpoint_config, resolve_checkpoint
+    from ..data.config import DataConfig
+    from ..data.pipeline import iter_val_batches
+
+    ckpt = resolve_checkpoint(args.checkpoint)
+    model, tok = load_model_for_inference(ckpt, device=args.device)
+    seq_len = args.seq_len or read_checkpoint_config(ckpt).get("train", {}).get("data", {}).get("seq_len") or 256
+    if args.data == "stdlib":
+        dcfg = DataConfig(source="stdlib", seq_len=seq_len)
+    else:
+        dcfg = DataConfig(source="files", paths=[args.data], val_paths=[args.data], seq_len=seq_len, shuffle_buffer=0)
+    batches = list(iter_val_batches(dcfg, tok, args.batches, args.batch_size))
+    if not batches:
+        raise ValueError(f"--data {args.data!r} gave no evaluation batch")
+    R = model.config.n_loops
+    fixed = args.loops if args.loops is not None else list(range(1, R + 1))
+    thresholds = args.thresholds if args.thresholds is not None else (PAPER_THRESHOLDS if hasattr(model.rule, "exit_summary") else [])
+    rows = sweep(model, lm_metric(batches, args.precision), thresholds, fixed)
+    if args.png:
+        plot_sweep(rows, args.png, "ppl", title=f"{ckpt.parent.parent.name}: R = {R}")
+    print(json.dumps(rows, indent=2) if args.json else format_sweep(rows, ("ppl",)))
+    return 0
+
+
+def register(subparsers) -> None:
+    """Add ``eval threshold`` (next to ``eval ppl``) to the ``looplm`` command line."""
+    from .cli import _eval_subparsers
+
+    ev = _eval_subparsers(subparsers)
+    p = ev.add_parser("threshold", help="exit-gate threshold sweep (PPL, Iter) and fixed-loop ablation of a checkpoint")
+    p.add_argument("checkpoint", help="checkpoint or run directory")
+    p.add_argument("--data", default="stdlib", help="'stdlib' (held-out documents) or text/jsonl files")
+    p.add_argument("--thresholds", type=float, nargs="*", default=None, help="q values (default 0.2 0.4 0.6 0.8 1.0 with a gate)")
+    p.add_argument("--loops", type=int, nargs="*", default=None, help="forced loop counts (default 1..R)")
+    p.add_argument("--batches", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--png", default=None, help="write the Figure-1-style plot here")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_threshold)

@@ -1,0 +1,67 @@
+"""``looplm export hf`` and ``looplm import hf``.
+
+Examples::
+
+    looplm export hf runs/demo hf/demo --loops 4       # a run dir (newest checkpoint) -> transformers dir
+    looplm import hf hf/demo runs/imported              # an export round-trips exactly
+    looplm import hf ~/models/SmolLM2-135M runs/smol    # Llama / Qwen3 / Mamba-2 (or a .gguf file)
+"""
+
+from __future__ import annotations
+
+__all__ = ["register"]
+
+
+def cmd_export_hf(args) -> int:
+    from .export import export_hf
+
+    out = export_hf(args.checkpoint, args.out, num_loops=args.loops, exit_threshold=args.exit_threshold,
+                    dtype=args.dtype, overwrite=args.overwrite)
+    print(f"exported {args.checkpoint} -> {out}")
+    print(f"  load with: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
+    return 0
+
+
+def cmd_import_hf(args) -> int:
+    from ..dataclass_util import parse_value, split_override
+    from .importer import import_hf
+
+    overrides = {k: parse_value(v) for k, v in map(split_override, args.set or [])}
+    out = import_hf(args.source, args.out, gguf_file=args.gguf_file, overwrite=args.overwrite, **overrides)
+    print(f"imported {args.source} -> {out}")
+    print(f"  try: looplm generate --checkpoint {out} --prompt 'Hello'")
+    return 0
+
+
+def _subparsers(subparsers, name: str, help_: str):
+    existing = subparsers.choices.get(name)
+    if existing is not None:
+        for action in existing._actions:
+            if action.__class__.__name__ == "_SubParsersAction":
+                return action
+    p = subparsers.add_parser(name, help=help_)
+    return p.add_subparsers(dest=f"{name}_command", required=True)
+
+
+def register(subparsers) -> None:
+    """Add ``export hf`` and ``import hf`` to the ``looplm`` command line."""
+    ex = _subparsers(subparsers, "export", "export a checkpoint to another format (hf)")
+    if "hf" not in ex.choices:
+        p = ex.add_parser("hf", help="a checkpoint as a Hugging Face model directory (remote code, tokenizer, safetensors)")
+        p.add_argument("checkpoint", help="checkpoint directory, or a run directory (newest complete checkpoint)")
+        p.add_argument("out", help="output directory (must be empty unless --overwrite)")
+        p.add_argument("--loops", type=int, default=None, help="default loop count r in the exported config (default: trained K)")
+        p.add_argument("--exit-threshold", type=float, default=None, help="default exit threshold q (exit-gate rules)")
+        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="cast the weights")
+        p.add_argument("--overwrite", action="store_true")
+        p.set_defaults(func=cmd_export_hf)
+    im = _subparsers(subparsers, "import", "import a checkpoint from another format (hf)")
+    if "hf" not in im.choices:
+        p = im.add_parser("hf", help="a Hugging Face directory (looplm export, Llama, Qwen3, Mamba-2, GGUF) as a looplm checkpoint")
+        p.add_argument("source", help="model directory (config.json + safetensors), or a .gguf file")
+        p.add_argument("out", help="output checkpoint directory")
+        p.add_argument("--gguf-file", default=None, help="the GGUF file inside SOURCE to load (needs the gguf package)")
+        p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                       help="change the imported config before the weights are copied (e.g. n_loops=2)")
+        p.add_argument("--overwrite", action="store_true")
+        p.set_defaults(func=cmd_import_hf)

@@ -1,0 +1,84 @@
+"""looplm tokenizers <-> ``transformers.PreTrainedTokenizerFast``.
+
+An export saves its tokenizer as a ``PreTrainedTokenizerFast`` (a ``tokenizer.json`` plus
+``tokenizer_config.json`` naming that class), which ``AutoTokenizer`` loads with transformers 4.x
+and 5.x alike, without custom code. The token ids are the ones the model was trained with:
+
+* the byte tokenizer (ids ``0..255`` = bytes, ``256/257/258`` = EOS/BOS/PAD) becomes a byte-level
+  BPE without merges whose vocabulary maps byte ``b`` to id ``b``, plus the three specials. As in
+  looplm, text that spells a special token (``"<eos>"``) is encoded as its bytes
+  (``split_special_tokens``);
+* a ``tokenizers`` / ``transformers`` fast tokenizer is saved as it is, with its specials named.
+"""
+
+from __future__ import annotations
+
+BYTE_SPECIALS = ("<eos>", "<bos>", "<pad>")  # ids 256, 257, 258 (looplm.data.tokenizers.ByteTokenizer)
+
+
+def byte_backend():
+    """A ``tokenizers.Tokenizer`` that encodes exactly like :class:`~looplm.data.tokenizers.ByteTokenizer`."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = _bytes_to_unicode()  # byte -> printable char (the byte-level BPE alphabet)
+    vocab = {alphabet[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in BYTE_SPECIALS])
+    assert tok.token_to_id("<eos>") == 256 and tok.token_to_id("<pad>") == 258
+    return tok
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """The byte-level BPE alphabet: printable bytes map to themselves, the rest to chars from U+0100 on."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return out
+
+
+def to_pretrained_tokenizer_fast(tok):
+    """A ``transformers.PreTrainedTokenizerFast`` giving the same ids as the looplm tokenizer ``tok``."""
+    from transformers import PreTrainedTokenizerFast
+
+    from ..data.tokenizers import ByteTokenizer, HFTokenizer
+
+    if isinstance(tok, ByteTokenizer):
+        return PreTrainedTokenizerFast(
+            tokenizer_object=byte_backend(), eos_token="<eos>", bos_token="<bos>", pad_token="<pad>",
+            split_special_tokens=True, clean_up_tokenization_spaces=False, model_max_length=1 << 30,
+        )  # fmt: skip
+    if isinstance(tok, HFTokenizer):
+        backend = tok._tok
+        if tok._kind == "transformers":
+            backend = getattr(backend, "backend_tokenizer", None) or getattr(backend, "_tokenizer", None)
+            if backend is None:
+                raise ValueError(f"tokenizer {tok.name!r} is a slow (Python) transformers tokenizer; export needs a fast one")
+        inv = {i: t for t, i in tok._vocab().items()}
+        specials = {"eos_token": inv.get(tok.eos_id)}
+        if tok.bos_id is not None:
+            specials["bos_token"] = inv.get(tok.bos_id)
+        if tok.pad_id is not None:  # none is invented: the ids (and looplm's tokenizer fingerprint) stay the same
+            specials["pad_token"] = inv.get(tok.pad_id)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False, **specials)
+    raise TypeError(f"cannot export tokenizer {tok!r}: only the byte tokenizer and Hugging Face tokenizers are supported")
+
+
+def save_pretrained_tokenizer(tok, out_dir) -> None:
+    """Save ``tok`` as a ``PreTrainedTokenizerFast`` into ``out_dir`` (``tokenizer_class`` recorded so
+    ``AutoTokenizer`` picks the generic fast class under transformers 4.x and 5.x)."""
+    import json
+    from pathlib import Path
+
+    fast = to_pretrained_tokenizer_fast(tok)
+    fast.save_pretrained(str(out_dir))
+    cfg_path = Path(out_dir) / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")

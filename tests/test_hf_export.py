@@ -1,0 +1,314 @@
+"""Hugging Face export / import: the exported model is looplm's, through transformers' own API, offline."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import looplm
+from looplm.cli import main as cli_main
+from looplm.data.tokenizers import ByteTokenizer, load_tokenizer
+from looplm.hf.export import export_hf
+from looplm.hf.importer import import_hf, read_export, write_checkpoint
+from looplm.recurrence import RULES
+
+from helpers import tiny_variant
+
+
+def _perturb(model: torch.nn.Module, seed: int = 0, scale: float = 0.05) -> torch.nn.Module:
+    """Random weights everywhere, so zero-initialised gates and rule parameters take part too."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return model.eval()
+
+
+def _load(out):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True).eval()
+
+
+def _prompt(n: int = 7, seed: int = 1, vocab: int = 200) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models decode token by token: one intra-op thread avoids thread hand-offs on a busy CPU."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """tiny-coreloop ((p, s, K, c) = (1, 2, 3, 1)) with random weights, exported once."""
+    torch.manual_seed(0)
+    model = _perturb(looplm.build("tiny-coreloop"))
+    out = export_hf(model, tmp_path_factory.mktemp("hf") / "coreloop", tokenizer="byte")
+    return model, out, _load(out)
+
+
+def test_export_layout_and_remote_code(exported):
+    model, out, hf = exported
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "modeling_looplm.py", "configuration_looplm.py",
+            "tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= names
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model_type"] == "looplm" and cfg["looplm"]["rule"]["name"] == model.config.rule.name
+    assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_looplm.LoopLMForCausalLM"
+    assert json.loads((out / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    # loaded through the remote-code path (the copy in the export), not a class of this process
+    assert type(hf).__module__.startswith("transformers_modules")
+    assert type(hf).__name__ == "LoopLMForCausalLM"
+
+
+def test_logits_and_loss_equal_looplm(exported):
+    model, _, hf = exported
+    ids = _prompt(12)
+    with torch.no_grad():
+        ours = model(ids, labels=ids)
+        theirs = hf(ids, labels=ids)
+    assert torch.equal(ours.logits, theirs.logits)
+    assert torch.equal(ours.loss, theirs.loss)
+    with torch.no_grad():  # another loop count through forward()
+        assert torch.equal(model(ids, num_loops=5).logits, hf(ids, num_loops=5).logits)
+
+
+def test_cached_greedy_equals_uncached_and_looplm(exported):
+    model, _, hf = exported
+    ids = _prompt(6)
+    cached = hf.generate(ids, max_new_tokens=10, do_sample=False)
+    uncached = hf.generate(ids, max_new_tokens=10, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+    assert torch.equal(cached, model.generate(ids, max_new_tokens=10, use_cache=False))
+
+
+def test_left_padded_batch_equals_each_alone(exported):
+    _, _, hf = exported
+    a, b = _prompt(9, seed=2)[0], _prompt(4, seed=3)[0]
+    pad = hf.config.pad_token_id
+    batch = torch.full((2, 9), pad)
+    batch[0], batch[1, 5:] = a, b
+    mask = (torch.arange(9)[None] >= torch.tensor([[0], [5]])).long()
+    out = hf.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    alone_a = hf.generate(a[None], max_new_tokens=6, do_sample=False)
+    alone_b = hf.generate(b[None], max_new_tokens=6, do_sample=False)
+    assert torch.equal(out[0], alone_a[0])
+    assert torch.equal(out[1, 5:], alone_b[0])
+
+
+def test_more_loops_at_inference_than_training(exported, tmp_path):
+    model, out, hf = exported
+    K = model.config.n_loops
+    ids = _prompt(5)
+    deep = hf.generate(ids, max_new_tokens=8, do_sample=False, num_loops=2 * K)
+    assert torch.equal(deep, model.generate(ids, max_new_tokens=8, num_loops=2 * K, use_cache=False))
+    # the cache grew to one slot per (loop, core layer) for all 2K loops
+    res = hf(ids, num_loops=2 * K, use_cache=True)
+    cache = res.cache if "cache" in res else res.past_key_values
+    core_slots = {key for key in cache.inner.slots if isinstance(key[0], int) and key[0] > 0}
+    assert len(core_slots) == (2 * K - 1) * model.config.n_core
+    # a config default: exported with num_loops=2K, plain generate() runs 2K loops
+    out2 = export_hf(model, tmp_path / "deep", tokenizer="byte", num_loops=2 * K)
+    assert torch.equal(_load(out2).generate(ids, max_new_tokens=8, do_sample=False), deep)
+    # a cache holding tokens keeps its loop count
+    with pytest.raises(ValueError, match="cannot serve"):
+        hf(ids[:, -1:], cache=cache, num_loops=K)
+
+
+def test_tokenizer_matches_looplm(exported):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    _, out, _ = exported
+    tok = PreTrainedTokenizerFast.from_pretrained(str(out))
+    text = "Héllo, wörld! <eos> \n\t end"
+    assert tok(text)["input_ids"] == ByteTokenizer().encode(text)
+    assert tok.decode(ByteTokenizer().encode(text)) == text
+    assert (tok.eos_token_id, tok.bos_token_id, tok.pad_token_id) == (256, 257, 258)
+    auto = AutoTokenizer.from_pretrained(str(out), trust_remote_code=True)
+    assert auto(text)["input_ids"] == ByteTokenizer().encode(text)
+
+
+def test_bpe_tokenizer_exports(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    from looplm.data.tokenizers import train_bpe
+
+    texts = ["the quick brown fox jumps over the lazy dog " * 3, "looped models loop their core blocks"] * 20
+    bpe = train_bpe(None, 300, tmp_path / "tok", texts=texts)
+    model = looplm.build("tiny-llama", vocab_size=320)
+    out = export_hf(model, tmp_path / "hf", tokenizer=bpe)
+    tok = PreTrainedTokenizerFast.from_pretrained(str(out))
+    s = "the lazy fox loops"
+    assert tok(s)["input_ids"] == bpe.encode(s)
+    assert tok.eos_token_id == bpe.eos_id
+
+
+def _rule_configs():
+    """(rule name, config) for every registered rule: a preset's rule options when a preset uses it
+    (at tiny sizes), else the rule's defaults, on tiny-llama's backbone."""
+    from looplm.config import list_presets, preset_dict
+
+    first = {}
+    for name in list_presets():
+        r = (preset_dict(name).get("rule") or {}).get("name", "vanilla")
+        first.setdefault(r, name)
+    out = []
+    for rule in sorted(RULES):
+        if rule.startswith("test-"):
+            continue
+        base = looplm.config.load_model_config("tiny-llama").to_dict()
+        if rule in first:
+            base["rule"] = tiny_variant(first[rule]).rule.__dict__
+            base["rule"] = {"name": rule, "options": dict(base["rule"]["options"])}
+        else:
+            base["rule"] = {"name": rule, "options": {}}
+        out.append(pytest.param(rule, base, id=rule))
+    return out
+
+
+@pytest.mark.parametrize("rule,cfg", _rule_configs())
+def test_every_rule_exports(rule, cfg, tmp_path):
+    torch.manual_seed(0)
+    model = _perturb(looplm.build(cfg))
+    out = export_hf(model, tmp_path / rule, tokenizer="byte")
+    hf = _load(out)
+    assert hf.config.looplm["rule"] == model.config.to_dict()["rule"]
+    ids = _prompt(6)
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, model(ids).logits, rtol=0, atol=1e-6)
+    K = model.config.n_loops
+    assert torch.equal(
+        hf.generate(ids, max_new_tokens=4, do_sample=False, num_loops=K + 1),
+        model.generate(ids, max_new_tokens=4, num_loops=K + 1, use_cache=False),
+    )
+
+
+@torch.no_grad()
+def _greedy(model, ids, n, **kw):
+    """Greedy decoding by full forwards (no cache): the reference."""
+    for _ in range(n):
+        nxt = model(ids, **kw).logits[:, -1].argmax(-1, keepdim=True)
+        ids = torch.cat([ids, nxt], dim=1)
+    return ids
+
+
+def test_exit_threshold_from_generate_and_config(tmp_path):
+    torch.manual_seed(0)
+    model = _perturb(looplm.build("tiny-llama", overrides={"rule.name": "exit_gate", "n_loops": 4}), scale=0.3)
+    ids = _prompt(6)
+    out = export_hf(model, tmp_path / "gate", tokenizer="byte")
+    hf = _load(out)
+    for q in (0.05, 0.9):
+        with torch.no_grad():
+            ref = model(ids, loop_options={"exit_threshold": q}).logits
+            assert torch.equal(hf(ids, exit_threshold=q).logits, ref)
+        got = hf.generate(ids, max_new_tokens=4, do_sample=False, exit_threshold=q)
+        assert torch.equal(got, _greedy(model, ids, 4, loop_options={"exit_threshold": q}))
+    out_q = export_hf(model, tmp_path / "gate-q", tokenizer="byte", exit_threshold=0.05)
+    with torch.no_grad():
+        assert torch.equal(_load(out_q)(ids).logits, model(ids, loop_options={"exit_threshold": 0.05}).logits)
+
+
+# ------------------------------------------------------------------------------------------ import
+def test_export_import_round_trip_exact(exported, tmp_path):
+    model, out, _ = exported
+    ckpt = import_hf(out, tmp_path / "back")
+    from looplm.checkpoint_io import load_model_for_inference
+
+    back, tok = load_model_for_inference(ckpt)
+    assert back.config == model.config
+    sd, sd2 = model.state_dict(), back.state_dict()
+    assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)
+    assert tok.fingerprint() == ByteTokenizer().fingerprint()
+
+
+def test_cli_export_import_round_trip_bpe(tmp_path):
+    """A checkpoint directory -> `looplm export hf` -> `looplm import hf` -> the same weights, config,
+    tokenizer ids; `looplm generate` runs on the result."""
+    from looplm.data.tokenizers import train_bpe
+
+    texts = ["to be or not to be that is the question " * 2, "whether tis nobler in the mind to suffer"] * 20
+    bpe = train_bpe(None, 300, tmp_path / "tok", texts=texts)
+    model = _perturb(looplm.build("tiny-qwen3", vocab_size=320))
+    ckpt = write_checkpoint(tmp_path / "ckpt", model, bpe)
+    assert cli_main(["export", "hf", str(ckpt), str(tmp_path / "hf"), "--loops", "2"]) == 0
+    assert cli_main(["import", "hf", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    from looplm.checkpoint_io import load_model_for_inference
+
+    back, tok = load_model_for_inference(tmp_path / "back")
+    assert back.config == model.config
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
+    assert tok.encode("to be or not") == bpe.encode("to be or not") and tok.eos_id == bpe.eos_id
+    assert tok.fingerprint() == bpe.fingerprint()
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_loops"] == 2
+    assert cli_main(["generate", "--checkpoint", str(tmp_path / "back"), "--prompt", "to be", "--max-new-tokens", "4"]) == 0
+
+
+def _byte_hf_tokenizer(path):
+    from looplm.hf.tokenizer import to_pretrained_tokenizer_fast
+
+    to_pretrained_tokenizer_fast(ByteTokenizer()).save_pretrained(str(path))
+
+
+def _tiny_hf(kind: str):
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        return transformers.LlamaForCausalLM(cfg)
+    if kind == "qwen3":
+        cfg = transformers.Qwen3Config(vocab_size=260, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                       max_position_embeddings=64, tie_word_embeddings=True)
+        return transformers.Qwen3ForCausalLM(cfg)
+    cfg = transformers.Mamba2Config(vocab_size=260, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2,
+                                    head_dim=16, num_heads=4, n_groups=1, chunk_size=8)
+    return transformers.Mamba2ForCausalLM(cfg)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mamba2"])
+def test_import_transformers_models(kind, tmp_path):
+    hf = _tiny_hf(kind).eval()
+    src = tmp_path / kind
+    hf.save_pretrained(str(src))
+    _byte_hf_tokenizer(src)
+    ckpt = import_hf(src, tmp_path / "ckpt")
+    from looplm.checkpoint_io import load_model_for_inference
+
+    model, tok = load_model_for_inference(ckpt)
+    ids = _prompt(8, vocab=256)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, rtol=1e-4, atol=1e-4)
+    assert tok.encode("abc") == [97, 98, 99]
+    # an imported model loops: the config can be changed on the way in
+    looped = import_hf(src, tmp_path / "looped", n_loops=2)
+    m2, _ = load_model_for_inference(looped)
+    assert m2.config.n_loops == 2
+
+
+def test_read_export_needs_no_remote_code(exported):
+    model, out, _ = exported
+    back, tok = read_export(out)
+    assert torch.equal(back.embed.weight, model.embed.weight) and tok.name == "byte"
+
+
+def test_import_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not a Hugging Face model directory"):
+        import_hf(tmp_path / "nope", tmp_path / "out")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        import_hf(tmp_path / "empty", tmp_path / "out")
