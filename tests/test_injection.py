@@ -204,3 +204,17 @@ def test_history_options_are_validated():
     for bad, msg in (({"window": 0}, "window"), ({"window": 2, "inject": "gated"}, "inject")):
         with pytest.raises(ConfigError, match=msg):
             looplm.build(BASE, overrides={"rule": {"name": "history", "options": bad}})
+
+
+def test_injection_scales_are_weight_decayed_but_other_vectors_are_not():
+    """The paper: regularising a favours a state scale of zero, regularising δ_a favours one — the
+    injection scales are decayed; norm weights and other vectors are not."""
+    import looplm
+    from looplm.train.optim import ADAMW_DECAY, ADAMW_NO_DECAY, plan_param_groups
+
+    for form, names in [("channel", ("a", "b")), ("residual_channel", ("delta_a", "b")), ("scalar", ("alpha",))]:
+        model = looplm.build("tiny-llama", overrides={"rule": {"name": "injection", "options": {"form": form}}})
+        plan = plan_param_groups(model, use_muon=True)
+        rule_groups = {n.rsplit(".", 1)[-1]: g for n, g in plan.group_of.items() if n.startswith("rule.")}
+        assert all(rule_groups[n] == ADAMW_DECAY for n in names), rule_groups
+        assert plan.group_of["norm.weight"] == ADAMW_NO_DECAY

@@ -53,6 +53,9 @@ class InjectionAdapter(nn.Module):
             self.proj = nn.Linear(2 * d, d, bias=False)
         for p in self.parameters():
             p._no_muon = True  # AdamW, not Muon (paper, optimizer section)
+            # decayed like the matrices: the paper notes that regularising a favours a state scale of
+            # zero and regularising δ_a favours one, i.e. these scales are weight-decayed
+            p._weight_decay = True
         self.looplm_init()
 
     @staticmethod

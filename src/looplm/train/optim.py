@@ -7,7 +7,8 @@ Parameter grouping (recurrence-effectiveness paper, §3 "Optimization"):
   ``p._no_muon = True`` by the model (token embedding and LM head).
 * **AdamW** takes the rest: embeddings, head, norm weights, biases, vectors and scalars.
 * Decoupled weight decay (0.1 by default) applies to every parameter except the *no-decay* ones:
-  all parameters with fewer than 2 dimensions (norm weights, biases, gates, scalars), every
+  all parameters with fewer than 2 dimensions (norm weights, biases, gates, scalars) unless marked
+  ``p._weight_decay = True`` (the injection scales of the recurrence-effectiveness paper), every
   parameter of a normalisation module, and every parameter marked ``p._no_weight_decay = True``
   (e.g. Mamba-2's ``A_log``, ``D``, ``dt_bias``).
 
@@ -70,7 +71,10 @@ def plan_param_groups(model: nn.Module, use_muon: bool = True) -> ParamPlan:
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        no_decay = p.ndim < 2 or id(p) in norm_params or getattr(p, "_no_weight_decay", False)
+        # vectors and scalars are not decayed unless a module asks (``p._weight_decay = True``, e.g. the
+        # injection scales a, δ_a, b: decay pulls them towards the paper's "state scale" of zero / one)
+        small = p.ndim < 2 and not getattr(p, "_weight_decay", False)
+        no_decay = small or id(p) in norm_params or getattr(p, "_no_weight_decay", False)
         muon = use_muon and p.ndim == 2 and not getattr(p, "_no_muon", False) and id(p) not in norm_params
         if muon:
             plan.group_of[name] = MUON_NO_DECAY if no_decay else MUON
