@@ -127,7 +127,7 @@ def main() -> int:
     t0 = time.perf_counter()
     rows["SmolLM2-135M (transformers, 30 layers)"] = heldout_ppl(lambda x: hf(x, labels=x).loss, held, args.window, n_win)
     times["PPL, transformers original"] = time.perf_counter() - t0
-    del hf
+    hf = None  # free it before training
     t0 = time.perf_counter()
     rows["SmolLM2-135M imported (looplm, (0, 30, 1, 0))"] = heldout_ppl(looplm_loss(model), held, args.window, n_win)
     times["PPL, looplm import"] = time.perf_counter() - t0

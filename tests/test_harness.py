@@ -75,6 +75,18 @@ def test_loglikelihood_matches_model_and_batches(model):
         assert g1 == g2
 
 
+def test_continuation_longer_than_the_window_is_scored_whole(model):
+    ctx, cont = TOK.encode("ab"), TOK.encode(" a continuation much longer than the sixteen-token window")
+    got = LoopLMEvalModel(model=model, tokenizer=TOK, max_length=16)._loglikelihood_tokens([(None, ctx, cont)])[0][0]
+    seq, want, pos = ctx + cont, 0.0, len(ctx)
+    while pos < len(seq):  # pieces of <= 16 predicted tokens, each read with the 16 tokens before its end
+        end = min(pos + 16, len(seq))
+        window = seq[max(0, end - 17) : end]
+        want += _logp(model, window[: len(window) - (end - pos)], window[len(window) - (end - pos):])
+        pos = end
+    assert math.isclose(got, want, rel_tol=1e-5)
+
+
 def test_loops_and_exit_threshold_reach_the_model(model):
     req = [_Req("loop me", " deeper")]
     K = model.config.n_loops
@@ -197,6 +209,14 @@ def test_cli_eval_harness_offline(ckpt, tmp_path):
     res = json.loads(out.read_text())
     assert set(res["results"]) == {"local_mc", "local_gen"} and res["config"]["loops"] == 5
     assert res["n-samples"]["local_mc"]["effective"] == 4
+    # the same model as a Hugging Face export gives the same scores
+    from looplm.hf.export import export_hf
+
+    export_hf(ckpt, tmp_path / "hf")
+    out2 = tmp_path / "res2.json"
+    assert cli_main(["eval", "harness", str(tmp_path / "hf"), "--tasks", "local_mc", "--include-path", str(tasks),
+                     "--limit", "4", "--loops", "5", "--output-json", str(out2)]) == 0
+    assert json.loads(out2.read_text())["results"]["local_mc"]["acc,none"] == res["results"]["local_mc"]["acc,none"]
 
 
 def _fake_eval_dir(root: Path) -> Path:
@@ -230,6 +250,9 @@ def test_suites_on_local_data_dir(ckpt, tmp_path):
 
 
 def test_suite_definitions_match_the_papers():
+    from looplm.eval.harness_cli import SUITE_NAMES
+
+    assert tuple(SUITES) == SUITE_NAMES  # the CLI's list (kept free of lm-eval imports) is current
     sl = SUITES["looplm_stateloop8_0shot"][2]
     assert [t.task for t in sl] == ["lambada_openai", "arc_easy", "arc_challenge", "winogrande", "piqa", "hellaswag",
                                     "sciq", "race"]

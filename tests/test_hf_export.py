@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import looplm
 from looplm.cli import main as cli_main
-from looplm.data.tokenizers import ByteTokenizer, load_tokenizer
+from looplm.data.tokenizers import ByteTokenizer
 from looplm.hf.export import export_hf
 from looplm.hf.importer import import_hf, read_export, write_checkpoint
 from looplm.recurrence import RULES

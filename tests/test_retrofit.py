@@ -120,3 +120,7 @@ def test_looplm_train_retrofits_and_follows_the_schedule(tmp_path):
     saved = json.loads(next((tmp_path / "run" / "ckpt").glob("step_*/config.json")).read_text())
     assert saved["train"]["train"]["init_map"] == {"prelude": [0], "core": [2, 3], "coda": [5]}
     assert saved["train"]["train"]["loop_schedule"] == [[0, 1], [2, 3]]
+    from looplm.hf.retrofit import retrofit_summary
+
+    lines = retrofit_summary(saved)
+    assert "core     <- pretrained layers [2, 3]" in "\n".join(lines) and "step 2: r = 3" in lines[-1]

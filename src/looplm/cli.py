@@ -22,7 +22,7 @@ from .checkpoint_io import CheckpointError
 COMMAND_MODULES = {
     "data": "looplm.data.cli",
     "tokenizer": "looplm.data.cli",
-    "eval": ("looplm.eval.cli", "looplm.eval.threshold", "looplm.eval.harness"),  # a tuple: several modules add sub-commands
+    "eval": ("looplm.eval.cli", "looplm.eval.threshold", "looplm.eval.harness_cli"),  # a tuple: several modules add sub-commands
     "train": "looplm.train.cli",
     "plot": "looplm.train.cli",
     "demo": "looplm.train.cli",

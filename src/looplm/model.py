@@ -334,7 +334,12 @@ def build(spec="tiny-llama", *, device=None, dtype=None, overrides=None, **kw) -
     cfg = load_model_config(spec, ov or None)
     meta = str(device) == "meta"
     with torch.device(device) if device is not None else contextlib.nullcontext(), _SkipMetaInit() if meta else contextlib.nullcontext():
-        model = LoopedLM(cfg)
+        if cfg.pause is not None:  # pause tokens change T, so they wrap the model rather than being a rule
+            from .pause import PauseLM
+
+            model = PauseLM(cfg)
+        else:
+            model = LoopedLM(cfg)
     if dtype is not None:
         model = model.to(dtype)
     return model

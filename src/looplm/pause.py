@@ -33,6 +33,8 @@ pauses follow *every* token including the last one of a prompt; positions count 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 
@@ -117,8 +119,9 @@ class PauseLM(LoopedLM):
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)  # [B, T]
             loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
         hidden = out.hidden[:, pos] if out.hidden is not None else None
-        return LoopedLMOutput(logits=logits, loss=loss, iterations=out.iterations, hidden=hidden, cache=out.cache,
-                              executed_loops=out.executed_loops)
+        new = {"logits": logits, "loss": loss, "lm_loss": loss, "hidden": hidden}  # the rest as the backbone gave it
+        fields = {f.name for f in dataclasses.fields(LoopedLMOutput)}
+        return dataclasses.replace(out, **{k: v for k, v in new.items() if k in fields})
 
 
 def build_pause(spec="stateloop-1.4b-pause", *, overrides: dict | None = None, device=None) -> PauseLM:

@@ -1,6 +1,6 @@
 """lm-evaluation-harness for looped models: the ``looplm`` model, the papers' suites, local data.
 
-``looplm eval harness CHECKPOINT --tasks ...`` runs lm-eval (0.4.x) on a looplm checkpoint (a run or
+``looplm eval harness CHECKPOINT --tasks ...`` (:mod:`looplm.eval.harness_cli`) runs lm-eval (0.4.x) on a looplm checkpoint (a run or
 checkpoint directory, or a ``looplm export hf`` directory) at any loop count ``r`` and exit
 threshold ``q``::
 
@@ -44,7 +44,6 @@ without a local copy are skipped with a note. Nothing touches the hub then.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import time
@@ -62,7 +61,6 @@ except ImportError:  # pragma: no cover - exercised only without lm-eval
 __all__ = [
     "LoopLMEvalModel",
     "SUITES",
-    "register",
     "register_lm_eval_model",
     "run_harness",
     "suite_tables",
@@ -144,19 +142,29 @@ class LoopLMEvalModel(TemplateLM):
         return F.log_softmax(out.logits.float(), dim=-1)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
-        """``[(key, context_ids, continuation_ids)] -> [(sum log p(continuation), is_greedy)]``."""
+        """``[(key, context_ids, continuation_ids)] -> [(sum log p(continuation), is_greedy)]``.
+
+        A continuation longer than the window is scored in pieces, each token with as much of the
+        text before it as fits in ``max_length`` tokens (no token goes unscored)."""
         L = self.max_length
-        items = []
+        items = []  # (request index, input ids, number of predicted tokens, their targets)
         for i, (_, ctx, cont) in enumerate(requests):
             if not cont:
                 raise ValueError("an empty continuation cannot be scored")
-            whole = (list(ctx) + list(cont))[-(L + 1):]
-            inp = whole[:-1]  # the model reads everything but the last token ...
-            items.append((i, inp, len(cont), whole[-len(cont):]))  # ... and predicts the last len(cont)
-        items.sort(key=lambda it: -len(it[1]))  # longest first: similar lengths share a batch
-        results: list[tuple[float, bool] | None] = [None] * len(items)
-        for b in range(0, len(items), self.batch_size):
-            chunk = items[b : b + self.batch_size]
+            seq = list(ctx) + list(cont)
+            pos = len(ctx)  # index in seq of the first token to predict
+            while pos < len(seq):
+                end = min(pos + L, len(seq))
+                inp = seq[max(0, end - 1 - L) : end - 1]  # the model reads these ...
+                items.append((i, inp, end - pos, seq[pos:end]))  # ... and predicts seq[pos:end] at its last positions
+                pos = end
+        order = sorted(range(len(items)), key=lambda k: -len(items[k][1]))  # longest first: similar lengths batch
+        scores = [0.0] * len(requests)
+        greedy = [True] * len(requests)
+        from tqdm import tqdm
+
+        for b in tqdm(range(0, len(order), self.batch_size), desc="looplm loglikelihood", disable=disable_tqdm):
+            chunk = [items[k] for k in order[b : b + self.batch_size]]
             T = max(len(it[1]) for it in chunk)
             ids = torch.zeros(len(chunk), T, dtype=torch.long)
             mask = torch.zeros(len(chunk), T, dtype=torch.long)
@@ -166,13 +174,15 @@ class LoopLMEvalModel(TemplateLM):
             padded = bool((mask == 0).any())
             logp = self._forward(ids.to(self.device), mask.to(self.device) if padded else None)  # [B, T, V]
             for r, (i, inp, n, target) in enumerate(chunk):
-                lp = logp[r, len(inp) - n : len(inp)]  # [n, V]: predictions of the continuation tokens
+                lp = logp[r, len(inp) - n : len(inp)]  # [n, V]: the predictions of the n target tokens
                 tgt = torch.tensor(target, device=lp.device)
-                score = float(lp.gather(-1, tgt[:, None]).sum())
-                greedy = bool((lp.argmax(-1) == tgt).all())
-                results[i] = (score, greedy)
-                self.cache_hook.add_partial("loglikelihood", requests[i][0], (score, greedy))
-        return results  # type: ignore[return-value]
+                scores[i] += float(lp.gather(-1, tgt[:, None]).sum())
+                greedy[i] = greedy[i] and bool((lp.argmax(-1) == tgt).all())
+        results = list(zip(scores, greedy))
+        for (key, _, _), res in zip(requests, results):
+            if key is not None:
+                self.cache_hook.add_partial("loglikelihood", key, res)
+        return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         from lm_eval import utils
@@ -280,7 +290,7 @@ def register_lm_eval_model() -> None:
     registry with the built-in models; registering before would leave only ours). The entry point
     ``lm_eval.models: looplm`` is declared in ``pyproject.toml`` for releases that read it.
     """
-    import lm_eval.models  # noqa: F401  (the built-in models register themselves on import)
+    import lm_eval.models  # noqa: F401  # (the built-in models register themselves on import)
     from lm_eval.api.registry import get_model, register_model
 
     try:
@@ -486,57 +496,3 @@ def _json_default(o):
     if isinstance(o, float) and math.isnan(o):
         return None
     return str(o)
-
-
-def _print_results(out: dict) -> None:
-    from lm_eval.utils import make_table
-
-    print(make_table(out))
-    if out.get("groups"):
-        print(make_table(out, "groups"))
-    if out.get("looplm_tables"):
-        print(out["looplm_tables"])
-
-
-def cmd_eval_harness(args) -> int:
-    if args.write_tasks:
-        suites = write_task_configs(args.write_tasks, args.data_dir)
-        print(f"wrote {sum(len(m) for m in suites.values())} task and {len(suites)} group configs to {args.write_tasks} "
-              f"(lm_eval --include_path {args.write_tasks} --tasks {','.join(suites)})")
-        if not args.checkpoint:
-            return 0
-    if not args.checkpoint or not args.tasks:
-        raise ValueError("looplm eval harness needs CHECKPOINT and --tasks (or only --write-tasks DIR)")
-    tasks = [t for t in args.tasks.split(",") if t]
-    out = run_harness(args.checkpoint, tasks, loops=args.loops, exit_threshold=args.exit_threshold,
-                      num_fewshot=args.num_fewshot, limit=args.limit, include_path=args.include_path,
-                      data_dir=args.data_dir, output_json=args.output_json, batch_size=args.batch_size,
-                      device=args.device, dtype=args.dtype, max_length=args.max_length, seed=args.seed)
-    _print_results(out)
-    return 0
-
-
-def register(subparsers) -> None:
-    """Add ``eval harness`` to the ``looplm`` command line."""
-    from .cli import _eval_subparsers
-
-    ev = _eval_subparsers(subparsers)
-    if "harness" in ev.choices:
-        return
-    p = ev.add_parser("harness", help="lm-evaluation-harness tasks and the papers' suites on a checkpoint")
-    p.add_argument("checkpoint", nargs="?", help="checkpoint or run directory, or a `looplm export hf` directory")
-    p.add_argument("--tasks", help="comma-separated lm-eval tasks / groups, or suites: " + ", ".join(SUITES))
-    p.add_argument("--loops", type=int, default=None, help="loop count r (default: the trained K)")
-    p.add_argument("--exit-threshold", type=float, default=None, help="exit threshold q (exit-gate rules)")
-    p.add_argument("--num-fewshot", type=int, default=None, help="override every task's shots (default: the suite's)")
-    p.add_argument("--limit", type=float, default=None, help="at most N documents per task (a fraction if < 1)")
-    p.add_argument("--include-path", action="append", default=None, help="a folder of extra lm-eval task YAMLs (repeatable)")
-    p.add_argument("--data-dir", default=None, help="local task data (DIR/<task>/ as saved by datasets.save_to_disk)")
-    p.add_argument("--output-json", default=None, help="write the results (and the suites' tables) here")
-    p.add_argument("--write-tasks", default=None, metavar="DIR", help="write the suites' task YAMLs to DIR (for lm_eval --include_path)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--max-length", type=int, default=None, help="context window (default: the training seq_len)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--device", default=None)
-    p.add_argument("--seed", type=int, default=1234)
-    p.set_defaults(func=cmd_eval_harness)

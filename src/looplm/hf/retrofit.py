@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["apply_layer_map", "layer_prefix", "loops_at", "validate_retrofit", "even_core_map"]
+__all__ = ["apply_layer_map", "even_core_map", "layer_prefix", "loops_at", "retrofit_summary", "validate_retrofit"]
 
 PARTS = ("prelude", "core", "coda")
 
@@ -144,3 +144,17 @@ def apply_layer_map(model, source: str | Path, init_map: dict) -> str:
     return (f"retrofitted from {ckpt} ({n_src} layers): prelude <- {init_map.get('prelude', [])}, "
             f"core <- {init_map.get('core', [])} (x{cfg.n_loops} loops), coda <- {init_map.get('coda', [])}, "
             f"dropped {dropped}")
+
+
+def retrofit_summary(checkpoint_config: dict) -> list[str]:
+    """Lines describing a run's retrofit (for ``looplm info RUN``): its ``init_from``, layer map and
+    loop schedule, read from a checkpoint's ``config.json`` dict; empty when the run was not retrofitted."""
+    tc = (checkpoint_config.get("train") or {}).get("train") or {}
+    if not tc.get("init_map") and not tc.get("loop_schedule"):
+        return []
+    m = tc.get("init_map") or {}
+    lines = [f"retrofitted from  {tc.get('init_from')}"]
+    lines += [f"  {part:8s} <- pretrained layers {m[part]}" for part in PARTS if m.get(part)]
+    if tc.get("loop_schedule"):
+        lines.append("  loop schedule  " + ", ".join(f"step {s}: r = {r}" for s, r in tc["loop_schedule"]))
+    return lines
