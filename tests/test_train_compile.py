@@ -78,3 +78,26 @@ def test_aux_loss_is_trained_and_logged_and_validation_is_the_plain_loss(corpus,
     finally:
         RULES.clear()
         RULES.update(before)
+
+
+def test_per_sequence_depth_sampling(corpus, tmp_path):  # noqa: F811
+    """Parcae-style per-sequence depths: each row draws its own loop count (Poisson, clipped), seeded per
+    step; the step equals a forward with the same [B] num_loops by hand."""
+    sets = ["train.random_loops.per_sequence=true", "train.random_loops.distribution=poisson",
+            "train.random_loops.mean=2.5", "train.random_loops.min=1", "train.random_loops.max=5"]
+    cfg = tiny(corpus, *sets, "model_overrides.rule.name=parcae")
+    tr = Trainer(cfg, tmp_path / "r", quiet=True)
+    tr._setup()
+    loops, m = tr._loop_counts(0)
+    assert loops.shape == (8,) and int(loops.min()) >= 1 and int(loops.max()) <= 5 and m is None
+    assert torch.equal(loops, tr._loop_counts(0)[0]) and not torch.equal(loops, tr._loop_counts(1)[0])
+    batch = tr.stream.next_batch(8)
+    tr2 = Trainer(cfg, tmp_path / "r2", quiet=True)
+    tr2._setup()
+    with torch.no_grad():
+        expected = tr2.model(batch, labels=batch, num_loops=loops).loss
+    rec = tr2._train_step(0)
+    assert rec["loss"] == pytest.approx(float(expected), rel=1e-5)
+    assert rec["num_loops_mean"] == pytest.approx(float(loops.float().mean()))
+    with pytest.raises(Exception, match="poisson distribution needs a mean"):
+        tiny(corpus, "train.random_loops.distribution=poisson")

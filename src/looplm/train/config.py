@@ -123,16 +123,26 @@ class ScheduleConfig:
 
 @dataclass
 class RandomLoopsConfig:
-    """Randomised loop counts: each step draws ``r ~ U{min..max}`` (same on every rank) and back-
-    propagates through the last ``grad_loops`` iterations only (truncated BPTT, Huginn/Parcae style;
+    """Randomised loop counts: each step (or each sequence, ``per_sequence``) draws ``r`` (same on every
+    rank) and back-propagates through the last ``grad_loops`` iterations only (truncated BPTT, Huginn/Parcae style;
     ``null`` = through all ``r``)."""
 
     min: int = 1
     max: int = 4
     grad_loops: int | None = None
+    # per_sequence: each sequence of the batch draws its own depth (Parcae's per-sequence sampling; the
+    # model takes a [B] num_loops). distribution: "uniform" U{min..max}, or "poisson": max(min, Poisson(mean))
+    # clipped to max (Parcae's "poisson-truncated" scheme).
+    per_sequence: bool = False
+    distribution: str = "uniform"
+    mean: float | None = None
 
     def validate(self) -> list[str]:
         errs = []
+        if self.distribution not in ("uniform", "poisson"):
+            errs.append(f"distribution: must be 'uniform' or 'poisson', got {self.distribution!r}")
+        elif self.distribution == "poisson" and (self.mean is None or self.mean <= 0):
+            errs.append(f"mean: the poisson distribution needs a mean > 0, got {self.mean}")
         if self.min < 1:
             errs.append(f"min: must be >= 1, got {self.min}")
         if self.max < self.min:

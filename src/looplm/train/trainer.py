@@ -312,7 +312,14 @@ class Trainer:
         if rl is None:
             return None, tc.num_grad_loops
         g = torch.Generator().manual_seed(step_seed(tc.seed, step, "loops"))
-        r = int(torch.randint(rl.min, rl.max + 1, (1,), generator=g))
+        n = self.geo.global_batch if rl.per_sequence else 1
+        if rl.distribution == "poisson":
+            r = torch.poisson(torch.full((n,), float(rl.mean)), generator=g).long().clamp(rl.min, rl.max)
+        else:
+            r = torch.randint(rl.min, rl.max + 1, (n,), generator=g)
+        if rl.per_sequence:  # [global_batch]: sharded and split like the batch rows in _train_step
+            return r, rl.grad_loops
+        r = int(r[0])
         m = None if rl.grad_loops is None else min(rl.grad_loops, r)
         return r, m
 
@@ -340,8 +347,13 @@ class Trainer:
         self.wrapped.train()
         loss_sum = torch.zeros((), device=info.device, dtype=torch.float32)
         aux_sum = None
+        row_loops = None  # per-sequence depths of this rank's rows, split like the rows
+        if isinstance(num_loops, torch.Tensor):
+            row_loops = shard_batch(num_loops[:, None], info.rank, info.world_size)[:, 0].split(geo.micro)
         for i, x in enumerate(local.split(geo.micro)):
             last = i == geo.n_micro - 1
+            if row_loops is not None:
+                num_loops = row_loops[i].to(info.device)
             with self._sync_context(last):
                 with self._autocast():  # the chunked loss: no [B, T, V] logits (LoopedLM.forward return_logits)
                     out = self.wrapped(x, labels=x, num_loops=num_loops, num_grad_loops=grad_loops, return_logits=False)
@@ -375,7 +387,9 @@ class Trainer:
         rule_metrics = getattr(self.model.rule, "train_metrics", None)  # e.g. the exit gate's entropy / expected step
         if callable(rule_metrics):
             record.update(rule_metrics())
-        if num_loops is not None:
+        if row_loops is not None:
+            record["num_loops_mean"] = float(torch.cat(row_loops).float().mean())
+        elif num_loops is not None:
             record["num_loops"] = num_loops
         if not (math.isfinite(loss_value) and math.isfinite(grad_norm)):
             self.optimizer.zero_grad(set_to_none=True)
