@@ -20,7 +20,11 @@ def test_quickstart_has_the_two_make_commands():
     assert "make test" in (README.parent / ".ci" / "run").read_text()
 
 
-@pytest.mark.parametrize("cmd", ["presets", "info", "generate", "train", "eval", "plot", "demo", "data", "tokenizer"])
+@pytest.mark.parametrize(
+    "cmd",
+    ["presets", "info", "generate", "train", "eval", "plot", "demo", "data", "tokenizer", "analyze", "bench", "task", "grid",
+     "export", "import"],
+)
 def test_every_cli_command_is_documented_and_exists(cmd):
     assert f"`looplm {cmd}" in README.read_text()
     import argparse

@@ -35,7 +35,7 @@ import time
 
 __all__ = ["DECODE_MODELS", "build_decode_models", "cpu_description", "decode_latency", "register"]
 
-# Tab. 3 rows: label -> (preset, extra overrides)
+# Tab. 3 rows: key -> (the model name of Tab. 3, its paper preset)
 DECODE_MODELS = {
     "vanilla-k4": ("Vanilla Looped", "stateloop-1.4b-vanilla"),
     "vanilla-k5": ("Vanilla Looped", "stateloop-1.4b-vanilla-k5"),

@@ -71,6 +71,7 @@ def generate(
     num_loops: int | None = None,
     generator: torch.Generator | None = None,
     use_cache: bool = True,
+    loop_options: dict | None = None,
 ) -> torch.Tensor:
     """Return ``[B, T + max_new_tokens]`` token ids, prompt included.
 
@@ -78,6 +79,7 @@ def generate(
     Rows that emitted ``eos_token_id`` keep emitting ``pad_token_id`` (default: the eos id); decoding
     stops early when every row has finished (the result is then shorter).
     ``use_cache=False`` recomputes the full forward each step (the reference the cache is tested against).
+    ``loop_options`` reach the recurrence rule at every step (e.g. ``{"exit_threshold": 0.8}``).
     """
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
         input_ids = input_ids[None]
@@ -107,9 +109,10 @@ def generate(
             if use_cache:
                 step_input = out[:, :n] if i == 0 else out[:, n - 1 : n]
                 res = model(step_input, cache=cache, attention_mask=step_mask, num_loops=num_loops, logits_to_keep=1,
-                            validate=i == 0)  # fmt: skip
+                            validate=i == 0, loop_options=loop_options)  # fmt: skip
             else:
-                res = model(out[:, :n], attention_mask=step_mask, num_loops=num_loops, logits_to_keep=1, validate=i == 0)
+                res = model(out[:, :n], attention_mask=step_mask, num_loops=num_loops, logits_to_keep=1, validate=i == 0,
+                            loop_options=loop_options)  # fmt: skip
             nxt = sample_next(res.logits[:, -1], do_sample, temperature, top_k, top_p, generator)  # [B]
             nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
             out[:, n] = nxt

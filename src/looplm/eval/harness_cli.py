@@ -38,6 +38,10 @@ def cmd_eval_harness(args) -> int:
             return 0
     if not args.checkpoint or not args.tasks:
         raise ValueError("looplm eval harness needs CHECKPOINT and --tasks (or only --write-tasks DIR)")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     tasks = [t for t in args.tasks.split(",") if t]
     out = run_harness(args.checkpoint, tasks, loops=args.loops, exit_threshold=args.exit_threshold,
                       num_fewshot=args.num_fewshot, limit=args.limit, include_path=args.include_path,
@@ -70,4 +74,6 @@ def register(subparsers) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--device", default=None)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (tiny models on a busy CPU: 1 is often several times faster)")
     p.set_defaults(func=cmd_eval_harness)

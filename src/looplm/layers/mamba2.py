@@ -384,6 +384,8 @@ class Mamba2Mixer(nn.Module):
         ``dt ~ exp(U[log dt_min, log dt_max])`` floored at ``dt_init_floor``, ``dt_bias = softplus⁻¹(dt)
         = dt + log(1 - exp(-dt))``;  ``A ~ U[A_init_range]``, ``A_log = log A``;  ``D = 1``.
         """
+        if self.A_log.is_meta:  # nothing to initialise (parameter counting); meta ops would import dynamo
+            return
         lo, hi = math.log(self.dt_min), math.log(self.dt_max)
         dt = torch.exp(torch.rand(self.nheads) * (hi - lo) + lo).clamp(min=self.dt_init_floor)
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
