@@ -356,3 +356,12 @@ def test_looplm_train_cli_runs_each_tiny_variant(name, tmp_path, capsys, monkeyp
     assert [r["step"] for r in recs if "loss" in r] == [1, 2]
     assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in recs if "loss" in r)
     assert recs[-1]["tokens"] == 2 * 2 * 16  # budgets count real tokens (the pause model reads 4x as many positions)
+
+
+def test_info_counts_the_pause_positions_in_flops():
+    from looplm.info import model_info
+
+    pause, vanilla = model_info("stateloop-1.4b-pause"), model_info("stateloop-1.4b-vanilla")
+    assert pause["positions_per_token"] == 4 and pause["params"] == vanilla["params"]
+    # 4 positions per real token, each attending over a 4x longer context: more than 4x the FLOPs
+    assert 4.0 < pause["forward_flops_per_token"] / vanilla["forward_flops_per_token"] < 6.0

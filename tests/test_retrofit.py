@@ -124,3 +124,14 @@ def test_looplm_train_retrofits_and_follows_the_schedule(tmp_path):
 
     lines = retrofit_summary(saved)
     assert "core     <- pretrained layers [2, 3]" in "\n".join(lines) and "step 2: r = 3" in lines[-1]
+    # `looplm info RUN` shows the model of the run and its layer map
+    from looplm.cli import main as cli_main
+
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli_main(["info", str(tmp_path / "run")]) == 0
+    text = buf.getvalue()
+    assert "(1, 2, " in text and "core     <- pretrained layers [2, 3]" in text and "retrofitted from" in text

@@ -11,6 +11,7 @@ without a traceback; warnings print as ``warning: ...``.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import importlib
 import json
 import sys
@@ -86,7 +87,16 @@ def _cmd_info(args) -> int:
     from .info import human, model_info
 
     refuse_empty_yaml(args.model, "model config")
-    info = model_info(args.model, overrides=args.set or None, num_loops=args.loops, seq_len=args.seq_len)
+    spec, retrofit = args.model, []
+    if Path(args.model).is_dir():  # a run or checkpoint directory: its model, and how it was initialised
+        from .checkpoint_io import read_checkpoint_config
+        from .hf.retrofit import retrofit_summary
+
+        ck = read_checkpoint_config(args.model)
+        spec, retrofit = ck["model"], retrofit_summary(ck)
+    info = model_info(spec, overrides=args.set or None, num_loops=args.loops, seq_len=args.seq_len)
+    if retrofit:
+        info["retrofit"] = retrofit
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -101,6 +111,8 @@ def _cmd_info(args) -> int:
     print(f"  effective depth     {info['effective_depth']}  (r = {info['num_loops']} loops)")
     print(f"  mixers              {info['mixers']['attention']} attention, {info['mixers']['mamba2']} Mamba-2")
     print(f"  forward FLOPs/token {human(info['forward_flops_per_token'])}  (context {info['seq_len_for_flops']})")
+    for line in info.get("retrofit", []):
+        print(f"  {line}")
     return 0
 
 

@@ -53,6 +53,9 @@ def model_info(spec, overrides=None, num_loops: int | None = None, seq_len: int 
     emb = model.embed.weight.numel() + (0 if cfg.tie_embeddings else model.lm_head.weight.numel())
     r = cfg.n_loops if num_loops is None else num_loops
     T = seq_len or min(cfg.max_seq_len, 2048)
+    m = 1 + (cfg.pause.n_pause if getattr(cfg, "pause", None) is not None else 0)
+    if m > 1 and seq_len is None:
+        T = min(cfg.max_seq_len // m, 2048)  # real tokens: max_seq_len counts pause positions too
     return {
         "name": cfg.name,
         "description": cfg.description,
@@ -70,7 +73,9 @@ def model_info(spec, overrides=None, num_loops: int | None = None, seq_len: int 
         "vocab_size": cfg.vocab_size,
         "tie_embeddings": cfg.tie_embeddings,
         "seq_len_for_flops": T,
-        "forward_flops_per_token": forward_flops_per_token(model, r, T),
+        # a Pause model runs 1 + n_pause positions per real token (over a context that many times longer)
+        "positions_per_token": m,
+        "forward_flops_per_token": m * forward_flops_per_token(model, r, T * m),
     }
 
 
