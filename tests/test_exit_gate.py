@@ -356,6 +356,17 @@ def test_two_stages_from_a_fixed_loop_checkpoint(tmp_path, capsys):
     assert [r.get("q") for r in rows[:5]] == [0.2, 0.4, 0.6, 0.8, 1.0] and [r.get("r") for r in rows[5:]] == [1, 2, 3]
     assert all(r["executed_depth"] == 3 for r in rows[:5]) and png.stat().st_size > 1000
 
+    # downstream accuracy at every setting through the lm-eval model (a local multiple-choice task)
+    from test_harness import _write_tasks
+
+    tasks = _write_tasks(tmp_path / "tasks")
+    assert main(["eval", "threshold", str(tmp_path / "s2"), "--data", str(corpus), "--batches", "1", "--batch-size", "2",
+                 "--seq-len", "16", "--thresholds", "0.5", "--loops", "1", "--tasks", "local_mc",
+                 "--include-path", str(tasks), "--limit", "4", "--json"]) == 0
+    rows = _json.loads(capsys.readouterr().out)
+    assert [r["setting"] for r in rows] == ["threshold", "fixed"]
+    assert all(0.0 <= r["accuracy"] <= 1.0 and set(r["task_scores"]) == {"local_mc"} for r in rows)
+
 
 def test_sweep_rows_table_and_plot(tmp_path):
     from looplm.eval.threshold import format_sweep, lm_metric, plot_sweep, sweep

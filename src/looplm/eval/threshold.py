@@ -55,6 +55,38 @@ def lm_metric(batches: list[torch.Tensor], precision: str = "fp32") -> Callable:
     return metric
 
 
+def task_metric(checkpoint, tasks: list[str], *, include_path=None, data_dir=None, limit=None, batch_size: int = 8,
+                device=None) -> Callable:
+    """Downstream accuracy through the lm-eval model (:mod:`looplm.eval.harness`): ``metric(model,
+    num_loops=r | loop_options={"exit_threshold": q})`` -> ``{"accuracy": mean acc over tasks,
+    "task_scores": {task: acc}}``. Each setting re-runs the harness on ``checkpoint`` at that depth / q."""
+
+    def metric(model, num_loops=None, loop_options=None):
+        from .harness import run_harness
+
+        q = (loop_options or {}).get("exit_threshold")
+        res = run_harness(checkpoint, tasks, loops=num_loops, exit_threshold=q, include_path=include_path,
+                          data_dir=data_dir, limit=limit, batch_size=batch_size, device=device)  # fmt: skip
+        scores = {t: v["acc,none"] for t, v in res["results"].items() if "acc,none" in v}
+        if not scores:
+            raise ValueError(f"tasks {tasks} report no 'acc' metric; the sweep needs multiple-choice accuracy")
+        return {"accuracy": sum(scores.values()) / len(scores), "task_scores": scores}
+
+    return metric
+
+
+def combine_metrics(*metrics: Callable) -> Callable:
+    """One metric whose result merges those of ``metrics`` (e.g. PPL and downstream accuracy)."""
+
+    def metric(model, **kw):
+        out = {}
+        for m in metrics:
+            out.update(m(model, **kw))
+        return out
+
+    return metric
+
+
 def sweep(model, metric: Callable, thresholds=PAPER_THRESHOLDS, fixed_loops=None) -> list[dict]:
     """Rows ``{"setting", "q" | "r", "iter", "executed_depth", <metric>...}``: thresholds first (only
     for a model with an exit gate), then forced loop counts."""
@@ -133,10 +165,15 @@ def _cmd_threshold(args) -> int:
     R = model.config.n_loops
     fixed = args.loops if args.loops is not None else list(range(1, R + 1))
     thresholds = args.thresholds if args.thresholds is not None else (PAPER_THRESHOLDS if hasattr(model.rule, "exit_summary") else [])
-    rows = sweep(model, lm_metric(batches, args.precision), thresholds, fixed)
+    metric, shown = lm_metric(batches, args.precision), ("ppl",)
+    if args.tasks:  # downstream accuracy at every setting, through lm-eval
+        tasks = task_metric(ckpt, args.tasks, include_path=args.include_path, data_dir=args.data_dir, limit=args.limit,
+                            batch_size=args.batch_size, device=args.device)  # fmt: skip
+        metric, shown = combine_metrics(metric, tasks), ("ppl", "accuracy")
+    rows = sweep(model, metric, thresholds, fixed)
     if args.png:
-        plot_sweep(rows, args.png, "ppl", title=f"{ckpt.parent.parent.name}: R = {R}")
-    print(json.dumps(rows, indent=2) if args.json else format_sweep(rows, ("ppl",)))
+        plot_sweep(rows, args.png, shown[-1], title=f"{ckpt.parent.parent.name}: R = {R}")
+    print(json.dumps(rows, indent=2) if args.json else format_sweep(rows, shown))
     return 0
 
 
@@ -156,5 +193,10 @@ def register(subparsers) -> None:
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--png", default=None, help="write the Figure-1-style plot here")
+    p.add_argument("--tasks", nargs="*", default=None,
+                   help="lm-eval tasks / suites scored at every setting (accuracy column; the plot shows accuracy)")
+    p.add_argument("--include-path", nargs="*", default=None, help="extra lm-eval task folders (with --tasks)")
+    p.add_argument("--data-dir", default=None, help="local copies of the suites' datasets (with --tasks)")
+    p.add_argument("--limit", type=int, default=None, help="at most this many documents per task (with --tasks)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_threshold)
