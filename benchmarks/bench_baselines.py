@@ -32,6 +32,8 @@ import looplm
 from looplm.config import ModelConfig, preset_dict
 from looplm.pause import PauseLM
 
+from _machine import cpu_name, cpu_flags  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 DEFAULT_DATA = "/work/shared/data/tinyshakespeare.txt"
 VOCAB = 257  # bytes + one pause id (256), for every model so the embeddings match
 WIDTH = dict(d_model=96, d_ff=256, vocab_size=VOCAB, max_seq_len=1024)
@@ -44,24 +46,6 @@ MODELS = {  # name -> (1.4B preset whose structure is copied, (p, s, K, c), extr
     "parcae": ("stateloop-1.4b-parcae", (2, 2, 10, 2), {}),
     "pause": ("stateloop-1.4b-pause", (0, 6, 4, 0), {"pause": {"n_pause": 3, "token_id": 256}}),
 }
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
-def cpu_flags() -> str:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return "?"
-    return ", ".join(f"{f}={'yes' if f in flags else 'no'}" for f in ("avx512_bf16", "amx_bf16"))
 
 
 def tiny_config(name: str) -> ModelConfig:

@@ -22,25 +22,9 @@ import time
 
 import torch
 
+from _machine import cpu_name, native_bf16  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
 SHAPE = dict(vocab=49152, d=576, ff=1536, heads=9, kv=3)
-
-
-def cpu_name() -> str:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
-def native_bf16() -> bool:
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def bandwidth() -> float:
