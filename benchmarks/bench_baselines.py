@@ -23,6 +23,7 @@ import argparse
 import math
 import os
 import statistics
+from pathlib import Path
 import time
 
 import torch
@@ -34,7 +35,7 @@ from looplm.pause import PauseLM
 
 from _machine import cpu_name, cpu_flags  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
-DEFAULT_DATA = "/work/shared/data/tinyshakespeare.txt"
+DEFAULT_DATA = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt")  # ../shared next to the checkout
 VOCAB = 257  # bytes + one pause id (256), for every model so the embeddings match
 WIDTH = dict(d_model=96, d_ff=256, vocab_size=VOCAB, max_seq_len=1024)
 MODELS = {  # name -> (1.4B preset whose structure is copied, (p, s, K, c), extra config)

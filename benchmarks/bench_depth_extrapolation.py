@@ -9,7 +9,7 @@ budget, optimizer (Muon + AdamW, WSD) and seed, then evaluates the validation lo
     python benchmarks/bench_depth_extrapolation.py --steps 300 --out runs/bench_depth
     python benchmarks/bench_depth_extrapolation.py --variants baseloop,loop-gating --steps 50   # quick
 
-Data: ``--data`` (default ``/work/shared/data/tinyshakespeare.txt`` when present, else the embedded
+Data: ``--data`` (default ``../shared/data/tinyshakespeare.txt`` next to the checkout, when present, else the embedded
 stdlib-docstring corpus), bytes as tokens, 90 % / 10 % split by position. Timings are noisy on
 shared CPUs; the numbers that matter here are losses, which are deterministic for a given seed.
 """
@@ -62,7 +62,7 @@ def cpu_info() -> str:
 
 def load_bytes(path: str | None) -> torch.Tensor:
     """The corpus as a 1-D uint8 tensor of byte ids."""
-    p = Path(path) if path else Path("/work/shared/data/tinyshakespeare.txt")
+    p = Path(path) if path else (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt")
     if p.exists():
         data = p.read_bytes()
     else:

@@ -32,7 +32,7 @@ from looplm.bench import cpu_description  # noqa: E402
 from looplm.config import swiglu_hidden  # noqa: E402
 from looplm.train import Trainer, load_train_config  # noqa: E402
 
-DATA = Path("/work/shared/data/tinyshakespeare.txt")
+DATA = (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt")
 
 RULES = {
     "vanilla": {"name": "vanilla"},
