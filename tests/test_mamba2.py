@@ -11,7 +11,6 @@ import torch
 from looplm.layers.mamba2 import (
     KERNELS_AVAILABLE,
     Mamba2Mixer,
-    Mamba2State,
     ssd_chunked,
     ssd_sequential,
     ssd_step,

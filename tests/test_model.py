@@ -4,7 +4,6 @@ import pytest
 import torch
 
 import looplm
-from looplm.blocks import ForwardContext
 from looplm.config import ConfigError, ModelConfig
 
 TINY = ["tiny-llama", "tiny-qwen3", "tiny-coreloop", "tiny-mamba2", "tiny-hybrid"]

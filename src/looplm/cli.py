@@ -55,7 +55,7 @@ def _cmd_presets(args) -> int:
 
 def presets_markdown() -> str:
     """The README's preset table: sizes computed on the meta device, next to the papers' figures."""
-    from .config import list_presets, preset_dict
+    from .config import list_presets
     from .info import model_info
 
     rows = ["| preset | parameters | paper | (p, s, K, c) | effective depth | mixers |", "| --- | ---: | ---: | --- | ---: | --- |"]
