@@ -14,7 +14,14 @@ import torch.nn.functional as F
 import looplm
 from looplm.pause import PauseLM, insert_pauses
 
+from functools import partial
+
+import helpers
 from helpers import tiny_variant
+
+# the comparison rules' decoding checks keep the 5e-5 tolerance they were written with
+assert_cached_equals_full = partial(helpers.assert_cached_equals_full, atol=5e-5)
+assert_padded_equals_alone = partial(helpers.assert_padded_equals_alone, atol=5e-5)
 
 RULE_PRESETS = {
     "hyperloop": dict(n_prelude=1, n_core=2, n_coda=1, n_loops=3),
@@ -34,32 +41,6 @@ PAPER_M = {  # StateLoop Tab. 1, rounded to 0.01M
 def tiny(name, **extra):
     torch.manual_seed(0)
     return looplm.LoopedLM(tiny_variant(f"stateloop-1.4b-{name}", **{**RULE_PRESETS.get(name, {}), **extra}))
-
-
-def assert_cached_equals_full(model, T=11, split=5):
-    model.eval()
-    x = torch.randint(0, model.config.vocab_size, (2, T))
-    with torch.no_grad():
-        full = model(x).logits
-        cache = model.new_cache(2)
-        parts = [model(x[:, :split], cache=cache).logits, model(x[:, split : split + 2], cache=cache).logits]
-        parts += [model(x[:, t : t + 1], cache=cache).logits for t in range(split + 2, T)]
-    torch.testing.assert_close(torch.cat(parts, 1), full, atol=5e-5, rtol=1e-4)
-
-
-def assert_padded_equals_alone(model, num_loops=None):
-    model.eval()
-    V = model.config.vocab_size
-    a, b = torch.randint(0, V, (1, 9)), torch.randint(0, V, (1, 5))
-    ids, mask = torch.zeros(2, 9, dtype=torch.long), torch.zeros(2, 9, dtype=torch.long)
-    ids[0], mask[0] = a[0], 1
-    ids[1, 4:], mask[1, 4:] = b[0], 1
-    ra, rb = (None, None) if num_loops is None else (int(num_loops[0]), int(num_loops[1]))
-    with torch.no_grad():
-        batch = model(ids, attention_mask=mask, num_loops=num_loops).logits
-        alone_a, alone_b = model(a, num_loops=ra).logits, model(b, num_loops=rb).logits
-    torch.testing.assert_close(batch[0], alone_a[0], atol=5e-5, rtol=1e-4)
-    torch.testing.assert_close(batch[1, 4:], alone_b[0], atol=5e-5, rtol=1e-4)
 
 
 def core_inputs(model, x, **kw):

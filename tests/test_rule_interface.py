@@ -30,6 +30,8 @@ from looplm.layers.attention import Attention, KVCache
 from looplm.layers.mamba2 import Mamba2Mixer
 from looplm.recurrence import RULES, RecurrenceRule, register_rule
 
+from helpers import assert_cached_equals_full, assert_padded_equals_alone
+
 # ------------------------------------------------------------------------------------------------
 # test doubles
 # ------------------------------------------------------------------------------------------------
@@ -266,35 +268,6 @@ def _rules():
 def _tiny(rule, base="tiny-llama", **opts):
     torch.manual_seed(0)
     return looplm.build(base, overrides={"rule": {"name": rule, "options": opts}})
-
-
-def assert_cached_equals_full(model, T=11, split=5):
-    """Prefill, a multi-token continuation and single steps == one full forward."""
-    model.eval()
-    x = torch.randint(0, model.config.vocab_size, (2, T))
-    with torch.no_grad():
-        full = model(x).logits
-        cache = model.new_cache(2)
-        parts = [model(x[:, :split], cache=cache).logits, model(x[:, split : split + 2], cache=cache).logits]
-        parts += [model(x[:, t : t + 1], cache=cache).logits for t in range(split + 2, T)]
-    torch.testing.assert_close(torch.cat(parts, 1), full, atol=3e-5, rtol=1e-4)
-    return cache
-
-
-def assert_padded_equals_alone(model, num_loops=None):
-    """Left-padded batch == each row alone (per-row ``num_loops`` -> each row alone at its own depth)."""
-    model.eval()
-    V = model.config.vocab_size
-    a, b = torch.randint(0, V, (1, 9)), torch.randint(0, V, (1, 5))
-    ids, mask = torch.zeros(2, 9, dtype=torch.long), torch.zeros(2, 9, dtype=torch.long)
-    ids[0], mask[0] = a[0], 1
-    ids[1, 4:], mask[1, 4:] = b[0], 1
-    ra, rb = (None, None) if num_loops is None else (int(num_loops[0]), int(num_loops[1]))
-    with torch.no_grad():
-        batch = model(ids, attention_mask=mask, num_loops=num_loops).logits
-        alone_a, alone_b = model(a, num_loops=ra).logits, model(b, num_loops=rb).logits
-    torch.testing.assert_close(batch[0], alone_a[0], atol=3e-5, rtol=1e-4)
-    torch.testing.assert_close(batch[1, 4:], alone_b[0], atol=3e-5, rtol=1e-4)
 
 
 # ------------------------------------------------------------------------------------------------

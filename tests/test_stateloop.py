@@ -15,7 +15,7 @@ from looplm.config import ConfigError
 from looplm.recurrence.stateloop import StateLoop, StateOnlyLoop
 from looplm.train.optim import ADAMW_DECAY, ADAMW_NO_DECAY, MUON, plan_param_groups
 
-from helpers import tiny_variant
+from helpers import assert_cached_equals_full, assert_padded_equals_alone, tiny_variant
 
 PRINTED_M = {  # Tab. 1 and Tab. 4
     "stateloop-1.4b": 1437.71,
@@ -213,30 +213,6 @@ VARIANTS = [
 ]
 
 
-def _assert_cached_equals_full(model, T=11, split=5):
-    x = torch.randint(0, model.config.vocab_size, (2, T))
-    with torch.no_grad():
-        full = model(x).logits
-        cache = model.new_cache(2)
-        parts = [model(x[:, :split], cache=cache).logits, model(x[:, split : split + 2], cache=cache).logits]
-        parts += [model(x[:, t : t + 1], cache=cache).logits for t in range(split + 2, T)]
-    torch.testing.assert_close(torch.cat(parts, 1), full, atol=3e-5, rtol=1e-4)
-    return cache
-
-
-def _assert_padded_equals_alone(model, num_loops=None):
-    V = model.config.vocab_size
-    a, b = torch.randint(0, V, (1, 9)), torch.randint(0, V, (1, 5))
-    ids, mask = torch.zeros(2, 9, dtype=torch.long), torch.zeros(2, 9, dtype=torch.long)
-    ids[0], mask[0] = a[0], 1
-    ids[1, 4:], mask[1, 4:] = b[0], 1
-    ra, rb = (None, None) if num_loops is None else (int(num_loops[0]), int(num_loops[1]))
-    with torch.no_grad():
-        batch = model(ids, attention_mask=mask, num_loops=num_loops).logits
-        torch.testing.assert_close(batch[0], model(a, num_loops=ra).logits[0], atol=3e-5, rtol=1e-4)
-        torch.testing.assert_close(batch[1, 4:], model(b, num_loops=rb).logits[0], atol=3e-5, rtol=1e-4)
-
-
 @pytest.mark.parametrize("name", VARIANTS)
 def test_variant_trains_decodes_and_pads(name):
     model = _tiny(name)
@@ -245,13 +221,13 @@ def test_variant_trains_decodes_and_pads(name):
     missing = [n for n, p in model.named_parameters() if p.grad is None]
     assert not missing, missing
     _randomise(model)
-    cache = _assert_cached_equals_full(model)
+    cache = assert_cached_equals_full(model)
     mixer = getattr(model.rule, "mixer_kind", "identity")
     rule_slots = [k for k in cache.slots if k[0] == "rule"]
     # identity: only a transient state per token; attention / Mamba-2: one token-axis slot per iteration
     assert len(rule_slots) == (0 if mixer == "identity" else model.config.n_loops)
-    _assert_padded_equals_alone(model)
-    _assert_padded_equals_alone(model, num_loops=torch.tensor([4, 2]))
+    assert_padded_equals_alone(model)
+    assert_padded_equals_alone(model, num_loops=torch.tensor([4, 2]))
 
 
 def test_every_variant_trains_under_bf16_autocast():
