@@ -44,13 +44,7 @@ def _prompt(n: int = 7, seed: int = 1, vocab: int = 200) -> torch.Tensor:
 
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models decode token by token: one intra-op thread avoids thread hand-offs on a busy CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):

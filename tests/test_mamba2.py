@@ -19,13 +19,7 @@ from looplm.layers.mamba2 import (
 ATOL = 1e-5
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Small tensors: one intra-op thread is as fast, and far faster when the cores are shared."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _ssd_inputs(batch=2, seqlen=37, nheads=4, headdim=8, ngroups=2, dstate=16, seed=0, requires_grad=False):

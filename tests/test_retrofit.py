@@ -15,12 +15,7 @@ from looplm.hf.importer import write_checkpoint
 from looplm.hf.retrofit import apply_layer_map, even_core_map, layer_prefix, loops_at
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _pretrained(tmp_path, n_layers=6, **kw):
