@@ -10,7 +10,7 @@ CPU), measured in the same run. The physical limit at batch 1 is the weight byte
 divided by the memory bandwidth, measured here as a 256 MB read; "share of limit" is that limit over
 the measured time per token (1.0 = at the bandwidth limit).
 
-    python benchmarks/bench_decode.py [--new 128] [--prompt 32] [--batches 1,8] [--dtypes fp32,bf16] [--rounds 3]
+    python benchmarks/bench_decode.py [--new 128] [--prompt 32] [--batches 1,8] [--dtypes fp32,bf16] [--rounds 3] [--device cuda]
 """
 
 from __future__ import annotations
@@ -27,19 +27,27 @@ from _machine import cpu_name, native_bf16  # noqa: E402  (benchmarks/ is on sys
 SHAPE = dict(vocab=49152, d=576, ff=1536, heads=9, kv=3)
 
 
-def bandwidth() -> float:
-    """Bytes/s of reading a 256 MB tensor (median of 7 sums)."""
-    a = torch.ones(64 * 1024 * 1024, dtype=torch.float32)  # 256 MB
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def bandwidth(device: str = "cpu") -> float:
+    """Bytes/s of reading a 256 MB tensor (4 GB on CUDA, past its caches), median of 7 sums."""
+    n = (1024 if device == "cuda" else 64) * 1024 * 1024
+    a = torch.ones(n, dtype=torch.float32, device=device)
     a.sum()
     times = []
     for _ in range(7):
+        sync(device)
         t = time.perf_counter()
         a.sum()
+        sync(device)
         times.append(time.perf_counter() - t)
     return a.numel() * 4 / statistics.median(times)
 
 
-def build_looplm(core: int, loops: int, dtype, seq: int):
+def build_looplm(core: int, loops: int, dtype, seq: int, device: str = "cpu"):
     import looplm
 
     cfg = {
@@ -48,10 +56,10 @@ def build_looplm(core: int, loops: int, dtype, seq: int):
         "attention": {"n_heads": SHAPE["heads"], "n_kv_heads": SHAPE["kv"], "rope_theta": 100000.0},
         "tie_embeddings": True, "max_seq_len": seq,
     }  # fmt: skip
-    return looplm.build(cfg, dtype=dtype).eval()
+    return looplm.build(cfg, dtype=dtype, device=device).eval()
 
 
-def build_hf(dtype, seq: int):
+def build_hf(dtype, seq: int, device: str = "cpu"):
     import transformers
 
     cfg = transformers.LlamaConfig(
@@ -60,7 +68,7 @@ def build_hf(dtype, seq: int):
         rope_theta=100000.0, tie_word_embeddings=True,
     )  # fmt: skip
     cfg._attn_implementation = "sdpa"
-    return transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+    return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
 
 def weight_bytes_per_token(core: int, loops: int, dtype) -> int:
@@ -72,12 +80,14 @@ def weight_bytes_per_token(core: int, loops: int, dtype) -> int:
     return (block * core * loops + V * d + d) * torch.finfo(dtype).bits // 8
 
 
-def time_generate(fn, rounds: int) -> float:
+def time_generate(fn, rounds: int, device: str = "cpu") -> float:
     fn()  # warm-up
     times = []
     for _ in range(rounds):
+        sync(device)
         t = time.perf_counter()
         fn()
+        sync(device)
         times.append(time.perf_counter() - t)
     return statistics.median(times)
 
@@ -90,21 +100,25 @@ def main() -> None:
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-static", action="store_true", help="skip transformers' static cache")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     args = ap.parse_args()
     torch.manual_seed(0)
-    bw = bandwidth()
+    dev = args.device
+    bw = bandwidth(dev)
     seq = args.prompt + args.new
     print(f"# CPU: {cpu_name()} ({os.cpu_count()} cores, native bf16: {native_bf16()}, torch {torch.__version__})")
-    print(f"# memory bandwidth {bw / 1e9:.1f} GB/s (256 MB read, same run); prompt {args.prompt}, {args.new} new tokens, greedy")
+    if dev == "cuda":
+        print(f"# GPU: {torch.cuda.get_device_name()}")
+    print(f"# memory bandwidth {bw / 1e9:.1f} GB/s ({'4 GB' if dev == 'cuda' else '256 MB'} read, same run); prompt {args.prompt}, {args.new} new tokens, greedy")
     print("| dtype | batch | contender | ms/token | vs hf dynamic | limit ms/token (batch 1) | share of limit |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
     for dname in args.dtypes.split(","):
         dtype = torch.bfloat16 if dname == "bf16" else torch.float32
-        hf = build_hf(dtype, seq)
-        flat = build_looplm(30, 1, dtype, seq)
-        looped = build_looplm(10, 3, dtype, seq)
+        hf = build_hf(dtype, seq, dev)
+        flat = build_looplm(30, 1, dtype, seq, dev)
+        looped = build_looplm(10, 3, dtype, seq, dev)
         for B in (int(b) for b in args.batches.split(",")):
-            x = torch.randint(0, SHAPE["vocab"], (B, args.prompt))
+            x = torch.randint(0, SHAPE["vocab"], (B, args.prompt), device=dev)
             hf_kw = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
             rows = [
                 ("hf dynamic cache", lambda: hf.generate(x, **hf_kw), (30, 1)),
@@ -117,7 +131,7 @@ def main() -> None:
             for name, fn, (core, loops) in rows:
                 try:
                     with torch.no_grad():
-                        ms = time_generate(fn, args.rounds) / args.new * 1e3
+                        ms = time_generate(fn, args.rounds, dev) / args.new * 1e3
                 except Exception as e:  # e.g. a cache kind this transformers version cannot run on CPU
                     print(f"| {dname} | {B} | {name} | failed: {type(e).__name__}: {str(e)[:120]} | | | |")
                     continue

@@ -7,17 +7,23 @@ bf16 (AVX512-BF16 / AMX), else fp32 (``--precision`` overrides).
 Contenders (each in its own process, so peak memory is its own):
 
 * ``hf``            — ``transformers`` ``LlamaForCausalLM`` eager, a step as its Trainer does it: forward
-                      with labels, backward, gradient clipping at 1.0, ``torch.optim.AdamW``. The baseline.
-* ``looplm``        — the same step on ``looplm`` (chunked loss: no ``[B, T, V]`` logits).
+                      with labels, backward, gradient clipping at 1.0, ``torch.optim.AdamW`` with
+                      ``fused=True`` (the Trainer's default optimizer, ``adamw_torch_fused``, since
+                      torch 2.8). The baseline.
+* ``looplm``        — the same step on ``looplm`` (chunked loss: no ``[B, T, V]`` logits; fused AdamW,
+                      as ``looplm train`` builds it).
 * ``looplm-compiled`` — the same with every block compiled (:func:`looplm.parallel.compile_blocks`).
 * ``looplm-train``  — ``looplm train`` itself with its default settings (AdamW, ``precision: auto``,
-                      ``compile: auto``) on synthetic tokens: the tokens/s it logs (median after warm-up).
+                      ``compile: auto``) configured as a long run (so ``auto`` decides as for a real
+                      one) and stopped after the timed updates: the tokens/s it logs (median after
+                      warm-up).
 
 Each prints tokens/s (median of the timed steps), the ratio to ``hf`` measured in the same run, the
 share of the machine's matmul ceiling (a 2048³ matmul in the same precision, measured in the same run;
 model FLOPs = 6·N·tokens + attention), and the peak resident memory of its process.
 
-    python benchmarks/bench_train.py [--steps 6] [--warmup 2] [--only hf,looplm] [--shapes flat,looped]
+    python benchmarks/bench_train.py [--steps 6] [--warmup 2] [--rounds 3] [--only hf,looplm] [--shapes flat,looped]
+                                     [--device cuda --batch 16 --seq 1024]
 """
 
 from __future__ import annotations
@@ -41,18 +47,26 @@ SHAPE = dict(vocab=49152, d=576, ff=1536, heads=9, kv=3, layers=30)
 LAYOUTS = {"flat": (30, 1), "looped": (10, 3)}  # (physical core blocks, loops)
 
 
-def matmul_ceiling(precision: str) -> float:
-    """FLOP/s of a 2048³ matmul in ``precision`` (median of 5)."""
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def matmul_ceiling(precision: str, device: str = "cpu") -> float:
+    """FLOP/s of an n³ matmul in ``precision`` (median of 5; n = 2048 on CPU, 8192 on CUDA)."""
     dt = torch.bfloat16 if precision == "bf16" else torch.float32
-    a, b = torch.randn(2048, 2048, dtype=dt), torch.randn(2048, 2048, dtype=dt)
+    n = 8192 if device == "cuda" else 2048
+    a, b = torch.randn(n, n, dtype=dt, device=device), torch.randn(n, n, dtype=dt, device=device)
     for _ in range(2):
         a @ b
     times = []
     for _ in range(5):
+        sync(device)
         t = time.perf_counter()
         a @ b
+        sync(device)
         times.append(time.perf_counter() - t)
-    return 2 * 2048**3 / statistics.median(times)
+    return 2 * n**3 / statistics.median(times)
 
 
 def looplm_config(layout: str, seq: int) -> dict:
@@ -83,11 +97,13 @@ def model_flops_per_token(model_cfg: dict, seq: int) -> float:
     return 6 * n + 3 * attn
 
 
-def step_loop(step, steps: int, warmup: int, tokens: int) -> list[float]:
+def step_loop(step, steps: int, warmup: int, tokens: int, device: str = "cpu") -> list[float]:
     times = []
     for i in range(warmup + steps):
+        sync(device)
         t = time.perf_counter()
         step()
+        sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - t)
     return [tokens / t for t in times]
@@ -103,34 +119,34 @@ def run_hf(args, layout: str, precision: str) -> dict:
         max_position_embeddings=args.seq, rope_theta=100000.0, tie_word_embeddings=True,
     )  # fmt: skip
     cfg._attn_implementation = "sdpa"
-    model = transformers.LlamaForCausalLM(cfg).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, SHAPE["vocab"], (args.batch, args.seq))
+    model = transformers.LlamaForCausalLM(cfg).to(args.device).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randint(0, SHAPE["vocab"], (args.batch, args.seq), device=args.device)
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    return {"tok_s": step_loop(step, args.steps, args.warmup, x.numel())}
+    return {"tok_s": step_loop(step, args.steps, args.warmup, x.numel(), args.device)}
 
 
 def run_looplm(args, layout: str, precision: str, compiled: bool) -> dict:
     import looplm
     from looplm.parallel import compile_blocks
 
-    model = looplm.build(looplm_config(layout, args.seq)).train()
+    model = looplm.build(looplm_config(layout, args.seq), device=args.device).train()
     t0 = time.perf_counter()
     if compiled:
         compile_blocks(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randint(0, SHAPE["vocab"], (args.batch, args.seq))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    x = torch.randint(0, SHAPE["vocab"], (args.batch, args.seq), device=args.device)
 
     def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        with torch.autocast(args.device, dtype=torch.bfloat16, enabled=precision == "bf16"):
             loss = model(x, labels=x, return_logits=False).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -138,18 +154,26 @@ def run_looplm(args, layout: str, precision: str, compiled: bool) -> dict:
         opt.zero_grad(set_to_none=True)
 
     step()  # includes compilation when compiled
+    sync(args.device)
     compile_s = time.perf_counter() - t0
-    return {"tok_s": step_loop(step, args.steps, args.warmup, x.numel()), "first_step_s": compile_s}
+    return {"tok_s": step_loop(step, args.steps, args.warmup, x.numel(), args.device), "first_step_s": compile_s}
 
 
 def run_looplm_train(args, layout: str, precision: str) -> dict:
     """``looplm train`` with its default settings (AdamW here, ``precision: auto``, ``compile: auto``) on
     the byte-level tiny-Shakespeare corpus of ``../shared/data`` (or the embedded stdlib corpus); the
-    tokens/s it logs (median after warm-up)."""
+    tokens/s it logs (median after warm-up).
+
+    The run is configured as a long one (``max_steps`` = 1000, so ``compile: auto`` decides as it does
+    for a real run) and stopped once ``warmup + steps`` updates are logged; the first update, which
+    includes compilation when it is on, is never timed."""
     import yaml
+
+    from looplm.train.trainer import COMPILE_AUTO_MIN_STEPS
 
     corpus = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
     data = {"source": "files", "paths": [str(corpus)]} if corpus.exists() else {"source": "stdlib"}
+    want = args.warmup + args.steps + 1
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         model_yaml = tmp / "model.yaml"
@@ -162,7 +186,7 @@ def run_looplm_train(args, layout: str, precision: str) -> dict:
                     "data": {**data, "seq_len": args.seq},
                     "optim": {"name": "adamw"},
                     "train": {"global_batch_size": args.batch, "micro_batch_size": args.batch,
-                              "max_steps": args.steps + args.warmup, "precision": "auto"},
+                              "max_steps": max(1000, COMPILE_AUTO_MIN_STEPS), "precision": "auto"},
                     "eval": {"every": 0, "at_end": False},
                     "checkpoint": {"every": 0, "at_end": False},
                     "logging": {"progress_bar": False, "tensorboard": False},
@@ -170,15 +194,30 @@ def run_looplm_train(args, layout: str, precision: str) -> dict:
             )
         )
         out = tmp / "run"
-        proc = subprocess.run(
-            [sys.executable, "-m", "looplm.cli", "train", str(train_yaml), "--out", str(out)],
-            capture_output=True, text=True,
-        )  # fmt: skip
-        if proc.returncode != 0:
-            return {"error": (proc.stderr or proc.stdout)[-2000:]}
-        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        tps = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")][args.warmup :]
-        return {"tok_s": tps}
+        log = open(tmp / "log.txt", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "looplm.cli", "train", str(train_yaml), "--out", str(out)],
+                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        rows: list[dict] = []
+        while proc.poll() is None and len(rows) < want:
+            time.sleep(1.0)
+            path = out / "metrics.jsonl"
+            if path.exists():
+                lines = path.read_text().splitlines()
+                rows = [json.loads(ln) for ln in lines[:-1] if ln.strip()]  # the last line may be torn
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=60)
+        elif proc.returncode != 0:
+            log.close()
+            return {"error": (tmp / "log.txt").read_text()[-2000:]}
+        log.close()
+        tps = [r["tokens_per_s"] for r in rows if r.get("tokens_per_s")][1 + args.warmup : want]
+        compiled = "compile: the first step" in (tmp / "log.txt").read_text()
+        first = [r["compile_step_s"] for r in rows if "compile_step_s" in r]
+        res = {"tok_s": tps, "compiled": compiled}
+        if first:
+            res["first_step_s"] = first[0]
+        return res
 
 
 def child(args) -> None:
@@ -194,6 +233,8 @@ def child(args) -> None:
         res = run_looplm_train(args, layout, precision)
     peak = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
     res["peak_rss_mb"] = peak / 1024  # looplm-train runs the trainer in a child process
+    if args.device == "cuda":
+        res["peak_rss_mb"] = torch.cuda.max_memory_allocated() / 2**20  # the GPU's peak instead
     print("RESULT " + json.dumps(res))
 
 
@@ -207,6 +248,8 @@ def main() -> None:
     ap.add_argument("--only", default="hf,looplm,looplm-compiled,looplm-train")
     ap.add_argument("--shapes", default="flat,looped")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (peak memory is then the GPU's)")
+    ap.add_argument("--rounds", type=int, default=1, help="repeat every contender, alternating (noisy machines)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.threads:
@@ -214,37 +257,53 @@ def main() -> None:
     if args.child:
         child(args)
         return
-    precision = args.precision if args.precision != "auto" else ("bf16" if native_bf16() else "fp32")
-    ceiling = matmul_ceiling(precision)
+    fast_bf16 = args.device == "cuda" or native_bf16()
+    precision = args.precision if args.precision != "auto" else ("bf16" if fast_bf16 else "fp32")
     print(f"# CPU: {cpu_name()}  ({os.cpu_count()} cores, native bf16: {native_bf16()}, torch {torch.__version__})")
-    print(f"# precision {precision}; {precision} matmul ceiling {ceiling / 1e12:.2f} TFLOP/s (2048^3, same run)")
-    print(f"# batch {args.batch} x {args.seq}, {args.steps} timed steps after {args.warmup} warm-up")
-    print("| shape | contender | tokens/s | vs hf | share of ceiling | peak RSS MB | first step s |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    if args.device == "cuda":
+        print(f"# GPU: {torch.cuda.get_device_name()} (peak memory column: torch.cuda.max_memory_allocated)")
+    print(f"# batch {args.batch} x {args.seq}, {args.steps} timed steps after {args.warmup} warm-up; {args.rounds} "
+          "round(s), contenders alternating within each; a ratio is the median over rounds of the ratio to hf "
+          "in the same round")  # fmt: skip
+    names = args.only.split(",")
     for layout in args.shapes.split(","):
         flops_tok = model_flops_per_token(looplm_config(layout, args.seq), args.seq)
-        base = None
-        for name in args.only.split(","):
-            cmd = [sys.executable, __file__, "--child", f"{name}:{layout}:{precision}"]
-            cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-            if args.threads:
-                cmd += ["--threads", str(args.threads)]
-            proc = subprocess.run(cmd, capture_output=True, text=True)
-            line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-            if line is None:
-                print(f"| {layout} | {name} | failed: {(proc.stderr or proc.stdout).strip()[-300:]!r} | | | | |")
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        ceilings = []
+        for _ in range(args.rounds):
+            ceilings.append(matmul_ceiling(precision, args.device))
+            for name in names:
+                cmd = [sys.executable, __file__, "--child", f"{name}:{layout}:{precision}"]
+                cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
+                cmd += ["--warmup", str(args.warmup), "--device", args.device]
+                if args.threads:
+                    cmd += ["--threads", str(args.threads)]
+                proc = subprocess.run(cmd, capture_output=True, text=True)
+                line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+                res = json.loads(line[7:]) if line else {"error": (proc.stderr or proc.stdout).strip()}
+                if "error" not in res and not res.get("tok_s"):
+                    res["error"] = "no timings"
+                if "error" not in res:
+                    res["tps"] = statistics.median(res["tok_s"])
+                runs[name].append(res)
+        ceiling = statistics.median(ceilings)
+        print(f"\n# {layout}: {precision} matmul ceiling {ceiling / 1e12:.2f} TFLOP/s (median of the rounds)")
+        print("| shape | contender | tokens/s | vs hf | share of ceiling | peak memory MB | first step s |")
+        print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        shape = f"{layout} ({LAYOUTS[layout][0]}x{LAYOUTS[layout][1]})"
+        for name in names:
+            good = [r for r in runs[name] if "error" not in r]
+            if not good:
+                print(f"| {shape} | {name} | failed: {runs[name][0]['error'][-300:]!r} | | | | |")
                 continue
-            res = json.loads(line[7:])
-            if "error" in res or not res.get("tok_s"):
-                print(f"| {layout} | {name} | failed: {res.get('error', 'no timings')[-300:]!r} | | | | |")
-                continue
-            tps = statistics.median(res["tok_s"])
-            if name == "hf":
-                base = tps
-            ratio = f"{tps / base:.2f}" if base else "–"
-            share = tps * flops_tok / ceiling
-            first = f"{res['first_step_s']:.1f}" if "first_step_s" in res else ""
-            print(f"| {layout} ({LAYOUTS[layout][0]}x{LAYOUTS[layout][1]}) | {name} | {tps:,.0f} | {ratio} | {share:.0%} | {res['peak_rss_mb']:,.0f} | {first} |")
+            tps = statistics.median(r["tps"] for r in good)
+            ratios = [r["tps"] / h["tps"] for r, h in zip(runs[name], runs.get("hf", [])) if "tps" in r and "tps" in h]
+            ratio = f"{statistics.median(ratios):.2f}" if ratios else "–"
+            first = [r["first_step_s"] for r in good if "first_step_s" in r]
+            first_s = f"{statistics.median(first):.1f}" if first else ""
+            peak = max(r["peak_rss_mb"] for r in good)
+            label = f"{name} (compiled: {'yes' if good[0]['compiled'] else 'no'})" if "compiled" in good[0] else name
+            print(f"| {shape} | {label} | {tps:,.0f} | {ratio} | {tps * flops_tok / ceiling:.0%} | {peak:,.0f} | {first_s} |")
 
 
 if __name__ == "__main__":

@@ -10,8 +10,10 @@ from looplm.layers.attention import KVCache
 from looplm.layers.loss import linear_cross_entropy, linear_cross_entropy_reference
 
 
+@pytest.mark.parametrize("rows", [3, 16, 10**6])  # softmax blocks: uneven, the CPU default, whole chunk (CUDA)
 @pytest.mark.parametrize("chunk", [1, 7, 64, 1000])
-def test_chunked_linear_cross_entropy_equals_reference_loss_and_gradients(chunk):
+def test_chunked_linear_cross_entropy_equals_reference_loss_and_gradients(chunk, rows, monkeypatch):
+    monkeypatch.setattr("looplm.layers.loss._CPU_ROWS", rows)
     torch.manual_seed(0)
     h = torch.randn(2, 50, 32, dtype=torch.float64, requires_grad=True)
     W = (0.2 * torch.randn(300, 32, dtype=torch.float64)).requires_grad_()
@@ -29,13 +31,23 @@ def test_chunked_linear_cross_entropy_equals_reference_loss_and_gradients(chunk)
 
 
 def test_chunked_loss_under_bf16_autocast_matches_the_plain_head():
+    """Under bf16 autocast the logits' gradient is written back into the bf16 logits buffer; loss and
+    gradients match the plain head (which also runs its matmuls in bf16)."""
     torch.manual_seed(0)
-    h, W = torch.randn(64, 32), 0.2 * torch.randn(100, 32)
+    h, W = torch.randn(64, 32, requires_grad=True), (0.2 * torch.randn(100, 32)).requires_grad_()
     y = torch.randint(0, 100, (64,))
+    y[::9] = -100
     with torch.autocast("cpu", dtype=torch.bfloat16):
         a = linear_cross_entropy_reference(h, W, y)
-        b = linear_cross_entropy(h, W, y, chunk_size=16)
+    a.backward()
+    gh, gw = h.grad.clone(), W.grad.clone()
+    h.grad = W.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        b = linear_cross_entropy(h, W, y, chunk_size=40)
+    b.backward()
     torch.testing.assert_close(b, a, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(h.grad, gh, rtol=2e-2, atol=2e-4)
+    torch.testing.assert_close(W.grad, gw, rtol=2e-2, atol=2e-4)
     assert torch.isnan(linear_cross_entropy(h, W, torch.full((64,), -100)))  # like F.cross_entropy
 
 

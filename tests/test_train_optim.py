@@ -121,3 +121,27 @@ def test_multi_optimizer_step_and_state_roundtrip():
         assert torch.equal(a, b), n
     with pytest.raises(KeyError, match="no entry"):
         opt2.load_state_dict({"adamw": state["adamw"]})
+
+
+def test_adamw_is_fused_by_default_and_matches_the_loop_implementation():
+    """``fused: null`` picks AdamW's fused kernel for plain CPU tensors; it steps like the per-tensor
+    loop to fp32 rounding, and asking for both fused and foreach is refused naming the fields."""
+    torch.manual_seed(0)
+    m = _Toy()
+    m2 = _Toy()
+    m2.load_state_dict(m.state_dict())
+    fused = build_optimizer(m, OptimConfig(name="adamw")).optimizers["adamw"]
+    loop = build_optimizer(m2, OptimConfig(name="adamw", fused=False, foreach=False)).optimizers["adamw"]
+    assert fused.defaults["fused"] is True and not loop.defaults["fused"]
+    for _ in range(3):
+        for mod, o in ((m, fused), (m2, loop)):
+            o.zero_grad()
+            sum(p.square().sum() for p in mod.parameters()).backward()
+            o.step()
+    for (n, a), (_, b) in zip(m.named_parameters(), m2.named_parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=n)
+    assert not build_optimizer(m, OptimConfig(name="adamw", foreach=True)).optimizers["adamw"].defaults["fused"]
+    from looplm.train.config import load_train_config
+
+    with pytest.raises(Exception, match="fused / foreach"):
+        load_train_config({"optim": {"fused": True, "foreach": True}})

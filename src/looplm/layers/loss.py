@@ -35,6 +35,11 @@ def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return torch.promote_types(h.dtype, weight.dtype)
 
 
+# Rows of logits per softmax block on a CPU: 16 × 50k fp32 = 3 MB, about what a core's caches hold.
+# On CUDA one block is the whole chunk (few large kernels; the caching allocator makes buffers cheap).
+_CPU_ROWS = 16
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, chunk_size):
@@ -48,24 +53,40 @@ class _LinearCrossEntropy(torch.autograd.Function):
             scale = 1.0 / n_valid.clamp(min=1).to(acc)
             need_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
             grad_h = torch.empty_like(hc) if need_grad else None  # [N, d]
-            grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_grad else None  # [V, d]
+            grad_w = None  # [V, d] in acc, the sum over chunks
             loss = torch.zeros((), dtype=acc, device=h.device)
             for s in range(0, h.shape[0], chunk_size):
                 e = min(s + chunk_size, h.shape[0])
-                z = (hc[s:e] @ wc.t()).to(acc)  # [n, V] logits of this chunk only
-                y = targets[s:e]
-                ok = valid[s:e]
-                lse = torch.logsumexp(z, dim=-1)  # [n]
-                y_safe = torch.where(ok, y, 0)
-                picked = z.gather(1, y_safe[:, None]).squeeze(1)  # [n]
-                loss = loss + torch.where(ok, lse - picked, 0.0).sum()
+                z = hc[s:e] @ wc.t()  # [n, V] logits of this chunk only, in the matmul dtype
+                # The softmax runs over blocks of rows in acc: a block's fp32 copy is small enough
+                # to stay in cache, and the gradient is written back into z's own buffer, so no [n, V]
+                # fp32 tensor is allocated (on a CPU each fresh one costs as much as a matmul).
+                rows = _CPU_ROWS if z.device.type == "cpu" else e - s
+                for r in range(0, e - s, rows):
+                    zb = z[r : r + rows]  # [b, V] view
+                    zf = zb.to(acc)  # [b, V]; zb itself when z is already in acc
+                    ok = valid[s + r : s + r + zb.shape[0], None]  # [b, 1]
+                    y = torch.where(ok, targets[s + r : s + r + zb.shape[0], None], 0)  # [b, 1]
+                    m = zf.amax(dim=-1, keepdim=True)  # [b, 1]
+                    zy = zf.gather(1, y)  # [b, 1] the target's logit
+                    ez = zf.sub_(m).exp_()  # [b, V] exp(z − max), in place
+                    se = ez.sum(dim=-1, keepdim=True)  # [b, 1]
+                    loss = loss + torch.where(ok, m + se.log() - zy, 0.0).sum()  # Σ valid rows of lse − z_y
+                    if need_grad:
+                        # d(mean loss)/dz = (softmax(z) − onehot(y)) · rs, rs = 1/n_valid (0 on ignored rows)
+                        rs = ok.to(acc) * scale  # [b, 1]
+                        py = ez.gather(1, y) / se  # [b, 1] softmax at the target
+                        ez.mul_(rs / se)
+                        if ez is not zb:
+                            zb.copy_(ez)  # back into the matmul dtype, in z's buffer
+                        zb.scatter_(1, y, ((py - 1.0) * rs).to(z.dtype))
                 if need_grad:
-                    # d(mean loss)/dz = (softmax(z) − onehot(y)) / n_valid, zero on ignored rows
-                    g = torch.softmax(z, dim=-1)
-                    g[torch.arange(e - s, device=z.device), y_safe] -= 1.0
-                    g = g * (ok[:, None].to(acc) * scale)  # [n, V]
-                    grad_h[s:e] = (g.to(dtype) @ wc).to(grad_h.dtype)  # [n, d]
-                    grad_w += g.t().to(dtype).matmul(hc[s:e]).to(acc)  # [V, d]
+                    g = z  # [n, V] the logits' gradient, in the matmul dtype
+                    grad_h[s:e] = (g @ wc).to(grad_h.dtype)  # [n, d]
+                    gw = (g.t() @ hc[s:e]).to(acc)  # [V, d]
+                    grad_w = gw if grad_w is None else grad_w.add_(gw)
+            if need_grad and grad_w is None:  # no tokens at all
+                grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
             loss = loss / n_valid.to(acc)  # nan when every target is ignored, like F.cross_entropy
         ctx.save_for_backward(grad_h, grad_w)
         ctx.h_dtype, ctx.w_dtype = h.dtype, weight.dtype
@@ -73,9 +94,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        # Scaled in place: the buffers are this function's own, and a second backward through a
+        # retained graph is refused by autograd's version check instead of scaling them twice.
         grad_h, grad_w = ctx.saved_tensors
-        gh = (grad_h * grad_out).to(ctx.h_dtype) if ctx.needs_input_grad[0] else None
-        gw = (grad_w * grad_out).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        gh = grad_h.mul_(grad_out).to(ctx.h_dtype) if ctx.needs_input_grad[0] else None
+        gw = grad_w.mul_(grad_out).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
         return gh, gw, None, None
 
 

