@@ -230,6 +230,9 @@ def test_meta_build_and_overrides():
     assert m.config.n_loops == 7 and m.config.n_kv_heads == 4
     meta = looplm.build("qwen3-0.6b", device="meta")
     assert meta.embed.weight.is_meta
+    # every buffer joins the parameters (RoPE's inverse frequencies are computed on the CPU: a CUDA build
+    # once kept them there)
+    assert all(b.is_meta for b in meta.buffers())
     assert meta.lm_head.weight is meta.embed.weight  # tied
 
 

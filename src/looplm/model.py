@@ -340,6 +340,10 @@ def build(spec="tiny-llama", *, device=None, dtype=None, overrides=None, **kw) -
             model = PauseLM(cfg)
         else:
             model = LoopedLM(cfg)
+    if device is not None:
+        # buffers computed on the CPU on purpose (RoPE's inverse frequencies, in fp64 like HF) join the
+        # parameters on ``device``; for every other tensor this is a no-op
+        model = model.to(device)
     if dtype is not None:
         model = model.to(dtype)
     return model
