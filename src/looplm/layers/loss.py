@@ -102,12 +102,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return gh, gw, None, None
 
 
-def linear_cross_entropy(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int = 1024) -> torch.Tensor:
+# Tokens per chunk when none is given. Measured at the StateLoop 1.4B head (8 × 2048 tokens, d 2048,
+# V 50,432, bf16) on an H200: plain 24 ms / 9.7 GB extra peak, chunks of 1024 36 ms / 2.0 GB, of 4096
+# 27.5 ms / 3.5 GB (benchmarks/check_cuda.py). On a CPU, 1024 (a [1024, V] block per chunk).
+DEFAULT_CHUNK = {"cuda": 4096}
+DEFAULT_CHUNK_CPU = 1024
+
+
+def linear_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int | None = None
+) -> torch.Tensor:
     """Mean cross-entropy of the logits ``h @ weightᵀ`` against ``targets``, without materialising them.
 
-    ``h [..., d]``, ``weight [V, d]``, ``targets [...]`` (``-100`` = ignored). Equal to
-    :func:`linear_cross_entropy_reference` (loss and gradients) up to float summation order.
+    ``h [..., d]``, ``weight [V, d]``, ``targets [...]`` (``-100`` = ignored); ``chunk_size`` tokens per
+    chunk (default: 4096 on CUDA, 1024 elsewhere). Equal to :func:`linear_cross_entropy_reference`
+    (loss and gradients) up to float summation order.
     """
+    if chunk_size is None:
+        chunk_size = DEFAULT_CHUNK.get(h.device.type, DEFAULT_CHUNK_CPU)
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), chunk_size)
