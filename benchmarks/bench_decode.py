@@ -5,8 +5,9 @@ does not depend on their values; no EOS stops a run early), and its looped 10 ×
 effective depth, a third of the weights: reads the same bytes per token, so it should cost the same).
 Prompt 32 tokens, 128 new tokens, greedy, batch 1 and 8, fp32 and bf16 weights.
 
-Baseline: transformers ``generate`` with its dynamic cache (and its static cache, where it runs on
-CPU), measured in the same run. The physical limit at batch 1 is the weight bytes read per token
+Contenders: looplm (flat and looped, eager; flat with every block compiled — ``looplm generate
+--compile`` — unless ``--no-compiled``). Baseline: transformers ``generate`` with its dynamic cache (and
+its static cache, where it runs on CPU), measured in the same run. The physical limit at batch 1 is the weight bytes read per token
 divided by the memory bandwidth, measured here as a 256 MB read; "share of limit" is that limit over
 the measured time per token (1.0 = at the bandwidth limit).
 
@@ -81,7 +82,7 @@ def weight_bytes_per_token(core: int, loops: int, dtype) -> int:
 
 
 def time_generate(fn, rounds: int, device: str = "cpu") -> float:
-    fn()  # warm-up
+    fn()  # warm-up (compiles the compiled contender: its first decode steps make the cache length dynamic)
     times = []
     for _ in range(rounds):
         sync(device)
@@ -101,6 +102,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--no-static", action="store_true", help="skip transformers' static cache")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
+    ap.add_argument("--no-compiled", action="store_true", help="skip looplm with compiled blocks")
     args = ap.parse_args()
     torch.manual_seed(0)
     dev = args.device
@@ -117,6 +119,13 @@ def main() -> None:
         hf = build_hf(dtype, seq, dev)
         flat = build_looplm(30, 1, dtype, seq, dev)
         looped = build_looplm(10, 3, dtype, seq, dev)
+        flat_c = None
+        if not args.no_compiled:
+            from looplm.parallel import compile_blocks
+
+            flat_c = build_looplm(30, 1, dtype, seq, dev)
+            flat_c.load_state_dict(flat.state_dict())
+            compile_blocks(flat_c)  # compiled in the warm-up call of its first row
         for B in (int(b) for b in args.batches.split(",")):
             x = torch.randint(0, SHAPE["vocab"], (B, args.prompt), device=dev)
             hf_kw = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
@@ -125,6 +134,8 @@ def main() -> None:
                 ("looplm 30x1", lambda: flat.generate(x, max_new_tokens=args.new), (30, 1)),
                 ("looplm 10x3", lambda: looped.generate(x, max_new_tokens=args.new), (10, 3)),
             ]
+            if flat_c is not None:
+                rows.append(("looplm 30x1 compiled", lambda: flat_c.generate(x, max_new_tokens=args.new), (30, 1)))
             if not args.no_static:
                 rows.insert(1, ("hf static cache", lambda: hf.generate(x, cache_implementation="static", **hf_kw), (30, 1)))
             base = None

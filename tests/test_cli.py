@@ -72,6 +72,27 @@ def test_generate_from_random_preset(capsys):
     assert printed == ByteTokenizer().decode(ids[0, 5:].tolist()) + "\n"
 
 
+def test_generate_compile_flag_compiles_the_blocks_and_decodes_the_same(capsys, monkeypatch):
+    import looplm.parallel as parallel
+
+    compiled = []
+    real = parallel.compile_blocks
+
+    def eager_backend(model, **kw):  # dynamo's tracing without inductor's minutes of codegen in a test
+        compiled.append(model)
+        real(model, backend="eager")
+
+    monkeypatch.setattr(parallel, "compile_blocks", eager_backend)
+    torch._dynamo.reset()
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "Hello", "--max-new-tokens", "5", "--compile"]) == 0
+    printed = capsys.readouterr().out
+    assert len(compiled) == 1
+    torch.manual_seed(0)
+    model = looplm.build("tiny-llama")
+    ids = model.generate(torch.tensor([list(b"Hello")]), max_new_tokens=5, do_sample=False, eos_token_id=256)
+    assert printed == ByteTokenizer().decode(ids[0, 5:].tolist()) + "\n"
+
+
 # ------------------------------------------------------------------------------------ generate --checkpoint
 @pytest.fixture
 def tiny_run(tmp_path):

@@ -77,6 +77,36 @@ def test_compiled_blocks_do_not_recompile_for_random_loop_counts():
     assert dynamo_utils.counters["stats"]["unique_graphs"] == warm
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-stateloop"])
+def test_compiled_blocks_decode_like_eager_without_recompiling(name):
+    """The compiled decode step (``compile_blocks`` + ``generate``, ``looplm generate --compile``): the same
+    greedy tokens as eager decoding, and after a warm-up no new graphs for other prompt lengths, lengths
+    of generation or positions in the KV cache."""
+    import torch._dynamo.utils as dynamo_utils
+
+    from looplm.parallel import compile_blocks
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    eager = looplm.build(name).eval()
+    model = looplm.build(name).eval()
+    model.load_state_dict(eager.state_dict())
+    compile_blocks(model, backend="eager")
+    V = model.config.vocab_size
+
+    def both(T, new):
+        x = torch.randint(0, V, (2, T))
+        with torch.no_grad():
+            assert torch.equal(model.generate(x, max_new_tokens=new), eager.generate(x, max_new_tokens=new))
+
+    both(5, 4)
+    both(9, 3)  # warm-up: a second prompt length makes the sequence dimension dynamic
+    warm = dynamo_utils.counters["stats"]["unique_graphs"]
+    for T, new in [(7, 6), (3, 9), (12, 2)]:
+        both(T, new)
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == warm
+
+
 def test_bf16_autocast_casts_each_looped_weight_once_per_forward():
     """The looped core's weights are cast to bf16 once per forward, not once per iteration
     (autocast caches the casts of leaf parameters for the life of the autocast region)."""
