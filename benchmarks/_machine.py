@@ -30,3 +30,11 @@ def cpu_flags() -> str:
     except OSError:
         return "?"
     return ", ".join(f"{f}={'yes' if f in flags else 'no'}" for f in ("avx512_bf16", "amx_bf16"))
+
+
+def sync(device: str) -> None:
+    """Wait for the device's queued work (CUDA) before reading a clock; nothing on a CPU."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()

@@ -23,14 +23,9 @@ import time
 
 import torch
 
-from _machine import cpu_name, native_bf16  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _machine import cpu_name, native_bf16, sync  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 SHAPE = dict(vocab=49152, d=576, ff=1536, heads=9, kv=3)
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def bandwidth(device: str = "cpu") -> float:

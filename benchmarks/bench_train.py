@@ -41,15 +41,10 @@ from pathlib import Path
 
 import torch
 
-from _machine import cpu_name, native_bf16  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _machine import cpu_name, native_bf16, sync  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 SHAPE = dict(vocab=49152, d=576, ff=1536, heads=9, kv=3, layers=30)
 LAYOUTS = {"flat": (30, 1), "looped": (10, 3)}  # (physical core blocks, loops)
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
 
 
 def matmul_ceiling(precision: str, device: str = "cpu") -> float:
