@@ -77,7 +77,7 @@ def test_compiled_blocks_do_not_recompile_for_random_loop_counts():
     assert dynamo_utils.counters["stats"]["unique_graphs"] == warm
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-stateloop"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-stateloop", "tiny-mamba2", "tiny-hybrid"])
 def test_compiled_blocks_decode_like_eager_without_recompiling(name):
     """The compiled decode step (``compile_blocks`` + ``generate``, ``looplm generate --compile``): the same
     greedy tokens as eager decoding, and after a warm-up no new graphs for other prompt lengths, lengths
