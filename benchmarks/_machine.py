@@ -38,3 +38,28 @@ def sync(device: str) -> None:
         import torch
 
         torch.cuda.synchronize()
+
+
+def cpu_info(threads: int | None = None) -> str:
+    """One line for a benchmark's header or JSON: CPU name, its bf16 flags, and the torch thread count."""
+    line = f"{cpu_name()} ({cpu_flags()})"
+    return line if threads is None else f"{line}, torch threads {threads}"
+
+
+def load_bytes(path: str | None = None, max_stdlib_chars: int | None = None):
+    """A corpus as a 1-D tensor of byte ids: ``path``, else ``../shared/data/tinyshakespeare.txt`` next to
+    the checkout, else the embedded stdlib docstring corpus (no download; the first ``max_stdlib_chars``
+    characters when given, with a notice)."""
+    from pathlib import Path
+
+    import torch
+
+    p = Path(path) if path else Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+    if p.exists():
+        data = p.read_bytes()
+    else:
+        from looplm.data.sources import stdlib_source
+
+        data = "\n".join(stdlib_source().docs).encode()[:max_stdlib_chars]
+        print(f"({p} not found: using the stdlib docstring corpus)")
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()

@@ -33,7 +33,7 @@ import looplm
 from looplm.config import ModelConfig, preset_dict
 from looplm.pause import PauseLM
 
-from _machine import cpu_name, cpu_flags  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _machine import cpu_flags, cpu_name, load_bytes  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 DEFAULT_DATA = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt")  # ../shared next to the checkout
 VOCAB = 257  # bytes + one pause id (256), for every model so the embeddings match
@@ -62,17 +62,6 @@ def build(name: str, seed: int):
     torch.manual_seed(seed)
     cfg = tiny_config(name)
     return PauseLM(cfg) if cfg.pause is not None else looplm.LoopedLM(cfg)
-
-
-def load_bytes(path: str) -> torch.Tensor:
-    if os.path.exists(path):
-        data = open(path, "rb").read()
-    else:  # the embedded corpus: Python's own docstrings
-        from looplm.data.sources import stdlib_source
-
-        data = "\n".join(stdlib_source().docs).encode()[:2_000_000]
-        print(f"({path} not found: using the stdlib docstring corpus)")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
 def batches(data: torch.Tensor, n: int, batch: int, seq: int, seed: int):
@@ -165,7 +154,7 @@ def main() -> None:
         names.remove("vanilla")
     names.insert(0, "vanilla")
 
-    data = load_bytes(args.data)
+    data = load_bytes(args.data, max_stdlib_chars=2_000_000)
     split = int(0.9 * len(data))
     train_data, val_data = data[:split], data[split:]
     print(f"CPU: {cpu_name()} ({cpu_flags()}), torch {torch.__version__}, {args.threads} threads; "

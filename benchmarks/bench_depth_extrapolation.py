@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
 import time
 from pathlib import Path
 
@@ -29,6 +28,8 @@ import looplm
 from looplm.train.config import OptimConfig
 from looplm.train.optim import build_optimizer
 from looplm.train.schedule import apply_lr, wsd_lambda
+
+from _machine import cpu_info, load_bytes  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 VARIANTS = {
     "baseloop": {"name": "vanilla"},
@@ -42,34 +43,6 @@ VARIANTS = {
     "branch-gating": {"name": "timestep", "options": {"gating": "branch"}},
     "adaln": {"name": "timestep", "options": {"gating": "adaln"}},
 }
-
-
-def cpu_info() -> str:
-    """CPU model name and whether native bf16 matrix instructions are present."""
-    name, flags = platform.processor() or "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and name in ("unknown", "", "x86_64"):
-                name = line.split(":", 1)[1].strip()
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    bf16 = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
-    return f"{name} ({', '.join(bf16) if bf16 else 'no avx512_bf16 / amx'}), torch threads {torch.get_num_threads()}"
-
-
-def load_bytes(path: str | None) -> torch.Tensor:
-    """The corpus as a 1-D uint8 tensor of byte ids."""
-    p = Path(path) if path else (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt")
-    if p.exists():
-        data = p.read_bytes()
-    else:
-        from looplm.data.sources import stdlib_source  # the embedded corpus (no download)
-
-        data = "\n".join(stdlib_source()).encode()
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
 
 
 def batches(data: torch.Tensor, n: int, batch: int, seq: int, seed: int) -> list[torch.Tensor]:
@@ -123,7 +96,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench_depth")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_info()}  (shared machine: timings are noisy; losses are deterministic)")
+    print(f"CPU: {cpu_info(torch.get_num_threads())}  (shared machine: timings are noisy; losses are deterministic)")
 
     data = load_bytes(args.data)
     cut = int(0.9 * len(data))
@@ -159,7 +132,7 @@ def main() -> None:
             print(f"| {name} | {g} | " + " | ".join(cells) + f" | {fmt(below)} | {fmt(above)} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "depth_extrapolation.json").write_text(json.dumps({"args": vars(args), "cpu": cpu_info(), "results": results}, indent=2))
+    (out / "depth_extrapolation.json").write_text(json.dumps({"args": vars(args), "cpu": cpu_info(torch.get_num_threads()), "results": results}, indent=2))
     try:
         import matplotlib
 

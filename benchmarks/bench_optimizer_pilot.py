@@ -27,7 +27,8 @@ from looplm.train.config import OptimConfig
 from looplm.train.optim import build_optimizer
 from looplm.train.schedule import apply_lr, wsd_lambda
 
-from bench_depth_extrapolation import batches, cpu_info, load_bytes, val_loss
+from _machine import cpu_info, load_bytes  # noqa: E402
+from bench_depth_extrapolation import batches, val_loss
 
 LAYOUTS = {
     "nonloop-12x1": (0, 12, 1, 0),
@@ -71,7 +72,7 @@ def main() -> None:
     ap.add_argument("--out", default="runs/bench_optim")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"CPU: {cpu_info()}  (shared machine: wall times are noisy, compare ratios within a layout)")
+    print(f"CPU: {cpu_info(torch.get_num_threads())}  (shared machine: wall times are noisy, compare ratios within a layout)")
     data = load_bytes(args.data)
     cut = int(0.9 * len(data))
     train_data, val = data[:cut], batches(data[cut:], args.val_batches, args.batch, args.seq, seed=99)
@@ -99,7 +100,7 @@ def main() -> None:
               f"{m['val_loss'] - a['val_loss']:+.4f} | {a['train_s']:.1f} | {m['train_s']:.1f} | {m['train_s'] / a['train_s']:.2f} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "optimizer_pilot.json").write_text(json.dumps({"args": vars(args), "cpu": cpu_info(), "rows": rows}, indent=2))
+    (out / "optimizer_pilot.json").write_text(json.dumps({"args": vars(args), "cpu": cpu_info(torch.get_num_threads()), "rows": rows}, indent=2))
     print(f"wrote {out / 'optimizer_pilot.json'}")
 
 

@@ -35,15 +35,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-
-def cpu_info() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown CPU"
-    name = next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.startswith("model name")), "unknown CPU")
-    flags = [f for f in ("avx512_bf16", "amx_bf16") if f in text]
-    return f"{name} ({os.cpu_count()} logical CPUs; {', '.join(flags) if flags else 'no avx512_bf16/amx'})"
+from _machine import cpu_info  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 def find_gguf(arg: str | None) -> Path:
@@ -89,7 +81,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    print("CPU:", cpu_info(), "| torch threads:", torch.get_num_threads())
+    print("CPU:", cpu_info(), f"({os.cpu_count()} logical CPUs)", "| torch threads:", torch.get_num_threads())
     print("note: the CPU may be shared with other jobs; wall times are single runs")
 
     from transformers import AutoModelForCausalLM

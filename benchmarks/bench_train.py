@@ -164,6 +164,7 @@ def run_looplm_train(args, layout: str, precision: str) -> dict:
     includes compilation when it is on, is never timed."""
     import yaml
 
+    from looplm.train.metrics import read_metrics
     from looplm.train.trainer import COMPILE_AUTO_MIN_STEPS
 
     corpus = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
@@ -195,10 +196,8 @@ def run_looplm_train(args, layout: str, precision: str) -> dict:
         rows: list[dict] = []
         while proc.poll() is None and len(rows) < want:
             time.sleep(1.0)
-            path = out / "metrics.jsonl"
-            if path.exists():
-                lines = path.read_text().splitlines()
-                rows = [json.loads(ln) for ln in lines[:-1] if ln.strip()]  # the last line may be torn
+            if (out / "metrics.jsonl").exists():
+                rows = read_metrics(out)  # a torn last line (the trainer is writing) is skipped
         if proc.poll() is None:
             proc.terminate()
             proc.wait(timeout=60)

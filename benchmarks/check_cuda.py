@@ -21,7 +21,6 @@ decode ~120 s; the default budget (560 s) fits one device call.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -164,12 +163,20 @@ def run_cli(args: list[str], timeout: int) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 
 
-def section_train(rep: Report, out: Path) -> None:
+def report_failure(rep: Report, p: subprocess.CompletedProcess) -> bool:
+    """Report a failed command's output tail; whether it failed."""
+    if p.returncode != 0:
+        rep("```\n" + (p.stderr or p.stdout)[-1500:] + "\n```")
+    return p.returncode != 0
+
+
+def section_train(rep: Report) -> None:
     import shutil
 
+    from looplm.train.metrics import read_metrics
+
     def metrics(d: Path) -> list[dict]:
-        f = d / "metrics.jsonl"
-        return [json.loads(x) for x in f.read_text().splitlines() if x.strip()] if f.exists() else []
+        return read_metrics(d) if (d / "metrics.jsonl").exists() else []
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -180,8 +187,7 @@ def section_train(rep: Report, out: Path) -> None:
         t = time.perf_counter()
         p = run_cli([*base, "--out", str(tmp / "a")], 240)
         rep(f"straight 40 steps (bf16, CUDA): rc {p.returncode} in {time.perf_counter() - t:.0f} s")
-        if p.returncode != 0:
-            rep("```\n" + (p.stderr or p.stdout)[-1500:] + "\n```")
+        if report_failure(rep, p):
             return
         # the resumed twin: the same run directory with only the step-20 checkpoint left
         shutil.copytree(tmp / "a", tmp / "b")
@@ -190,8 +196,7 @@ def section_train(rep: Report, out: Path) -> None:
             shutil.rmtree(d)
         p = run_cli([*base, "--out", str(tmp / "b")], 240)
         rep(f"resumed from {steps[0].name}: rc {p.returncode}")
-        if p.returncode != 0:
-            rep("```\n" + (p.stderr or p.stdout)[-1500:] + "\n```")
+        if report_failure(rep, p):
             return
         la = {r["step"]: r["loss"] for r in metrics(tmp / "a")}
         lb = {r["step"]: r["loss"] for r in metrics(tmp / "b")}
@@ -210,8 +215,7 @@ def section_train(rep: Report, out: Path) -> None:
             f"first step {comp[0] if comp else 'n/a'} s (compiled: {bool(comp)}); median "
             f"{tps[len(tps) // 2] if tps else 0:,.0f} tokens/s; loss {rows[0]['loss'] if rows else float('nan'):.3f} -> "
             f"{rows[-1]['loss'] if rows else float('nan'):.3f}")  # fmt: skip
-        if p.returncode != 0:
-            rep("```\n" + (p.stderr or p.stdout)[-1500:] + "\n```")
+        report_failure(rep, p)
 
 
 def section_bench(rep: Report, args: list[str], timeout: int) -> None:
@@ -219,8 +223,7 @@ def section_bench(rep: Report, args: list[str], timeout: int) -> None:
     try:
         p = run_cli(args, timeout)
         rep(p.stdout.strip())
-        if p.returncode != 0:
-            rep("```\n" + p.stderr[-1500:] + "\n```")
+        report_failure(rep, p)
     except subprocess.TimeoutExpired as e:
         rep(f"timed out after {timeout} s; partial output:\n{(e.stdout or b'').decode()[-3000:] if isinstance(e.stdout, bytes) else e.stdout}")
     rep(f"({time.perf_counter() - t:.0f} s)")
@@ -257,7 +260,7 @@ def main() -> None:
             elif name == "loss":
                 section_loss(rep)
             elif name == "train":
-                section_train(rep, out)
+                section_train(rep)
             elif name == "decode":
                 section_bench(rep, [str(HERE / "bench_decode.py"), "--device", DEV, "--dtypes", "bf16",
                                     "--batches", "1,8", "--new", "64", "--rounds", "2"], min(150, left))  # fmt: skip
