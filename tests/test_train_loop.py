@@ -177,3 +177,49 @@ def print_golden():  # pragma: no cover - maintenance helper
 def test_golden_losses(tmp_path, optim):
     got = _golden_run(tmp_path, optim)
     assert got == pytest.approx(GOLDEN[optim], abs=TOLERANCE[optim]), f"golden losses changed: {got}"
+
+
+def test_bf16_weights_cast_once_per_step_across_micro_batches(corpus, tmp_path, monkeypatch):
+    """With gradient accumulation under bf16 autocast, each fp32 weight of the blocks is cast to bf16
+    once per step (one autocast region around all micro-batches, whose cache also spans the loop
+    iterations), and the gradients are bit-identical to casting it again in every micro-batch."""
+    import contextlib
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    cfg = tiny(corpus, precision="bf16", micro_batch_size=2)  # 4 micro-batches
+
+    class CountCasts(TorchDispatchMode):  # fp32 -> bf16 copies of tensors of one shape
+        def __init__(self, shape):
+            super().__init__()
+            self.shape, self.n = shape, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            x = args[0] if args else None
+            if (func is torch.ops.aten._to_copy.default and isinstance(x, torch.Tensor) and x.shape == self.shape
+                    and x.dtype == torch.float32 and kwargs.get("dtype") == torch.bfloat16):
+                self.n += 1
+            return func(*args, **kwargs)
+
+    def mlp_weight_casts(out):
+        tr = Trainer(cfg, out, quiet=True)
+        tr._setup()
+        tr.optimizer.step = lambda: None
+        shape = tr.model.core.stack.blocks[0].mlp.gate_proj.weight.shape  # [d_ff, d]
+        n_weights = sum(1 for p in tr.model.parameters() if p.shape == shape)
+        with CountCasts(shape) as counter:
+            tr._train_step(0)
+        return counter.n, n_weights
+
+    rec, grads, _ = grads_of_first_step(cfg, tmp_path / "once")
+    casts, n_weights = mlp_weight_casts(tmp_path / "once-count")
+    assert n_weights >= 2 and casts == n_weights  # gate and up of every block: one bf16 copy each per step
+
+    monkeypatch.setattr(Trainer, "_step_autocast", lambda self: contextlib.nullcontext())
+    rec_each, grads_each, _ = grads_of_first_step(cfg, tmp_path / "each")
+    casts_each, _ = mlp_weight_casts(tmp_path / "each-count")
+    assert casts_each == 4 * n_weights  # an autocast region per micro-batch: cast again in each
+    assert rec["loss"] == rec_each["loss"] and rec["grad_norm"] == rec_each["grad_norm"]
+    for n in grads:
+        assert torch.equal(grads[n], grads_each[n]), n

@@ -169,6 +169,7 @@ class TrainLoopConfig:
     seed: int = 42
     device: str = "auto"  # "auto" (cuda if available) | "cpu" | "cuda"
     cpu_threads: int | None = None  # torch.set_num_threads on CPU (None = torch's default)
+    cpu_malloc: bool | str = "auto"  # keep freed memory for reuse (looplm.cpu_malloc): true | false | "auto" (CPU + glibc)
     activation_checkpointing: bool = False  # recompute each loop iteration in backward
     compile: bool | str = "auto"  # compile every block (looplm.parallel.compile_blocks): true | false | "auto" (see resolve_compile)
     num_grad_loops: int | None = None  # fixed truncated BPTT: backprop through the last m loops only
@@ -203,6 +204,8 @@ class TrainLoopConfig:
             errs.append(f"device: must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.compile not in (True, False, "auto"):
             errs.append(f"compile: must be true, false or 'auto', got {self.compile!r}")
+        if self.cpu_malloc not in (True, False, "auto"):
+            errs.append(f"cpu_malloc: must be true, false or 'auto', got {self.cpu_malloc!r}")
         if self.nan_policy not in ("stop", "skip"):
             errs.append(f"nan_policy: must be 'stop' or 'skip', got {self.nan_policy!r}")
         if self.max_consecutive_skips < 1:
