@@ -10,6 +10,9 @@ Contenders (each in its own process, so peak memory is its own):
                       with labels, backward, gradient clipping at 1.0, ``torch.optim.AdamW`` with
                       ``fused=True`` (the Trainer's default optimizer, ``adamw_torch_fused``, since
                       torch 2.8). The baseline.
+* ``hf-malloc``     — the same ``hf`` step in a process whose glibc keeps freed memory
+                      (:func:`looplm.cpu_malloc.keep_freed_memory`, what ``looplm train`` does on a CPU):
+                      how much of looplm's lead is the allocator (CPU only).
 * ``looplm``        — the same step on ``looplm`` (chunked loss: no ``[B, T, V]`` logits; fused AdamW,
                       as ``looplm train`` builds it).
 * ``looplm-compiled`` — the same with every block compiled (:func:`looplm.parallel.compile_blocks`).
@@ -217,7 +220,13 @@ def run_looplm_train(args, layout: str, precision: str) -> dict:
 def child(args) -> None:
     name, layout, precision = args.child.split(":")
     torch.manual_seed(0)
-    if name == "hf":
+    if name in ("hf", "hf-malloc"):
+        if name == "hf-malloc":
+            from looplm import cpu_malloc
+
+            if not cpu_malloc.keep_freed_memory():
+                print("RESULT " + json.dumps({"error": "hf-malloc needs glibc (Linux)"}))
+                return
         res = run_hf(args, layout, precision)
     elif name == "looplm":
         res = run_looplm(args, layout, precision, compiled=False)
@@ -239,7 +248,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto")
-    ap.add_argument("--only", default="hf,looplm,looplm-compiled,looplm-train")
+    ap.add_argument("--only", default="hf,hf-malloc,looplm,looplm-compiled,looplm-train")
     ap.add_argument("--shapes", default="flat,looped")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="cpu or cuda (peak memory is then the GPU's)")
@@ -260,6 +269,8 @@ def main() -> None:
           "round(s), contenders alternating within each; a ratio is the median over rounds of the ratio to hf "
           "in the same round")  # fmt: skip
     names = args.only.split(",")
+    if args.device == "cuda" and "hf-malloc" in names:
+        names.remove("hf-malloc")  # the CPU allocator does not matter to a CUDA step
     for layout in args.shapes.split(","):
         flops_tok = model_flops_per_token(looplm_config(layout, args.seq), args.seq)
         runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -282,17 +293,21 @@ def main() -> None:
                 runs[name].append(res)
         ceiling = statistics.median(ceilings)
         print(f"\n# {layout}: {precision} matmul ceiling {ceiling / 1e12:.2f} TFLOP/s (median of the rounds)")
-        print("| shape | contender | tokens/s | vs hf | share of ceiling | peak memory MB | first step s |")
-        print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+        vs_malloc = "hf-malloc" in names
+        print(f"| shape | contender | tokens/s | vs hf |{' vs hf-malloc |' if vs_malloc else ''} share of ceiling | peak memory MB | first step s |")
+        print(f"| --- | --- | ---: | ---: |{' ---: |' if vs_malloc else ''} ---: | ---: | ---: |")
         shape = f"{layout} ({LAYOUTS[layout][0]}x{LAYOUTS[layout][1]})"
         for name in names:
             good = [r for r in runs[name] if "error" not in r]
             if not good:
-                print(f"| {shape} | {name} | failed: {runs[name][0]['error'][-300:]!r} | | | | |")
+                print(f"| {shape} | {name} | failed: {runs[name][0]['error'][-300:]!r} | | | | |{' |' if vs_malloc else ''}")
                 continue
             tps = statistics.median(r["tps"] for r in good)
-            ratios = [r["tps"] / h["tps"] for r, h in zip(runs[name], runs.get("hf", [])) if "tps" in r and "tps" in h]
-            ratio = f"{statistics.median(ratios):.2f}" if ratios else "–"
+            def ratio_to(base):  # median over rounds of the ratio to `base` in the same round
+                ratios = [r["tps"] / h["tps"] for r, h in zip(runs[name], runs.get(base, [])) if "tps" in r and "tps" in h]
+                return f"{statistics.median(ratios):.2f}" if ratios else "–"
+
+            ratio = ratio_to("hf") + (f" | {ratio_to('hf-malloc')}" if vs_malloc else "")
             first = [r["first_step_s"] for r in good if "first_step_s" in r]
             first_s = f"{statistics.median(first):.1f}" if first else ""
             peak = max(r["peak_rss_mb"] for r in good)
