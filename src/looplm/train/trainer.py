@@ -393,10 +393,15 @@ class Trainer:
                 loss_sum += loss.detach()
         loss_value = float(all_reduce_mean(loss_sum / geo.n_micro))
         max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        if hasattr(grad_norm, "full_tensor"):  # FSDP2 DTensor
-            grad_norm = grad_norm.full_tensor()
-        grad_norm = float(grad_norm)
+        # clip_grad_norm_ in two halves: the norm is read back anyway (logged, NaN policy), so the
+        # pass that scales every gradient runs only when torch's factor max_norm / (norm + 1e-6) can
+        # be below 1 (with a margin for its fp32 rounding); otherwise it is clamped to exactly 1.0
+        # and skipping the pass changes no bit.
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        grad_norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)  # FSDP2: a DTensor
+        if grad_norm * (1 + 1e-6) + 1e-6 > max_norm:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         self.tokens += geo.tokens_per_step
 
         record = {
