@@ -275,7 +275,8 @@ class Trainer:
         fp32 weight it casts until its outermost region exits, so with gradient accumulation the
         weights are cast once per step instead of once per micro-batch (and a looped core's weights
         once, not at every iteration); the values are the same, so the losses are bit-identical.
-        Not under FSDP2: there the cache would pin every unsharded bf16 weight for the whole step."""
+        (Compiled blocks cast their weights inside their own graph, at each call.) Not under FSDP2:
+        there the cache would pin every unsharded bf16 weight for the whole step."""
         if self.is_fsdp:
             return contextlib.nullcontext()
         return self._autocast()
