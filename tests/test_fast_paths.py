@@ -112,8 +112,10 @@ kept = cpu_malloc.keep_freed_memory() if sys.argv[1] == "keep" else False
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 x = torch.zeros(16 * 2**20); del x  # 64 MB allocated and freed, as a training step does
-before = faults(); y = torch.zeros(16 * 2**20); after = faults()
-print(kept, after - before)
+counts = []
+for _ in range(9):  # allocated again and freed, nine times: the page faults of each
+    before = faults(); y = torch.zeros(16 * 2**20); counts.append(faults() - before); del y
+print(kept, *counts)
 """
 
 
@@ -121,20 +123,22 @@ print(kept, after - before)
 def test_cpu_malloc_reuses_freed_pages_instead_of_faulting_new_ones():
     """``keep_freed_memory``: a 64 MB tensor allocated again after a free touches no new page (the
     system default maps it fresh: one fault per 4 KiB page, 16k faults). Own processes: the setting
-    is process-wide."""
+    is process-wide. The median of nine re-allocations: on the development VM the kernel's memory
+    reclaim now and then takes freed pages back (about one re-allocation in ten faults them in)."""
+    import statistics
     import subprocess
     import sys
 
     def run(mode):
         out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, mode], capture_output=True, text=True, check=True)
-        kept, faults = out.stdout.split()
-        return kept == "True", int(faults)
+        kept, *counts = out.stdout.split()
+        return kept == "True", [int(c) for c in counts]
 
     kept, faults_kept = run("keep")
     _, faults_default = run("default")
     assert kept
-    assert faults_default > 10_000  # 64 MB / 4 KiB = 16,384 fresh pages
-    assert faults_kept < 100
+    assert statistics.median(faults_default) > 10_000, faults_default  # 64 MB / 4 KiB = 16,384 fresh pages
+    assert statistics.median(faults_kept) < 100, faults_kept
 
 
 def test_cpu_malloc_setting_resolves_and_validates():

@@ -19,7 +19,7 @@ re-exec; two ``mallopt`` calls need neither. Settings apply to allocations made 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import platform
 
 # <malloc.h>
@@ -30,14 +30,17 @@ TRIM_THRESHOLD = 2**31 - 1  # the largest value mallopt's int takes: ~2 GiB of f
 _applied = False
 
 
+@functools.cache
 def _glibc():
-    """The process's glibc, or ``None`` (macOS, Windows, musl)."""
+    """The process's glibc (its own symbol table: the libc already loaded), or ``None`` (macOS,
+    Windows, musl)."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return None
     try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)
     except OSError:  # pragma: no cover
         return None
+    return libc if hasattr(libc, "mallopt") else None
 
 
 def supported() -> bool:
