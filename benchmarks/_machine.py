@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+# the byte-level corpus of ../shared/data next to the checkout (absent on a fresh machine)
+SHARED_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
 
 def cpu_name() -> str:
     """The ``model name`` of /proc/cpuinfo (``unknown CPU`` elsewhere)."""
@@ -15,21 +20,11 @@ def cpu_name() -> str:
 
 
 def native_bf16() -> bool:
-    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX); without it bf16 is 7-30x slower."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    """Whether the CPU multiplies bf16 natively (AVX512-BF16 or AMX); without it bf16 is 7-30x slower.
+    The trainer's own test, so a benchmark's precision is the one ``precision: auto`` picks."""
+    from looplm.train.trainer import cpu_has_fast_bf16
 
-
-def cpu_flags() -> str:
-    """``avx512_bf16=yes, amx_bf16=no`` style summary."""
-    try:
-        flags = open("/proc/cpuinfo").read()
-    except OSError:
-        return "?"
-    return ", ".join(f"{f}={'yes' if f in flags else 'no'}" for f in ("avx512_bf16", "amx_bf16"))
+    return cpu_has_fast_bf16()
 
 
 def sync(device: str) -> None:
@@ -41,8 +36,11 @@ def sync(device: str) -> None:
 
 
 def cpu_info(threads: int | None = None) -> str:
-    """One line for a benchmark's header or JSON: CPU name, its bf16 flags, and the torch thread count."""
-    line = f"{cpu_name()} ({cpu_flags()})"
+    """One line for a benchmark's header or JSON: CPU name, its bf16 flags (``looplm bench``'s
+    description), and the torch thread count."""
+    from looplm.bench import cpu_description
+
+    line = cpu_description()
     return line if threads is None else f"{line}, torch threads {threads}"
 
 
@@ -50,11 +48,9 @@ def load_bytes(path: str | None = None, max_stdlib_chars: int | None = None):
     """A corpus as a 1-D tensor of byte ids: ``path``, else ``../shared/data/tinyshakespeare.txt`` next to
     the checkout, else the embedded stdlib docstring corpus (no download; the first ``max_stdlib_chars``
     characters when given, with a notice)."""
-    from pathlib import Path
-
     import torch
 
-    p = Path(path) if path else Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+    p = Path(path) if path else SHARED_CORPUS
     if p.exists():
         data = p.read_bytes()
     else:

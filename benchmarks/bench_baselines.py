@@ -23,7 +23,6 @@ import argparse
 import math
 import os
 import statistics
-from pathlib import Path
 import time
 
 import torch
@@ -33,9 +32,9 @@ import looplm
 from looplm.config import ModelConfig, preset_dict
 from looplm.pause import PauseLM
 
-from _machine import cpu_flags, cpu_name, load_bytes  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _machine import SHARED_CORPUS, cpu_info, load_bytes  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
-DEFAULT_DATA = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt")  # ../shared next to the checkout
+DEFAULT_DATA = str(SHARED_CORPUS)
 VOCAB = 257  # bytes + one pause id (256), for every model so the embeddings match
 WIDTH = dict(d_model=96, d_ff=256, vocab_size=VOCAB, max_seq_len=1024)
 MODELS = {  # name -> (1.4B preset whose structure is copied, (p, s, K, c), extra config)
@@ -157,7 +156,7 @@ def main() -> None:
     data = load_bytes(args.data, max_stdlib_chars=2_000_000)
     split = int(0.9 * len(data))
     train_data, val_data = data[:split], data[split:]
-    print(f"CPU: {cpu_name()} ({cpu_flags()}), torch {torch.__version__}, {args.threads} threads; "
+    print(f"CPU: {cpu_info()}, torch {torch.__version__}, {args.threads} threads; "
           f"load average {os.getloadavg()[0]:.1f} at start (shared machine: timings are noisy)")
     print(f"data: {args.data} ({len(data):,} bytes, 90/10 split); {args.steps} steps x {args.batch} x {args.seq} "
           f"= {args.steps * args.batch * args.seq:,} real tokens per model, AdamW lr {args.lr}, seed {args.seed}\n")

@@ -35,7 +35,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from _machine import cpu_info  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _machine import SHARED_CORPUS, cpu_info  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 def find_gguf(arg: str | None) -> Path:
@@ -66,7 +66,7 @@ def heldout_ppl(forward, ids: torch.Tensor, window: int, n_windows: int, batch: 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gguf", default=None)
-    ap.add_argument("--data", default=str(Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"))
+    ap.add_argument("--data", default=str(SHARED_CORPUS))
     ap.add_argument("--layout", default="3,6,4,3", help="p,s,K,c of the retrofitted model")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--batch", type=int, default=4)

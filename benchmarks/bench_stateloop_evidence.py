@@ -28,11 +28,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from _machine import SHARED_CORPUS  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 from looplm.bench import cpu_description  # noqa: E402
 from looplm.config import swiglu_hidden  # noqa: E402
 from looplm.train import Trainer, load_train_config  # noqa: E402
 
-DATA = (Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt")
+DATA = SHARED_CORPUS
 
 RULES = {
     "vanilla": {"name": "vanilla"},

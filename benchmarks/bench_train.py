@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from _machine import cpu_name, native_bf16, sync  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _machine import SHARED_CORPUS, cpu_name, native_bf16, sync  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 SHAPE = dict(vocab=49152, d=576, ff=1536, heads=9, kv=3, layers=30)
 LAYOUTS = {"flat": (30, 1), "looped": (10, 3)}  # (physical core blocks, loops)
@@ -170,8 +170,7 @@ def run_looplm_train(args, layout: str, precision: str) -> dict:
     from looplm.train.metrics import read_metrics
     from looplm.train.trainer import COMPILE_AUTO_MIN_STEPS
 
-    corpus = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
-    data = {"source": "files", "paths": [str(corpus)]} if corpus.exists() else {"source": "stdlib"}
+    data = {"source": "files", "paths": [str(SHARED_CORPUS)]} if SHARED_CORPUS.exists() else {"source": "stdlib"}
     want = args.warmup + args.steps + 1
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -215,6 +214,12 @@ def run_looplm_train(args, layout: str, precision: str) -> dict:
         if first:
             res["first_step_s"] = first[0]
         return res
+
+
+def ratio_to(runs: dict[str, list[dict]], name: str, base: str) -> str:
+    """The median over rounds of ``name``'s tokens/s over ``base``'s in the same round ("–" if none)."""
+    ratios = [r["tps"] / h["tps"] for r, h in zip(runs[name], runs.get(base, [])) if "tps" in r and "tps" in h]
+    return f"{statistics.median(ratios):.2f}" if ratios else "–"
 
 
 def child(args) -> None:
@@ -303,11 +308,7 @@ def main() -> None:
                 print(f"| {shape} | {name} | failed: {runs[name][0]['error'][-300:]!r} | | | | |{' |' if vs_malloc else ''}")
                 continue
             tps = statistics.median(r["tps"] for r in good)
-            def ratio_to(base):  # median over rounds of the ratio to `base` in the same round
-                ratios = [r["tps"] / h["tps"] for r, h in zip(runs[name], runs.get(base, [])) if "tps" in r and "tps" in h]
-                return f"{statistics.median(ratios):.2f}" if ratios else "–"
-
-            ratio = ratio_to("hf") + (f" | {ratio_to('hf-malloc')}" if vs_malloc else "")
+            ratio = ratio_to(runs, name, "hf") + (f" | {ratio_to(runs, name, 'hf-malloc')}" if vs_malloc else "")
             first = [r["first_step_s"] for r in good if "first_step_s" in r]
             first_s = f"{statistics.median(first):.1f}" if first else ""
             peak = max(r["peak_rss_mb"] for r in good)

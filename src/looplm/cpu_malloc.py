@@ -27,8 +27,6 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
 TRIM_THRESHOLD = 2**31 - 1  # the largest value mallopt's int takes: ~2 GiB of free heap kept
 
-_applied = False
-
 
 @functools.cache
 def _glibc():
@@ -50,16 +48,12 @@ def supported() -> bool:
 
 def keep_freed_memory() -> bool:
     """Make glibc keep freed memory for reuse (see the module docstring). Returns ``True`` when the
-    settings are in effect (idempotent), ``False`` where the libc is not glibc (nothing changes)."""
-    global _applied
-    if _applied:
-        return True
+    settings are in effect, ``False`` where the libc is not glibc (nothing changes). Calling it again
+    sets the same values again."""
     libc = _glibc()
     if libc is None:
         return False
-    ok = libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
-    _applied = ok
-    return ok
+    return libc.mallopt(M_MMAP_MAX, 0) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
 
 
 def resolve(setting, device_type: str) -> bool:

@@ -211,7 +211,7 @@ def build_optimizer(model: nn.Module, cfg, plan: ParamPlan | None = None) -> Mul
     if pick(ADAMW_NO_DECAY):
         adam_groups.append({"params": pick(ADAMW_NO_DECAY), "weight_decay": 0.0, "peak_lr": cfg.lr})
     if adam_groups:
-        fused = getattr(cfg, "fused", None)
+        fused = cfg.fused
         if fused is None:
             fused = cfg.foreach is None and _fused_adamw_supported([p for g in adam_groups for p in g["params"]])
         optimizers["adamw"] = torch.optim.AdamW(

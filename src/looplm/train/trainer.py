@@ -176,12 +176,12 @@ class Trainer:
         info = self.info
         if tc.cpu_threads is not None and info.device.type == "cpu":
             torch.set_num_threads(tc.cpu_threads)
-        self.cpu_malloc = False
+        self.malloc_kept = False
         if cpu_malloc.resolve(tc.cpu_malloc, info.device.type):
             # every step frees and reallocates the same large tensors: reuse their pages instead of
             # page-faulting fresh ones (measured 15-25% of a SmolLM2-shape CPU step, see looplm.cpu_malloc)
-            self.cpu_malloc = cpu_malloc.keep_freed_memory()
-            if not self.cpu_malloc:
+            self.malloc_kept = cpu_malloc.keep_freed_memory()
+            if not self.malloc_kept:
                 self._log("warning: train.cpu_malloc=true needs glibc (Linux); the system allocator is left as it is")
         self.precision = resolve_precision(tc.precision, info.device)
         if self.precision == "bf16" and info.device.type == "cpu" and not cpu_has_fast_bf16():
@@ -543,7 +543,7 @@ class Trainer:
                     "device": str(info.device),
                     "precision": self.precision,
                     "compiled": self.compiled,
-                    "cpu_malloc_kept": self.cpu_malloc,
+                    "cpu_malloc_kept": self.malloc_kept,
                     "resumed_from_step": start_step or None,
                     "param_groups": self.plan.summary(),
                     "frozen_params": len(self.frozen),
