@@ -6,8 +6,11 @@ effective depth, a third of the weights: reads the same bytes per token, so it s
 Prompt 32 tokens, 128 new tokens, greedy, batch 1 and 8, fp32 and bf16 weights.
 
 Contenders: looplm (flat and looped, eager; flat with every block compiled — ``looplm generate
---compile`` — unless ``--no-compiled``). Baseline: transformers ``generate`` with its dynamic cache (and
-its static cache, where it runs on CPU), measured in the same run. The physical limit at batch 1 is the weight bytes read per token
+--compile`` — unless ``--no-compiled``). With bf16 weights on a CPU with AVX512-BF16, looplm's decode
+runs its one-row products on its own GEMV kernel (``looplm/layers/gemv.py``); the flat rows are then
+repeated on torch's bf16 matmul ("torch matmul") to show what the kernel is worth. Baseline:
+transformers ``generate`` with its dynamic cache (and its static cache, where it runs on CPU),
+measured in the same run. The physical limit at batch 1 is the weight bytes read per token
 divided by the memory bandwidth, measured here as a 256 MB read; "share of limit" is that limit over
 the measured time per token (1.0 = at the bandwidth limit).
 
@@ -24,6 +27,8 @@ import time
 import torch
 
 from _machine import cpu_name, native_bf16, sync  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+
+from looplm.layers import gemv
 
 SHAPE = dict(vocab=49152, d=576, ff=1536, heads=9, kv=3)
 
@@ -76,6 +81,16 @@ def weight_bytes_per_token(core: int, loops: int, dtype) -> int:
     return (block * core * loops + V * d + d) * torch.finfo(dtype).bits // 8
 
 
+def without_kernel(fn):
+    """``fn`` run on torch's bf16 matmul instead of looplm's GEMV kernel."""
+
+    def run():
+        with gemv.enabled(False):
+            return fn()
+
+    return run
+
+
 def time_generate(fn, rounds: int, device: str = "cpu") -> float:
     fn()  # warm-up (compiles the compiled contender: its first decode steps make the cache length dynamic)
     times = []
@@ -106,6 +121,7 @@ def main() -> None:
     print(f"# CPU: {cpu_name()} ({os.cpu_count()} cores, native bf16: {native_bf16()}, torch {torch.__version__})")
     if dev == "cuda":
         print(f"# GPU: {torch.cuda.get_device_name()}")
+    print(f"# looplm bf16 GEMV kernel: {'yes' if gemv.available() else 'no (' + gemv.unavailable_reason() + ')'}")
     print(f"# memory bandwidth {bw / 1e9:.1f} GB/s ({'4 GB' if dev == 'cuda' else '256 MB'} read, same run); prompt {args.prompt}, {args.new} new tokens, greedy")
     print("| dtype | batch | contender | ms/token | vs hf dynamic | limit ms/token (batch 1) | share of limit |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
@@ -131,6 +147,10 @@ def main() -> None:
             ]
             if flat_c is not None:
                 rows.append(("looplm 30x1 compiled", lambda: flat_c.generate(x, max_new_tokens=args.new), (30, 1)))
+            if dtype == torch.bfloat16 and gemv.available():
+                rows.insert(2, ("looplm 30x1, torch matmul", without_kernel(rows[1][1]), (30, 1)))
+                if flat_c is not None:
+                    rows.append(("looplm 30x1 compiled, torch matmul", without_kernel(rows[-1][1]), (30, 1)))
             if not args.no_static:
                 rows.insert(1, ("hf static cache", lambda: hf.generate(x, cache_implementation="static", **hf_kw), (30, 1)))
             base = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .layers.gemv import decode_linears
+
 
 def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
                 generator: torch.Generator | None = None) -> torch.Tensor:
@@ -103,24 +105,27 @@ def generate(
     cache = model.new_cache(B, cache_loops, capacity=T + max_new_tokens) if use_cache else None
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
     n = T
+    # bf16 weights on a CPU with AVX512-BF16: the one-row products of each step run on looplm's GEMV
+    # kernel (1.4-3x torch's bf16 matmul at batch 1; layers/gemv.py), everything else on F.linear
     try:
-        for i in range(max_new_tokens):
-            step_mask = mask[:, :n] if padded else None
-            if use_cache:
-                step_input = out[:, :n] if i == 0 else out[:, n - 1 : n]
-                res = model(step_input, cache=cache, attention_mask=step_mask, num_loops=num_loops, logits_to_keep=1,
-                            validate=i == 0, loop_options=loop_options)  # fmt: skip
-            else:
-                res = model(out[:, :n], attention_mask=step_mask, num_loops=num_loops, logits_to_keep=1, validate=i == 0,
-                            loop_options=loop_options)  # fmt: skip
-            nxt = sample_next(res.logits[:, -1], do_sample, temperature, top_k, top_p, generator)  # [B]
-            nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
-            out[:, n] = nxt
-            n += 1
-            if eos_token_id is not None:
-                finished |= nxt == eos_token_id
-                if bool(finished.all()):
-                    break
+        with decode_linears(model):
+            for i in range(max_new_tokens):
+                step_mask = mask[:, :n] if padded else None
+                if use_cache:
+                    step_input = out[:, :n] if i == 0 else out[:, n - 1 : n]
+                    res = model(step_input, cache=cache, attention_mask=step_mask, num_loops=num_loops, logits_to_keep=1,
+                                validate=i == 0, loop_options=loop_options)  # fmt: skip
+                else:
+                    res = model(out[:, :n], attention_mask=step_mask, num_loops=num_loops, logits_to_keep=1, validate=i == 0,
+                                loop_options=loop_options)  # fmt: skip
+                nxt = sample_next(res.logits[:, -1], do_sample, temperature, top_k, top_p, generator)  # [B]
+                nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
+                out[:, n] = nxt
+                n += 1
+                if eos_token_id is not None:
+                    finished |= nxt == eos_token_id
+                    if bool(finished.all()):
+                        break
     finally:
         model.train(was_training)
     return out[:, :n]

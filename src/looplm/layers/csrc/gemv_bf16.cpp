@@ -1,0 +1,115 @@
+// y = x · Wᵀ (+ b) for a few activation rows and bf16 weights, on CPUs with AVX512-BF16.
+//
+// Why this exists: at batch 1 a decode step is one matrix-vector product per linear layer, and its
+// cost is the bytes of W read from memory. torch's bf16 matmul (oneDNN) reaches 4-15 GB/s there on a
+// 2-core Xeon whose memory streams 23 GB/s, because it is built for matrix-matrix products; this
+// kernel streams W once and reaches 12-21 GB/s at the same shapes (benchmarks/bench_decode.py,
+// tests/test_gemv.py checks it against the fp32 reference). The reference path is F.linear, used for
+// every other case (see looplm/layers/gemv.py, which builds this file on first use).
+//
+// Shapes: x [M, K] bf16, W [N, K] bf16 (nn.Linear's layout), b [N] bf16 or absent -> y [M, N] bf16.
+// Each output is an fp32 sum of bf16 x bf16 products (vdpbf16ps: pairs of products added exactly in
+// fp32), plus the bias in fp32, rounded once to bf16 (round to nearest even), like oneDNN; only the
+// order of the fp32 additions differs.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cstdint>
+
+namespace {
+
+constexpr int64_t kRows = 16;  // weight rows per block: 16 accumulators, one zmm of outputs
+
+// 16 vectors a[0..15] -> one vector whose lane i is the sum of a[i]'s 16 lanes (a transpose-and-add
+// tree: 45 instructions for 16 outputs instead of 16 horizontal reductions).
+inline __m512 sum_lanes16(const __m512* a) {
+  __m512 s[8], t[4], u[2];
+  for (int i = 0; i < 8; ++i)  // lanes of each 128-bit quarter: [a, b, a, b]
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // each quarter: [a, b, c, d]
+    __m512d p = _mm512_castps_pd(s[2 * i]), q = _mm512_castps_pd(s[2 * i + 1]);
+    t[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p, q)), _mm512_castpd_ps(_mm512_unpackhi_pd(p, q)));
+  }
+  for (int i = 0; i < 2; ++i)  // quarters [0-3, 0-3, 4-7, 4-7] (then [8-11, ...])
+    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));  // [0-3, 4-7, 8-11, 12-15]
+}
+
+inline __m512 bf16x16_to_fp32(const uint16_t* p) {  // exact: a bf16 is the top half of an fp32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// y[0..15] = x · W[0..15]ᵀ (+ b[0..15]); x has K entries, W is 16 rows of K.
+inline void block16(const uint16_t* x, const uint16_t* w, const uint16_t* b, int64_t K, uint16_t* y) {
+  __m512 acc[kRows];
+  for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+    for (int r = 0; r < kRows; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], xv, (__m512bh)_mm512_loadu_si512(w + r * K + k));
+  }
+  if (k < K) {  // the last K % 32 entries, zero-padded by masked loads
+    __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
+    __m512bh xv = (__m512bh)_mm512_maskz_loadu_epi16(m, x + k);
+    for (int r = 0; r < kRows; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], xv, (__m512bh)_mm512_maskz_loadu_epi16(m, w + r * K + k));
+  }
+  __m512 out = sum_lanes16(acc);
+  if (b != nullptr) out = _mm512_add_ps(out, bf16x16_to_fp32(b));
+  _mm256_storeu_si256((__m256i*)y, (__m256i)_mm512_cvtneps_pbh(out));
+}
+
+// One output: x · w (+ bias), for the N % 16 rows after the last full block.
+inline uint16_t dot1(const uint16_t* x, const uint16_t* w, const uint16_t* b, int64_t K) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(x + k), (__m512bh)_mm512_loadu_si512(w + k));
+  if (k < K) {
+    __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_maskz_loadu_epi16(m, x + k), (__m512bh)_mm512_maskz_loadu_epi16(m, w + k));
+  }
+  float s = _mm512_reduce_add_ps(acc);
+  if (b != nullptr) s += static_cast<float>(c10::BFloat16(*b, c10::BFloat16::from_bits()));
+  return c10::BFloat16(s).x;
+}
+
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
+              "gemv_bf16: x must be [M, K] and weight [N, K], got ", x.sizes(), " and ", w.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
+              "gemv_bf16: x and weight must be bfloat16, got ", x.scalar_type(), " and ", w.scalar_type());
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gemv_bf16: a CPU kernel, got tensors on ", x.device());
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "gemv_bf16: x and weight must be contiguous");
+  const uint16_t* bp = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0) && bias->scalar_type() == at::kBFloat16 && bias->is_contiguous(),
+                "gemv_bf16: bias must be a contiguous bfloat16 [N] tensor, got ", bias->sizes(), " ", bias->scalar_type());
+    bp = reinterpret_cast<const uint16_t*>(bias->data_ptr());
+  }
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor y = at::empty({M, N}, x.options());
+  const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
+  const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
+  auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  const int64_t blocks = N / kRows;
+  // threads split the weight rows (each block of W is read from memory once; the M rows of x reuse it
+  // from L1); 4 blocks = 64 rows at least per thread, so tiny layers do not pay for waking threads
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk)
+      for (int64_t m = 0; m < M; ++m)
+        block16(xp + m * K, wp + blk * kRows * K, bp ? bp + blk * kRows : nullptr, K, yp + m * N + blk * kRows);
+  });
+  for (int64_t n = blocks * kRows; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot1(xp + m * K, wp + n * K, bp ? bp + n : nullptr, K);
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(looplm_cpu, m) { m.def("gemv_bf16(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor"); }
+TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) { m.impl("gemv_bf16", &gemv_bf16); }

@@ -1,0 +1,162 @@
+"""A bf16 matrix-vector kernel for CPU decoding, and the decode-time linear layers that use it.
+
+At batch 1 a decode step multiplies one activation row by every weight matrix, so its cost is the
+weight bytes read from memory (the bandwidth limit of ``benchmarks/bench_decode.py``). torch's bf16
+matmul on CPU (oneDNN) is built for matrix-matrix products and reads bf16 weights at 4–15 GB/s at the
+SmolLM2-135M shapes on a 2-core Xeon that streams 23 GB/s (fp32 matmuls reach 20–25 GB/s there), which
+made bf16 decoding *slower* than fp32. ``csrc/gemv_bf16.cpp`` streams each weight matrix once with
+AVX512-BF16 dot products (12–21 GB/s, 1.4–3× torch at batch 1; measured in tests' neighbour
+``benchmarks/bench_decode.py``).
+
+The reference is ``F.linear``: :func:`linear` uses the kernel only where it is the faster path — CPU,
+bf16 activations and weights, at most :data:`MAX_ROWS` rows, no autograd — and ``F.linear`` everywhere
+else; ``tests/test_gemv.py`` checks the two against an fp32 product of the same bf16 numbers.
+
+The kernel is compiled on first use (``torch.utils.cpp_extension``: a C++ compiler and ``ninja``, about
+6 s once; cached under ``~/.cache/torch_extensions``). Where the CPU lacks AVX512-BF16, the compiler is
+missing or ``LOOPLM_CPU_KERNELS=0`` is set, :func:`available` is ``False`` (:func:`unavailable_reason`
+says why) and everything runs on ``F.linear``.
+
+Used by :func:`looplm.generate.generate` through :func:`decode_linears`, which switches a model's
+``nn.Linear`` layers to :class:`DecodeLinear` for the duration of the call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MAX_ROWS = 4  # above this torch's matmul wins (measured: the kernel is 1.1-1.8x at 4 rows, 0.8-1.6x at 8)
+
+_lock = threading.Lock()
+_state: dict = {}  # "ok": bool once decided; "reason": why not
+_enabled = True
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build() -> tuple[bool, str]:
+    if os.environ.get("LOOPLM_CPU_KERNELS", "1") == "0":
+        return False, "disabled by LOOPLM_CPU_KERNELS=0"
+    need = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+    missing = need - _cpu_flags()
+    if missing:
+        return False, f"this CPU lacks {', '.join(sorted(missing))}"
+    try:
+        from torch.utils.cpp_extension import load
+
+        src = Path(__file__).with_name("csrc") / "gemv_bf16.cpp"
+        load(
+            name="looplm_gemv_bf16",
+            sources=[str(src)],
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as e:  # no compiler, no ninja, a read-only cache directory, ...
+        return False, f"could not build the kernel ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''})"
+
+    @torch.library.register_fake("looplm_cpu::gemv_bf16")
+    def _(x, weight, bias=None):  # shapes for torch.compile (compiled blocks trace through it)
+        return x.new_empty(x.shape[0], weight.shape[0])
+
+    return True, ""
+
+
+def available() -> bool:
+    """Whether the kernel runs here (built on the first call; thread-safe)."""
+    if "ok" not in _state:
+        with _lock:
+            if "ok" not in _state:
+                _state["ok"], _state["reason"] = _build()
+    return _state["ok"] and _enabled
+
+
+def unavailable_reason() -> str:
+    """Why :func:`available` is ``False`` (empty when it is ``True``)."""
+    available()
+    if not _state["ok"]:
+        return _state["reason"]
+    return "" if _enabled else "switched off with looplm.layers.gemv.enabled(False)"
+
+
+@contextlib.contextmanager
+def enabled(on: bool):
+    """Switch the kernel on or off inside a ``with`` block (benchmarks compare both in one process)."""
+    global _enabled
+    prev, _enabled = _enabled, on
+    try:
+        yield
+    finally:
+        _enabled = prev
+
+
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The kernel itself: ``x [M, K]``, ``weight [N, K]``, ``bias [N]`` (contiguous bf16, CPU) -> ``[M, N]``."""
+    if not available():
+        raise RuntimeError(f"the bf16 GEMV kernel is not available: {unavailable_reason()}")
+    return torch.ops.looplm_cpu.gemv_bf16(x, weight, bias)
+
+
+def uses_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`linear` takes the kernel for these arguments (else ``F.linear``)."""
+    return (
+        x.dtype == torch.bfloat16
+        and weight.dtype == torch.bfloat16
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.numel() // max(x.shape[-1], 1) <= MAX_ROWS
+        and x.numel() > 0
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        and available()
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``x [..., K]`` -> ``[..., N]``), on the kernel where it is faster."""
+    if not uses_kernel(x, weight, bias):
+        return F.linear(x, weight, bias)
+    lead = x.shape[:-1]
+    y = torch.ops.looplm_cpu.gemv_bf16(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)  # [M, N]
+    return y.view(*lead, weight.shape[0])
+
+
+class DecodeLinear(nn.Linear):
+    """``nn.Linear`` whose forward is :func:`linear` (same parameters, same state dict)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+@contextlib.contextmanager
+def decode_linears(model: nn.Module):
+    """Inside the block, every plain ``nn.Linear`` of ``model`` with bf16 CPU weights runs as
+    :class:`DecodeLinear`; the classes are restored on exit. A no-op where the kernel is unavailable."""
+    swapped = []
+    if available():
+        for m in model.modules():
+            if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu":
+                m.__class__ = DecodeLinear
+                swapped.append(m)
+    try:
+        yield len(swapped)
+    finally:
+        for m in swapped:
+            m.__class__ = nn.Linear
