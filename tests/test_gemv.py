@@ -202,3 +202,14 @@ def test_compiled_blocks_decode_with_the_kernel_like_eager_without_recompiling()
     for T, new in [(7, 6), (3, 9), (12, 2)]:
         both(T, new)
     assert dynamo_utils.counters["stats"]["unique_graphs"] == warm
+
+
+def test_fp32_models_never_build_the_kernel(monkeypatch):
+    def boom():
+        raise AssertionError("available() called for a model without bf16 CPU linears")
+
+    monkeypatch.setattr(gemv, "available", boom)
+    model = _tiny(torch.float32)
+    with gemv.decode_linears(model) as n:
+        assert n == 0
+    model.generate(torch.randint(0, 260, (1, 4)), max_new_tokens=2)

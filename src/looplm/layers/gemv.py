@@ -5,8 +5,8 @@ weight bytes read from memory (the bandwidth limit of ``benchmarks/bench_decode.
 matmul on CPU (oneDNN) is built for matrix-matrix products and reads bf16 weights at 4–15 GB/s at the
 SmolLM2-135M shapes on a 2-core Xeon that streams 23 GB/s (fp32 matmuls reach 20–25 GB/s there), which
 made bf16 decoding *slower* than fp32. ``csrc/gemv_bf16.cpp`` streams each weight matrix once with
-AVX512-BF16 dot products (12–21 GB/s, 1.4–3× torch at batch 1; measured in tests' neighbour
-``benchmarks/bench_decode.py``).
+AVX512-BF16 dot products (12–21 GB/s, 1.4–3× torch at batch 1 on that machine; the decode step as a
+whole is measured by ``benchmarks/bench_decode.py``).
 
 The reference is ``F.linear``: :func:`linear` uses the kernel only where it is the faster path — CPU,
 bf16 activations and weights, at most :data:`MAX_ROWS` rows, no autograd — and ``F.linear`` everywhere
@@ -149,12 +149,14 @@ class DecodeLinear(nn.Linear):
 def decode_linears(model: nn.Module):
     """Inside the block, every plain ``nn.Linear`` of ``model`` with bf16 CPU weights runs as
     :class:`DecodeLinear`; the classes are restored on exit. A no-op where the kernel is unavailable."""
-    swapped = []
-    if available():
-        for m in model.modules():
-            if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu":
-                m.__class__ = DecodeLinear
-                swapped.append(m)
+    swapped = [
+        m for m in model.modules()
+        if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"
+    ]  # fmt: skip
+    if not swapped or not available():  # fp32 or CUDA models never build the kernel
+        swapped = []
+    for m in swapped:
+        m.__class__ = DecodeLinear
     try:
         yield len(swapped)
     finally:
