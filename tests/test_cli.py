@@ -72,6 +72,20 @@ def test_generate_from_random_preset(capsys):
     assert printed == ByteTokenizer().decode(ids[0, 5:].tolist()) + "\n"
 
 
+def test_generate_dtype_bf16_decodes_bf16_weights(capsys, monkeypatch):
+    from looplm.model import LoopedLM
+
+    seen, real = [], LoopedLM.generate
+    monkeypatch.setattr(LoopedLM, "generate", lambda self, *a, **k: seen.append(self.embed.weight.dtype) or real(self, *a, **k))
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "Hello", "--max-new-tokens", "5", "--dtype", "bf16"]) == 0
+    printed = capsys.readouterr().out
+    assert seen == [torch.bfloat16]
+    torch.manual_seed(0)
+    model = looplm.build("tiny-llama").to(torch.bfloat16)
+    ids = model.generate(torch.tensor([list(b"Hello")]), max_new_tokens=5, do_sample=False, eos_token_id=256)
+    assert printed == ByteTokenizer().decode(ids[0, 5:].tolist()) + "\n"
+
+
 def test_generate_compile_flag_compiles_the_blocks_and_decodes_the_same(capsys, monkeypatch):
     import looplm.parallel as parallel
 
