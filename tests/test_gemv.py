@@ -80,6 +80,9 @@ def test_dispatch_takes_the_kernel_only_where_it_wins():
     assert gemv.uses_kernel(row, w)
     assert gemv.uses_kernel(torch.randn(2, 2, 64, dtype=torch.bfloat16), w)  # 4 rows
     assert not gemv.uses_kernel(torch.randn(5, 64, dtype=torch.bfloat16), w)  # more rows than MAX_ROWS
+    w_long = torch.randn(32, 2048, dtype=torch.bfloat16)
+    assert gemv.uses_kernel(torch.randn(1, 2048, dtype=torch.bfloat16), w_long)  # one row: always
+    assert not gemv.uses_kernel(torch.randn(4, 2048, dtype=torch.bfloat16), w_long)  # long rows: torch wins
     assert not gemv.uses_kernel(row.float(), w.float())  # fp32: torch's GEMV is at the bandwidth already
     assert not gemv.uses_kernel(row, w.t().contiguous().t())  # strided weight
     wg = w.clone().requires_grad_()
