@@ -5,8 +5,8 @@ weight bytes read from memory (the bandwidth limit of ``benchmarks/bench_decode.
 matmul on CPU (oneDNN) is built for matrix-matrix products and reads bf16 weights at 4–15 GB/s at the
 SmolLM2-135M shapes on a 2-core Xeon that streams 23 GB/s (fp32 matmuls reach 20–25 GB/s there), which
 made bf16 decoding *slower* than fp32. ``csrc/gemv_bf16.cpp`` streams each weight matrix once with
-AVX512-BF16 dot products (12–21 GB/s, 1.4–3× torch at batch 1 on that machine; the decode step as a
-whole is measured by ``benchmarks/bench_decode.py``).
+AVX512-BF16 dot products and software prefetching (13–27 GB/s, 2–4× torch at batch 1 on that machine;
+the decode step as a whole is measured by ``benchmarks/bench_decode.py``).
 
 The reference is ``F.linear``: :func:`linear` uses the kernel only where it is the faster path — CPU,
 bf16 activations and weights, one row (or up to :data:`MAX_ROWS` short rows: :func:`kernel_wins`), no
@@ -32,13 +32,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_ROWS = 4  # above this torch's matmul wins (measured: the kernel is 1.1-1.8x at 4 rows, 0.8-1.6x at 8)
+MAX_ROWS = 4  # above this torch's matmul wins at every width measured
 
 
 def kernel_wins(rows: int, k: int) -> bool:
     """Where the kernel beats torch's bf16 matmul (2-core Xeon with AMX, weights streamed from memory):
-    one row at every shape measured (K 64-8192, N 64-151,936: 1.3-3.5x); 2-4 rows only while the rows of
-    x are short (4 rows: 1.1-1.8x at K 576, 1.2x at K 896, 0.94x at K 1024, 0.82-0.96x at K 2048-8192)."""
+    one row at every shape measured (K 64-8192, N 64-151,936: 1.4-4x); 2-4 rows only while the rows of x
+    are short (4 rows: 3x at K 256, 1.15x at K 896, 1.0x at K 1024, 0.67-0.78x at K 2048-8192)."""
     return rows == 1 or (rows <= MAX_ROWS and rows * k < 4096)
 
 _lock = threading.Lock()

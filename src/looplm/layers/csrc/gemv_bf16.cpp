@@ -3,8 +3,9 @@
 // Why this exists: at batch 1 a decode step is one matrix-vector product per linear layer, and its
 // cost is the bytes of W read from memory. torch's bf16 matmul (oneDNN) reaches 4-15 GB/s there on a
 // 2-core Xeon whose memory streams 23 GB/s, because it is built for matrix-matrix products; this
-// kernel streams W once and reaches 12-21 GB/s at the same shapes (benchmarks/bench_decode.py,
-// tests/test_gemv.py checks it against the fp32 reference). The reference path is F.linear, used for
+// kernel streams W once, prefetching the next block of rows, and reaches 13-27 GB/s at the same shapes
+// (2-4x at one row; benchmarks/bench_decode.py times the decode step, tests/test_gemv.py checks the
+// kernel against the fp32 reference). The reference path is F.linear, used for
 // every other case (see looplm/layers/gemv.py, which builds this file on first use).
 //
 // Shapes: x [M, K] bf16, W [N, K] bf16 (nn.Linear's layout), b [N] bf16 or absent -> y [M, N] bf16.
@@ -50,7 +51,10 @@ inline void block16(const uint16_t* x, const uint16_t* w, const uint16_t* b, int
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
     __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
-    for (int r = 0; r < kRows; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], xv, (__m512bh)_mm512_loadu_si512(w + r * K + k));
+    for (int r = 0; r < kRows; ++r) {
+      _mm_prefetch((const char*)(w + (kRows + r) * K + k), _MM_HINT_T0);  // the same line of the next block: more loads in flight
+      acc[r] = _mm512_dpbf16_ps(acc[r], xv, (__m512bh)_mm512_loadu_si512(w + r * K + k));
+    }
   }
   if (k < K) {  // the last K % 32 entries, zero-padded by masked loads
     __mmask32 m = (__mmask32)((1ull << (K - k)) - 1);
