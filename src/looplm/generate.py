@@ -106,7 +106,7 @@ def generate(
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
     n = T
     # bf16 weights on a CPU with AVX512-BF16: the one-row products of each step run on looplm's GEMV
-    # kernel (1.4-3x torch's bf16 matmul at batch 1; layers/gemv.py), everything else on F.linear
+    # kernel (2-4x torch's bf16 matmul at batch 1; layers/gemv.py), everything else on F.linear
     try:
         with decode_linears(model):
             for i in range(max_new_tokens):
