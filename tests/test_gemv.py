@@ -30,15 +30,17 @@ def _ulps_apart(a: torch.Tensor, b: torch.Tensor) -> int:
 
 
 @needs_kernel
-@pytest.mark.parametrize("M", [1, 2, 3, 4])
+@pytest.mark.parametrize("M,use_amx", [(1, True), (2, True), (3, True), (8, True), (16, True), (2, False), (4, False)])
 @pytest.mark.parametrize("N,K", [(16, 32), (7, 5), (193, 577), (576, 576), (1000, 96)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_matches_fp32_reference(M, N, K, bias):
+def test_kernel_matches_fp32_reference(M, use_amx, N, K, bias):
+    """Every path: one row (AVX512-BF16), 2-16 rows (AMX where the CPU has it), the per-row path for
+    several rows (CPUs without AMX); N and K with and without a tail past the blocks of 16 and 32."""
     g = torch.Generator().manual_seed(M * 1000 + N + K)
     x = torch.randn(M, K, generator=g).to(torch.bfloat16)
     w = torch.randn(N, K, generator=g).to(torch.bfloat16)
     b = torch.randn(N, generator=g).to(torch.bfloat16) if bias else None
-    y = gemv.gemv_bf16(x, w, b)
+    y = gemv.gemv_bf16(x, w, b, use_amx=use_amx)
     assert y.shape == (M, N) and y.dtype == torch.bfloat16
     exact = x.double() @ w.double().t() + (b.double() if bias else 0)
     # only the order of the fp32 additions differs from the reference: the error is fp32 accumulation
@@ -79,10 +81,12 @@ def test_dispatch_takes_the_kernel_only_where_it_wins():
     row = torch.randn(1, 1, 64, dtype=torch.bfloat16)
     assert gemv.uses_kernel(row, w)
     assert gemv.uses_kernel(torch.randn(2, 2, 64, dtype=torch.bfloat16), w)  # 4 rows
-    assert not gemv.uses_kernel(torch.randn(5, 64, dtype=torch.bfloat16), w)  # more rows than MAX_ROWS
+    assert not gemv.uses_kernel(torch.randn(17, 64, dtype=torch.bfloat16), w)  # more rows than MAX_ROWS
+    assert gemv.uses_kernel(torch.randn(16, 64, dtype=torch.bfloat16), w) == gemv.amx()
     w_long = torch.randn(32, 2048, dtype=torch.bfloat16)
     assert gemv.uses_kernel(torch.randn(1, 2048, dtype=torch.bfloat16), w_long)  # one row: always
-    assert not gemv.uses_kernel(torch.randn(4, 2048, dtype=torch.bfloat16), w_long)  # long rows: torch wins
+    # several long rows: AMX where the CPU has it, else torch's matmul (the per-row path loses there)
+    assert gemv.uses_kernel(torch.randn(4, 2048, dtype=torch.bfloat16), w_long) == gemv.amx()
     assert not gemv.uses_kernel(row.float(), w.float())  # fp32: torch's GEMV is at the bandwidth already
     assert not gemv.uses_kernel(row, w.t().contiguous().t())  # strided weight
     wg = w.clone().requires_grad_()
@@ -92,8 +96,8 @@ def test_dispatch_takes_the_kernel_only_where_it_wins():
     with gemv.enabled(False):
         assert not gemv.uses_kernel(row, w)
     # where it does not take the kernel, linear() is F.linear exactly
-    x5 = torch.randn(5, 64, dtype=torch.bfloat16)
-    assert torch.equal(gemv.linear(x5, w), F.linear(x5, w))
+    x17 = torch.randn(17, 64, dtype=torch.bfloat16)
+    assert torch.equal(gemv.linear(x17, w), F.linear(x17, w))
     out = gemv.linear(row, w)
     assert out.shape == (1, 1, 32)
     assert torch.equal(out, gemv.gemv_bf16(row.view(1, 64), w).view(1, 1, 32))
@@ -132,13 +136,13 @@ def _tiny(dtype):
 @needs_kernel
 def test_generate_uses_the_kernel_and_restores_the_layers():
     model = _tiny(torch.bfloat16)
-    x = torch.randint(0, model.config.vocab_size, (1, 6))
+    x = torch.randint(0, model.config.vocab_size, (1, gemv.MAX_ROWS + 4))
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
     with _CountOps() as c:
         out = model.generate(x, max_new_tokens=4)
-    assert out.shape == (1, 10)
+    assert out.shape == (1, gemv.MAX_ROWS + 8)
     # 3 one-token steps: 7 projections per block per loop iteration and the head; the prompt step's
-    # projections have 6 rows (F.linear), its head reads the last position only (the kernel)
+    # projections have more rows than the kernels take (F.linear), its head reads the last position only
     per_step = model.config.n_loops * len(model.core.stack.blocks) * 7 + 1
     assert c.gemv == 3 * per_step + 1
     assert sum(type(m) is nn.Linear for m in model.modules()) == n_linear  # classes restored
@@ -193,7 +197,7 @@ def test_compiled_blocks_decode_with_the_kernel_like_eager_without_recompiling()
     V = model.config.vocab_size
 
     def both(T, new):
-        x = torch.randint(0, V, (1, T))
+        x = torch.randint(0, V, (2, T))  # two rows: the AMX path where the CPU has it
         with _CountOps() as c:
             got = model.generate(x, max_new_tokens=new)
         assert c.gemv > 0

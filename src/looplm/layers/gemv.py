@@ -1,16 +1,18 @@
-"""A bf16 matrix-vector kernel for CPU decoding, and the decode-time linear layers that use it.
+"""bf16 matrix-vector kernels for CPU decoding, and the decode-time linear layers that use them.
 
-At batch 1 a decode step multiplies one activation row by every weight matrix, so its cost is the
-weight bytes read from memory (the bandwidth limit of ``benchmarks/bench_decode.py``). torch's bf16
-matmul on CPU (oneDNN) is built for matrix-matrix products and reads bf16 weights at 4–15 GB/s at the
-SmolLM2-135M shapes on a 2-core Xeon that streams 23 GB/s (fp32 matmuls reach 20–25 GB/s there), which
-made bf16 decoding *slower* than fp32. ``csrc/gemv_bf16.cpp`` streams each weight matrix once with
-AVX512-BF16 dot products and software prefetching (13–27 GB/s, 2–4× torch at batch 1 on that machine;
-the decode step as a whole is measured by ``benchmarks/bench_decode.py``).
+A decode step multiplies a handful of activation rows (the batch) by every weight matrix, so its cost
+is the weight bytes read from memory (the bandwidth limit of ``benchmarks/bench_decode.py``). torch's
+bf16 matmul on CPU (oneDNN) is built for matrix-matrix products and reads bf16 weights at 4–15 GB/s at
+the SmolLM2-135M shapes on a 2-core Xeon that streams ~23 GB/s (fp32 matmuls reach 20–25 GB/s there),
+which made bf16 decoding *slower* than fp32. ``csrc/gemv_bf16.cpp`` reads each weight matrix in place,
+once, with software prefetching: one row of x with AVX512-BF16 dot products (13–27 GB/s, 2–4× torch on
+that machine), 2–16 rows with AMX tiles where the CPU has them (1.1–2.6×). The decode step as a whole
+is measured by ``benchmarks/bench_decode.py``.
 
-The reference is ``F.linear``: :func:`linear` uses the kernel only where it is the faster path — CPU,
-bf16 activations and weights, one row (or up to :data:`MAX_ROWS` short rows: :func:`kernel_wins`), no
-autograd — and ``F.linear`` everywhere else; ``tests/test_gemv.py`` checks the two against an fp32 product of the same bf16 numbers.
+The reference is ``F.linear``: :func:`linear` uses the kernels only where they are the faster path —
+CPU, bf16 activations and weights, the row counts of :func:`kernel_wins`, no autograd — and
+``F.linear`` everywhere else; ``tests/test_gemv.py`` checks both paths against an fp64 product of the
+same bf16 numbers.
 
 The kernel is compiled on first use (``torch.utils.cpp_extension``: a C++ compiler and ``ninja``, about
 6 s once; cached under ``~/.cache/torch_extensions``). Where the CPU lacks AVX512-BF16, the compiler is
@@ -32,14 +34,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-MAX_ROWS = 4  # above this torch's matmul wins at every width measured
+MAX_ROWS = 16  # the AMX path's limit (one B tile holds 16 rows of x); above it torch's matmul is the path
 
 
 def kernel_wins(rows: int, k: int) -> bool:
-    """Where the kernel beats torch's bf16 matmul (2-core Xeon with AMX, weights streamed from memory):
-    one row at every shape measured (K 64-8192, N 64-151,936: 1.4-4x); 2-4 rows only while the rows of x
-    are short (4 rows: 3x at K 256, 1.15x at K 896, 1.0x at K 1024, 0.67-0.78x at K 2048-8192)."""
-    return rows == 1 or (rows <= MAX_ROWS and rows * k < 4096)
+    """Where the kernels beat torch's bf16 matmul (2-core Xeon with AMX, weights streamed from memory).
+
+    One row: the AVX512-BF16 path at every shape measured (K 64-8192, N 64-151,936: 1.4-4x). 2-16 rows:
+    the AMX path where the CPU has it (1.1-2.6x at K 576-8192, N 192-49,152); without AMX the one-row
+    path per row, only for 2-4 short rows (4 rows: 3x at K 256, 1.15x at K 896, 0.67-0.78x at K 2048+).
+    """
+    if rows == 1:
+        return True
+    if rows > MAX_ROWS:
+        return False
+    return amx() or (rows <= 4 and rows * k < 4096)
+
+
+def amx() -> bool:
+    """Whether the 2-16-row path runs on AMX tiles here (CPU flags and the kernel's permission to use them)."""
+    if "amx" not in _state:
+        _state["amx"] = available() and bool(torch.ops.looplm_cpu.amx_ready())
+    return _state["amx"]
+
 
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool once decided; "reason": why not
@@ -71,7 +88,7 @@ def _build() -> tuple[bool, str]:
         load(
             name="looplm_gemv_bf16",
             sources=[str(src)],
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-fopenmp"],
+            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
@@ -79,7 +96,7 @@ def _build() -> tuple[bool, str]:
         return False, f"could not build the kernel ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''})"
 
     @torch.library.register_fake("looplm_cpu::gemv_bf16")
-    def _(x, weight, bias=None):  # shapes for torch.compile (compiled blocks trace through it)
+    def _(x, weight, bias=None, use_amx=True):  # shapes for torch.compile (compiled blocks trace through it)
         return x.new_empty(x.shape[0], weight.shape[0])
 
     return True, ""
@@ -113,11 +130,12 @@ def enabled(on: bool):
         _enabled = prev
 
 
-def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The kernel itself: ``x [M, K]``, ``weight [N, K]``, ``bias [N]`` (contiguous bf16, CPU) -> ``[M, N]``."""
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, use_amx: bool = True) -> torch.Tensor:
+    """The kernels themselves: ``x [M, K]``, ``weight [N, K]``, ``bias [N]`` (contiguous bf16, CPU) ->
+    ``[M, N]``; 2-16 rows on AMX where the CPU has it, unless ``use_amx=False`` (the per-row path)."""
     if not available():
         raise RuntimeError(f"the bf16 GEMV kernel is not available: {unavailable_reason()}")
-    return torch.ops.looplm_cpu.gemv_bf16(x, weight, bias)
+    return torch.ops.looplm_cpu.gemv_bf16(x, weight, bias, use_amx)
 
 
 def uses_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -128,11 +146,11 @@ def uses_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         and x.device.type == "cpu"
         and weight.device.type == "cpu"
         and x.numel() > 0
+        and available()
         and kernel_wins(x.numel() // x.shape[-1], x.shape[-1])
         and weight.is_contiguous()
         and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        and available()
     )
 
 

@@ -1,17 +1,18 @@
-// y = x · Wᵀ (+ b) for a few activation rows and bf16 weights, on CPUs with AVX512-BF16.
+// y = x · Wᵀ (+ b) for 1-16 activation rows and bf16 weights, on CPUs with AVX512-BF16 (and AMX).
 //
-// Why this exists: at batch 1 a decode step is one matrix-vector product per linear layer, and its
-// cost is the bytes of W read from memory. torch's bf16 matmul (oneDNN) reaches 4-15 GB/s there on a
-// 2-core Xeon whose memory streams 23 GB/s, because it is built for matrix-matrix products; this
-// kernel streams W once, prefetching the next block of rows, and reaches 13-27 GB/s at the same shapes
-// (2-4x at one row; benchmarks/bench_decode.py times the decode step, tests/test_gemv.py checks the
-// kernel against the fp32 reference). The reference path is F.linear, used for
-// every other case (see looplm/layers/gemv.py, which builds this file on first use).
+// Why this exists: a decode step multiplies a handful of activation rows (the batch) by every weight
+// matrix, so its cost is the bytes of W read from memory. torch's bf16 matmul on CPU (oneDNN) is built
+// for matrix-matrix products and reads W at 4-15 GB/s at the SmolLM2-135M shapes on a 2-core Xeon whose
+// memory streams ~23 GB/s (it also repacks W at every call). These kernels read W in place, once,
+// prefetching the next block of rows: one row of x with AVX512-BF16 dot products (13-27 GB/s, 2-4x
+// torch), 2-16 rows with AMX tiles (W rows as the A tile, x transposed into the B tile; 1.1-2.6x torch).
+// benchmarks/bench_decode.py times the decode step; tests/test_gemv.py checks every path against an
+// fp64 reference. The reference path is F.linear, used for every other case (looplm/layers/gemv.py).
 //
 // Shapes: x [M, K] bf16, W [N, K] bf16 (nn.Linear's layout), b [N] bf16 or absent -> y [M, N] bf16.
-// Each output is an fp32 sum of bf16 x bf16 products (vdpbf16ps: pairs of products added exactly in
-// fp32), plus the bias in fp32, rounded once to bf16 (round to nearest even), like oneDNN; only the
-// order of the fp32 additions differs.
+// Each output is an fp32 sum of bf16 x bf16 products (vdpbf16ps / tdpbf16ps: pairs of products added
+// exactly in fp32), plus the bias in fp32, rounded once to bf16 (round to nearest even), like oneDNN;
+// only the order of the fp32 additions differs.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -19,7 +20,13 @@
 #include <immintrin.h>
 #include <torch/library.h>
 
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace {
 
@@ -82,7 +89,71 @@ inline uint16_t dot1(const uint16_t* x, const uint16_t* w, const uint16_t* b, in
   return c10::BFloat16(s).x;
 }
 
-at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+
+// ---- 2-16 rows of x: AMX ------------------------------------------------------------------------
+// One block of 16 weight rows at a time: for each chunk of 32 entries of K, tdpbf16ps multiplies the
+// A tile (the 16 rows of W, loaded in place with the row stride) by the B tile (x transposed, in
+// pairs: B[i][2m + j] = x[m][32c + 2i + j], built once per call) into C [16 rows of W x M] (fp32).
+
+struct TileConfig {  // the 64-byte operand of ldtilecfg (palette 1)
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+bool amx_ready() {  // the CPU has AMX-BF16 / AMX-TILE and Linux lets this process use the tile state
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return ok;
+}
+
+void rows_amx(const uint16_t* xp, const uint16_t* wp, const uint16_t* bp, int64_t M, int64_t K, int64_t N, uint16_t* yp) {
+  const int64_t chunks = (K + 31) / 32, full = K / 32;
+  std::vector<uint16_t> xt(chunks * 16 * M * 2, 0);  // x transposed into B tiles, zero-padded past K
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xt[((k / 32) * 16 + (k % 32) / 2) * M * 2 + 2 * m + k % 2] = xp[m * K + k];
+  const int64_t blocks = N / kRows;
+  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
+    TileConfig cfg;  // tile state is per thread
+    cfg.rows[0] = 16, cfg.colsb[0] = M * 4;  // C: 16 weight rows x M outputs, fp32
+    cfg.rows[1] = 16, cfg.colsb[1] = 64;     // A: 16 weight rows x 32 bf16 of K
+    cfg.rows[2] = 16, cfg.colsb[2] = M * 4;  // B: 16 pairs of K x M rows of x
+    _tile_loadconfig(&cfg);
+    alignas(64) float c[16 * 16];
+    alignas(64) uint16_t tail[16 * 32];
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const uint16_t* w = wp + blk * kRows * K;
+      _tile_zero(0);
+      for (int64_t ch = 0; ch < full; ++ch) {
+        for (int r = 0; r < kRows; ++r) _mm_prefetch((const char*)(w + (kRows + r) * K + 32 * ch), _MM_HINT_T0);
+        _tile_loadd(1, w + 32 * ch, K * 2);
+        _tile_loadd(2, xt.data() + ch * 16 * M * 2, M * 4);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      if (full < chunks) {  // the last K % 32 entries: a zero-padded copy (a full-width load would read past W)
+        std::memset(tail, 0, sizeof(tail));
+        for (int r = 0; r < kRows; ++r) std::memcpy(tail + r * 32, w + r * K + full * 32, (K - full * 32) * 2);
+        _tile_loadd(1, tail, 64);
+        _tile_loadd(2, xt.data() + full * 16 * M * 2, M * 4);
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, c, M * 4);  // c[r * M + m] = y[m, 16 blk + r]
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t n = blk * kRows + r;
+        const float bias = bp ? static_cast<float>(c10::BFloat16(bp[n], c10::BFloat16::from_bits())) : 0.f;
+        for (int64_t m = 0; m < M; ++m) yp[m * N + n] = c10::BFloat16(c[r * M + m] + bias).x;
+      }
+    }
+    _tile_release();
+  });
+  for (int64_t n = blocks * kRows; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot1(xp + m * K, wp + n * K, bp ? bp + n : nullptr, K);
+}
+
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool use_amx) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
               "gemv_bf16: x must be [M, K] and weight [N, K], got ", x.sizes(), " and ", w.sizes());
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
@@ -100,8 +171,12 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::option
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(w.data_ptr());
   auto* yp = reinterpret_cast<uint16_t*>(y.data_ptr());
+  if (use_amx && M >= 2 && M <= 16 && amx_ready()) {
+    rows_amx(xp, wp, bp, M, K, N, yp);
+    return y;
+  }
   const int64_t blocks = N / kRows;
-  // threads split the weight rows (each block of W is read from memory once; the M rows of x reuse it
+  // one row of x, or a few without AMX: threads split the weight rows (each block of W is read from memory once; the M rows of x reuse it
   // from L1); 4 blocks = 64 rows at least per thread, so tiny layers do not pay for waking threads
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk)
@@ -115,5 +190,8 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::option
 
 }  // namespace
 
-TORCH_LIBRARY(looplm_cpu, m) { m.def("gemv_bf16(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor"); }
+TORCH_LIBRARY(looplm_cpu, m) {
+  m.def("gemv_bf16(Tensor x, Tensor weight, Tensor? bias=None, bool use_amx=True) -> Tensor");
+  m.def("amx_ready() -> bool", &amx_ready);
+}
 TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) { m.impl("gemv_bf16", &gemv_bf16); }
