@@ -123,7 +123,7 @@ class _CountOps(TorchDispatchMode):
         self.gemv = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if "gemv_bf16" in str(func):
+        if "looplm_cpu.gemv" in str(func):
             self.gemv += 1
         return func(*args, **(kwargs or {}))
 
@@ -211,12 +211,52 @@ def test_compiled_blocks_decode_with_the_kernel_like_eager_without_recompiling()
     assert dynamo_utils.counters["stats"]["unique_graphs"] == warm
 
 
-def test_fp32_models_never_build_the_kernel(monkeypatch):
+def test_models_without_cpu_bf16_or_fp32_linears_never_build_the_kernels(monkeypatch):
     def boom():
-        raise AssertionError("available() called for a model without bf16 CPU linears")
+        raise AssertionError("available() called for a model without bf16 / fp32 CPU linears")
 
     monkeypatch.setattr(gemv, "available", boom)
-    model = _tiny(torch.float32)
+    model = _tiny(torch.float64)
     with gemv.decode_linears(model) as n:
         assert n == 0
     model.generate(torch.randint(0, 260, (1, 4)), max_new_tokens=2)
+
+
+@needs_kernel
+@pytest.mark.parametrize("M", [3, 4, 5, 6, 7, 8])
+@pytest.mark.parametrize("N,K", [(7, 5), (193, 577), (50, 768), (1000, 96)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp32_kernel_matches_fp64_reference(M, N, K, bias):
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    x, w = torch.randn(M, K, generator=g), torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g) if bias else None
+    y = gemv.gemv_fp32(x, w, b)
+    exact = x.double() @ w.double().t() + (b.double() if bias else 0)
+    scale = x.double().abs() @ w.double().abs().t() + (b.double().abs() if bias else 0)
+    # fp32 accumulation: each of the K additions rounds by at most 2^-24 of the running sum
+    assert float(((y.double() - exact).abs() / scale).max()) < K * 2**-24
+    ref_err = float(((F.linear(x, w, b).double() - exact).abs() / scale).max())
+    assert float(((y.double() - exact).abs() / scale).max()) < 8 * ref_err + 2**-22  # MKL's order of magnitude
+
+
+@needs_kernel
+def test_fp32_dispatch_and_decode():
+    w = torch.randn(32, 64)
+    assert not gemv.uses_kernel(torch.randn(1, 64), w)  # one row: MKL's GEMV is at the bandwidth
+    assert not gemv.uses_kernel(torch.randn(2, 64), w)
+    assert gemv.uses_kernel(torch.randn(4, 1, 64), w)
+    assert not gemv.uses_kernel(torch.randn(9, 64), w)
+    assert not gemv.uses_kernel(torch.randn(8, 1536), torch.randn(32, 1536))  # x no longer fits in L1
+    assert gemv.uses_kernel(torch.randn(4, 1536), torch.randn(32, 1536))
+    # a batch-4 decode step on the kernel gives the reference path's logits (fp32: summation order only)
+    model = _tiny(torch.float32)
+    x = torch.randint(0, model.config.vocab_size, (4, 7))
+    with torch.no_grad():
+        outs = []
+        for on in (True, False):
+            with gemv.enabled(on), gemv.decode_linears(model), _CountOps() as c:
+                cache = model.new_cache(4, capacity=8)
+                model(x[:, :-1], cache=cache)
+                outs.append(model(x[:, -1:], cache=cache).logits)
+            assert (c.gemv > 0) == on
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)

@@ -1,21 +1,23 @@
-"""bf16 matrix-vector kernels for CPU decoding, and the decode-time linear layers that use them.
+"""Matrix-vector kernels for CPU decoding, and the decode-time linear layers that use them.
 
 A decode step multiplies a handful of activation rows (the batch) by every weight matrix, so its cost
 is the weight bytes read from memory (the bandwidth limit of ``benchmarks/bench_decode.py``). torch's
 bf16 matmul on CPU (oneDNN) is built for matrix-matrix products and reads bf16 weights at 4–15 GB/s at
-the SmolLM2-135M shapes on a 2-core Xeon that streams ~23 GB/s (fp32 matmuls reach 20–25 GB/s there),
-which made bf16 decoding *slower* than fp32. ``csrc/gemv_bf16.cpp`` reads each weight matrix in place,
-once, with software prefetching: one row of x with AVX512-BF16 dot products (13–27 GB/s, 2–4× torch on
-that machine), 2–16 rows with AMX tiles where the CPU has them (1.1–2.6×). The decode step as a whole
-is measured by ``benchmarks/bench_decode.py``.
+the SmolLM2-135M shapes on a 2-core Xeon that streams ~23 GB/s, which made bf16 decoding *slower* than
+fp32; its fp32 GEMM (MKL) is at the bandwidth for one row but reads at 8–14 GB/s for 4–8 rows.
+``csrc/gemv_bf16.cpp`` reads each weight matrix in place, once, with software prefetching: bf16 with
+one row of x on AVX512-BF16 dot products (13–27 GB/s, 2–4× torch on that machine), bf16 with 2–16 rows
+on AMX tiles where the CPU has them (1.1–2.6×), fp32 with 3–8 rows on AVX-512 FMA tiles (1.4–2.7×).
+The decode step as a whole is measured by ``benchmarks/bench_decode.py``.
 
 The reference is ``F.linear``: :func:`linear` uses the kernels only where they are the faster path —
-CPU, bf16 activations and weights, the row counts of :func:`kernel_wins`, no autograd — and
-``F.linear`` everywhere else; ``tests/test_gemv.py`` checks both paths against an fp64 product of the
-same bf16 numbers.
+CPU, bf16 or fp32 activations and weights, the row counts of :func:`kernel_wins`, no autograd — and
+``F.linear`` everywhere else; ``tests/test_gemv.py`` checks every path against an fp64 product of the
+same numbers.
 
-The kernel is compiled on first use (``torch.utils.cpp_extension``: a C++ compiler and ``ninja``, about
-6 s once; cached under ``~/.cache/torch_extensions``). Where the CPU lacks AVX512-BF16, the compiler is
+The kernels are compiled on first use (``torch.utils.cpp_extension``: a C++ compiler and ``ninja``,
+about 7 s once; cached under ``~/.cache/torch_extensions``), for CPUs with AVX512-BF16 (the fp32 kernel
+too: one build for the CPUs this was measured on). Where the CPU lacks AVX512-BF16, the compiler is
 missing or ``LOOPLM_CPU_KERNELS=0`` is set, :func:`available` is ``False`` (:func:`unavailable_reason`
 says why) and everything runs on ``F.linear``.
 
@@ -35,15 +37,20 @@ import torch.nn.functional as F
 from torch import nn
 
 MAX_ROWS = 16  # the AMX path's limit (one B tile holds 16 rows of x); above it torch's matmul is the path
+FP32_MAX_ROW_ENTRIES = 6144  # fp32 kernel: rows x K of x that stay in L1 (24 KB) beside the weight tiles
 
 
-def kernel_wins(rows: int, k: int) -> bool:
-    """Where the kernels beat torch's bf16 matmul (2-core Xeon with AMX, weights streamed from memory).
+def kernel_wins(rows: int, k: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Where the kernels beat torch's matmul (2-core Xeon with AMX, weights streamed from memory).
 
-    One row: the AVX512-BF16 path at every shape measured (K 64-8192, N 64-151,936: 1.4-4x). 2-16 rows:
-    the AMX path where the CPU has it (1.1-2.6x at K 576-8192, N 192-49,152); without AMX the one-row
-    path per row, only for 2-4 short rows (4 rows: 3x at K 256, 1.15x at K 896, 0.67-0.78x at K 2048+).
+    bf16, one row: the AVX512-BF16 path at every shape measured (K 64-8192, N 64-151,936: 1.4-4x).
+    bf16, 2-16 rows: the AMX path where the CPU has it (1.1-2.6x at K 576-8192, N 192-49,152); without
+    AMX the one-row path per row, only for 2-4 short rows (4 rows: 3x at K 256, 1.15x at K 896,
+    0.67-0.78x at K 2048+). fp32: 3-8 rows while they fit in L1 beside the weights (rows x K <= 6144;
+    1.4-2.7x MKL at K 576, 0.94x for 8 rows of K 1536); one row stays on MKL (at the bandwidth already).
     """
+    if dtype == torch.float32:
+        return 3 <= rows <= 8 and rows * k <= FP32_MAX_ROW_ENTRIES
     if rows == 1:
         return True
     if rows > MAX_ROWS:
@@ -99,6 +106,10 @@ def _build() -> tuple[bool, str]:
     def _(x, weight, bias=None, use_amx=True):  # shapes for torch.compile (compiled blocks trace through it)
         return x.new_empty(x.shape[0], weight.shape[0])
 
+    @torch.library.register_fake("looplm_cpu::gemv_fp32")
+    def _(x, weight, bias=None):
+        return x.new_empty(x.shape[0], weight.shape[0])
+
     return True, ""
 
 
@@ -138,28 +149,43 @@ def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return torch.ops.looplm_cpu.gemv_bf16(x, weight, bias, use_amx)
 
 
+def gemv_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 kernel: ``x [M, K]`` with 3 <= M <= 8, ``weight [N, K]``, ``bias [N]`` (contiguous fp32, CPU)."""
+    if not available():
+        raise RuntimeError(f"the GEMV kernels are not available: {unavailable_reason()}")
+    return torch.ops.looplm_cpu.gemv_fp32(x, weight, bias)
+
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
 def uses_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether :func:`linear` takes the kernel for these arguments (else ``F.linear``)."""
+    """Whether :func:`linear` takes a kernel for these arguments (else ``F.linear``)."""
+    dt = x.dtype
     return (
-        x.dtype == torch.bfloat16
-        and weight.dtype == torch.bfloat16
+        dt in _KERNEL_DTYPES
+        and weight.dtype == dt
         and x.device.type == "cpu"
         and weight.device.type == "cpu"
         and x.numel() > 0
+        and kernel_wins(x.numel() // x.shape[-1], x.shape[-1], dt)
         and available()
-        and kernel_wins(x.numel() // x.shape[-1], x.shape[-1])
         and weight.is_contiguous()
-        and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()))
+        and (bias is None or (bias.dtype == dt and bias.is_contiguous()))
         and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
     )
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` (``x [..., K]`` -> ``[..., N]``), on the kernel where it is faster."""
+    """``F.linear(x, weight, bias)`` (``x [..., K]`` -> ``[..., N]``), on a kernel where it is faster."""
     if not uses_kernel(x, weight, bias):
         return F.linear(x, weight, bias)
     lead = x.shape[:-1]
-    y = torch.ops.looplm_cpu.gemv_bf16(x.reshape(-1, x.shape[-1]).contiguous(), weight, bias)  # [M, N]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
+    if x.dtype == torch.bfloat16:
+        y = torch.ops.looplm_cpu.gemv_bf16(x2, weight, bias)  # [M, N]
+    else:
+        y = torch.ops.looplm_cpu.gemv_fp32(x2, weight, bias)
     return y.view(*lead, weight.shape[0])
 
 
@@ -172,13 +198,14 @@ class DecodeLinear(nn.Linear):
 
 @contextlib.contextmanager
 def decode_linears(model: nn.Module):
-    """Inside the block, every plain ``nn.Linear`` of ``model`` with bf16 CPU weights runs as
-    :class:`DecodeLinear`; the classes are restored on exit. A no-op where the kernel is unavailable."""
+    """Inside the block, every plain ``nn.Linear`` of ``model`` with bf16 or fp32 CPU weights runs as
+    :class:`DecodeLinear`; the classes are restored on exit. A no-op where the kernels are unavailable
+    (and models on other devices or in other dtypes never build them)."""
     swapped = [
         m for m in model.modules()
-        if type(m) is nn.Linear and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"
+        if type(m) is nn.Linear and m.weight.dtype in _KERNEL_DTYPES and m.weight.device.type == "cpu"
     ]  # fmt: skip
-    if not swapped or not available():  # fp32 or CUDA models never build the kernel
+    if not swapped or not available():
         swapped = []
     for m in swapped:
         m.__class__ = DecodeLinear
