@@ -6,9 +6,9 @@ effective depth, a third of the weights: reads the same bytes per token, so it s
 Prompt 32 tokens, 128 new tokens, greedy, batch 1 and 8, fp32 and bf16 weights.
 
 Contenders: looplm (flat and looped, eager; flat with every block compiled — ``looplm generate
---compile`` — unless ``--no-compiled``). With bf16 weights on a CPU with AVX512-BF16, looplm's decode
-runs its one-row products on its own GEMV kernel (``looplm/layers/gemv.py``); the flat rows are then
-repeated on torch's bf16 matmul ("torch matmul") to show what the kernel is worth. Baseline:
+--compile`` — unless ``--no-compiled``). On a CPU with AVX512-BF16, looplm's decode runs the products
+of its few-row steps on its own kernels (``looplm/layers/gemv.py``: bf16 with 1-16 rows, fp32 with 3-8);
+the flat rows are then repeated on torch's matmul ("torch matmul") to show what the kernels are worth. Baseline:
 transformers ``generate`` with its dynamic cache (and its static cache, where it runs on CPU),
 measured in the same run. The physical limit at batch 1 is the weight bytes read per token
 divided by the memory bandwidth, measured here as a 256 MB read; "share of limit" is that limit over
@@ -124,7 +124,8 @@ def main() -> None:
     print(f"# CPU: {cpu_name()} ({os.cpu_count()} cores, native bf16: {native_bf16()}, torch {torch.__version__})")
     if dev == "cuda":
         print(f"# GPU: {torch.cuda.get_device_name()}")
-    print(f"# looplm bf16 GEMV kernel: {'yes' if gemv.available() else 'no (' + gemv.unavailable_reason() + ')'}")
+    kernels = f"yes (AMX for 2-16 bf16 rows: {'yes' if gemv.amx() else 'no'})" if gemv.available() else f"no ({gemv.unavailable_reason()})"
+    print(f"# looplm GEMV kernels: {kernels}")
     print(f"# memory bandwidth {bw / 1e9:.1f} GB/s ({'4 GB' if dev == 'cuda' else '256 MB'} read, same run); prompt {args.prompt}, {args.new} new tokens, greedy")
     print("| dtype | batch | contender | ms/token | vs hf dynamic | limit ms/token (batch 1) | share of limit |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
@@ -150,7 +151,7 @@ def main() -> None:
             ]
             if flat_c is not None:
                 rows.append(("looplm 30x1 compiled", lambda: flat_c.generate(x, max_new_tokens=args.new), (30, 1)))
-            if dtype == torch.bfloat16 and gemv.available():
+            if gemv.available():
                 rows.insert(2, ("looplm 30x1, torch matmul", without_kernel(rows[1][1]), (30, 1)))
                 if flat_c is not None:
                     rows.append(("looplm 30x1 compiled, torch matmul", without_kernel(rows[-1][1]), (30, 1)))
