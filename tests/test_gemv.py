@@ -136,13 +136,13 @@ def _tiny(dtype):
 @needs_kernel
 def test_generate_uses_the_kernel_and_restores_the_layers():
     model = _tiny(torch.bfloat16)
-    x = torch.randint(0, model.config.vocab_size, (1, gemv.MAX_ROWS + 4))
+    x = torch.randint(0, model.config.vocab_size, (1, 6))
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
     with _CountOps() as c:
         out = model.generate(x, max_new_tokens=4)
-    assert out.shape == (1, gemv.MAX_ROWS + 8)
+    assert out.shape == (1, 10)
     # 3 one-token steps: 7 projections per block per loop iteration and the head; the prompt step's
-    # projections have more rows than the kernels take (F.linear), its head reads the last position only
+    # projections see 6 positions per sequence (F.linear), its head reads the last position only
     per_step = model.config.n_loops * len(model.core.stack.blocks) * 7 + 1
     assert c.gemv == 3 * per_step + 1
     assert sum(type(m) is nn.Linear for m in model.modules()) == n_linear  # classes restored
@@ -182,22 +182,23 @@ def test_unavailable_means_reference_everywhere(monkeypatch):
 
 
 @needs_kernel
-def test_compiled_blocks_decode_with_the_kernel_like_eager_without_recompiling():
-    """``looplm generate --compile`` on bf16 weights: the compiled blocks call the kernel (its fake
-    shapes let dynamo trace it), give the eager kernel path's tokens, and swapping the layers' class at
-    every ``generate`` call does not recompile after warm-up."""
+@pytest.mark.parametrize("dtype,batch", [(torch.bfloat16, 2), (torch.float32, 4)])
+def test_compiled_blocks_decode_with_the_kernel_like_eager_without_recompiling(dtype, batch):
+    """``looplm generate --compile``: the compiled blocks call the kernels (their fake shapes let dynamo
+    trace them), give the eager kernel path's tokens, and swapping the layers' class at every
+    ``generate`` call or a new prompt length does not recompile after warm-up."""
     import torch._dynamo.utils as dynamo_utils
 
     from looplm.parallel import compile_blocks
 
     torch._dynamo.reset()
-    eager = _tiny(torch.bfloat16)
-    model = _tiny(torch.bfloat16)
+    eager = _tiny(dtype)
+    model = _tiny(dtype)
     compile_blocks(model, backend="eager")
     V = model.config.vocab_size
 
     def both(T, new):
-        x = torch.randint(0, V, (2, T))  # two rows: the AMX path where the CPU has it
+        x = torch.randint(0, V, (batch, T))  # bf16: the AMX path where the CPU has it; fp32: the 3-8-row kernel
         with _CountOps() as c:
             got = model.generate(x, max_new_tokens=new)
         assert c.gemv > 0

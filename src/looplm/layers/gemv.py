@@ -190,10 +190,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class DecodeLinear(nn.Linear):
-    """``nn.Linear`` whose forward is :func:`linear` (same parameters, same state dict)."""
+    """``nn.Linear`` whose forward is :func:`linear` for one new position per sequence (``x [B, 1, K]``:
+    a decode step) and ``F.linear`` otherwise (same parameters, same state dict). Keeping the prompt
+    step on ``F.linear`` makes the choice depend on the batch size only, which a compiled decode step
+    holds fixed, not on the prompt length (no extra graphs for short prompts)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        if x.dim() == 3 and x.shape[1] == 1:
+            return linear(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 @contextlib.contextmanager
