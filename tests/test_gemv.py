@@ -241,6 +241,21 @@ def test_fp32_kernel_matches_fp64_reference(M, N, K, bias):
 
 
 @needs_kernel
+def test_decode_linears_swaps_only_what_a_kernel_serves_at_the_batch_size():
+    model16, model32 = _tiny(torch.bfloat16), _tiny(torch.float32)
+    n = sum(type(m) is nn.Linear for m in model32.modules())
+    with gemv.decode_linears(model32, batch_size=1) as k:
+        assert k == 0  # fp32, one row: MKL
+    with gemv.decode_linears(model32, batch_size=4) as k:
+        assert k == n and all(type(m) is not nn.Linear for m in model32.modules() if isinstance(m, nn.Linear))
+    assert sum(type(m) is nn.Linear for m in model32.modules()) == n
+    with gemv.decode_linears(model16, batch_size=1) as k:
+        assert k == n
+    with gemv.decode_linears(model16, batch_size=gemv.MAX_ROWS + 1) as k:
+        assert k == 0
+
+
+@needs_kernel
 def test_fp32_dispatch_and_decode():
     w = torch.randn(32, 64)
     assert not gemv.uses_kernel(torch.randn(1, 64), w)  # one row: MKL's GEMV is at the bandwidth

@@ -105,10 +105,10 @@ def generate(
     cache = model.new_cache(B, cache_loops, capacity=T + max_new_tokens) if use_cache else None
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
     n = T
-    # bf16 weights on a CPU with AVX512-BF16: the one-row products of each step run on looplm's GEMV
-    # kernel (2-4x torch's bf16 matmul at batch 1; layers/gemv.py), everything else on F.linear
+    # on a CPU with AVX512-BF16 the products of each one-token step run on looplm's kernels where they
+    # beat torch's matmul at this batch size (bf16 1-16 rows, fp32 3-8; layers/gemv.py), else F.linear
     try:
-        with decode_linears(model):
+        with decode_linears(model, batch_size=B):
             for i in range(max_new_tokens):
                 step_mask = mask[:, :n] if padded else None
                 if use_cache:

@@ -202,16 +202,20 @@ class DecodeLinear(nn.Linear):
 
 
 @contextlib.contextmanager
-def decode_linears(model: nn.Module):
-    """Inside the block, every plain ``nn.Linear`` of ``model`` with bf16 or fp32 CPU weights runs as
-    :class:`DecodeLinear`; the classes are restored on exit. A no-op where the kernels are unavailable
-    (and models on other devices or in other dtypes never build them)."""
+def decode_linears(model: nn.Module, batch_size: int | None = None):
+    """Inside the block, the plain ``nn.Linear`` layers of ``model`` with bf16 or fp32 CPU weights run as
+    :class:`DecodeLinear`; the classes are restored on exit. With ``batch_size`` (rows of a decode step),
+    only the layers a kernel serves at that batch size (:func:`kernel_wins`), so e.g. fp32 at batch 1
+    keeps ``nn.Linear`` and its call costs nothing extra. A no-op where the kernels are unavailable (and
+    models on other devices or in other dtypes never build them)."""
     swapped = [
         m for m in model.modules()
         if type(m) is nn.Linear and m.weight.dtype in _KERNEL_DTYPES and m.weight.device.type == "cpu"
     ]  # fmt: skip
     if not swapped or not available():
         swapped = []
+    if batch_size is not None:
+        swapped = [m for m in swapped if kernel_wins(batch_size, m.in_features, m.weight.dtype)]
     for m in swapped:
         m.__class__ = DecodeLinear
     try:
