@@ -276,3 +276,11 @@ def test_fp32_dispatch_and_decode():
                 outs.append(model(x[:, -1:], cache=cache).logits)
             assert (c.gemv > 0) == on
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_amx_is_decided_by_the_cpu_not_by_a_switched_off_moment(monkeypatch):
+    monkeypatch.setattr(gemv, "_state", {k: v for k, v in gemv._state.items() if k != "amx"})
+    with gemv.enabled(False):
+        first = gemv.amx()
+    assert first == bool(torch.ops.looplm_cpu.amx_ready()) == gemv.amx()

@@ -140,7 +140,7 @@ def _cmd_generate(args) -> int:
     if args.compile:
         from .parallel import compile_blocks
 
-        compile_blocks(model)  # the decode step compiled per block: 1.2-1.3x per token on a 2-core Xeon, after ~10 s
+        compile_blocks(model)  # the decode step compiled per block: 1.2-1.4x per token on a 2-core Xeon, after ~10 s
     torch.manual_seed(args.seed)
     ids = torch.tensor([tok.encode(args.prompt)], dtype=torch.long)
     out = model.generate(
@@ -188,7 +188,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="compile every block first (torch.compile): pays for long generations")
     p.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default="fp32",
                    help="weights' dtype for decoding: fp32 (as trained; the default), bf16, or auto = bf16 on CUDA "
-                        "and on CPUs with native bf16 (where bf16 decoding is ~1.5x faster), else fp32")
+                        "and on CPUs with native bf16 (where bf16 decodes 1.5-2x faster than fp32), else fp32")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a model config field; with --checkpoint only max_seq_len and n_loops")
     p.set_defaults(func=_cmd_generate)

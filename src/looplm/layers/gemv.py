@@ -5,7 +5,7 @@ is the weight bytes read from memory (the bandwidth limit of ``benchmarks/bench_
 bf16 matmul on CPU (oneDNN) is built for matrix-matrix products and reads bf16 weights at 4–15 GB/s at
 the SmolLM2-135M shapes on a 2-core Xeon that streams ~23 GB/s, which made bf16 decoding *slower* than
 fp32; its fp32 GEMM (MKL) is at the bandwidth for one row but reads at 8–14 GB/s for 4–8 rows.
-``csrc/gemv_bf16.cpp`` reads each weight matrix in place, once, with software prefetching: bf16 with
+``csrc/gemv.cpp`` reads each weight matrix in place, once, with software prefetching: bf16 with
 one row of x on AVX512-BF16 dot products (13–27 GB/s, 2–4× torch on that machine), bf16 with 2–16 rows
 on AMX tiles where the CPU has them (1.1–2.6×), fp32 with 3–8 rows on AVX-512 FMA tiles (1.4–2.7×).
 The decode step as a whole is measured by ``benchmarks/bench_decode.py``.
@@ -59,9 +59,11 @@ def kernel_wins(rows: int, k: int, dtype: torch.dtype = torch.bfloat16) -> bool:
 
 
 def amx() -> bool:
-    """Whether the 2-16-row path runs on AMX tiles here (CPU flags and the kernel's permission to use them)."""
+    """Whether the 2-16-row bf16 path runs on AMX tiles here (CPU flags and the process's permission to
+    use them; decided once, whatever :func:`enabled` says at the time)."""
     if "amx" not in _state:
-        _state["amx"] = available() and bool(torch.ops.looplm_cpu.amx_ready())
+        available()  # builds the kernels on the first call
+        _state["amx"] = _state["ok"] and bool(torch.ops.looplm_cpu.amx_ready())
     return _state["amx"]
 
 
@@ -91,16 +93,16 @@ def _build() -> tuple[bool, str]:
     try:
         from torch.utils.cpp_extension import load
 
-        src = Path(__file__).with_name("csrc") / "gemv_bf16.cpp"
+        src = Path(__file__).with_name("csrc") / "gemv.cpp"
         load(
-            name="looplm_gemv_bf16",
+            name="looplm_gemv",
             sources=[str(src)],
             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"],
             is_python_module=False,
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, a read-only cache directory, ...
-        return False, f"could not build the kernel ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''})"
+        return False, f"could not build the kernels ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''})"
 
     @torch.library.register_fake("looplm_cpu::gemv_bf16")
     def _(x, weight, bias=None, use_amx=True):  # shapes for torch.compile (compiled blocks trace through it)
@@ -114,7 +116,7 @@ def _build() -> tuple[bool, str]:
 
 
 def available() -> bool:
-    """Whether the kernel runs here (built on the first call; thread-safe)."""
+    """Whether the kernels run here (built on the first call; thread-safe)."""
     if "ok" not in _state:
         with _lock:
             if "ok" not in _state:
