@@ -1,4 +1,5 @@
-// y = x · Wᵀ (+ b) for 1-16 activation rows and bf16 weights, on CPUs with AVX512-BF16 (and AMX).
+// y = x · Wᵀ (+ b) for the few activation rows of a decode step: bf16 with 1-16 rows, fp32 with 3-8
+// rows, on CPUs with AVX512-BF16 (and AMX for 2-16 bf16 rows). Built by looplm/layers/gemv.py.
 //
 // Why this exists: a decode step multiplies a handful of activation rows (the batch) by every weight
 // matrix, so its cost is the bytes of W read from memory. torch's bf16 matmul on CPU (oneDNN) is built
@@ -12,8 +13,8 @@
 // An fp32 kernel for 3-8 rows sits at the end (MKL's fp32 GEMV is at the bandwidth for one row, but
 // reads W at 8-14 GB/s for 4-8 rows; the tile here reaches 18-26 GB/s).
 //
-// Shapes: x [M, K] bf16, W [N, K] bf16 (nn.Linear's layout), b [N] bf16 or absent -> y [M, N] bf16.
-// Each output is an fp32 sum of bf16 x bf16 products (vdpbf16ps / tdpbf16ps: pairs of products added
+// Shapes: x [M, K], W [N, K] (nn.Linear's layout), b [N] or absent -> y [M, N], all of one dtype.
+// bf16: each output is an fp32 sum of bf16 x bf16 products (vdpbf16ps / tdpbf16ps: pairs of products added
 // exactly in fp32), plus the bias in fp32, rounded once to bf16 (round to nearest even), like oneDNN;
 // only the order of the fp32 additions differs.
 #include <ATen/Parallel.h>
