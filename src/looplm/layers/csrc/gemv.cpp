@@ -157,19 +157,24 @@ void rows_amx(const uint16_t* xp, const uint16_t* wp, const uint16_t* bp, int64_
     for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot1(xp + m * K, wp + n * K, bp ? bp + n : nullptr, K);
 }
 
-at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool use_amx) {
+// The argument checks both ops share (op: its name in messages; dt / dt_name: the one dtype of x, W and
+// the bias). Returns the bias's data, or nullptr without a bias.
+const void* check_args(const char* op, at::ScalarType dt, const char* dt_name, const at::Tensor& x, const at::Tensor& w,
+                       const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
-              "gemv_bf16: x must be [M, K] and weight [N, K], got ", x.sizes(), " and ", w.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16,
-              "gemv_bf16: x and weight must be bfloat16, got ", x.scalar_type(), " and ", w.scalar_type());
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gemv_bf16: a CPU kernel, got tensors on ", x.device());
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "gemv_bf16: x and weight must be contiguous");
-  const uint16_t* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0) && bias->scalar_type() == at::kBFloat16 && bias->is_contiguous(),
-                "gemv_bf16: bias must be a contiguous bfloat16 [N] tensor, got ", bias->sizes(), " ", bias->scalar_type());
-    bp = reinterpret_cast<const uint16_t*>(bias->data_ptr());
-  }
+              op, ": x must be [M, K] and weight [N, K], got ", x.sizes(), " and ", w.sizes());
+  TORCH_CHECK(x.scalar_type() == dt && w.scalar_type() == dt,
+              op, ": x and weight must be ", dt_name, ", got ", x.scalar_type(), " and ", w.scalar_type());
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": a CPU kernel, got tensors on ", x.device());
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), op, ": x and weight must be contiguous");
+  if (!bias.has_value() || !bias->defined()) return nullptr;
+  TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0) && bias->scalar_type() == dt && bias->is_contiguous(),
+              op, ": bias must be a contiguous ", dt_name, " [N] tensor, got ", bias->sizes(), " ", bias->scalar_type());
+  return bias->data_ptr();
+}
+
+at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool use_amx) {
+  const auto* bp = static_cast<const uint16_t*>(check_args("gemv_bf16", at::kBFloat16, "bfloat16", x, w, bias));
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -252,19 +257,8 @@ void rows_fp32(const float* xp, const float* wp, const float* bp, int64_t K, int
 }
 
 at::Tensor gemv_fp32(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1),
-              "gemv_fp32: x must be [M, K] and weight [N, K], got ", x.sizes(), " and ", w.sizes());
-  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat,
-              "gemv_fp32: x and weight must be float32, got ", x.scalar_type(), " and ", w.scalar_type());
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gemv_fp32: a CPU kernel, got tensors on ", x.device());
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "gemv_fp32: x and weight must be contiguous");
+  const auto* bp = static_cast<const float*>(check_args("gemv_fp32", at::kFloat, "float32", x, w, bias));
   TORCH_CHECK(x.size(0) >= 3 && x.size(0) <= 8, "gemv_fp32: takes 3-8 rows of x, got ", x.size(0));
-  const float* bp = nullptr;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == w.size(0) && bias->scalar_type() == at::kFloat && bias->is_contiguous(),
-                "gemv_fp32: bias must be a contiguous float32 [N] tensor, got ", bias->sizes(), " ", bias->scalar_type());
-    bp = bias->data_ptr<float>();
-  }
   const int64_t K = x.size(1), N = w.size(0);
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   const float* xp = x.data_ptr<float>();
