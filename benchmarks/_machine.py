@@ -10,13 +10,9 @@ SHARED_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinys
 
 def cpu_name() -> str:
     """The ``model name`` of /proc/cpuinfo (``unknown CPU`` elsewhere)."""
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
+    from looplm import cpuinfo
+
+    return cpuinfo.model_name() or "unknown CPU"
 
 
 def native_bf16() -> bool:

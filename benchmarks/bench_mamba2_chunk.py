@@ -52,14 +52,9 @@ def bench(mixer, x, chunks, bf16, repeats, warmup):
 
 
 def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    from looplm import cpuinfo
+
+    return cpuinfo.model_name() or platform.processor() or platform.machine()
 
 
 def bench_scan(mixer, batch, seqlen, chunks, repeats, warmup):

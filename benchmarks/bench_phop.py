@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -26,13 +27,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def cpu_description() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    from looplm import cpuinfo
+
+    if cpuinfo.model_name() is None and not cpuinfo.flags():
         return platform.processor() or "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("model name")), "unknown CPU")
-    flags = "avx512_bf16" in text, "amx_bf16" in text
-    return f"{name} (avx512_bf16: {flags[0]}, amx: {flags[1]}, {text.count('processor')} logical CPUs)"
+    flags = cpuinfo.flags()
+    return (f"{cpuinfo.model_name() or 'unknown CPU'} (avx512_bf16: {'avx512_bf16' in flags}, amx: {'amx_bf16' in flags}, "
+            f"{os.cpu_count()} logical CPUs)")
 
 
 def main() -> None:

@@ -48,16 +48,9 @@ DECODE_MODELS = {
 
 def cpu_description() -> str:
     """CPU model name and whether it has native bf16 matrix instructions (AVX512-BF16 / AMX)."""
-    name, flags = "unknown CPU", set()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name") and name == "unknown CPU":
-                    name = line.split(":", 1)[1].strip()
-                elif line.startswith("flags") and not flags:
-                    flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
+    from . import cpuinfo
+
+    name, flags = cpuinfo.model_name() or "unknown CPU", cpuinfo.flags()
     extra = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
     return f"{name} ({', '.join(extra) if extra else 'no avx512_bf16/amx'})"
 

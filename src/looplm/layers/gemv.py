@@ -36,6 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import cpuinfo
+
 MAX_ROWS = 16  # the AMX path's limit (one B tile holds 16 rows of x); above it torch's matmul is the path
 FP32_MAX_ROW_ENTRIES = 6144  # fp32 kernel: rows x K of x that stay in L1 (24 KB) beside the weight tiles
 
@@ -72,22 +74,11 @@ _state: dict = {}  # "ok": bool once decided; "reason": why not
 _enabled = True
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
 def _build() -> tuple[bool, str]:
     if os.environ.get("LOOPLM_CPU_KERNELS", "1") == "0":
         return False, "disabled by LOOPLM_CPU_KERNELS=0"
     need = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
-    missing = need - _cpu_flags()
+    missing = need - cpuinfo.flags()
     if missing:
         return False, f"this CPU lacks {', '.join(sorted(missing))}"
     try:

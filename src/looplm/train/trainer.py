@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import cpu_malloc
+from .. import cpu_malloc, cpuinfo
 from ..data.tokenizers import check_tokenizer_fingerprint, tokenizer_fingerprint
 from ..dataclass_util import to_dict
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -96,12 +96,7 @@ def batch_hash(batch: torch.Tensor) -> str:
 def cpu_has_fast_bf16() -> bool:
     """Whether this CPU multiplies bf16 matrices natively (AVX512-BF16 or AMX). Without it, torch's
     bf16 GEMM falls back to a slow path (measured ~7x slower than fp32 on an AVX2-only EPYC)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpuinfo.flags())
 
 
 def resolve_precision(precision: str, device: torch.device) -> str:
