@@ -7,8 +7,10 @@ Prompt 32 tokens, 128 new tokens, greedy, batch 1 and 8, fp32 and bf16 weights.
 
 Contenders: looplm (flat and looped, eager; flat with every block compiled — ``looplm generate
 --compile`` — unless ``--no-compiled``). On a CPU with AVX512-BF16, looplm's decode runs the products
-of its few-row steps on its own kernels (``looplm/layers/gemv.py``: bf16 with 1-16 rows, fp32 with 3-8);
-the flat rows are then repeated on torch's matmul ("torch matmul") to show what the kernels are worth. Baseline:
+of its few-row steps on its own kernels (``looplm/layers/gemv.py``: bf16 with 1-16 rows, fp32 with 3-8)
+and each transformer block's one-token step as two fused ops (``looplm/layers/decode.py``); the flat
+rows are then repeated with the blocks on their reference forward ("blocks unfused") and on plain
+PyTorch ("torch matmul": no kernels, no fusion) to show what each is worth. Baseline:
 transformers ``generate`` with its dynamic cache (and its static cache, where it runs on CPU),
 measured in the same run. The physical limit at batch 1 is the weight bytes read per token
 divided by the memory bandwidth, measured here as a 256 MB read; "share of limit" is that limit over
@@ -28,7 +30,7 @@ import torch
 
 from _machine import cpu_name, native_bf16, sync  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
-from looplm.layers import gemv
+from looplm.layers import decode, gemv
 
 SHAPE = dict(vocab=49152, d=576, ff=1536, heads=9, kv=3)
 
@@ -86,6 +88,16 @@ def without_kernel(fn):
 
     def run():
         with gemv.enabled(False):
+            return fn()
+
+    return run
+
+
+def unfused(fn):
+    """``fn`` with every block on its reference forward (the products still on the kernels)."""
+
+    def run():
+        with decode.enabled(False):
             return fn()
 
     return run
@@ -153,6 +165,7 @@ def main() -> None:
                 rows.append(("looplm 30x1 compiled", lambda: flat_c.generate(x, max_new_tokens=args.new), (30, 1)))
             if gemv.available():
                 rows.insert(2, ("looplm 30x1, torch matmul", without_kernel(rows[1][1]), (30, 1)))
+                rows.insert(2, ("looplm 30x1, blocks unfused", unfused(rows[1][1]), (30, 1)))
                 if flat_c is not None:
                     rows.append(("looplm 30x1 compiled, torch matmul", without_kernel(rows[-1][1]), (30, 1)))
             if not args.no_static:

@@ -8,7 +8,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import looplm
-from looplm.layers import gemv
+from looplm.layers import decode, gemv
 
 needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"bf16 GEMV kernel not available: {gemv.unavailable_reason()}")
 
@@ -138,13 +138,16 @@ def test_generate_uses_the_kernel_and_restores_the_layers():
     model = _tiny(torch.bfloat16)
     x = torch.randint(0, model.config.vocab_size, (1, 6))
     n_linear = sum(type(m) is nn.Linear for m in model.modules())
-    with _CountOps() as c:
+    with decode.enabled(False), _CountOps() as c:  # the blocks on their reference forward
         out = model.generate(x, max_new_tokens=4)
     assert out.shape == (1, 10)
     # 3 one-token steps: 7 projections per block per loop iteration and the head; the prompt step's
     # projections see 6 positions per sequence (F.linear), its head reads the last position only
     per_step = model.config.n_loops * len(model.core.stack.blocks) * 7 + 1
     assert c.gemv == 3 * per_step + 1
+    with _CountOps() as c:  # fused blocks (layers/decode.py) run their products inside their own ops
+        assert torch.equal(model.generate(x, max_new_tokens=4), out)
+    assert c.gemv == 3 + 1
     assert sum(type(m) is nn.Linear for m in model.modules()) == n_linear  # classes restored
     assert not any(isinstance(m, gemv.DecodeLinear) for m in model.modules())
     with gemv.enabled(False), _CountOps() as c:

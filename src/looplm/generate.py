@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .layers.decode import fused_blocks
 from .layers.gemv import decode_linears
 
 
@@ -106,9 +107,10 @@ def generate(
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
     n = T
     # on a CPU with AVX512-BF16 the products of each one-token step run on looplm's kernels where they
-    # beat torch's matmul at this batch size (bf16 1-16 rows, fp32 3-8; layers/gemv.py), else F.linear
+    # beat torch's matmul at this batch size (bf16 1-16 rows, fp32 3-8; layers/gemv.py), else F.linear,
+    # and each plain transformer block's one-token step is two fused ops (layers/decode.py)
     try:
-        with decode_linears(model, batch_size=B):
+        with decode_linears(model, batch_size=B), fused_blocks(model):
             for i in range(max_new_tokens):
                 step_mask = mask[:, :n] if padded else None
                 if use_cache:

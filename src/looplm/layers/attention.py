@@ -64,6 +64,19 @@ class KVCache:
         self._len += T
         return self.k, self.v
 
+    def append_buffers(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """For a kernel that writes one new token in place (:mod:`looplm.layers.decode`): the preallocated
+        ``[B, H_kv, capacity, hd]`` key and value buffers and the position to write at, or ``None`` when
+        there are none to write into (a growing cache, buffers not allocated yet, full, another batch
+        size). The writer then calls :meth:`advance`."""
+        if self._k is None or self.capacity is None or self._len >= self.capacity or self._k.shape[0] != batch_size:
+            return None
+        return self._k, self._v, self._len
+
+    def advance(self, n: int = 1) -> None:
+        """Count ``n`` tokens written into :meth:`append_buffers`' buffers by someone else."""
+        self._len += n
+
     def index_select(self, idx: torch.Tensor) -> None:
         if self._k is not None:
             self._k, self._v = self._k.index_select(0, idx), self._v.index_select(0, idx)

@@ -84,10 +84,11 @@ def _build() -> tuple[bool, str]:
     try:
         from torch.utils.cpp_extension import load
 
-        src = Path(__file__).with_name("csrc") / "gemv.cpp"
+        csrc = Path(__file__).with_name("csrc")
         load(
             name="looplm_gemv",
-            sources=[str(src)],
+            sources=[str(csrc / "gemv.cpp"), str(csrc / "decode.cpp")],  # decode.cpp: the fused decode block (layers/decode.py)
+            extra_include_paths=[str(csrc)],
             extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"],
             is_python_module=False,
             verbose=False,
@@ -102,6 +103,14 @@ def _build() -> tuple[bool, str]:
     @torch.library.register_fake("looplm_cpu::gemv_fp32")
     def _(x, weight, bias=None):
         return x.new_empty(x.shape[0], weight.shape[0])
+
+    @torch.library.register_fake("looplm_cpu::decode_attention")
+    def _(x, *args):  # writes the caches in place (declared in the schema), returns a new [B, 1, d]
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("looplm_cpu::decode_swiglu")
+    def _(x, *args):
+        return torch.empty_like(x)
 
     return True, ""
 

@@ -17,9 +17,12 @@
 // bf16: each output is an fp32 sum of bf16 x bf16 products (vdpbf16ps / tdpbf16ps: pairs of products added
 // exactly in fp32), plus the bias in fp32, rounded once to bf16 (round to nearest even), like oneDNN;
 // only the order of the fp32 additions differs.
+#include "gemv.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/linear.h>
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 #include <torch/library.h>
@@ -32,6 +35,7 @@
 #include <cstring>
 #include <vector>
 
+namespace looplm_cpu {
 namespace {
 
 constexpr int64_t kRows = 16;  // weight rows per block: 16 accumulators, one zmm of outputs
@@ -104,15 +108,6 @@ struct TileConfig {  // the 64-byte operand of ldtilecfg (palette 1)
   uint16_t colsb[16] = {};
   uint8_t rows[16] = {};
 };
-
-bool amx_ready() {  // the CPU has AMX-BF16 / AMX-TILE and Linux lets this process use the tile state
-  static const bool ok = [] {
-    unsigned a, b, c, d;
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
-    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
-  }();
-  return ok;
-}
 
 void rows_amx(const uint16_t* xp, const uint16_t* wp, const uint16_t* bp, int64_t M, int64_t K, int64_t N, uint16_t* yp) {
   const int64_t chunks = (K + 31) / 32, full = K / 32;
@@ -277,10 +272,40 @@ at::Tensor gemv_fp32(const at::Tensor& x, const at::Tensor& w, const std::option
 
 }  // namespace
 
+bool amx_ready() {  // the CPU has AMX-BF16 / AMX-TILE and Linux lets this process use the tile state
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  }();
+  return ok;
+}
+
+bool kernel_wins(int64_t rows, int64_t k, at::ScalarType dt) {  // the rule of looplm.layers.gemv.kernel_wins (tested equal)
+  if (dt == at::kFloat) return rows >= 3 && rows <= 8 && rows * k <= kFp32MaxRowEntries;
+  if (dt != at::kBFloat16) return false;
+  if (rows == 1) return true;
+  if (rows > kMaxRows) return false;
+  return amx_ready() || (rows <= 4 && rows * k < 4096);
+}
+
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
+  if (kernel_wins(x.size(0), x.size(1), x.scalar_type()) && w.is_contiguous())
+    return x.scalar_type() == at::kBFloat16 ? gemv_bf16(x, w, bias, true) : gemv_fp32(x, w, bias);
+  return at::linear(x, w, bias);
+}
+
+}  // namespace looplm_cpu
+
+using looplm_cpu::amx_ready;
+using looplm_cpu::gemv_bf16;
+using looplm_cpu::gemv_fp32;
+
 TORCH_LIBRARY(looplm_cpu, m) {
   m.def("gemv_bf16(Tensor x, Tensor weight, Tensor? bias=None, bool use_amx=True) -> Tensor");
   m.def("gemv_fp32(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("amx_ready() -> bool", &amx_ready);
+  m.def("kernel_wins(int rows, int k, ScalarType dtype) -> bool", &looplm_cpu::kernel_wins);  // for the test that holds it to gemv.py's rule
 }
 TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) {
   m.impl("gemv_bf16", &gemv_bf16);

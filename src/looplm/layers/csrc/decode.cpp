@@ -1,0 +1,375 @@
+// One decode step (one new token per sequence) of looplm's pre-norm transformer block, as two fused
+// ops — the attention branch and the SwiGLU branch — for bf16 and fp32 on CPU. Built with gemv.cpp by
+// looplm/layers/gemv.py; used by looplm/layers/decode.py (DecodeBlock) inside generate().
+//
+// Why this exists: after the products moved onto gemv.cpp's kernels, a batch-1 decode step of the
+// SmolLM2-135M shape spent as long again outside them: ~330 µs per block of eager PyTorch (RMSNorm's
+// composite, RoPE's eight ops per head set, views, the KV writes, SDPA, the residual adds), and a compiled
+// block still ~270 µs (guard evaluation, the generated wrapper). Here everything between the products is a
+// few loops over a few hundred numbers, and the products are linear_rows (gemv.cpp's kernels where they
+// win, torch's matmul elsewhere).
+//
+// The reference is looplm.blocks.Block.forward; tests/test_decode_block.py holds the two together. The
+// rounding of every intermediate follows the reference's: each value the reference stores in a tensor of
+// the model's dtype is rounded to that dtype here at the same point (RMSNorm: x·rsqrt(mean x² + eps)·w in
+// fp32, rounded once, as torch 2.13's rms_norm; RoPE: x·cos and rotate_half(x)·sin rounded, then their sum;
+// SiLU rounded, then its product with up; each residual sum rounded). What differs is the order of the
+// fp32 additions inside RMSNorm's mean and the attention's dot products, softmax and weighted sum.
+//
+// Shapes (B rows, one new token each; H query heads, G key/value heads of hd channels; d model width):
+//   x [B, 1, d]; caches [B, G, capacity, hd] with `pos` tokens written (the new one goes to `pos`);
+//   cos, sin [B, 1, rot] fp32 (rot ≤ hd, even; RoPE on the first rot channels, half-split pairs);
+//   attn_mask: absent (every cached token is visible) or bool [B, 1, 1, pos + 1] (left padding).
+#include "gemv.h"
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace looplm_cpu {
+namespace {
+
+using bf16 = c10::BFloat16;
+
+inline float widen(float v) { return v; }
+inline float widen(bf16 v) { return static_cast<float>(v); }  // exact
+
+// An fp32 result stored in a tensor of dtype T (bf16: round to nearest even, as torch's kernels do).
+template <typename T>
+inline float rnd(float v) {
+  return widen(T(v));
+}
+
+// 16 entries of a row (fewer under a mask) as fp32.
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const bf16* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 load16(const bf16* p, __mmask16 m) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// e^x for 16 lanes: 2^n · p(r) with n = round(x / ln 2), r = x − n ln 2 (ln 2 in two parts), p the degree-7
+// Taylor polynomial (truncation < 5e-9 relative on |r| ≤ ln2/2); scalef gives inf past 88.7 and 0 below
+// −104 (x is clamped at −110 so that −inf gives exactly 0, not NaN; NaN stays NaN). Written here because torch's
+// vectorised math (ATen/cpu/vec) is an internal, per-CPU-capability header.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);  // max(c, NaN) is NaN: the second operand is returned
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // x − n·ln2 (high part, exact product)
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);  // − n·(ln2 − high part)
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Round 16 fp32 lanes as a T tensor would store them (bf16: vcvtneps2bf16, round to nearest even), as fp32.
+inline __m512 round16(__m512 v, const float*) { return v; }
+inline __m512 round16(__m512 v, const bf16*) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
+}
+inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+inline void store16(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v)); }
+
+// y = RMSNorm(x) · w over n channels (torch 2.13: x · rsqrt(mean(x²) + eps) · w in fp32, rounded once).
+template <typename T>
+void rms_norm(const T* x, const T* w, float eps, int64_t n, T* y) {
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = load16(x + i);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  if (i < n) {
+    const __m512 v = load16(x + i, (__mmask16)((1u << (n - i)) - 1));
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps);
+  for (int64_t j = 0; j < n; ++j) y[j] = T(widen(x[j]) * r * widen(w[j]));
+}
+
+// RoPE on the first rot channels of one head, in place (apply_rotary: x·cos + rotate_half(x)·sin, each
+// product and the sum rounded to T; cos and sin rounded to T first, as the reference casts them).
+template <typename T>
+void rotary(T* x, const float* cos, const float* sin, int64_t rot) {
+  const int64_t half = rot / 2;
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = widen(x[i]), b = widen(x[i + half]);
+    const float c0 = rnd<T>(cos[i]), s0 = rnd<T>(sin[i]), c1 = rnd<T>(cos[i + half]), s1 = rnd<T>(sin[i + half]);
+    x[i] = T(rnd<T>(a * c0) + rnd<T>(-b * s0));
+    x[i + half] = T(rnd<T>(b * c1) + rnd<T>(a * s1));
+  }
+}
+
+// softmax(q·kⱼ/√hd over the visible j) · V for one query head: q [hd] (T), K and V [L, hd] rows of one
+// cache head, visible: bool [L] or null (all), y [hd] rounded to T. fp32 throughout.
+template <typename T>
+void attend(const T* q, const T* K, const T* V, const bool* visible, int64_t L, int64_t hd, float* s, T* y) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const int64_t chunks = (hd + 15) / 16;
+  const __mmask16 tail = (hd % 16) ? (__mmask16)((1u << (hd % 16)) - 1) : (__mmask16)0xFFFF;
+  __m512 qv[16];  // hd ≤ 256
+  for (int64_t c = 0; c < chunks; ++c) qv[c] = c + 1 < chunks ? load16(q + 16 * c) : load16(q + 16 * c, tail);
+  float mx = -std::numeric_limits<float>::infinity();
+  for (int64_t j = 0; j < L; ++j) {
+    if (visible != nullptr && !visible[j]) {
+      s[j] = -std::numeric_limits<float>::infinity();
+      continue;
+    }
+    const T* k = K + j * hd;
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; ++c)
+      acc = _mm512_fmadd_ps(qv[c], c + 1 < chunks ? load16(k + 16 * c) : load16(k + 16 * c, tail), acc);
+    s[j] = _mm512_reduce_add_ps(acc) * scale;
+    mx = std::max(mx, s[j]);
+  }
+  // the weights e^(s - max): rounded to T for the product with V, their sum not (as torch's CPU flash kernel)
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; j += 16) {
+    const __mmask16 m = L - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - j)) - 1);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(mx)));  // e^-inf = 0: masked keys
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+    _mm512_mask_storeu_ps(s + j, m, round16(e, q));
+  }
+  const float sum = _mm512_reduce_add_ps(total);
+  const float inv = sum > 0.f ? 1.0f / sum : 0.f;  // no visible key (never from looplm's masks): zeros
+  alignas(64) float out[256];
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t j = 0; j < L; ++j) {
+      if (s[j] == 0.f) continue;
+      const T* v = V + j * hd + 16 * c;
+      acc = _mm512_fmadd_ps(_mm512_set1_ps(s[j]), c + 1 < chunks ? load16(v) : load16(v, tail), acc);
+    }
+    _mm512_store_ps(out + 16 * c, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
+  }
+  for (int64_t i = 0; i < hd; ++i) y[i] = T(out[i]);
+}
+
+const char* dtype_name(at::ScalarType t) { return t == at::kBFloat16 ? "bfloat16" : t == at::kFloat ? "float32" : "other"; }
+
+void check_weight(const char* op, const char* name, const at::Tensor& w, at::ScalarType dt, int64_t rows, int64_t cols) {
+  TORCH_CHECK(w.scalar_type() == dt && w.device().is_cpu() && w.is_contiguous(),
+              op, ": ", name, " must be a contiguous CPU ", dtype_name(dt), " tensor like x, got ", w.scalar_type(), " on ", w.device());
+  if (cols < 0) {
+    TORCH_CHECK(w.dim() == 1 && w.size(0) == rows, op, ": ", name, " must be [", rows, "], got ", w.sizes());
+  } else {
+    TORCH_CHECK(w.dim() == 2 && w.size(0) == rows && w.size(1) == cols, op, ": ", name, " must be [", rows, ", ", cols, "], got ", w.sizes());
+  }
+}
+
+void check_bias(const char* op, const char* name, const std::optional<at::Tensor>& b, at::ScalarType dt, int64_t n) {
+  if (b.has_value() && b->defined()) check_weight(op, name, *b, dt, n, -1);
+}
+
+const bf16* as_bf16(const at::Tensor& t) { return reinterpret_cast<const bf16*>(t.data_ptr()); }
+
+template <typename T>
+const T* data(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, bf16>) return as_bf16(t);
+  else return t.data_ptr<float>();
+}
+template <typename T>
+T* mdata(at::Tensor& t) {
+  if constexpr (std::is_same_v<T, bf16>) return reinterpret_cast<bf16*>(t.data_ptr());
+  else return t.data_ptr<float>();
+}
+
+// out [B, 1, d] = x + y, rounded to T (the residual add).
+template <typename T>
+at::Tensor residual(const at::Tensor& x, const at::Tensor& y) {
+  at::Tensor out = at::empty_like(x);
+  const T* a = data<T>(x);
+  const T* b = data<T>(y);
+  T* o = mdata<T>(out);
+  for (int64_t i = 0, n = x.numel(); i < n; ++i) o[i] = T(widen(a[i]) + widen(b[i]));
+  return out;
+}
+
+template <typename T>
+at::Tensor norm_rows(const at::Tensor& x, const at::Tensor& w, double eps, int64_t B, int64_t d) {
+  at::Tensor u = at::empty({B, d}, x.options());
+  for (int64_t b = 0; b < B; ++b) rms_norm(data<T>(x) + b * d, data<T>(w), static_cast<float>(eps), d, mdata<T>(u) + b * d);
+  return u;
+}
+
+template <typename T>
+at::Tensor attention_impl(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wq,
+                          const std::optional<at::Tensor>& bq, const at::Tensor& wk, const std::optional<at::Tensor>& bk,
+                          const at::Tensor& wv, const std::optional<at::Tensor>& bv, const at::Tensor& wo,
+                          const std::optional<at::Tensor>& bo, const std::optional<at::Tensor>& q_norm_w,
+                          const std::optional<at::Tensor>& k_norm_w, double qk_eps, const std::optional<at::Tensor>& cos,
+                          const std::optional<at::Tensor>& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,
+                          const std::optional<at::Tensor>& attn_mask, int64_t H) {
+  const int64_t B = x.size(0), d = x.size(2), G = k_cache.size(1), cap = k_cache.size(2), hd = k_cache.size(3);
+  const int64_t L = pos + 1;  // keys after writing the new token
+  at::Tensor u = norm_rows<T>(x, norm_w, eps, B, d);  // [B, d]
+  at::Tensor q = linear_rows(u, wq, bq);              // [B, H hd]
+  at::Tensor k = linear_rows(u, wk, bk);              // [B, G hd]
+  at::Tensor v = linear_rows(u, wv, bv);              // [B, G hd]
+  T* qp = mdata<T>(q);
+  T* kp = mdata<T>(k);
+  const T* vp = data<T>(v);
+  const bool qk_norm = q_norm_w.has_value() && q_norm_w->defined();
+  const int64_t rot = cos.has_value() && cos->defined() ? cos->size(-1) : 0;
+  std::vector<T> tmp(hd);
+  for (int64_t b = 0; b < B; ++b) {
+    const float* cb = rot ? cos->data_ptr<float>() + b * rot : nullptr;
+    const float* sb = rot ? sin->data_ptr<float>() + b * rot : nullptr;
+    for (int64_t h = 0; h < H + G; ++h) {  // the H query heads, then the G key heads
+      T* head = h < H ? qp + (b * H + h) * hd : kp + (b * G + h - H) * hd;
+      if (qk_norm) {
+        rms_norm(head, data<T>(h < H ? *q_norm_w : *k_norm_w), static_cast<float>(qk_eps), hd, tmp.data());
+        std::memcpy(head, tmp.data(), hd * sizeof(T));
+      }
+      if (rot) rotary(head, cb, sb, rot);
+    }
+    for (int64_t g = 0; g < G; ++g) {  // the new token's key and value into the caches at `pos`
+      std::memcpy(mdata<T>(k_cache) + ((b * G + g) * cap + pos) * hd, kp + (b * G + g) * hd, hd * sizeof(T));
+      std::memcpy(mdata<T>(v_cache) + ((b * G + g) * cap + pos) * hd, vp + (b * G + g) * hd, hd * sizeof(T));
+    }
+  }
+  at::Tensor y = at::empty({B, H * hd}, x.options());  // [B, H hd]: heads side by side, as o_proj reads them
+  const bool* mask = attn_mask.has_value() && attn_mask->defined() ? attn_mask->data_ptr<bool>() : nullptr;
+  const T* kc = data<T>(k_cache);
+  const T* vc = data<T>(v_cache);
+  T* yp = mdata<T>(y);
+  // one (row, head) per task; threads only when there is enough work to pay for waking them
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, L * hd));
+  at::parallel_for(0, B * H, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s(L);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / H, h = t % H, g = h / (H / G);
+      const int64_t off = (b * G + g) * cap * hd;
+      attend(qp + t * hd, kc + off, vc + off, mask ? mask + b * L : nullptr, L, hd, s.data(), yp + t * hd);
+    }
+  });
+  at::Tensor o = linear_rows(y, wo, bo);  // [B, d]
+  return residual<T>(x, o);
+}
+
+at::Tensor decode_attention(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wq,
+                            const std::optional<at::Tensor>& bq, const at::Tensor& wk, const std::optional<at::Tensor>& bk,
+                            const at::Tensor& wv, const std::optional<at::Tensor>& bv, const at::Tensor& wo,
+                            const std::optional<at::Tensor>& bo, const std::optional<at::Tensor>& q_norm_w,
+                            const std::optional<at::Tensor>& k_norm_w, double qk_eps, const std::optional<at::Tensor>& cos,
+                            const std::optional<at::Tensor>& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,
+                            const std::optional<at::Tensor>& attn_mask, int64_t n_heads) {
+  const char* op = "decode_attention";
+  const at::ScalarType dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, op, ": x must be bfloat16 or float32, got ", dt);
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous() && x.device().is_cpu(),
+              op, ": x must be a contiguous CPU [B, 1, d] tensor (one new token per row), got ", x.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(0) == x.size(0),
+              op, ": k_cache and v_cache must be [B, G, capacity, hd] with B = ", x.size(0), ", got ", k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t B = x.size(0), d = x.size(2), H = n_heads, G = k_cache.size(1), cap = k_cache.size(2), hd = k_cache.size(3);
+  TORCH_CHECK(H >= G && G >= 1 && H % G == 0, op, ": n_heads ", H, " must be a multiple of the caches' ", G, " key/value heads");
+  TORCH_CHECK(hd >= 1 && hd <= 256, op, ": head dim ", hd, " outside 1-256");
+  TORCH_CHECK(0 <= pos && pos < cap, op, ": position ", pos, " does not fit the caches' capacity ", cap);
+  TORCH_CHECK(k_cache.scalar_type() == dt && v_cache.scalar_type() == dt && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              op, ": the caches must be contiguous ", dtype_name(dt), " tensors like x");
+  check_weight(op, "norm_weight", norm_w, dt, d, -1);
+  check_weight(op, "wq", wq, dt, H * hd, d);
+  check_weight(op, "wk", wk, dt, G * hd, d);
+  check_weight(op, "wv", wv, dt, G * hd, d);
+  check_weight(op, "wo", wo, dt, d, H * hd);
+  check_bias(op, "bq", bq, dt, H * hd);
+  check_bias(op, "bk", bk, dt, G * hd);
+  check_bias(op, "bv", bv, dt, G * hd);
+  check_bias(op, "bo", bo, dt, d);
+  const bool qn = q_norm_w.has_value() && q_norm_w->defined(), kn = k_norm_w.has_value() && k_norm_w->defined();
+  TORCH_CHECK(qn == kn, op, ": give both q_norm_weight and k_norm_weight or neither");
+  if (qn) {
+    check_weight(op, "q_norm_weight", *q_norm_w, dt, hd, -1);
+    check_weight(op, "k_norm_weight", *k_norm_w, dt, hd, -1);
+  }
+  const bool has_cos = cos.has_value() && cos->defined(), has_sin = sin.has_value() && sin->defined();
+  TORCH_CHECK(has_cos == has_sin, op, ": give both cos and sin or neither");
+  if (has_cos) {
+    const int64_t rot = cos->size(-1);
+    TORCH_CHECK(cos->scalar_type() == at::kFloat && sin->scalar_type() == at::kFloat && cos->is_contiguous() && sin->is_contiguous()
+                    && cos->numel() == B * rot && sin->sizes() == cos->sizes() && rot % 2 == 0 && rot <= hd,
+                op, ": cos and sin must be contiguous float32 [B, 1, rot] tables with an even rot <= head dim ", hd, ", got ", cos->sizes(),
+                " ", cos->scalar_type());
+  }
+  if (attn_mask.has_value() && attn_mask->defined()) {
+    TORCH_CHECK(attn_mask->scalar_type() == at::kBool && attn_mask->is_contiguous() && attn_mask->numel() == B * (pos + 1),
+                op, ": attn_mask must be a contiguous bool [B, 1, 1, pos + 1] = [", B, ", 1, 1, ", pos + 1, "] tensor, got ", attn_mask->sizes());
+  }
+  if (dt == at::kBFloat16)
+    return attention_impl<bf16>(x, norm_w, eps, wq, bq, wk, bk, wv, bv, wo, bo, q_norm_w, k_norm_w, qk_eps, cos, sin, k_cache, v_cache, pos,
+                                attn_mask, H);
+  return attention_impl<float>(x, norm_w, eps, wq, bq, wk, bk, wv, bv, wo, bo, q_norm_w, k_norm_w, qk_eps, cos, sin, k_cache, v_cache, pos,
+                               attn_mask, H);
+}
+
+template <typename T>
+at::Tensor swiglu_impl(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wg, const std::optional<at::Tensor>& bg,
+                       const at::Tensor& wu, const std::optional<at::Tensor>& bu, const at::Tensor& wd, const std::optional<at::Tensor>& bd) {
+  const int64_t B = x.size(0), d = x.size(2), F = wg.size(0);
+  at::Tensor u = norm_rows<T>(x, norm_w, eps, B, d);  // [B, d]
+  at::Tensor g = linear_rows(u, wg, bg);              // [B, F]
+  at::Tensor up = linear_rows(u, wu, bu);             // [B, F]
+  T* gp = mdata<T>(g);
+  const T* upp = data<T>(up);
+  for (int64_t i = 0; i < B * F; i += 16) {  // silu(gate) ⊙ up, each rounded as the reference stores it; into g
+    const __mmask16 m = B * F - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (B * F - i)) - 1);
+    const __m512 a = load16(gp + i, m);
+    const __m512 silu = round16(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), a)))), gp);
+    store16(gp + i, _mm512_mul_ps(silu, load16(upp + i, m)), m);
+  }
+  at::Tensor o = linear_rows(g, wd, bd);  // [B, d]
+  return residual<T>(x, o);
+}
+
+at::Tensor decode_swiglu(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wg, const std::optional<at::Tensor>& bg,
+                         const at::Tensor& wu, const std::optional<at::Tensor>& bu, const at::Tensor& wd, const std::optional<at::Tensor>& bd) {
+  const char* op = "decode_swiglu";
+  const at::ScalarType dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, op, ": x must be bfloat16 or float32, got ", dt);
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous() && x.device().is_cpu(),
+              op, ": x must be a contiguous CPU [B, 1, d] tensor (one new token per row), got ", x.sizes());
+  const int64_t d = x.size(2), F = wg.size(0);
+  check_weight(op, "norm_weight", norm_w, dt, d, -1);
+  check_weight(op, "w_gate", wg, dt, F, d);
+  check_weight(op, "w_up", wu, dt, F, d);
+  check_weight(op, "w_down", wd, dt, d, F);
+  check_bias(op, "b_gate", bg, dt, F);
+  check_bias(op, "b_up", bu, dt, F);
+  check_bias(op, "b_down", bd, dt, d);
+  if (dt == at::kBFloat16) return swiglu_impl<bf16>(x, norm_w, eps, wg, bg, wu, bu, wd, bd);
+  return swiglu_impl<float>(x, norm_w, eps, wg, bg, wu, bu, wd, bd);
+}
+
+}  // namespace
+}  // namespace looplm_cpu
+
+TORCH_LIBRARY_FRAGMENT(looplm_cpu, m) {
+  m.def(
+      "decode_attention(Tensor x, Tensor norm_weight, float eps, Tensor wq, Tensor? bq, Tensor wk, Tensor? bk, Tensor wv, "
+      "Tensor? bv, Tensor wo, Tensor? bo, Tensor? q_norm_weight, Tensor? k_norm_weight, float qk_eps, Tensor? cos, Tensor? sin, "
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, Tensor? attn_mask, int n_heads) -> Tensor");
+  m.def(
+      "decode_swiglu(Tensor x, Tensor norm_weight, float eps, Tensor w_gate, Tensor? b_gate, Tensor w_up, Tensor? b_up, "
+      "Tensor w_down, Tensor? b_down) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) {
+  m.impl("decode_attention", &looplm_cpu::decode_attention);
+  m.impl("decode_swiglu", &looplm_cpu::decode_swiglu);
+}

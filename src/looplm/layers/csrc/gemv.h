@@ -1,0 +1,24 @@
+// What gemv.cpp offers the other kernels of the extension (decode.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+namespace looplm_cpu {
+
+constexpr int64_t kMaxRows = 16;                // the AMX path's limit: one B tile holds 16 rows of x
+constexpr int64_t kFp32MaxRowEntries = 6144;    // fp32 kernel: rows x K of x that stay in L1 beside the weight tiles
+
+// The CPU has AMX-BF16 / AMX-TILE and Linux lets this process use the tile state (checked once).
+bool amx_ready();
+
+// Where the kernels beat torch's matmul: the rule of looplm.layers.gemv.kernel_wins (a test holds them equal).
+bool kernel_wins(int64_t rows, int64_t k, at::ScalarType dt);
+
+// y [M, N] = x [M, K] · Wᵀ (+ b): a kernel where kernel_wins says so, else at::linear (torch's matmul).
+// x contiguous; W [N, K]; all of one dtype.
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
+
+}  // namespace looplm_cpu

@@ -1,0 +1,324 @@
+"""The fused decode step of the transformer block (``layers/csrc/decode.cpp`` via ``layers/decode.py``)
+against its reference, ``Block.forward``: one decode step of whole models (every attention variant the
+presets use, padding, looped rules, modulated blocks that must keep the reference), greedy generations,
+the fallbacks, the op's argument checks and its vectorised exp at extreme inputs."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import looplm
+from looplm.blocks import Block
+from looplm.layers import decode, gemv
+from looplm.layers.attention import KVCache
+from looplm.layers.mlp import SwiGLU
+
+from helpers import tiny_variant
+
+needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"CPU kernels not available: {gemv.unavailable_reason()}")
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.attention = self.swiglu = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func)
+        self.attention += "looplm_cpu.decode_attention" in name
+        self.swiglu += "looplm_cpu.decode_swiglu" in name
+        return func(*args, **(kwargs or {}))
+
+
+def _model(spec, dtype, overrides=None):
+    """A tiny model whose branches matter: weights ~ N(0, 0.15²) at width 64 keep every product's output
+    at the scale of its input, so an error inside a branch is not hidden under the residual stream.
+    ``spec``: a tiny preset, or a real preset at toy widths (tests/helpers.py)."""
+    torch.manual_seed(0)
+    cfg = spec if spec.startswith("tiny-") else tiny_variant(spec)
+    return looplm.build(cfg, dtype=dtype, init_std=0.15, overrides=overrides).eval()
+
+
+def _fused_calls_per_step(model) -> int:
+    """Attention blocks one decode step runs on the fused op (no modulated blocks in these models)."""
+    cfg = model.config
+    eligible = [decode.eligible(b) for b in model.modules() if isinstance(b, Block)]
+    n_core = sum(decode.eligible(b) for b in model.core.stack.blocks)
+    return sum(eligible) - n_core + n_core * cfg.n_loops
+
+
+CASES = {
+    # preset, overrides, batch, left padding
+    "llama, one row": ("tiny-llama", {}, 1, False),
+    "qwen3 QK-norm and GQA, three rows": ("tiny-qwen3", {}, 3, False),
+    "attention biases": ("tiny-llama", {"attention.bias": True}, 2, False),
+    "partial RoPE, attention without MLP, Mamba-2 beside": ("tiny-hybrid", {}, 2, False),
+    "prelude and coda, left padding": ("tiny-coreloop", {}, 2, True),
+    "StateLoop's own mixers beside the blocks": ("stateloop-410m-k3", {}, 2, False),
+    "Llama-3 RoPE scaling, tied, 2 x 10 loops": ("llama3.1-1b-baseloop-2x10", {}, 1, False),
+}
+
+
+def _step(model, ids, mask, fused: bool):
+    """Prefill ids[:, :-1], then decode the last token: (logits of the step, the cache, fused op counts)."""
+    B = ids.shape[0]
+    with torch.no_grad(), gemv.decode_linears(model, batch_size=B), decode.enabled(fused), decode.fused_blocks(model):
+        cache = model.new_cache(B, capacity=ids.shape[1] + 2)
+        model(ids[:, :-1], cache=cache, attention_mask=None if mask is None else mask[:, :-1])
+        with _CountOps() as c:
+            logits = model(ids[:, -1:], cache=cache, attention_mask=mask).logits[:, -1].float()
+    return logits, cache, c
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fused_decode_step_matches_the_reference(case, dtype):
+    spec, overrides, B, padded = CASES[case]
+    model = _model(spec, dtype, overrides)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (B, 13), generator=g)
+    mask = None
+    if padded:
+        mask = torch.ones(B, 13, dtype=torch.long)
+        mask[0, :4] = 0  # row 0 left-padded by four
+    ref, ref_cache, c_ref = _step(model, ids, mask, fused=False)
+    got, got_cache, c = _step(model, ids, mask, fused=True)
+    assert c_ref.attention == 0
+    assert c.attention == _fused_calls_per_step(model) > 0
+    assert c.swiglu == (c.attention if model.config.d_ff else 0)
+    if dtype == torch.float32:  # only the order of fp32 additions differs
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    else:  # each stored intermediate rounded at the reference's points: ~one bf16 rounding apart
+        torch.testing.assert_close(got, ref, rtol=0.03, atol=0.03 * float(ref.abs().max()))
+    for key, slot in ref_cache.slots.items():  # the new token's keys and values, written by the op
+        if isinstance(slot, KVCache):
+            other = got_cache.slots[key]
+            assert other.seqlen == slot.seqlen == 13
+            tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+            torch.testing.assert_close(other.k.float(), slot.k.float(), **tol)
+            torch.testing.assert_close(other.v.float(), slot.v.float(), **tol)
+
+
+def _block(dtype, qk_norm=False, bias=False):
+    """One block of width 64 (4 query heads, 2 key/value heads of 16), weights at the scale of _model's."""
+    torch.manual_seed(3)
+    ov = {"attention.qk_norm": qk_norm, "attention.bias": bias, "attention.n_heads": 4, "attention.n_kv_heads": 2}
+    blk = looplm.build("tiny-llama", dtype=dtype, init_std=0.15, overrides=ov).core.stack.blocks[0].eval()
+    with torch.no_grad():
+        for p in blk.parameters():  # norms and biases away from 1 and 0, so that a misplaced one shows
+            if p.dim() == 1:
+                p.add_((0.2 * torch.randn(p.shape)).to(dtype))
+    return blk
+
+
+@needs_kernel
+@pytest.mark.parametrize("qk_norm,bias", [(False, False), (True, True)])
+def test_fused_block_is_bitwise_where_the_reference_rounds_the_same(qk_norm, bias):
+    """bf16, one block, short context (one block of torch's flash kernel): every stored intermediate is
+    rounded where the reference rounds it, so the caches are identical and the outputs at most one
+    rounding apart at the scale of the residual sum."""
+    blk = _block(torch.bfloat16, qk_norm=qk_norm, bias=bias)
+    model = looplm.build("tiny-llama", overrides={"attention.n_heads": 4, "attention.n_kv_heads": 2})
+    B, P = 2, 9
+    fctx_p = model._forward_context(torch.zeros(B, P, dtype=torch.long), None, None, 0)
+    fctx = model._forward_context(torch.zeros(B, 1, dtype=torch.long), None, None, P)
+    ref_cache = KVCache(capacity=16)
+    with torch.no_grad(), gemv.decode_linears(blk, batch_size=B):
+        blk(torch.randn(B, P, 64).to(torch.bfloat16), fctx_p, ref_cache)
+        got_cache = copy.deepcopy(ref_cache)
+        x = torch.randn(B, 1, 64).to(torch.bfloat16)
+        ref = blk(x, fctx, ref_cache)
+        with decode.fused_blocks(blk) as n:
+            assert n == 1
+            got = blk(x, fctx, got_cache)
+    assert type(blk) is Block
+    assert torch.equal(got_cache.k, ref_cache.k) or qk_norm  # QK-norm's mean of squares may round differently
+    torch.testing.assert_close(got_cache.v, ref_cache.v, rtol=0, atol=0)
+    scale = torch.maximum(x.float().abs(), ref.float().abs())
+    assert bool(((got.float() - ref.float()).abs() <= 2 * 2.0**-8 * scale + 1e-6).all())
+
+
+@needs_kernel
+def test_fused_attention_long_masked_context_fp32():
+    """Hundreds of cached tokens, most of one row masked (left padding), GQA: the op against SDPA."""
+    blk = _block(torch.float32)
+    model = looplm.build("tiny-llama", overrides={"attention.n_heads": 4, "attention.n_kv_heads": 2}, max_seq_len=512)
+    B, P = 2, 300
+    mask = torch.ones(B, P + 1, dtype=torch.long)
+    mask[1, :250] = 0
+    fctx_p = model._forward_context(torch.zeros(B, P, dtype=torch.long), mask[:, :-1], None, 0)
+    fctx = model._forward_context(torch.zeros(B, 1, dtype=torch.long), mask, None, P)
+    ref_cache = KVCache(capacity=P + 1)
+    with torch.no_grad():
+        blk(torch.randn(B, P, 64), fctx_p, ref_cache)
+        got_cache = copy.deepcopy(ref_cache)
+        x = torch.randn(B, 1, 64)
+        ref = blk(x, fctx, ref_cache)
+        with decode.fused_blocks(blk), _CountOps() as c:
+            got = blk(x, fctx, got_cache)
+    assert c.attention == 1
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swiglu_at_extreme_gates(dtype):
+    """The op's SiLU (its own vectorised exp) at gate values from -120 to 120 (exp over- and underflow)."""
+    torch.manual_seed(0)
+    d, ff = 64, 96
+    sw, norm = SwiGLU(d, ff).to(dtype), nn.RMSNorm(d, eps=1e-5).to(dtype)
+    x = torch.randn(3, 1, d).to(dtype)
+    with torch.no_grad():
+        sw.gate_proj.weight.mul_(400)  # gate pre-activations of order +-100
+        ref = x + sw(norm(x))
+        got = torch.ops.looplm_cpu.decode_swiglu(x, norm.weight, 1e-5, sw.gate_proj.weight, None, sw.up_proj.weight, None,
+                                                 sw.down_proj.weight, None)  # fmt: skip
+        gates = sw.gate_proj(norm(x)).float()
+    assert gates.min() < -88 and gates.max() > 88
+    assert torch.isfinite(got).all()
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.02, atol=0.05 * float(ref.float().abs().max()))
+    torch.testing.assert_close(got.float(), ref.float(), **tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("spec,B,padded", [("tiny-llama", 1, False), ("tiny-qwen3", 3, True), ("tiny-coreloop", 2, False),
+                                           ("tiny-hybrid", 2, True), ("tiny-stateloop", 1, False)])  # fmt: skip
+def test_generate_fused_gives_the_reference_tokens(spec, B, padded):
+    """fp32 greedy decoding: the fused blocks change only the order of fp32 additions, so the tokens of
+    every step are the reference's (and the blocks are switched back afterwards)."""
+    model = _model(spec, torch.float32)
+    torch.manual_seed(5)
+    ids = torch.randint(0, model.config.vocab_size, (B, 9))
+    mask = None
+    if padded:
+        mask = torch.ones(B, 9, dtype=torch.long)
+        mask[0, :3] = 0
+    with _CountOps() as c:
+        got = model.generate(ids, max_new_tokens=8, attention_mask=mask)
+    with decode.enabled(False):
+        ref = model.generate(ids, max_new_tokens=8, attention_mask=mask)
+    assert torch.equal(got, ref)
+    assert c.attention == 7 * _fused_calls_per_step(model)  # 7 one-token steps after the prompt
+    assert not any(type(m) is decode.DecodeBlock for m in model.modules())
+
+
+@needs_kernel
+def test_modulated_blocks_keep_the_reference():
+    """Timestep conditioning (branch gating) modulates every core block: those calls take Block.forward,
+    the unmodulated prelude/coda blocks the fused op, and the tokens are the reference's."""
+    model = looplm.build("tiny-coreloop", overrides={"rule": {"name": "timestep", "options": {"gating": "branch"}}}).eval()
+    for p in model.rule.parameters():
+        p.data.normal_(0, 0.3)  # a gating that is not the identity
+    ids = torch.randint(0, model.config.vocab_size, (2, 6))
+    with _CountOps() as c:
+        got = model.generate(ids, max_new_tokens=4)
+    with decode.enabled(False):
+        ref = model.generate(ids, max_new_tokens=4)
+    assert torch.equal(got, ref)
+    outside_core = len(model.prelude.blocks) + len(model.coda.blocks)
+    assert outside_core > 0 and c.attention == 3 * outside_core
+
+
+@needs_kernel
+def test_fallbacks_take_the_reference():
+    """The prompt step, a growing cache, autograd, a hooked block and a compiled block's prompt."""
+    model = _model("tiny-llama", torch.float32)
+    ids = torch.randint(0, model.config.vocab_size, (1, 6))
+    with decode.fused_blocks(model) as n, _CountOps() as c, torch.no_grad():
+        assert n == len(model.core.stack.blocks)
+        cache = model.new_cache(1, capacity=8)
+        model(ids, cache=cache)  # prompt: several tokens per row
+        assert c.attention == 0
+        model(ids[:, :1], cache=cache)
+        assert c.attention == n * model.config.n_loops
+        grow = model.new_cache(1)  # no capacity: KV slots grow by concatenation
+        model(ids, cache=grow)
+        model(ids[:, :1], cache=grow)
+        assert c.attention == n * model.config.n_loops
+    with decode.fused_blocks(model), _CountOps() as c:  # autograd on: the reference (the op has no backward)
+        cache = model.new_cache(1, capacity=8)
+        model(ids, cache=cache)
+        assert model(ids[:, :1], cache=cache).logits.requires_grad
+        assert c.attention == 0
+    h = model.core.stack.blocks[0].mlp.register_forward_hook(lambda *a: None)
+    try:
+        assert not decode.eligible(model.core.stack.blocks[0])
+        with decode.fused_blocks(model) as n:
+            assert n == len(model.core.stack.blocks) - 1
+    finally:
+        h.remove()
+    with decode.enabled(False), decode.fused_blocks(model) as n:
+        assert n == 0
+
+
+@needs_kernel
+def test_compiled_blocks_decode_fused_and_match_eager():
+    """``looplm generate --compile``: the prompt step runs the compiled blocks, the one-token steps the
+    fused op (cheaper than a compiled block's guards and wrapper), with the eager tokens."""
+    from looplm.parallel import compile_blocks
+
+    torch._dynamo.reset()
+    eager = _model("tiny-llama", torch.bfloat16)
+    model = _model("tiny-llama", torch.bfloat16)
+    compile_blocks(model, backend="eager")
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    with _CountOps() as c:
+        got = model.generate(ids, max_new_tokens=5)
+    assert torch.equal(got, eager.generate(ids, max_new_tokens=5))
+    assert c.attention == 4 * _fused_calls_per_step(model)
+    assert all(b._compiled_call_impl is not None for b in model.modules() if isinstance(b, Block))
+
+
+def test_unavailable_kernels_mean_no_fused_blocks(monkeypatch):
+    monkeypatch.setattr(gemv, "_state", {"ok": False, "reason": "test"})
+    model = looplm.build("tiny-llama", dtype=torch.bfloat16).eval()
+    with decode.fused_blocks(model) as n:
+        assert n == 0
+    assert not any(type(m) is decode.DecodeBlock for m in model.modules())
+
+
+def test_eligibility():
+    """Only plain attention blocks of one CPU dtype (bf16 or fp32) qualify; never Mamba-2 or fp64."""
+    hybrid = looplm.build("tiny-hybrid")
+    kinds = [(type(b.mixer).__name__, decode.eligible(b)) for b in hybrid.modules() if isinstance(b, Block)]
+    assert ("Attention", True) in kinds and ("Mamba2Mixer", True) not in kinds
+    assert not any(decode.eligible(b) for b in looplm.build("tiny-llama", dtype=torch.float64).modules() if isinstance(b, Block))
+    mixed = looplm.build("tiny-llama")
+    mixed.core.stack.blocks[0].mlp.down_proj.to(torch.bfloat16)
+    assert not decode.eligible(mixed.core.stack.blocks[0]) and decode.eligible(mixed.core.stack.blocks[1])
+
+
+@needs_kernel
+def test_op_rejects_bad_arguments_with_a_message():
+    blk = _block(torch.float32)
+    args = list(decode._attention_args(blk))
+    x = torch.randn(2, 1, 64)
+    k = torch.zeros(2, 2, 8, 16)
+    cos, sin = torch.ones(2, 1, 16), torch.zeros(2, 1, 16)
+    op = torch.ops.looplm_cpu.decode_attention
+    with pytest.raises(RuntimeError, match="does not fit the caches' capacity 8"):
+        op(x, *args, cos, sin, k, k.clone(), 8, None, 4)
+    with pytest.raises(RuntimeError, match=r"attn_mask must be a contiguous bool \[B, 1, 1, pos \+ 1\]"):
+        op(x, *args, cos, sin, k, k.clone(), 3, torch.ones(2, 1, 1, 3, dtype=torch.bool), 4)
+    with pytest.raises(RuntimeError, match="wq must be a contiguous CPU float32 tensor like x"):
+        bad = list(args)
+        bad[2] = bad[2].to(torch.bfloat16)
+        op(x, *bad, cos, sin, k, k.clone(), 3, None, 4)
+    with pytest.raises(RuntimeError, match=r"one new token per row"):
+        op(torch.randn(2, 3, 64), *args, cos, sin, k, k.clone(), 3, None, 4)
+    with pytest.raises(RuntimeError, match="must be a multiple of the caches' 2 key/value heads"):
+        op(x, *args, cos, sin, k, k.clone(), 3, None, 3)
+
+
+@needs_kernel
+def test_cpp_dispatch_rule_is_the_python_one():
+    """The fused op picks its products' path in C++ (gemv.h kernel_wins) by the rule gemv.py documents."""
+    for dt in (torch.bfloat16, torch.float32, torch.float64):
+        for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17):
+            for k in (64, 576, 1024, 1536, 2048, 6144, 8192):
+                want = gemv.kernel_wins(rows, k, dt) and dt in (torch.bfloat16, torch.float32)
+                assert torch.ops.looplm_cpu.kernel_wins(rows, k, dt) == want, (dt, rows, k)
