@@ -140,7 +140,7 @@ def _cmd_generate(args) -> int:
     if args.compile:
         from .parallel import compile_blocks
 
-        compile_blocks(model)  # the decode step compiled per block: 1.2-1.4x per token on a 2-core Xeon, after ~10 s
+        compile_blocks(model)  # per block, ~10 s; where looplm's CPU kernels run, the fused one-token step of plain attention blocks bypasses it
     torch.manual_seed(args.seed)
     ids = torch.tensor([tok.encode(args.prompt)], dtype=torch.long)
     out = model.generate(
@@ -185,7 +185,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--loops", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action="store_true",
-                   help="compile every block first (torch.compile): pays for long generations")
+                   help="compile every block first (torch.compile); pays for long generations where the fused CPU "
+                        "decode step does not run (GPUs, CPUs without AVX512-BF16, Mamba-2 blocks, modulated blocks)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default="fp32",
                    help="weights' dtype for decoding: fp32 (as trained; the default), bf16, or auto = bf16 on CUDA "
                         "and on CPUs with native bf16 (where bf16 decodes 1.5-2x faster than fp32), else fp32")

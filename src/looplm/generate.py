@@ -13,7 +13,9 @@ def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_k
                 generator: torch.Generator | None = None) -> torch.Tensor:
     """Pick the next token from ``logits [B, V]``: greedy, or temperature / top-k / top-p sampling."""
     if not do_sample or temperature == 0:
-        return logits.argmax(-1)
+        # the first maximum, as argmax; torch's CPU argmax is 2-4x slower (0.17 vs 0.04 ms for one bf16
+        # row of 49,152 logits: 1.5% of a batch-1 decode step at the SmolLM2-135M shape)
+        return logits.max(-1).indices
     logits = logits.float() / max(temperature, 1e-8)
     if top_k is not None and top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]

@@ -16,10 +16,13 @@ CPU, bf16 or fp32 activations and weights, the row counts of :func:`kernel_wins`
 same numbers.
 
 The kernels are compiled on first use (``torch.utils.cpp_extension``: a C++ compiler and ``ninja``,
-about 7 s once; cached under ``~/.cache/torch_extensions``), for CPUs with AVX512-BF16 (the fp32 kernel
+about 8 s once; cached under ``~/.cache/torch_extensions``), for CPUs with AVX512-BF16 (the fp32 kernel
 too: one build for the CPUs this was measured on). Where the CPU lacks AVX512-BF16, the compiler is
 missing or ``LOOPLM_CPU_KERNELS=0`` is set, :func:`available` is ``False`` (:func:`unavailable_reason`
 says why) and everything runs on ``F.linear``.
+
+The same build holds ``csrc/decode.cpp``, the fused one-token step of the transformer block that
+calls these kernels from C++ (:mod:`looplm.layers.decode`).
 
 Used by :func:`looplm.generate.generate` through :func:`decode_linears`, which switches a model's
 ``nn.Linear`` layers to :class:`DecodeLinear` for the duration of the call.
