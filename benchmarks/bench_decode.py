@@ -189,7 +189,7 @@ def main() -> None:
     if dev == "cuda":
         print(f"# GPU: {torch.cuda.get_device_name()}")
     kernels = f"yes (AMX for 2-16 bf16 rows: {'yes' if gemv.amx() else 'no'})" if gemv.available() else f"no ({gemv.unavailable_reason()})"
-    print(f"# looplm GEMV kernels: {kernels}")
+    print(f"# looplm GEMV kernels: {kernels}; fused decode blocks: {'yes' if gemv.extension_available() else 'no'}")
     print(f"# memory bandwidth {bw / 1e9:.1f} GB/s ({'4 GB' if dev == 'cuda' else '256 MB'} read, same run); prompt {args.prompt}, {args.new} new tokens, greedy")
     if args.real:
         return real_weights(args, bw)
@@ -217,11 +217,12 @@ def main() -> None:
             ]
             if flat_c is not None:
                 rows.append(("looplm 30x1 compiled", lambda: flat_c.generate(x, max_new_tokens=args.new), (30, 1)))
-            if gemv.available():
+            if gemv.available():  # the plain-PyTorch path: neither kernels nor fused blocks
                 rows.insert(2, ("looplm 30x1, torch matmul", without_kernel(rows[1][1]), (30, 1)))
-                rows.insert(2, ("looplm 30x1, blocks unfused", unfused(rows[1][1]), (30, 1)))
                 if flat_c is not None:
                     rows.append(("looplm 30x1 compiled, torch matmul", without_kernel(rows[-1][1]), (30, 1)))
+            if gemv.extension_available():  # the kernels (where built) without the fused blocks
+                rows.insert(2, ("looplm 30x1, blocks unfused", unfused(rows[1][1]), (30, 1)))
             if not args.no_static:
                 rows.insert(1, ("hf static cache", lambda: hf.generate(x, cache_implementation="static", **hf_kw), (30, 1)))
             base = None

@@ -4,6 +4,10 @@ presets use, padding, looped rules, modulated blocks that must keep the referenc
 the fallbacks, the op's argument checks and its vectorised exp at extreme inputs."""
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +22,8 @@ from looplm.layers.mlp import SwiGLU
 
 from helpers import tiny_variant
 
-needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"CPU kernels not available: {gemv.unavailable_reason()}")
+needs_extension = pytest.mark.skipif(not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"GEMV kernels not available: {gemv.unavailable_reason()}")
 
 
 class _CountOps(TorchDispatchMode):
@@ -73,7 +78,7 @@ def _step(model, ids, mask, fused: bool):
     return logits, cache, c
 
 
-@needs_kernel
+@needs_extension
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_fused_decode_step_matches_the_reference(case, dtype):
@@ -115,7 +120,7 @@ def _block(dtype, qk_norm=False, bias=False):
     return blk
 
 
-@needs_kernel
+@needs_kernel  # the same products on both sides: the kernels (the portable build's differ in shape from F.linear's)
 @pytest.mark.parametrize("qk_norm,bias", [(False, False), (True, True)])
 def test_fused_block_is_bitwise_where_the_reference_rounds_the_same(qk_norm, bias):
     """bf16, one block, short context (one block of torch's flash kernel): every stored intermediate is
@@ -142,7 +147,7 @@ def test_fused_block_is_bitwise_where_the_reference_rounds_the_same(qk_norm, bia
     assert bool(((got.float() - ref.float()).abs() <= 2 * 2.0**-8 * scale + 1e-6).all())
 
 
-@needs_kernel
+@needs_extension
 def test_fused_attention_long_masked_context_fp32():
     """Hundreds of cached tokens, most of one row masked (left padding), GQA: the op against SDPA."""
     blk = _block(torch.float32)
@@ -164,7 +169,7 @@ def test_fused_attention_long_masked_context_fp32():
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
 
 
-@needs_kernel
+@needs_extension
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_swiglu_at_extreme_gates(dtype):
     """The op's SiLU (its own vectorised exp) at gate values from -120 to 120 (exp over- and underflow)."""
@@ -184,7 +189,7 @@ def test_swiglu_at_extreme_gates(dtype):
     torch.testing.assert_close(got.float(), ref.float(), **tol)
 
 
-@needs_kernel
+@needs_extension
 @pytest.mark.parametrize("spec,B,padded", [("tiny-llama", 1, False), ("tiny-qwen3", 3, True), ("tiny-coreloop", 2, False),
                                            ("tiny-hybrid", 2, True), ("tiny-stateloop", 1, False)])  # fmt: skip
 def test_generate_fused_gives_the_reference_tokens(spec, B, padded):
@@ -206,7 +211,7 @@ def test_generate_fused_gives_the_reference_tokens(spec, B, padded):
     assert not any(type(m) is decode.DecodeBlock for m in model.modules())
 
 
-@needs_kernel
+@needs_extension
 def test_modulated_blocks_keep_the_reference():
     """Timestep conditioning (branch gating) modulates every core block: those calls take Block.forward,
     the unmodulated prelude/coda blocks the fused op, and the tokens are the reference's."""
@@ -223,7 +228,7 @@ def test_modulated_blocks_keep_the_reference():
     assert outside_core > 0 and c.attention == 3 * outside_core
 
 
-@needs_kernel
+@needs_extension
 def test_fallbacks_take_the_reference():
     """The prompt step, a growing cache, autograd, a hooked block and a compiled block's prompt."""
     model = _model("tiny-llama", torch.float32)
@@ -255,7 +260,7 @@ def test_fallbacks_take_the_reference():
         assert n == 0
 
 
-@needs_kernel
+@needs_extension
 def test_compiled_blocks_decode_fused_and_match_eager():
     """``looplm generate --compile``: the prompt step runs the compiled blocks, the one-token steps the
     fused op (cheaper than a compiled block's guards and wrapper), with the eager tokens."""
@@ -292,7 +297,7 @@ def test_eligibility():
     assert not decode.eligible(mixed.core.stack.blocks[0]) and decode.eligible(mixed.core.stack.blocks[1])
 
 
-@needs_kernel
+@needs_extension
 def test_op_rejects_bad_arguments_with_a_message():
     blk = _block(torch.float32)
     args = list(decode._attention_args(blk))
@@ -314,11 +319,25 @@ def test_op_rejects_bad_arguments_with_a_message():
         op(x, *args, cos, sin, k, k.clone(), 3, None, 3)
 
 
-@needs_kernel
+@needs_extension
 def test_cpp_dispatch_rule_is_the_python_one():
-    """The fused op picks its products' path in C++ (gemv.h kernel_wins) by the rule gemv.py documents."""
+    """The fused op picks its products' path in C++ (gemv.h kernel_wins) by the rule gemv.py documents
+    (never a kernel in the portable build)."""
     for dt in (torch.bfloat16, torch.float32, torch.float64):
         for rows in (1, 2, 3, 4, 5, 8, 9, 16, 17):
             for k in (64, 576, 1024, 1536, 2048, 6144, 8192):
-                want = gemv.kernel_wins(rows, k, dt) and dt in (torch.bfloat16, torch.float32)
+                want = gemv.available() and gemv.kernel_wins(rows, k, dt) and dt in (torch.bfloat16, torch.float32)
                 assert torch.ops.looplm_cpu.kernel_wins(rows, k, dt) == want, (dt, rows, k)
+
+
+@needs_extension
+def test_portable_build_passes_these_tests():
+    """The build CPUs without AVX512-BF16 get (plain C++ and AVX2, torch's matmul for the products), forced
+    with LOOPLM_CPU_KERNELS=portable: every other test of this file, in a fresh process."""
+    env = dict(os.environ, LOOPLM_CPU_KERNELS="portable")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-k", "not portable_build", __file__],
+        env=env, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout and "skipped" in r.stdout  # the kernel-only tests skip there

@@ -7,7 +7,8 @@ compiled block (guard evaluation, the generated wrapper) — 10 ms of a 28 ms to
 runs each branch of the block as one op: ``decode_attention`` (RMSNorm → q/k/v products → QK-norm → RoPE
 → KV write → attention over the cache → output product → residual) and ``decode_swiglu`` (RMSNorm →
 gate/up products → SiLU ⊙ up → down product → residual). The products inside are the same kernels (or
-torch's matmul where those do not win, e.g. fp32 with one row: MKL).
+torch's matmul where those do not win, e.g. fp32 with one row: MKL, and on CPUs without AVX512-BF16,
+where the extension is built without the kernels: the portable build).
 
 Exactness: every intermediate the reference stores in the model's dtype is rounded to it at the same
 point (RMSNorm, the products, RoPE's products and sum, SiLU, SiLU ⊙ up, the residual sums); only the
@@ -160,12 +161,13 @@ def _swiglu_args(block: Block) -> tuple | None:
 def fused_blocks(model: nn.Module):
     """Inside the block, every :func:`eligible` block of ``model`` runs as :class:`DecodeBlock`; the
     classes are restored on exit (a compiled block keeps its compiled call for the reference path). Yields how many blocks were switched.
-    A no-op where the kernels are unavailable (:func:`looplm.layers.gemv.available`), under
+    A no-op where looplm's CPU extension is unavailable (:func:`looplm.layers.gemv.extension_available`:
+    no compiler, ``LOOPLM_CPU_KERNELS=0``), under
     :func:`enabled` ``(False)``, or with global module hooks registered."""
     blocks = []
     if _on and not _global_hooks():
         blocks = [m for m in model.modules() if type(m) is Block and eligible(m)]
-        if blocks and not gemv.available():
+        if blocks and not gemv.extension_available():
             blocks = []
     for b in blocks:
         b._weights = _attention_args(b)

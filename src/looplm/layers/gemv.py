@@ -17,12 +17,12 @@ same numbers.
 
 The kernels are compiled on first use (``torch.utils.cpp_extension``: a C++ compiler and ``ninja``,
 about 8 s once; cached under ``~/.cache/torch_extensions``), for CPUs with AVX512-BF16 (the fp32 kernel
-too: one build for the CPUs this was measured on). Where the CPU lacks AVX512-BF16, the compiler is
-missing or ``LOOPLM_CPU_KERNELS=0`` is set, :func:`available` is ``False`` (:func:`unavailable_reason`
-says why) and everything runs on ``F.linear``.
-
-The same build holds ``csrc/decode.cpp``, the fused one-token step of the transformer block that
-calls these kernels from C++ (:mod:`looplm.layers.decode`).
+too: one build for the CPUs this was measured on). Where the CPU lacks AVX512-BF16, :func:`available`
+is ``False`` and the products run on ``F.linear``; the extension is then built without the kernels (the
+portable build: AVX2/FMA where the CPU has them, plain C++ elsewhere), for the fused decode block of
+``csrc/decode.cpp`` (:mod:`looplm.layers.decode`), which calls the kernels from C++ where they exist and
+torch's matmul where not. Without a compiler, or with ``LOOPLM_CPU_KERNELS=0``, neither runs
+(:func:`extension_available` and :func:`unavailable_reason` say why) and everything is the reference.
 
 Used by :func:`looplm.generate.generate` through :func:`decode_linears`, which switches a model's
 ``nn.Linear`` layers to :class:`DecodeLinear` for the duration of the call.
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -67,32 +68,45 @@ def amx() -> bool:
     """Whether the 2-16-row bf16 path runs on AMX tiles here (CPU flags and the process's permission to
     use them; decided once, whatever :func:`enabled` says at the time)."""
     if "amx" not in _state:
-        available()  # builds the kernels on the first call
-        _state["amx"] = _state["ok"] and bool(torch.ops.looplm_cpu.amx_ready())
+        extension_available()  # builds the extension on the first call
+        _state["amx"] = _state["ok"] and _state.get("kernels", False) and bool(torch.ops.looplm_cpu.amx_ready())
     return _state["amx"]
 
 
 _lock = threading.Lock()
-_state: dict = {}  # "ok": bool once decided; "reason": why not
+_state: dict = {}  # "ok": extension built; "reason": why not; "kernels": it has the GEMV kernels; "variant"
 _enabled = True
+_KERNEL_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
+
+
+def _variant() -> tuple[str, list[str]]:
+    """Which build this CPU gets, and its compiler flags: the kernels where the CPU has AVX512-BF16 (AMX
+    where it has AMX too), else the portable build (the fused decode block, with torch's matmul for the
+    products), with AVX2/FMA where the CPU has them. ``LOOPLM_CPU_KERNELS=portable`` forces the
+    portable build (tests, comparisons)."""
+    flags = cpuinfo.flags()
+    omp = ["-fopenmp"] if sys.platform.startswith("linux") else []  # at::parallel_for's OpenMP regions
+    if _KERNEL_FLAGS <= flags and os.environ.get("LOOPLM_CPU_KERNELS") != "portable":
+        return "avx512bf16", ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", *omp]
+    if {"avx2", "fma"} <= flags:
+        return "avx2", ["-O3", "-mavx2", "-mfma", *omp]
+    return "portable", ["-O3", *omp]
 
 
 def _build() -> tuple[bool, str]:
     if os.environ.get("LOOPLM_CPU_KERNELS", "1") == "0":
         return False, "disabled by LOOPLM_CPU_KERNELS=0"
-    need = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16"}
-    missing = need - cpuinfo.flags()
-    if missing:
-        return False, f"this CPU lacks {', '.join(sorted(missing))}"
+    variant, cflags = _variant()
+    _state["variant"], _state["kernels"] = variant, variant == "avx512bf16"
     try:
         from torch.utils.cpp_extension import load
 
         csrc = Path(__file__).with_name("csrc")
         load(
-            name="looplm_gemv",
+            name=f"looplm_cpu_{variant}",  # one name per build: a cache shared by several CPUs never mixes them
             sources=[str(csrc / "gemv.cpp"), str(csrc / "decode.cpp")],  # decode.cpp: the fused decode block (layers/decode.py)
             extra_include_paths=[str(csrc)],
-            extra_cflags=["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-fopenmp"],
+            extra_cflags=cflags,
             is_python_module=False,
             verbose=False,
         )
@@ -118,8 +132,10 @@ def _build() -> tuple[bool, str]:
     return True, ""
 
 
-def available() -> bool:
-    """Whether the kernels run here (built on the first call; thread-safe)."""
+def extension_available() -> bool:
+    """Whether looplm's CPU extension runs here — the fused decode block (:mod:`looplm.layers.decode`)
+    on any CPU with a compiler, plus the GEMV kernels where :func:`available` (built on the first call;
+    thread-safe)."""
     if "ok" not in _state:
         with _lock:
             if "ok" not in _state:
@@ -127,12 +143,23 @@ def available() -> bool:
     return _state["ok"] and _enabled
 
 
+def available() -> bool:
+    """Whether the GEMV kernels run here (an AVX512-BF16 CPU; built on the first call; thread-safe)."""
+    return extension_available() and _state.get("kernels", False)
+
+
 def unavailable_reason() -> str:
     """Why :func:`available` is ``False`` (empty when it is ``True``)."""
-    available()
+    extension_available()
     if not _state["ok"]:
         return _state["reason"]
-    return "" if _enabled else "switched off with looplm.layers.gemv.enabled(False)"
+    if not _enabled:
+        return "switched off with looplm.layers.gemv.enabled(False)"
+    if not _state.get("kernels", False):
+        missing = _KERNEL_FLAGS - cpuinfo.flags()
+        why = f"this CPU lacks {', '.join(sorted(missing))}" if missing else "LOOPLM_CPU_KERNELS=portable"
+        return f"{why}: the portable build runs the fused decode block, with torch's matmul for the products"
+    return ""
 
 
 @contextlib.contextmanager

@@ -27,7 +27,9 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <c10/util/BFloat16.h>
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
 #include <torch/library.h>
 
 #include <cmath>
@@ -49,15 +51,15 @@ inline float rnd(float v) {
   return widen(T(v));
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// ---- the AVX-512 build (the one with gemv.cpp's kernels) ------------------------------------------
+
 // 16 entries of a row (fewer under a mask) as fp32.
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const bf16* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
-}
 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 inline __m512 load16(const bf16* p, __mmask16 m) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
 }
+inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
 // e^x for 16 lanes: 2^n · p(r) with n = round(x / ln 2), r = x − n ln 2 (ln 2 in two parts), p the degree-7
 // Taylor polynomial (truncation < 5e-9 relative on |r| ≤ ln2/2); scalef gives inf past 88.7 and 0 below
@@ -87,20 +89,94 @@ inline __m512 round16(__m512 v, const bf16*) {
 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
 inline void store16(bf16* p, __m512 v, __mmask16 m) { _mm256_mask_storeu_epi16(p, m, (__m256i)_mm512_cvtneps_pbh(v)); }
 
+// Σ a_i b_i over n entries, in fp32.
+template <typename T>
+float dot(const T* a, const T* b, int64_t n) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(load16(a + i, first(n - i)), load16(b + i, first(n - i)), acc);
+  return _mm512_reduce_add_ps(acc);
+}
+
+// out[0..n) += p · v[0..n) (out fp32).
+template <typename T>
+void axpy(float p, const T* v, float* out, int64_t n) {
+  const __m512 pv = _mm512_set1_ps(p);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = first(n - i);
+    _mm512_mask_storeu_ps(out + i, m, _mm512_fmadd_ps(pv, load16(v + i, m), _mm512_maskz_loadu_ps(m, out + i)));
+  }
+}
+
+// s[j] ← e^(s[j] − mx) rounded to T (the weights the product with V uses); returns the sum of the
+// unrounded values (the softmax denominator). As torch's CPU flash kernel rounds and sums them.
+template <typename T>
+float exp_weights(float* s, int64_t L, float mx) {
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < L; j += 16) {
+    const __mmask16 m = first(L - j);
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(mx)));  // e^-inf = 0: masked keys
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+    _mm512_mask_storeu_ps(s + j, m, round16(e, (const T*)nullptr));
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
+// g[i] ← silu(g[i]) ⊙ up[i], each rounded as the reference stores it.
+template <typename T>
+void silu_mul(T* g, const T* up, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = first(n - i);
+    const __m512 a = load16(g + i, m);
+    const __m512 silu = round16(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), a)))), g);
+    store16(g + i, _mm512_mul_ps(silu, load16(up + i, m)), m);
+  }
+}
+
+#else
+// ---- the portable build (any CPU torch runs on): plain loops; 16 partial sums let the compiler
+// vectorise the dot products without reassociating them (no -ffast-math) ---------------------------
+
+template <typename T>
+float dot(const T* a, const T* b, int64_t n) {
+  float acc[16] = {};
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int l = 0; l < 16; ++l) acc[l] += widen(a[i + l]) * widen(b[i + l]);
+  for (int l = 0; i + l < n; ++l) acc[l] += widen(a[i + l]) * widen(b[i + l]);
+  float sum = 0.f;
+  for (float v : acc) sum += v;
+  return sum;
+}
+
+template <typename T>
+void axpy(float p, const T* v, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) out[i] += p * widen(v[i]);
+}
+
+template <typename T>
+float exp_weights(float* s, int64_t L, float mx) {
+  float sum = 0.f;
+  for (int64_t j = 0; j < L; ++j) {
+    const float e = std::exp(s[j] - mx);  // e^-inf = 0: masked keys
+    sum += e;
+    s[j] = rnd<T>(e);
+  }
+  return sum;
+}
+
+template <typename T>
+void silu_mul(T* g, const T* up, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float a = widen(g[i]);
+    g[i] = T(rnd<T>(a / (1.0f + std::exp(-a))) * widen(up[i]));
+  }
+}
+#endif
+
 // y = RMSNorm(x) · w over n channels (torch 2.13: x · rsqrt(mean(x²) + eps) · w in fp32, rounded once).
 template <typename T>
 void rms_norm(const T* x, const T* w, float eps, int64_t n, T* y) {
-  __m512 acc = _mm512_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = load16(x + i);
-    acc = _mm512_fmadd_ps(v, v, acc);
-  }
-  if (i < n) {
-    const __m512 v = load16(x + i, (__mmask16)((1u << (n - i)) - 1));
-    acc = _mm512_fmadd_ps(v, v, acc);
-  }
-  const float r = 1.0f / std::sqrt(_mm512_reduce_add_ps(acc) / static_cast<float>(n) + eps);
+  const float r = 1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps);
   for (int64_t j = 0; j < n; ++j) y[j] = T(widen(x[j]) * r * widen(w[j]));
 }
 
@@ -118,48 +194,21 @@ void rotary(T* x, const float* cos, const float* sin, int64_t rot) {
 }
 
 // softmax(q·kⱼ/√hd over the visible j) · V for one query head: q [hd] (T), K and V [L, hd] rows of one
-// cache head, visible: bool [L] or null (all), y [hd] rounded to T. fp32 throughout.
+// cache head, visible: bool [L] or null (all), y [hd] rounded to T. fp32 throughout; s: L floats of scratch.
 template <typename T>
 void attend(const T* q, const T* K, const T* V, const bool* visible, int64_t L, int64_t hd, float* s, T* y) {
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const int64_t chunks = (hd + 15) / 16;
-  const __mmask16 tail = (hd % 16) ? (__mmask16)((1u << (hd % 16)) - 1) : (__mmask16)0xFFFF;
-  __m512 qv[16];  // hd ≤ 256
-  for (int64_t c = 0; c < chunks; ++c) qv[c] = c + 1 < chunks ? load16(q + 16 * c) : load16(q + 16 * c, tail);
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < L; ++j) {
-    if (visible != nullptr && !visible[j]) {
-      s[j] = -std::numeric_limits<float>::infinity();
-      continue;
-    }
-    const T* k = K + j * hd;
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t c = 0; c < chunks; ++c)
-      acc = _mm512_fmadd_ps(qv[c], c + 1 < chunks ? load16(k + 16 * c) : load16(k + 16 * c, tail), acc);
-    s[j] = _mm512_reduce_add_ps(acc) * scale;
+    s[j] = visible != nullptr && !visible[j] ? -std::numeric_limits<float>::infinity() : dot(q, K + j * hd, hd) * scale;
     mx = std::max(mx, s[j]);
   }
-  // the weights e^(s - max): rounded to T for the product with V, their sum not (as torch's CPU flash kernel)
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t j = 0; j < L; j += 16) {
-    const __mmask16 m = L - j >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (L - j)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), _mm512_set1_ps(mx)));  // e^-inf = 0: masked keys
-    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
-    _mm512_mask_storeu_ps(s + j, m, round16(e, q));
-  }
-  const float sum = _mm512_reduce_add_ps(total);
+  const float sum = exp_weights<T>(s, L, mx);
   const float inv = sum > 0.f ? 1.0f / sum : 0.f;  // no visible key (never from looplm's masks): zeros
-  alignas(64) float out[256];
-  for (int64_t c = 0; c < chunks; ++c) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t j = 0; j < L; ++j) {
-      if (s[j] == 0.f) continue;
-      const T* v = V + j * hd + 16 * c;
-      acc = _mm512_fmadd_ps(_mm512_set1_ps(s[j]), c + 1 < chunks ? load16(v) : load16(v, tail), acc);
-    }
-    _mm512_store_ps(out + 16 * c, _mm512_mul_ps(acc, _mm512_set1_ps(inv)));
-  }
-  for (int64_t i = 0; i < hd; ++i) y[i] = T(out[i]);
+  float out[256] = {};
+  for (int64_t j = 0; j < L; ++j)
+    if (s[j] != 0.f) axpy(s[j], V + j * hd, out, hd);
+  for (int64_t i = 0; i < hd; ++i) y[i] = T(out[i] * inv);
 }
 
 const char* dtype_name(at::ScalarType t) { return t == at::kBFloat16 ? "bfloat16" : t == at::kFloat ? "float32" : "other"; }
@@ -328,12 +377,7 @@ at::Tensor swiglu_impl(const at::Tensor& x, const at::Tensor& norm_w, double eps
   at::Tensor up = linear_rows(u, wu, bu);             // [B, F]
   T* gp = mdata<T>(g);
   const T* upp = data<T>(up);
-  for (int64_t i = 0; i < B * F; i += 16) {  // silu(gate) ⊙ up, each rounded as the reference stores it; into g
-    const __mmask16 m = B * F - i >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (B * F - i)) - 1);
-    const __m512 a = load16(gp + i, m);
-    const __m512 silu = round16(_mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), a)))), gp);
-    store16(gp + i, _mm512_mul_ps(silu, load16(upp + i, m)), m);
-  }
+  silu_mul(gp, upp, B * F);  // silu(gate) ⊙ up, into g
   at::Tensor o = linear_rows(g, wd, bd);  // [B, d]
   return residual<T>(x, o);
 }

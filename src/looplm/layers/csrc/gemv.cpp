@@ -24,12 +24,20 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/linear.h>
 #include <c10/util/BFloat16.h>
-#include <immintrin.h>
 #include <torch/library.h>
 
+// The kernels need AVX512-BF16 (and AMX for 2-16 bf16 rows): looplm/layers/gemv.py builds this file with
+// those instructions on CPUs that have them. The portable build (every other CPU) keeps the ops' names
+// and argument checks but has no kernels: kernel_wins is false, linear_rows is at::linear.
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#define LOOPLM_KERNELS 1
 #include <cpuid.h>
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#else
+#define LOOPLM_KERNELS 0
+#endif
 
 #include <cstdint>
 #include <cstring>
@@ -38,6 +46,7 @@
 namespace looplm_cpu {
 namespace {
 
+#if LOOPLM_KERNELS
 constexpr int64_t kRows = 16;  // weight rows per block: 16 accumulators, one zmm of outputs
 
 // 16 vectors a[0..15] -> one vector whose lane i is the sum of a[i]'s 16 lanes (a transpose-and-add
@@ -152,6 +161,8 @@ void rows_amx(const uint16_t* xp, const uint16_t* wp, const uint16_t* bp, int64_
     for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot1(xp + m * K, wp + n * K, bp ? bp + n : nullptr, K);
 }
 
+#endif  // LOOPLM_KERNELS
+
 // The argument checks both ops share (op: its name in messages; dt / dt_name: the one dtype of x, W and
 // the bias). Returns the bias's data, or nullptr without a bias.
 const void* check_args(const char* op, at::ScalarType dt, const char* dt_name, const at::Tensor& x, const at::Tensor& w,
@@ -170,6 +181,11 @@ const void* check_args(const char* op, at::ScalarType dt, const char* dt_name, c
 
 at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool use_amx) {
   const auto* bp = static_cast<const uint16_t*>(check_args("gemv_bf16", at::kBFloat16, "bfloat16", x, w, bias));
+#if !LOOPLM_KERNELS
+  TORCH_CHECK(false, "gemv_bf16: looplm's CPU kernels were built without AVX512-BF16 (this CPU lacks it)");
+  (void)bp, (void)use_amx;
+  return x;
+#else
   const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
   at::Tensor y = at::empty({M, N}, x.options());
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
@@ -190,6 +206,7 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::option
   for (int64_t n = blocks * kRows; n < N; ++n)
     for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot1(xp + m * K, wp + n * K, bp ? bp + n : nullptr, K);
   return y;
+#endif
 }
 
 // ---- fp32, 3-8 rows of x: AVX-512 FMA ----------------------------------------------------------
@@ -197,6 +214,7 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::option
 // stays the path for one row). A tile of R weight rows x M rows of x (M R <= 16 accumulators): every
 // W vector loaded feeds M fused multiply-adds, x stays in L1 (rows * K <= 6144 floats, checked by the
 // caller), the next tile's lines are prefetched; lane (m R + r) of the reduced vector is y[m, n + r].
+#if LOOPLM_KERNELS
 template <int M, int R>
 inline void tile_fp32(const float* x, const float* w, const float* b, int64_t K, float* y, int64_t N) {
   __m512 acc[16];
@@ -251,9 +269,16 @@ void rows_fp32(const float* xp, const float* wp, const float* bp, int64_t K, int
     }
 }
 
+#endif  // LOOPLM_KERNELS
+
 at::Tensor gemv_fp32(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   const auto* bp = static_cast<const float*>(check_args("gemv_fp32", at::kFloat, "float32", x, w, bias));
   TORCH_CHECK(x.size(0) >= 3 && x.size(0) <= 8, "gemv_fp32: takes 3-8 rows of x, got ", x.size(0));
+#if !LOOPLM_KERNELS
+  TORCH_CHECK(false, "gemv_fp32: looplm's CPU kernels were built without AVX-512 (this CPU lacks AVX512-BF16)");
+  (void)bp;
+  return x;
+#else
   const int64_t K = x.size(1), N = w.size(0);
   at::Tensor y = at::empty({x.size(0), N}, x.options());
   const float* xp = x.data_ptr<float>();
@@ -268,20 +293,26 @@ at::Tensor gemv_fp32(const at::Tensor& x, const at::Tensor& w, const std::option
     default: rows_fp32<8, 2>(xp, wp, bp, K, N, yp); break;
   }
   return y;
+#endif
 }
 
 }  // namespace
 
 bool amx_ready() {  // the CPU has AMX-BF16 / AMX-TILE and Linux lets this process use the tile state
+#if LOOPLM_KERNELS
   static const bool ok = [] {
     unsigned a, b, c, d;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return false;
     return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
   }();
   return ok;
+#else
+  return false;
+#endif
 }
 
 bool kernel_wins(int64_t rows, int64_t k, at::ScalarType dt) {  // the rule of looplm.layers.gemv.kernel_wins (tested equal)
+  if (!LOOPLM_KERNELS) return false;
   if (dt == at::kFloat) return rows >= 3 && rows <= 8 && rows * k <= kFp32MaxRowEntries;
   if (dt != at::kBFloat16) return false;
   if (rows == 1) return true;
