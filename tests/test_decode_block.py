@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import looplm
 from looplm.blocks import Block
 from looplm.layers import decode, gemv
-from looplm.layers.attention import KVCache
+from looplm.layers.attention import Attention, KVCache
+from looplm.layers.mamba2 import Mamba2Mixer, Mamba2State
 from looplm.layers.mlp import SwiGLU
 
 from helpers import tiny_variant
@@ -29,12 +30,13 @@ needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"GEMV kernels no
 class _CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.attention = self.swiglu = 0
+        self.attention = self.swiglu = self.mamba2 = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
         self.attention += "looplm_cpu.decode_attention" in name
         self.swiglu += "looplm_cpu.decode_swiglu" in name
+        self.mamba2 += "looplm_cpu.decode_mamba2" in name
         return func(*args, **(kwargs or {}))
 
 
@@ -47,12 +49,14 @@ def _model(spec, dtype, overrides=None):
     return looplm.build(cfg, dtype=dtype, init_std=0.15, overrides=overrides).eval()
 
 
-def _fused_calls_per_step(model) -> int:
-    """Attention blocks one decode step runs on the fused op (no modulated blocks in these models)."""
-    cfg = model.config
-    eligible = [decode.eligible(b) for b in model.modules() if isinstance(b, Block)]
-    n_core = sum(decode.eligible(b) for b in model.core.stack.blocks)
-    return sum(eligible) - n_core + n_core * cfg.n_loops
+def _fused_calls_per_step(model, mixer=Attention) -> int:
+    """Blocks with a ``mixer`` one decode step runs on the fused op (no modulated blocks in these models)."""
+
+    def n(blocks):
+        return sum(decode.eligible(b) and type(b.mixer) is mixer for b in blocks)
+
+    outside = n(model.prelude.blocks) + n(model.coda.blocks)
+    return outside + n(model.core.stack.blocks) * model.config.n_loops
 
 
 CASES = {
@@ -64,6 +68,9 @@ CASES = {
     "prelude and coda, left padding": ("tiny-coreloop", {}, 2, True),
     "StateLoop's own mixers beside the blocks": ("stateloop-410m-k3", {}, 2, False),
     "Llama-3 RoPE scaling, tied, 2 x 10 loops": ("llama3.1-1b-baseloop-2x10", {}, 1, False),
+    "Mamba-2": ("tiny-mamba2", {}, 2, False),
+    "Looped Mamba-2 24x4 structure, left padding": ("mamba2-140m-loop4", {}, 2, True),
+    "hybrid Looped Mamba (ngroups 2), left padding": ("tiny-hybrid", {"mamba.ngroups": 2}, 3, True),
 }
 
 
@@ -92,20 +99,26 @@ def test_fused_decode_step_matches_the_reference(case, dtype):
         mask[0, :4] = 0  # row 0 left-padded by four
     ref, ref_cache, c_ref = _step(model, ids, mask, fused=False)
     got, got_cache, c = _step(model, ids, mask, fused=True)
-    assert c_ref.attention == 0
-    assert c.attention == _fused_calls_per_step(model) > 0
-    assert c.swiglu == (c.attention if model.config.d_ff else 0)
+    assert c_ref.attention == c_ref.mamba2 == 0
+    assert c.attention == _fused_calls_per_step(model, Attention)
+    assert c.mamba2 == _fused_calls_per_step(model, Mamba2Mixer)
+    assert c.attention + c.mamba2 > 0
+    assert c.swiglu == (c.attention + c.mamba2 if model.config.d_ff else 0)
     if dtype == torch.float32:  # only the order of fp32 additions differs
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
     else:  # each stored intermediate rounded at the reference's points: ~one bf16 rounding apart
         torch.testing.assert_close(got, ref, rtol=0.03, atol=0.03 * float(ref.abs().max()))
-    for key, slot in ref_cache.slots.items():  # the new token's keys and values, written by the op
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
+    for key, slot in ref_cache.slots.items():  # what the op wrote: the new token's keys and values, Mamba-2 states
+        other = got_cache.slots[key]
         if isinstance(slot, KVCache):
-            other = got_cache.slots[key]
             assert other.seqlen == slot.seqlen == 13
-            tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02)
             torch.testing.assert_close(other.k.float(), slot.k.float(), **tol)
             torch.testing.assert_close(other.v.float(), slot.v.float(), **tol)
+        elif isinstance(slot, Mamba2State):
+            assert other.seqlen == slot.seqlen == 13
+            torch.testing.assert_close(other.conv_state.float(), slot.conv_state.float(), **tol)
+            torch.testing.assert_close(other.ssm_state, slot.ssm_state, rtol=tol["rtol"], atol=tol["atol"] * float(slot.ssm_state.abs().max()))
 
 
 def _block(dtype, qk_norm=False, bias=False):
@@ -191,7 +204,7 @@ def test_swiglu_at_extreme_gates(dtype):
 
 @needs_extension
 @pytest.mark.parametrize("spec,B,padded", [("tiny-llama", 1, False), ("tiny-qwen3", 3, True), ("tiny-coreloop", 2, False),
-                                           ("tiny-hybrid", 2, True), ("tiny-stateloop", 1, False)])  # fmt: skip
+                                           ("tiny-hybrid", 2, True), ("tiny-stateloop", 1, False), ("tiny-mamba2", 2, True)])  # fmt: skip
 def test_generate_fused_gives_the_reference_tokens(spec, B, padded):
     """fp32 greedy decoding: the fused blocks change only the order of fp32 additions, so the tokens of
     every step are the reference's (and the blocks are switched back afterwards)."""
@@ -207,7 +220,8 @@ def test_generate_fused_gives_the_reference_tokens(spec, B, padded):
     with decode.enabled(False):
         ref = model.generate(ids, max_new_tokens=8, attention_mask=mask)
     assert torch.equal(got, ref)
-    assert c.attention == 7 * _fused_calls_per_step(model)  # 7 one-token steps after the prompt
+    assert c.attention == 7 * _fused_calls_per_step(model, Attention)  # 7 one-token steps after the prompt
+    assert c.mamba2 == 7 * _fused_calls_per_step(model, Mamba2Mixer)
     assert not any(type(m) is decode.DecodeBlock for m in model.modules())
 
 
@@ -287,10 +301,11 @@ def test_unavailable_kernels_mean_no_fused_blocks(monkeypatch):
 
 
 def test_eligibility():
-    """Only plain attention blocks of one CPU dtype (bf16 or fp32) qualify; never Mamba-2 or fp64."""
+    """Plain attention and Mamba-2 blocks of one CPU dtype (bf16 or fp32) qualify; fp64, mixed dtypes, a
+    rule's own mixers (not Blocks) do not."""
     hybrid = looplm.build("tiny-hybrid")
-    kinds = [(type(b.mixer).__name__, decode.eligible(b)) for b in hybrid.modules() if isinstance(b, Block)]
-    assert ("Attention", True) in kinds and ("Mamba2Mixer", True) not in kinds
+    kinds = {(type(b.mixer).__name__, decode.eligible(b)) for b in hybrid.modules() if isinstance(b, Block)}
+    assert kinds == {("Attention", True), ("Mamba2Mixer", True)}
     assert not any(decode.eligible(b) for b in looplm.build("tiny-llama", dtype=torch.float64).modules() if isinstance(b, Block))
     mixed = looplm.build("tiny-llama")
     mixed.core.stack.blocks[0].mlp.down_proj.to(torch.bfloat16)
@@ -341,3 +356,48 @@ def test_portable_build_passes_these_tests():
     )  # fmt: skip
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout and "skipped" in r.stdout  # the kernel-only tests skip there
+
+
+@needs_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_mamba2_step_of_a_padding_row(dtype):
+    """A row whose new position is padding (pad_mask false) enters the conv as zeros and keeps its SSM
+    state (dt = 0), as the reference step does; the other row steps normally."""
+    model = _model("tiny-mamba2", dtype)
+    blk = model.core.stack.blocks[0]
+    B, P = 2, 6
+    fctx_p = model._forward_context(torch.zeros(B, P, dtype=torch.long), None, None, 0)
+    fctx = model._forward_context(torch.zeros(B, 1, dtype=torch.long), None, None, P)
+    fctx.pad_mask = torch.tensor([[True], [False]])
+    ref_state = blk.new_cache(B)
+    with torch.no_grad():
+        blk(torch.randn(B, P, 64).to(dtype), fctx_p, ref_state)
+        got_state = copy.deepcopy(ref_state)
+        before = ref_state.ssm_state.clone()
+        x = torch.randn(B, 1, 64).to(dtype)
+        ref = blk(x, fctx, ref_state)
+        with decode.fused_blocks(blk), _CountOps() as c:
+            got = blk(x, fctx, got_state)
+    assert c.mamba2 == 1
+    assert torch.equal(got_state.ssm_state[1], before[1]) and torch.equal(ref_state.ssm_state[1], before[1])
+    assert not torch.equal(got_state.ssm_state[0], before[0])
+    assert torch.equal(got_state.conv_state[1, :, -1], torch.zeros_like(got_state.conv_state[1, :, -1]))
+    torch.testing.assert_close(got_state.conv_state, ref_state.conv_state, rtol=0, atol=0)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02 * float(ref.float().abs().max()))
+    torch.testing.assert_close(got.float(), ref.float(), **tol)
+    torch.testing.assert_close(got_state.ssm_state, ref_state.ssm_state, **(dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else tol))
+
+
+@needs_extension
+def test_mamba2_op_rejects_bad_arguments_with_a_message():
+    blk = _model("tiny-mamba2", torch.float32).core.stack.blocks[0]
+    args = decode._mamba2_args(blk)
+    state = blk.new_cache(2)
+    x = torch.randn(2, 1, 64)
+    op = torch.ops.looplm_cpu.decode_mamba2
+    with pytest.raises(RuntimeError, match="ssm_state must be a contiguous float32"):
+        op(x, *args, state.conv_state, state.ssm_state.to(torch.bfloat16), None)
+    with pytest.raises(RuntimeError, match=r"conv_state must be a contiguous float32 \[B, conv_dim, d_conv\] tensor with B = 2"):
+        op(x, *args, state.conv_state[:1], state.ssm_state, None)
+    with pytest.raises(RuntimeError, match=r"pad_mask must be a contiguous bool \[B, 1\]"):
+        op(x, *args, state.conv_state, state.ssm_state, torch.ones(3, 1, dtype=torch.bool))

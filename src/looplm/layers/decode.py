@@ -1,30 +1,40 @@
-"""A fused decode step for the transformer block on CPU, beside its reference :class:`looplm.blocks.Block`.
+"""A fused decode step for looplm's blocks on CPU, beside their reference :class:`looplm.blocks.Block`.
 
 With the products on :mod:`looplm.layers.gemv`'s kernels, a batch-1 bf16 decode step of the SmolLM2-135M
 shape still spent as long again *between* the products: ~330 µs per block of eager PyTorch (RMSNorm's
 composite, RoPE's eight ops per head set, views, the KV writes, SDPA, the residual adds) and ~270 µs in a
 compiled block (guard evaluation, the generated wrapper) — 10 ms of a 28 ms token. ``csrc/decode.cpp``
-runs each branch of the block as one op: ``decode_attention`` (RMSNorm → q/k/v products → QK-norm → RoPE
-→ KV write → attention over the cache → output product → residual) and ``decode_swiglu`` (RMSNorm →
-gate/up products → SiLU ⊙ up → down product → residual). The products inside are the same kernels (or
-torch's matmul where those do not win, e.g. fp32 with one row: MKL, and on CPUs without AVX512-BF16,
-where the extension is built without the kernels: the portable build).
+runs each branch of a block as one op:
+
+* ``decode_attention``: RMSNorm → q/k/v products → QK-norm → RoPE → KV write → attention over the cache
+  → output product → residual;
+* ``decode_swiglu``: RMSNorm → gate/up products → SiLU ⊙ up → down product → residual;
+* ``decode_mamba2`` (Looped-Mamba blocks, 96 block steps per token at 24 ⊗ 4): RMSNorm → in_proj →
+  the conv window slid by one → SiLU → the SSM state update ``S ← exp(dt·A)·S + dt·x ⊗ B``,
+  ``y = S·C + D·x`` → gated RMSNorm → out_proj → residual (``Mamba2Mixer._step``'s arithmetic).
+
+The products inside are the same kernels (or torch's matmul where those do not win, e.g. fp32 with one
+row: MKL, and on CPUs without AVX512-BF16, where the extension is built without the kernels: the portable
+build).
 
 Exactness: every intermediate the reference stores in the model's dtype is rounded to it at the same
-point (RMSNorm, the products, RoPE's products and sum, SiLU, SiLU ⊙ up, the residual sums); only the
-order of the fp32 additions inside RMSNorm's mean of squares and the attention (dot products, softmax,
-weighted sum) differs from torch's. ``tests/test_decode_block.py`` holds the fused step to the reference
-(fp32: 1e-5; bf16: one rounding) and greedy generations of every plain preset family to the reference's
-tokens.
+point (RMSNorm, the products, RoPE's products and sum, SiLU, SiLU ⊙ up, the conv output, the SSM output,
+the residual sums); only the order of the fp32 additions inside the reductions (RMSNorm's mean of
+squares, the attention's dot products, softmax and weighted sum, the SSM's ``S·C``) and fused
+multiply-adds differ from torch's. ``tests/test_decode_block.py`` holds the fused step to the reference
+(fp32: 1e-4 of the logits; bf16: about one rounding) and greedy generations of every preset family to the
+reference's tokens, in both builds.
 
 When it runs: :func:`fused_blocks` (entered by :func:`looplm.generate.generate`) switches every eligible
 block to :class:`DecodeBlock` for the call. A block is eligible when it is a plain :class:`Block` with an
 :class:`~looplm.layers.attention.Attention` mixer (GQA, optional QK-norm, optional biases, full or
-partial RoPE) and a SwiGLU MLP or none, all of one dtype (bf16 or fp32) on the CPU, with no hooks on it
-or its submodules. A call takes the fused op only for one new token per row with a preallocated KV slot,
-no block modulation (timestep conditioning, hyper-connections: those blocks keep the reference) and no
+partial RoPE) or a :class:`~looplm.layers.mamba2.Mamba2Mixer`, and a SwiGLU MLP or none, all of one
+dtype (bf16 or fp32) on the CPU, with no hooks on it or its submodules. A call takes the fused op only
+for one new token per row with a preallocated KV slot (attention) or a non-empty state (Mamba-2), no
+block modulation (timestep conditioning, hyper-connections: those blocks keep the reference) and no
 autograd; every other call — the prompt step, a rule's modulated blocks — is the reference
-``Block.forward`` (compiled, if the block was compiled). Mamba-2 blocks always run the reference.
+``Block.forward`` (compiled, if the block was compiled). A rule's own mixers (StateLoop's) are not
+blocks and keep their own path.
 """
 
 from __future__ import annotations
@@ -37,6 +47,7 @@ from torch import nn
 from ..blocks import Block
 from . import gemv
 from .attention import Attention, KVCache
+from .mamba2 import Mamba2Mixer, Mamba2State, RMSNormGated
 from .mlp import SwiGLU
 
 _LINEARS = (nn.Linear, gemv.DecodeLinear)
@@ -71,26 +82,38 @@ def _global_hooks() -> bool:
     return bool(M._global_forward_hooks or M._global_forward_pre_hooks or M._global_backward_hooks)
 
 
+def _mixer_eligible(mixer: nn.Module) -> bool:
+    if type(mixer) is Attention:
+        return (
+            all(type(lin) in _LINEARS for lin in (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.o_proj))
+            and all(n is None or (type(n) is nn.RMSNorm and n.weight is not None) for n in (mixer.q_norm, mixer.k_norm))
+            and mixer.head_dim <= 256
+            and (mixer.rotary_dim is None or (mixer.rotary_dim % 2 == 0 and mixer.rotary_dim <= mixer.head_dim))
+        )
+    if type(mixer) is Mamba2Mixer:
+        return (
+            all(type(lin) in _LINEARS for lin in (mixer.in_proj, mixer.out_proj))
+            and type(mixer.conv1d) is nn.Conv1d
+            and type(mixer.norm) is RMSNormGated
+            and mixer.d_inner == mixer.nheads * mixer.headdim
+        )
+    return False
+
+
 def eligible(block: nn.Module) -> bool:
     """Whether :class:`DecodeBlock` can run ``block``'s decode steps (see the module docstring)."""
-    if type(block) is not Block or type(block.mixer) is not Attention:
+    if type(block) is not Block or not _mixer_eligible(block.mixer):
         return False
-    a, mlp = block.mixer, block.mlp
-    if mlp is not None and type(mlp) is not SwiGLU:
+    mlp = block.mlp
+    if mlp is not None and (type(mlp) is not SwiGLU or any(type(lin) not in _LINEARS for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))):
         return False
-    norms = [block.mixer_norm] + ([block.mlp_norm] if mlp is not None else []) + [n for n in (a.q_norm, a.k_norm) if n is not None]
+    norms = [block.mixer_norm] + ([block.mlp_norm] if mlp is not None else [])
     if any(type(n) is not nn.RMSNorm or n.weight is None for n in norms):
         return False
-    linears = [a.q_proj, a.k_proj, a.v_proj, a.o_proj] + ([mlp.gate_proj, mlp.up_proj, mlp.down_proj] if mlp is not None else [])
-    if any(type(lin) not in _LINEARS for lin in linears):
-        return False
-    tensors = list(block.parameters())
     dt = block.mixer_norm.weight.dtype
     return (
         dt in (torch.bfloat16, torch.float32)
-        and all(t.dtype == dt and t.device.type == "cpu" and t.is_contiguous() for t in tensors)
-        and a.head_dim <= 256
-        and (a.rotary_dim is None or (a.rotary_dim % 2 == 0 and a.rotary_dim <= a.head_dim))
+        and all(t.dtype == dt and t.device.type == "cpu" and t.is_contiguous() for t in block.parameters())
         and not _has_hooks(block)
     )
 
@@ -102,20 +125,21 @@ class DecodeBlock(Block):
     Made by :func:`fused_blocks` only, which stores the op arguments that do not change per step.
     """
 
-    _weights: tuple  # set by fused_blocks: decode_attention's arguments from norm_weight to qk_eps
+    _weights: tuple  # set by fused_blocks: decode_attention's arguments from norm_weight to qk_eps (Mamba-2: decode_mamba2's to b_out)
     _swiglu: tuple | None  # decode_swiglu's arguments after x (None: no MLP)
     _dtype: torch.dtype
 
     def __call__(self, x, fctx, cache=None, mod=None):
         fast = (
             (mod is None or (mod.mixer is None and mod.mlp is None))
-            and type(cache) is KVCache
             and x.dim() == 3
             and x.shape[1] == 1
             and x.dtype == self._dtype
             and not torch.is_grad_enabled()
         )
-        bufs = cache.append_buffers(x.shape[0]) if fast else None
+        if fast and type(cache) is Mamba2State:
+            return self._mamba2_step(x, fctx, cache)
+        bufs = cache.append_buffers(x.shape[0]) if fast and type(cache) is KVCache else None
         if bufs is not None:
             k_buf, v_buf, pos = bufs
             B = x.shape[0]
@@ -136,8 +160,35 @@ class DecodeBlock(Block):
             x = torch.ops.looplm_cpu.decode_swiglu(x, *self._swiglu)
         return x
 
+    def _mamba2_step(self, x, fctx, state):
+        B = x.shape[0]
+        pad = fctx.pad_mask
+        if state.seqlen_offset == 0 or state.conv_state.shape[0] != B or (pad is not None and tuple(pad.shape) != (B, 1)):
+            return super().__call__(x, fctx, state, None)  # an empty state (the prompt's first token), another batch
+        if not state.conv_state.is_contiguous():  # the prompt step leaves views; the op writes in place
+            state.conv_state = state.conv_state.contiguous()
+        if state.ssm_state.dtype != torch.float32 or not state.ssm_state.is_contiguous():
+            state.ssm_state = state.ssm_state.float().contiguous()
+        x = torch.ops.looplm_cpu.decode_mamba2(
+            x.contiguous(), *self._weights, state.conv_state, state.ssm_state, None if pad is None else pad.contiguous()
+        )  # [B, 1, d]; the conv window and the SSM state updated in place
+        state.seqlen_offset += 1
+        if self._swiglu is not None:
+            x = torch.ops.looplm_cpu.decode_swiglu(x, *self._swiglu)
+        return x
+
+
+def _mamba2_args(block: Block) -> tuple:
+    m, dt = block.mixer, block.mixer_norm.weight.dtype
+    return (
+        block.mixer_norm.weight, _eps(block.mixer_norm, dt), m.in_proj.weight, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias,
+        m.dt_bias, m.A_log, m.D, m.norm.weight, m.norm.eps, m.out_proj.weight, m.out_proj.bias,
+    )  # fmt: skip
+
 
 def _attention_args(block: Block) -> tuple:
+    if type(block.mixer) is Mamba2Mixer:
+        return _mamba2_args(block)
     a, dt = block.mixer, block.mixer_norm.weight.dtype
     qn, kn = a.q_norm, a.k_norm
     return (

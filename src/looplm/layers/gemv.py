@@ -129,6 +129,10 @@ def _build() -> tuple[bool, str]:
     def _(x, *args):
         return torch.empty_like(x)
 
+    @torch.library.register_fake("looplm_cpu::decode_mamba2")
+    def _(x, *args):  # updates conv_state and ssm_state in place
+        return torch.empty_like(x)
+
     return True, ""
 
 

@@ -132,6 +132,15 @@ void silu_mul(T* g, const T* up, int64_t n) {
   }
 }
 
+// v[i] ← silu(v[i]) = v / (1 + e^-v), fp32 in place.
+inline void silu_f32(float* v, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = first(n - i);
+    const __m512 a = _mm512_maskz_loadu_ps(m, v + i);
+    _mm512_mask_storeu_ps(v + i, m, _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), a)))));
+  }
+}
+
 #else
 // ---- the portable build (any CPU torch runs on): plain loops; 16 partial sums let the compiler
 // vectorise the dot products without reassociating them (no -ffast-math) ---------------------------
@@ -170,6 +179,9 @@ void silu_mul(T* g, const T* up, int64_t n) {
     const float a = widen(g[i]);
     g[i] = T(rnd<T>(a / (1.0f + std::exp(-a))) * widen(up[i]));
   }
+}
+inline void silu_f32(float* v, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) v[i] = v[i] / (1.0f + std::exp(-v[i]));
 }
 #endif
 
@@ -401,6 +413,151 @@ at::Tensor decode_swiglu(const at::Tensor& x, const at::Tensor& norm_w, double e
   return swiglu_impl<float>(x, norm_w, eps, wg, bg, wu, bu, wd, bd);
 }
 
+// ---- Mamba-2 ------------------------------------------------------------------------------------
+// One token of looplm.layers.mamba2.Mamba2Mixer._step inside its block: x + out_proj(gated_norm(ssd_step(
+// conv(in_proj(RMSNorm(x)))))), the conv window and the SSM state updated in place. Shapes (one row b):
+// in_proj output [z (d_inner) | xBC (conv_dim) | dt (H)], xBC = [x (H·P) | B (G·N) | C (G·N)];
+// conv_state [B, conv_dim, d_conv] (dtype T, oldest first), ssm_state [B, H, P, N] (fp32).
+//   conv:  xBC ← silu(Σ_k window[k]·w[k] + b) in fp32, rounded to T (the window shifted by the new input)
+//   SSM:   dt = softplus(dt_raw + dt_bias), decay = exp(−dt·exp(A_log)), S ← decay·S + (dt·x) ⊗ B (eq. of
+//          ssd_step), y = S·C + D·x, rounded to T
+//   norm:  RMSNormGated: v = y·silu(z) in fp32, v·rsqrt(mean_group(v²) + eps)·w, rounded once
+// A padding row (pad_mask false) enters the conv as zeros and gets dt = 0 (its state does not move).
+
+inline float softplus(float v) { return v > 20.f ? v : std::log1p(std::exp(v)); }  // F.softplus, threshold 20
+
+// S[0..N) ← decay·S + dx·Bv; returns Σ S·Cv (fp32; 16 partial sums the compiler vectorises).
+inline float ssm_row(float* S, float decay, float dx, const float* Bv, const float* Cv, int64_t N) {
+  float acc[16] = {};
+  int64_t n = 0;
+  for (; n + 16 <= N; n += 16)
+    for (int l = 0; l < 16; ++l) {
+      S[n + l] = S[n + l] * decay + dx * Bv[n + l];
+      acc[l] += S[n + l] * Cv[n + l];
+    }
+  for (int l = 0; n + l < N; ++l) {
+    S[n + l] = S[n + l] * decay + dx * Bv[n + l];
+    acc[l] += S[n + l] * Cv[n + l];
+  }
+  float y = 0.f;
+  for (float v : acc) y += v;
+  return y;
+}
+
+template <typename T>
+at::Tensor mamba2_impl(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& w_in,
+                       const std::optional<at::Tensor>& b_in, const at::Tensor& conv_w, const std::optional<at::Tensor>& conv_b,
+                       const at::Tensor& dt_bias, const at::Tensor& A_log, const at::Tensor& Dp, const at::Tensor& gnorm_w,
+                       double gnorm_eps, const at::Tensor& w_out, const std::optional<at::Tensor>& b_out, at::Tensor& conv_state,
+                       at::Tensor& ssm_state, const std::optional<at::Tensor>& pad_mask) {
+  const int64_t Bn = x.size(0), d = x.size(2), d_inner = gnorm_w.size(0), conv_dim = conv_state.size(1), K = conv_state.size(2);
+  const int64_t H = ssm_state.size(1), P = ssm_state.size(2), N = ssm_state.size(3), G = (conv_dim - d_inner) / (2 * N);
+  const int64_t E = d_inner + conv_dim + H;
+  at::Tensor u = norm_rows<T>(x, norm_w, eps, Bn, d);  // [B, d]
+  at::Tensor zx = linear_rows(u, w_in, b_in);        // [B, E]
+  const T* zp = data<T>(zx);
+  const T* cw = data<T>(conv_w);
+  const T* cb = conv_b.has_value() && conv_b->defined() ? data<T>(*conv_b) : nullptr;
+  const bool* keep = pad_mask.has_value() && pad_mask->defined() ? pad_mask->data_ptr<bool>() : nullptr;
+  T* cs = mdata<T>(conv_state);
+  float* S = ssm_state.data_ptr<float>();
+  std::vector<float> xbc(Bn * conv_dim), dt(Bn * H), y(Bn * d_inner), A(H);
+  for (int64_t h = 0; h < H; ++h) A[h] = -std::exp(widen(data<T>(A_log)[h]));
+  for (int64_t b = 0; b < Bn; ++b) {
+    const bool real = keep == nullptr || keep[b];
+    const T* in = zp + b * E + d_inner;  // xBC, then dt
+    float* out = xbc.data() + b * conv_dim;
+    for (int64_t c = 0; c < conv_dim; ++c) {  // slide the window, append the new input, the depthwise conv
+      T* win = cs + (b * conv_dim + c) * K;
+      for (int64_t k = 0; k + 1 < K; ++k) win[k] = win[k + 1];
+      win[K - 1] = real ? in[c] : T(0.f);
+      float acc = 0.f;
+      for (int64_t k = 0; k < K; ++k) acc += widen(win[k]) * widen(cw[c * K + k]);
+      out[c] = cb ? acc + widen(cb[c]) : acc;
+    }
+    silu_f32(out, conv_dim);
+    for (int64_t c = 0; c < conv_dim; ++c) out[c] = real ? rnd<T>(out[c]) : 0.f;
+    for (int64_t h = 0; h < H; ++h) dt[b * H + h] = real ? softplus(widen(in[conv_dim + h]) + widen(data<T>(dt_bias)[h])) : 0.f;
+  }
+  const T* Dv = data<T>(Dp);
+  at::parallel_for(0, Bn * H, std::max<int64_t>(1, 16384 / std::max<int64_t>(1, P * N)), [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / H, h = t % H, g = h / (H / G);
+      const float* xs = xbc.data() + b * conv_dim + h * P;
+      const float* Bv = xbc.data() + b * conv_dim + d_inner + g * N;
+      const float* Cv = xbc.data() + b * conv_dim + d_inner + G * N + g * N;
+      const float decay = std::exp(dt[t] * A[h]);
+      for (int64_t p = 0; p < P; ++p) {
+        const float yp = ssm_row(S + (t * P + p) * N, decay, dt[t] * xs[p], Bv, Cv, N);
+        y[b * d_inner + h * P + p] = rnd<T>(yp + xs[p] * widen(Dv[h]));
+      }
+    }
+  });
+  at::Tensor yg = at::empty({Bn, d_inner}, x.options());  // RMSNormGated(y, z)
+  T* ygp = mdata<T>(yg);
+  const T* gw = data<T>(gnorm_w);
+  const int64_t gs = d_inner / G;
+  std::vector<float> v(d_inner);
+  for (int64_t b = 0; b < Bn; ++b) {
+    const T* z = zp + b * E;
+    for (int64_t i = 0; i < d_inner; ++i) v[i] = widen(z[i]);
+    silu_f32(v.data(), d_inner);
+    for (int64_t i = 0; i < d_inner; ++i) v[i] *= y[b * d_inner + i];
+    for (int64_t g0 = 0; g0 < d_inner; g0 += gs) {
+      const float r = 1.0f / std::sqrt(dot(v.data() + g0, v.data() + g0, gs) / static_cast<float>(gs) + static_cast<float>(gnorm_eps));
+      for (int64_t i = g0; i < g0 + gs; ++i) ygp[b * d_inner + i] = T(v[i] * r * widen(gw[i]));
+    }
+  }
+  at::Tensor o = linear_rows(yg, w_out, b_out);  // [B, d]
+  return residual<T>(x, o);
+}
+
+at::Tensor decode_mamba2(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& w_in,
+                         const std::optional<at::Tensor>& b_in, const at::Tensor& conv_w, const std::optional<at::Tensor>& conv_b,
+                         const at::Tensor& dt_bias, const at::Tensor& A_log, const at::Tensor& Dp, const at::Tensor& gnorm_w,
+                         double gnorm_eps, const at::Tensor& w_out, const std::optional<at::Tensor>& b_out, at::Tensor& conv_state,
+                         at::Tensor& ssm_state, const std::optional<at::Tensor>& pad_mask) {
+  const char* op = "decode_mamba2";
+  const at::ScalarType dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, op, ": x must be bfloat16 or float32, got ", dt);
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous() && x.device().is_cpu(),
+              op, ": x must be a contiguous CPU [B, 1, d] tensor (one new token per row), got ", x.sizes());
+  const int64_t Bn = x.size(0), d = x.size(2);
+  TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(0) == Bn && conv_state.scalar_type() == dt && conv_state.is_contiguous(),
+              op, ": conv_state must be a contiguous ", dtype_name(dt), " [B, conv_dim, d_conv] tensor with B = ", Bn, ", got ",
+              conv_state.sizes(), " ", conv_state.scalar_type());
+  TORCH_CHECK(ssm_state.dim() == 4 && ssm_state.size(0) == Bn && ssm_state.scalar_type() == at::kFloat && ssm_state.is_contiguous(),
+              op, ": ssm_state must be a contiguous float32 [B, nheads, headdim, d_state] tensor with B = ", Bn, ", got ",
+              ssm_state.sizes(), " ", ssm_state.scalar_type());
+  const int64_t conv_dim = conv_state.size(1), K = conv_state.size(2), H = ssm_state.size(1), P = ssm_state.size(2), N = ssm_state.size(3);
+  const int64_t d_inner = H * P, rest = conv_dim - d_inner;
+  TORCH_CHECK(rest > 0 && rest % (2 * N) == 0 && H % (rest / (2 * N)) == 0,
+              op, ": conv_dim ", conv_dim, " must be nheads·headdim + 2·ngroups·d_state with ngroups dividing nheads");
+  const int64_t G = rest / (2 * N);
+  check_weight(op, "norm_weight", norm_w, dt, d, -1);
+  check_weight(op, "w_in", w_in, dt, d_inner + conv_dim + H, d);
+  check_bias(op, "b_in", b_in, dt, d_inner + conv_dim + H);
+  TORCH_CHECK(conv_w.scalar_type() == dt && conv_w.is_contiguous() && conv_w.numel() == conv_dim * K,
+              op, ": conv_weight must be a contiguous ", dtype_name(dt), " [conv_dim, 1, d_conv] tensor, got ", conv_w.sizes());
+  check_bias(op, "conv_bias", conv_b, dt, conv_dim);
+  check_weight(op, "dt_bias", dt_bias, dt, H, -1);
+  check_weight(op, "A_log", A_log, dt, H, -1);
+  check_weight(op, "D", Dp, dt, H, -1);
+  check_weight(op, "gate_norm_weight", gnorm_w, dt, d_inner, -1);
+  TORCH_CHECK(d_inner % G == 0, op, ": d_inner ", d_inner, " must be a multiple of ngroups ", G);
+  check_weight(op, "w_out", w_out, dt, d, d_inner);
+  check_bias(op, "b_out", b_out, dt, d);
+  if (pad_mask.has_value() && pad_mask->defined()) {
+    TORCH_CHECK(pad_mask->scalar_type() == at::kBool && pad_mask->is_contiguous() && pad_mask->numel() == Bn,
+                op, ": pad_mask must be a contiguous bool [B, 1] tensor, got ", pad_mask->sizes());
+  }
+  if (dt == at::kBFloat16)
+    return mamba2_impl<bf16>(x, norm_w, eps, w_in, b_in, conv_w, conv_b, dt_bias, A_log, Dp, gnorm_w, gnorm_eps, w_out, b_out, conv_state,
+                             ssm_state, pad_mask);
+  return mamba2_impl<float>(x, norm_w, eps, w_in, b_in, conv_w, conv_b, dt_bias, A_log, Dp, gnorm_w, gnorm_eps, w_out, b_out, conv_state,
+                            ssm_state, pad_mask);
+}
+
 }  // namespace
 }  // namespace looplm_cpu
 
@@ -412,8 +569,13 @@ TORCH_LIBRARY_FRAGMENT(looplm_cpu, m) {
   m.def(
       "decode_swiglu(Tensor x, Tensor norm_weight, float eps, Tensor w_gate, Tensor? b_gate, Tensor w_up, Tensor? b_up, "
       "Tensor w_down, Tensor? b_down) -> Tensor");
+  m.def(
+      "decode_mamba2(Tensor x, Tensor norm_weight, float eps, Tensor w_in, Tensor? b_in, Tensor conv_weight, Tensor? conv_bias, "
+      "Tensor dt_bias, Tensor A_log, Tensor D, Tensor gate_norm_weight, float gate_norm_eps, Tensor w_out, Tensor? b_out, "
+      "Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor? pad_mask) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) {
   m.impl("decode_attention", &looplm_cpu::decode_attention);
   m.impl("decode_swiglu", &looplm_cpu::decode_swiglu);
+  m.impl("decode_mamba2", &looplm_cpu::decode_mamba2);
 }
