@@ -315,7 +315,7 @@ def test_eligibility():
 @needs_extension
 def test_op_rejects_bad_arguments_with_a_message():
     blk = _block(torch.float32)
-    args = list(decode._attention_args(blk))
+    args = list(decode._mixer_args(blk))
     x = torch.randn(2, 1, 64)
     k = torch.zeros(2, 2, 8, 16)
     cos, sin = torch.ones(2, 1, 16), torch.zeros(2, 1, 16)

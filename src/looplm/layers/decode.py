@@ -163,8 +163,9 @@ class DecodeBlock(Block):
     def _mamba2_step(self, x, fctx, state):
         B = x.shape[0]
         pad = fctx.pad_mask
-        if state.seqlen_offset == 0 or state.conv_state.shape[0] != B or (pad is not None and tuple(pad.shape) != (B, 1)):
-            return super().__call__(x, fctx, state, None)  # an empty state (the prompt's first token), another batch
+        if (state.seqlen_offset == 0 or state.conv_state.shape[0] != B or state.conv_state.dtype != x.dtype
+                or (pad is not None and tuple(pad.shape) != (B, 1))):  # fmt: skip
+            return super().__call__(x, fctx, state, None)  # an empty state (the prompt's first token), another batch or dtype
         if not state.conv_state.is_contiguous():  # the prompt step leaves views; the op writes in place
             state.conv_state = state.conv_state.contiguous()
         if state.ssm_state.dtype != torch.float32 or not state.ssm_state.is_contiguous():
@@ -186,7 +187,9 @@ def _mamba2_args(block: Block) -> tuple:
     )  # fmt: skip
 
 
-def _attention_args(block: Block) -> tuple:
+def _mixer_args(block: Block) -> tuple:
+    """The mixer op's arguments that do not change per step (decode_attention's from norm_weight to qk_eps,
+    decode_mamba2's from norm_weight to b_out)."""
     if type(block.mixer) is Mamba2Mixer:
         return _mamba2_args(block)
     a, dt = block.mixer, block.mixer_norm.weight.dtype
@@ -221,7 +224,7 @@ def fused_blocks(model: nn.Module):
         if blocks and not gemv.extension_available():
             blocks = []
     for b in blocks:
-        b._weights = _attention_args(b)
+        b._weights = _mixer_args(b)
         b._swiglu = _swiglu_args(b)
         b._dtype = b.mixer_norm.weight.dtype
         b.__class__ = DecodeBlock

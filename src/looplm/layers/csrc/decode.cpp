@@ -1,6 +1,7 @@
-// One decode step (one new token per sequence) of looplm's pre-norm transformer block, as two fused
-// ops — the attention branch and the SwiGLU branch — for bf16 and fp32 on CPU. Built with gemv.cpp by
-// looplm/layers/gemv.py; used by looplm/layers/decode.py (DecodeBlock) inside generate().
+// One decode step (one new token per sequence) of looplm's pre-norm blocks as fused ops — the attention
+// branch, the SwiGLU branch and the Mamba-2 branch — for bf16 and fp32 on CPU. Built with gemv.cpp by
+// looplm/layers/gemv.py (with AVX-512 where the CPU has AVX512-BF16, else portably: plain loops, AVX2
+// where available); used by looplm/layers/decode.py (DecodeBlock) inside generate().
 //
 // Why this exists: after the products moved onto gemv.cpp's kernels, a batch-1 decode step of the
 // SmolLM2-135M shape spent as long again outside them: ~330 µs per block of eager PyTorch (RMSNorm's
@@ -13,13 +14,16 @@
 // rounding of every intermediate follows the reference's: each value the reference stores in a tensor of
 // the model's dtype is rounded to that dtype here at the same point (RMSNorm: x·rsqrt(mean x² + eps)·w in
 // fp32, rounded once, as torch 2.13's rms_norm; RoPE: x·cos and rotate_half(x)·sin rounded, then their sum;
-// SiLU rounded, then its product with up; each residual sum rounded). What differs is the order of the
-// fp32 additions inside RMSNorm's mean and the attention's dot products, softmax and weighted sum.
+// the attention weights rounded for the product with V, their sum not, as torch's CPU flash kernel; SiLU
+// rounded, then its product with up; each residual sum rounded). What differs is the order of the fp32
+// additions inside the reductions (RMSNorm's mean, the attention's dot products and weighted sum, the
+// SSM's S·C), fused multiply-adds, and exp to an ulp or two.
 //
 // Shapes (B rows, one new token each; H query heads, G key/value heads of hd channels; d model width):
 //   x [B, 1, d]; caches [B, G, capacity, hd] with `pos` tokens written (the new one goes to `pos`);
 //   cos, sin [B, 1, rot] fp32 (rot ≤ hd, even; RoPE on the first rot channels, half-split pairs);
 //   attn_mask: absent (every cached token is visible) or bool [B, 1, 1, pos + 1] (left padding).
+// The Mamba-2 op's shapes are with it, below.
 #include "gemv.h"
 
 #include <ATen/Parallel.h>
@@ -235,6 +239,15 @@ void check_weight(const char* op, const char* name, const at::Tensor& w, at::Sca
   }
 }
 
+// The checks every op makes of x; returns its dtype (the dtype of every weight and cache).
+at::ScalarType check_x(const char* op, const at::Tensor& x) {
+  const at::ScalarType dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, op, ": x must be bfloat16 or float32, got ", dt);
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous() && x.device().is_cpu(),
+              op, ": x must be a contiguous CPU [B, 1, d] tensor (one new token per row), got ", x.sizes());
+  return dt;
+}
+
 void check_bias(const char* op, const char* name, const std::optional<at::Tensor>& b, at::ScalarType dt, int64_t n) {
   if (b.has_value() && b->defined()) check_weight(op, name, *b, dt, n, -1);
 }
@@ -333,10 +346,7 @@ at::Tensor decode_attention(const at::Tensor& x, const at::Tensor& norm_w, doubl
                             const std::optional<at::Tensor>& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,
                             const std::optional<at::Tensor>& attn_mask, int64_t n_heads) {
   const char* op = "decode_attention";
-  const at::ScalarType dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, op, ": x must be bfloat16 or float32, got ", dt);
-  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous() && x.device().is_cpu(),
-              op, ": x must be a contiguous CPU [B, 1, d] tensor (one new token per row), got ", x.sizes());
+  const at::ScalarType dt = check_x(op, x);
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(0) == x.size(0),
               op, ": k_cache and v_cache must be [B, G, capacity, hd] with B = ", x.size(0), ", got ", k_cache.sizes(), " and ", v_cache.sizes());
   const int64_t B = x.size(0), d = x.size(2), H = n_heads, G = k_cache.size(1), cap = k_cache.size(2), hd = k_cache.size(3);
@@ -397,10 +407,7 @@ at::Tensor swiglu_impl(const at::Tensor& x, const at::Tensor& norm_w, double eps
 at::Tensor decode_swiglu(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wg, const std::optional<at::Tensor>& bg,
                          const at::Tensor& wu, const std::optional<at::Tensor>& bu, const at::Tensor& wd, const std::optional<at::Tensor>& bd) {
   const char* op = "decode_swiglu";
-  const at::ScalarType dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, op, ": x must be bfloat16 or float32, got ", dt);
-  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous() && x.device().is_cpu(),
-              op, ": x must be a contiguous CPU [B, 1, d] tensor (one new token per row), got ", x.sizes());
+  const at::ScalarType dt = check_x(op, x);
   const int64_t d = x.size(2), F = wg.size(0);
   check_weight(op, "norm_weight", norm_w, dt, d, -1);
   check_weight(op, "w_gate", wg, dt, F, d);
@@ -518,10 +525,7 @@ at::Tensor decode_mamba2(const at::Tensor& x, const at::Tensor& norm_w, double e
                          double gnorm_eps, const at::Tensor& w_out, const std::optional<at::Tensor>& b_out, at::Tensor& conv_state,
                          at::Tensor& ssm_state, const std::optional<at::Tensor>& pad_mask) {
   const char* op = "decode_mamba2";
-  const at::ScalarType dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, op, ": x must be bfloat16 or float32, got ", dt);
-  TORCH_CHECK(x.dim() == 3 && x.size(1) == 1 && x.is_contiguous() && x.device().is_cpu(),
-              op, ": x must be a contiguous CPU [B, 1, d] tensor (one new token per row), got ", x.sizes());
+  const at::ScalarType dt = check_x(op, x);
   const int64_t Bn = x.size(0), d = x.size(2);
   TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(0) == Bn && conv_state.scalar_type() == dt && conv_state.is_contiguous(),
               op, ": conv_state must be a contiguous ", dtype_name(dt), " [B, conv_dim, d_conv] tensor with B = ", Bn, ", got ",
