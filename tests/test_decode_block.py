@@ -401,3 +401,30 @@ def test_mamba2_op_rejects_bad_arguments_with_a_message():
         op(x, *args, state.conv_state[:1], state.ssm_state, None)
     with pytest.raises(RuntimeError, match=r"pad_mask must be a contiguous bool \[B, 1\]"):
         op(x, *args, state.conv_state, state.ssm_state, torch.ones(3, 1, dtype=torch.bool))
+
+
+@needs_extension
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mamba2"])
+def test_fused_generate_gives_transformers_tokens(arch):
+    """Parity with transformers holds on the fused path: a model imported from transformers (fp32)
+    decodes, with its blocks fused, the tokens of transformers' own greedy ``generate``."""
+    import transformers
+
+    from looplm.interop import from_transformers
+
+    torch.manual_seed(0)
+    if arch == "mamba2":
+        cfg = transformers.Mamba2Config(vocab_size=300, hidden_size=64, state_size=16, num_hidden_layers=2, expand=2, head_dim=16,
+                                        num_heads=8, n_groups=2, conv_kernel=4, chunk_size=16, tie_word_embeddings=False)  # fmt: skip
+        hf = transformers.Mamba2ForCausalLM(cfg).eval()
+    else:
+        kind = transformers.LlamaConfig if arch == "llama" else transformers.Qwen3Config
+        cfg = kind(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.1)  # fmt: skip
+        hf = (transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen3ForCausalLM)(cfg).eval()
+    ours = from_transformers(hf).eval()
+    x = torch.randint(0, 300, (2, 9))
+    with _CountOps() as c:
+        got = ours.generate(x, max_new_tokens=10)
+    assert c.attention + c.mamba2 == 9 * 2  # 9 one-token steps x 2 blocks
+    assert torch.equal(got, hf.generate(x, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0))
