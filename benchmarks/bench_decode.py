@@ -264,11 +264,11 @@ def main() -> None:
             ]
             if flat_c is not None:
                 rows.append(("looplm 30x1 compiled", lambda: flat_c.generate(x, max_new_tokens=args.new), (30, 1)))
-            if gemv.available():  # the plain-PyTorch path: neither kernels nor fused blocks
+            if dev == "cpu" and gemv.available():  # the plain-PyTorch path: neither kernels nor fused blocks
                 rows.insert(2, ("looplm 30x1, torch matmul", without_kernel(rows[1][1]), (30, 1)))
                 if flat_c is not None:
                     rows.append(("looplm 30x1 compiled, torch matmul", without_kernel(rows[-1][1]), (30, 1)))
-            if gemv.extension_available():  # the kernels (where built) without the fused blocks
+            if dev == "cpu" and gemv.extension_available():  # the kernels (where built) without the fused blocks
                 rows.insert(2, ("looplm 30x1, blocks unfused", unfused(rows[1][1]), (30, 1)))
             if not args.no_static:
                 rows.insert(1, ("hf static cache", lambda: hf.generate(x, cache_implementation="static", **hf_kw), (30, 1)))
