@@ -120,9 +120,16 @@ struct TileConfig {  // the 64-byte operand of ldtilecfg (palette 1)
 
 void rows_amx(const uint16_t* xp, const uint16_t* wp, const uint16_t* bp, int64_t M, int64_t K, int64_t N, uint16_t* yp) {
   const int64_t chunks = (K + 31) / 32, full = K / 32;
-  std::vector<uint16_t> xt(chunks * 16 * M * 2, 0);  // x transposed into B tiles, zero-padded past K
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t k = 0; k < K; ++k) xt[((k / 32) * 16 + (k % 32) / 2) * M * 2 + 2 * m + k % 2] = xp[m * K + k];
+  // x transposed into B tiles, zero-padded past K: pair p = (x[m][2p], x[m][2p + 1]) goes to row p, column m
+  // of the [K/2 pairs, M] matrix of 32-bit pairs that the chunks' B tiles are consecutive slices of (pairs
+  // copied whole, no division per entry: [192, 576] at 8 rows 22 -> 18 µs against an entry-by-entry copy)
+  std::vector<uint32_t> xt(chunks * 16 * M, 0);
+  const int64_t pairs = K / 2;
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* row = xp + m * K;
+    for (int64_t p = 0; p < pairs; ++p) xt[p * M + m] = uint32_t(row[2 * p]) | (uint32_t(row[2 * p + 1]) << 16);
+    if (K % 2) xt[pairs * M + m] = row[K - 1];  // the odd last entry, paired with a zero
+  }
   const int64_t blocks = N / kRows;
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     TileConfig cfg;  // tile state is per thread
@@ -138,14 +145,14 @@ void rows_amx(const uint16_t* xp, const uint16_t* wp, const uint16_t* bp, int64_
       for (int64_t ch = 0; ch < full; ++ch) {
         for (int r = 0; r < kRows; ++r) _mm_prefetch((const char*)(w + (kRows + r) * K + 32 * ch), _MM_HINT_T0);
         _tile_loadd(1, w + 32 * ch, K * 2);
-        _tile_loadd(2, xt.data() + ch * 16 * M * 2, M * 4);
+        _tile_loadd(2, xt.data() + ch * 16 * M, M * 4);
         _tile_dpbf16ps(0, 1, 2);
       }
       if (full < chunks) {  // the last K % 32 entries: a zero-padded copy (a full-width load would read past W)
         std::memset(tail, 0, sizeof(tail));
         for (int r = 0; r < kRows; ++r) std::memcpy(tail + r * 32, w + r * K + full * 32, (K - full * 32) * 2);
         _tile_loadd(1, tail, 64);
-        _tile_loadd(2, xt.data() + full * 16 * M * 2, M * 4);
+        _tile_loadd(2, xt.data() + full * 16 * M, M * 4);
         _tile_dpbf16ps(0, 1, 2);
       }
       _tile_stored(0, c, M * 4);  // c[r * M + m] = y[m, 16 blk + r]
