@@ -72,6 +72,16 @@ def test_generate_from_random_preset(capsys):
     assert printed == ByteTokenizer().decode(ids[0, 5:].tolist()) + "\n"
 
 
+def test_generate_from_random_preset_is_reproducible(capsys):
+    """--seed fixes a random preset's weights too: the same text whatever the process did before."""
+    argv = ["generate", "--model", "tiny-llama", "--prompt", "Hello", "--max-new-tokens", "8", "--seed", "3"]
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    torch.rand(1000)  # move the global generator on
+    assert main(argv) == 0
+    assert capsys.readouterr().out == first
+
+
 def test_generate_dtype_bf16_decodes_bf16_weights(capsys, monkeypatch):
     from looplm.model import LoopedLM
 

@@ -129,6 +129,7 @@ def _cmd_generate(args) -> int:
         model, tok = load_model_for_inference(args.checkpoint, tokenizer=args.tokenizer, overrides=args.set)
     else:
         refuse_empty_yaml(args.model, "model config")
+        torch.manual_seed(args.seed)  # a random preset's weights, reproducible (the sampling seed is set again below)
         model = build(args.model, overrides=args.set or None)
         tok = load_tokenizer(args.tokenizer or "byte")
         check_vocab(tok, model.config.vocab_size)
@@ -183,7 +184,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--loops", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seeds a random preset's weights (no --checkpoint) and the sampling")
     p.add_argument("--compile", action="store_true",
                    help="compile every block first (torch.compile); pays for long generations where the fused CPU "
                         "decode step does not run (GPUs, CPUs without AVX512-BF16, Mamba-2 blocks, modulated blocks)")
