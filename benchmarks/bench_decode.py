@@ -85,21 +85,12 @@ def weight_bytes_per_token(core: int, loops: int, dtype) -> int:
     return (block * core * loops + V * d + d) * torch.finfo(dtype).bits // 8
 
 
-def without_kernel(fn):
-    """``fn`` run on torch's bf16 matmul instead of looplm's GEMV kernel."""
+def switched_off(switch, fn):
+    """``fn`` run with ``switch`` off: ``gemv.enabled`` (plain PyTorch: no kernels, no fused blocks) or
+    ``decode.enabled`` (the blocks on their reference forward, the products still on the kernels)."""
 
     def run():
-        with gemv.enabled(False):
-            return fn()
-
-    return run
-
-
-def unfused(fn):
-    """``fn`` with every block on its reference forward (the products still on the kernels)."""
-
-    def run():
-        with decode.enabled(False):
+        with switch(False):
             return fn()
 
     return run
@@ -150,7 +141,7 @@ def real_weights(args, bw: float) -> None:
             contenders = [
                 ("hf dynamic cache", lambda: run("hf", lambda: hf.generate(x, **kw))),
                 ("looplm", lambda: run("looplm", lambda: ours.generate(x, max_new_tokens=args.new))),
-                ("looplm, blocks unfused", unfused(lambda: ours.generate(x, max_new_tokens=args.new))),
+                ("looplm, blocks unfused", switched_off(decode.enabled, lambda: ours.generate(x, max_new_tokens=args.new))),
             ]
             base = None
             for name, fn in contenders:
@@ -195,9 +186,9 @@ def mamba_rows(args, bw: float) -> None:
             rows = [
                 ("hf Mamba2ForCausalLM (24 layers)", lambda: hf.generate(x, **kw), 1),
                 ("looplm 24x1", lambda: flat.generate(x, max_new_tokens=args.new), 1),
-                ("looplm 24x1, blocks unfused", unfused(lambda: flat.generate(x, max_new_tokens=args.new)), 1),
+                ("looplm 24x1, blocks unfused", switched_off(decode.enabled, lambda: flat.generate(x, max_new_tokens=args.new)), 1),
                 ("looplm 24x4", lambda: looped.generate(x, max_new_tokens=args.new), 4),
-                ("looplm 24x4, blocks unfused", unfused(lambda: looped.generate(x, max_new_tokens=args.new)), 4),
+                ("looplm 24x4, blocks unfused", switched_off(decode.enabled, lambda: looped.generate(x, max_new_tokens=args.new)), 4),
             ]
             base = None
             for name, fn, loops in rows:
@@ -265,11 +256,11 @@ def main() -> None:
             if flat_c is not None:
                 rows.append(("looplm 30x1 compiled", lambda: flat_c.generate(x, max_new_tokens=args.new), (30, 1)))
             if dev == "cpu" and gemv.available():  # the plain-PyTorch path: neither kernels nor fused blocks
-                rows.insert(2, ("looplm 30x1, torch matmul", without_kernel(rows[1][1]), (30, 1)))
+                rows.insert(2, ("looplm 30x1, torch matmul", switched_off(gemv.enabled, rows[1][1]), (30, 1)))
                 if flat_c is not None:
-                    rows.append(("looplm 30x1 compiled, torch matmul", without_kernel(rows[-1][1]), (30, 1)))
+                    rows.append(("looplm 30x1 compiled, torch matmul", switched_off(gemv.enabled, rows[-1][1]), (30, 1)))
             if dev == "cpu" and gemv.extension_available():  # the kernels (where built) without the fused blocks
-                rows.insert(2, ("looplm 30x1, blocks unfused", unfused(rows[1][1]), (30, 1)))
+                rows.insert(2, ("looplm 30x1, blocks unfused", switched_off(decode.enabled, rows[1][1]), (30, 1)))
             if not args.no_static:
                 rows.insert(1, ("hf static cache", lambda: hf.generate(x, cache_implementation="static", **hf_kw), (30, 1)))
             base = None

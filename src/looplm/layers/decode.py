@@ -130,53 +130,52 @@ class DecodeBlock(Block):
     _dtype: torch.dtype
 
     def __call__(self, x, fctx, cache=None, mod=None):
-        fast = (
+        if (
             (mod is None or (mod.mixer is None and mod.mlp is None))
             and x.dim() == 3
             and x.shape[1] == 1
             and x.dtype == self._dtype
             and not torch.is_grad_enabled()
-        )
-        if fast and type(cache) is Mamba2State:
-            return self._mamba2_step(x, fctx, cache)
-        bufs = cache.append_buffers(x.shape[0]) if fast and type(cache) is KVCache else None
-        if bufs is not None:
-            k_buf, v_buf, pos = bufs
-            B = x.shape[0]
-            mask = fctx.attn_mask
-            if mask is None:
-                fast = not fctx.is_causal or pos == 0
-            else:
-                fast = mask.dtype == torch.bool and tuple(mask.shape) == (B, 1, 1, pos + 1)
-        if bufs is None or not fast:
-            return super().__call__(x, fctx, cache, mod)  # the reference (compiled if the block was)
+        ):
+            step = {KVCache: self._attention_step, Mamba2State: self._mamba2_step}.get(type(cache))
+            y = None if step is None else step(x.contiguous(), fctx, cache)  # the mixer branch, or None: not this call
+            if y is not None:
+                return y if self._swiglu is None else torch.ops.looplm_cpu.decode_swiglu(y, *self._swiglu)
+        return super().__call__(x, fctx, cache, mod)  # the reference (compiled if the block was)
+
+    def _attention_step(self, x, fctx, cache: KVCache):
+        bufs = cache.append_buffers(x.shape[0])
+        if bufs is None:  # a growing cache, buffers not allocated yet, full, another batch size
+            return None
+        k_buf, v_buf, pos = bufs
+        mask = fctx.attn_mask
+        if mask is None and fctx.is_causal and pos > 0:
+            return None
+        if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (x.shape[0], 1, 1, pos + 1)):
+            return None
         rot = self.mixer.rotary_dim
         cos, sin = fctx.rope_for(rot) if rot is not None else (None, None)  # [B, 1, rot] fp32
-        x = torch.ops.looplm_cpu.decode_attention(
-            x.contiguous(), *self._weights, cos, sin, k_buf, v_buf, pos, None if mask is None else mask.contiguous(), self.mixer.n_heads
+        y = torch.ops.looplm_cpu.decode_attention(
+            x, *self._weights, cos, sin, k_buf, v_buf, pos, None if mask is None else mask.contiguous(), self.mixer.n_heads
         )  # [B, 1, d]; the new token's key and value written into k_buf / v_buf at pos
         cache.advance(1)
-        if self._swiglu is not None:
-            x = torch.ops.looplm_cpu.decode_swiglu(x, *self._swiglu)
-        return x
+        return y
 
-    def _mamba2_step(self, x, fctx, state):
+    def _mamba2_step(self, x, fctx, state: Mamba2State):
         B = x.shape[0]
         pad = fctx.pad_mask
         if (state.seqlen_offset == 0 or state.conv_state.shape[0] != B or state.conv_state.dtype != x.dtype
                 or (pad is not None and tuple(pad.shape) != (B, 1))):  # fmt: skip
-            return super().__call__(x, fctx, state, None)  # an empty state (the prompt's first token), another batch or dtype
+            return None  # an empty state (the prompt's first token), another batch or dtype
         if not state.conv_state.is_contiguous():  # the prompt step leaves views; the op writes in place
             state.conv_state = state.conv_state.contiguous()
         if state.ssm_state.dtype != torch.float32 or not state.ssm_state.is_contiguous():
             state.ssm_state = state.ssm_state.float().contiguous()
-        x = torch.ops.looplm_cpu.decode_mamba2(
-            x.contiguous(), *self._weights, state.conv_state, state.ssm_state, None if pad is None else pad.contiguous()
+        y = torch.ops.looplm_cpu.decode_mamba2(
+            x, *self._weights, state.conv_state, state.ssm_state, None if pad is None else pad.contiguous()
         )  # [B, 1, d]; the conv window and the SSM state updated in place
         state.seqlen_offset += 1
-        if self._swiglu is not None:
-            x = torch.ops.looplm_cpu.decode_swiglu(x, *self._swiglu)
-        return x
+        return y
 
 
 def _mamba2_args(block: Block) -> tuple:

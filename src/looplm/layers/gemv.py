@@ -111,7 +111,7 @@ def _build() -> tuple[bool, str]:
             verbose=False,
         )
     except Exception as e:  # no compiler, no ninja, a read-only cache directory, ...
-        return False, f"could not build the kernels ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''})"
+        return False, f"could not build looplm's CPU extension ({type(e).__name__}: {str(e).strip().splitlines()[-1][:200] if str(e).strip() else ''})"
 
     @torch.library.register_fake("looplm_cpu::gemv_bf16")
     def _(x, weight, bias=None, use_amx=True):  # shapes for torch.compile (compiled blocks trace through it)
