@@ -2,7 +2,9 @@
 
 The attention product itself is ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory
 efficient kernels where the device has them) with ``enable_gqa`` so that key/value heads are not
-materialised ``n_heads / n_kv_heads`` times.
+materialised ``n_heads / n_kv_heads`` times — except when training on a CPU: there :func:`attention`
+takes :class:`CPUAttention`, torch's CPU flash forward with looplm's own backward
+(``csrc/attention.cpp``; torch 2.13's CPU flash backward is ~9× its forward at the SmolLM2-135M shape).
 
 It follows the library's one mixer interface (:mod:`looplm.blocks`): ``attn(u, fctx, cache)`` and
 ``attn.new_cache(batch_size)``. A recurrence rule can own an ``Attention`` at its own width (e.g.
@@ -16,7 +18,71 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import gemv
 from .rope import apply_rotary
+
+
+class CPUAttention(torch.autograd.Function):
+    """Softmax attention ``softmax(q kᵀ / √hd + causal mask) v`` on CPU with looplm's backward.
+
+    Forward: torch's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``, what SDPA
+    runs on a CPU), which also returns the log-sum-exp ``L`` of each query row. Backward:
+    ``looplm_cpu::attention_backward`` (``csrc/attention.cpp``): for each (batch row, key/value head)
+    the query heads sharing it recompute ``P = exp(q kᵀ/√hd − L)`` block by block in fp32 and take
+    ``dV = Pᵀ dO``, ``dS = P ⊙ (dO vᵀ − rowsum(dO ⊙ O)) / √hd``, ``dQ = dS k``, ``dK = dSᵀ q`` with
+    torch's batch-reduce GEMM (fp32 results; dK, dV summed in fp32 over the group). Equal to SDPA's
+    gradients up to float rounding (``tests/test_attention_backward.py``). ``q [B, H, T, hd]``,
+    ``k, v [B, H_kv, S, hd]`` (``H_kv`` dividing ``H``), one dtype (bf16 or fp32).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal: bool):
+        scale = q.shape[-1] ** -0.5
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)  # out [B, H, T, hd], lse [B, H, T] fp32
+        ctx.scale, ctx.is_causal = scale, is_causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        if grad_out.stride(-1) != 1:
+            grad_out = grad_out.contiguous()
+        dq, dk, dv = torch.ops.looplm_cpu.attention_backward(grad_out, q, k, v, out, lse, ctx.scale, ctx.is_causal)
+        return dq, dk, dv, None
+
+
+def cpu_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, is_causal: bool) -> bool:
+    """Whether :func:`attention` takes :class:`CPUAttention`: autograd will differentiate the call, the
+    tensors are on a CPU, there is no explicit mask, causal attention has as many keys as queries, and
+    the extension runs here (fp32 anywhere it builds; bf16 where the CPU has native bf16, whose GEMMs
+    the backward needs)."""
+    if q.device.type != "cpu" or attn_mask is not None or not torch.is_grad_enabled():
+        return False
+    if not (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    if is_causal and q.shape[-2] != k.shape[-2]:
+        return False
+    fp32_ok, bf16_ok = _kernel_dtypes()
+    return (q.dtype == torch.float32 and fp32_ok) or (q.dtype == torch.bfloat16 and bf16_ok)
+
+
+@torch.compiler.assume_constant_result  # a compiled block asks once, at tracing (the answer is a build fact)
+def _kernel_dtypes() -> tuple[bool, bool]:
+    """(fp32, bf16): whether the backward kernel runs here for each dtype (see cpu_backward_applies)."""
+    return gemv.extension_available(), gemv.available()
+
+
+def attention(q, k, v, attn_mask=None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal, enable_gqa=enable_gqa)``, through
+    :class:`CPUAttention` where :func:`cpu_backward_applies`. Under autocast the inputs are cast to the
+    autocast dtype first, as autocast does for SDPA."""
+    if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        dt = torch.get_autocast_dtype("cpu")
+        q, k, v = q.to(dt), k.to(dt), v.to(dt)
+    if q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16) and cpu_backward_applies(q, k, v, attn_mask, is_causal):
+        return CPUAttention.apply(q, k, v, is_causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
 
 
 class KVCache:
@@ -138,7 +204,7 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v)  # [B, H_kv, T_past + T, hd]
-        y = F.scaled_dot_product_attention(
+        y = attention(
             q,
             k,
             v,

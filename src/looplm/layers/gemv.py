@@ -104,7 +104,9 @@ def _build() -> tuple[bool, str]:
         csrc = Path(__file__).with_name("csrc")
         load(
             name=f"looplm_cpu_{variant}",  # one name per build: a cache shared by several CPUs never mixes them
-            sources=[str(csrc / "gemv.cpp"), str(csrc / "decode.cpp")],  # decode.cpp: the fused decode block (layers/decode.py)
+            # decode.cpp: the fused decode block (layers/decode.py); attention.cpp: the attention backward
+            # of training (layers/attention.py)
+            sources=[str(csrc / "gemv.cpp"), str(csrc / "decode.cpp"), str(csrc / "attention.cpp")],
             extra_include_paths=[str(csrc)],
             extra_cflags=cflags,
             is_python_module=False,
@@ -132,6 +134,10 @@ def _build() -> tuple[bool, str]:
     @torch.library.register_fake("looplm_cpu::decode_mamba2")
     def _(x, *args):  # updates conv_state and ssm_state in place
         return torch.empty_like(x)
+
+    @torch.library.register_fake("looplm_cpu::attention_backward")
+    def _(grad_out, q, k, v, out, lse, scale, is_causal):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
     return True, ""
 

@@ -1,0 +1,233 @@
+"""The CPU attention backward (csrc/attention.cpp, layers/attention.py: CPUAttention) against the autograd
+of F.scaled_dot_product_attention: gradients, where it applies, models, compiled blocks, errors, and the
+portable build."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import looplm
+from looplm.layers import gemv
+from looplm.layers.attention import CPUAttention, attention, cpu_backward_applies
+
+from helpers import tiny_variant
+
+needs_extension = pytest.mark.skipif(not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}")
+
+# (B, H, H_kv, T, hd, causal): GQA and MHA, T not a multiple of the 64-row query block, odd T, one
+# query, head dims 32 / 64 / 128, full (non-causal) attention with S != T.
+SHAPES = [
+    (2, 6, 2, 70, 64, True),
+    (1, 4, 4, 129, 32, True),
+    (2, 3, 1, 1, 64, True),
+    (1, 2, 1, 33, 128, True),
+    (2, 4, 2, 65, 64, False),
+]
+
+
+def _inputs(B, H, Hkv, T, hd, dtype, S=None, seed=0):
+    """q, k, v as the model makes them: [B, T, H, hd] projections viewed as [B, H, T, hd] (strided)."""
+    g = torch.Generator().manual_seed(seed)
+    S = T if S is None else S
+    q = torch.randn(B, T, H, hd, generator=g).transpose(1, 2).to(dtype)
+    k = torch.randn(B, S, Hkv, hd, generator=g).transpose(1, 2).to(dtype)
+    v = torch.randn(B, S, Hkv, hd, generator=g).transpose(1, 2).to(dtype)
+    go = torch.randn(B, H, T, hd, generator=g).to(dtype)
+    return q, k, v, go
+
+
+def _grads(fn, q, k, v, go, causal):
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, causal)
+    out.backward(go)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def _sdpa(q, k, v, causal):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _ours(q, k, v, causal):
+    return CPUAttention.apply(q, k, v, causal)
+
+
+def _rel(a, ref):
+    """Largest error relative to the largest gradient, or to 1 (the inputs' scale) where that is smaller:
+    with one key dq is exactly 0 and only rounding remains."""
+    return ((a.double() - ref).abs().max() / ref.abs().max().clamp(min=1.0)).item()
+
+
+@needs_extension
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"B{s[0]}H{s[1]}kv{s[2]}T{s[3]}hd{s[4]}{'c' if s[5] else 'full'}" for s in SHAPES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gradients_match_sdpa(shape, dtype):
+    """dq, dk, dv against SDPA's autograd in float64: fp32 to ~1e-6; bf16 no further from float64 than
+    SDPA's own bf16 backward is (plus a rounding), for every shape."""
+    B, H, Hkv, T, hd, causal = shape
+    S = T + 7 if not causal else None
+    q, k, v, go = _inputs(B, H, Hkv, T, hd, dtype, S)
+    ref = _grads(_sdpa, *(t.double() for t in (q, k, v, go)), causal)
+    ours = _grads(_ours, q, k, v, go, causal)
+    theirs = _grads(_sdpa, q, k, v, go, causal)
+    assert torch.equal(ours[0], theirs[0])  # the forward is torch's flash kernel itself
+    for name, a, b, r in zip(("dq", "dk", "dv"), ours[1:], theirs[1:], ref[1:]):
+        assert a.shape == r.shape and a.dtype == dtype
+        if dtype == torch.float32:
+            assert _rel(a, r) < 5e-6, name
+        else:
+            assert _rel(a, r) <= 1.5 * _rel(b, r) + 4e-3, (name, _rel(a, r), _rel(b, r))
+
+
+@needs_extension
+def test_large_scores_and_fully_masked_tail():
+    """Sharp softmaxes (scores of ±60 after scaling: e^x over- and underflows without the log-sum-exp)
+    and keys past a row's position (exactly zero weight) give SDPA's gradients."""
+    q, k, v, go = _inputs(1, 2, 1, 90, 64, torch.float32, seed=3)
+    q = q * 8.0
+    ref = _grads(_sdpa, *(t.double() for t in (q, k, v, go)), True)
+    ours = _grads(_ours, q, k, v, go, True)
+    for a, r in zip(ours[1:], ref[1:]):
+        assert torch.isfinite(a).all()
+        assert _rel(a, r) < 2e-5
+    # the last key only receives gradient from the last query row
+    q2, k2, v2, go2 = _inputs(1, 1, 1, 5, 16, torch.float32, seed=4)
+    go2[:, :, :-1] = 0
+    _, _, dk, dv = _grads(_ours, q2, k2, v2, go2, True)
+    _, _, dk_ref, dv_ref = _grads(_sdpa, q2, k2, v2, go2, True)
+    torch.testing.assert_close(dk, dk_ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(dv, dv_ref, atol=1e-6, rtol=1e-5)
+
+
+@needs_extension
+def test_where_it_applies():
+    """Training on a CPU without a mask takes CPUAttention; inference, masks, a causal call with a cache
+    (fewer queries than keys) and tensors that need no gradient keep SDPA."""
+    q, k, v, _ = _inputs(1, 4, 2, 8, 16, torch.float32)
+    qg = q.clone().requires_grad_()
+    assert cpu_backward_applies(qg, k, v, None, True)
+    assert cpu_backward_applies(qg, k, v, None, False)
+    assert not cpu_backward_applies(q, k, v, None, True)  # nothing needs a gradient
+    with torch.no_grad():
+        assert not cpu_backward_applies(qg, k, v, None, True)
+    mask = torch.ones(1, 1, 8, 8, dtype=torch.bool)
+    assert not cpu_backward_applies(qg, k, v, mask, False)
+    assert not cpu_backward_applies(qg[:, :, :3], k, v, None, True)
+    assert cpu_backward_applies(qg.double(), k.double(), v.double(), None, True) is False  # fp64: SDPA
+    y = attention(qg, k, v, is_causal=True, enable_gqa=True)
+    assert y.grad_fn is not None and "CPUAttention" in type(y.grad_fn).__name__
+    with torch.no_grad():
+        assert torch.equal(attention(qg, k, v, is_causal=True, enable_gqa=True), y.detach())
+
+
+@needs_extension
+def test_autocast_casts_inputs_like_sdpa():
+    """Under CPU autocast the inputs are cast to bf16 first (as autocast does for SDPA): same output as
+    SDPA under autocast, a bf16 result, gradients back in the inputs' dtype."""
+    q, k, v, go = _inputs(2, 4, 2, 20, 32, torch.float32)
+    q.requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = attention(q, k, v, is_causal=True, enable_gqa=True)
+        ref = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert y.dtype == torch.bfloat16
+    if gemv.available():  # bf16 takes the kernel where the CPU has native bf16
+        assert "CPUAttention" in type(y.grad_fn).__name__
+    torch.testing.assert_close(y.float(), ref.float(), atol=0, rtol=0)
+    y.backward(go.to(y.dtype))
+    assert q.grad.dtype == torch.float32
+
+
+def _model_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    out = model(ids, labels=ids, return_logits=False)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _uses_cpu_attention(model, ids) -> bool:
+    """Whether a training forward of ``model`` builds a CPUAttention node (the path under test ran)."""
+    seen = []
+    orig = CPUAttention.forward
+
+    def spy(ctx, *args):
+        seen.append(1)
+        return orig(ctx, *args)
+
+    CPUAttention.forward = staticmethod(spy)
+    try:
+        model(ids, labels=ids, return_logits=False)
+    finally:
+        CPUAttention.forward = staticmethod(orig)
+    return bool(seen)
+
+
+@needs_extension
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-stateloop", "tiny-coreloop", "llama3.1-1b-baseloop-4x5-adaln"])
+def test_model_gradients_match_the_sdpa_path(preset):
+    """Whole models (GQA; QK-norm; StateLoop's attention over the state; CoreLoop's injection; AdaLN
+    timestep conditioning): loss and every parameter's gradient with CPUAttention equal the SDPA path's
+    (switched off with gemv.enabled(False)) in fp32."""
+    torch.manual_seed(0)
+    cfg = tiny_variant(preset) if not preset.startswith("tiny") else preset
+    model = looplm.build(cfg).train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 24))
+    loss, grads = _model_grads(model, ids)
+    assert _uses_cpu_attention(model, ids)
+    with gemv.enabled(False):
+        loss_ref, grads_ref = _model_grads(model, ids)
+    assert torch.equal(loss, loss_ref)
+    assert grads.keys() == grads_ref.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], grads_ref[n], atol=2e-6, rtol=1e-4, msg=n)
+
+
+@needs_extension
+def test_compiled_block_traces_it_without_a_break():
+    """A compiled function calling attention() (as a compiled block does) holds CPUAttention in one
+    graph (fullgraph) and gives the eager gradients."""
+    q, k, v, go = _inputs(2, 4, 2, 16, 32, torch.float32)
+
+    def f(q, k, v):
+        return attention(q * 1.5, k, v, is_causal=True, enable_gqa=True).sin()
+
+    eager = _grads(lambda q, k, v, c: f(q, k, v), q, k, v, go, True)
+    compiled_f = torch.compile(f, fullgraph=True, backend="aot_eager")
+    comp = _grads(lambda q, k, v, c: compiled_f(q, k, v), q, k, v, go, True)
+    for a, b in zip(eager, comp):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@needs_extension
+def test_argument_errors_say_what_is_wrong():
+    q, k, v, go = _inputs(1, 4, 2, 8, 16, torch.float32)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=0.25)
+    op = torch.ops.looplm_cpu.attention_backward
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        op(go.double(), q.double(), k.double(), v.double(), out.double(), lse, 0.25, True)
+    with pytest.raises(RuntimeError, match="Hkv dividing"):
+        op(go, q, k[:, :1].expand(1, 3, 8, 16), v[:, :1].expand(1, 3, 8, 16), out, lse, 0.25, True)
+    with pytest.raises(RuntimeError, match="as many keys as queries"):
+        op(go[:, :, :4], q[:, :, :4], k, v, out[:, :, :4], lse[:, :, :4], 0.25, True)
+    with pytest.raises(RuntimeError, match="lse must be"):
+        op(go, q, k, v, out, lse.double(), 0.25, True)
+    with pytest.raises(RuntimeError, match="contiguous last dimension"):
+        op(go, q.transpose(2, 3), k, v, out, lse, 0.25, True)
+
+
+@needs_extension
+def test_portable_build_passes_these_tests():
+    """The build CPUs without AVX512-BF16 get (plain loops, AVX2): every other test of this file, in a
+    fresh process with LOOPLM_CPU_KERNELS=portable."""
+    env = dict(os.environ, LOOPLM_CPU_KERNELS="portable")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-k", "not portable_build", __file__],
+        env=env, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout
