@@ -31,7 +31,7 @@ class CPUAttention(torch.autograd.Function):
     the query heads sharing it recompute ``P = exp(q kᵀ/√hd − L)`` block by block in fp32 and take
     ``dV = Pᵀ dO``, ``dS = P ⊙ (dO vᵀ − rowsum(dO ⊙ O)) / √hd``, ``dQ = dS k``, ``dK = dSᵀ q`` with
     torch's batch-reduce GEMM (fp32 results; dK, dV summed in fp32 over the group). Equal to SDPA's
-    gradients up to float rounding (``tests/test_attention_backward.py``). ``q [B, H, T, hd]``,
+    gradients up to float rounding (``tests/test_training_kernels.py``). ``q [B, H, T, hd]``,
     ``k, v [B, H_kv, S, hd]`` (``H_kv`` dividing ``H``), one dtype (bf16 or fp32).
     """
 
@@ -63,14 +63,8 @@ def cpu_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn
         return False
     if is_causal and q.shape[-2] != k.shape[-2]:
         return False
-    fp32_ok, bf16_ok = _kernel_dtypes()
-    return (q.dtype == torch.float32 and fp32_ok) or (q.dtype == torch.bfloat16 and bf16_ok)
-
-
-@torch.compiler.assume_constant_result  # a compiled block asks once, at tracing (the answer is a build fact)
-def _kernel_dtypes() -> tuple[bool, bool]:
-    """(fp32, bf16): whether the backward kernel runs here for each dtype (see cpu_backward_applies)."""
-    return gemv.extension_available(), gemv.available()
+    extension, native_bf16 = gemv.built()
+    return (q.dtype == torch.float32 and extension) or (q.dtype == torch.bfloat16 and native_bf16)
 
 
 def attention(q, k, v, attn_mask=None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:

@@ -104,9 +104,9 @@ def _build() -> tuple[bool, str]:
         csrc = Path(__file__).with_name("csrc")
         load(
             name=f"looplm_cpu_{variant}",  # one name per build: a cache shared by several CPUs never mixes them
-            # decode.cpp: the fused decode block (layers/decode.py); attention.cpp: the attention backward
-            # of training (layers/attention.py)
-            sources=[str(csrc / "gemv.cpp"), str(csrc / "decode.cpp"), str(csrc / "attention.cpp")],
+            # decode.cpp: the fused decode block (layers/decode.py); attention.cpp and loss.cpp: the attention
+            # backward and the cross-entropy rows of training (layers/attention.py, layers/loss.py)
+            sources=[str(csrc / f) for f in ("gemv.cpp", "decode.cpp", "attention.cpp", "loss.cpp")],
             extra_include_paths=[str(csrc)],
             extra_cflags=cflags,
             is_python_module=False,
@@ -139,6 +139,10 @@ def _build() -> tuple[bool, str]:
     def _(grad_out, q, k, v, out, lse, scale, is_causal):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
+    @torch.library.register_fake("looplm_cpu::cross_entropy_rows_")
+    def _(z, targets, weight, grad):  # overwrites z with the gradient when grad
+        return z.new_empty(z.shape[0], dtype=torch.float32)
+
     return True, ""
 
 
@@ -151,6 +155,12 @@ def extension_available() -> bool:
             if "ok" not in _state:
                 _state["ok"], _state["reason"] = _build()
     return _state["ok"] and _enabled
+
+
+@torch.compiler.assume_constant_result  # compiled code asks once, at tracing: the answer is a fact of the build
+def built() -> tuple[bool, bool]:
+    """``(extension_available(), available())`` for code that torch.compile traces (training layers)."""
+    return extension_available(), available()
 
 
 def available() -> bool:

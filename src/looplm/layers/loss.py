@@ -12,6 +12,10 @@ recomputed. Peak extra memory is one chunk of logits plus one gradient of ``h`` 
 
 :func:`linear_cross_entropy_reference` is the readable unchunked form it is tested against.
 
+On a CPU with looplm's extension the softmax of each chunk is one op (``csrc/loss.cpp``:
+``looplm_cpu::cross_entropy_rows_``, the same formulas, each row read twice and written once); the
+PyTorch loop below stays as the path everywhere else and as its reference.
+
 (Why not a library kernel: the fused kernels in the ecosystem — Liger, Apple's cut-cross-entropy —
 are Triton / CUDA only, and this has to run on CPU too; a chunked PyTorch version is small.)
 """
@@ -20,6 +24,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from . import gemv
 
 
 def linear_cross_entropy_reference(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -40,6 +46,35 @@ def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 _CPU_ROWS = 16
 
 
+def _chunk_softmax_(z, s, targets, valid, scale, acc, need_grad, loss):
+    """The loss of one chunk of logits ``z [n, V]`` (rows ``s:s+n`` of the batch) added to ``loss``;
+    with ``need_grad`` z is overwritten with d(mean loss)/dz. The PyTorch form of ``cross_entropy_rows_``."""
+    e = s + z.shape[0]
+    # The softmax runs over blocks of rows in acc: a block's fp32 copy is small enough
+    # to stay in cache, and the gradient is written back into z's own buffer, so no [n, V]
+    # fp32 tensor is allocated (on a CPU each fresh one costs as much as a matmul).
+    rows = _CPU_ROWS if z.device.type == "cpu" else e - s
+    for r in range(0, e - s, rows):
+        zb = z[r : r + rows]  # [b, V] view
+        zf = zb.to(acc)  # [b, V]; zb itself when z is already in acc
+        ok = valid[s + r : s + r + zb.shape[0], None]  # [b, 1]
+        y = torch.where(ok, targets[s + r : s + r + zb.shape[0], None], 0)  # [b, 1]
+        m = zf.amax(dim=-1, keepdim=True)  # [b, 1]
+        zy = zf.gather(1, y)  # [b, 1] the target's logit
+        ez = zf.sub_(m).exp_()  # [b, V] exp(z − max), in place
+        se = ez.sum(dim=-1, keepdim=True)  # [b, 1]
+        loss = loss + torch.where(ok, m + se.log() - zy, 0.0).sum()  # Σ valid rows of lse − z_y
+        if need_grad:
+            # d(mean loss)/dz = (softmax(z) − onehot(y)) · rs, rs = 1/n_valid (0 on ignored rows)
+            rs = ok.to(acc) * scale  # [b, 1]
+            py = ez.gather(1, y) / se  # [b, 1] softmax at the target
+            ez.mul_(rs / se)
+            if ez is not zb:
+                zb.copy_(ez)  # back into the matmul dtype, in z's buffer
+            zb.scatter_(1, y, ((py - 1.0) * rs).to(z.dtype))
+    return loss
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, chunk_size):
@@ -55,31 +90,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = torch.empty_like(hc) if need_grad else None  # [N, d]
             grad_w = None  # [V, d] in acc, the sum over chunks
             loss = torch.zeros((), dtype=acc, device=h.device)
+            fused = h.device.type == "cpu" and acc == torch.float32 and targets.dtype == torch.long and gemv.built()[0]
             for s in range(0, h.shape[0], chunk_size):
                 e = min(s + chunk_size, h.shape[0])
                 z = hc[s:e] @ wc.t()  # [n, V] logits of this chunk only, in the matmul dtype
-                # The softmax runs over blocks of rows in acc: a block's fp32 copy is small enough
-                # to stay in cache, and the gradient is written back into z's own buffer, so no [n, V]
-                # fp32 tensor is allocated (on a CPU each fresh one costs as much as a matmul).
-                rows = _CPU_ROWS if z.device.type == "cpu" else e - s
-                for r in range(0, e - s, rows):
-                    zb = z[r : r + rows]  # [b, V] view
-                    zf = zb.to(acc)  # [b, V]; zb itself when z is already in acc
-                    ok = valid[s + r : s + r + zb.shape[0], None]  # [b, 1]
-                    y = torch.where(ok, targets[s + r : s + r + zb.shape[0], None], 0)  # [b, 1]
-                    m = zf.amax(dim=-1, keepdim=True)  # [b, 1]
-                    zy = zf.gather(1, y)  # [b, 1] the target's logit
-                    ez = zf.sub_(m).exp_()  # [b, V] exp(z − max), in place
-                    se = ez.sum(dim=-1, keepdim=True)  # [b, 1]
-                    loss = loss + torch.where(ok, m + se.log() - zy, 0.0).sum()  # Σ valid rows of lse − z_y
-                    if need_grad:
-                        # d(mean loss)/dz = (softmax(z) − onehot(y)) · rs, rs = 1/n_valid (0 on ignored rows)
-                        rs = ok.to(acc) * scale  # [b, 1]
-                        py = ez.gather(1, y) / se  # [b, 1] softmax at the target
-                        ez.mul_(rs / se)
-                        if ez is not zb:
-                            zb.copy_(ez)  # back into the matmul dtype, in z's buffer
-                        zb.scatter_(1, y, ((py - 1.0) * rs).to(z.dtype))
+                if fused:  # the loop below in one op: z becomes the logits' gradient in place
+                    loss = loss + torch.ops.looplm_cpu.cross_entropy_rows_(z, targets[s:e].contiguous(), scale, need_grad).sum()
+                else:
+                    loss = _chunk_softmax_(z, s, targets, valid, scale, acc, need_grad, loss)
                 if need_grad:
                     g = z  # [n, V] the logits' gradient, in the matmul dtype
                     grad_h[s:e] = (g @ wc).to(grad_h.dtype)  # [n, d]

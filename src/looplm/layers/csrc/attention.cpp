@@ -9,7 +9,7 @@
 // it reuse one transposed copy of K and V, and every product goes through torch's batch-reduce GEMM
 // (at::native::cpublas::brgemm: oneDNN's AMX / AVX-512 micro-kernel) with fp32 results, as torch's flash
 // kernel computes its scores. The reference is the autograd of F.scaled_dot_product_attention;
-// tests/test_attention_backward.py holds the two together.
+// tests/test_training_kernels.py holds the two together.
 //
 // For one query block (rows i of one head, keys j < kend) with s = 1/√hd (eq. of any attention backward):
 //   Sᵢⱼ = Qᵢ·Kⱼ (fp32)          Pᵢⱼ = exp(s·Sᵢⱼ − Lᵢ), 0 where j > i (causal)

@@ -1,6 +1,7 @@
-"""The CPU attention backward (csrc/attention.cpp, layers/attention.py: CPUAttention) against the autograd
-of F.scaled_dot_product_attention: gradients, where it applies, models, compiled blocks, errors, and the
-portable build."""
+"""The extension's training kernels against their references: the CPU attention backward
+(csrc/attention.cpp, layers/attention.py: CPUAttention) against the autograd of
+F.scaled_dot_product_attention — gradients, where it applies, models, compiled blocks, errors — and the
+cross-entropy rows (csrc/loss.cpp) against loss.py's PyTorch loop; and both in the portable build."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 import looplm
 from looplm.layers import gemv
+from looplm.layers import loss as loss_mod
 from looplm.layers.attention import CPUAttention, attention, cpu_backward_applies
 
 from helpers import tiny_variant
@@ -171,8 +173,8 @@ def _uses_cpu_attention(model, ids) -> bool:
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-stateloop", "tiny-coreloop", "llama3.1-1b-baseloop-4x5-adaln"])
 def test_model_gradients_match_the_sdpa_path(preset):
     """Whole models (GQA; QK-norm; StateLoop's attention over the state; CoreLoop's injection; AdaLN
-    timestep conditioning): loss and every parameter's gradient with CPUAttention equal the SDPA path's
-    (switched off with gemv.enabled(False)) in fp32."""
+    timestep conditioning): loss and every parameter's gradient with the extension's kernels equal the
+    PyTorch path's (switched off with gemv.enabled(False)) in fp32."""
     torch.manual_seed(0)
     cfg = tiny_variant(preset) if not preset.startswith("tiny") else preset
     model = looplm.build(cfg).train()
@@ -181,7 +183,7 @@ def test_model_gradients_match_the_sdpa_path(preset):
     assert _uses_cpu_attention(model, ids)
     with gemv.enabled(False):
         loss_ref, grads_ref = _model_grads(model, ids)
-    assert torch.equal(loss, loss_ref)
+    torch.testing.assert_close(loss, loss_ref, rtol=1e-6, atol=1e-6)  # the loss op is switched off too
     assert grads.keys() == grads_ref.keys()
     for n in grads:
         torch.testing.assert_close(grads[n], grads_ref[n], atol=2e-6, rtol=1e-4, msg=n)
@@ -218,6 +220,86 @@ def test_argument_errors_say_what_is_wrong():
         op(go, q, k, v, out, lse.double(), 0.25, True)
     with pytest.raises(RuntimeError, match="contiguous last dimension"):
         op(go, q.transpose(2, 3), k, v, out, lse, 0.25, True)
+
+
+def _rows_reference(z, y, scale, grad):
+    """loss.py's PyTorch loop over one chunk: (the summed loss, z afterwards)."""
+    z = z.clone()
+    total = loss_mod._chunk_softmax_(z, 0, y, y != -100, torch.tensor(scale), torch.float32, grad, torch.zeros(()))
+    return total, z
+
+
+@needs_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("V", [1, 37, 1000])  # one word; not a multiple of 16; larger
+def test_cross_entropy_rows_match_the_pytorch_loop(dtype, V):
+    """Loss and the gradient written into the logits equal loss.py's loop: fp32 to float rounding, bf16
+    within one rounding of the stored gradient; ignored rows give 0 loss and a zero gradient row; rows
+    with logits spread over ±80 (exp under- and overflow without the max) stay finite."""
+    g = torch.Generator().manual_seed(V)
+    z = (3 * torch.randn(9, V, generator=g)).to(dtype)
+    z[4] = torch.linspace(-80, 80, V).to(dtype)
+    y = torch.randint(0, V, (9,), generator=g)
+    y[[2, 7]] = -100
+    scale = 1.0 / 7
+    ref_loss, ref_z = _rows_reference(z, y, scale, True)
+    got_z = z.clone()
+    rows = torch.ops.looplm_cpu.cross_entropy_rows_(got_z, y, torch.tensor(scale), True)
+    assert rows.shape == (9,) and rows.dtype == torch.float32 and torch.isfinite(rows).all()
+    assert rows[2] == 0 and rows[7] == 0 and (got_z[[2, 7]] == 0).all()
+    torch.testing.assert_close(rows.sum(), ref_loss, rtol=2e-6, atol=2e-6)
+    ulp = 2e-6 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(got_z.float(), ref_z.float(), rtol=ulp, atol=1e-7)
+    # without a gradient the logits stay as they were
+    z2 = z.clone()
+    rows2 = torch.ops.looplm_cpu.cross_entropy_rows_(z2, y, torch.tensor(scale), False)
+    assert torch.equal(z2, z) and torch.equal(rows2, rows)
+
+
+@needs_extension
+def test_linear_cross_entropy_takes_the_op_and_keeps_its_gradients(monkeypatch):
+    """linear_cross_entropy on a CPU runs the op (counted) and gives the PyTorch loop's loss and gradients
+    (the loop forced by switching the extension off), in fp32 and under bf16 autocast."""
+    torch.manual_seed(0)
+    h, W = torch.randn(70, 48, requires_grad=True), (0.2 * torch.randn(500, 48)).requires_grad_()
+    y = torch.randint(0, 500, (70,))
+    y[::6] = -100
+    calls = []
+    op = torch.ops.looplm_cpu.cross_entropy_rows_
+
+    def spy(*a):
+        calls.append(1)
+        return op(*a)
+
+    for autocast in (False, True):
+        results = []
+        for on in (True, False):
+            h.grad = W.grad = None
+            monkeypatch.setattr(loss_mod.torch.ops.looplm_cpu, "cross_entropy_rows_", spy, raising=False)
+            with gemv.enabled(on), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                out = loss_mod.linear_cross_entropy(h, W, y, chunk_size=32)
+            (3.0 * out).backward()
+            results.append((out.detach(), h.grad.clone(), W.grad.clone()))
+        assert len(calls) == 3 * (1 + autocast)  # 3 chunks with the extension on, none with it off
+        tol = dict(rtol=1e-5, atol=1e-7) if not autocast else dict(rtol=1e-2, atol=1e-4)
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, **tol)
+
+
+@needs_extension
+def test_cross_entropy_rows_errors_say_what_is_wrong():
+    op = torch.ops.looplm_cpu.cross_entropy_rows_
+    z, y, w = torch.randn(3, 10), torch.tensor([1, 2, 3]), torch.tensor(0.5)
+    with pytest.raises(RuntimeError, match="outside \\[0, 10\\)"):
+        op(z, torch.tensor([1, 10, 3]), w, True)
+    with pytest.raises(RuntimeError, match="int64"):
+        op(z, y.int(), w, True)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        op(z.double(), y, w, True)
+    with pytest.raises(RuntimeError, match="contiguous CPU"):
+        op(z.t(), y, w, True)
+    with pytest.raises(RuntimeError, match="one float32"):
+        op(z, y, torch.tensor([0.5, 0.5]), True)
 
 
 @needs_extension
