@@ -179,15 +179,17 @@ def test_golden_losses(tmp_path, optim):
     assert got == pytest.approx(GOLDEN[optim], abs=TOLERANCE[optim]), f"golden losses changed: {got}"
 
 
-def test_bf16_weights_cast_once_per_step_across_micro_batches(corpus, tmp_path, monkeypatch):
+@pytest.mark.parametrize("cpu_gemm", [False, True], ids=["nn.Linear", "TunedLinear"])
+def test_bf16_weights_cast_once_per_step_across_micro_batches(corpus, tmp_path, monkeypatch, cpu_gemm):
     """With gradient accumulation under bf16 autocast, each fp32 weight of the blocks is cast to bf16
     once per step (one autocast region around all micro-batches, whose cache also spans the loop
-    iterations), and the gradients are bit-identical to casting it again in every micro-batch."""
+    iterations), and the gradients are bit-identical to casting it again in every micro-batch.
+    TunedLinear (train.cpu_gemm) keeps its own copy per weight version: once per step either way."""
     import contextlib
 
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    cfg = tiny(corpus, precision="bf16", micro_batch_size=2)  # 4 micro-batches
+    cfg = tiny(corpus, precision="bf16", micro_batch_size=2, cpu_gemm=cpu_gemm)  # 4 micro-batches
 
     class CountCasts(TorchDispatchMode):  # fp32 -> bf16 copies of tensors of one shape
         def __init__(self, shape):
@@ -219,7 +221,7 @@ def test_bf16_weights_cast_once_per_step_across_micro_batches(corpus, tmp_path, 
     monkeypatch.setattr(Trainer, "_step_autocast", lambda self: contextlib.nullcontext())
     rec_each, grads_each, _ = grads_of_first_step(cfg, tmp_path / "each")
     casts_each, _ = mlp_weight_casts(tmp_path / "each-count")
-    assert casts_each == 4 * n_weights  # an autocast region per micro-batch: cast again in each
+    assert casts_each == (n_weights if cpu_gemm else 4 * n_weights)  # an autocast region per micro-batch: cast again in each
     assert rec["loss"] == rec_each["loss"] and rec["grad_norm"] == rec_each["grad_norm"]
     for n in grads:
         assert torch.equal(grads[n], grads_each[n]), n

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import gemv
+from . import cpu_gemm, gemv
 
 
 def linear_cross_entropy_reference(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -93,15 +93,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
             fused = h.device.type == "cpu" and acc == torch.float32 and targets.dtype == torch.long and gemv.built()[0]
             for s in range(0, h.shape[0], chunk_size):
                 e = min(s + chunk_size, h.shape[0])
-                z = hc[s:e] @ wc.t()  # [n, V] logits of this chunk only, in the matmul dtype
+                z = cpu_gemm.mm(hc[s:e], wc.t())  # [n, V] logits of this chunk only, in the matmul dtype
                 if fused:  # the loop below in one op: z becomes the logits' gradient in place
                     loss = loss + torch.ops.looplm_cpu.cross_entropy_rows_(z, targets[s:e].contiguous(), scale, need_grad).sum()
                 else:
                     loss = _chunk_softmax_(z, s, targets, valid, scale, acc, need_grad, loss)
                 if need_grad:
                     g = z  # [n, V] the logits' gradient, in the matmul dtype
-                    grad_h[s:e] = (g @ wc).to(grad_h.dtype)  # [n, d]
-                    gw = (g.t() @ hc[s:e]).to(acc)  # [V, d]
+                    grad_h[s:e] = cpu_gemm.mm(g, wc).to(grad_h.dtype)  # [n, d]
+                    gw = cpu_gemm.mm(g.t(), hc[s:e]).to(acc)  # [V, d]
                     grad_w = gw if grad_w is None else grad_w.add_(gw)
             if need_grad and grad_w is None:  # no tokens at all
                 grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)

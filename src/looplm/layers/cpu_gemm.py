@@ -1,0 +1,290 @@
+"""The matrix products of bf16 training on a CPU, each run in the split that oneDNN does fastest.
+
+Why: torch's bf16 matmul on a CPU is oneDNN, whose speed at a fixed amount of work depends on the shape in
+ways no simple rule captures. At the SmolLM2-135M training shape (1024 tokens, d 576, SwiGLU 1536) on a
+2-core Xeon with AMX, ``[1024, 576] @ [576, 576]`` runs at 1.4-1.6 TFLOP/s while ``[1024, 576] @ [576, 512]``
+runs at 2.5, and computing the first as two products of 512 rows (or of 288 columns) each, written into
+one output, runs at 2.3. So every product here is done in one of three ways —
+
+* ``direct``: ``a @ b``;
+* ``rows2``:  the two halves of ``a``'s rows, each ``@ b``, into the halves of one ``[M, N]`` output;
+* ``cols2``:  ``a @`` each half of ``b``'s columns, into the halves of the output's columns —
+
+whichever measured fastest the first time its (shape, layout, dtype, thread count) came up (the best of
+five runs each; about a hundred milliseconds once per shape). Each output element is one oneDNN dot
+product in every form, so the choice moves results by float rounding at most (oneDNN may block K
+differently per shape); to keep a run and its resumption bit-identical, the choices are kept on disk
+(``$XDG_CACHE_HOME/looplm/cpu_gemm_plans.json`` or ``$LOOPLM_CPU_GEMM_PLANS``, per CPU model, torch
+version and thread count) and reused.
+
+:func:`tuned_linears` switches a model's ``nn.Linear`` layers to :class:`TunedLinear` (the trainer does it
+for bf16 training on a CPU: ``train.cpu_gemm``), whose forward and backward products (``x Wᵀ``, ``dy W``,
+``dyᵀ x``) go through :func:`mm`. The products run as the op ``looplm::tuned_mm``, so compiled blocks keep
+it in their graph. Products with a side under 128, other dtypes and other devices are plain matmuls.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from .. import cpuinfo
+
+STRATEGIES = ("direct", "rows2", "cols2")
+MIN_SIDE = 128  # smaller products are overhead-bound: always direct (and tiny test models never tune)
+_REPEATS = 5
+
+_lock = threading.Lock()
+_plans: dict[str, str] | None = None  # key -> strategy, loaded from disk on first use
+_fast: dict[tuple, str] = {}  # (shapes, strides, dtype, threads) -> strategy: the per-call lookup
+
+
+def _run(a: torch.Tensor, b: torch.Tensor, strategy: str, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a [M, K] @ b [K, N] (+ bias [N])`` in ``strategy`` (the bias added inside the product, as
+    ``F.linear`` does: one rounding)."""
+    if strategy == "direct":
+        return a @ b if bias is None else torch.addmm(bias, a, b)
+    M, N = a.shape[0], b.shape[1]
+    out = torch.empty(M, N, dtype=a.dtype, device=a.device)
+    if strategy == "rows2":
+        h = M // 2
+        for r in (slice(0, h), slice(h, M)):  # [h, N], [M - h, N]
+            if bias is None:
+                torch.mm(a[r], b, out=out[r])
+            else:
+                torch.addmm(bias, a[r], b, out=out[r])
+    else:  # cols2
+        h = N // 2
+        for c in (slice(0, h), slice(h, N)):  # [M, h], [M, N - h]: rows of stride N
+            if bias is None:
+                torch.mm(a, b[:, c], out=out[:, c])
+            else:
+                torch.addmm(bias[c], a, b[:, c], out=out[:, c])
+    return out
+
+
+def forget() -> None:
+    """Drop the choices this process remembers (the file stays; the next product reads it again)."""
+    global _plans
+    with _lock:
+        _plans = None
+        _fast.clear()
+
+
+def _layout(t: torch.Tensor) -> str:
+    """``n`` (rows contiguous), ``t`` (a transposed view: columns contiguous), or ``s`` (other strides)."""
+    if t.stride(1) == 1:
+        return "n"
+    if t.stride(0) == 1:
+        return "t"
+    return "s"
+
+
+def _key(a: torch.Tensor, b: torch.Tensor) -> str:
+    M, K = a.shape
+    return f"{M}x{K}x{b.shape[1]}:{_layout(a)}{_layout(b)}:{str(a.dtype).removeprefix('torch.')}:{torch.get_num_threads()}t"
+
+
+def plans_path() -> Path:
+    """Where the measured choices live (one section per CPU model and torch version):
+    ``$LOOPLM_CPU_GEMM_PLANS`` if set, else ``$XDG_CACHE_HOME/looplm/cpu_gemm_plans.json`` (``~/.cache``)."""
+    if os.environ.get("LOOPLM_CPU_GEMM_PLANS"):
+        return Path(os.environ["LOOPLM_CPU_GEMM_PLANS"])
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "looplm"
+    return root / "cpu_gemm_plans.json"
+
+
+def _section() -> str:
+    return f"{cpuinfo.model_name()} | torch {torch.__version__}"
+
+
+def _load() -> dict[str, str]:
+    global _plans
+    if _plans is None:
+        plans: dict[str, str] = {}
+        try:
+            data = json.loads(plans_path().read_text())
+            plans = {k: v for k, v in data.get(_section(), {}).items() if v in STRATEGIES}
+        except (OSError, ValueError, AttributeError):
+            pass  # no file yet, or unreadable: measure again
+        _plans = plans
+    return _plans
+
+
+def _save(key: str, strategy: str) -> None:
+    """Add one choice to the file (read, merge, write to a temporary file and rename: several processes
+    of one run may tune at once; the last writer keeps everyone's entries that it read)."""
+    path = plans_path()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                data = {}
+        except (OSError, ValueError):
+            data = {}
+        data.setdefault(_section(), {})[key] = strategy
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home: the choice still holds for this process
+
+
+def _measure(a: torch.Tensor, b: torch.Tensor) -> str:
+    best, best_t = "direct", float("inf")
+    for strategy in STRATEGIES:
+        _run(a, b, strategy)  # warm: oneDNN builds its kernel for the shape
+        t = float("inf")
+        for _ in range(_REPEATS):
+            t0 = time.perf_counter()
+            _run(a, b, strategy)
+            t = min(t, time.perf_counter() - t0)
+        if t < best_t:
+            best, best_t = strategy, t
+    return best
+
+
+def plan(a: torch.Tensor, b: torch.Tensor) -> str:
+    """The strategy :func:`mm` uses for ``a @ b`` (measured on first use, then remembered)."""
+    fast = (a.shape, a.stride(), b.shape, b.stride(), a.dtype, a.device.type, torch.get_num_threads())
+    strategy = _fast.get(fast)
+    if strategy is None:
+        strategy = _fast[fast] = _plan(a, b)
+    return strategy
+
+
+def _plan(a: torch.Tensor, b: torch.Tensor) -> str:
+    if a.device.type != "cpu" or a.dtype != torch.bfloat16 or min(a.shape[0], a.shape[1], b.shape[1]) < MIN_SIDE:
+        return "direct"
+    key = _key(a, b)
+    plans = _load()
+    strategy = plans.get(key)
+    if strategy is None:
+        with _lock:
+            strategy = plans.get(key)
+            if strategy is None:
+                strategy = plans[key] = _measure(a, b)
+                _save(key, strategy)
+    return strategy
+
+
+def _tuned_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return _run(a, b, plan(a, b), bias)
+
+
+# The op ``looplm::tuned_mm`` (defined with torch.library.Library rather than custom_op: ~10 µs less per
+# call, and a training step makes ~600 of them). Its autograd is _TunedLinearFn's.
+_lib = torch.library.Library("looplm", "FRAGMENT")
+_lib.define("tuned_mm(Tensor a, Tensor b, Tensor? bias=None) -> Tensor")
+_lib.impl("tuned_mm", _tuned_mm, "CPU")
+
+
+@torch.library.register_fake("looplm::tuned_mm", lib=_lib)
+def _(a, b, bias=None):
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``a [M, K] @ b [K, N] (+ bias [N])`` (2-d CPU tensors of one dtype), in the fastest measured split
+    (see the module docstring)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.looplm.tuned_mm(a, b, bias)  # one node of the compiled graph
+    return _tuned_mm(a, b, bias)
+
+
+class _TunedLinearFn(torch.autograd.Function):
+    """``y = x Wᵀ (+ b)`` with all three products through :func:`mm`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        x2 = x.reshape(-1, x.shape[-1])  # [N, in]
+        y = mm(x2, weight.t(), bias)  # [N, out]
+        ctx.save_for_backward(x2, weight)
+        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
+        return y.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x2, weight = ctx.saved_tensors
+        g = grad_y.reshape(-1, grad_y.shape[-1])  # [N, out]
+        gx = mm(g, weight).view(ctx.x_shape) if ctx.needs_input_grad[0] else None  # [N, in]
+        gw = mm(g.t(), x2) if ctx.needs_input_grad[1] else None  # [out, in]
+        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+_optimizer_steps = [0]  # optimizer steps taken in this process (TunedLinear's cast cache key)
+_step_hook = []
+
+
+def _count_optimizer_steps() -> None:
+    """Register (once) a post-hook on every optimizer's step that counts the steps."""
+    if not _step_hook:
+
+        def bump(optimizer, args, kwargs):
+            _optimizer_steps[0] += 1
+
+        _step_hook.append(register_optimizer_step_post_hook(bump))
+
+
+class TunedLinear(nn.Linear):
+    """An ``nn.Linear`` whose bf16 products on a CPU go through :func:`mm` (same parameters, same
+    ``state_dict``); elsewhere it is ``F.linear``.
+
+    Under CPU autocast the input and the weight are cast to the autocast dtype first, as autocast does
+    for ``F.linear``. Like autocast's own cache, the bf16 copy of the weight is made once per step, not
+    at every micro-batch or loop iteration: it is kept with the weight's version counter (in-place
+    writes: ``load_state_dict``, foreach optimizers), a count of optimizer steps (fused AdamW updates
+    the weights without advancing their version counters, so every ``Optimizer.step`` of the process
+    is counted through a global post-hook), the grad mode and the dtype, and remade when any changes.
+    A compiled block casts inside its own graph instead."""
+
+    def _cast_weight(self, dt: torch.dtype) -> torch.Tensor:
+        w = self.weight
+        if torch.compiler.is_compiling():
+            return w.to(dt)
+        _count_optimizer_steps()
+        key = (w, w._version, _optimizer_steps[0], dt, torch.is_grad_enabled())
+        cached = self.__dict__.get("_cast_cache")
+        if cached is not None and cached[0][0] is w and cached[0][1:] == key[1:]:
+            return cached[1]
+        wc = w.to(dt)
+        self.__dict__["_cast_cache"] = (key, wc)  # not a buffer: outside state_dict and .to()
+        return wc
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        w, b = self.weight, self.bias
+        if torch.is_autocast_enabled("cpu"):
+            dt = torch.get_autocast_dtype("cpu")
+            x = x.to(dt)
+            w = self._cast_weight(dt) if w.dtype != dt else w
+            b = b.to(dt) if b is not None else None
+        if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+            return F.linear(x, w, b)
+        with torch.autocast("cpu", enabled=False):
+            return _TunedLinearFn.apply(x, w, b)
+
+
+def tuned_linears(model: nn.Module) -> int:
+    """Switch every plain ``nn.Linear`` of ``model`` to :class:`TunedLinear` in place (before compiling);
+    returns how many. Parameters, buffers and hooks stay; ``state_dict`` keys are unchanged."""
+    n = 0
+    for m in model.modules():
+        if type(m) is nn.Linear:
+            m.__class__ = TunedLinear
+            n += 1
+    return n
+
+
+__all__ = ["STRATEGIES", "TunedLinear", "forget", "mm", "plan", "plans_path", "tuned_linears"]

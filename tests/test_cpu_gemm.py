@@ -1,0 +1,216 @@
+"""looplm.layers.cpu_gemm: the split products equal plain matmuls, the measured choice is made once and
+kept on disk, TunedLinear is an nn.Linear with the same values and gradients (eager, autocast,
+compiled), and the trainer switches it on where its rule says."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import looplm
+from looplm.layers import cpu_gemm
+from looplm.layers.cpu_gemm import STRATEGIES, TunedLinear, tuned_linears
+from looplm.train import load_train_config
+from looplm.train.trainer import resolve_cpu_gemm
+
+
+@pytest.fixture(autouse=True)
+def plans_in_tmp(tmp_path, monkeypatch):
+    """Each test gets its own plans file and an empty memory."""
+    monkeypatch.setenv("LOOPLM_CPU_GEMM_PLANS", str(tmp_path / "looplm" / "plans.json"))
+    cpu_gemm.forget()
+    yield tmp_path
+    cpu_gemm.forget()
+
+
+def _operands(M, K, N, layout, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(M, K, generator=g) if layout[0] == "n" else torch.randn(K, M, generator=g).t()
+    b = torch.randn(K, N, generator=g) if layout[1] == "n" else torch.randn(N, K, generator=g).t()
+    return a.to(dtype), b.to(dtype)
+
+
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_split_equals_the_plain_product(strategy, layout):
+    """Each strategy gives a @ b (odd sides: the halves differ by one) up to bf16 rounding of the output."""
+    a, b = _operands(131, 140, 129, layout)
+    ref = (a.double() @ b.double())
+    out = cpu_gemm._run(a, b, strategy)
+    assert out.shape == (131, 129) and out.dtype == torch.bfloat16 and out.is_contiguous()
+    torch.testing.assert_close(out.double(), ref, rtol=2 ** -7, atol=1e-2)
+    torch.testing.assert_close(out, a @ b, rtol=2 ** -7, atol=1e-2)
+
+
+def test_the_choice_is_measured_once_and_kept_on_disk(plans_in_tmp, monkeypatch):
+    a, b = _operands(256, 128, 192, "nt")
+    calls = []
+    real = cpu_gemm._measure
+
+    def counting(a, b):
+        calls.append(a.shape)
+        return real(a, b)
+
+    monkeypatch.setattr(cpu_gemm, "_measure", counting)
+    first = cpu_gemm.plan(a, b)
+    assert first in STRATEGIES and len(calls) == 1
+    assert cpu_gemm.plan(a, b) == first and len(calls) == 1  # remembered
+    path = cpu_gemm.plans_path()
+    assert path == plans_in_tmp / "looplm" / "plans.json"
+    data = json.loads(path.read_text())
+    (section,) = data.values()
+    assert list(section.values()) == [first] and "256x128x192:nt:bfloat16" in next(iter(section))
+    cpu_gemm.forget()  # a new process: reads the file, measures nothing
+    monkeypatch.setattr(cpu_gemm, "_measure", lambda a, b: pytest.fail("measured again"))
+    assert cpu_gemm.plan(a, b) == first
+    # another layout of the same shape is another entry
+    monkeypatch.setattr(cpu_gemm, "_measure", lambda a, b: "rows2")
+    a2, b2 = _operands(256, 128, 192, "nn")
+    assert cpu_gemm.plan(a2, b2) == "rows2"
+    assert len(next(iter(json.loads(path.read_text()).values()))) == 2
+
+
+def test_small_products_other_dtypes_and_a_bad_file_are_handled(plans_in_tmp, monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "_measure", lambda a, b: pytest.fail("should not measure"))
+    assert cpu_gemm.plan(*_operands(1024, 64, 576, "nn")) == "direct"  # a side under MIN_SIDE
+    assert cpu_gemm.plan(*_operands(256, 256, 256, "nn", torch.float32)) == "direct"  # fp32: torch's own
+    path = cpu_gemm.plans_path()
+    path.parent.mkdir(parents=True)
+    path.write_text("{not json")
+    cpu_gemm.forget()
+    monkeypatch.setattr(cpu_gemm, "_measure", lambda a, b: "cols2")
+    assert cpu_gemm.plan(*_operands(256, 256, 256, "nn")) == "cols2"  # unreadable file: measured again
+    assert json.loads(path.read_text())  # and rewritten whole
+
+
+def _linear_pair(bias: bool, dtype=torch.float32):
+    torch.manual_seed(0)
+    ref = nn.Linear(160, 144, bias=bias).to(dtype)
+    tuned = nn.Linear(160, 144, bias=bias).to(dtype)
+    tuned.load_state_dict(ref.state_dict())
+    assert tuned_linears(tuned) == 1 and type(tuned) is TunedLinear
+    assert tuned.state_dict().keys() == ref.state_dict().keys()
+    return ref, tuned
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_tuned_linear_matches_f_linear_under_autocast(bias, strategy, monkeypatch):
+    """fp32 master weights under bf16 autocast (the training setting): output, input gradient and
+    parameter gradients (in fp32) equal nn.Linear's under autocast, whatever the split."""
+    monkeypatch.setattr(cpu_gemm, "_measure", lambda a, b: strategy)
+    ref, tuned = _linear_pair(bias)
+    x = torch.randn(2, 80, 160)
+    go = torch.randn(2, 80, 144)
+    outs = []
+    for m in (ref, tuned):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(xi)
+        y.backward(go.to(y.dtype))
+        outs.append((y, xi.grad, m.weight.grad, m.bias.grad if bias else None))
+    (y0, gx0, gw0, gb0), (y1, gx1, gw1, gb1) = outs
+    assert y1.dtype == torch.bfloat16 and gw1.dtype == torch.float32
+    torch.testing.assert_close(y1, y0, rtol=2 ** -7, atol=1e-2)
+    torch.testing.assert_close(gx1, gx0, rtol=2 ** -7, atol=1e-2)
+    torch.testing.assert_close(gw1, gw0, rtol=2 ** -7, atol=5e-2)
+    if bias:
+        torch.testing.assert_close(gb1, gb0, rtol=2 ** -7, atol=5e-2)
+    assert {k for k, v in cpu_gemm._fast.items() if v == strategy and k[4] == torch.bfloat16}  # the split ran
+
+
+@pytest.mark.parametrize("optim", ["fused-adamw", "foreach-adamw", "sgd", "load_state_dict"])
+def test_the_bf16_weight_copy_follows_every_update(optim):
+    """The cached bf16 copy is reused within a step and remade after any update of the weight — fused
+    AdamW's (which leaves the version counter alone), foreach and plain optimizers', load_state_dict's."""
+    ref, tuned = _linear_pair(False)
+    x = torch.randn(8, 160)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y0 = tuned(x)
+        assert torch.equal(tuned(x), y0) and tuned._cast_cache[1] is tuned._cast_weight(torch.bfloat16)
+    y0.float().sum().backward()
+    if optim == "load_state_dict":
+        tuned.load_state_dict({"weight": torch.randn(144, 160)})
+    else:
+        kind = {"fused-adamw": dict(fused=True), "foreach-adamw": dict(foreach=True)}
+        opt = (torch.optim.AdamW(tuned.parameters(), lr=0.1, **kind[optim]) if optim != "sgd"
+               else torch.optim.SGD(tuned.parameters(), lr=0.1))  # fmt: skip
+        opt.step()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y1 = tuned(x)
+        want = F.linear(x, tuned.weight)
+    assert not torch.equal(y1, y0)
+    torch.testing.assert_close(y1, want, rtol=0, atol=0)
+
+
+def test_tuned_linear_elsewhere_is_f_linear():
+    """fp32 without autocast, frozen weights, no-grad: exactly F.linear."""
+    ref, tuned = _linear_pair(True)
+    x = torch.randn(3, 160)
+    assert torch.equal(tuned(x), ref(x))
+    tuned.weight.requires_grad_(False)
+    xb = x.bfloat16().requires_grad_()
+    wb = tuned.weight.bfloat16()
+    with torch.no_grad():
+        torch.testing.assert_close(tuned.to(torch.bfloat16)(xb), F.linear(xb, wb, tuned.bias), rtol=0, atol=0)
+
+
+def test_compiled_tuned_linear_keeps_the_op_in_one_graph(monkeypatch):
+    monkeypatch.setattr(cpu_gemm, "_measure", lambda a, b: "rows2")
+    ref, tuned = _linear_pair(False, torch.bfloat16)
+    x = torch.randn(256, 160, dtype=torch.bfloat16)
+
+    def run(m):
+        xi = x.clone().requires_grad_()
+        y = m(xi)
+        y.float().square().sum().backward()
+        return y, xi.grad, m.weight.grad
+
+    eager = run(tuned)
+    tuned.weight.grad = None
+    compiled = torch.compile(tuned, fullgraph=True, backend="aot_eager")
+    got = run(compiled)
+    for a, b in zip(eager, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_model_trains_the_same_with_tuned_linears(monkeypatch):
+    """A tiny model with d 128 (so its products take the splits): the bf16-autocast loss and gradients
+    of the tuned model equal the plain one's up to bf16 rounding."""
+    monkeypatch.setattr(cpu_gemm, "_measure", lambda a, b: "cols2")
+    torch.manual_seed(0)
+    cfg = {"name": "t", "vocab_size": 256, "d_model": 128, "n_core": 2, "n_loops": 2, "d_ff": 256,
+           "attention": {"n_heads": 4, "n_kv_heads": 2}, "max_seq_len": 64}  # fmt: skip
+    plain = looplm.build(cfg).train()
+    tuned = looplm.build(cfg).train()
+    tuned.load_state_dict(plain.state_dict())
+    assert tuned_linears(tuned) > 0
+    ids = torch.randint(0, 256, (4, 64))
+    res = []
+    for m in (plain, tuned):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(ids, labels=ids, return_logits=False).loss
+        loss.backward()
+        res.append((loss.detach(), {n: p.grad for n, p in m.named_parameters()}))
+    torch.testing.assert_close(res[1][0], res[0][0], rtol=1e-2, atol=1e-2)
+    for n, g in res[0][1].items():
+        torch.testing.assert_close(res[1][1][n], g, rtol=0.1, atol=2e-2, msg=n)
+    assert any(v == "cols2" for v in cpu_gemm._fast.values())
+
+
+def test_trainer_rule_and_config():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    from looplm.cpuinfo import flags
+
+    native = bool({"avx512_bf16", "amx_bf16"} & flags())
+    assert resolve_cpu_gemm("auto", cpu, "bf16", False) == native
+    assert not resolve_cpu_gemm("auto", cpu, "fp32", False)
+    assert not resolve_cpu_gemm("auto", cuda, "bf16", False)
+    assert not resolve_cpu_gemm("auto", cpu, "bf16", True)  # FSDP2
+    assert resolve_cpu_gemm(True, cuda, "fp32", False) and not resolve_cpu_gemm(False, cpu, "bf16", False)
+    with pytest.raises(ValueError, match="cpu_gemm: must be true, false or 'auto'"):
+        load_train_config({"model": "tiny-llama", "train": {"cpu_gemm": "yes"}})
