@@ -13,7 +13,8 @@ Contenders (each in its own process, so peak memory is its own):
 * ``hf-malloc``     — the same ``hf`` step in a process whose glibc keeps freed memory
                       (:func:`looplm.cpu_malloc.keep_freed_memory`, what ``looplm train`` does on a CPU):
                       how much of looplm's lead is the allocator (CPU only).
-* ``looplm``        — the same step on ``looplm`` (chunked loss: no ``[B, T, V]`` logits; fused AdamW,
+* ``looplm``        — the same step on ``looplm`` (chunked loss: no ``[B, T, V]`` logits; fused AdamW;
+                      the Linear layers switched to TunedLinear where ``train.cpu_gemm: auto`` would —
                       as ``looplm train`` builds it).
 * ``looplm-compiled`` — the same with every block compiled (:func:`looplm.parallel.compile_blocks`).
 * ``looplm-train``  — ``looplm train`` itself with its default settings (AdamW, ``precision: auto``,
@@ -136,7 +137,12 @@ def run_looplm(args, layout: str, precision: str, compiled: bool) -> dict:
     import looplm
     from looplm.parallel import compile_blocks
 
+    from looplm.layers.cpu_gemm import tuned_linears
+    from looplm.train.trainer import resolve_cpu_gemm
+
     model = looplm.build(looplm_config(layout, args.seq), device=args.device).train()
+    if resolve_cpu_gemm("auto", torch.device(args.device), precision, fsdp=False):
+        tuned_linears(model)  # as looplm train does (train.cpu_gemm: auto)
     t0 = time.perf_counter()
     if compiled:
         compile_blocks(model)

@@ -214,3 +214,27 @@ def test_trainer_rule_and_config():
     assert resolve_cpu_gemm(True, cuda, "fp32", False) and not resolve_cpu_gemm(False, cpu, "bf16", False)
     with pytest.raises(ValueError, match="cpu_gemm: must be true, false or 'auto'"):
         load_train_config({"model": "tiny-llama", "train": {"cpu_gemm": "yes"}})
+
+
+def test_a_model_switched_for_training_still_decodes_on_the_fast_path():
+    """After tuned_linears (what looplm train does on a bf16 CPU), generate still takes the fused decode
+    blocks and the GEMV kernels, gives the same tokens as the plain model, and leaves the layers
+    TunedLinear."""
+    from looplm.generate import generate
+    from looplm.layers import decode, gemv
+
+    torch.manual_seed(0)
+    plain = looplm.build("tiny-qwen3").eval().to(torch.bfloat16)
+    tuned = looplm.build("tiny-qwen3").eval().to(torch.bfloat16)
+    tuned.load_state_dict(plain.state_dict())
+    n = tuned_linears(tuned)
+    assert n > 0
+    if gemv.extension_available():
+        assert all(decode.eligible(b) for b in tuned.core.stack.blocks)
+        with gemv.decode_linears(tuned) as swapped:
+            assert swapped == (n if gemv.available() else 0)  # every (tuned) linear gets the kernels
+    prompt = torch.randint(0, tuned.config.vocab_size, (2, 5))
+    a = generate(plain, prompt, max_new_tokens=6, do_sample=False)
+    b = generate(tuned, prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(a, b)
+    assert sum(type(m) is TunedLinear for m in tuned.modules()) == n

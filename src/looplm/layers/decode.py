@@ -47,10 +47,11 @@ from torch import nn
 from ..blocks import Block
 from . import gemv
 from .attention import Attention, KVCache
+from .cpu_gemm import TunedLinear
 from .mamba2 import Mamba2Mixer, Mamba2State, RMSNormGated
 from .mlp import SwiGLU
 
-_LINEARS = (nn.Linear, gemv.DecodeLinear)
+_LINEARS = (nn.Linear, gemv.DecodeLinear, TunedLinear)  # TunedLinear: switched for CPU training (cpu_gemm)
 _on = True
 
 

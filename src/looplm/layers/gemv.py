@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import cpuinfo
+from .cpu_gemm import TunedLinear
 
 MAX_ROWS = 16  # the AMX path's limit (one B tile holds 16 rows of x); above it torch's matmul is the path
 FP32_MAX_ROW_ENTRIES = 6144  # fp32 kernel: rows x K of x that stay in L1 (24 KB) beside the weight tiles
@@ -253,6 +254,9 @@ class DecodeLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+_PLAIN_LINEARS = (nn.Linear, TunedLinear)  # TunedLinear: a model switched for training (train.cpu_gemm)
+
+
 @contextlib.contextmanager
 def decode_linears(model: nn.Module, batch_size: int | None = None):
     """Inside the block, the plain ``nn.Linear`` layers of ``model`` with bf16 or fp32 CPU weights run as
@@ -262,16 +266,17 @@ def decode_linears(model: nn.Module, batch_size: int | None = None):
     models on other devices or in other dtypes never build them)."""
     swapped = [
         m for m in model.modules()
-        if type(m) is nn.Linear and m.weight.dtype in _KERNEL_DTYPES and m.weight.device.type == "cpu"
+        if type(m) in _PLAIN_LINEARS and m.weight.dtype in _KERNEL_DTYPES and m.weight.device.type == "cpu"
     ]  # fmt: skip
     if not swapped or not available():
         swapped = []
     if batch_size is not None:
         swapped = [m for m in swapped if kernel_wins(batch_size, m.in_features, m.weight.dtype)]
+    classes = [type(m) for m in swapped]
     for m in swapped:
         m.__class__ = DecodeLinear
     try:
         yield len(swapped)
     finally:
-        for m in swapped:
-            m.__class__ = nn.Linear
+        for m, cls in zip(swapped, classes):
+            m.__class__ = cls
