@@ -22,6 +22,8 @@ from looplm.layers.attention import CPUAttention, attention, cpu_backward_applie
 from helpers import tiny_variant
 
 needs_extension = pytest.mark.skipif(not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}")
+# training takes the ops only in the build with the AVX-512 kernels (the portable one runs them for these tests)
+needs_kernels = pytest.mark.skipif(not gemv.available(), reason=f"the AVX-512 build is not available: {gemv.unavailable_reason()}")
 
 # (B, H, H_kv, T, hd, causal): GQA and MHA, T not a multiple of the 64-row query block, odd T, one
 # query, head dims 32 / 64 / 128, full (non-causal) attention with S != T.
@@ -107,7 +109,7 @@ def test_large_scores_and_fully_masked_tail():
     torch.testing.assert_close(dv, dv_ref, atol=1e-6, rtol=1e-5)
 
 
-@needs_extension
+@needs_kernels
 def test_where_it_applies():
     """Training on a CPU without a mask takes CPUAttention; inference, masks, a causal call with a cache
     (fewer queries than keys) and tensors that need no gradient keep SDPA."""
@@ -126,6 +128,19 @@ def test_where_it_applies():
     assert y.grad_fn is not None and "CPUAttention" in type(y.grad_fn).__name__
     with torch.no_grad():
         assert torch.equal(attention(qg, k, v, is_causal=True, enable_gqa=True), y.detach())
+
+
+@needs_extension
+def test_without_the_kernels_training_keeps_sdpa_and_the_pytorch_loop(monkeypatch):
+    """Where the extension lacks its AVX-512 kernels (the portable build: its plain-loop softmax is slower
+    than torch's), training keeps SDPA and loss.py's loop; with them, it takes both ops."""
+    q, k, v, _ = _inputs(1, 4, 2, 8, 16, torch.float32)
+    assert cpu_backward_applies(q.requires_grad_(), k, v, None, True) == gemv.available()
+    calls = []
+    op = torch.ops.looplm_cpu.cross_entropy_rows_
+    monkeypatch.setattr(loss_mod.torch.ops.looplm_cpu, "cross_entropy_rows_", lambda *a: calls.append(1) or op(*a), raising=False)
+    loss_mod.linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.arange(4))
+    assert bool(calls) == gemv.available()
 
 
 @needs_extension
@@ -169,7 +184,7 @@ def _uses_cpu_attention(model, ids) -> bool:
     return bool(seen)
 
 
-@needs_extension
+@needs_kernels
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-stateloop", "tiny-coreloop", "llama3.1-1b-baseloop-4x5-adaln"])
 def test_model_gradients_match_the_sdpa_path(preset):
     """Whole models (GQA; QK-norm; StateLoop's attention over the state; CoreLoop's injection; AdaLN
@@ -189,7 +204,7 @@ def test_model_gradients_match_the_sdpa_path(preset):
         torch.testing.assert_close(grads[n], grads_ref[n], atol=2e-6, rtol=1e-4, msg=n)
 
 
-@needs_extension
+@needs_kernels
 def test_compiled_block_traces_it_without_a_break():
     """A compiled function calling attention() (as a compiled block does) holds CPUAttention in one
     graph (fullgraph) and gives the eager gradients."""
@@ -256,7 +271,7 @@ def test_cross_entropy_rows_match_the_pytorch_loop(dtype, V):
     assert torch.equal(z2, z) and torch.equal(rows2, rows)
 
 
-@needs_extension
+@needs_kernels
 def test_linear_cross_entropy_takes_the_op_and_keeps_its_gradients(monkeypatch):
     """linear_cross_entropy on a CPU runs the op (counted) and gives the PyTorch loop's loss and gradients
     (the loop forced by switching the extension off), in fp32 and under bf16 autocast."""

@@ -54,17 +54,16 @@ class CPUAttention(torch.autograd.Function):
 
 def cpu_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, is_causal: bool) -> bool:
     """Whether :func:`attention` takes :class:`CPUAttention`: autograd will differentiate the call, the
-    tensors are on a CPU, there is no explicit mask, causal attention has as many keys as queries, and
-    the extension runs here (fp32 anywhere it builds; bf16 where the CPU has native bf16, whose GEMMs
-    the backward needs)."""
+    tensors are bf16 or fp32 on a CPU, there is no explicit mask, causal attention has as many keys as
+    queries, and the extension was built with its AVX-512 kernels (the portable build's plain-loop
+    softmax measured no faster than torch's backward in fp32, so SDPA stays there)."""
     if q.device.type != "cpu" or attn_mask is not None or not torch.is_grad_enabled():
         return False
     if not (q.requires_grad or k.requires_grad or v.requires_grad):
         return False
     if is_causal and q.shape[-2] != k.shape[-2]:
         return False
-    extension, native_bf16 = gemv.built()
-    return (q.dtype == torch.float32 and extension) or (q.dtype == torch.bfloat16 and native_bf16)
+    return q.dtype in (torch.float32, torch.bfloat16) and gemv.built()[1]
 
 
 def attention(q, k, v, attn_mask=None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:

@@ -12,7 +12,7 @@ recomputed. Peak extra memory is one chunk of logits plus one gradient of ``h`` 
 
 :func:`linear_cross_entropy_reference` is the readable unchunked form it is tested against.
 
-On a CPU with looplm's extension the softmax of each chunk is one op (``csrc/loss.cpp``:
+On a CPU where looplm's extension has its AVX-512 kernels the softmax of each chunk is one op (``csrc/loss.cpp``:
 ``looplm_cpu::cross_entropy_rows_``, the same formulas, each row read twice and written once); the
 PyTorch loop below stays as the path everywhere else and as its reference.
 
@@ -90,7 +90,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = torch.empty_like(hc) if need_grad else None  # [N, d]
             grad_w = None  # [V, d] in acc, the sum over chunks
             loss = torch.zeros((), dtype=acc, device=h.device)
-            fused = h.device.type == "cpu" and acc == torch.float32 and targets.dtype == torch.long and gemv.built()[0]
+            # the op where the extension has its AVX-512 kernels (its portable plain loops are slower than this loop)
+            fused = h.device.type == "cpu" and acc == torch.float32 and targets.dtype == torch.long and gemv.built()[1]
             for s in range(0, h.shape[0], chunk_size):
                 e = min(s + chunk_size, h.shape[0])
                 z = cpu_gemm.mm(hc[s:e], wc.t())  # [n, V] logits of this chunk only, in the matmul dtype
