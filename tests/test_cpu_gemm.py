@@ -238,3 +238,51 @@ def test_a_model_switched_for_training_still_decodes_on_the_fast_path():
     b = generate(tuned, prompt, max_new_tokens=6, do_sample=False)
     assert torch.equal(a, b)
     assert sum(type(m) is TunedLinear for m in tuned.modules()) == n
+
+
+@pytest.mark.parametrize("layout", ["nn", "nt", "tn", "tt"])
+def test_mm_f32_is_the_product_without_a_bf16_rounding(layout):
+    """mm_f32 of bf16 operands (any of the four layouts, and a column slice) is the fp64 product to fp32
+    accumulation error — closer than torch's bf16 matmul, which rounds the result to bf16."""
+    a, b = _operands(150, 130, 140, layout)
+    ref = a.double() @ b.double()
+    for bb in (b, b[:, 10:100]):
+        got = cpu_gemm.mm_f32(a, bb)
+        r = a.double() @ bb.double()
+        assert got.dtype == torch.float32 and got.shape == r.shape
+        torch.testing.assert_close(got.double(), r, rtol=1e-5, atol=1e-4)
+    assert (cpu_gemm.mm_f32(a, b).double() - ref).abs().max() < ((a @ b).double() - ref).abs().max()
+    # other dtypes: the plain product, at least in fp32 (fp64 stays fp64)
+    assert cpu_gemm.mm_f32(a.double(), b.double()).dtype == torch.float64
+    assert cpu_gemm.mm_f32(a.float(), b.float()).dtype == torch.float32
+
+
+def test_mm_f32_op_errors_say_what_is_wrong():
+    from looplm.layers import gemv
+
+    if not gemv.available():
+        pytest.skip(f"the AVX-512 build is not available: {gemv.unavailable_reason()}")
+    op = torch.ops.looplm_cpu.mm_f32
+    a, b = _operands(8, 6, 5, "nn")
+    with pytest.raises(RuntimeError, match="2-d bf16 CPU"):
+        op(a.float(), b.float())
+    with pytest.raises(RuntimeError, match="2-d bf16 CPU"):
+        op(a, b[:5])
+    assert torch.equal(op(a[:, :0], b[:0]), torch.zeros(8, 5))  # K = 0: zeros
+
+
+def test_tuned_linear_weight_gradient_is_fp32_for_the_master_weight(monkeypatch):
+    """Under autocast TunedLinear hands the fp32 master weight an fp32 gradient that was never rounded to
+    bf16: nearer the float64 gradient of the same bf16 products than nn.Linear's."""
+    ref, tuned = _linear_pair(False)
+    x = torch.randn(256, 160)
+    go = torch.randn(256, 144)
+    grads = []
+    for m in (ref, tuned):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m(x)
+        y.backward(go.to(y.dtype))
+        grads.append(m.weight.grad)
+    exact = go.bfloat16().double().t() @ x.bfloat16().double()
+    err_ref, err_tuned = ((g.double() - exact).abs().max().item() for g in grads)
+    assert grads[1].dtype == torch.float32 and err_tuned <= err_ref

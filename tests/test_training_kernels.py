@@ -296,7 +296,9 @@ def test_linear_cross_entropy_takes_the_op_and_keeps_its_gradients(monkeypatch):
             (3.0 * out).backward()
             results.append((out.detach(), h.grad.clone(), W.grad.clone()))
         assert len(calls) == 3 * (1 + autocast)  # 3 chunks with the extension on, none with it off
-        tol = dict(rtol=1e-5, atol=1e-7) if not autocast else dict(rtol=1e-2, atol=1e-4)
+        # under autocast the kernel path's head weight gradient comes out of MKL in fp32, the loop's is
+        # rounded to bf16 first: they differ by that rounding
+        tol = dict(rtol=1e-5, atol=1e-7) if not autocast else dict(rtol=1e-2, atol=5e-4)
         for a, b in zip(*results):
             torch.testing.assert_close(a, b, **tol)
 

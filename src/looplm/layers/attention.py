@@ -30,7 +30,7 @@ class CPUAttention(torch.autograd.Function):
     ``looplm_cpu::attention_backward`` (``csrc/attention.cpp``): for each (batch row, key/value head)
     the query heads sharing it recompute ``P = exp(q kᵀ/√hd − L)`` block by block in fp32 and take
     ``dV = Pᵀ dO``, ``dS = P ⊙ (dO vᵀ − rowsum(dO ⊙ O)) / √hd``, ``dQ = dS k``, ``dK = dSᵀ q`` with
-    torch's batch-reduce GEMM (fp32 results; dK, dV summed in fp32 over the group). Equal to SDPA's
+    the MKL GEMM torch links (bf16 in, fp32 out; dK, dV summed in fp32 over the group). Equal to SDPA's
     gradients up to float rounding (``tests/test_training_kernels.py``). ``q [B, H, T, hd]``,
     ``k, v [B, H_kv, S, hd]`` (``H_kv`` dividing ``H``), one dtype (bf16 or fp32).
     """
@@ -63,7 +63,13 @@ def cpu_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn
         return False
     if is_causal and q.shape[-2] != k.shape[-2]:
         return False
-    return q.dtype in (torch.float32, torch.bfloat16) and gemv.built()[1]
+    return q.dtype in (torch.float32, torch.bfloat16) and _backward_ready()
+
+
+@torch.compiler.assume_constant_result  # compiled blocks ask once, at tracing: a fact of the build
+def _backward_ready() -> bool:
+    """The AVX-512 build is loaded and torch links the MKL GEMMs the backward calls."""
+    return gemv.available() and bool(torch.ops.looplm_cpu.attention_backward_ready())
 
 
 def attention(q, k, v, attn_mask=None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:

@@ -18,9 +18,12 @@ differently per shape); to keep a run and its resumption bit-identical, the choi
 version and thread count) and reused.
 
 :func:`tuned_linears` switches a model's ``nn.Linear`` layers to :class:`TunedLinear` (the trainer does it
-for bf16 training on a CPU: ``train.cpu_gemm``), whose forward and backward products (``x Wᵀ``, ``dy W``,
-``dyᵀ x``) go through :func:`mm`. The products run as the op ``looplm::tuned_mm``, so compiled blocks keep
-it in their graph. Products with a side under 128, other dtypes and other devices are plain matmuls.
+for bf16 training on a CPU: ``train.cpu_gemm``), whose forward and input-gradient products (``x Wᵀ``,
+``dy W``) go through :func:`mm` — the op ``looplm::tuned_mm``, so compiled blocks keep it in their graph —
+and whose weight gradient ``dyᵀ x`` comes from :func:`mm_f32`: MKL's bf16 GEMM with an fp32 result
+(2.1-2.5 TFLOP/s at these shapes in isolation, where torch's bf16 matmul and a cast to fp32 ran at
+0.9-1.5), handed to the fp32 master weight without a bf16 rounding. Products with a side under 128,
+other dtypes and other devices are plain matmuls.
 """
 
 from __future__ import annotations
@@ -185,7 +188,7 @@ def _tuned_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
 # call, and a training step makes ~600 of them). Its autograd is _TunedLinearFn's.
 _lib = torch.library.Library("looplm", "FRAGMENT")
 _lib.define("tuned_mm(Tensor a, Tensor b, Tensor? bias=None) -> Tensor")
-_lib.impl("tuned_mm", _tuned_mm, "CPU")
+_lib.impl("tuned_mm", _tuned_mm, "CompositeExplicitAutograd")  # any device (plain a @ b off CPU bf16)
 
 
 @torch.library.register_fake("looplm::tuned_mm", lib=_lib)
@@ -201,25 +204,46 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> to
     return _tuned_mm(a, b, bias)
 
 
+def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a [M, K] @ b [K, N]`` for bf16 CPU operands with an fp32 result, not rounded to bf16 on the way:
+    MKL's bf16 GEMM (``looplm_cpu::mm_f32``) where looplm's extension has its AVX-512 build, else
+    ``a @ b`` in at least fp32. The weight gradients of bf16 linear layers, for their fp32 master weights."""
+    if a.device.type == "cpu" and a.dtype == b.dtype == torch.bfloat16 and _mkl_ready():
+        return torch.ops.looplm_cpu.mm_f32(a, b)
+    c = a @ b
+    return c.to(torch.promote_types(c.dtype, torch.float32))
+
+
+@torch.compiler.assume_constant_result  # compiled code asks once, at tracing: a fact of the build
+def _mkl_ready() -> bool:
+    from . import gemv
+
+    return gemv.available() and bool(torch.ops.looplm_cpu.attention_backward_ready())
+
+
 class _TunedLinearFn(torch.autograd.Function):
-    """``y = x Wᵀ (+ b)`` with all three products through :func:`mm`."""
+    """``y = x Wᵀ (+ b)`` computed with ``w_c`` (W in the compute dtype, made by the caller without
+    autograd): the forward and input-gradient products through :func:`mm`, the weight gradient
+    ``dyᵀ x`` through :func:`mm_f32` straight into ``weight``'s dtype (the fp32 master weight under
+    autocast: no bf16 rounding of the gradient, no cast pass), the bias gradient summed in fp32."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, w_c, b_c):
         x2 = x.reshape(-1, x.shape[-1])  # [N, in]
-        y = mm(x2, weight.t(), bias)  # [N, out]
-        ctx.save_for_backward(x2, weight)
+        y = mm(x2, w_c.t(), b_c)  # [N, out]
+        ctx.save_for_backward(x2, w_c)
         ctx.x_shape, ctx.has_bias = x.shape, bias is not None
-        return y.view(*x.shape[:-1], weight.shape[0])
+        ctx.w_dtype, ctx.b_dtype = weight.dtype, bias.dtype if bias is not None else None
+        return y.view(*x.shape[:-1], w_c.shape[0])
 
     @staticmethod
     def backward(ctx, grad_y):
-        x2, weight = ctx.saved_tensors
+        x2, w_c = ctx.saved_tensors
         g = grad_y.reshape(-1, grad_y.shape[-1])  # [N, out]
-        gx = mm(g, weight).view(ctx.x_shape) if ctx.needs_input_grad[0] else None  # [N, in]
-        gw = mm(g.t(), x2) if ctx.needs_input_grad[1] else None  # [out, in]
-        gb = g.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb
+        gx = mm(g, w_c).view(ctx.x_shape) if ctx.needs_input_grad[0] else None  # [N, in]
+        gw = mm_f32(g.t(), x2).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None  # [out, in]
+        gb = g.float().sum(0).to(ctx.b_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb, None, None
 
 
 _optimizer_steps = [0]  # optimizer steps taken in this process (TunedLinear's cast cache key)
@@ -237,8 +261,8 @@ def _count_optimizer_steps() -> None:
 
 
 class TunedLinear(nn.Linear):
-    """An ``nn.Linear`` whose bf16 products on a CPU go through :func:`mm` (same parameters, same
-    ``state_dict``); elsewhere it is ``F.linear``.
+    """An ``nn.Linear`` whose bf16 products on a CPU go through :func:`mm` and :func:`mm_f32` (same
+    parameters, same ``state_dict``); elsewhere it is ``F.linear``.
 
     Under CPU autocast the input and the weight are cast to the autocast dtype first, as autocast does
     for ``F.linear``. Like autocast's own cache, the bf16 copy of the weight is made once per step, not
@@ -249,13 +273,14 @@ class TunedLinear(nn.Linear):
     A compiled block casts inside its own graph instead."""
 
     def _cast_weight(self, dt: torch.dtype) -> torch.Tensor:
-        w = self.weight
+        """The weight in ``dt``, without autograd (_TunedLinearFn returns the master weight's gradient)."""
+        w = self.weight.detach()
         if torch.compiler.is_compiling():
             return w.to(dt)
         _count_optimizer_steps()
-        key = (w, w._version, _optimizer_steps[0], dt, torch.is_grad_enabled())
+        key = (self.weight, self.weight._version, _optimizer_steps[0], dt)
         cached = self.__dict__.get("_cast_cache")
-        if cached is not None and cached[0][0] is w and cached[0][1:] == key[1:]:
+        if cached is not None and cached[0][0] is self.weight and cached[0][1:] == key[1:]:
             return cached[1]
         wc = w.to(dt)
         self.__dict__["_cast_cache"] = (key, wc)  # not a buffer: outside state_dict and .to()
@@ -265,15 +290,16 @@ class TunedLinear(nn.Linear):
         if x.device.type != "cpu":
             return F.linear(x, self.weight, self.bias)
         w, b = self.weight, self.bias
+        w_c, b_c = w.detach(), b.detach() if b is not None else None
         if torch.is_autocast_enabled("cpu"):
             dt = torch.get_autocast_dtype("cpu")
             x = x.to(dt)
-            w = self._cast_weight(dt) if w.dtype != dt else w
-            b = b.to(dt) if b is not None else None
-        if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-            return F.linear(x, w, b)
+            w_c = self._cast_weight(dt) if w.dtype != dt else w_c
+            b_c = b_c.to(dt) if b_c is not None else None
+        if x.dtype != torch.bfloat16 or w_c.dtype != torch.bfloat16:
+            return F.linear(x, w.to(w_c.dtype), b.to(w_c.dtype) if b is not None else None)
         with torch.autocast("cpu", enabled=False):
-            return _TunedLinearFn.apply(x, w, b)
+            return _TunedLinearFn.apply(x, w, b, w_c, b_c)
 
 
 def tuned_linears(model: nn.Module) -> int:
@@ -287,4 +313,4 @@ def tuned_linears(model: nn.Module) -> int:
     return n
 
 
-__all__ = ["STRATEGIES", "TunedLinear", "forget", "mm", "plan", "plans_path", "tuned_linears"]
+__all__ = ["STRATEGIES", "TunedLinear", "forget", "mm", "mm_f32", "plan", "plans_path", "tuned_linears"]

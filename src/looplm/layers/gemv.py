@@ -140,6 +140,10 @@ def _build() -> tuple[bool, str]:
     def _(grad_out, q, k, v, out, lse, scale, is_causal):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
+    @torch.library.register_fake("looplm_cpu::mm_f32")
+    def _(a, b):
+        return a.new_empty(a.shape[0], b.shape[1], dtype=torch.float32)
+
     @torch.library.register_fake("looplm_cpu::cross_entropy_rows_")
     def _(z, targets, weight, grad):  # overwrites z with the gradient when grad
         return z.new_empty(z.shape[0], dtype=torch.float32)

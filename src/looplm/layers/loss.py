@@ -102,7 +102,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if need_grad:
                     g = z  # [n, V] the logits' gradient, in the matmul dtype
                     grad_h[s:e] = cpu_gemm.mm(g, wc).to(grad_h.dtype)  # [n, d]
-                    gw = cpu_gemm.mm(g.t(), hc[s:e]).to(acc)  # [V, d]
+                    gw = cpu_gemm.mm_f32(g.t(), hc[s:e]).to(acc)  # [V, d], fp32 straight from the GEMM on a bf16 CPU
                     grad_w = gw if grad_w is None else grad_w.add_(gw)
             if need_grad and grad_w is None:  # no tokens at all
                 grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)

@@ -5,11 +5,13 @@
 // Why this exists: at the SmolLM2-135M training shape (4 × 256 tokens, 9 query / 3 key-value heads of 64)
 // torch 2.13's CPU flash-attention backward takes ~8.4 ms per layer in bf16 — nine times its forward
 // (~0.95 ms) and a sixth of the whole training step. Its inner products are many small per-head GEMMs.
-// Here the products are few and larger: for each (batch row, key/value head) the G query heads that share
-// it reuse one transposed copy of K and V, and every product goes through torch's batch-reduce GEMM
-// (at::native::cpublas::brgemm: oneDNN's AMX / AVX-512 micro-kernel) with fp32 results, as torch's flash
-// kernel computes its scores. The reference is the autograd of F.scaled_dot_product_attention;
-// tests/test_training_kernels.py holds the two together.
+// Here each (batch row, key/value head) is one task, and each product of a query block is one call of
+// the MKL GEMM that torch itself links (cblas_gemm_bf16bf16f32: AMX / AVX512-BF16 with fp32 results, as
+// torch's flash kernel computes its scores; sgemm_ for fp32), with transposes as GEMM flags and strided
+// rows as leading dimensions, so nothing is copied. The symbols are looked up weakly: a torch built
+// without MKL leaves them null, gemm_ready() says so, and looplm/layers/attention.py keeps SDPA there.
+// The reference is the autograd of F.scaled_dot_product_attention; tests/test_training_kernels.py holds
+// the two together.
 //
 // For one query block (rows i of one head, keys j < kend) with s = 1/√hd (eq. of any attention backward):
 //   Sᵢⱼ = Qᵢ·Kⱼ (fp32)          Pᵢⱼ = exp(s·Sᵢⱼ − Lᵢ), 0 where j > i (causal)
@@ -24,7 +26,6 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/native/CPUBlas.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -38,15 +39,66 @@ namespace looplm_cpu {
 namespace {
 
 constexpr int64_t kQueryBlock = 64;  // query rows per block: the [64, S] fp32 scores of one block stay in L2
-constexpr int64_t kColBlock = 256;   // output columns per brgemm call
 
-// C [M, N] (+)= A [M, K] · B [K, N], all row-major with leading dimensions lda, ldb, ldc; fp32 C.
+}  // namespace
+}  // namespace looplm_cpu
+
+// MKL's GEMMs as libtorch_cpu exports them (x86-64 wheels link MKL statically); weak: null without MKL.
+extern "C" {
+__attribute__((weak)) void cblas_gemm_bf16bf16f32(int layout, int transa, int transb, int m, int n, int k, float alpha,
+                                                  const uint16_t* a, int lda, const uint16_t* b, int ldb, float beta, float* c,
+                                                  int ldc);
+__attribute__((weak)) void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k, const float* alpha,
+                                  const float* a, const int* lda, const float* b, const int* ldb, const float* beta, float* c,
+                                  const int* ldc);
+}
+
+namespace looplm_cpu {
+namespace {
+
+constexpr int kRowMajor = 101, kNoTrans = 111, kTrans = 112;  // CBLAS_LAYOUT / CBLAS_TRANSPOSE
+
+// C [M, N] = op(A) · op(B) (+ C when accumulate), row-major, fp32 C; op(X) = Xᵀ when its flag is set
+// (A is then stored [K, M], B [N, K]). lda / ldb / ldc: row strides of the stored matrices.
+void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const bf16* A, int64_t lda, const bf16* B, int64_t ldb, float* C, int64_t ldc,
+          bool accumulate) {
+  cblas_gemm_bf16bf16f32(kRowMajor, ta ? kTrans : kNoTrans, tb ? kTrans : kNoTrans, (int)M, (int)N, (int)K, 1.0f,
+                         reinterpret_cast<const uint16_t*>(A), (int)lda, reinterpret_cast<const uint16_t*>(B), (int)ldb,
+                         accumulate ? 1.0f : 0.0f, C, (int)ldc);
+}
+void gemm(bool ta, bool tb, int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float* C, int64_t ldc,
+          bool accumulate) {
+  // column-major BLAS: the row-major C is the column-major Cᵀ = op(B)ᵀ · op(A)ᵀ
+  const char fa = ta ? 'T' : 'N', fb = tb ? 'T' : 'N';
+  const int m = (int)N, n = (int)M, k = (int)K, la = (int)lda, lb = (int)ldb, lc = (int)ldc;
+  const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  sgemm_(&fb, &fa, &m, &n, &k, &one, B, &lb, A, &la, &beta, C, &lc);
+}
+
+bool gemm_ready() { return cblas_gemm_bf16bf16f32 != nullptr && sgemm_ != nullptr; }
+
+// Σ a_i b_i (fp32) over n entries.
 template <typename T>
-void gemm(int64_t M, int64_t N, int64_t K, const T* A, int64_t lda, const T* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  for (int64_t n0 = 0; n0 < N; n0 += kColBlock) {
-    const int64_t nb = std::min(kColBlock, N - n0);
-    at::native::cpublas::brgemm(M, nb, K, lda, ldb, ldc, accumulate, A, B + n0, C + n0, /*is_vnni=*/false);
-  }
+float dot(const T* a, const T* b, int64_t n) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(load16(a + i, first(n - i)), load16(b + i, first(n - i)), acc);
+  return _mm512_reduce_add_ps(acc);
+#else
+  float acc = 0.f;
+  for (int64_t i = 0; i < n; ++i) acc += widen(a[i]) * widen(b[i]);
+  return acc;
+#endif
+}
+
+// y[0..n) = T(x[0..n)).
+template <typename T>
+void store_row(const float* x, int64_t n, T* y) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  for (int64_t i = 0; i < n; i += 16) store16(y + i, _mm512_maskz_loadu_ps(first(n - i), x + i), first(n - i));
+#else
+  for (int64_t i = 0; i < n; ++i) y[i] = T(x[i]);
+#endif
 }
 
 // One row of the block: P and dS from the scores S and dP (fp32, n keys), row i's L and Δ; keys past
@@ -103,23 +155,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const at::Tensor& d
   const int64_t lb = lse.stride(0), lh = lse.stride(1), lt = lse.stride(2);
 
   at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> Kt(hd * S), Vt(hd * S);                                 // Kᵀ, Vᵀ [hd, S] of this group
-    std::vector<float> dKt(hd * S), dVt(hd * S);                           // dKᵀ, dVᵀ [hd, S] accumulators
-    std::vector<float> Sc(kQueryBlock * S), dP(kQueryBlock * S);           // [rows, keys] fp32
-    std::vector<T> P(kQueryBlock * S), dS(kQueryBlock * S);                // the same, rounded to T
-    std::vector<T> Qt(hd * kQueryBlock), dOt(hd * kQueryBlock);            // Qᵀ, dOᵀ [hd, rows] of the block
+    std::vector<float> dK(S * hd), dV(S * hd);                    // [S, hd] fp32 accumulators of the group
+    std::vector<float> Sc(kQueryBlock * S), dP(kQueryBlock * S);  // [rows, keys] fp32
+    std::vector<T> P(kQueryBlock * S), dS(kQueryBlock * S);       // the same, rounded to T
     std::vector<float> dQb(kQueryBlock * hd), delta(T_);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / Hkv, g = task % Hkv;
-      const T* Kg = K + b * kb + g * kh;
+      const T* Kg = K + b * kb + g * kh;  // [S, hd], row stride kt
       const T* Vg = V + b * vb + g * vh;
-      for (int64_t j = 0; j < S; ++j)
-        for (int64_t d = 0; d < hd; ++d) {
-          Kt[d * S + j] = Kg[j * kt + d];
-          Vt[d * S + j] = Vg[j * vt + d];
-        }
-      std::fill(dKt.begin(), dKt.end(), 0.f);
-      std::fill(dVt.begin(), dVt.end(), 0.f);
+      std::fill(dK.begin(), dK.end(), 0.f);
+      std::fill(dV.begin(), dV.end(), 0.f);
       for (int64_t hh = 0; hh < G; ++hh) {
         const int64_t h = g * G + hh;
         const T* Qh = Q + b * qb + h * qh;
@@ -127,42 +172,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const at::Tensor& d
         const T* dOh = DO + b * gb + h * gh;
         const float* Lh = Lse + b * lb + h * lh;
         T* dQh = DQ + (b * H + h) * T_ * hd;
-        for (int64_t i = 0; i < T_; ++i) {  // Δᵢ = dOᵢ·Oᵢ
-          float acc = 0.f;
-          for (int64_t d = 0; d < hd; ++d) acc += widen(dOh[i * gt + d]) * widen(Oh[i * ot + d]);
-          delta[i] = acc;
-        }
+        for (int64_t i = 0; i < T_; ++i) delta[i] = dot(dOh + i * gt, Oh + i * ot, hd);  // Δᵢ = dOᵢ·Oᵢ
         for (int64_t i0 = 0; i0 < T_; i0 += kQueryBlock) {
           const int64_t nb = std::min(kQueryBlock, T_ - i0);
           const int64_t kend = causal ? i0 + nb : S;  // keys any row of the block sees
-          gemm<T>(nb, kend, hd, Qh + i0 * qt, qt, Kt.data(), S, Sc.data(), S, false);   // S = Q·Kᵀ
-          gemm<T>(nb, kend, hd, dOh + i0 * gt, gt, Vt.data(), S, dP.data(), S, false);  // dP = dO·Vᵀ
+          const T* Qb = Qh + i0 * qt;
+          const T* dOb = dOh + i0 * gt;
+          gemm(false, true, nb, kend, hd, Qb, qt, Kg, kt, Sc.data(), S, false);   // S = Q·Kᵀ
+          gemm(false, true, nb, kend, hd, dOb, gt, Vg, vt, dP.data(), S, false);  // dP = dO·Vᵀ
           for (int64_t r = 0; r < nb; ++r) {
             const int64_t i = i0 + r;
             softmax_grad_row<T>(Sc.data() + r * S, dP.data() + r * S, kend, causal ? i + 1 : kend, scale, Lh[i * lt], delta[i],
                                 P.data() + r * S, dS.data() + r * S);
           }
-          gemm<T>(nb, hd, kend, dS.data(), S, Kg, kt, dQb.data(), hd, false);  // dQ = dS·K
-          for (int64_t r = 0; r < nb; ++r)
-            for (int64_t d = 0; d < hd; ++d) dQh[(i0 + r) * hd + d] = T(dQb[r * hd + d]);
-          for (int64_t r = 0; r < nb; ++r)
-            for (int64_t d = 0; d < hd; ++d) {
-              Qt[d * nb + r] = Qh[(i0 + r) * qt + d];
-              dOt[d * nb + r] = dOh[(i0 + r) * gt + d];
-            }
-          gemm<T>(hd, kend, nb, Qt.data(), nb, dS.data(), S, dKt.data(), S, true);  // dKᵀ += Qᵀ·dS
-          gemm<T>(hd, kend, nb, dOt.data(), nb, P.data(), S, dVt.data(), S, true);  // dVᵀ += dOᵀ·P
+          gemm(false, false, nb, hd, kend, dS.data(), S, Kg, kt, dQb.data(), hd, false);  // dQ = dS·K
+          for (int64_t r = 0; r < nb; ++r) store_row(dQb.data() + r * hd, hd, dQh + (i0 + r) * hd);
+          gemm(true, false, kend, hd, nb, dS.data(), S, Qb, qt, dK.data(), hd, true);  // dK += dSᵀ·Q
+          gemm(true, false, kend, hd, nb, P.data(), S, dOb, gt, dV.data(), hd, true);  // dV += Pᵀ·dO
         }
       }
       T* dKg = DK + (b * Hkv + g) * S * hd;
       T* dVg = DV + (b * Hkv + g) * S * hd;
-      for (int64_t j = 0; j < S; ++j)
-        for (int64_t d = 0; d < hd; ++d) {
-          dKg[j * hd + d] = T(dKt[d * S + j]);
-          dVg[j * hd + d] = T(dVt[d * S + j]);
-        }
+      store_row(dK.data(), S * hd, dKg);
+      store_row(dV.data(), S * hd, dVg);
     }
-    at::native::cpublas::brgemm_release(/*is_vnni=*/false);
   });
   return {dq, dk, dv};
 }
@@ -194,15 +227,60 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
               lse.sizes());
   TORCH_CHECK(!is_causal || S == T_, "attention_backward: causal attention needs as many keys as queries, got ", T_, " queries and ",
               S, " keys");
+  TORCH_CHECK(gemm_ready(), "attention_backward: this torch was built without MKL (no cblas_gemm_bf16bf16f32 / sgemm_ in "
+              "libtorch_cpu); use F.scaled_dot_product_attention's backward");
+  TORCH_CHECK(std::max({T_, S, hd, H * T_ * hd}) < (int64_t(1) << 31), "attention_backward: sizes beyond 32-bit BLAS indices");
   if (dt == at::kBFloat16) return backward_impl<bf16>(grad_out, q, k, v, out, lse, scale, is_causal);
   return backward_impl<float>(grad_out, q, k, v, out, lse, scale, is_causal);
+}
+
+// C [M, N] fp32 = a [M, K] · b [K, N] for bf16 a, b (each row-major or a transposed view: the transpose
+// is a GEMM flag): the weight gradient dyᵀ·x of a bf16 linear layer straight in fp32, for its fp32 master
+// weight (looplm/layers/cpu_gemm.py). MKL's bf16 GEMM with fp32 results, 2.1-2.5 TFLOP/s on a 2-core AMX
+// Xeon at the SmolLM2-135M shapes, where torch's bf16 matmul and a cast to fp32 ran at 0.9-1.5.
+at::Tensor mm_f32(const at::Tensor& a, const at::Tensor& b) {
+  TORCH_CHECK(gemm_ready(), "mm_f32: this torch was built without MKL (no cblas_gemm_bf16bf16f32 in libtorch_cpu)");
+  TORCH_CHECK(a.dim() == 2 && b.dim() == 2 && a.size(1) == b.size(0) && a.scalar_type() == at::kBFloat16 && b.scalar_type() == at::kBFloat16 &&
+                  a.device().is_cpu() && b.device().is_cpu(),
+              "mm_f32: a [M, K] and b [K, N] must be 2-d bf16 CPU tensors, got ", a.scalar_type(), " ", a.sizes(), " and ", b.scalar_type(), " ",
+              b.sizes());
+  const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
+  auto layout = [](const at::Tensor& t, bool& trans, int64_t& ld) {  // row-major rows, or a transposed view
+    if (t.stride(1) == 1 && t.stride(0) >= std::max<int64_t>(t.size(1), 1)) {
+      trans = false, ld = t.stride(0);
+      return true;
+    }
+    if (t.stride(0) == 1 && t.stride(1) >= std::max<int64_t>(t.size(0), 1)) {
+      trans = true, ld = t.stride(1);
+      return true;
+    }
+    return false;
+  };
+  bool ta = false, tb = false;
+  int64_t lda = 0, ldb = 0;
+  const at::Tensor A = layout(a, ta, lda) ? a : a.contiguous();
+  if (!A.is_same(a)) layout(A, ta, lda);
+  const at::Tensor Bm = layout(b, tb, ldb) ? b : b.contiguous();
+  if (!Bm.is_same(b)) layout(Bm, tb, ldb);
+  at::Tensor c = at::empty({M, N}, a.options().dtype(at::kFloat));
+  TORCH_CHECK(std::max({M, N, K, lda, ldb}) < (int64_t(1) << 31), "mm_f32: sizes beyond 32-bit BLAS indices");
+  if (M == 0 || N == 0) return c;
+  if (K == 0) return c.zero_();
+  gemm(ta, tb, M, N, K, reinterpret_cast<const bf16*>(A.data_ptr()), lda, reinterpret_cast<const bf16*>(Bm.data_ptr()), ldb,
+       c.data_ptr<float>(), N, false);
+  return c;
 }
 
 }  // namespace
 }  // namespace looplm_cpu
 
 TORCH_LIBRARY_FRAGMENT(looplm_cpu, m) {
+  m.def("mm_f32(Tensor a, Tensor b) -> Tensor");
   m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, bool is_causal) "
         "-> (Tensor, Tensor, Tensor)");
+  m.def("attention_backward_ready() -> bool", &looplm_cpu::gemm_ready);
 }
-TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) { m.impl("attention_backward", &looplm_cpu::attention_backward); }
+TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) {
+  m.impl("attention_backward", &looplm_cpu::attention_backward);
+  m.impl("mm_f32", &looplm_cpu::mm_f32);
+}
