@@ -1,8 +1,27 @@
-"""Test helpers: tiny variants of the real presets (same structure, toy widths)."""
+"""Test helpers: tiny variants of the real presets (same structure, toy widths); the rerun of a test
+file under the extension's portable build."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 from looplm.config import ModelConfig, preset_dict
+
+
+def run_under_portable_build(test_file: str) -> str:
+    """Every other test of ``test_file`` in a fresh process with ``LOOPLM_CPU_KERNELS=portable`` (the
+    build CPUs without AVX512-BF16 get); fails with its output unless they pass. Returns pytest's output."""
+    env = dict(os.environ, LOOPLM_CPU_KERNELS="portable")
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-k", "not portable_build", test_file],
+        env=env, cwd=Path(test_file).parent, capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout
+    return r.stdout
 
 
 # toy sizes of the token mixers a rule owns (StateLoop's attention / Mamba-2 mixers over the state)

@@ -4,10 +4,6 @@ presets use, padding, looped rules, modulated blocks that must keep the referenc
 the fallbacks, the op's argument checks and its vectorised exp at extreme inputs."""
 
 import copy
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +17,7 @@ from looplm.layers.attention import Attention, KVCache
 from looplm.layers.mamba2 import Mamba2Mixer, Mamba2State
 from looplm.layers.mlp import SwiGLU
 
-from helpers import tiny_variant
+from helpers import run_under_portable_build, tiny_variant
 
 needs_extension = pytest.mark.skipif(not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}")
 needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"GEMV kernels not available: {gemv.unavailable_reason()}")
@@ -349,13 +345,7 @@ def test_cpp_dispatch_rule_is_the_python_one():
 def test_portable_build_passes_these_tests():
     """The build CPUs without AVX512-BF16 get (plain C++ and AVX2, torch's matmul for the products), forced
     with LOOPLM_CPU_KERNELS=portable: every other test of this file, in a fresh process."""
-    env = dict(os.environ, LOOPLM_CPU_KERNELS="portable")
-    r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-k", "not portable_build", __file__],
-        env=env, cwd=Path(__file__).parent, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout and "skipped" in r.stdout  # the kernel-only tests skip there
+    assert "skipped" in run_under_portable_build(__file__)  # the kernel-only tests skip there
 
 
 @needs_extension
