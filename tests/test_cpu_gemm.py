@@ -286,3 +286,30 @@ def test_tuned_linear_weight_gradient_is_fp32_for_the_master_weight(monkeypatch)
     exact = go.bfloat16().double().t() @ x.bfloat16().double()
     err_ref, err_tuned = ((g.double() - exact).abs().max().item() for g in grads)
     assert grads[1].dtype == torch.float32 and err_tuned <= err_ref
+
+
+def test_trainer_with_tuned_linears_and_activation_checkpointing(tmp_path):
+    """looplm train in bf16 with train.cpu_gemm on: run.json records the switched layers, and per-loop
+    activation checkpointing (the forward recomputed in backward, reusing the cached bf16 weights)
+    gives the same losses as without it."""
+    from looplm.train.metrics import read_metrics
+    from looplm.train.trainer import Trainer
+
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("\n".join(f"line {i} of some text to train on" for i in range(300)))
+    losses = {}
+    for ac in (False, True):
+        cfg = load_train_config({
+            "model": "tiny-coreloop",
+            "data": {"source": "files", "paths": [str(corpus)], "split_mode": "lines", "seq_len": 32, "val_every_nth": 10},
+            "train": {"global_batch_size": 8, "micro_batch_size": 4, "max_steps": 3, "precision": "bf16", "cpu_gemm": True,
+                      "compile": False, "activation_checkpointing": ac, "cpu_threads": 1},
+            "eval": {"every": 0, "at_end": False}, "checkpoint": {"every": 0, "at_end": False},
+            "logging": {"progress_bar": False, "tensorboard": False},
+        })  # fmt: skip
+        out = tmp_path / f"ac{ac}"
+        tr = Trainer(cfg, out, quiet=True)
+        tr.fit()
+        assert tr.tuned_linears > 0 and json.loads((out / "run.json").read_text())["tuned_linears"] == tr.tuned_linears
+        losses[ac] = [r["loss"] for r in read_metrics(out) if "loss" in r]
+    assert len(losses[False]) == 3 and losses[True] == losses[False]
