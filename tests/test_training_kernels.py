@@ -68,16 +68,15 @@ def _rel(a, ref):
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"B{s[0]}H{s[1]}kv{s[2]}T{s[3]}hd{s[4]}{'c' if s[5] else 'full'}" for s in SHAPES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gradients_match_sdpa(shape, dtype):
-    """dq, dk, dv against SDPA's autograd in float64: fp32 to ~1e-6; bf16 no further from float64 than
-    SDPA's own bf16 backward is (plus a rounding), for every shape."""
+    """The output and dq, dk, dv against SDPA's autograd in float64: fp32 to ~1e-6; bf16 no further from
+    float64 than SDPA's own bf16 forward and backward are (plus a rounding), for every shape."""
     B, H, Hkv, T, hd, causal = shape
     S = T + 7 if not causal else None
     q, k, v, go = _inputs(B, H, Hkv, T, hd, dtype, S)
     ref = _grads(_sdpa, *(t.double() for t in (q, k, v, go)), causal)
     ours = _grads(_ours, q, k, v, go, causal)
     theirs = _grads(_sdpa, q, k, v, go, causal)
-    assert torch.equal(ours[0], theirs[0])  # the forward is torch's flash kernel itself
-    for name, a, b, r in zip(("dq", "dk", "dv"), ours[1:], theirs[1:], ref[1:]):
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), ours, theirs, ref):
         assert a.shape == r.shape and a.dtype == dtype
         if dtype == torch.float32:
             assert _rel(a, r) < 5e-6, name
@@ -122,8 +121,13 @@ def test_where_it_applies():
     assert cpu_backward_applies(qg.double(), k.double(), v.double(), None, True) is False  # fp64: SDPA
     y = attention(qg, k, v, is_causal=True, enable_gqa=True)
     assert y.grad_fn is not None and "CPUAttention" in type(y.grad_fn).__name__
-    with torch.no_grad():
-        assert torch.equal(attention(qg, k, v, is_causal=True, enable_gqa=True), y.detach())
+    with torch.no_grad():  # fp32: looplm's forward in training, SDPA in inference, equal to rounding
+        torch.testing.assert_close(attention(qg, k, v, is_causal=True, enable_gqa=True), y.detach(), rtol=1e-5, atol=1e-6)
+    qb, kb, vb = qg.detach().bfloat16().requires_grad_(), k.bfloat16(), v.bfloat16()
+    yb = attention(qb, kb, vb, is_causal=True, enable_gqa=True)
+    assert "CPUAttention" in type(yb.grad_fn).__name__
+    with torch.no_grad():  # bf16: the flash forward in both, bit for bit
+        assert torch.equal(attention(qb, kb, vb, is_causal=True, enable_gqa=True), yb.detach())
 
 
 @needs_extension
@@ -217,6 +221,19 @@ def test_compiled_block_traces_it_without_a_break():
 
 
 @needs_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_forward_log_sum_exp_and_layout(dtype):
+    """The forward op's log-sum-exp is torch's flash kernel's (what the backward needs), and its output is
+    laid out [B, T, H, hd] as flash's is (the o_proj input is a free view)."""
+    q, k, v, _ = _inputs(2, 6, 2, 70, 64, dtype)
+    out, lse = torch.ops.looplm_cpu.attention_forward(q, k, v, 0.125, True)
+    ref_out, ref_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=0.125)
+    assert out.shape == ref_out.shape and out.stride() == ref_out.stride() and lse.dtype == torch.float32
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, ref_out, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@needs_extension
 def test_argument_errors_say_what_is_wrong():
     q, k, v, go = _inputs(1, 4, 2, 8, 16, torch.float32)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=0.25)
@@ -231,6 +248,13 @@ def test_argument_errors_say_what_is_wrong():
         op(go, q, k, v, out, lse.double(), 0.25, True)
     with pytest.raises(RuntimeError, match="contiguous last dimension"):
         op(go, q.transpose(2, 3), k, v, out, lse, 0.25, True)
+    fwd = torch.ops.looplm_cpu.attention_forward
+    with pytest.raises(RuntimeError, match="Hkv dividing"):
+        fwd(q, k[:, :1].expand(1, 3, 8, 16), v[:, :1].expand(1, 3, 8, 16), 0.25, True)
+    with pytest.raises(RuntimeError, match="as many keys as queries"):
+        fwd(q[:, :, :4], k, v, 0.25, True)
+    with pytest.raises(RuntimeError, match="bfloat16 or float32"):
+        fwd(q.double(), k.double(), v.double(), 0.25, True)
 
 
 def _rows_reference(z, y, scale, grad):

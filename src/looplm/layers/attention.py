@@ -25,8 +25,10 @@ from .rope import apply_rotary
 class CPUAttention(torch.autograd.Function):
     """Softmax attention ``softmax(q kᵀ / √hd + causal mask) v`` on CPU with looplm's backward.
 
-    Forward: torch's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``, what SDPA
-    runs on a CPU), which also returns the log-sum-exp ``L`` of each query row. Backward:
+    Forward: in bf16 torch's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``, what
+    SDPA runs on a CPU: the training forward equals the inference one bit for bit), which also returns the
+    log-sum-exp ``L`` of each query row; in fp32 ``looplm_cpu::attention_forward`` (the same quantities
+    from two MKL products per query block, 1.6x the flash kernel there; equal to it to fp32 rounding). Backward:
     ``looplm_cpu::attention_backward`` (``csrc/attention.cpp``): for each (batch row, key/value head)
     the query heads sharing it recompute ``P = exp(q kᵀ/√hd − L)`` block by block in fp32 and take
     ``dV = Pᵀ dO``, ``dS = P ⊙ (dO vᵀ − rowsum(dO ⊙ O)) / √hd``, ``dQ = dS k``, ``dK = dSᵀ q`` with
@@ -38,7 +40,10 @@ class CPUAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, is_causal: bool):
         scale = q.shape[-1] ** -0.5
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+        if q.dtype == torch.float32:  # looplm's forward: 1.6x torch's flash kernel in fp32 (equal speed in bf16)
+            out, lse = torch.ops.looplm_cpu.attention_forward(q, k, v, scale, is_causal)
+        else:  # bf16: the flash kernel, so that a training forward is bit for bit the inference one
+            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
         ctx.save_for_backward(q, k, v, out, lse)  # out [B, H, T, hd], lse [B, H, T] fp32
         ctx.scale, ctx.is_causal = scale, is_causal
         return out

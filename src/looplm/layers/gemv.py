@@ -140,6 +140,11 @@ def _build() -> tuple[bool, str]:
     def _(grad_out, q, k, v, out, lse, scale, is_causal):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
+    @torch.library.register_fake("looplm_cpu::attention_forward")
+    def _(q, k, v, scale, is_causal):  # out laid out [B, T, H, hd] as a [B, H, T, hd] view, and the fp32 log-sum-exp
+        B, H, T, hd = q.shape
+        return q.new_empty(B, T, H, hd).transpose(1, 2), q.new_empty(B, H, T, dtype=torch.float32)
+
     @torch.library.register_fake("looplm_cpu::mm_f32")
     def _(a, b):
         return a.new_empty(a.shape[0], b.shape[1], dtype=torch.float32)

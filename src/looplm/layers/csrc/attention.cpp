@@ -33,6 +33,7 @@
 #include <cmath>
 #include <limits>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 namespace looplm_cpu {
@@ -124,6 +125,39 @@ void softmax_grad_row(const float* S, const float* dP, int64_t n, int64_t visibl
 #endif
 }
 
+// One row of a forward block: P = exp(s·S − m) over the `visible` first keys (0 past them), rounded to T
+// for the product with V, with m the row's maximum of s·S; returns (m, Σ P unrounded) — the rounding and
+// the unrounded sum torch's CPU flash kernel uses.
+template <typename T>
+std::pair<float, float> softmax_row(const float* S, int64_t n, int64_t visible, float scale, T* P) {
+  float m = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  __m512 vm = _mm512_set1_ps(m);
+  for (int64_t j = 0; j < visible; j += 16) vm = _mm512_mask_max_ps(vm, first(visible - j), vm, _mm512_maskz_loadu_ps(first(visible - j), S + j));
+  m = _mm512_reduce_max_ps(vm) * scale;
+  const __m512 vs = _mm512_set1_ps(scale), vmax = _mm512_set1_ps(m);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = first(n - j);
+    const __mmask16 vis = j >= visible ? (__mmask16)0 : first(visible - j);
+    const __m512 e = _mm512_maskz_mov_ps(vis, exp16(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(k, S + j), vs, vmax)));
+    total = _mm512_add_ps(total, e);
+    store16(P + j, e, k);
+  }
+  return {m, _mm512_reduce_add_ps(total)};
+#else
+  for (int64_t j = 0; j < visible; ++j) m = std::max(m, S[j]);
+  m *= scale;
+  float total = 0.f;
+  for (int64_t j = 0; j < n; ++j) {
+    const float e = j < visible ? std::exp(S[j] * scale - m) : 0.f;
+    total += e;
+    P[j] = T(e);
+  }
+  return {m, total};
+#endif
+}
+
 template <typename T>
 const T* cdata(const at::Tensor& t) {
   return reinterpret_cast<const T*>(t.data_ptr());
@@ -200,6 +234,58 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> backward_impl(const at::Tensor& d
   return {dq, dk, dv};
 }
 
+// out = softmax(s·Q Kᵀ + causal mask) V and L = its row log-sum-exp, for each query block in one pass
+// over its keys (the scores of a 64-row block are at most 64 × S floats): S = Q·Kᵀ (fp32), P = exp(s·S − m)
+// rounded to T, O = P·V / ΣP. Returns out [B, H, T, hd] laid out as [B, T, H, hd] (as torch's flash kernel
+// returns it: the o_proj input is then a free view) and L [B, H, T] fp32.
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale_d, bool causal) {
+  const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), hd = q.size(3), Hkv = k.size(1), S = k.size(2);
+  const int64_t G = H / Hkv;
+  const float scale = static_cast<float>(scale_d);
+  at::Tensor out = at::empty({B, T_, H, hd}, q.options()).transpose(1, 2);  // [B, H, T, hd] view
+  at::Tensor lse = at::empty({B, H, T_}, q.options().dtype(at::kFloat));
+  const T *Q = cdata<T>(q), *K = cdata<T>(k), *V = cdata<T>(v);
+  T* Out = mdata<T>(out);
+  float* L = lse.data_ptr<float>();
+  const int64_t qb = q.stride(0), qh = q.stride(1), qt = q.stride(2);
+  const int64_t kb = k.stride(0), kh = k.stride(1), kt = k.stride(2);
+  const int64_t vb = v.stride(0), vh = v.stride(1), vt = v.stride(2);
+  const int64_t ob = out.stride(0), oh = out.stride(1), ot = out.stride(2);
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> Sc(kQueryBlock * S), Ob(kQueryBlock * hd), inv(kQueryBlock);
+    std::vector<T> P(kQueryBlock * S);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / Hkv, g = task % Hkv;
+      const T* Kg = K + b * kb + g * kh;
+      const T* Vg = V + b * vb + g * vh;
+      for (int64_t hh = 0; hh < G; ++hh) {
+        const int64_t h = g * G + hh;
+        const T* Qh = Q + b * qb + h * qh;
+        T* Oh = Out + b * ob + h * oh;
+        float* Lh = L + (b * H + h) * T_;
+        for (int64_t i0 = 0; i0 < T_; i0 += kQueryBlock) {
+          const int64_t nb = std::min(kQueryBlock, T_ - i0);
+          const int64_t kend = causal ? i0 + nb : S;
+          gemm(false, true, nb, kend, hd, Qh + i0 * qt, qt, Kg, kt, Sc.data(), S, false);  // S = Q·Kᵀ
+          for (int64_t r = 0; r < nb; ++r) {
+            const auto [m, total] = softmax_row<T>(Sc.data() + r * S, kend, causal ? i0 + r + 1 : kend, scale, P.data() + r * S);
+            Lh[i0 + r] = m + std::log(total);
+            inv[r] = 1.0f / total;
+          }
+          gemm(false, false, nb, hd, kend, P.data(), S, Vg, vt, Ob.data(), hd, false);  // O = P·V
+          for (int64_t r = 0; r < nb; ++r) {
+            float* o = Ob.data() + r * hd;
+            for (int64_t d = 0; d < hd; ++d) o[d] *= inv[r];
+            store_row(o, hd, Oh + (i0 + r) * ot);
+          }
+        }
+      }
+    }
+  });
+  return {out, lse};
+}
+
 void check4(const char* name, const at::Tensor& t, at::ScalarType dt) {
   TORCH_CHECK(t.dim() == 4 && t.device().is_cpu() && t.scalar_type() == dt && t.stride(3) == 1,
               "attention_backward: ", name, " must be a 4-d CPU ", dt, " tensor with a contiguous last dimension, got ", t.scalar_type(),
@@ -232,6 +318,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
   TORCH_CHECK(std::max({T_, S, hd, H * T_ * hd}) < (int64_t(1) << 31), "attention_backward: sizes beyond 32-bit BLAS indices");
   if (dt == at::kBFloat16) return backward_impl<bf16>(grad_out, q, k, v, out, lse, scale, is_causal);
   return backward_impl<float>(grad_out, q, k, v, out, lse, scale, is_causal);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                                                     bool is_causal) {
+  const at::ScalarType dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "attention_forward: q must be bfloat16 or float32, got ", dt);
+  check4("q", q, dt);
+  check4("k", k, dt);
+  check4("v", v, dt);
+  const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), hd = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == hd && v.sizes() == k.sizes() && Hkv > 0 && H % Hkv == 0,
+              "attention_forward: k and v must be [B, Hkv, S, hd] with Hkv dividing q's ", H, " heads; got q ", q.sizes(), ", k ",
+              k.sizes(), ", v ", v.sizes());
+  TORCH_CHECK(!is_causal || S == T_, "attention_forward: causal attention needs as many keys as queries, got ", T_, " queries and ", S,
+              " keys");
+  TORCH_CHECK(S > 0, "attention_forward: no keys");
+  TORCH_CHECK(gemm_ready(), "attention_forward: this torch was built without MKL (no cblas_gemm_bf16bf16f32 / sgemm_ in libtorch_cpu)");
+  TORCH_CHECK(std::max({T_, S, hd}) < (int64_t(1) << 31), "attention_forward: sizes beyond 32-bit BLAS indices");
+  if (dt == at::kBFloat16) return forward_impl<bf16>(q, k, v, scale, is_causal);
+  return forward_impl<float>(q, k, v, scale, is_causal);
 }
 
 // C [M, N] fp32 = a [M, K] · b [K, N] for bf16 a, b (each row-major or a transposed view: the transpose
@@ -276,6 +382,7 @@ at::Tensor mm_f32(const at::Tensor& a, const at::Tensor& b) {
 
 TORCH_LIBRARY_FRAGMENT(looplm_cpu, m) {
   m.def("mm_f32(Tensor a, Tensor b) -> Tensor");
+  m.def("attention_forward(Tensor q, Tensor k, Tensor v, float scale, bool is_causal) -> (Tensor, Tensor)");
   m.def("attention_backward(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, float scale, bool is_causal) "
         "-> (Tensor, Tensor, Tensor)");
   m.def("attention_backward_ready() -> bool", &looplm_cpu::gemm_ready);
@@ -283,4 +390,5 @@ TORCH_LIBRARY_FRAGMENT(looplm_cpu, m) {
 TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) {
   m.impl("attention_backward", &looplm_cpu::attention_backward);
   m.impl("mm_f32", &looplm_cpu::mm_f32);
+  m.impl("attention_forward", &looplm_cpu::attention_forward);
 }
