@@ -116,8 +116,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Scaled in place: the buffers are this function's own, and a second backward through a
         # retained graph is refused by autograd's version check instead of scaling them twice.
         grad_h, grad_w = ctx.saved_tensors
-        gh = grad_h.mul_(grad_out).to(ctx.h_dtype) if ctx.needs_input_grad[0] else None
-        gw = grad_w.mul_(grad_out).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
+        # The usual incoming gradient is exactly 1 (loss.backward()): on a CPU, where reading it costs no
+        # device sync, the pass over the [V, d] gradient is skipped then (x · 1 = x bit for bit).
+        one = grad_out.device.type == "cpu" and not torch.compiler.is_compiling() and grad_out.item() == 1.0
+        gh = (grad_h if one else grad_h.mul_(grad_out)).to(ctx.h_dtype) if ctx.needs_input_grad[0] else None
+        gw = (grad_w if one else grad_w.mul_(grad_out)).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None
         return gh, gw, None, None
 
 
