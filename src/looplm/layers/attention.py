@@ -59,7 +59,7 @@ class CPUAttention(torch.autograd.Function):
 
 def cpu_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, is_causal: bool) -> bool:
     """Whether :func:`attention` takes :class:`CPUAttention`: autograd will differentiate the call, the
-    tensors are bf16 or fp32 on a CPU, there is no explicit mask, causal attention has as many keys as
+    tensors are all bf16 or all fp32 on a CPU, there is no explicit mask, causal attention has as many keys as
     queries, and the extension was built with its AVX-512 kernels (the portable build's plain-loop
     softmax measured no faster than torch's backward in fp32, so SDPA stays there)."""
     if q.device.type != "cpu" or attn_mask is not None or not torch.is_grad_enabled():
@@ -68,13 +68,7 @@ def cpu_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn
         return False
     if is_causal and q.shape[-2] != k.shape[-2]:
         return False
-    return q.dtype in (torch.float32, torch.bfloat16) and _backward_ready()
-
-
-@torch.compiler.assume_constant_result  # compiled blocks ask once, at tracing: a fact of the build
-def _backward_ready() -> bool:
-    """The AVX-512 build is loaded and torch links the MKL GEMMs the backward calls."""
-    return gemv.available() and bool(torch.ops.looplm_cpu.attention_backward_ready())
+    return q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16) and gemv.mkl_gemm_ready()
 
 
 def attention(q, k, v, attn_mask=None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
@@ -84,7 +78,7 @@ def attention(q, k, v, attn_mask=None, is_causal: bool = False, enable_gqa: bool
     if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         dt = torch.get_autocast_dtype("cpu")
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
-    if q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16) and cpu_backward_applies(q, k, v, attn_mask, is_causal):
+    if cpu_backward_applies(q, k, v, attn_mask, is_causal):
         return CPUAttention.apply(q, k, v, is_causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
 

@@ -40,6 +40,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .. import cpuinfo
+from . import gemv  # (gemv imports this module too, for TunedLinear: attributes are read at call time)
 
 STRATEGIES = ("direct", "rows2", "cols2")
 MIN_SIDE = 128  # smaller products are overhead-bound: always direct (and tiny test models never tune)
@@ -208,17 +209,10 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [M, K] @ b [K, N]`` for bf16 CPU operands with an fp32 result, not rounded to bf16 on the way:
     MKL's bf16 GEMM (``looplm_cpu::mm_f32``) where looplm's extension has its AVX-512 build, else
     ``a @ b`` in at least fp32. The weight gradients of bf16 linear layers, for their fp32 master weights."""
-    if a.device.type == "cpu" and a.dtype == b.dtype == torch.bfloat16 and _mkl_ready():
+    if a.device.type == "cpu" and a.dtype == b.dtype == torch.bfloat16 and gemv.mkl_gemm_ready():
         return torch.ops.looplm_cpu.mm_f32(a, b)
     c = a @ b
     return c.to(torch.promote_types(c.dtype, torch.float32))
-
-
-@torch.compiler.assume_constant_result  # compiled code asks once, at tracing: a fact of the build
-def _mkl_ready() -> bool:
-    from . import gemv
-
-    return gemv.available() and bool(torch.ops.looplm_cpu.attention_backward_ready())
 
 
 class _TunedLinearFn(torch.autograd.Function):

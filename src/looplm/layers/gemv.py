@@ -168,9 +168,16 @@ def extension_available() -> bool:
 
 
 @torch.compiler.assume_constant_result  # compiled code asks once, at tracing: the answer is a fact of the build
-def built() -> tuple[bool, bool]:
-    """``(extension_available(), available())`` for code that torch.compile traces (training layers)."""
-    return extension_available(), available()
+def kernels_built() -> bool:
+    """:func:`available`, for code that torch.compile traces (the training layers' dispatch)."""
+    return available()
+
+
+@torch.compiler.assume_constant_result
+def mkl_gemm_ready() -> bool:
+    """The AVX-512 build is loaded and torch links the MKL GEMMs its training ops call (``csrc/attention.cpp``:
+    the attention forward / backward and ``mm_f32``); for code that torch.compile traces."""
+    return available() and bool(torch.ops.looplm_cpu.attention_backward_ready())
 
 
 def available() -> bool:

@@ -91,11 +91,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_w = None  # [V, d] in acc, the sum over chunks
             loss = torch.zeros((), dtype=acc, device=h.device)
             # the op where the extension has its AVX-512 kernels (its portable plain loops are slower than this loop)
-            fused = h.device.type == "cpu" and acc == torch.float32 and targets.dtype == torch.long and gemv.built()[1]
+            fused = h.device.type == "cpu" and acc == torch.float32 and targets.dtype == torch.long and gemv.kernels_built()
             for s in range(0, h.shape[0], chunk_size):
                 e = min(s + chunk_size, h.shape[0])
                 z = cpu_gemm.mm(hc[s:e], wc.t())  # [n, V] logits of this chunk only, in the matmul dtype
-                if fused:  # the loop below in one op: z becomes the logits' gradient in place
+                if fused:  # _chunk_softmax_ in one op: z becomes the logits' gradient in place
                     loss = loss + torch.ops.looplm_cpu.cross_entropy_rows_(z, targets[s:e].contiguous(), scale, need_grad).sum()
                 else:
                     loss = _chunk_softmax_(z, s, targets, valid, scale, acc, need_grad, loss)

@@ -286,58 +286,67 @@ std::tuple<at::Tensor, at::Tensor> forward_impl(const at::Tensor& q, const at::T
   return {out, lse};
 }
 
-void check4(const char* name, const at::Tensor& t, at::ScalarType dt) {
+void check4(const char* op, const char* name, const at::Tensor& t, at::ScalarType dt) {
   TORCH_CHECK(t.dim() == 4 && t.device().is_cpu() && t.scalar_type() == dt && t.stride(3) == 1,
-              "attention_backward: ", name, " must be a 4-d CPU ", dt, " tensor with a contiguous last dimension, got ", t.scalar_type(),
+              op, ": ", name, " must be a 4-d CPU ", dt, " tensor with a contiguous last dimension, got ", t.scalar_type(),
               " ", t.sizes(), " strides ", t.strides(), " on ", t.device());
+}
+
+// The checks both attention ops make of q, k, v; returns their dtype.
+at::ScalarType check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool is_causal) {
+  const at::ScalarType dt = q.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, op, ": q must be bfloat16 or float32, got ", dt);
+  check4(op, "q", q, dt);
+  check4(op, "k", k, dt);
+  check4(op, "v", v, dt);
+  const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), hd = q.size(3), Hkv = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(3) == hd && v.sizes() == k.sizes() && Hkv > 0 && H % Hkv == 0,
+              op, ": k and v must be [B, Hkv, S, hd] with Hkv dividing q's ", H, " heads; got q ", q.sizes(), ", k ", k.sizes(), ", v ",
+              v.sizes());
+  TORCH_CHECK(!is_causal || S == T_, op, ": causal attention needs as many keys as queries, got ", T_, " queries and ", S, " keys");
+  TORCH_CHECK(gemm_ready(), op, ": this torch was built without MKL (no cblas_gemm_bf16bf16f32 / sgemm_ in libtorch_cpu); "
+              "use F.scaled_dot_product_attention");
+  TORCH_CHECK(std::max({T_, S, hd, H * T_ * hd}) < (int64_t(1) << 31), op, ": sizes beyond 32-bit BLAS indices");
+  return dt;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                                                                   const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
                                                                   double scale, bool is_causal) {
-  const at::ScalarType dt = q.scalar_type();
-  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "attention_backward: q must be bfloat16 or float32, got ", dt);
-  check4("q", q, dt);
-  check4("k", k, dt);
-  check4("v", v, dt);
-  check4("out", out, dt);
-  check4("grad_out", grad_out, dt);
-  const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), hd = q.size(3), Hkv = k.size(1), S = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == hd && v.sizes() == k.sizes() && Hkv > 0 && H % Hkv == 0,
-              "attention_backward: k and v must be [B, Hkv, S, hd] with Hkv dividing q's ", H, " heads; got q ", q.sizes(), ", k ",
-              k.sizes(), ", v ", v.sizes());
+  const at::ScalarType dt = check_qkv("attention_backward", q, k, v, is_causal);
+  check4("attention_backward", "out", out, dt);
+  check4("attention_backward", "grad_out", grad_out, dt);
+  const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2);
   TORCH_CHECK(out.sizes() == q.sizes() && grad_out.sizes() == q.sizes(), "attention_backward: out and grad_out must have q's shape ",
               q.sizes(), ", got ", out.sizes(), " and ", grad_out.sizes());
   TORCH_CHECK(lse.dim() == 3 && lse.scalar_type() == at::kFloat && lse.size(0) == B && lse.size(1) == H && lse.size(2) == T_,
               "attention_backward: lse must be float32 [B, H, T] = [", B, ", ", H, ", ", T_, "], got ", lse.scalar_type(), " ",
               lse.sizes());
-  TORCH_CHECK(!is_causal || S == T_, "attention_backward: causal attention needs as many keys as queries, got ", T_, " queries and ",
-              S, " keys");
-  TORCH_CHECK(gemm_ready(), "attention_backward: this torch was built without MKL (no cblas_gemm_bf16bf16f32 / sgemm_ in "
-              "libtorch_cpu); use F.scaled_dot_product_attention's backward");
-  TORCH_CHECK(std::max({T_, S, hd, H * T_ * hd}) < (int64_t(1) << 31), "attention_backward: sizes beyond 32-bit BLAS indices");
   if (dt == at::kBFloat16) return backward_impl<bf16>(grad_out, q, k, v, out, lse, scale, is_causal);
   return backward_impl<float>(grad_out, q, k, v, out, lse, scale, is_causal);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
                                                      bool is_causal) {
-  const at::ScalarType dt = q.scalar_type();
-  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, "attention_forward: q must be bfloat16 or float32, got ", dt);
-  check4("q", q, dt);
-  check4("k", k, dt);
-  check4("v", v, dt);
-  const int64_t B = q.size(0), H = q.size(1), T_ = q.size(2), hd = q.size(3), Hkv = k.size(1), S = k.size(2);
-  TORCH_CHECK(k.size(0) == B && k.size(3) == hd && v.sizes() == k.sizes() && Hkv > 0 && H % Hkv == 0,
-              "attention_forward: k and v must be [B, Hkv, S, hd] with Hkv dividing q's ", H, " heads; got q ", q.sizes(), ", k ",
-              k.sizes(), ", v ", v.sizes());
-  TORCH_CHECK(!is_causal || S == T_, "attention_forward: causal attention needs as many keys as queries, got ", T_, " queries and ", S,
-              " keys");
-  TORCH_CHECK(S > 0, "attention_forward: no keys");
-  TORCH_CHECK(gemm_ready(), "attention_forward: this torch was built without MKL (no cblas_gemm_bf16bf16f32 / sgemm_ in libtorch_cpu)");
-  TORCH_CHECK(std::max({T_, S, hd}) < (int64_t(1) << 31), "attention_forward: sizes beyond 32-bit BLAS indices");
+  const at::ScalarType dt = check_qkv("attention_forward", q, k, v, is_causal);
+  TORCH_CHECK(k.size(2) > 0, "attention_forward: no keys");
   if (dt == at::kBFloat16) return forward_impl<bf16>(q, k, v, scale, is_causal);
   return forward_impl<float>(q, k, v, scale, is_causal);
+}
+
+// t as a BLAS operand: rows with a leading dimension (trans = false), a transposed view of such rows
+// (trans = true), or else a contiguous copy.
+at::Tensor blas_operand(const at::Tensor& t, bool& trans, int64_t& ld) {
+  if (t.stride(1) == 1 && t.stride(0) >= std::max<int64_t>(t.size(1), 1)) {
+    trans = false, ld = t.stride(0);
+    return t;
+  }
+  if (t.stride(0) == 1 && t.stride(1) >= std::max<int64_t>(t.size(0), 1)) {
+    trans = true, ld = t.stride(1);
+    return t;
+  }
+  trans = false, ld = std::max<int64_t>(t.size(1), 1);
+  return t.contiguous();
 }
 
 // C [M, N] fp32 = a [M, K] · b [K, N] for bf16 a, b (each row-major or a transposed view: the transpose
@@ -351,23 +360,9 @@ at::Tensor mm_f32(const at::Tensor& a, const at::Tensor& b) {
               "mm_f32: a [M, K] and b [K, N] must be 2-d bf16 CPU tensors, got ", a.scalar_type(), " ", a.sizes(), " and ", b.scalar_type(), " ",
               b.sizes());
   const int64_t M = a.size(0), K = a.size(1), N = b.size(1);
-  auto layout = [](const at::Tensor& t, bool& trans, int64_t& ld) {  // row-major rows, or a transposed view
-    if (t.stride(1) == 1 && t.stride(0) >= std::max<int64_t>(t.size(1), 1)) {
-      trans = false, ld = t.stride(0);
-      return true;
-    }
-    if (t.stride(0) == 1 && t.stride(1) >= std::max<int64_t>(t.size(0), 1)) {
-      trans = true, ld = t.stride(1);
-      return true;
-    }
-    return false;
-  };
   bool ta = false, tb = false;
   int64_t lda = 0, ldb = 0;
-  const at::Tensor A = layout(a, ta, lda) ? a : a.contiguous();
-  if (!A.is_same(a)) layout(A, ta, lda);
-  const at::Tensor Bm = layout(b, tb, ldb) ? b : b.contiguous();
-  if (!Bm.is_same(b)) layout(Bm, tb, ldb);
+  const at::Tensor A = blas_operand(a, ta, lda), Bm = blas_operand(b, tb, ldb);
   at::Tensor c = at::empty({M, N}, a.options().dtype(at::kFloat));
   TORCH_CHECK(std::max({M, N, K, lda, ldb}) < (int64_t(1) << 31), "mm_f32: sizes beyond 32-bit BLAS indices");
   if (M == 0 || N == 0) return c;
