@@ -263,8 +263,9 @@ class TunedLinear(nn.Linear):
     at every micro-batch or loop iteration: it is kept with the weight's version counter (in-place
     writes: ``load_state_dict``, foreach optimizers), a count of optimizer steps (fused AdamW updates
     the weights without advancing their version counters, so every ``Optimizer.step`` of the process
-    is counted through a global post-hook), the grad mode and the dtype, and remade when any changes.
-    A compiled block casts inside its own graph instead."""
+    is counted through a global post-hook) and the dtype, and remade when any changes. The copy carries no
+    autograd history (the weight's gradient comes from _TunedLinearFn directly), so one copy serves
+    training and inference alike. A compiled block casts inside its own graph instead."""
 
     def _cast_weight(self, dt: torch.dtype) -> torch.Tensor:
         """The weight in ``dt``, without autograd (_TunedLinearFn returns the master weight's gradient)."""
