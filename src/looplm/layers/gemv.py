@@ -106,8 +106,9 @@ def _build() -> tuple[bool, str]:
         load(
             name=f"looplm_cpu_{variant}",  # one name per build: a cache shared by several CPUs never mixes them
             # decode.cpp: the fused decode block (layers/decode.py); attention.cpp and loss.cpp: the attention
-            # backward and the cross-entropy rows of training (layers/attention.py, layers/loss.py)
-            sources=[str(csrc / f) for f in ("gemv.cpp", "decode.cpp", "attention.cpp", "loss.cpp")],
+            # backward and the cross-entropy rows of training (layers/attention.py, layers/loss.py); reduce.cpp:
+            # the gradient norm (train/grad_norm.py)
+            sources=[str(csrc / f) for f in ("gemv.cpp", "decode.cpp", "attention.cpp", "loss.cpp", "reduce.cpp")],
             extra_include_paths=[str(csrc)],
             extra_cflags=cflags,
             is_python_module=False,

@@ -127,9 +127,29 @@ class MultiOptimizer:
     def param_groups(self) -> list[dict]:
         return [g for opt in self.optimizers.values() for g in opt.param_groups]
 
-    def step(self) -> None:
+    def step(self, grad_factor: torch.Tensor | None = None) -> None:
+        """Step every optimizer. ``grad_factor`` (a scalar tensor, e.g. gradient clipping's
+        ``max_norm / (norm + 1e-6)``) multiplies every gradient first: a fused Adam / AdamW folds it
+        into its own pass over the parameters (torch's ``grad_scale``, which divides each gradient by
+        ``1 / grad_factor`` — equal to the product up to fp32 rounding), saving clipping's separate
+        read-and-write of every gradient (29 ms of a 1.1 s step at the SmolLM2-135M shape on a
+        2-core Xeon, against 4 ms more in the fused step); other optimizers get their gradients
+        scaled in place first. The gradients are left scaled either way."""
         for opt in self.optimizers.values():
-            opt.step()
+            if grad_factor is None:
+                opt.step()
+            elif folds_grad_factor(opt):
+                p0 = opt.param_groups[0]["params"][0]
+                opt.grad_scale = (1.0 / grad_factor.float()).to(p0.device)  # read by Adam(W).step (fused only)
+                try:
+                    opt.step()
+                finally:
+                    del opt.grad_scale
+            else:
+                grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+                if grads:
+                    torch._foreach_mul_(grads, grad_factor.to(grads[0].device))
+                opt.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers.values():
@@ -153,6 +173,15 @@ class MultiOptimizer:
     def lrs(self) -> dict[str, float]:
         """Current learning rate of each optimizer's first group (for logging)."""
         return {name: opt.param_groups[0]["lr"] for name, opt in self.optimizers.items()}
+
+
+def folds_grad_factor(opt: torch.optim.Optimizer) -> bool:
+    """Whether ``opt`` can apply a gradient factor inside its own step (:meth:`MultiOptimizer.step`):
+    torch's fused Adam / AdamW, whose kernel divides each gradient by ``opt.grad_scale`` (the hook
+    ``torch.amp.GradScaler`` uses)."""
+    # the groups' flag, not opt.defaults: load_state_dict brings the saving run's groups (a checkpoint
+    # of an FSDP2 run, whose DTensors took the unfused AdamW, resumes unfused on one process)
+    return isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) and all(g.get("fused") for g in opt.param_groups)
 
 
 def _fused_adamw_supported(params: list[torch.Tensor]) -> bool:

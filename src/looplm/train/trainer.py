@@ -9,7 +9,9 @@ One optimizer update (``step`` counts completed updates; update ``t`` is 0-based
     for each micro-batch:                                   (DDP: no gradient sync until the last)
         with autocast(bf16):  loss = model(x, labels=x, num_loops=r, num_grad_loops=m).loss
         (loss / n_micro).backward()                         (gradient accumulation, paper §3)
-    grad_norm = clip_grad_norm_(params, 1.0)               (global L2 norm, after the all-reduce)
+    grad_norm = clip_grad_norm_(params, 1.0)               (global L2 norm, after the all-reduce;
+                                                            grad_norm.py: the scaling folded into
+                                                            a fused AdamW's step)
     non-finite loss or grad norm -> stop before the update (nan_policy: stop) or skip it (skip;
                                     max_consecutive_skips skipped updates in a row stop the run)
     optimizer.step(); optimizer.zero_grad()
@@ -49,6 +51,8 @@ from ..dataclass_util import to_dict
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
 from .distributed import DistInfo, all_reduce_mean, broadcast_object, cleanup, init_distributed, wrap_model
+from .grad_norm import clip_factor
+from .grad_norm import total_norm as total_grad_norm
 from .metrics import MetricsLogger, truncate_metrics, write_run_json
 from .optim import MultiOptimizer, build_optimizer, freeze_parameters, plan_param_groups
 from .run_lock import RunDirLock, RunDirLockedError
@@ -403,15 +407,19 @@ class Trainer:
                 loss_sum += loss.detach()
         loss_value = float(all_reduce_mean(loss_sum / geo.n_micro))
         max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
-        # clip_grad_norm_ in two halves: the norm is read back anyway (logged, NaN policy), so the
-        # pass that scales every gradient runs only when torch's factor max_norm / (norm + 1e-6) can
-        # be below 1 (with a margin for its fp32 rounding); otherwise it is clamped to exactly 1.0
-        # and skipping the pass changes no bit.
+        # clip_grad_norm_ in parts (looplm.train.grad_norm): the norm is read back anyway (logged, NaN
+        # policy), so the gradients are scaled only when torch's factor min(max_norm / (norm + 1e-6), 1)
+        # can be below 1 (otherwise skipping changes no bit), and then inside the optimizer's step
+        # where it is a fused AdamW (MultiOptimizer.step), not in a pass of its own.
         params = [p for p in self.model.parameters() if p.grad is not None]
-        total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
+        total = total_grad_norm([p.grad for p in params])
         grad_norm = float(total.full_tensor() if hasattr(total, "full_tensor") else total)  # FSDP2: a DTensor
-        if grad_norm * (1 + 1e-6) + 1e-6 > max_norm:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        grad_factor = None
+        if self.is_fsdp:  # DTensor gradients: torch's own scaling pass
+            if clip_factor(grad_norm, total, max_norm) is not None:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        else:
+            grad_factor = clip_factor(grad_norm, total, max_norm)
         self.tokens += geo.tokens_per_step
 
         record = {
@@ -455,7 +463,7 @@ class Trainer:
                       f"{self.consecutive_skips} in a row of at most {tc.max_consecutive_skips})")
         else:
             self.consecutive_skips = 0
-            self.optimizer.step()
+            self.optimizer.step(grad_factor=grad_factor)
             self.optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         if self.compiled and not self._compile_logged:
