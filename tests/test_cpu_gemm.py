@@ -313,3 +313,117 @@ def test_trainer_with_tuned_linears_and_activation_checkpointing(tmp_path):
         assert tr.tuned_linears > 0 and json.loads((out / "run.json").read_text())["tuned_linears"] == tr.tuned_linears
         losses[ac] = [r["loss"] for r in read_metrics(out) if "loss" in r]
     assert len(losses[False]) == 3 and losses[True] == losses[False]
+
+
+def _group(bias: bool, outs=(144, 48, 48), dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    ref = [nn.Linear(160, o, bias=bias, dtype=dtype) for o in outs]
+    tuned = [nn.Linear(160, o, bias=bias, dtype=dtype) for o in outs]
+    for r, t in zip(ref, tuned):
+        t.load_state_dict(r.state_dict())
+        t.__class__ = TunedLinear
+    return ref, tuned
+
+
+def _run_group(layers, x, gos, grouped: bool):
+    xi = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ys = cpu_gemm.linear_group(xi, layers) if grouped else tuple(m(xi) for m in layers)
+    sum((y.float() * go).sum() for y, go in zip(ys, gos)).backward()
+    return ys, xi.grad, [m.weight.grad for m in layers], [m.bias.grad if m.bias is not None else None for m in layers]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_linear_group_is_the_layers_one_by_one(bias, strategy, monkeypatch):
+    """Stacked q/k/v-like layers under bf16 autocast: each output, the input gradient (summed inside one
+    product) and each layer's fp32 weight / bias gradient equal nn.Linear's layer by layer, to bf16 rounding."""
+    monkeypatch.setattr(cpu_gemm, "_measure", lambda a, b: strategy)
+    ref, tuned = _group(bias)
+    x = torch.randn(2, 80, 160)
+    gos = [torch.randn(2, 80, o) for o in (144, 48, 48)]
+    ys0, gx0, gw0, gb0 = _run_group(ref, x, gos, grouped=False)
+    ys1, gx1, gw1, gb1 = _run_group(tuned, x, gos, grouped=True)
+    assert [y.shape for y in ys1] == [y.shape for y in ys0] and all(y.dtype == torch.bfloat16 for y in ys1)
+    assert ys1[1].untyped_storage().data_ptr() == ys1[0].untyped_storage().data_ptr()  # views of one product
+    for a, b in zip(ys1, ys0):
+        torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-2)
+    torch.testing.assert_close(gx1, gx0, rtol=2 ** -7, atol=2e-2)
+    for a, b in zip(gw1, gw0):
+        assert a.dtype == torch.float32 and a.shape == b.shape and a.is_contiguous()
+        torch.testing.assert_close(a, b, rtol=2 ** -7, atol=5e-2)
+    if bias:
+        for a, b in zip(gb1, gb0):
+            torch.testing.assert_close(a, b, rtol=2 ** -7, atol=5e-2)
+
+
+def test_linear_group_weight_gradients_are_the_exact_products():
+    """Each layer's weight gradient is its own row block of dyᵀ x in fp32 (a block mix-up would fail)."""
+    _, tuned = _group(False, outs=(40, 24))
+    x = torch.randn(64, 160).bfloat16().float()
+    gos = [torch.randn(64, o).bfloat16().float() for o in (40, 24)]
+    _, _, gws, _ = _run_group(tuned, x, gos, grouped=True)
+    for gw, go in zip(gws, gos):
+        torch.testing.assert_close(gw, go.double().t().mm(x.double()).float(), rtol=1e-5, atol=1e-4)
+
+
+def test_linear_group_falls_back_to_the_layers(monkeypatch):
+    """Plain nn.Linear, no autocast (fp32), no autograd, mixed biases: exactly the layers called one by one."""
+    ref, tuned = _group(True)
+    x = torch.randn(5, 160)
+    assert all(torch.equal(a, b) for a, b in zip(cpu_gemm.linear_group(x, ref), (m(x) for m in ref)))
+    assert all(torch.equal(a, b) for a, b in zip(cpu_gemm.linear_group(x, tuned), (m(x) for m in ref)))  # fp32
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert all(torch.equal(a, b) for a, b in zip(cpu_gemm.linear_group(x, tuned), [m(x) for m in tuned]))
+        assert "_stack_cache" not in tuned[0].__dict__
+    tuned[1].bias = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert all(torch.equal(a, b) for a, b in zip(cpu_gemm.linear_group(x, tuned), [m(x) for m in tuned]))
+
+
+@pytest.mark.parametrize("optim", ["fused-adamw", "sgd", "load_state_dict"])
+def test_linear_group_stacked_copy_follows_every_update(optim):
+    """The stacked bf16 copy is made once per step and remade after any update of any of its weights."""
+    _, tuned = _group(False, outs=(32, 16))
+    x = torch.randn(8, 160)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y0 = cpu_gemm.linear_group(x, tuned)
+        first = tuned[0]._stack_cache[1]
+        cpu_gemm.linear_group(x, tuned)
+        assert tuned[0]._stack_cache[1] is first  # reused within the step
+    sum(y.float().sum() for y in y0).backward()
+    if optim == "load_state_dict":
+        tuned[1].load_state_dict({"weight": torch.randn(16, 160)})
+    else:
+        params = [p for m in tuned for p in m.parameters()]
+        opt = torch.optim.AdamW(params, lr=0.1, fused=True) if optim == "fused-adamw" else torch.optim.SGD(params, lr=0.1)
+        opt.step()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y1 = cpu_gemm.linear_group(x, tuned)
+        for y, m in zip(y1, tuned):
+            torch.testing.assert_close(y, F.linear(x, m.weight), rtol=0, atol=0)
+    assert tuned[0]._stack_cache[1] is not first
+
+
+def test_compiled_linear_group_is_one_graph_and_equals_eager():
+    _, tuned = _group(False, outs=(144, 48))
+    x = torch.randn(256, 160)
+    gos = [torch.randn(256, 144), torch.randn(256, 48)]
+
+    def f(xi):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            a, b = cpu_gemm.linear_group(xi, tuned)
+        return a, b
+
+    def run(fn):
+        for m in tuned:
+            m.weight.grad = None
+        xi = x.clone().requires_grad_()
+        ys = fn(xi)
+        sum((y.float() * go).sum() for y, go in zip(ys, gos)).backward()
+        return (*ys, xi.grad, *[m.weight.grad for m in tuned])
+
+    eager = run(f)
+    got = run(torch.compile(f, fullgraph=True, backend="aot_eager"))
+    for a, b in zip(eager, got):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

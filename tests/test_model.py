@@ -79,6 +79,34 @@ def test_loss_is_shifted_cross_entropy_with_ignore_index():
     torch.testing.assert_close(out.loss, ref)
 
 
+@pytest.mark.parametrize("return_logits", [True, False])
+def test_tied_embedding_gradient_is_dense_and_equals_the_dense_lookup(return_logits):
+    """With a loss on a tied model the lookup's gradient is sparse and lands in the head's dense one: the
+    weight's gradient is a dense tensor equal to the one of a plain dense lookup, also accumulated over two
+    backward passes (micro-batches); an untied embedding keeps a dense gradient of its own."""
+    torch.manual_seed(0)
+    tied = looplm.build("tiny-llama", tie_embeddings=True)
+    assert tied.config.tie_embeddings and tied.lm_head.weight is tied.embed.weight
+    x = torch.randint(0, 260, (2, 9))
+    for _ in range(2):
+        tied(x, labels=x, return_logits=return_logits).loss.backward()
+    got = tied.embed.weight.grad
+    assert got.layout == torch.strided and got.is_contiguous()
+    want = {}
+    for n, p in tied.named_parameters():
+        want[n], p.grad = p.grad, None
+    dense = tied._embed
+    tied._embed = lambda ids, head_in_loss: dense(ids, head_in_loss=False)  # the plain nn.Embedding lookup
+    for _ in range(2):
+        tied(x, labels=x, return_logits=return_logits).loss.backward()
+    for n, p in tied.named_parameters():
+        torch.testing.assert_close(want[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
+    untied = looplm.build("tiny-llama")
+    assert not untied.config.tie_embeddings
+    untied(x, labels=x).loss.backward()
+    assert untied.embed.weight.grad.layout == torch.strided
+
+
 @pytest.mark.parametrize("name", TINY)
 def test_cached_decoding_matches_full_forward(name):
     model = looplm.build(name).eval()

@@ -204,6 +204,21 @@ class LoopedLM(nn.Module):
             for blk in stack.blocks
         ]
 
+    def _embed(self, input_ids: torch.Tensor, head_in_loss: bool) -> torch.Tensor:
+        """``embed(input_ids)`` ``[B, T, d]``. When the embedding is tied to the head and the head's dense
+        gradient comes in the same backward (a loss on CPU), the lookup's own gradient is a sparse ``[V, d]``
+        tensor (the batch's rows only), which autograd adds into the head's in place, instead of a
+        zero-filled dense ``[V, d]`` gradient added as a whole: 14.7 ms of the SmolLM2-135M-shape step on a
+        2-core Xeon (49,152 × 576 rows, 1,024 tokens) become ~1 ms. The sum is the same dense gradient."""
+        w = self.embed.weight
+        sparse = (
+            head_in_loss and self.config.tie_embeddings and torch.is_grad_enabled() and w.requires_grad
+            and w.device.type == "cpu" and type(w.data) is torch.Tensor  # not a DTensor shard (FSDP2)
+        )  # fmt: skip
+        if not sparse:
+            return self.embed(input_ids)
+        return F.embedding(input_ids, w, sparse=True)
+
     def _readout(self, h: torch.Tensor, lctx: LoopContext) -> torch.Tensor:
         """Logits of an intermediate iterate (``lctx.readout``): coda -> final norm -> head."""
         y = self.coda(h, lctx.fctx, self._slots(lctx.cache, self.coda, ("readout", lctx.iteration), h.shape[0]))
@@ -256,7 +271,7 @@ class LoopedLM(nn.Module):
         fctx = self._forward_context(input_ids, attention_mask, position_ids, cache.seqlen if cache is not None else 0)
         targets = None if labels is None else F.pad(labels[:, 1:], (0, 1), value=-100)  # [B, T]; shift targets, not logits
 
-        E = self.embed(input_ids) * self.embed_multiplier  # [B, T, d]
+        E = self._embed(input_ids, head_in_loss=labels is not None) * self.embed_multiplier  # [B, T, d]
         x = self.prelude(E, fctx, self._slots(cache, self.prelude, (0,), B))
         lctx = LoopContext(
             num_loops=r, train_loops=self.config.n_loops, loops_per_row=loops_per_row, fctx=fctx, cache=cache,

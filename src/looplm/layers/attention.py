@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import gemv
+from . import cpu_gemm, gemv
 from .rope import apply_rotary
 
 
@@ -191,10 +191,11 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, fctx, cache: KVCache | None = None) -> torch.Tensor:
         """``x [B, T, d_model]`` -> ``[B, T, d_model]``; masks and rotary tables come from ``fctx``."""
         B, T, _ = x.shape
+        q, k, v = cpu_gemm.linear_group(x, (self.q_proj, self.k_proj, self.v_proj))  # one product for bf16 training on a CPU
         # [B, T, H*hd] -> [B, H, T, hd]
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rotary_dim is not None:
