@@ -7,7 +7,12 @@ training shape (batch 4 × 256 = 1024 tokens, d 576, 9 / 3 heads of 64, SwiGLU 1
   of 1024 × 49,152 logits, each timing includes a copy of the logits);
 * every product of a layer's training step: the split ``cpu_gemm`` measured fastest vs torch's matmul
   (forward ``x Wᵀ`` and input gradient ``dy W``), and the weight gradient ``dyᵀ x`` as ``mm_f32`` (MKL, fp32
-  out) vs torch's bf16 matmul and a cast to fp32.
+  out) vs torch's bf16 matmul and a cast to fp32;
+* the stacked products of ``cpu_gemm.linear_group`` (q/k/v, gate/up: forward, input and weight gradients of
+  one layer) vs the same layers one by one (``TunedLinear`` each);
+* the gradient norm over the model's 538 MB of fp32 gradients: ``looplm_cpu::sum_squares`` vs
+  ``torch.nn.utils.get_total_norm``; and clipping: the factor folded into fused AdamW's step
+  (``MultiOptimizer.step(grad_factor)``) vs ``clip_grads_with_norm_`` then the step.
 
 Medians of alternating runs in one process; ratios are against the PyTorch path of the same row.
 
@@ -104,6 +109,45 @@ def main() -> None:
             row(f"{label} ({cpu_gemm.plan(a, b)})", "matmul", t["torch"], "cpu_gemm.mm", t["tuned"], f)
         t = timed({"torch": lambda: (gy.t() @ x).float(), "mkl": lambda: cpu_gemm.mm_f32(gy.t(), x)}, args.rounds)
         row(f"{name} weight grad dyᵀ x → fp32 [{N}, {M}] · [{M}, {K}]", "matmul + cast", t["torch"], "mm_f32", t["mkl"], f)
+
+    for name, outs in [("q/k/v", (576, 192, 192)), ("gate/up", (1536, 1536))]:
+        layers = [torch.nn.Linear(576, o, bias=False) for o in outs]
+        cpu_gemm.tuned_linears(torch.nn.ModuleList(layers))
+        x = torch.randn(4, 256, 576, generator=g, requires_grad=True)
+        gos = [torch.randn(4, 256, o, generator=g) for o in outs]
+
+        def step(grouped, layers=layers, x=x, gos=gos):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                ys = cpu_gemm.linear_group(x, layers) if grouped else [m(x) for m in layers]
+            torch.autograd.backward(ys, [go.bfloat16() for go in gos])
+
+        t = timed({"each": lambda: step(False), "stacked": lambda: step(True)}, args.rounds)
+        f = 6 * 1024 * 576 * sum(outs)
+        row(f"{name} forward + both gradients, one layer", "layer by layer", t["each"], "linear_group", t["stacked"], f)
+
+    import looplm
+    from looplm.train.grad_norm import clip_factor
+    from looplm.train.optim import MultiOptimizer
+
+    cfg = {"name": "smollm2-135m-shape", "vocab_size": V, "d_model": 576, "n_core": 30, "n_loops": 1, "d_ff": 1536,
+           "attention": {"n_heads": 9, "n_kv_heads": 3}, "tie_embeddings": True, "max_seq_len": 256}  # fmt: skip
+    params = list(looplm.build(cfg).parameters())
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g) * 1e-3
+    grads = [p.grad for p in params]
+    t = timed({"torch": lambda: torch.nn.utils.get_total_norm(grads, 2.0), "op": lambda: torch.ops.looplm_cpu.sum_squares(grads).sqrt()},
+              max(3, args.rounds // 2))  # fmt: skip
+    row(f"gradient norm over {sum(x.numel() for x in grads) * 4 / 1e6:.0f} MB of fp32 gradients", "get_total_norm", t["torch"], "sum_squares", t["op"])
+    opt = MultiOptimizer({"adamw": torch.optim.AdamW(params, lr=1e-9, fused=True)})
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+
+    def clip_then_step():
+        torch.nn.utils.clip_grads_with_norm_(params, 1e-3, total)
+        opt.step()
+
+    t = timed({"torch": clip_then_step, "folded": lambda: opt.step(grad_factor=clip_factor(float(total), total, 1e-3))},
+              max(3, args.rounds // 2))  # fmt: skip
+    row("clip + fused AdamW step, all parameters", "clip_grads_with_norm_ + step", t["torch"], "step(grad_factor)", t["folded"])
 
 
 if __name__ == "__main__":
