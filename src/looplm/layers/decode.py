@@ -33,8 +33,9 @@ dtype (bf16 or fp32) on the CPU, with no hooks on it or its submodules. A call t
 for one new token per row with a preallocated KV slot (attention) or a non-empty state (Mamba-2), no
 block modulation (timestep conditioning, hyper-connections: those blocks keep the reference) and no
 autograd; every other call — the prompt step, a rule's modulated blocks — is the reference
-``Block.forward`` (compiled, if the block was compiled). A rule's own mixers (StateLoop's) are not
-blocks and keep their own path.
+``Block.forward`` (compiled, if the block was compiled). A rule's own residual mixers — StateLoop's
+``S + mixer(RMSNorm(S))`` over its state (eqs. 8, 9), an attention or Mamba-2 mixer — are the same
+branch and switch to :class:`DecodeResidualMixer` under the same conditions.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from .attention import Attention, KVCache
 from .cpu_gemm import TunedLinear
 from .mamba2 import Mamba2Mixer, Mamba2State, RMSNormGated
 from .mlp import SwiGLU
+from .residual import ResidualMixer
 
 _LINEARS = (nn.Linear, gemv.DecodeLinear, TunedLinear)  # TunedLinear: switched for CPU training (cpu_gemm)
 _on = True
@@ -131,75 +133,116 @@ class DecodeBlock(Block):
     _dtype: torch.dtype
 
     def __call__(self, x, fctx, cache=None, mod=None):
-        if (
-            (mod is None or (mod.mixer is None and mod.mlp is None))
-            and x.dim() == 3
-            and x.shape[1] == 1
-            and x.dtype == self._dtype
-            and not torch.is_grad_enabled()
-        ):
-            step = {KVCache: self._attention_step, Mamba2State: self._mamba2_step}.get(type(cache))
-            y = None if step is None else step(x.contiguous(), fctx, cache)  # the mixer branch, or None: not this call
+        if mod is None or (mod.mixer is None and mod.mlp is None):
+            y = _one_token_step(self._weights, self.mixer, self._dtype, x, fctx, cache)  # the mixer branch, or None
             if y is not None:
                 return y if self._swiglu is None else torch.ops.looplm_cpu.decode_swiglu(y, *self._swiglu)
         return super().__call__(x, fctx, cache, mod)  # the reference (compiled if the block was)
 
     def _attention_step(self, x, fctx, cache: KVCache):
-        bufs = cache.append_buffers(x.shape[0])
-        if bufs is None:  # a growing cache, buffers not allocated yet, full, another batch size
-            return None
-        k_buf, v_buf, pos = bufs
-        mask = fctx.attn_mask
-        if mask is None and fctx.is_causal and pos > 0:
-            return None
-        if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (x.shape[0], 1, 1, pos + 1)):
-            return None
-        rot = self.mixer.rotary_dim
-        cos, sin = fctx.rope_for(rot) if rot is not None else (None, None)  # [B, 1, rot] fp32
-        y = torch.ops.looplm_cpu.decode_attention(
-            x, *self._weights, cos, sin, k_buf, v_buf, pos, None if mask is None else mask.contiguous(), self.mixer.n_heads
-        )  # [B, 1, d]; the new token's key and value written into k_buf / v_buf at pos
-        cache.advance(1)
-        return y
+        return _attention_step(self._weights, self.mixer, x, fctx, cache)
 
     def _mamba2_step(self, x, fctx, state: Mamba2State):
-        B = x.shape[0]
-        pad = fctx.pad_mask
-        if (state.seqlen_offset == 0 or state.conv_state.shape[0] != B or state.conv_state.dtype != x.dtype
-                or (pad is not None and tuple(pad.shape) != (B, 1))):  # fmt: skip
-            return None  # an empty state (the prompt's first token), another batch or dtype
-        if not state.conv_state.is_contiguous():  # the prompt step leaves views; the op writes in place
-            state.conv_state = state.conv_state.contiguous()
-        if state.ssm_state.dtype != torch.float32 or not state.ssm_state.is_contiguous():
-            state.ssm_state = state.ssm_state.float().contiguous()
-        y = torch.ops.looplm_cpu.decode_mamba2(
-            x, *self._weights, state.conv_state, state.ssm_state, None if pad is None else pad.contiguous()
-        )  # [B, 1, d]; the conv window and the SSM state updated in place
-        state.seqlen_offset += 1
-        return y
+        return _mamba2_step(self._weights, x, fctx, state)
 
 
-def _mamba2_args(block: Block) -> tuple:
-    m, dt = block.mixer, block.mixer_norm.weight.dtype
-    return (
-        block.mixer_norm.weight, _eps(block.mixer_norm, dt), m.in_proj.weight, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias,
-        m.dt_bias, m.A_log, m.D, m.norm.weight, m.norm.eps, m.out_proj.weight, m.out_proj.bias,
-    )  # fmt: skip
+def _attention_step(weights: tuple, mixer: Attention, x, fctx, cache: KVCache):
+    """``x + attention(RMSNorm(x))`` for one new token as ``decode_attention`` (``weights``: its arguments
+    from norm_weight to qk_eps), or ``None`` where the op does not apply to this call."""
+    bufs = cache.append_buffers(x.shape[0])
+    if bufs is None:  # a growing cache, buffers not allocated yet, full, another batch size
+        return None
+    k_buf, v_buf, pos = bufs
+    mask = fctx.attn_mask
+    if mask is None and fctx.is_causal and pos > 0:
+        return None
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (x.shape[0], 1, 1, pos + 1)):
+        return None
+    rot = mixer.rotary_dim
+    cos, sin = fctx.rope_for(rot) if rot is not None else (None, None)  # [B, 1, rot] fp32
+    y = torch.ops.looplm_cpu.decode_attention(
+        x, *weights, cos, sin, k_buf, v_buf, pos, None if mask is None else mask.contiguous(), mixer.n_heads
+    )  # [B, 1, d]; the new token's key and value written into k_buf / v_buf at pos
+    cache.advance(1)
+    return y
 
 
-def _mixer_args(block: Block) -> tuple:
-    """The mixer op's arguments that do not change per step (decode_attention's from norm_weight to qk_eps,
-    decode_mamba2's from norm_weight to b_out)."""
-    if type(block.mixer) is Mamba2Mixer:
-        return _mamba2_args(block)
-    a, dt = block.mixer, block.mixer_norm.weight.dtype
+def _mamba2_step(weights: tuple, x, fctx, state: Mamba2State):
+    """``x + mamba2(RMSNorm(x))`` for one new token as ``decode_mamba2`` (``weights``: its arguments from
+    norm_weight to b_out), or ``None`` where the op does not apply to this call."""
+    B = x.shape[0]
+    pad = fctx.pad_mask
+    if (state.seqlen_offset == 0 or state.conv_state.shape[0] != B or state.conv_state.dtype != x.dtype
+            or (pad is not None and tuple(pad.shape) != (B, 1))):  # fmt: skip
+        return None  # an empty state (the prompt's first token), another batch or dtype
+    if not state.conv_state.is_contiguous():  # the prompt step leaves views; the op writes in place
+        state.conv_state = state.conv_state.contiguous()
+    if state.ssm_state.dtype != torch.float32 or not state.ssm_state.is_contiguous():
+        state.ssm_state = state.ssm_state.float().contiguous()
+    y = torch.ops.looplm_cpu.decode_mamba2(
+        x, *weights, state.conv_state, state.ssm_state, None if pad is None else pad.contiguous()
+    )  # [B, 1, d]; the conv window and the SSM state updated in place
+    state.seqlen_offset += 1
+    return y
+
+
+def _one_token_step(weights: tuple, mixer: nn.Module, dtype: torch.dtype, x, fctx, cache):
+    """The fused branch for ``x [B, 1, d]`` in ``dtype`` without autograd, or ``None`` (the reference's call)."""
+    if x.dim() != 3 or x.shape[1] != 1 or x.dtype != dtype or torch.is_grad_enabled():
+        return None
+    if type(cache) is KVCache:
+        return _attention_step(weights, mixer, x.contiguous(), fctx, cache)
+    if type(cache) is Mamba2State:
+        return _mamba2_step(weights, x.contiguous(), fctx, cache)
+    return None
+
+
+def _mixer_args(norm: nn.RMSNorm, mixer: nn.Module) -> tuple:
+    """The arguments of the op of the branch ``x + mixer(norm(x))`` that do not change per step
+    (decode_attention's from norm_weight to qk_eps, decode_mamba2's from norm_weight to b_out)."""
+    dt = norm.weight.dtype
+    if type(mixer) is Mamba2Mixer:
+        m = mixer
+        return (
+            norm.weight, _eps(norm, dt), m.in_proj.weight, m.in_proj.bias, m.conv1d.weight, m.conv1d.bias,
+            m.dt_bias, m.A_log, m.D, m.norm.weight, m.norm.eps, m.out_proj.weight, m.out_proj.bias,
+        )  # fmt: skip
+    a = mixer
     qn, kn = a.q_norm, a.k_norm
     return (
-        block.mixer_norm.weight, _eps(block.mixer_norm, dt),
+        norm.weight, _eps(norm, dt),
         a.q_proj.weight, a.q_proj.bias, a.k_proj.weight, a.k_proj.bias, a.v_proj.weight, a.v_proj.bias,
         a.o_proj.weight, a.o_proj.bias,
         None if qn is None else qn.weight, None if kn is None else kn.weight, _eps(qn, dt) if qn is not None else 0.0,
     )  # fmt: skip
+
+
+def residual_mixer_eligible(module: nn.Module) -> bool:
+    """Whether :class:`DecodeResidualMixer` can run ``module``'s decode steps: a rule's residual mixer
+    (StateLoop's ``S + mixer(RMSNorm(S))``) whose mixer a block could fuse, all of one dtype on the CPU, no hooks."""
+    if type(module) is not ResidualMixer or not _mixer_eligible(module.mixer):
+        return False
+    if type(module.norm) is not nn.RMSNorm or module.norm.weight is None:
+        return False
+    dt = module.norm.weight.dtype
+    return (
+        dt in (torch.bfloat16, torch.float32)
+        and all(t.dtype == dt and t.device.type == "cpu" and t.is_contiguous() for t in module.parameters())
+        and not _has_hooks(module)
+    )
+
+
+class DecodeResidualMixer(ResidualMixer):
+    """A rule's residual mixer (``S + mixer(RMSNorm(S))``) whose one-token decode steps run the block's
+    fused mixer op; made by :func:`fused_blocks` only (the class is swapped in and back; every other call
+    is the reference ``forward``)."""
+
+    _weights: tuple
+    _dtype: torch.dtype
+
+    def __call__(self, S, fctx, cache=None):
+        y = _one_token_step(self._weights, self.mixer, self._dtype, S, fctx, cache)
+        return y if y is not None else super().__call__(S, fctx, cache)  # the reference forward
 
 
 def _swiglu_args(block: Block) -> tuple | None:
@@ -218,16 +261,21 @@ def fused_blocks(model: nn.Module):
     A no-op where looplm's CPU extension is unavailable (:func:`looplm.layers.gemv.extension_available`:
     no compiler, ``LOOPLM_CPU_KERNELS=0``), under
     :func:`enabled` ``(False)``, or with global module hooks registered."""
-    blocks = []
+    blocks, mixers = [], []
     if _on and not _global_hooks():
         blocks = [m for m in model.modules() if type(m) is Block and eligible(m)]
-        if blocks and not gemv.extension_available():
-            blocks = []
+        mixers = [m for m in model.modules() if residual_mixer_eligible(m)]
+        if (blocks or mixers) and not gemv.extension_available():
+            blocks, mixers = [], []
     for b in blocks:
-        b._weights = _mixer_args(b)
+        b._weights = _mixer_args(b.mixer_norm, b.mixer)
         b._swiglu = _swiglu_args(b)
         b._dtype = b.mixer_norm.weight.dtype
         b.__class__ = DecodeBlock
+    for m in mixers:
+        m._weights = _mixer_args(m.norm, m.mixer)
+        m._dtype = m.norm.weight.dtype
+        m.__class__ = DecodeResidualMixer
     try:
         yield len(blocks)
     finally:
@@ -235,3 +283,7 @@ def fused_blocks(model: nn.Module):
             b.__class__ = Block
             for name in ("_weights", "_swiglu", "_dtype"):
                 b.__dict__.pop(name, None)
+        for m in mixers:
+            m.__class__ = ResidualMixer
+            for name in ("_weights", "_dtype"):
+                m.__dict__.pop(name, None)

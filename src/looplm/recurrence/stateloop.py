@@ -63,6 +63,7 @@ from torch import nn
 
 from ..layers.attention import Attention
 from ..layers.mamba2 import Mamba2Mixer
+from ..layers.residual import ResidualMixer
 from .base import RecurrenceRule, register_rule
 
 UPDATES = ("ssm", "gru")
@@ -140,21 +141,6 @@ class GRUUpdate(nn.Module):
         z = torch.sigmoid(iz + hz)
         n = torch.tanh(in_ + r * hn)
         return (1 - z) * n + z * S
-
-
-class _ResidualMixer(nn.Module):
-    """``S = S̃ + mixer(RMSNorm_m(S̃))`` (eqs. 8, 9): one module shared across iterations."""
-
-    def __init__(self, d_s: int, mixer: nn.Module, eps: float):
-        super().__init__()
-        self.norm = nn.RMSNorm(d_s, eps=eps)  # RMSNorm_m
-        self.mixer = mixer
-
-    def new_cache(self, batch_size: int):
-        return self.mixer.new_cache(batch_size)
-
-    def forward(self, S: torch.Tensor, fctx, cache=None) -> torch.Tensor:
-        return S + self.mixer(self.norm(S), fctx, cache)
 
 
 def _check(cond: bool, msg: str, errs: list[str]) -> None:
@@ -242,7 +228,7 @@ class StateLoop(RecurrenceRule):
         if mixer == "attention":
             H = ds // mixer_head_dim
             self.rope_dims = (mixer_head_dim,)  # the model builds rotary tables for the mixer's head dim
-            self.mixer = _ResidualMixer(
+            self.mixer = ResidualMixer(
                 ds, Attention(ds, H, H, mixer_head_dim, norm_eps=cfg.norm_eps, rotary_dim=mixer_head_dim), cfg.norm_eps
             )
         elif mixer == "mamba2":
@@ -250,7 +236,7 @@ class StateLoop(RecurrenceRule):
                 ds, expand=mamba_expand, d_state=mamba_d_state, d_conv=mamba_d_conv, headdim=mamba_headdim,
                 ngroups=mamba_ngroups, chunk_size=mamba_chunk_size, norm_eps=cfg.norm_eps,
             )  # fmt: skip
-            self.mixer = _ResidualMixer(ds, m, cfg.norm_eps)
+            self.mixer = ResidualMixer(ds, m, cfg.norm_eps)
         else:
             self.mixer = None  # X_id (eq. 7): nothing kept across tokens while decoding
 
@@ -289,7 +275,7 @@ class StateLoop(RecurrenceRule):
         P = self.W_u(U)  # P^k (eq. 5)
         S = self.update(None if self.reset else state["S"], U, P)  # S̃^{k+1} (eqs. 6, 14, GRU)
         if self.mixer is not None:  # X_ψ, its own decoding slot per iteration (eqs. 8, 9)
-            slot = lctx.cache_slot(("stateloop-mixer", lctx.iteration), lambda: self.mixer.new_cache(h.shape[0]))
+            slot = lctx.cache_slot(("stateloop-mixer", lctx.iteration), lambda: self.mixer.new_cache(h.shape[0], lctx.cache.capacity))
             S = self.mixer(S, lctx.fctx, slot)
         hook = lctx.loop_options.get("state_hook")
         if hook is not None:
