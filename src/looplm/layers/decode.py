@@ -110,14 +110,19 @@ def eligible(block: nn.Module) -> bool:
     mlp = block.mlp
     if mlp is not None and (type(mlp) is not SwiGLU or any(type(lin) not in _LINEARS for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))):
         return False
-    norms = [block.mixer_norm] + ([block.mlp_norm] if mlp is not None else [])
+    return _norms_and_params_fit(block, [block.mixer_norm] + ([block.mlp_norm] if mlp is not None else []))
+
+
+def _norms_and_params_fit(module: nn.Module, norms: list) -> bool:
+    """``norms`` are RMSNorms with weights, and every parameter of ``module`` is a contiguous CPU tensor of the
+    first norm's dtype, bf16 or fp32; no hooks anywhere in ``module``."""
     if any(type(n) is not nn.RMSNorm or n.weight is None for n in norms):
         return False
-    dt = block.mixer_norm.weight.dtype
+    dt = norms[0].weight.dtype
     return (
         dt in (torch.bfloat16, torch.float32)
-        and all(t.dtype == dt and t.device.type == "cpu" and t.is_contiguous() for t in block.parameters())
-        and not _has_hooks(block)
+        and all(t.dtype == dt and t.device.type == "cpu" and t.is_contiguous() for t in module.parameters())
+        and not _has_hooks(module)
     )
 
 
@@ -222,14 +227,7 @@ def residual_mixer_eligible(module: nn.Module) -> bool:
     (StateLoop's ``S + mixer(RMSNorm(S))``) whose mixer a block could fuse, all of one dtype on the CPU, no hooks."""
     if type(module) is not ResidualMixer or not _mixer_eligible(module.mixer):
         return False
-    if type(module.norm) is not nn.RMSNorm or module.norm.weight is None:
-        return False
-    dt = module.norm.weight.dtype
-    return (
-        dt in (torch.bfloat16, torch.float32)
-        and all(t.dtype == dt and t.device.type == "cpu" and t.is_contiguous() for t in module.parameters())
-        and not _has_hooks(module)
-    )
+    return _norms_and_params_fit(module, [module.norm])
 
 
 class DecodeResidualMixer(ResidualMixer):
