@@ -368,6 +368,11 @@ def test_bench_decode_models_and_json(capsys):
     for r in rows:
         assert {"model", "loops", "ms_per_token", "tokens_per_s", "change_pct"} <= set(r) and len(r["runs"]) == 2
         assert r["tokens_per_s"] == pytest.approx(1000 / r["ms_per_token"])
+    assert {r["path"] for r in rows} == {"reference"}
+    # --lean: generate's path (preallocated KV, decode kernels, fused blocks and state mixers) for every model
+    assert main([*argv[:-4], "--models", "stateloop-attn,stateloop-mamba2", "--json", "--same-process", "--lean", "--dtype", "bf16"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["key"] for r in rows] == ["vanilla-k4", "stateloop-attn", "stateloop-mamba2"] and {r["path"] for r in rows} == {"lean"}
     # on a Linux CPU the default re-runs in a child process (THP_MEM_ALLOC_ENABLE=1), errors included
     assert main(["bench", "decode", "--models", "stateloop-gru", "--new", "1"]) == 2
     assert "unknown model 'stateloop-gru'" in capsys.readouterr().err

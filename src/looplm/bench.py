@@ -25,10 +25,12 @@ streaming the weights), far more than the effect being measured; with it they ag
     looplm bench decode                      # defaults: d 512, 8 layers, P 256, N 128, 5 runs
     looplm bench decode --json --threads 1   # a JSON list, one object per model
     looplm bench decode --threads 1 --clock cpu   # a shared, overloaded CPU: time the process's own CPU
+    looplm bench decode --lean --dtype bf16       # the path generate takes (fused blocks and state mixers)
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 import time
@@ -102,13 +104,18 @@ def build_decode_models(names, *, d_model: int = 512, layers: int = 8, vocab: in
 
 
 def decode_latency(models: dict, *, prefill: int = 256, new_tokens: int = 128, runs: int = 5, warmup: int = 1,
-                   seed: int = 0, progress=None, clock: str = "wall") -> list[dict]:
+                   seed: int = 0, progress=None, clock: str = "wall", lean: bool = False) -> list[dict]:
     """Tab. 3 protocol on ``{key: model}``; one dict per model (the first key is the baseline).
 
     Each run prefills every model with the same random prompt (fresh caches), then decodes the
     ``N`` continuation tokens greedily, one token of every model in turn (a rotating order): a model's
     latency in a run is the sum of its own step times / ``N``. Interleaving at the token level makes a
     burst of load from other processes hit every model alike, which whole-run interleaving does not.
+
+    ``lean=True`` decodes as ``generate`` does: KV slots preallocated for prompt + continuation, the products
+    on looplm's decode kernels and every eligible block and state mixer on the fused ops
+    (:mod:`looplm.layers.decode`); the default is the reference forward with growing caches, the same plain
+    PyTorch for every model.
 
     ``clock="cpu"`` times steps with the process CPU time instead of the wall clock: on an overloaded
     shared CPU the wall clock mostly measures the time other processes hold the cores; with one torch
@@ -129,12 +136,18 @@ def decode_latency(models: dict, *, prefill: int = 256, new_tokens: int = 128, r
     times = {k: [] for k in keys}
     steps = {k: [] for k in keys}
     prefills = {k: [] for k in keys}
-    with torch.inference_mode():
+    with torch.inference_mode(), contextlib.ExitStack() as lean_paths:
+        if lean:
+            from .layers import decode, gemv
+
+            for m in models.values():
+                lean_paths.enter_context(gemv.decode_linears(m, batch_size=1))
+                lean_paths.enter_context(decode.fused_blocks(m))
         for run in range(warmup + runs):
             n_new = new_tokens if run >= warmup else min(new_tokens, 8)
             caches, toks, spent = {}, {}, dict.fromkeys(keys, 0.0)
             for k in keys:  # prefill
-                caches[k] = models[k].new_cache(1)
+                caches[k] = models[k].new_cache(1, capacity=prefill + new_tokens if lean else None)
                 sync()
                 t0 = now()
                 toks[k] = models[k](prompt, cache=caches[k]).logits[:, -1].argmax(-1, keepdim=True)  # [1, 1]
@@ -171,7 +184,7 @@ def decode_latency(models: dict, *, prefill: int = 256, new_tokens: int = 128, r
             "change_pct": 100 * (mean / base - 1), "change_pct_median": 100 * (statistics.median(t) / base_med - 1),
             "step_median_ms": statistics.median(steps[k]),
             "change_pct_step_median": 100 * (statistics.median(steps[k]) / base_step - 1),
-            "prefill_ms": statistics.mean(prefills[k]), "runs": t, "clock": clock,
+            "prefill_ms": statistics.mean(prefills[k]), "runs": t, "clock": clock, "path": "lean" if lean else "reference",
         })  # fmt: skip
     return rows
 
@@ -181,7 +194,7 @@ def _child_argv(args) -> list[str]:
     argv = ["bench", "decode", "--d-model", str(args.d_model), "--layers", str(args.layers), "--vocab", str(args.vocab),
             "--prefill", str(args.prefill), "--new", str(args.new), "--runs", str(args.runs), "--models", args.models,
             "--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads), "--clock", args.clock]
-    return argv + (["--json"] if args.json else [])
+    return argv + (["--json"] if args.json else []) + (["--lean"] if args.lean else [])
 
 
 def cmd_bench_decode(args) -> int:
@@ -216,9 +229,10 @@ def cmd_bench_decode(args) -> int:
     if not args.json:
         print(f"decode latency: batch 1, prefill {args.prefill}, {args.new} new tokens, {args.runs} runs, {args.dtype}, "
               f"d={args.d_model} x {args.layers} layers, vocab {args.vocab}, {torch.get_num_threads()} threads, "
-              f"{args.clock} clock; {where}")
+              f"{args.clock} clock, {'lean' if args.lean else 'reference'} path; {where}")
     progress = None if args.json else (lambda i, n: print(f"  run {i}/{n} done", flush=True))
-    rows = decode_latency(models, prefill=args.prefill, new_tokens=args.new, runs=args.runs, progress=progress, clock=args.clock)
+    rows = decode_latency(models, prefill=args.prefill, new_tokens=args.new, runs=args.runs, progress=progress, clock=args.clock,
+                          lean=args.lean)
     for r in rows:
         r["device"] = where
     if args.json:
@@ -249,6 +263,9 @@ def register(subparsers) -> None:
     d.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
     d.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                    help="wall = latency (the paper); cpu = process CPU time (an overloaded shared CPU; use with --threads 1)")
+    d.add_argument("--lean", action="store_true",
+                   help="decode as generate does (preallocated KV, decode kernels, fused blocks and state mixers); "
+                        "default: the reference forward with growing caches for every model")
     d.add_argument("--json", action="store_true", help="print a JSON list, one object per model")
     d.add_argument("--same-process", action="store_true",
                    help="on a Linux CPU, do not re-run in a child process with THP_MEM_ALLOC_ENABLE=1")
