@@ -45,6 +45,23 @@ def _close(a, b, rtol):
 
 
 @pytest.mark.slow
+def test_ddp_bf16_tied_with_cpu_products_matches_one(setup):
+    """bf16 on the CPU products (train.cpu_gemm: the stacked q/k/v and gate/up products, whose weight
+    gradients are row blocks of one tensor) and a tied embedding (its sparse lookup gradient added into the
+    head's): two DDP processes give one process's losses."""
+    tmp, config, _, _, _ = setup
+    sets = ["eval.batch_size=8", "eval.every=0", "checkpoint.every=0", "model_overrides.tie_embeddings=true",
+            "train.precision=bf16", "train.cpu_gemm=true"]  # fmt: skip
+    train_in_process(config, tmp / "one-bf16", sets)
+    ref = read_metrics(tmp / "one-bf16")
+    r = _torchrun(config, tmp / "ddp-bf16", *[a for s in sets for a in ("--set", s)], "--set", "train.parallel=ddp")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads((tmp / "ddp-bf16" / "run.json").read_text())["tuned_linears"] > 0
+    got = read_metrics(tmp / "ddp-bf16")
+    assert _close([m["loss"] for m in got], [m["loss"] for m in ref], 1e-3), ([m["loss"] for m in got], [m["loss"] for m in ref])
+
+
+@pytest.mark.slow
 def test_ddp_two_processes_match_one(setup):
     tmp, config, common, sets, ref = setup
     out = tmp / "ddp"
