@@ -26,13 +26,14 @@ needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"GEMV kernels no
 class _CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.attention = self.swiglu = self.mamba2 = 0
+        self.attention = self.swiglu = self.mamba2 = self.stateloop = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
         self.attention += "looplm_cpu.decode_attention" in name
         self.swiglu += "looplm_cpu.decode_swiglu" in name
         self.mamba2 += "looplm_cpu.decode_mamba2" in name
+        self.stateloop += "looplm_cpu.decode_stateloop" in name
         return func(*args, **(kwargs or {}))
 
 
@@ -106,6 +107,9 @@ def test_fused_decode_step_matches_the_reference(case, dtype):
     assert c.attention + c.mamba2 > 0
     blocks = _fused_calls_per_step(model, Attention, rule=False) + _fused_calls_per_step(model, Mamba2Mixer, rule=False)
     assert c.swiglu == (blocks if model.config.d_ff else 0)
+    # StateLoop's own step: one update per iteration, one read per iteration after the first, one terminal read
+    assert c.stateloop == (2 * model.config.n_loops if decode.stateloop_eligible(model.rule) else 0)
+    assert c_ref.stateloop == 0
     if dtype == torch.float32:  # only the order of fp32 additions differs
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
     else:  # each stored intermediate rounded at the reference's points: ~one bf16 rounding apart
@@ -319,6 +323,19 @@ def test_eligibility():
         handle.remove()
         assert not decode.residual_mixer_eligible(_model(name, torch.float64).rule.mixer)
     assert not decode.residual_mixer_eligible(looplm.build("tiny-stateloop").rule)  # identity mixer: nothing to fuse
+    # the rule's own update and reads: the SSM update without reset, one dtype, no hooks
+    sl = looplm.build("tiny-stateloop")
+    assert decode.stateloop_eligible(sl.rule) and not decode.stateloop_eligible(looplm.build("tiny-llama").rule)
+    with decode.fused_blocks(sl):
+        assert sl.rule._fused_decode
+    assert "_fused_decode" not in sl.rule.__dict__
+    for opts in ({"update": "gru"}, {"reset": True}):
+        other = looplm.build("tiny-stateloop", overrides={f"rule.options.{k}": v for k, v in opts.items()})
+        assert not decode.stateloop_eligible(other.rule), opts
+    handle = sl.rule.W_u.register_forward_hook(lambda *a: None)
+    assert not decode.stateloop_eligible(sl.rule)
+    handle.remove()
+    assert not decode.stateloop_eligible(looplm.build("tiny-stateloop", dtype=torch.float64).rule)
     hybrid = looplm.build("tiny-hybrid")
     kinds = {(type(b.mixer).__name__, decode.eligible(b)) for b in hybrid.modules() if isinstance(b, Block)}
     assert kinds == {("Attention", True), ("Mamba2Mixer", True)}
@@ -438,3 +455,17 @@ def test_fused_generate_gives_transformers_tokens(arch):
         got = ours.generate(x, max_new_tokens=10)
     assert c.attention + c.mamba2 == 9 * 2  # 9 one-token steps x 2 blocks
     assert torch.equal(got, hf.generate(x, max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0))
+
+
+@needs_extension
+def test_stateloop_ops_reject_bad_arguments_with_a_message():
+    rule = looplm.build("tiny-stateloop").eval().rule
+    u = rule.update
+    h, S = torch.randn(2, 1, 64), torch.randn(2, 1, 64)
+    op = torch.ops.looplm_cpu.decode_stateloop_update
+    with pytest.raises(RuntimeError, match=r"w_u must be \[64, 64\]"):
+        op(h, S, rule.norm_h.weight, 1e-5, rule.W_u.weight[:10], u.W_delta.weight, u.b_delta, u.A_log)
+    with pytest.raises(RuntimeError, match="S must be a \\[B, 1, d_s\\] tensor of h's dtype and batch"):
+        op(h, S[:1], rule.norm_h.weight, 1e-5, rule.W_u.weight, u.W_delta.weight, u.b_delta, u.A_log)
+    with pytest.raises(RuntimeError, match="one new token per row"):
+        torch.ops.looplm_cpu.decode_stateloop_read(torch.randn(2, 3, 64), S, rule.norm_s.weight, 1e-5, rule.W_sz.weight)

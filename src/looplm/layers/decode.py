@@ -35,7 +35,10 @@ block modulation (timestep conditioning, hyper-connections: those blocks keep th
 autograd; every other call — the prompt step, a rule's modulated blocks — is the reference
 ``Block.forward`` (compiled, if the block was compiled). A rule's own residual mixers — StateLoop's
 ``S + mixer(RMSNorm(S))`` over its state (eqs. 8, 9), an attention or Mamba-2 mixer — are the same
-branch and switch to :class:`DecodeResidualMixer` under the same conditions.
+branch and switch to :class:`DecodeResidualMixer` under the same conditions; StateLoop's own step — its
+selective update (eqs. 2, 5, 6) and its state reads (eqs. 4, 10) — runs as ``decode_stateloop_update`` /
+``decode_stateloop_read`` (:func:`stateloop_eligible`; the rounding points of ``SelectiveUpdate`` and the
+reads kept as above).
 """
 
 from __future__ import annotations
@@ -230,6 +233,19 @@ def residual_mixer_eligible(module: nn.Module) -> bool:
     return _norms_and_params_fit(module, [module.norm])
 
 
+def stateloop_eligible(module: nn.Module) -> bool:
+    """Whether a StateLoop rule's own decode step (the selective update, eqs. 2, 5, 6, and the reads, eqs. 4, 10)
+    can run on ``decode_stateloop_update`` / ``_read``: the SSM update without reset, and all of the rule's
+    parameters of one CPU dtype, bf16 or fp32, with no hooks anywhere in it."""
+    from ..recurrence.stateloop import SelectiveUpdate, StateLoop  # here: the rules import the layers
+
+    if type(module) is not StateLoop or type(module.update) is not SelectiveUpdate or module.reset:
+        return False
+    if any(type(lin) not in _LINEARS for lin in (module.W_u, module.update.W_delta, module.W_sz, module.W_out)):
+        return False
+    return _norms_and_params_fit(module, [module.norm_h, module.norm_s])
+
+
 class DecodeResidualMixer(ResidualMixer):
     """A rule's residual mixer (``S + mixer(RMSNorm(S))``) whose one-token decode steps run the block's
     fused mixer op; made by :func:`fused_blocks` only (the class is swapped in and back; every other call
@@ -254,17 +270,22 @@ def _swiglu_args(block: Block) -> tuple | None:
 
 @contextlib.contextmanager
 def fused_blocks(model: nn.Module):
-    """Inside the block, every :func:`eligible` block of ``model`` runs as :class:`DecodeBlock`; the
-    classes are restored on exit (a compiled block keeps its compiled call for the reference path). Yields how many blocks were switched.
+    """Inside the block, every :func:`eligible` block of ``model`` runs as :class:`DecodeBlock`, every
+    eligible residual state mixer as :class:`DecodeResidualMixer`, and an eligible StateLoop rule takes its
+    fused update and reads (:func:`stateloop_eligible`); the classes and flags are restored on exit (a
+    compiled block keeps its compiled call for the reference path). Yields how many blocks were switched.
     A no-op where looplm's CPU extension is unavailable (:func:`looplm.layers.gemv.extension_available`:
     no compiler, ``LOOPLM_CPU_KERNELS=0``), under
     :func:`enabled` ``(False)``, or with global module hooks registered."""
-    blocks, mixers = [], []
+    blocks, mixers, rules = [], [], []
     if _on and not _global_hooks():
         blocks = [m for m in model.modules() if type(m) is Block and eligible(m)]
         mixers = [m for m in model.modules() if residual_mixer_eligible(m)]
-        if (blocks or mixers) and not gemv.extension_available():
-            blocks, mixers = [], []
+        rules = [m for m in model.modules() if stateloop_eligible(m)]
+        if (blocks or mixers or rules) and not gemv.extension_available():
+            blocks, mixers, rules = [], [], []
+    for r in rules:
+        r._fused_decode = True  # StateLoop.step / next_input / finish take decode_stateloop_update / _read
     for b in blocks:
         b._weights = _mixer_args(b.mixer_norm, b.mixer)
         b._swiglu = _swiglu_args(b)
@@ -285,3 +306,5 @@ def fused_blocks(model: nn.Module):
             m.__class__ = ResidualMixer
             for name in ("_weights", "_dtype"):
                 m.__dict__.pop(name, None)
+        for r in rules:
+            r.__dict__.pop("_fused_decode", None)

@@ -517,6 +517,63 @@ at::Tensor decode_mamba2(const at::Tensor& x, const at::Tensor& norm_w, double e
                             ssm_state, pad_mask);
 }
 
+// ---- StateLoop's state update and state read (looplm/recurrence/stateloop.py), one token per row ----------------
+// update: U = RMSNorm_h(h) (eq. 2), P = U W_uᵀ (eq. 5), Δ = softplus(U W_Δᵀ + b_Δ), g = exp(Δ·(−exp(A_log))),
+//         S̃ = lerp(P, S, g) = g⊙S + (1 − g)⊙P (eq. 6; torch's two-sided lerp formula), every value rounded to T
+//         where SelectiveUpdate stores it (U, P, the product with its bias, Δ, exp(A_log), Δ·(−λ), g, S̃).
+// read:   h + RMSNorm_s(S) Wᵀ (eqs. 4, 10): the norm, the product and the sum rounded.
+// h [B, 1, d], S [B, 1, d_s], both of the weights' dtype.
+
+template <typename T>
+at::Tensor stateloop_update_impl(const at::Tensor& h, const at::Tensor& S, const at::Tensor& norm_w, double eps, const at::Tensor& w_u,
+                                 const at::Tensor& w_delta, const at::Tensor& b_delta, const at::Tensor& a_log) {
+  const int64_t B = h.size(0), d = h.size(2), ds = S.size(2);
+  at::Tensor u = norm_rows<T>(h, norm_w, eps, B, d);   // [B, d]  U
+  at::Tensor p = linear_rows(u, w_u, std::nullopt);     // [B, ds] P
+  at::Tensor z = linear_rows(u, w_delta, b_delta);      // [B, ds] U W_Δᵀ + b_Δ
+  at::Tensor out = at::empty_like(S);
+  const T *P = data<T>(p), *Z = data<T>(z), *Sp = data<T>(S), *A = data<T>(a_log);
+  T* O = mdata<T>(out);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t c = 0; c < ds; ++c) {
+      const int64_t i = b * ds + c;
+      const float delta = rnd<T>(softplus(widen(Z[i])));
+      const float lam = rnd<T>(std::exp(widen(A[c])));
+      const float g = rnd<T>(std::exp(rnd<T>(delta * -lam)));
+      const float start = widen(P[i]), end = widen(Sp[i]);
+      O[i] = T(std::abs(g) < 0.5f ? start + g * (end - start) : end - (end - start) * (1.0f - g));
+    }
+  return out;
+}
+
+at::Tensor decode_stateloop_update(const at::Tensor& h, const at::Tensor& S, const at::Tensor& norm_w, double eps, const at::Tensor& w_u,
+                                   const at::Tensor& w_delta, const at::Tensor& b_delta, const at::Tensor& a_log) {
+  const char* op = "decode_stateloop_update";
+  const at::ScalarType dt = check_x(op, h);
+  TORCH_CHECK(check_x(op, S) == dt && S.size(0) == h.size(0), op, ": S must be a [B, 1, d_s] tensor of h's dtype and batch, got ", S.sizes(),
+              " ", S.scalar_type());
+  const int64_t d = h.size(2), ds = S.size(2);
+  check_weight(op, "norm_weight", norm_w, dt, d, -1);
+  check_weight(op, "w_u", w_u, dt, ds, d);
+  check_weight(op, "w_delta", w_delta, dt, ds, d);
+  check_weight(op, "b_delta", b_delta, dt, ds, -1);
+  check_weight(op, "A_log", a_log, dt, ds, -1);
+  if (dt == at::kBFloat16) return stateloop_update_impl<bf16>(h, S, norm_w, eps, w_u, w_delta, b_delta, a_log);
+  return stateloop_update_impl<float>(h, S, norm_w, eps, w_u, w_delta, b_delta, a_log);
+}
+
+at::Tensor decode_stateloop_read(const at::Tensor& h, const at::Tensor& S, const at::Tensor& norm_w, double eps, const at::Tensor& w) {
+  const char* op = "decode_stateloop_read";
+  const at::ScalarType dt = check_x(op, h);
+  TORCH_CHECK(check_x(op, S) == dt && S.size(0) == h.size(0), op, ": S must be a [B, 1, d_s] tensor of h's dtype and batch, got ", S.sizes(),
+              " ", S.scalar_type());
+  const int64_t B = h.size(0), d = h.size(2), ds = S.size(2);
+  check_weight(op, "norm_weight", norm_w, dt, ds, -1);
+  check_weight(op, "w", w, dt, d, ds);
+  if (dt == at::kBFloat16) return residual<bf16>(h, linear_rows(norm_rows<bf16>(S, norm_w, eps, B, ds), w, std::nullopt));
+  return residual<float>(h, linear_rows(norm_rows<float>(S, norm_w, eps, B, ds), w, std::nullopt));
+}
+
 }  // namespace
 }  // namespace looplm_cpu
 
@@ -532,9 +589,15 @@ TORCH_LIBRARY_FRAGMENT(looplm_cpu, m) {
       "decode_mamba2(Tensor x, Tensor norm_weight, float eps, Tensor w_in, Tensor? b_in, Tensor conv_weight, Tensor? conv_bias, "
       "Tensor dt_bias, Tensor A_log, Tensor D, Tensor gate_norm_weight, float gate_norm_eps, Tensor w_out, Tensor? b_out, "
       "Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor? pad_mask) -> Tensor");
+  m.def(
+      "decode_stateloop_update(Tensor h, Tensor S, Tensor norm_weight, float eps, Tensor w_u, Tensor w_delta, Tensor b_delta, "
+      "Tensor A_log) -> Tensor");
+  m.def("decode_stateloop_read(Tensor h, Tensor S, Tensor norm_weight, float eps, Tensor w) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) {
   m.impl("decode_attention", &looplm_cpu::decode_attention);
   m.impl("decode_swiglu", &looplm_cpu::decode_swiglu);
   m.impl("decode_mamba2", &looplm_cpu::decode_mamba2);
+  m.impl("decode_stateloop_update", &looplm_cpu::decode_stateloop_update);
+  m.impl("decode_stateloop_read", &looplm_cpu::decode_stateloop_read);
 }
