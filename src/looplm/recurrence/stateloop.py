@@ -143,6 +143,11 @@ class GRUUpdate(nn.Module):
         return (1 - z) * n + z * S
 
 
+def _eps(norm: nn.RMSNorm) -> float:
+    """The epsilon ``norm`` uses (``nn.RMSNorm``'s default: its weight dtype's machine epsilon)."""
+    return norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
+
+
 def _check(cond: bool, msg: str, errs: list[str]) -> None:
     if not cond:
         errs.append(msg)
@@ -281,8 +286,7 @@ class StateLoop(RecurrenceRule):
         h, S = state["h"], state["S"]
         if not self._fused(h, S) or self._read_scale(lctx, j) is not None:
             return None
-        eps = self.norm_s.eps if self.norm_s.eps is not None else torch.finfo(S.dtype).eps
-        return torch.ops.looplm_cpu.decode_stateloop_read(h.contiguous(), S.contiguous(), self.norm_s.weight, eps, W.weight)
+        return torch.ops.looplm_cpu.decode_stateloop_read(h.contiguous(), S.contiguous(), self.norm_s.weight, _eps(self.norm_s), W.weight)
 
     def next_input(self, state, lctx):
         k = lctx.iteration
@@ -295,10 +299,11 @@ class StateLoop(RecurrenceRule):
 
     def step(self, state, h, lctx):
         if self._fused(h, state["S"]):  # eqs. 2, 5, 6 in one op
-            u, eps = self.update, self.norm_h.eps if self.norm_h.eps is not None else torch.finfo(h.dtype).eps
+            u = self.update
             S = torch.ops.looplm_cpu.decode_stateloop_update(
-                h.contiguous(), state["S"].contiguous(), self.norm_h.weight, eps, self.W_u.weight, u.W_delta.weight, u.b_delta, u.A_log
-            )
+                h.contiguous(), state["S"].contiguous(), self.norm_h.weight, _eps(self.norm_h), self.W_u.weight, u.W_delta.weight,
+                u.b_delta, u.A_log,
+            )  # fmt: skip
         else:
             U = self.norm_h(h)  # U^k (eq. 2)
             P = self.W_u(U)  # P^k (eq. 5)
