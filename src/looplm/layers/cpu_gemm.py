@@ -185,7 +185,7 @@ def _tuned_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
 
 
 # The op ``looplm::tuned_mm`` (defined with torch.library.Library rather than custom_op: ~10 µs less per
-# call, and a training step makes ~600 of them). Its autograd is _TunedLinearFn's.
+# call, and a training step makes ~600 of them). Its autograd is _LinearsFn's.
 _lib = torch.library.Library("looplm", "FRAGMENT")
 _lib.define("tuned_mm(Tensor a, Tensor b, Tensor? bias=None) -> Tensor")
 _lib.impl("tuned_mm", _tuned_mm, "CompositeExplicitAutograd")  # any device (plain a @ b off CPU bf16)
@@ -216,32 +216,7 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return c.to(torch.promote_types(c.dtype, torch.float32))
 
 
-class _TunedLinearFn(torch.autograd.Function):
-    """``y = x Wᵀ (+ b)`` computed with ``w_c`` (W in the compute dtype, made by the caller without
-    autograd): the forward and input-gradient products through :func:`mm`, the weight gradient
-    ``dyᵀ x`` through :func:`mm_f32` straight into ``weight``'s dtype (the fp32 master weight under
-    autocast: no bf16 rounding of the gradient, no cast pass), the bias gradient summed in fp32."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, w_c, b_c):
-        x2 = x.reshape(-1, x.shape[-1])  # [N, in]
-        y = mm(x2, w_c.t(), b_c)  # [N, out]
-        ctx.save_for_backward(x2, w_c)
-        ctx.x_shape, ctx.has_bias = x.shape, bias is not None
-        ctx.w_dtype, ctx.b_dtype = weight.dtype, bias.dtype if bias is not None else None
-        return y.view(*x.shape[:-1], w_c.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x2, w_c = ctx.saved_tensors
-        g = grad_y.reshape(-1, grad_y.shape[-1])  # [N, out]
-        gx = mm(g, w_c).view(ctx.x_shape) if ctx.needs_input_grad[0] else None  # [N, in]
-        gw = mm_f32(g.t(), x2).to(ctx.w_dtype) if ctx.needs_input_grad[1] else None  # [out, in]
-        gb = g.float().sum(0).to(ctx.b_dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
-        return gx, gw, gb, None, None
-
-
-_optimizer_steps = [0]  # optimizer steps taken in this process (TunedLinear's cast cache key)
+_optimizer_steps = [0]  # optimizer steps taken in this process (part of _weight_copy's cache key)
 _step_hook = []
 
 
@@ -255,56 +230,15 @@ def _count_optimizer_steps() -> None:
         _step_hook.append(register_optimizer_step_post_hook(bump))
 
 
-class TunedLinear(nn.Linear):
-    """An ``nn.Linear`` whose bf16 products on a CPU go through :func:`mm` and :func:`mm_f32` (same
-    parameters, same ``state_dict``); elsewhere it is ``F.linear``.
-
-    Under CPU autocast the input and the weight are cast to the autocast dtype first, as autocast does
-    for ``F.linear``. Like autocast's own cache, the bf16 copy of the weight is made once per step, not
-    at every micro-batch or loop iteration: it is kept with the weight's version counter (in-place
-    writes: ``load_state_dict``, foreach optimizers), a count of optimizer steps (fused AdamW updates
-    the weights without advancing their version counters, so every ``Optimizer.step`` of the process
-    is counted through a global post-hook) and the dtype, and remade when any changes. The copy carries no
-    autograd history (the weight's gradient comes from _TunedLinearFn directly), so one copy serves
-    training and inference alike. A compiled block casts inside its own graph instead."""
-
-    def _cast_weight(self, dt: torch.dtype) -> torch.Tensor:
-        """The weight in ``dt``, without autograd (_TunedLinearFn returns the master weight's gradient)."""
-        w = self.weight.detach()
-        if torch.compiler.is_compiling():
-            return w.to(dt)
-        _count_optimizer_steps()
-        key = (self.weight, self.weight._version, _optimizer_steps[0], dt)
-        cached = self.__dict__.get("_cast_cache")
-        if cached is not None and cached[0][0] is self.weight and cached[0][1:] == key[1:]:
-            return cached[1]
-        wc = w.to(dt)
-        self.__dict__["_cast_cache"] = (key, wc)  # not a buffer: outside state_dict and .to()
-        return wc
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":
-            return F.linear(x, self.weight, self.bias)
-        w, b = self.weight, self.bias
-        w_c, b_c = w.detach(), b.detach() if b is not None else None
-        if torch.is_autocast_enabled("cpu"):
-            dt = torch.get_autocast_dtype("cpu")
-            x = x.to(dt)
-            w_c = self._cast_weight(dt) if w.dtype != dt else w_c
-            b_c = b_c.to(dt) if b_c is not None else None
-        if x.dtype != torch.bfloat16 or w_c.dtype != torch.bfloat16:
-            return F.linear(x, w.to(w_c.dtype), b.to(w_c.dtype) if b is not None else None)
-        with torch.autocast("cpu", enabled=False):
-            return _TunedLinearFn.apply(x, w, b, w_c, b_c)
-
-
-class _StackedLinearFn(torch.autograd.Function):
-    """``[x W₁ᵀ + b₁ | x W₂ᵀ + b₂ | …]`` for several Linear layers reading one input, computed as one product
-    with ``w_c = [W₁; W₂; …]`` (in the compute dtype, made by the caller without autograd); the backward is
-    one product for the input gradient (``dy [N, Σout] · w_c``: the layers' input gradients summed inside the
-    GEMM, not added afterwards) and one :func:`mm_f32` for all weight gradients, handed to each master
-    weight as a row block of the ``[Σout, in]`` result. ``params`` are the master weights then the biases
-    (``None`` where a layer has none)."""
+class _LinearsFn(torch.autograd.Function):
+    """``[x W₁ᵀ + b₁ | x W₂ᵀ + b₂ | …]`` for one Linear layer (:class:`TunedLinear`) or several reading one
+    input (:func:`linear_group`), computed as one product with ``w_c = [W₁; W₂; …]`` (in the compute dtype,
+    made by the caller without autograd) through :func:`mm`; the backward is one product for the input
+    gradient (``dy [N, Σout] · w_c``: several layers' input gradients summed inside the GEMM, not added
+    afterwards) and one :func:`mm_f32` for all weight gradients ``dyᵀ x``, straight into each master
+    weight's dtype as a row block of the ``[Σout, in]`` result (the fp32 master weight under autocast: no
+    bf16 rounding of the gradient, no cast pass); bias gradients summed in fp32. ``params`` are the master
+    weights then the biases (``None`` where a layer has none)."""
 
     @staticmethod
     def forward(ctx, x, w_c, b_c, *params):
@@ -335,20 +269,54 @@ class _StackedLinearFn(torch.autograd.Function):
         return gx, None, None, *gws, *gbs
 
 
-def _stacked_weight(linears, dt: torch.dtype) -> torch.Tensor:
-    """``[W₁; W₂; …]`` in ``dt`` without autograd; outside compiled code kept like TunedLinear's own copy
-    (one per step: the weights' version counters, the optimizer-step count, the dtype), on the first layer."""
+def _weight_copy(linears, dt: torch.dtype, slot: str) -> torch.Tensor:
+    """``[W₁; W₂; …]`` (one layer: ``W``) in ``dt``, without autograd (:class:`_LinearsFn` returns the master
+    weights' gradients). Like autocast's own cache, outside compiled code the copy is made once per step, not
+    at every micro-batch or loop iteration: it is kept in the first layer's ``slot`` with the weights' version
+    counters (in-place writes: ``load_state_dict``, foreach optimizers), a count of optimizer steps (fused
+    AdamW updates the weights without advancing their version counters, so every ``Optimizer.step`` of the
+    process is counted through a global post-hook) and the dtype, and remade when any changes. A compiled
+    block casts inside its own graph instead (one fused cast-and-concatenate)."""
     ws = [lin.weight.detach() for lin in linears]
     if torch.compiler.is_compiling():
-        return torch.cat([w.to(dt) for w in ws])  # one fused cast-and-concatenate in the graph
+        return ws[0].to(dt) if len(ws) == 1 else torch.cat([w.to(dt) for w in ws])
     _count_optimizer_steps()
-    key = (tuple((id(lin.weight), lin.weight._version) for lin in linears), _optimizer_steps[0], dt)
-    cached = linears[0].__dict__.get("_stack_cache")
+    key = (tuple(lin.weight._version for lin in linears), _optimizer_steps[0], dt)
+    cached = linears[0].__dict__.get(slot)
     if cached is not None and cached[0] == key and all(a is b.weight for a, b in zip(cached[2], linears)):
         return cached[1]
-    wc = torch.cat([w.to(dt) for w in ws])  # [Σout, in]
-    linears[0].__dict__["_stack_cache"] = (key, wc, tuple(lin.weight for lin in linears))
+    wc = ws[0].to(dt) if len(ws) == 1 else torch.cat([w.to(dt) for w in ws])  # [Σout, in]
+    linears[0].__dict__[slot] = (key, wc, tuple(lin.weight for lin in linears))  # not a buffer: outside state_dict and .to()
     return wc
+
+
+class TunedLinear(nn.Linear):
+    """An ``nn.Linear`` whose bf16 products on a CPU go through :func:`mm` and :func:`mm_f32` (same
+    parameters, same ``state_dict``); elsewhere it is ``F.linear``.
+
+    Under CPU autocast the input and the weight are cast to the autocast dtype first, as autocast does
+    for ``F.linear``; the bf16 copy of the weight is made once per step (:func:`_weight_copy`). The copy
+    carries no autograd history (the weight's gradient comes from :class:`_LinearsFn` directly), so one
+    copy serves training and inference alike."""
+
+    def _cast_weight(self, dt: torch.dtype) -> torch.Tensor:
+        """The weight in ``dt``, without autograd, once per step."""
+        return _weight_copy((self,), dt, "_cast_cache")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            return F.linear(x, self.weight, self.bias)
+        w, b = self.weight, self.bias
+        w_c, b_c = w.detach(), b.detach() if b is not None else None
+        if torch.is_autocast_enabled("cpu"):
+            dt = torch.get_autocast_dtype("cpu")
+            x = x.to(dt)
+            w_c = self._cast_weight(dt) if w.dtype != dt else w_c
+            b_c = b_c.to(dt) if b_c is not None else None
+        if x.dtype != torch.bfloat16 or w_c.dtype != torch.bfloat16:
+            return F.linear(x, w.to(w_c.dtype), b.to(w_c.dtype) if b is not None else None)
+        with torch.autocast("cpu", enabled=False):
+            return _LinearsFn.apply(x, w_c, b_c, w, b)
 
 
 def linear_group(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
@@ -372,10 +340,10 @@ def linear_group(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
         return tuple(lin(x) for lin in linears)
     if ws[0].dtype != dt and not torch.is_autocast_enabled("cpu"):
         return tuple(lin(x) for lin in linears)  # fp32 weights outside autocast: F.linear's promotion rules
-    w_c = _stacked_weight(linears, dt)
+    w_c = _weight_copy(linears, dt, "_stack_cache")
     b_c = torch.cat([lin.bias.detach().to(dt) for lin in linears]) if all(has_bias) else None
     with torch.autocast("cpu", enabled=False):
-        y = _StackedLinearFn.apply(x.to(dt), w_c, b_c, *ws, *[lin.bias for lin in linears])  # [..., Σout]
+        y = _LinearsFn.apply(x.to(dt), w_c, b_c, *ws, *[lin.bias for lin in linears])  # [..., Σout]
     return tuple(y.split([w.shape[0] for w in ws], dim=-1))
 
 
