@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import looplm
-from looplm.blocks import Block
+from looplm.blocks import Block, Stack
 from looplm.layers import decode, gemv
 from looplm.layers.attention import Attention, KVCache
 from looplm.layers.mamba2 import Mamba2Mixer, Mamba2State
@@ -26,12 +26,17 @@ needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"GEMV kernels no
 class _CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.attention = self.swiglu = self.mamba2 = self.stateloop = 0
+        self.attention = self.swiglu = self.mamba2 = self.stateloop = self.stack = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
         self.attention += "looplm_cpu.decode_attention" in name
         self.swiglu += "looplm_cpu.decode_swiglu" in name
+        if "looplm_cpu.decode_stack" in name:  # a stack's blocks in one call: count its branches
+            n, weights = len(args[3]), args[1]
+            self.stack += 1
+            self.attention += n
+            self.swiglu += sum(weights[18 * i + 11] is not None for i in range(n))
         self.mamba2 += "looplm_cpu.decode_mamba2" in name
         self.stateloop += "looplm_cpu.decode_stateloop" in name
         return func(*args, **(kwargs or {}))
@@ -65,6 +70,9 @@ CASES = {
     "qwen3 QK-norm and GQA, three rows": ("tiny-qwen3", {}, 3, False),
     "attention biases": ("tiny-llama", {"attention.bias": True}, 2, False),
     "partial RoPE, attention without MLP, Mamba-2 beside": ("tiny-hybrid", {}, 2, False),
+    "a stack of attention blocks without MLP, partial RoPE, left padding": (
+        "tiny-qwen3", {"d_ff": 0, "attention.rotary_dim": 8}, 2, True,
+    ),
     "prelude and coda, left padding": ("tiny-coreloop", {}, 2, True),
     "StateLoop's own mixers beside the blocks": ("stateloop-410m-k3", {}, 2, False),
     "StateLoop + attention state mixer (fused too)": ("stateloop-1.4b-attn", {}, 2, False),
@@ -76,10 +84,14 @@ CASES = {
 }
 
 
-def _step(model, ids, mask, fused: bool):
-    """Prefill ids[:, :-1], then decode the last token: (logits of the step, the cache, fused op counts)."""
+def _step(model, ids, mask, fused: bool, stacks: bool = True):
+    """Prefill ids[:, :-1], then decode the last token: (logits of the step, the cache, fused op counts).
+    ``stacks``: whole stacks of attention blocks as one decode_stack call where they qualify."""
     B = ids.shape[0]
-    with torch.no_grad(), gemv.decode_linears(model, batch_size=B), decode.enabled(fused), decode.fused_blocks(model):
+    with (
+        torch.no_grad(), gemv.decode_linears(model, batch_size=B), decode.enabled(fused), decode.stacks_enabled(stacks),
+        decode.fused_blocks(model),
+    ):  # fmt: skip
         cache = model.new_cache(B, capacity=ids.shape[1] + 2)
         model(ids[:, :-1], cache=cache, attention_mask=None if mask is None else mask[:, :-1])
         with _CountOps() as c:
@@ -101,7 +113,12 @@ def test_fused_decode_step_matches_the_reference(case, dtype):
         mask[0, :4] = 0  # row 0 left-padded by four
     ref, ref_cache, c_ref = _step(model, ids, mask, fused=False)
     got, got_cache, c = _step(model, ids, mask, fused=True)
-    assert c_ref.attention == c_ref.mamba2 == 0
+    per_block, _, c_blocks = _step(model, ids, mask, fused=True, stacks=False)
+    assert torch.equal(got, per_block)  # decode_stack runs the blocks' own two ops back to back: the same bits
+    assert c_blocks.stack == 0
+    stacks = [s for s in (model.prelude, model.core.stack, model.coda) if decode.stack_eligible(s)]
+    assert c.stack == sum(model.config.n_loops if s is model.core.stack else 1 for s in stacks)
+    assert c_ref.attention == c_ref.mamba2 == c_ref.stack == 0
     assert c.attention == _fused_calls_per_step(model, Attention)
     assert c.mamba2 == _fused_calls_per_step(model, Mamba2Mixer)
     assert c.attention + c.mamba2 > 0
@@ -365,6 +382,47 @@ def test_op_rejects_bad_arguments_with_a_message():
         op(torch.randn(2, 3, 64), *args, cos, sin, k, k.clone(), 3, None, 4)
     with pytest.raises(RuntimeError, match="must be a multiple of the caches' 2 key/value heads"):
         op(x, *args, cos, sin, k, k.clone(), 3, None, 3)
+
+
+@needs_extension
+def test_decode_stack_eligibility_fallbacks_and_checks():
+    """A plain stack of eligible attention blocks runs as one decode_stack call per step; a hooked stack, a
+    stack with a Mamba-2 block, caches at different positions and bad arguments do not."""
+    model = _model("tiny-llama", torch.bfloat16)
+    stack = model.core.stack
+    assert decode.stack_eligible(stack) and not decode.stack_eligible(model.prelude)  # no blocks: nothing to run
+    assert not decode.stack_eligible(looplm.build("tiny-hybrid").core.stack)
+    h = stack.register_forward_pre_hook(lambda *a: None)
+    assert not decode.stack_eligible(stack)
+    h.remove()
+    ids = torch.randint(0, model.config.vocab_size, (1, 6))
+    with torch.no_grad(), decode.fused_blocks(model), _CountOps() as c:
+        assert type(stack) is decode.DecodeStack
+        cache = model.new_cache(1, capacity=8)
+        model(ids, cache=cache)
+        model(ids[:, :1], cache=cache)
+        assert c.stack == model.config.n_loops and c.attention == len(stack.blocks) * model.config.n_loops
+        slot = cache.slot((0, stack.blocks[1].layer_idx), None)
+        slot.crop(slot.seqlen - 1)  # one block's cache a token behind the others: the blocks one by one
+        model(ids[:, :1], cache=cache)
+        assert c.stack == model.config.n_loops + model.config.n_loops - 1
+    assert type(stack) is Stack and "_stack" not in stack.__dict__
+    weights, eps, heads = decode._stack_args(stack)
+    x = torch.randn(1, 1, model.config.d_model, dtype=torch.bfloat16)
+    ks = [torch.zeros(1, model.config.attention.n_kv_heads, 8, model.config.head_dim, dtype=torch.bfloat16) for _ in heads]
+    op = torch.ops.looplm_cpu.decode_stack
+    with pytest.raises(RuntimeError, match=r"for 2 blocks \(n_heads\) give 36 weights, 6 eps and 2 k and v caches"):
+        op(x, weights[:-1], eps, heads, ks, [k.clone() for k in ks], 3, None, None, None)
+    bad = list(weights)
+    bad[18 + 3] = None
+    with pytest.raises(RuntimeError, match="block 1 lacks its weight 3"):
+        op(x, bad, eps, heads, ks, [k.clone() for k in ks], 3, None, None, None)
+    bad = list(weights)
+    bad[14] = bad[14].float()
+    with pytest.raises(RuntimeError, match="decode_stack: w_up must be a contiguous CPU bfloat16 tensor like x"):
+        op(x, bad, eps, heads, ks, [k.clone() for k in ks], 3, None, None, None)
+    with pytest.raises(RuntimeError, match="decode_stack: position 8 does not fit the caches' capacity 8"):
+        op(x, weights, eps, heads, ks, [k.clone() for k in ks], 8, None, None, None)
 
 
 @needs_extension

@@ -48,7 +48,7 @@ import contextlib
 import torch
 from torch import nn
 
-from ..blocks import Block
+from ..blocks import Block, Stack
 from . import gemv
 from .attention import Attention, KVCache
 from .cpu_gemm import TunedLinear
@@ -58,6 +58,7 @@ from .residual import ResidualMixer
 
 _LINEARS = (nn.Linear, gemv.DecodeLinear, TunedLinear)  # TunedLinear: switched for CPU training (cpu_gemm)
 _on = True
+_stacks_on = True
 
 
 @contextlib.contextmanager
@@ -69,6 +70,18 @@ def enabled(on: bool):
         yield
     finally:
         _on = prev
+
+
+@contextlib.contextmanager
+def stacks_enabled(on: bool):
+    """Switch :class:`DecodeStack` (one op per stack of blocks) on or off for :func:`fused_blocks` entered
+    inside; off, each block's step is its own two ops (benchmarks, tests)."""
+    global _stacks_on
+    prev, _stacks_on = _stacks_on, on
+    try:
+        yield
+    finally:
+        _stacks_on = prev
 
 
 def _eps(norm: nn.RMSNorm, dtype: torch.dtype) -> float:
@@ -268,6 +281,72 @@ def _swiglu_args(block: Block) -> tuple | None:
             m.up_proj.bias, m.down_proj.weight, m.down_proj.bias)  # fmt: skip
 
 
+def stack_eligible(stack: nn.Module) -> bool:
+    """Whether :class:`DecodeStack` can run ``stack``'s one-token steps as one ``decode_stack`` call: a plain
+    :class:`~looplm.blocks.Stack` whose blocks are all :func:`eligible` attention blocks (SwiGLU or no MLP) of
+    one dtype and one rotary dim, with no hooks on the stack."""
+    if type(stack) is not Stack or len(stack.blocks) == 0 or _has_hooks(stack):
+        return False
+    blocks = list(stack.blocks)
+    if not all(type(b) is Block and type(b.mixer) is Attention and eligible(b) for b in blocks):
+        return False
+    return len({b.mixer_norm.weight.dtype for b in blocks}) == 1 and len({b.mixer.rotary_dim for b in blocks}) == 1
+
+
+def _stack_args(stack: Stack) -> tuple:
+    """``decode_stack``'s weights (18 per block), eps (3 per block) and n_heads (1 per block)."""
+    weights, eps, heads = [], [], []
+    for b in stack.blocks:
+        m, s = _mixer_args(b.mixer_norm, b.mixer), _swiglu_args(b)
+        weights += [m[0], *m[2:12], *((s[0], *s[2:]) if s is not None else (None,) * 7)]
+        eps += [m[1], m[12], s[1] if s is not None else 0.0]
+        heads.append(b.mixer.n_heads)
+    return weights, eps, heads
+
+
+class DecodeStack(Stack):
+    """A :class:`~looplm.blocks.Stack` whose one-token decode steps run as one ``decode_stack`` call (every
+    block's ``decode_attention`` and ``decode_swiglu`` back to back in C++, each block's last product
+    prefetching the next block's weights). Made by :func:`fused_blocks` only; every other call — the prompt,
+    modulated blocks, caches that are not preallocated or not at one position — is the reference
+    ``forward`` (whose blocks are :class:`DecodeBlock` s)."""
+
+    _stack: tuple  # decode_stack's weights, eps and n_heads
+    _rot: int | None
+    _dtype: torch.dtype
+
+    def __call__(self, x, fctx, caches=None, mods=None):
+        y = self._one_token_step(x, fctx, caches, mods)
+        return y if y is not None else super().__call__(x, fctx, caches, mods)
+
+    def _one_token_step(self, x, fctx, caches, mods):
+        if caches is None or x.dim() != 3 or x.shape[1] != 1 or x.dtype != self._dtype or torch.is_grad_enabled():
+            return None
+        if mods is not None and any(m is not None and (m.mixer is not None or m.mlp is not None) for m in mods):
+            return None
+        B = x.shape[0]
+        ks, vs, pos = [], [], None
+        for c in caches:
+            bufs = c.append_buffers(B) if type(c) is KVCache else None
+            if bufs is None or (pos is not None and bufs[2] != pos):
+                return None
+            ks.append(bufs[0])
+            vs.append(bufs[1])
+            pos = bufs[2]
+        mask = fctx.attn_mask
+        if mask is None and fctx.is_causal and pos > 0:
+            return None
+        if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, 1, 1, pos + 1)):
+            return None
+        cos, sin = fctx.rope_for(self._rot) if self._rot is not None else (None, None)  # [B, 1, rot] fp32
+        y = torch.ops.looplm_cpu.decode_stack(
+            x.contiguous(), *self._stack, ks, vs, pos, cos, sin, None if mask is None else mask.contiguous()
+        )  # [B, 1, d]; each block's new key and value written into its cache at pos
+        for c in caches:
+            c.advance(1)
+        return y
+
+
 @contextlib.contextmanager
 def fused_blocks(model: nn.Module):
     """Inside the block, every :func:`eligible` block of ``model`` runs as :class:`DecodeBlock`, every
@@ -277,13 +356,19 @@ def fused_blocks(model: nn.Module):
     A no-op where looplm's CPU extension is unavailable (:func:`looplm.layers.gemv.extension_available`:
     no compiler, ``LOOPLM_CPU_KERNELS=0``), under
     :func:`enabled` ``(False)``, or with global module hooks registered."""
-    blocks, mixers, rules = [], [], []
+    blocks, mixers, rules, stacks = [], [], [], []
     if _on and not _global_hooks():
         blocks = [m for m in model.modules() if type(m) is Block and eligible(m)]
         mixers = [m for m in model.modules() if residual_mixer_eligible(m)]
         rules = [m for m in model.modules() if stateloop_eligible(m)]
+        stacks = [m for m in model.modules() if stack_eligible(m)] if _stacks_on else []
         if (blocks or mixers or rules) and not gemv.extension_available():
-            blocks, mixers, rules = [], [], []
+            blocks, mixers, rules, stacks = [], [], [], []
+    for s in stacks:  # before the blocks switch class (stack_eligible reads them)
+        s._stack = _stack_args(s)
+        s._rot = s.blocks[0].mixer.rotary_dim
+        s._dtype = s.blocks[0].mixer_norm.weight.dtype
+        s.__class__ = DecodeStack
     for r in rules:
         r._fused_decode = True  # StateLoop.step / next_input / finish take decode_stateloop_update / _read
     for b in blocks:
@@ -308,3 +393,7 @@ def fused_blocks(model: nn.Module):
                 m.__dict__.pop(name, None)
         for r in rules:
             r.__dict__.pop("_fused_decode", None)
+        for s in stacks:
+            s.__class__ = Stack
+            for name in ("_stack", "_rot", "_dtype"):
+                s.__dict__.pop(name, None)

@@ -31,14 +31,17 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/util/BFloat16.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <vector>
 
@@ -54,16 +57,6 @@ float dot(const T* a, const T* b, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(load16(a + i, first(n - i)), load16(b + i, first(n - i)), acc);
   return _mm512_reduce_add_ps(acc);
-}
-
-// out[0..n) += p · v[0..n) (out fp32).
-template <typename T>
-void axpy(float p, const T* v, float* out, int64_t n) {
-  const __m512 pv = _mm512_set1_ps(p);
-  for (int64_t i = 0; i < n; i += 16) {
-    const __mmask16 m = first(n - i);
-    _mm512_mask_storeu_ps(out + i, m, _mm512_fmadd_ps(pv, load16(v + i, m), _mm512_maskz_loadu_ps(m, out + i)));
-  }
 }
 
 // s[j] ← e^(s[j] − mx) rounded to T (the weights the product with V uses); returns the sum of the
@@ -97,6 +90,83 @@ inline void silu_f32(float* v, int64_t n) {
     const __mmask16 m = first(n - i);
     const __m512 a = _mm512_maskz_loadu_ps(m, v + i);
     _mm512_mask_storeu_ps(v + i, m, _mm512_div_ps(a, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), a)))));
+  }
+}
+
+// y = RMSNorm(x) · w over n channels (torch 2.13: x · rsqrt(mean(x²) + eps) · w in fp32, rounded once).
+template <typename T>
+void rms_norm(const T* x, const T* w, float eps, int64_t n, T* y) {
+  const __m512 r = _mm512_set1_ps(1.0f / std::sqrt(dot(x, x, n) / static_cast<float>(n) + eps));
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = first(n - j);
+    store16(y + j, _mm512_mul_ps(_mm512_mul_ps(load16(x + j, m), r), load16(w + j, m)), m);
+  }
+}
+
+// RoPE on the first rot channels of one head, in place (apply_rotary: x·cos + rotate_half(x)·sin, each
+// product and the sum rounded to T; cos and sin rounded to T first, as the reference casts them).
+template <typename T>
+void rotary(T* x, const float* cos, const float* sin, int64_t rot) {
+  const int64_t half = rot / 2;
+  const T* tag = nullptr;
+  for (int64_t i = 0; i < half; i += 16) {
+    const __mmask16 m = first(half - i);
+    const __m512 a = load16(x + i, m), b = load16(x + i + half, m);
+    const __m512 c0 = round16(_mm512_maskz_loadu_ps(m, cos + i), tag), s0 = round16(_mm512_maskz_loadu_ps(m, sin + i), tag);
+    const __m512 c1 = round16(_mm512_maskz_loadu_ps(m, cos + i + half), tag), s1 = round16(_mm512_maskz_loadu_ps(m, sin + i + half), tag);
+    const __m512 nb = _mm512_sub_ps(_mm512_setzero_ps(), b);  // −b, exact
+    store16(x + i, _mm512_add_ps(round16(_mm512_mul_ps(a, c0), tag), round16(_mm512_mul_ps(nb, s0), tag)), m);
+    store16(x + i + half, _mm512_add_ps(round16(_mm512_mul_ps(b, c1), tag), round16(_mm512_mul_ps(a, s1), tag)), m);
+  }
+}
+
+// softmax(q·kⱼ/√hd over the visible j) · V for one query head: q [hd] (T), K and V [L, hd] rows of one
+// cache head, visible: bool [L] or null (all), y [hd] rounded to T. fp32 throughout; s: L floats of scratch.
+// Scores 16 keys at a time (16 accumulators, reduced together by sum_lanes16: one horizontal sum per 16
+// keys, not per key); the weighted sum of V 64 channels at a time in registers, keys in order.
+template <typename T>
+void attend(const T* q, const T* K, const T* V, const bool* visible, int64_t L, int64_t hd, float* s, T* y) {
+  const __m512 scale = _mm512_set1_ps(1.0f / std::sqrt(static_cast<float>(hd)));
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 mxv = neg_inf;
+  for (int64_t j = 0; j < L; j += 16) {
+    const int64_t nk = std::min<int64_t>(16, L - j);
+    __m512 acc[16];
+    for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < hd; c += 16) {
+      const __mmask16 m = first(hd - c);
+      const __m512 qv = load16(q + c, m);
+      for (int r = 0; r < nk; ++r) acc[r] = _mm512_fmadd_ps(qv, load16(K + (j + r) * hd + c, m), acc[r]);
+    }
+    __m512 sc = _mm512_mul_ps(sum_lanes16(acc), scale);  // lane r: key j + r
+    __mmask16 vis = first(nk);
+    if (visible != nullptr)
+      for (int r = 0; r < nk; ++r)
+        if (!visible[j + r]) vis &= (__mmask16)~(1u << r);
+    sc = _mm512_mask_mov_ps(neg_inf, vis, sc);  // hidden keys: −inf
+    _mm512_mask_storeu_ps(s + j, first(nk), sc);
+    mxv = _mm512_mask_max_ps(mxv, first(nk), mxv, sc);
+  }
+  const float sum = exp_weights<T>(s, L, _mm512_reduce_max_ps(mxv));
+  const __m512 inv = _mm512_set1_ps(sum > 0.f ? 1.0f / sum : 0.f);  // no visible key (never from looplm's masks): zeros
+  for (int64_t c = 0; c < hd; c += 64) {  // 64 channels (4 vectors) per pass over the keys
+    __m512 o[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    const int nv = static_cast<int>(std::min<int64_t>(4, (hd - c + 15) / 16));
+    for (int64_t j = 0; j < L; ++j) {
+      if (s[j] == 0.f) continue;
+      const __m512 p = _mm512_set1_ps(s[j]);
+      for (int v = 0; v < nv; ++v) o[v] = _mm512_fmadd_ps(p, load16(V + j * hd + c + 16 * v, first(hd - c - 16 * v)), o[v]);
+    }
+    for (int v = 0; v < nv; ++v) store16(y + c + 16 * v, _mm512_mul_ps(o[v], inv), first(hd - c - 16 * v));
+  }
+}
+
+// o[i] = a[i] + b[i], rounded to T (a residual sum).
+template <typename T>
+void add_rows(const T* a, const T* b, T* o, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = first(n - i);
+    store16(o + i, _mm512_add_ps(load16(a + i, m), load16(b + i, m)), m);
   }
 }
 
@@ -142,7 +212,6 @@ void silu_mul(T* g, const T* up, int64_t n) {
 inline void silu_f32(float* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) v[i] = v[i] / (1.0f + std::exp(-v[i]));
 }
-#endif
 
 // y = RMSNorm(x) · w over n channels (torch 2.13: x · rsqrt(mean(x²) + eps) · w in fp32, rounded once).
 template <typename T>
@@ -181,6 +250,13 @@ void attend(const T* q, const T* K, const T* V, const bool* visible, int64_t L, 
     if (s[j] != 0.f) axpy(s[j], V + j * hd, out, hd);
   for (int64_t i = 0; i < hd; ++i) y[i] = T(out[i] * inv);
 }
+
+// o[i] = a[i] + b[i], rounded to T (a residual sum).
+template <typename T>
+void add_rows(const T* a, const T* b, T* o, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) o[i] = T(widen(a[i]) + widen(b[i]));
+}
+#endif
 
 const char* dtype_name(at::ScalarType t) { return t == at::kBFloat16 ? "bfloat16" : t == at::kFloat ? "float32" : "other"; }
 
@@ -227,7 +303,7 @@ at::Tensor residual(const at::Tensor& x, const at::Tensor& y) {
   const T* a = data<T>(x);
   const T* b = data<T>(y);
   T* o = mdata<T>(out);
-  for (int64_t i = 0, n = x.numel(); i < n; ++i) o[i] = T(widen(a[i]) + widen(b[i]));
+  add_rows(a, b, o, x.numel());
   return out;
 }
 
@@ -238,47 +314,174 @@ at::Tensor norm_rows(const at::Tensor& x, const at::Tensor& w, double eps, int64
   return u;
 }
 
+// ---- attention and SwiGLU steps on raw rows --------------------------------------------------------
+// The branches below write their intermediates into per-thread scratch memory and their products go
+// through project(): at batch 1 in bf16 each group of products that reads one input (q/k/v, gate/up, o,
+// down) is one gemv1_group call that prefetches the group after it. A decode step's weight stream evicts
+// everything else from the caches, so each allocator call (its state, the TensorImpl) and each op call
+// costs microseconds of cache misses: a block step made ~12 allocations; decode_stack runs many blocks
+// in one call with none.
+
+// Scratch memory for one op call's intermediates, kept per thread (grown, never shrunk). reserve() once
+// per call with the call's total, then take() carves 64-byte aligned pieces.
+class Scratch {
+ public:
+  static Scratch& reserve(size_t bytes) {
+    thread_local Scratch s;
+    if (s.buf_.size() < bytes) s.buf_.assign(bytes, 0);
+    s.used_ = 0;
+    return s;
+  }
+  template <typename T>
+  T* take(int64_t n) {
+    const size_t bytes = (static_cast<size_t>(n) * sizeof(T) + 63) & ~size_t(63);
+    TORCH_INTERNAL_ASSERT(used_ + bytes + 64 <= buf_.size(), "looplm decode scratch too small");
+    char* base = buf_.data() + used_;
+    char* p = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(base) + 63) & ~uintptr_t(63));
+    used_ += bytes + static_cast<size_t>(p - base);
+    return reinterpret_cast<T*>(p);
+  }
+  template <typename T>
+  static size_t bytes(int64_t n) { return ((static_cast<size_t>(n) * sizeof(T) + 63) & ~size_t(63)) + 64; }
+  size_t mark() const { return used_; }
+  void release(size_t mark) { used_ = mark; }  // give back everything taken after mark()
+
+ private:
+  std::vector<char> buf_;
+  size_t used_ = 0;
+};
+
+// One product of a group: y = u · Wᵀ (+ b), y of the caller's dtype.
+struct Lin {
+  const at::Tensor* w;
+  const std::optional<at::Tensor>* b;
+  void* y;
+};
+
+const uint16_t* bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr()); }
+const uint16_t* bias_bits(const std::optional<at::Tensor>* b) {
+  return b != nullptr && b->has_value() && (*b)->defined() ? bits(**b) : nullptr;
+}
+
+// A group's weights for gemv1_group's prefetch hint (x and y unused).
+struct Hint {
+  RowProduct ps[3];
+  RowGroup g;
+  Hint() : ps{}, g{nullptr, 0, ps, 0} {}
+  Hint(const Hint&) = delete;  // g points into ps
+  Hint(std::initializer_list<const at::Tensor*> ws) : ps{}, g{nullptr, ws.size() ? (*ws.begin())->size(1) : 0, ps, 0} {
+    for (const at::Tensor* w : ws) ps[g.n++] = RowProduct{bits(*w), nullptr, w->size(0), nullptr};
+  }
+};
+
+// y_i [B, N_i] = u [B, K] · W_iᵀ (+ b_i) for n products that read u. bf16 at batch 1: one gemv1_group call
+// (after: the group the caller runs next, prefetched; may be null). Elsewhere each product is linear_rows
+// (the kernels where they win, else torch's matmul) copied into y_i.
 template <typename T>
-at::Tensor attention_impl(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wq,
-                          const std::optional<at::Tensor>& bq, const at::Tensor& wk, const std::optional<at::Tensor>& bk,
-                          const at::Tensor& wv, const std::optional<at::Tensor>& bv, const at::Tensor& wo,
-                          const std::optional<at::Tensor>& bo, const std::optional<at::Tensor>& q_norm_w,
-                          const std::optional<at::Tensor>& k_norm_w, double qk_eps, const std::optional<at::Tensor>& cos,
-                          const std::optional<at::Tensor>& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,
-                          const std::optional<at::Tensor>& attn_mask, int64_t H) {
-  const int64_t B = x.size(0), d = x.size(2), G = k_cache.size(1), cap = k_cache.size(2), hd = k_cache.size(3);
+void project(const T* u, int64_t B, int64_t K, const Lin* ls, int n, const RowGroup* after) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    if (B == 1 && kernel_wins(1, K, at::kBFloat16)) {
+      RowProduct ps[3];
+      for (int i = 0; i < n; ++i) ps[i] = RowProduct{bits(*ls[i].w), bias_bits(ls[i].b), ls[i].w->size(0), static_cast<uint16_t*>(ls[i].y)};
+      gemv1_group(RowGroup{reinterpret_cast<const uint16_t*>(u), K, ps, n}, after);
+      return;
+    }
+  }
+  const at::ScalarType dt = std::is_same_v<T, bf16> ? at::kBFloat16 : at::kFloat;
+  const at::Tensor ut = at::from_blob(const_cast<T*>(u), {B, K}, at::TensorOptions().dtype(dt));
+  for (int i = 0; i < n; ++i) {
+    const at::Tensor r = linear_rows(ut, *ls[i].w, *ls[i].b);  // [B, N_i]
+    std::memcpy(ls[i].y, r.data_ptr(), static_cast<size_t>(r.numel()) * sizeof(T));
+  }
+}
+
+template <typename T>
+void norm_into(const T* x, const at::Tensor& w, double eps, int64_t B, int64_t d, T* u) {
+  for (int64_t b = 0; b < B; ++b) rms_norm(x + b * d, data<T>(w), static_cast<float>(eps), d, u + b * d);
+}
+
+// decode_attention's parameters (the op's arguments from norm_weight to qk_eps, and n_heads).
+struct AttnArgs {
+  const at::Tensor& norm_w;
+  double eps;
+  const at::Tensor& wq;
+  const std::optional<at::Tensor>& bq;
+  const at::Tensor& wk;
+  const std::optional<at::Tensor>& bk;
+  const at::Tensor& wv;
+  const std::optional<at::Tensor>& bv;
+  const at::Tensor& wo;
+  const std::optional<at::Tensor>& bo;
+  const std::optional<at::Tensor>& q_norm_w;
+  const std::optional<at::Tensor>& k_norm_w;
+  double qk_eps;
+  int64_t H;
+};
+
+// decode_swiglu's parameters (the op's arguments after x).
+struct MlpArgs {
+  const at::Tensor& norm_w;
+  double eps;
+  const at::Tensor& wg;
+  const std::optional<at::Tensor>& bg;
+  const at::Tensor& wu;
+  const std::optional<at::Tensor>& bu;
+  const at::Tensor& wd;
+  const std::optional<at::Tensor>& bd;
+};
+
+// Rope tables and mask of one step, shared by the attention blocks of a stack.
+struct StepArgs {
+  const std::optional<at::Tensor>& cos;
+  const std::optional<at::Tensor>& sin;
+  int64_t pos;
+  const std::optional<at::Tensor>& attn_mask;
+};
+
+template <typename T>
+size_t attention_scratch(const AttnArgs& a, int64_t B, int64_t d, int64_t G, int64_t hd) {
+  return 2 * Scratch::bytes<T>(B * d) + 2 * Scratch::bytes<T>(B * a.H * hd) + 2 * Scratch::bytes<T>(B * G * hd) + Scratch::bytes<T>(hd);
+}
+
+// out [B, d] = x + attention(RMSNorm(x)) for one new token per row; the token's key and value written into
+// the caches at pos. after: the group run next (prefetched during the output product), or null.
+template <typename T>
+void attention_rows(const AttnArgs& a, const StepArgs& st, const T* x, int64_t B, int64_t d, at::Tensor& k_cache, at::Tensor& v_cache,
+                    T* out, Scratch& sc, const RowGroup* after) {
+  const int64_t H = a.H, G = k_cache.size(1), cap = k_cache.size(2), hd = k_cache.size(3), pos = st.pos;
   const int64_t L = pos + 1;  // keys after writing the new token
-  at::Tensor u = norm_rows<T>(x, norm_w, eps, B, d);  // [B, d]
-  at::Tensor q = linear_rows(u, wq, bq);              // [B, H hd]
-  at::Tensor k = linear_rows(u, wk, bk);              // [B, G hd]
-  at::Tensor v = linear_rows(u, wv, bv);              // [B, G hd]
-  T* qp = mdata<T>(q);
-  T* kp = mdata<T>(k);
-  const T* vp = data<T>(v);
-  const bool qk_norm = q_norm_w.has_value() && q_norm_w->defined();
-  const int64_t rot = cos.has_value() && cos->defined() ? cos->size(-1) : 0;
-  std::vector<T> tmp(hd);
+  T* u = sc.take<T>(B * d);
+  T* qp = sc.take<T>(B * H * hd);
+  T* kp = sc.take<T>(B * G * hd);
+  T* vp = sc.take<T>(B * G * hd);
+  T* yp = sc.take<T>(B * H * hd);  // [B, H hd]: heads side by side, as o_proj reads them
+  T* o = sc.take<T>(B * d);
+  T* tmp = sc.take<T>(hd);
+  norm_into(x, a.norm_w, a.eps, B, d, u);
+  const Lin qkv[3] = {{&a.wq, &a.bq, qp}, {&a.wk, &a.bk, kp}, {&a.wv, &a.bv, vp}};
+  const Hint o_hint{&a.wo};
+  project(u, B, d, qkv, 3, &o_hint.g);  // q [B, H hd], k and v [B, G hd]
+  const bool qk_norm = a.q_norm_w.has_value() && a.q_norm_w->defined();
+  const int64_t rot = st.cos.has_value() && st.cos->defined() ? st.cos->size(-1) : 0;
+  T* kc = mdata<T>(k_cache);
+  T* vc = mdata<T>(v_cache);
   for (int64_t b = 0; b < B; ++b) {
-    const float* cb = rot ? cos->data_ptr<float>() + b * rot : nullptr;
-    const float* sb = rot ? sin->data_ptr<float>() + b * rot : nullptr;
+    const float* cb = rot ? st.cos->data_ptr<float>() + b * rot : nullptr;
+    const float* sb = rot ? st.sin->data_ptr<float>() + b * rot : nullptr;
     for (int64_t h = 0; h < H + G; ++h) {  // the H query heads, then the G key heads
       T* head = h < H ? qp + (b * H + h) * hd : kp + (b * G + h - H) * hd;
       if (qk_norm) {
-        rms_norm(head, data<T>(h < H ? *q_norm_w : *k_norm_w), static_cast<float>(qk_eps), hd, tmp.data());
-        std::memcpy(head, tmp.data(), hd * sizeof(T));
+        rms_norm(head, data<T>(h < H ? *a.q_norm_w : *a.k_norm_w), static_cast<float>(a.qk_eps), hd, tmp);
+        std::memcpy(head, tmp, hd * sizeof(T));
       }
       if (rot) rotary(head, cb, sb, rot);
     }
     for (int64_t g = 0; g < G; ++g) {  // the new token's key and value into the caches at `pos`
-      std::memcpy(mdata<T>(k_cache) + ((b * G + g) * cap + pos) * hd, kp + (b * G + g) * hd, hd * sizeof(T));
-      std::memcpy(mdata<T>(v_cache) + ((b * G + g) * cap + pos) * hd, vp + (b * G + g) * hd, hd * sizeof(T));
+      std::memcpy(kc + ((b * G + g) * cap + pos) * hd, kp + (b * G + g) * hd, hd * sizeof(T));
+      std::memcpy(vc + ((b * G + g) * cap + pos) * hd, vp + (b * G + g) * hd, hd * sizeof(T));
     }
   }
-  at::Tensor y = at::empty({B, H * hd}, x.options());  // [B, H hd]: heads side by side, as o_proj reads them
-  const bool* mask = attn_mask.has_value() && attn_mask->defined() ? attn_mask->data_ptr<bool>() : nullptr;
-  const T* kc = data<T>(k_cache);
-  const T* vc = data<T>(v_cache);
-  T* yp = mdata<T>(y);
+  const bool* mask = st.attn_mask.has_value() && st.attn_mask->defined() ? st.attn_mask->data_ptr<bool>() : nullptr;
   // one (row, head) per task; threads only when there is enough work to pay for waking them
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, L * hd));
   at::parallel_for(0, B * H, grain, [&](int64_t t0, int64_t t1) {
@@ -289,8 +492,93 @@ at::Tensor attention_impl(const at::Tensor& x, const at::Tensor& norm_w, double 
       attend(qp + t * hd, kc + off, vc + off, mask ? mask + b * L : nullptr, L, hd, s.data(), yp + t * hd);
     }
   });
-  at::Tensor o = linear_rows(y, wo, bo);  // [B, d]
-  return residual<T>(x, o);
+  const Lin out_proj[1] = {{&a.wo, &a.bo, o}};
+  project(yp, B, H * hd, out_proj, 1, after);  // [B, d]
+  add_rows(x, o, out, B * d);
+}
+
+template <typename T>
+size_t swiglu_scratch(int64_t B, int64_t d, int64_t F) {
+  return 2 * Scratch::bytes<T>(B * d) + 2 * Scratch::bytes<T>(B * F);
+}
+
+// out [B, d] = x + down(silu(gate(u)) ⊙ up(u)), u = RMSNorm(x). after: the group run next, or null.
+template <typename T>
+void swiglu_rows(const MlpArgs& a, const T* x, int64_t B, int64_t d, T* out, Scratch& sc, const RowGroup* after) {
+  const int64_t F = a.wg.size(0);
+  T* u = sc.take<T>(B * d);
+  T* g = sc.take<T>(B * F);
+  T* up = sc.take<T>(B * F);
+  T* o = sc.take<T>(B * d);
+  norm_into(x, a.norm_w, a.eps, B, d, u);
+  const Lin gate_up[2] = {{&a.wg, &a.bg, g}, {&a.wu, &a.bu, up}};
+  const Hint down_hint{&a.wd};
+  project(u, B, d, gate_up, 2, &down_hint.g);  // [B, F] each
+  silu_mul(g, up, B * F);                      // silu(gate) ⊙ up, into g
+  const Lin down[1] = {{&a.wd, &a.bd, o}};
+  project(g, B, F, down, 1, after);  // [B, d]
+  add_rows(x, o, out, B * d);
+}
+
+// The checks of decode_attention's arguments (op: the name in messages).
+void check_attention(const char* op, at::ScalarType dt, int64_t B, int64_t d, const AttnArgs& a, const StepArgs& st,
+                     const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(0) == B,
+              op, ": k_cache and v_cache must be [B, G, capacity, hd] with B = ", B, ", got ", k_cache.sizes(), " and ", v_cache.sizes());
+  const int64_t H = a.H, G = k_cache.size(1), cap = k_cache.size(2), hd = k_cache.size(3), pos = st.pos;
+  TORCH_CHECK(H >= G && G >= 1 && H % G == 0, op, ": n_heads ", H, " must be a multiple of the caches' ", G, " key/value heads");
+  TORCH_CHECK(hd >= 1 && hd <= 256, op, ": head dim ", hd, " outside 1-256");
+  TORCH_CHECK(0 <= pos && pos < cap, op, ": position ", pos, " does not fit the caches' capacity ", cap);
+  TORCH_CHECK(k_cache.scalar_type() == dt && v_cache.scalar_type() == dt && k_cache.is_contiguous() && v_cache.is_contiguous(),
+              op, ": the caches must be contiguous ", dtype_name(dt), " tensors like x");
+  check_weight(op, "norm_weight", a.norm_w, dt, d, -1);
+  check_weight(op, "wq", a.wq, dt, H * hd, d);
+  check_weight(op, "wk", a.wk, dt, G * hd, d);
+  check_weight(op, "wv", a.wv, dt, G * hd, d);
+  check_weight(op, "wo", a.wo, dt, d, H * hd);
+  check_bias(op, "bq", a.bq, dt, H * hd);
+  check_bias(op, "bk", a.bk, dt, G * hd);
+  check_bias(op, "bv", a.bv, dt, G * hd);
+  check_bias(op, "bo", a.bo, dt, d);
+  const bool qn = a.q_norm_w.has_value() && a.q_norm_w->defined(), kn = a.k_norm_w.has_value() && a.k_norm_w->defined();
+  TORCH_CHECK(qn == kn, op, ": give both q_norm_weight and k_norm_weight or neither");
+  if (qn) {
+    check_weight(op, "q_norm_weight", *a.q_norm_w, dt, hd, -1);
+    check_weight(op, "k_norm_weight", *a.k_norm_w, dt, hd, -1);
+  }
+  const bool has_cos = st.cos.has_value() && st.cos->defined(), has_sin = st.sin.has_value() && st.sin->defined();
+  TORCH_CHECK(has_cos == has_sin, op, ": give both cos and sin or neither");
+  if (has_cos) {
+    const int64_t rot = st.cos->size(-1);
+    TORCH_CHECK(st.cos->scalar_type() == at::kFloat && st.sin->scalar_type() == at::kFloat && st.cos->is_contiguous() && st.sin->is_contiguous()
+                    && st.cos->numel() == B * rot && st.sin->sizes() == st.cos->sizes() && rot % 2 == 0 && rot <= hd,
+                op, ": cos and sin must be contiguous float32 [B, 1, rot] tables with an even rot <= head dim ", hd, ", got ", st.cos->sizes(),
+                " ", st.cos->scalar_type());
+  }
+  if (st.attn_mask.has_value() && st.attn_mask->defined()) {
+    TORCH_CHECK(st.attn_mask->scalar_type() == at::kBool && st.attn_mask->is_contiguous() && st.attn_mask->numel() == B * (pos + 1),
+                op, ": attn_mask must be a contiguous bool [B, 1, 1, pos + 1] = [", B, ", 1, 1, ", pos + 1, "] tensor, got ", st.attn_mask->sizes());
+  }
+}
+
+void check_swiglu(const char* op, at::ScalarType dt, int64_t d, const MlpArgs& a) {
+  const int64_t F = a.wg.size(0);
+  check_weight(op, "norm_weight", a.norm_w, dt, d, -1);
+  check_weight(op, "w_gate", a.wg, dt, F, d);
+  check_weight(op, "w_up", a.wu, dt, F, d);
+  check_weight(op, "w_down", a.wd, dt, d, F);
+  check_bias(op, "b_gate", a.bg, dt, F);
+  check_bias(op, "b_up", a.bu, dt, F);
+  check_bias(op, "b_down", a.bd, dt, d);
+}
+
+template <typename T>
+at::Tensor attention_op(const AttnArgs& a, const StepArgs& st, const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache) {
+  const int64_t B = x.size(0), d = x.size(2);
+  at::Tensor out = at::empty_like(x);
+  Scratch& sc = Scratch::reserve(attention_scratch<T>(a, B, d, k_cache.size(1), k_cache.size(3)));
+  attention_rows<T>(a, st, data<T>(x), B, d, k_cache, v_cache, mdata<T>(out), sc, nullptr);
+  return out;
 }
 
 at::Tensor decode_attention(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wq,
@@ -302,77 +590,115 @@ at::Tensor decode_attention(const at::Tensor& x, const at::Tensor& norm_w, doubl
                             const std::optional<at::Tensor>& attn_mask, int64_t n_heads) {
   const char* op = "decode_attention";
   const at::ScalarType dt = check_x(op, x);
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(0) == x.size(0),
-              op, ": k_cache and v_cache must be [B, G, capacity, hd] with B = ", x.size(0), ", got ", k_cache.sizes(), " and ", v_cache.sizes());
-  const int64_t B = x.size(0), d = x.size(2), H = n_heads, G = k_cache.size(1), cap = k_cache.size(2), hd = k_cache.size(3);
-  TORCH_CHECK(H >= G && G >= 1 && H % G == 0, op, ": n_heads ", H, " must be a multiple of the caches' ", G, " key/value heads");
-  TORCH_CHECK(hd >= 1 && hd <= 256, op, ": head dim ", hd, " outside 1-256");
-  TORCH_CHECK(0 <= pos && pos < cap, op, ": position ", pos, " does not fit the caches' capacity ", cap);
-  TORCH_CHECK(k_cache.scalar_type() == dt && v_cache.scalar_type() == dt && k_cache.is_contiguous() && v_cache.is_contiguous(),
-              op, ": the caches must be contiguous ", dtype_name(dt), " tensors like x");
-  check_weight(op, "norm_weight", norm_w, dt, d, -1);
-  check_weight(op, "wq", wq, dt, H * hd, d);
-  check_weight(op, "wk", wk, dt, G * hd, d);
-  check_weight(op, "wv", wv, dt, G * hd, d);
-  check_weight(op, "wo", wo, dt, d, H * hd);
-  check_bias(op, "bq", bq, dt, H * hd);
-  check_bias(op, "bk", bk, dt, G * hd);
-  check_bias(op, "bv", bv, dt, G * hd);
-  check_bias(op, "bo", bo, dt, d);
-  const bool qn = q_norm_w.has_value() && q_norm_w->defined(), kn = k_norm_w.has_value() && k_norm_w->defined();
-  TORCH_CHECK(qn == kn, op, ": give both q_norm_weight and k_norm_weight or neither");
-  if (qn) {
-    check_weight(op, "q_norm_weight", *q_norm_w, dt, hd, -1);
-    check_weight(op, "k_norm_weight", *k_norm_w, dt, hd, -1);
-  }
-  const bool has_cos = cos.has_value() && cos->defined(), has_sin = sin.has_value() && sin->defined();
-  TORCH_CHECK(has_cos == has_sin, op, ": give both cos and sin or neither");
-  if (has_cos) {
-    const int64_t rot = cos->size(-1);
-    TORCH_CHECK(cos->scalar_type() == at::kFloat && sin->scalar_type() == at::kFloat && cos->is_contiguous() && sin->is_contiguous()
-                    && cos->numel() == B * rot && sin->sizes() == cos->sizes() && rot % 2 == 0 && rot <= hd,
-                op, ": cos and sin must be contiguous float32 [B, 1, rot] tables with an even rot <= head dim ", hd, ", got ", cos->sizes(),
-                " ", cos->scalar_type());
-  }
-  if (attn_mask.has_value() && attn_mask->defined()) {
-    TORCH_CHECK(attn_mask->scalar_type() == at::kBool && attn_mask->is_contiguous() && attn_mask->numel() == B * (pos + 1),
-                op, ": attn_mask must be a contiguous bool [B, 1, 1, pos + 1] = [", B, ", 1, 1, ", pos + 1, "] tensor, got ", attn_mask->sizes());
-  }
-  if (dt == at::kBFloat16)
-    return attention_impl<bf16>(x, norm_w, eps, wq, bq, wk, bk, wv, bv, wo, bo, q_norm_w, k_norm_w, qk_eps, cos, sin, k_cache, v_cache, pos,
-                                attn_mask, H);
-  return attention_impl<float>(x, norm_w, eps, wq, bq, wk, bk, wv, bv, wo, bo, q_norm_w, k_norm_w, qk_eps, cos, sin, k_cache, v_cache, pos,
-                               attn_mask, H);
+  const AttnArgs a{norm_w, eps, wq, bq, wk, bk, wv, bv, wo, bo, q_norm_w, k_norm_w, qk_eps, n_heads};
+  const StepArgs st{cos, sin, pos, attn_mask};
+  check_attention(op, dt, x.size(0), x.size(2), a, st, k_cache, v_cache);
+  return dt == at::kBFloat16 ? attention_op<bf16>(a, st, x, k_cache, v_cache) : attention_op<float>(a, st, x, k_cache, v_cache);
 }
 
 template <typename T>
-at::Tensor swiglu_impl(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wg, const std::optional<at::Tensor>& bg,
-                       const at::Tensor& wu, const std::optional<at::Tensor>& bu, const at::Tensor& wd, const std::optional<at::Tensor>& bd) {
-  const int64_t B = x.size(0), d = x.size(2), F = wg.size(0);
-  at::Tensor u = norm_rows<T>(x, norm_w, eps, B, d);  // [B, d]
-  at::Tensor g = linear_rows(u, wg, bg);              // [B, F]
-  at::Tensor up = linear_rows(u, wu, bu);             // [B, F]
-  T* gp = mdata<T>(g);
-  const T* upp = data<T>(up);
-  silu_mul(gp, upp, B * F);  // silu(gate) ⊙ up, into g
-  at::Tensor o = linear_rows(g, wd, bd);  // [B, d]
-  return residual<T>(x, o);
+at::Tensor swiglu_op(const MlpArgs& a, const at::Tensor& x) {
+  const int64_t B = x.size(0), d = x.size(2);
+  at::Tensor out = at::empty_like(x);
+  Scratch& sc = Scratch::reserve(swiglu_scratch<T>(B, d, a.wg.size(0)));
+  swiglu_rows<T>(a, data<T>(x), B, d, mdata<T>(out), sc, nullptr);
+  return out;
 }
 
 at::Tensor decode_swiglu(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wg, const std::optional<at::Tensor>& bg,
                          const at::Tensor& wu, const std::optional<at::Tensor>& bu, const at::Tensor& wd, const std::optional<at::Tensor>& bd) {
   const char* op = "decode_swiglu";
   const at::ScalarType dt = check_x(op, x);
-  const int64_t d = x.size(2), F = wg.size(0);
-  check_weight(op, "norm_weight", norm_w, dt, d, -1);
-  check_weight(op, "w_gate", wg, dt, F, d);
-  check_weight(op, "w_up", wu, dt, F, d);
-  check_weight(op, "w_down", wd, dt, d, F);
-  check_bias(op, "b_gate", bg, dt, F);
-  check_bias(op, "b_up", bu, dt, F);
-  check_bias(op, "b_down", bd, dt, d);
-  if (dt == at::kBFloat16) return swiglu_impl<bf16>(x, norm_w, eps, wg, bg, wu, bu, wd, bd);
-  return swiglu_impl<float>(x, norm_w, eps, wg, bg, wu, bu, wd, bd);
+  const MlpArgs a{norm_w, eps, wg, bg, wu, bu, wd, bd};
+  check_swiglu(op, dt, x.size(2), a);
+  return dt == at::kBFloat16 ? swiglu_op<bf16>(a, x) : swiglu_op<float>(a, x);
+}
+
+// ---- a run of blocks in one call ---------------------------------------------------------------------
+// decode_stack: the one-token steps of a stack of attention (+ SwiGLU) blocks, one after another, for a
+// model whose blocks run back to back (looplm.blocks.Stack). Per block it is decode_attention then
+// decode_swiglu (the same functions, the same results to the bit); what it saves is a Python op call
+// per branch and the allocations, and every block's last product prefetches the next block's first.
+// weights: kStackSlots entries per block, in this order (None where absent; no MLP: its seven are None):
+//   mixer_norm, wq, bq, wk, bk, wv, bv, wo, bo, q_norm, k_norm, mlp_norm, w_gate, b_gate, w_up, b_up, w_down, b_down
+// eps: 3 per block (mixer_norm's, the QK-norm's, mlp_norm's); n_heads: 1 per block; the caches: 1 each per
+// block. pos, cos, sin and attn_mask are the step's (every block's cache holds pos tokens).
+constexpr int64_t kStackSlots = 18;
+
+template <typename T>
+at::Tensor stack_impl(const at::Tensor& x, const std::vector<std::optional<at::Tensor>>& w, const std::vector<AttnArgs>& attn,
+                      const std::vector<std::optional<MlpArgs>>& mlp, const StepArgs& st, at::TensorList k_caches, at::TensorList v_caches) {
+  const int64_t B = x.size(0), d = x.size(2), n = static_cast<int64_t>(attn.size());
+  size_t need = 0;
+  for (int64_t l = 0; l < n; ++l) {
+    need = std::max(need, attention_scratch<T>(attn[l], B, d, k_caches[l].size(1), k_caches[l].size(3)));
+    if (mlp[l]) need = std::max(need, swiglu_scratch<T>(B, d, mlp[l]->wg.size(0)));
+  }
+  Scratch& sc = Scratch::reserve(need + 2 * Scratch::bytes<T>(B * d));
+  T* buf[2] = {sc.take<T>(B * d), sc.take<T>(B * d)};
+  const size_t base = sc.mark();
+  at::Tensor out = at::empty_like(x);
+  const T* h = data<T>(x);
+  int next_buf = 0;
+  for (int64_t l = 0; l < n; ++l) {
+    const bool last = l + 1 == n;
+    const Hint next_qkv = last ? Hint{} : Hint{&attn[l + 1].wq, &attn[l + 1].wk, &attn[l + 1].wv};
+    const RowGroup* after_block = last ? nullptr : &next_qkv.g;
+    // the attention branch; its output product prefetches the SwiGLU's gate/up (or the next block's q/k/v)
+    const Hint gate_up = mlp[l] ? Hint{&mlp[l]->wg, &mlp[l]->wu} : Hint{};
+    T* mid = last && !mlp[l] ? mdata<T>(out) : buf[next_buf];
+    at::Tensor& kc = const_cast<at::Tensor&>(k_caches[l]);
+    at::Tensor& vc = const_cast<at::Tensor&>(v_caches[l]);
+    attention_rows<T>(attn[l], st, h, B, d, kc, vc, mid, sc, mlp[l] ? &gate_up.g : after_block);
+    sc.release(base);
+    h = mid;
+    next_buf ^= 1;
+    if (mlp[l]) {
+      T* o = last ? mdata<T>(out) : buf[next_buf];
+      swiglu_rows<T>(*mlp[l], h, B, d, o, sc, after_block);
+      sc.release(base);
+      h = o;
+      next_buf ^= 1;
+    }
+  }
+  if (n == 0) out.copy_(x);
+  return out;
+}
+
+at::Tensor decode_stack(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& weights, at::ArrayRef<double> eps,
+                        at::IntArrayRef n_heads, at::TensorList k_caches, at::TensorList v_caches, int64_t pos,
+                        const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin, const std::optional<at::Tensor>& attn_mask) {
+  const char* op = "decode_stack";
+  const at::ScalarType dt = check_x(op, x);
+  const int64_t n = static_cast<int64_t>(n_heads.size());
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kStackSlots * n && static_cast<int64_t>(eps.size()) == 3 * n
+                  && static_cast<int64_t>(k_caches.size()) == n && static_cast<int64_t>(v_caches.size()) == n,
+              op, ": for ", n, " blocks (n_heads) give ", kStackSlots * n, " weights, ", 3 * n, " eps and ", n, " k and v caches; got ",
+              weights.size(), ", ", eps.size(), ", ", k_caches.size(), " and ", v_caches.size());
+  std::vector<std::optional<at::Tensor>> w(weights.begin(), weights.end());
+  const StepArgs st{cos, sin, pos, attn_mask};
+  std::vector<AttnArgs> attn;
+  std::vector<std::optional<MlpArgs>> mlp;
+  attn.reserve(n);
+  mlp.reserve(n);
+  for (int64_t l = 0; l < n; ++l) {
+    const std::optional<at::Tensor>* s = w.data() + l * kStackSlots;
+    for (int64_t i : {0, 1, 3, 5, 7})
+      TORCH_CHECK(s[i].has_value() && s[i]->defined(), op, ": block ", l, " lacks its weight ", i, " (mixer_norm, wq, wk, wv and wo are required)");
+    attn.push_back(AttnArgs{*s[0], eps[3 * l], *s[1], s[2], *s[3], s[4], *s[5], s[6], *s[7], s[8], s[9], s[10], eps[3 * l + 1], n_heads[l]});
+    check_attention(op, dt, x.size(0), x.size(2), attn.back(), st, k_caches[l], v_caches[l]);
+    const bool has_mlp = s[11].has_value() && s[11]->defined();
+    if (has_mlp) {
+      for (int64_t i : {12, 14, 16})
+        TORCH_CHECK(s[i].has_value() && s[i]->defined(), op, ": block ", l, " has an mlp_norm but lacks its weight ", i, " (w_gate, w_up, w_down)");
+      mlp.emplace_back(MlpArgs{*s[11], eps[3 * l + 2], *s[12], s[13], *s[14], s[15], *s[16], s[17]});
+      check_swiglu(op, dt, x.size(2), *mlp.back());
+    } else {
+      mlp.emplace_back(std::nullopt);
+    }
+  }
+  return dt == at::kBFloat16 ? stack_impl<bf16>(x, w, attn, mlp, st, k_caches, v_caches)
+                             : stack_impl<float>(x, w, attn, mlp, st, k_caches, v_caches);
 }
 
 // ---- Mamba-2 ------------------------------------------------------------------------------------
@@ -593,6 +919,9 @@ TORCH_LIBRARY_FRAGMENT(looplm_cpu, m) {
       "decode_stateloop_update(Tensor h, Tensor S, Tensor norm_weight, float eps, Tensor w_u, Tensor w_delta, Tensor b_delta, "
       "Tensor A_log) -> Tensor");
   m.def("decode_stateloop_read(Tensor h, Tensor S, Tensor norm_weight, float eps, Tensor w) -> Tensor");
+  m.def(
+      "decode_stack(Tensor x, Tensor?[] weights, float[] eps, int[] n_heads, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int pos, "
+      "Tensor? cos, Tensor? sin, Tensor? attn_mask) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) {
   m.impl("decode_attention", &looplm_cpu::decode_attention);
@@ -600,4 +929,5 @@ TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) {
   m.impl("decode_mamba2", &looplm_cpu::decode_mamba2);
   m.impl("decode_stateloop_update", &looplm_cpu::decode_stateloop_update);
   m.impl("decode_stateloop_read", &looplm_cpu::decode_stateloop_read);
+  m.impl("decode_stack", &looplm_cpu::decode_stack);
 }

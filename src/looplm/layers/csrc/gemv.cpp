@@ -18,6 +18,7 @@
 // exactly in fp32), plus the bias in fp32, rounded once to bf16 (round to nearest even), like oneDNN;
 // only the order of the fp32 additions differs.
 #include "gemv.h"
+#include "simd.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -39,6 +40,7 @@
 #define LOOPLM_KERNELS 0
 #endif
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -49,34 +51,26 @@ namespace {
 #if LOOPLM_KERNELS
 constexpr int64_t kRows = 16;  // weight rows per block: 16 accumulators, one zmm of outputs
 
-// 16 vectors a[0..15] -> one vector whose lane i is the sum of a[i]'s 16 lanes (a transpose-and-add
-// tree: 45 instructions for 16 outputs instead of 16 horizontal reductions).
-inline __m512 sum_lanes16(const __m512* a) {
-  __m512 s[8], t[4], u[2];
-  for (int i = 0; i < 8; ++i)  // lanes of each 128-bit quarter: [a, b, a, b]
-    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {  // each quarter: [a, b, c, d]
-    __m512d p = _mm512_castps_pd(s[2 * i]), q = _mm512_castps_pd(s[2 * i + 1]);
-    t[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(p, q)), _mm512_castpd_ps(_mm512_unpackhi_pd(p, q)));
-  }
-  for (int i = 0; i < 2; ++i)  // quarters [0-3, 0-3, 4-7, 4-7] (then [8-11, ...])
-    u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88), _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));  // [0-3, 4-7, 8-11, 12-15]
-}
-
 inline __m512 bf16x16_to_fp32(const uint16_t* p) {  // exact: a bf16 is the top half of an fp32
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
 }
 
-// y[0..15] = x · W[0..15]ᵀ (+ b[0..15]); x has K entries, W is 16 rows of K.
-inline void block16(const uint16_t* x, const uint16_t* w, const uint16_t* b, int64_t K, uint16_t* y) {
+// y[0..15] = x · W[0..15]ᵀ (+ b[0..15]); x has K entries, W is 16 rows of K. While it reads line (s, r)
+// of W (the s-th 64 bytes of row r), it prefetches the same place of the block read next — `pf`, 16 rows
+// of pf_K (nullptr: none; for another width the column is scaled, s · pf_K / K): more loads in flight
+// than the hardware prefetcher starts, each a block ahead, and none stop at the end of a matrix.
+inline void block16(const uint16_t* x, const uint16_t* w, const uint16_t* b, int64_t K, uint16_t* y, const uint16_t* pf, int64_t pf_K) {
+  const int64_t steps = K / 32;
+  if (pf == nullptr) pf = w, pf_K = K;  // nothing to fetch: the block's own lines, already on their way
   __m512 acc[kRows];
   for (int r = 0; r < kRows; ++r) acc[r] = _mm512_setzero_ps();
   int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
+  for (int64_t s = 0; s < steps; ++s, k += 32) {
     __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
+    const uint16_t* p = pf + (pf_K == K ? k : s * pf_K / K / 32 * 32);
+#pragma GCC unroll 16
     for (int r = 0; r < kRows; ++r) {
-      _mm_prefetch((const char*)(w + (kRows + r) * K + k), _MM_HINT_T0);  // the same line of the next block: more loads in flight
+      _mm_prefetch((const char*)(p + r * pf_K), _MM_HINT_T0);
       acc[r] = _mm512_dpbf16_ps(acc[r], xv, (__m512bh)_mm512_loadu_si512(w + r * K + k));
     }
   }
@@ -207,14 +201,47 @@ at::Tensor gemv_bf16(const at::Tensor& x, const at::Tensor& w, const std::option
   // from L1); 4 blocks = 64 rows at least per thread, so tiny layers do not pay for waking threads
   at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk)
-      for (int64_t m = 0; m < M; ++m)
-        block16(xp + m * K, wp + blk * kRows * K, bp ? bp + blk * kRows : nullptr, K, yp + m * N + blk * kRows);
+      for (int64_t m = 0; m < M; ++m)  // the next block prefetched while the first row of x reads this one
+        block16(xp + m * K, wp + blk * kRows * K, bp ? bp + blk * kRows : nullptr, K, yp + m * N + blk * kRows,
+                m == 0 && blk + 1 < b1 ? wp + (blk + 1) * kRows * K : nullptr, K);
   });
   for (int64_t n = blocks * kRows; n < N; ++n)
     for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot1(xp + m * K, wp + n * K, bp ? bp + n : nullptr, K);
   return y;
 #endif
 }
+
+#if LOOPLM_KERNELS
+// ---- one row of x, several weight matrices: one parallel region ---------------------------------
+// A decode step's products come in groups that read the same input (q/k/v, gate/up) and run one after
+// another (the next group's weights are known). Small matrices pay a start-up each: waking the second
+// thread, and the first lines of every thread's share read with nothing in flight ([192, 576] reads at
+// 13-17 GB/s, [1536, 576] at 24-28). Here a group's full 16-row blocks form one list split evenly between
+// the threads, and each block prefetches the one after it — across the end of a matrix, and at the end of
+// a thread's share, into the same thread's share of the next group (run after the attention or the
+// norm in between).
+
+int64_t group_blocks(const RowGroup& g) {
+  int64_t t = 0;
+  for (int i = 0; i < g.n; ++i) t += g.ps[i].N / kRows;
+  return t;
+}
+
+int64_t group_parts(int64_t blocks) {  // the threads a group's blocks are split between (4 blocks at least each)
+  const int64_t threads = at::in_parallel_region() ? 1 : at::get_num_threads();
+  return std::max<int64_t>(1, std::min<int64_t>(threads, (blocks + 3) / 4));
+}
+
+const uint16_t* block_at(const RowGroup& g, int64_t j) {  // the first weight of block j of the list
+  for (int i = 0; i < g.n; ++i) {
+    const int64_t nb = g.ps[i].N / kRows;
+    if (j < nb) return g.ps[i].w + j * kRows * g.K;
+    j -= nb;
+  }
+  return nullptr;
+}
+
+#endif  // LOOPLM_KERNELS
 
 // ---- fp32, 3-8 rows of x: AVX-512 FMA ----------------------------------------------------------
 // MKL's fp32 GEMM reads W at 8-14 GB/s for 4-8 rows of x (its one-row GEMV is at the bandwidth and
@@ -325,6 +352,41 @@ bool kernel_wins(int64_t rows, int64_t k, at::ScalarType dt) {  // the rule of l
   if (rows == 1) return true;
   if (rows > kMaxRows) return false;
   return amx_ready() || (rows <= 4 && rows * k < 4096);
+}
+
+void gemv1_group(const RowGroup& g, const RowGroup* next) {
+#if !LOOPLM_KERNELS
+  TORCH_CHECK(false, "gemv1_group: looplm's CPU kernels were built without AVX512-BF16 (this CPU lacks it)");
+  (void)g, (void)next;
+#else
+  const int64_t K = g.K, total = group_blocks(g), parts = group_parts(total);
+  const int64_t next_total = next ? group_blocks(*next) : 0, next_parts = next ? group_parts(next_total) : 1;
+  at::parallel_for(0, parts, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t j0 = p * total / parts, j1 = (p + 1) * total / parts;  // this share: blocks [j0, j1) of the list
+      int i = 0;
+      int64_t first = 0;  // the list index of product i's first block
+      for (int64_t j = j0; j < j1; ++j) {
+        while (j - first >= g.ps[i].N / kRows) first += g.ps[i++].N / kRows;
+        const RowProduct& pr = g.ps[i];
+        const int64_t blk = j - first;
+        const uint16_t* pf = nullptr;  // what this block prefetches: the share's next block, else the next group's first
+        int64_t pf_K = K;
+        if (j + 1 < j1) {
+          pf = blk + 1 < pr.N / kRows ? pr.w + (blk + 1) * kRows * K : block_at(g, j + 1);
+        } else if (next_total > 0 && p < next_parts) {
+          pf = block_at(*next, p * next_total / next_parts);
+          pf_K = next->K;
+        }
+        block16(g.x, pr.w + blk * kRows * K, pr.b ? pr.b + blk * kRows : nullptr, K, pr.y + blk * kRows, pf, pf_K);
+      }
+    }
+  });
+  for (int i = 0; i < g.n; ++i) {  // the N % 16 rows after each product's last full block
+    const RowProduct& pr = g.ps[i];
+    for (int64_t n = pr.N / kRows * kRows; n < pr.N; ++n) pr.y[n] = dot1(g.x, pr.w + n * K, pr.b ? pr.b + n : nullptr, K);
+  }
+#endif
 }
 
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {

@@ -21,4 +21,23 @@ bool kernel_wins(int64_t rows, int64_t k, at::ScalarType dt);
 // x contiguous; W [N, K]; all of one dtype.
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
 
+// One bf16 row of x times several weight matrices (a decode step at batch 1): y_i [N_i] = x [K] · W_iᵀ (+ b_i),
+// bf16 bits, W_i [N_i, K] contiguous.
+struct RowProduct {
+  const uint16_t* w;  // [N, K]
+  const uint16_t* b;  // [N] or nullptr
+  int64_t N;
+  uint16_t* y;  // [N]
+};
+struct RowGroup {  // products that read one input x [K]
+  const uint16_t* x;
+  int64_t K;
+  const RowProduct* ps;
+  int n;
+};
+
+// Every product of g in one parallel region, where kernel_wins(1, K, bf16). next: the group the caller runs
+// after this one (its weights prefetched at the end of each thread's share; only w, N and K are read), or nullptr.
+void gemv1_group(const RowGroup& g, const RowGroup* next);
+
 }  // namespace looplm_cpu
