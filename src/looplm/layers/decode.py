@@ -15,7 +15,16 @@ runs each branch of a block as one op:
 
 The products inside are the same kernels (or torch's matmul where those do not win, e.g. fp32 with one
 row: MKL, and on CPUs without AVX512-BF16, where the extension is built without the kernels: the portable
-build).
+build); at batch 1 in bf16 the products that read one input (q/k/v, gate/up) are one parallel region,
+each thread prefetching its share of the group that comes next.
+
+A whole :class:`~looplm.blocks.Stack` of such attention blocks (the flat model's 30 layers, a looped
+core's blocks at each iteration) runs as one ``decode_stack`` call (:class:`DecodeStack`): the blocks'
+``decode_attention`` and ``decode_swiglu`` back to back in C++, the same bits as calling them one by one,
+but without a Python op call and a dozen allocations per block — a decode step's weight stream evicts the
+allocator's state and the interpreter's objects from the caches, so each of those cost microseconds of
+cache misses — and with each block's last product prefetching the next block's first (SmolLM2-135M shape,
+bf16, batch 1, 2-core Xeon: 11.9 → 11.0 ms/token; `benchmarks/bench_decode.py`, "op per branch").
 
 Exactness: every intermediate the reference stores in the model's dtype is rounded to it at the same
 point (RMSNorm, the products, RoPE's products and sum, SiLU, SiLU ⊙ up, the conv output, the SSM output,
@@ -26,7 +35,8 @@ multiply-adds differ from torch's. ``tests/test_decode_block.py`` holds the fuse
 reference's tokens, in both builds.
 
 When it runs: :func:`fused_blocks` (entered by :func:`looplm.generate.generate`) switches every eligible
-block to :class:`DecodeBlock` for the call. A block is eligible when it is a plain :class:`Block` with an
+block to :class:`DecodeBlock` for the call, and every stack whose blocks are all eligible attention blocks
+(:func:`stack_eligible`) to :class:`DecodeStack`. A block is eligible when it is a plain :class:`Block` with an
 :class:`~looplm.layers.attention.Attention` mixer (GQA, optional QK-norm, optional biases, full or
 partial RoPE) or a :class:`~looplm.layers.mamba2.Mamba2Mixer`, and a SwiGLU MLP or none, all of one
 dtype (bf16 or fp32) on the CPU, with no hooks on it or its submodules. A call takes the fused op only

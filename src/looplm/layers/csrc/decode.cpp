@@ -1,7 +1,7 @@
 // One decode step (one new token per sequence) of looplm's pre-norm blocks as fused ops — the attention
 // branch, the SwiGLU branch and the Mamba-2 branch — for bf16 and fp32 on CPU. Built with gemv.cpp by
 // looplm/layers/gemv.py (with AVX-512 where the CPU has AVX512-BF16, else portably: plain loops, AVX2
-// where available); used by looplm/layers/decode.py (DecodeBlock) inside generate().
+// where available); used by looplm/layers/decode.py (DecodeBlock, DecodeStack) inside generate().
 //
 // Why this exists: after the products moved onto gemv.cpp's kernels, a batch-1 decode step of the
 // SmolLM2-135M shape spent as long again outside them: ~330 µs per block of eager PyTorch (RMSNorm's
