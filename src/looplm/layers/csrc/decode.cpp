@@ -136,7 +136,9 @@ void attend(const T* q, const T* K, const T* V, const bool* visible, int64_t L, 
     for (int64_t c = 0; c < hd; c += 16) {
       const __mmask16 m = first(hd - c);
       const __m512 qv = load16(q + c, m);
-      for (int r = 0; r < nk; ++r) acc[r] = _mm512_fmadd_ps(qv, load16(K + (j + r) * hd + c, m), acc[r]);
+#pragma GCC unroll 16
+      for (int r = 0; r < 16; ++r)  // past the last key (a partial block): the last key again, its lanes dropped below
+        acc[r] = _mm512_fmadd_ps(qv, load16(K + std::min<int64_t>(j + r, L - 1) * hd + c, m), acc[r]);
     }
     __m512 sc = _mm512_mul_ps(sum_lanes16(acc), scale);  // lane r: key j + r
     __mmask16 vis = first(nk);

@@ -57,7 +57,7 @@ inline __m512 bf16x16_to_fp32(const uint16_t* p) {  // exact: a bf16 is the top 
 
 // y[0..15] = x · W[0..15]ᵀ (+ b[0..15]); x has K entries, W is 16 rows of K. While it reads line (s, r)
 // of W (the s-th 64 bytes of row r), it prefetches the same place of the block read next — `pf`, 16 rows
-// of pf_K (nullptr: none; for another width the column is scaled, s · pf_K / K): more loads in flight
+// of pf_K (nullptr: none; for another width the column is scaled, ⌊s · pf_K / K⌋): more loads in flight
 // than the hardware prefetcher starts, each a block ahead, and none stop at the end of a matrix.
 inline void block16(const uint16_t* x, const uint16_t* w, const uint16_t* b, int64_t K, uint16_t* y, const uint16_t* pf, int64_t pf_K) {
   const int64_t steps = K / 32;
@@ -67,7 +67,7 @@ inline void block16(const uint16_t* x, const uint16_t* w, const uint16_t* b, int
   int64_t k = 0;
   for (int64_t s = 0; s < steps; ++s, k += 32) {
     __m512bh xv = (__m512bh)_mm512_loadu_si512(x + k);
-    const uint16_t* p = pf + (pf_K == K ? k : s * pf_K / K / 32 * 32);
+    const uint16_t* p = pf + s * pf_K / K * 32;  // the target's column: k itself where pf_K == K
 #pragma GCC unroll 16
     for (int r = 0; r < kRows; ++r) {
       _mm_prefetch((const char*)(p + r * pf_K), _MM_HINT_T0);
