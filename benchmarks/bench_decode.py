@@ -249,14 +249,14 @@ def main() -> None:
     kernels = f"yes (AMX for 2-16 bf16 rows: {'yes' if gemv.amx() else 'no'})" if gemv.available() else f"no ({gemv.unavailable_reason()})"
     print(f"# looplm GEMV kernels: {kernels}; fused decode blocks: {'yes' if gemv.extension_available() else 'no'}")
     print(f"# memory bandwidth {bw / 1e9:.1f} GB/s ({'4 GB' if dev == 'cuda' else '256 MB'} read, same run); prompt {args.prompt}, {args.new} new tokens, greedy")
-    kbw = kernel_bandwidth() if dev == "cpu" else None
-    if kbw is not None:
-        print(f"# looplm's one-row kernel streams a 256 MB bf16 matrix at {kbw / 1e9:.1f} GB/s ({kbw / bw:.2f}x the read above): "
-              "'share at kernel rate' is the limit at that rate over the measured time")
     if args.real:
         return real_weights(args, bw)
     if args.mamba:
         return mamba_rows(args, bw)
+    kbw = kernel_bandwidth() if dev == "cpu" else None
+    if kbw is not None:
+        print(f"# looplm's one-row kernel streams a 256 MB bf16 matrix at {kbw / 1e9:.1f} GB/s ({kbw / bw:.2f}x the read above): "
+              "'share at kernel rate' is the limit at that rate over the measured time")
     print("| dtype | batch | contender | ms/token | vs hf dynamic | limit ms/token (batch 1) | share of limit | share at kernel rate |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for dname in args.dtypes.split(","):
