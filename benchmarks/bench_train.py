@@ -17,10 +17,10 @@ Contenders (each in its own process, so peak memory is its own):
                       the Linear layers switched to TunedLinear where ``train.cpu_gemm: auto`` would —
                       as ``looplm train`` builds it).
 * ``looplm-compiled`` — the same with every block compiled (:func:`looplm.parallel.compile_blocks`).
-* ``looplm-train``  — ``looplm train`` itself with its default settings (AdamW, ``precision: auto``,
-                      ``compile: auto``) configured as a long run (so ``auto`` decides as for a real
-                      one) and stopped after the timed updates: the tokens/s it logs (median after
-                      warm-up).
+* ``looplm-train``  — ``looplm train`` itself with its default settings (AdamW, ``precision: auto`` or
+                      the one ``--precision`` names, ``compile: auto``) configured as a long run (so
+                      ``auto`` decides as for a real one) and stopped after the timed updates: the
+                      tokens/s it logs (median after warm-up).
 
 Each prints tokens/s (median of the timed steps), the ratio to ``hf`` measured in the same run, the
 share of the machine's matmul ceiling (a 2048³ matmul in the same precision, measured in the same run;
@@ -164,7 +164,8 @@ def run_looplm(args, layout: str, precision: str, compiled: bool) -> dict:
 
 
 def run_looplm_train(args, layout: str, precision: str) -> dict:
-    """``looplm train`` with its default settings (AdamW here, ``precision: auto``, ``compile: auto``) on
+    """``looplm train`` with its default settings (AdamW here, ``precision: auto`` unless ``--precision`` says
+    otherwise, ``compile: auto``) on
     the byte-level tiny-Shakespeare corpus of ``../shared/data`` (or the embedded stdlib corpus); the
     tokens/s it logs (median after warm-up).
 
@@ -190,7 +191,7 @@ def run_looplm_train(args, layout: str, precision: str) -> dict:
                     "data": {**data, "seq_len": args.seq},
                     "optim": {"name": "adamw"},
                     "train": {"global_batch_size": args.batch, "micro_batch_size": args.batch,
-                              "max_steps": max(1000, COMPILE_AUTO_MIN_STEPS), "precision": "auto"},
+                              "max_steps": max(1000, COMPILE_AUTO_MIN_STEPS), "precision": args.precision},
                     "eval": {"every": 0, "at_end": False},
                     "checkpoint": {"every": 0, "at_end": False},
                     "logging": {"progress_bar": False, "tensorboard": False},
@@ -291,7 +292,7 @@ def main() -> None:
             for name in names:
                 cmd = [sys.executable, __file__, "--child", f"{name}:{layout}:{precision}"]
                 cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
-                cmd += ["--warmup", str(args.warmup), "--device", args.device]
+                cmd += ["--warmup", str(args.warmup), "--device", args.device, "--precision", args.precision]
                 if args.threads:
                     cmd += ["--threads", str(args.threads)]
                 proc = subprocess.run(cmd, capture_output=True, text=True)
