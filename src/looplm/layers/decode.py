@@ -24,7 +24,7 @@ core's blocks at each iteration) runs as one ``decode_stack`` call (:class:`Deco
 but without a Python op call and a dozen allocations per block — a decode step's weight stream evicts the
 allocator's state and the interpreter's objects from the caches, so each of those cost microseconds of
 cache misses — and with each block's last product prefetching the next block's first (SmolLM2-135M shape,
-bf16, batch 1, 2-core Xeon: 11.9 → 11.0 ms/token; `benchmarks/bench_decode.py`, "op per branch").
+bf16, batch 1, 2-core Xeon: 10.9 → 10.1 ms/token; `benchmarks/bench_decode.py`, "op per branch").
 
 Exactness: every intermediate the reference stores in the model's dtype is rounded to it at the same
 point (RMSNorm, the products, RoPE's products and sum, SiLU, SiLU ⊙ up, the conv output, the SSM output,

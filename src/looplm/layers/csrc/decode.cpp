@@ -372,6 +372,7 @@ struct Hint {
   Hint() : ps{}, g{nullptr, 0, ps, 0} {}
   Hint(const Hint&) = delete;  // g points into ps
   Hint(std::initializer_list<const at::Tensor*> ws) : ps{}, g{nullptr, ws.size() ? (*ws.begin())->size(1) : 0, ps, 0} {
+    TORCH_INTERNAL_ASSERT(ws.size() <= 3, "a prefetch hint holds at most 3 products");
     for (const at::Tensor* w : ws) ps[g.n++] = RowProduct{bits(*w), nullptr, w->size(0), nullptr};
   }
 };
@@ -381,6 +382,7 @@ struct Hint {
 // (the kernels where they win, else torch's matmul) copied into y_i.
 template <typename T>
 void project(const T* u, int64_t B, int64_t K, const Lin* ls, int n, const RowGroup* after) {
+  TORCH_INTERNAL_ASSERT(n >= 1 && n <= 3, "project: 1-3 products per group");
   if constexpr (std::is_same_v<T, bf16>) {
     if (B == 1 && kernel_wins(1, K, at::kBFloat16)) {
       RowProduct ps[3];
