@@ -133,6 +133,10 @@ def _build() -> tuple[bool, str]:
     def _(x, *args):
         return torch.empty_like(x)
 
+    @torch.library.register_fake("looplm_cpu::decode_stack")
+    def _(x, *args):  # writes every block's caches in place (declared in the schema), returns a new [B, 1, d]
+        return torch.empty_like(x)
+
     @torch.library.register_fake("looplm_cpu::decode_mamba2")
     def _(x, *args):  # updates conv_state and ssm_state in place
         return torch.empty_like(x)
