@@ -177,6 +177,19 @@ class DecodeBlock(Block):
         return _mamba2_step(self._weights, x, fctx, state)
 
 
+def _step_tables(fctx, B: int, pos: int, rot: int | None):
+    """``(cos, sin, attn_mask)`` of a one-token attention step at ``pos`` as the fused ops take them, or
+    ``None`` where they cannot (a causal call without a mask after the first token, a mask of another
+    kind or shape)."""
+    mask = fctx.attn_mask
+    if mask is None and fctx.is_causal and pos > 0:
+        return None
+    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, 1, 1, pos + 1)):
+        return None
+    cos, sin = fctx.rope_for(rot) if rot is not None else (None, None)  # [B, 1, rot] fp32
+    return cos, sin, None if mask is None else mask.contiguous()
+
+
 def _attention_step(weights: tuple, mixer: Attention, x, fctx, cache: KVCache):
     """``x + attention(RMSNorm(x))`` for one new token as ``decode_attention`` (``weights``: its arguments
     from norm_weight to qk_eps), or ``None`` where the op does not apply to this call."""
@@ -184,15 +197,11 @@ def _attention_step(weights: tuple, mixer: Attention, x, fctx, cache: KVCache):
     if bufs is None:  # a growing cache, buffers not allocated yet, full, another batch size
         return None
     k_buf, v_buf, pos = bufs
-    mask = fctx.attn_mask
-    if mask is None and fctx.is_causal and pos > 0:
+    tables = _step_tables(fctx, x.shape[0], pos, mixer.rotary_dim)
+    if tables is None:
         return None
-    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (x.shape[0], 1, 1, pos + 1)):
-        return None
-    rot = mixer.rotary_dim
-    cos, sin = fctx.rope_for(rot) if rot is not None else (None, None)  # [B, 1, rot] fp32
     y = torch.ops.looplm_cpu.decode_attention(
-        x, *weights, cos, sin, k_buf, v_buf, pos, None if mask is None else mask.contiguous(), mixer.n_heads
+        x, *weights, *tables[:2], k_buf, v_buf, pos, tables[2], mixer.n_heads
     )  # [B, 1, d]; the new token's key and value written into k_buf / v_buf at pos
     cache.advance(1)
     return y
@@ -343,14 +352,11 @@ class DecodeStack(Stack):
             ks.append(bufs[0])
             vs.append(bufs[1])
             pos = bufs[2]
-        mask = fctx.attn_mask
-        if mask is None and fctx.is_causal and pos > 0:
+        tables = _step_tables(fctx, B, pos, self._rot)
+        if tables is None:
             return None
-        if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, 1, 1, pos + 1)):
-            return None
-        cos, sin = fctx.rope_for(self._rot) if self._rot is not None else (None, None)  # [B, 1, rot] fp32
         y = torch.ops.looplm_cpu.decode_stack(
-            x.contiguous(), *self._stack, ks, vs, pos, cos, sin, None if mask is None else mask.contiguous()
+            x.contiguous(), *self._stack, ks, vs, pos, *tables
         )  # [B, 1, d]; each block's new key and value written into its cache at pos
         for c in caches:
             c.advance(1)

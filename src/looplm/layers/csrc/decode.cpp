@@ -7,8 +7,8 @@
 // SmolLM2-135M shape spent as long again outside them: ~330 µs per block of eager PyTorch (RMSNorm's
 // composite, RoPE's eight ops per head set, views, the KV writes, SDPA, the residual adds), and a compiled
 // block still ~270 µs (guard evaluation, the generated wrapper). Here everything between the products is a
-// few loops over a few hundred numbers, and the products are linear_rows (gemv.cpp's kernels where they
-// win, torch's matmul elsewhere).
+// few loops over a few hundred numbers, and the products are gemv.cpp's kernels where they win (project()
+// below; linear_rows, torch's matmul, elsewhere).
 //
 // The reference is looplm.blocks.Block.forward; tests/test_decode_block.py holds the two together. The
 // rounding of every intermediate follows the reference's: each value the reference stores in a tensor of
@@ -309,10 +309,16 @@ at::Tensor residual(const at::Tensor& x, const at::Tensor& y) {
   return out;
 }
 
+// u [B, d] = RMSNorm(x) · w, row by row, into u (norm_rows: into a new tensor).
+template <typename T>
+void norm_into(const T* x, const at::Tensor& w, double eps, int64_t B, int64_t d, T* u) {
+  for (int64_t b = 0; b < B; ++b) rms_norm(x + b * d, data<T>(w), static_cast<float>(eps), d, u + b * d);
+}
+
 template <typename T>
 at::Tensor norm_rows(const at::Tensor& x, const at::Tensor& w, double eps, int64_t B, int64_t d) {
   at::Tensor u = at::empty({B, d}, x.options());
-  for (int64_t b = 0; b < B; ++b) rms_norm(data<T>(x) + b * d, data<T>(w), static_cast<float>(eps), d, mdata<T>(u) + b * d);
+  norm_into(data<T>(x), w, eps, B, d, mdata<T>(u));
   return u;
 }
 
@@ -397,11 +403,6 @@ void project(const T* u, int64_t B, int64_t K, const Lin* ls, int n, const RowGr
     const at::Tensor r = linear_rows(ut, *ls[i].w, *ls[i].b);  // [B, N_i]
     std::memcpy(ls[i].y, r.data_ptr(), static_cast<size_t>(r.numel()) * sizeof(T));
   }
-}
-
-template <typename T>
-void norm_into(const T* x, const at::Tensor& w, double eps, int64_t B, int64_t d, T* u) {
-  for (int64_t b = 0; b < B; ++b) rms_norm(x + b * d, data<T>(w), static_cast<float>(eps), d, u + b * d);
 }
 
 // decode_attention's parameters (the op's arguments from norm_weight to qk_eps, and n_heads).
@@ -630,8 +631,7 @@ at::Tensor decode_swiglu(const at::Tensor& x, const at::Tensor& norm_w, double e
 constexpr int64_t kStackSlots = 18;
 
 template <typename T>
-at::Tensor stack_impl(const at::Tensor& x, const std::vector<std::optional<at::Tensor>>& w, const std::vector<AttnArgs>& attn,
-                      const std::vector<std::optional<MlpArgs>>& mlp, const StepArgs& st, at::TensorList k_caches, at::TensorList v_caches) {
+at::Tensor stack_impl(const at::Tensor& x, const std::vector<AttnArgs>& attn, const std::vector<std::optional<MlpArgs>>& mlp, const StepArgs& st, at::TensorList k_caches, at::TensorList v_caches) {
   const int64_t B = x.size(0), d = x.size(2), n = static_cast<int64_t>(attn.size());
   size_t need = 0;
   for (int64_t l = 0; l < n; ++l) {
@@ -701,8 +701,7 @@ at::Tensor decode_stack(const at::Tensor& x, const c10::List<std::optional<at::T
       mlp.emplace_back(std::nullopt);
     }
   }
-  return dt == at::kBFloat16 ? stack_impl<bf16>(x, w, attn, mlp, st, k_caches, v_caches)
-                             : stack_impl<float>(x, w, attn, mlp, st, k_caches, v_caches);
+  return dt == at::kBFloat16 ? stack_impl<bf16>(x, attn, mlp, st, k_caches, v_caches) : stack_impl<float>(x, attn, mlp, st, k_caches, v_caches);
 }
 
 // ---- Mamba-2 ------------------------------------------------------------------------------------
