@@ -42,20 +42,24 @@ from looplm.layers import decode, gemv
 SHAPE = dict(vocab=49152, d=576, ff=1536, heads=9, kv=3)
 
 
-def bandwidth(device: str = "cpu") -> float:
-    """Bytes/s of reading a 256 MB tensor (4 GB on CUDA, past its caches): the best of 7 sums (a physical
-    limit: noise from the shared host only ever slows a read)."""
-    n = (1024 if device == "cuda" else 64) * 1024 * 1024
-    a = torch.ones(n, dtype=torch.float32, device=device)
-    a.sum()
+def best_read_rate(read, nbytes: int, device: str = "cpu") -> float:
+    """Bytes/s of ``read()`` over ``nbytes``: the best of 7 after a warm-up (a physical limit: noise from
+    the shared host only ever slows a read)."""
+    read()
     times = []
     for _ in range(7):
         sync(device)
         t = time.perf_counter()
-        a.sum()
+        read()
         sync(device)
         times.append(time.perf_counter() - t)
-    return a.numel() * 4 / min(times)
+    return nbytes / min(times)
+
+
+def bandwidth(device: str = "cpu") -> float:
+    """Bytes/s of reading a 256 MB tensor (4 GB on CUDA, past its caches): the best of 7 sums."""
+    a = torch.ones((1024 if device == "cuda" else 64) * 1024 * 1024, dtype=torch.float32, device=device)
+    return best_read_rate(a.sum, a.numel() * 4, device)
 
 
 def kernel_bandwidth() -> float | None:
@@ -65,13 +69,7 @@ def kernel_bandwidth() -> float | None:
         return None
     w = torch.ones(256 * 1024 * 1024 // 2 // 576, 576, dtype=torch.bfloat16)
     x = torch.ones(1, 576, dtype=torch.bfloat16)
-    gemv.gemv_bf16(x, w)
-    times = []
-    for _ in range(7):
-        t = time.perf_counter()
-        gemv.gemv_bf16(x, w)
-        times.append(time.perf_counter() - t)
-    return w.numel() * 2 / min(times)
+    return best_read_rate(lambda: gemv.gemv_bf16(x, w), w.numel() * 2)
 
 
 def build_looplm(core: int, loops: int, dtype, seq: int, device: str = "cpu"):
