@@ -7,6 +7,7 @@ TORCH_VERSION ?= 2.13.0
 install:
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"   # CPU wheel lies on disk here; install it first
 	$(PY) -m pip install -q -e '.[dev]'
+	-$(PY) -m looplm.cli kernels build                   # the CPU extension, once per CPU and source version (optional: without it, the PyTorch reference)
 
 demo: install
 	$(PY) -m looplm.cli demo

@@ -131,7 +131,7 @@ def main() -> int:
     }
     tcfg = load_train_config(train_cfg)
     from looplm.hf.retrofit import apply_layer_map
-    from looplm.model import build
+    from looplm import build
 
     looped = build(tcfg.model_config()).eval()
     print(apply_layer_map(looped, ckpt, init_map))

@@ -13,6 +13,25 @@ def _seed():
     yield
 
 
+@pytest.fixture(autouse=True)
+def _kernels_only_where_marked(request, monkeypatch):
+    """Tests marked ``kernels`` run with looplm's fast paths registered (building the CPU extension once if
+    it is not built); every other test runs the plain-PyTorch reference — in this process
+    (``dispatch.reference_only``) and in the processes it starts (``LOOPLM_CPU_KERNELS=0``) — so the model,
+    rule and trainer tests never wait for a build."""
+    from looplm import dispatch
+
+    if request.node.get_closest_marker("kernels") is not None:
+        from looplm import kernels
+
+        kernels.load()
+        yield
+        return
+    monkeypatch.setenv("LOOPLM_CPU_KERNELS", "0")
+    with dispatch.reference_only():
+        yield
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -1,4 +1,4 @@
-"""looplm.layers.cpu_gemm: the split products equal plain matmuls, the measured choice is made once and
+"""looplm.kernels.gemm: the split products equal plain matmuls, the measured choice is made once and
 kept on disk, TunedLinear is an nn.Linear with the same values and gradients (eager, autocast,
 compiled), and the trainer switches it on where its rule says."""
 
@@ -12,10 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 
 import looplm
-from looplm.layers import cpu_gemm
-from looplm.layers.cpu_gemm import STRATEGIES, TunedLinear, tuned_linears
+from looplm.kernels import gemm as cpu_gemm
+from looplm.kernels.gemm import STRATEGIES, TunedLinear, tuned_linears
 from looplm.train import load_train_config
 from looplm.train.trainer import resolve_cpu_gemm
+
+pytestmark = pytest.mark.kernels
 
 
 @pytest.fixture(autouse=True)
@@ -221,7 +223,7 @@ def test_a_model_switched_for_training_still_decodes_on_the_fast_path():
     blocks and the GEMV kernels, gives the same tokens as the plain model, and leaves the layers
     TunedLinear."""
     from looplm.generate import generate
-    from looplm.layers import decode, gemv
+    from looplm.kernels import decode, gemv
 
     torch.manual_seed(0)
     plain = looplm.build("tiny-qwen3").eval().to(torch.bfloat16)
@@ -258,7 +260,7 @@ def test_mm_f32_is_the_product_without_a_bf16_rounding(layout):
 
 
 def test_mm_f32_op_errors_say_what_is_wrong():
-    from looplm.layers import gemv
+    from looplm.kernels import gemv
 
     if not gemv.available():
         pytest.skip(f"the AVX-512 build is not available: {gemv.unavailable_reason()}")

@@ -1,4 +1,4 @@
-"""The fused decode step of the transformer block (``layers/csrc/decode.cpp`` via ``layers/decode.py``)
+"""The fused decode step of the transformer block (``kernels/csrc/decode.cpp`` via ``kernels/decode.py``)
 against its reference, ``Block.forward``: one decode step of whole models (every attention variant the
 presets use, padding, looped rules, modulated blocks that must keep the reference), greedy generations,
 the fallbacks, the op's argument checks and its vectorised exp at extreme inputs."""
@@ -12,12 +12,23 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import looplm
 from looplm.blocks import Block, Stack
-from looplm.layers import decode, gemv
+from looplm import dispatch
+from looplm.kernels import decode, gemv, loader
+from looplm.kernels.stateloop import stateloop_eligible
+from looplm.recurrence.stateloop import StateLoop
+from looplm.layers.residual import ResidualMixer
 from looplm.layers.attention import Attention, KVCache
 from looplm.layers.mamba2 import Mamba2Mixer, Mamba2State
 from looplm.layers.mlp import SwiGLU
 
 from helpers import run_under_portable_build, tiny_variant
+
+pytestmark = pytest.mark.kernels
+
+
+def _fused(cls):
+    """The class a module of ``cls`` has while its fused decode step is switched in."""
+    return dispatch.DECODE_STEPS[cls].fused_class()
 
 needs_extension = pytest.mark.skipif(not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}")
 needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"GEMV kernels not available: {gemv.unavailable_reason()}")
@@ -33,10 +44,10 @@ class _CountOps(TorchDispatchMode):
         self.attention += "looplm_cpu.decode_attention" in name
         self.swiglu += "looplm_cpu.decode_swiglu" in name
         if "looplm_cpu.decode_stack" in name:  # a stack's blocks in one call: count its branches
-            n, weights = len(args[3]), args[1]
+            plan = args[1]  # looplm_cpu.StackPlan
             self.stack += 1
-            self.attention += n
-            self.swiglu += sum(weights[18 * i + 11] is not None for i in range(n))
+            self.attention += plan.size()
+            self.swiglu += plan.mlp_blocks()
         self.mamba2 += "looplm_cpu.decode_mamba2" in name
         self.stateloop += "looplm_cpu.decode_stateloop" in name
         return func(*args, **(kwargs or {}))
@@ -125,7 +136,7 @@ def test_fused_decode_step_matches_the_reference(case, dtype):
     blocks = _fused_calls_per_step(model, Attention, rule=False) + _fused_calls_per_step(model, Mamba2Mixer, rule=False)
     assert c.swiglu == (blocks if model.config.d_ff else 0)
     # StateLoop's own step: one update per iteration, one read per iteration after the first, one terminal read
-    assert c.stateloop == (2 * model.config.n_loops if decode.stateloop_eligible(model.rule) else 0)
+    assert c.stateloop == (2 * model.config.n_loops if stateloop_eligible(model.rule) else 0)
     assert c_ref.stateloop == 0
     if dtype == torch.float32:  # only the order of fp32 additions differs
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
@@ -247,7 +258,7 @@ def test_generate_fused_gives_the_reference_tokens(spec, B, padded):
     assert torch.equal(got, ref)
     assert c.attention == 7 * _fused_calls_per_step(model, Attention)  # 7 one-token steps after the prompt
     assert c.mamba2 == 7 * _fused_calls_per_step(model, Mamba2Mixer)
-    assert not any(type(m) in (decode.DecodeBlock, decode.DecodeResidualMixer) for m in model.modules())
+    assert not any(type(m) in (_fused(Block), _fused(ResidualMixer)) for m in model.modules())
 
 
 @needs_extension
@@ -318,23 +329,23 @@ def test_compiled_blocks_decode_fused_and_match_eager():
 
 
 def test_unavailable_kernels_mean_no_fused_blocks(monkeypatch):
-    monkeypatch.setattr(gemv, "_state", {"ok": False, "reason": "test"})
+    monkeypatch.setattr(loader, "_state", {"ok": False, "reason": "test"})
     model = looplm.build("tiny-llama", dtype=torch.bfloat16).eval()
     with decode.fused_blocks(model) as n:
         assert n == 0
-    assert not any(type(m) is decode.DecodeBlock for m in model.modules())
+    assert not any(type(m) is _fused(Block) for m in model.modules())
 
 
 def test_eligibility():
     """Plain attention and Mamba-2 blocks of one CPU dtype (bf16 or fp32) qualify; fp64, mixed dtypes do
     not. A rule's residual state mixer (StateLoop's attention / Mamba-2 over its state) qualifies as a
-    DecodeResidualMixer under the same rules, not as a block; hooks on it keep the reference."""
+    fused residual mixer under the same rules, not as a block; hooks on it keep the reference."""
     for name in ("stateloop-1.4b-attn", "stateloop-1.4b-mamba2"):
         sl = _model(name, torch.float32)
         assert decode.residual_mixer_eligible(sl.rule.mixer) and not decode.eligible(sl.rule.mixer)
         with decode.fused_blocks(sl):
-            assert type(sl.rule.mixer) is decode.DecodeResidualMixer
-        assert type(sl.rule.mixer) is not decode.DecodeResidualMixer and not hasattr(sl.rule.mixer, "_weights")
+            assert type(sl.rule.mixer) is _fused(ResidualMixer)
+        assert type(sl.rule.mixer) is ResidualMixer and "_looplm_decode" not in sl.rule.mixer.__dict__
         handle = sl.rule.mixer.mixer.register_forward_hook(lambda *a: None)
         assert not decode.residual_mixer_eligible(sl.rule.mixer)
         handle.remove()
@@ -342,17 +353,17 @@ def test_eligibility():
     assert not decode.residual_mixer_eligible(looplm.build("tiny-stateloop").rule)  # identity mixer: nothing to fuse
     # the rule's own update and reads: the SSM update without reset, one dtype, no hooks
     sl = looplm.build("tiny-stateloop")
-    assert decode.stateloop_eligible(sl.rule) and not decode.stateloop_eligible(looplm.build("tiny-llama").rule)
+    assert stateloop_eligible(sl.rule) and not stateloop_eligible(looplm.build("tiny-llama").rule)
     with decode.fused_blocks(sl):
-        assert sl.rule._fused_decode
-    assert "_fused_decode" not in sl.rule.__dict__
+        assert type(sl.rule) is _fused(StateLoop)
+    assert type(sl.rule) is StateLoop and "_looplm_decode" not in sl.rule.__dict__
     for opts in ({"update": "gru"}, {"reset": True}):
         other = looplm.build("tiny-stateloop", overrides={f"rule.options.{k}": v for k, v in opts.items()})
-        assert not decode.stateloop_eligible(other.rule), opts
+        assert not stateloop_eligible(other.rule), opts
     handle = sl.rule.W_u.register_forward_hook(lambda *a: None)
-    assert not decode.stateloop_eligible(sl.rule)
+    assert not stateloop_eligible(sl.rule)
     handle.remove()
-    assert not decode.stateloop_eligible(looplm.build("tiny-stateloop", dtype=torch.float64).rule)
+    assert not stateloop_eligible(looplm.build("tiny-stateloop", dtype=torch.float64).rule)
     hybrid = looplm.build("tiny-hybrid")
     kinds = {(type(b.mixer).__name__, decode.eligible(b)) for b in hybrid.modules() if isinstance(b, Block)}
     assert kinds == {("Attention", True), ("Mamba2Mixer", True)}
@@ -365,7 +376,7 @@ def test_eligibility():
 @needs_extension
 def test_op_rejects_bad_arguments_with_a_message():
     blk = _block(torch.float32)
-    args = list(decode._mixer_args(blk.mixer_norm, blk.mixer))
+    args = list(decode.branch_plan(blk.mixer_norm, blk.mixer).weights)
     x = torch.randn(2, 1, 64)
     k = torch.zeros(2, 2, 8, 16)
     cos, sin = torch.ones(2, 1, 16), torch.zeros(2, 1, 16)
@@ -397,7 +408,7 @@ def test_decode_stack_eligibility_fallbacks_and_checks():
     h.remove()
     ids = torch.randint(0, model.config.vocab_size, (1, 6))
     with torch.no_grad(), decode.fused_blocks(model), _CountOps() as c:
-        assert type(stack) is decode.DecodeStack
+        assert type(stack) is _fused(Stack)
         cache = model.new_cache(1, capacity=8)
         model(ids, cache=cache)
         model(ids[:, :1], cache=cache)
@@ -406,23 +417,23 @@ def test_decode_stack_eligibility_fallbacks_and_checks():
         slot.crop(slot.seqlen - 1)  # one block's cache a token behind the others: the blocks one by one
         model(ids[:, :1], cache=cache)
         assert c.stack == model.config.n_loops + model.config.n_loops - 1
-    assert type(stack) is Stack and "_stack" not in stack.__dict__
-    weights, eps, heads = decode._stack_args(stack)
+    assert type(stack) is Stack and "_looplm_decode" not in stack.__dict__
+    plan = decode._prepare_stack(stack, 1).plan  # every block's parameters by their state-dict names
+    assert plan.size() == len(stack.blocks)
     x = torch.randn(1, 1, model.config.d_model, dtype=torch.bfloat16)
-    ks = [torch.zeros(1, model.config.attention.n_kv_heads, 8, model.config.head_dim, dtype=torch.bfloat16) for _ in heads]
+    ks = [torch.zeros(1, model.config.attention.n_kv_heads, 8, model.config.head_dim, dtype=torch.bfloat16) for _ in stack.blocks]
     op = torch.ops.looplm_cpu.decode_stack
-    with pytest.raises(RuntimeError, match=r"for 2 blocks \(n_heads\) give 36 weights, 6 eps and 2 k and v caches"):
-        op(x, weights[:-1], eps, heads, ks, [k.clone() for k in ks], 3, None, None, None)
-    bad = list(weights)
-    bad[18 + 3] = None
-    with pytest.raises(RuntimeError, match="block 1 lacks its weight 3"):
-        op(x, bad, eps, heads, ks, [k.clone() for k in ks], 3, None, None, None)
-    bad = list(weights)
-    bad[14] = bad[14].float()
+    with pytest.raises(RuntimeError, match=r"the plan has 2 blocks; give one k and one v cache each, got 1 and 2"):
+        op(x, plan, ks[:1], [k.clone() for k in ks], 3, None, None, None)
+    named = dict(stack.blocks[1].named_parameters())
+    bad = torch.classes.looplm_cpu.StackPlan()
+    with pytest.raises(RuntimeError, match="StackPlan.add_block: block 0 lacks mixer.k_proj.weight"):
+        bad.add_block({k: v for k, v in named.items() if k != "mixer.k_proj.weight"}, 1e-5, 0.0, 1e-5, 4)
+    bad.add_block({**named, "mlp.up_proj.weight": named["mlp.up_proj.weight"].float()}, 1e-5, 0.0, 1e-5, 4)
     with pytest.raises(RuntimeError, match="decode_stack: w_up must be a contiguous CPU bfloat16 tensor like x"):
-        op(x, bad, eps, heads, ks, [k.clone() for k in ks], 3, None, None, None)
+        op(x, bad, ks[:1], [ks[0].clone()], 3, None, None, None)
     with pytest.raises(RuntimeError, match="decode_stack: position 8 does not fit the caches' capacity 8"):
-        op(x, weights, eps, heads, ks, [k.clone() for k in ks], 8, None, None, None)
+        op(x, plan, ks, [k.clone() for k in ks], 8, None, None, None)
 
 
 @needs_extension
@@ -476,7 +487,7 @@ def test_mamba2_step_of_a_padding_row(dtype):
 @needs_extension
 def test_mamba2_op_rejects_bad_arguments_with_a_message():
     blk = _model("tiny-mamba2", torch.float32).core.stack.blocks[0]
-    args = decode._mixer_args(blk.mixer_norm, blk.mixer)
+    args = decode.branch_plan(blk.mixer_norm, blk.mixer).weights
     state = blk.new_cache(2)
     x = torch.randn(2, 1, 64)
     op = torch.ops.looplm_cpu.decode_mamba2

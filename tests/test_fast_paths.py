@@ -90,6 +90,7 @@ def test_logits_to_keep_and_preallocated_kv_slots():
         kv.update(torch.zeros(1, 1, 2, 4), torch.zeros(1, 1, 2, 4))
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-mamba2"])
 def test_generate_on_bf16_weights(name):
     torch.manual_seed(0)

@@ -8,8 +8,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import looplm
-from looplm.layers import decode, gemv
+from looplm.kernels import decode, gemv, loader
 
+pytestmark = pytest.mark.kernels
 needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"bf16 GEMV kernel not available: {gemv.unavailable_reason()}")
 
 
@@ -145,11 +146,11 @@ def test_generate_uses_the_kernel_and_restores_the_layers():
     # projections see 6 positions per sequence (F.linear), its head reads the last position only
     per_step = model.config.n_loops * len(model.core.stack.blocks) * 7 + 1
     assert c.gemv == 3 * per_step + 1
-    with _CountOps() as c:  # fused blocks (layers/decode.py) run their products inside their own ops
+    with _CountOps() as c:  # fused blocks (kernels/decode.py) run their products inside their own ops
         assert torch.equal(model.generate(x, max_new_tokens=4), out)
     assert c.gemv == 3 + 1
     assert sum(type(m) is nn.Linear for m in model.modules()) == n_linear  # classes restored
-    assert not any(isinstance(m, gemv.DecodeLinear) for m in model.modules())
+    assert not any(type(m) is gemv.fused_linear_class() for m in model.modules())
     with gemv.enabled(False), _CountOps() as c:
         model.generate(x, max_new_tokens=4)
     assert c.gemv == 0
@@ -173,7 +174,7 @@ def test_cached_decode_logits_match_the_reference_path():
 
 def test_unavailable_means_reference_everywhere(monkeypatch):
     """Where the kernel cannot run (an AVX2 CPU, no compiler), linear() and generate() are F.linear."""
-    monkeypatch.setattr(gemv, "_state", {"ok": False, "reason": "test"})
+    monkeypatch.setattr(loader, "_state", {"ok": False, "reason": "test"})
     assert not gemv.available() and gemv.unavailable_reason() == "test"
     w, row = torch.randn(8, 16, dtype=torch.bfloat16), torch.randn(1, 16, dtype=torch.bfloat16)
     assert torch.equal(gemv.linear(row, w), F.linear(row, w))
@@ -283,7 +284,7 @@ def test_fp32_dispatch_and_decode():
 
 @needs_kernel
 def test_amx_is_decided_by_the_cpu_not_by_a_switched_off_moment(monkeypatch):
-    monkeypatch.setattr(gemv, "_state", {k: v for k, v in gemv._state.items() if k != "amx"})
+    monkeypatch.setattr(loader, "_state", {k: v for k, v in loader._state.items() if k != "amx"})
     with gemv.enabled(False):
         first = gemv.amx()
     assert first == bool(torch.ops.looplm_cpu.amx_ready()) == gemv.amx()

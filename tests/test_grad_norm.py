@@ -6,11 +6,14 @@ import math
 import pytest
 import torch
 
-from looplm.layers import gemv
-from looplm.train.grad_norm import _fast_applies, clip_factor, total_norm
+from looplm.kernels import gemv
+from looplm.kernels.training import grad_norm_applies as _fast_applies
+from looplm.train.grad_norm import clip_factor, total_norm
 from looplm.train.optim import MultiOptimizer, folds_grad_factor
 
 from helpers import run_under_portable_build
+
+pytestmark = pytest.mark.kernels
 
 needs_extension = pytest.mark.skipif(not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}")
 

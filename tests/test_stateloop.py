@@ -351,6 +351,7 @@ def test_train_then_analyze_a_checkpoint(tmp_path, capsys):
 # ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.kernels
 def test_bench_decode_models_and_json(capsys):
     from looplm.bench import build_decode_models
 

@@ -44,6 +44,7 @@ def _close(a, b, rtol):
     return all(abs(x - y) <= rtol * abs(y) for x, y in zip(a, b)) and len(a) == len(b)
 
 
+@pytest.mark.kernels
 @pytest.mark.slow
 def test_ddp_bf16_tied_with_cpu_products_matches_one(setup):
     """bf16 on the CPU products (train.cpu_gemm: the stacked q/k/v and gate/up products, whose weight

@@ -62,7 +62,7 @@ def test_grad_accumulation_equals_one_big_batch(corpus, tmp_path):
         torch.testing.assert_close(g4[n], g1[n], rtol=1e-5, atol=1e-7, msg=n)
     # and both equal a plain full-batch backward of the mean loss (before clipping)
     from looplm.data.pipeline import build_stream
-    from looplm.model import build
+    from looplm import build
 
     torch.manual_seed(42)
     model = build(tr.model_cfg)
@@ -185,6 +185,7 @@ def test_golden_losses(tmp_path, optim):
     assert got == pytest.approx(GOLDEN[optim], abs=TOLERANCE[optim]), f"golden losses changed: {got}"
 
 
+@pytest.mark.kernels
 @pytest.mark.parametrize("cpu_gemm", [False, True], ids=["nn.Linear", "TunedLinear"])
 def test_bf16_weights_cast_once_per_step_across_micro_batches(corpus, tmp_path, monkeypatch, cpu_gemm):
     """With gradient accumulation under bf16 autocast, each fp32 weight of the blocks is cast to bf16

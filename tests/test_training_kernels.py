@@ -1,5 +1,5 @@
 """The extension's training kernels against their references: the CPU attention backward
-(csrc/attention.cpp, layers/attention.py: CPUAttention) against the autograd of
+(csrc/attention.cpp, kernels/training.py: CPUAttention) against the autograd of
 F.scaled_dot_product_attention — gradients, where it applies, models, compiled blocks, errors — and the
 cross-entropy rows (csrc/loss.cpp) against loss.py's PyTorch loop; and both in the portable build."""
 
@@ -11,11 +11,13 @@ import torch
 import torch.nn.functional as F
 
 import looplm
-from looplm.layers import gemv
+from looplm.kernels import gemv
+from looplm.kernels.training import CPUAttention, attention, cpu_backward_applies
 from looplm.layers import loss as loss_mod
-from looplm.layers.attention import CPUAttention, attention, cpu_backward_applies
 
 from helpers import run_under_portable_build, tiny_variant
+
+pytestmark = pytest.mark.kernels
 
 needs_extension = pytest.mark.skipif(not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}")
 # training takes the ops only in the build with the AVX-512 kernels (the portable one runs them for these tests)
@@ -260,7 +262,7 @@ def test_argument_errors_say_what_is_wrong():
 def _rows_reference(z, y, scale, grad):
     """loss.py's PyTorch loop over one chunk: (the summed loss, z afterwards)."""
     z = z.clone()
-    total = loss_mod._chunk_softmax_(z, 0, y, y != -100, torch.tensor(scale), torch.float32, grad, torch.zeros(()))
+    total = loss_mod._chunk_softmax_(z, y, y != -100, torch.tensor(scale), torch.float32, grad)
     return total, z
 
 

@@ -6,7 +6,8 @@
 """
 
 from .config import ModelConfig, list_presets, load_model_config
-from .model import LoopedLM, LoopedLMOutput, build
+from .factory import build
+from .model import LoopedLM, LoopedLMOutput
 
 __version__ = "0.1.0"
 

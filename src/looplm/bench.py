@@ -79,7 +79,7 @@ def build_decode_models(names, *, d_model: int = 512, layers: int = 8, vocab: in
     """``{key: model}`` of the Tab. 3 rows ``names`` (keys of :data:`DECODE_MODELS`) at the given size."""
     import torch
 
-    from .model import build
+    from .factory import build
 
     def make(key, extra=None):
         torch.manual_seed(seed)
@@ -114,7 +114,7 @@ def decode_latency(models: dict, *, prefill: int = 256, new_tokens: int = 128, r
 
     ``lean=True`` decodes as ``generate`` does: KV slots preallocated for prompt + continuation, the products
     on looplm's decode kernels and every eligible block and state mixer on the fused ops
-    (:mod:`looplm.layers.decode`); the default is the reference forward with growing caches, the same plain
+    (:mod:`looplm.kernels`, entered through :func:`looplm.dispatch.decode_steps`); the default is the reference forward with growing caches, the same plain
     PyTorch for every model.
 
     ``clock="cpu"`` times steps with the process CPU time instead of the wall clock: on an overloaded
@@ -138,11 +138,11 @@ def decode_latency(models: dict, *, prefill: int = 256, new_tokens: int = 128, r
     prefills = {k: [] for k in keys}
     with torch.inference_mode(), contextlib.ExitStack() as lean_paths:
         if lean:
-            from .layers import decode, gemv
+            from . import dispatch, kernels
 
+            kernels.load(device)
             for m in models.values():
-                lean_paths.enter_context(gemv.decode_linears(m, batch_size=1))
-                lean_paths.enter_context(decode.fused_blocks(m))
+                lean_paths.enter_context(dispatch.decode_steps(m, batch_size=1))
         for run in range(warmup + runs):
             n_new = new_tokens if run >= warmup else min(new_tokens, 8)
             caches, toks, spent = {}, {}, dict.fromkeys(keys, 0.0)

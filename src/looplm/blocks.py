@@ -25,60 +25,20 @@ then computes::
 
 ``read`` / ``write`` let a rule own the block's residual carrier (e.g. ``n`` parallel streams
 ``[B, T, n, d]``) without the block knowing which rule it serves. Without modulation the block is
-the plain pre-norm residual block.
+the plain pre-norm residual block. (The modulation types and the forward context are plain data in
+:mod:`looplm.context`.)
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from .config import ModelConfig
+from .context import BlockModulation, BranchModulation, ForwardContext
 from .layers.mlp import SwiGLU
 
-
-@dataclass
-class BranchModulation:
-    """Hooks of one residual branch. Tensors are ``None`` (identity) or broadcastable to ``[B, T, d]``
-    (per channel ``[d]``, per sequence ``[B, 1, d]`` or per token ``[B, T, d]``)."""
-
-    scale: torch.Tensor | None = None  # multiplies the normalised branch input
-    shift: torch.Tensor | None = None  # added to the normalised branch input (after the scale)
-    gate: torch.Tensor | None = None  # multiplies the branch output
-    read: Callable[[torch.Tensor], torch.Tensor] | None = None  # residual carrier -> branch input [B, T, d]
-    write: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (carrier, branch out) -> carrier
-
-
-@dataclass
-class BlockModulation:
-    """The modulation of one block call: one :class:`BranchModulation` per branch (``None`` = plain)."""
-
-    mixer: BranchModulation | None = None
-    mlp: BranchModulation | None = None
-
-
-@dataclass
-class ForwardContext:
-    """Per-forward information shared by every block (built once per forward by the model): ``fctx``."""
-
-    rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # rotary dim -> cos, sin [B, T, rot]
-    positions: torch.Tensor | None = None  # [B, T] position of each token (left padding counts real tokens only)
-    attn_mask: torch.Tensor | None = None  # bool [B, 1, T, T_past+T]; None = plain causal
-    is_causal: bool = True
-    pad_mask: torch.Tensor | None = None  # bool [B, T], True = real token (left padding)
-
-    def rope_for(self, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` tables ``[B, T, rotary_dim]``; the model builds one per rotary dim it declares."""
-        try:
-            return self.rope[rotary_dim]
-        except KeyError:
-            raise KeyError(
-                f"no rotary tables for rotary dim {rotary_dim} (have {sorted(self.rope)}); a recurrence rule that "
-                "owns an attention mixer must declare its head dim in `rope_dims`"
-            ) from None
+__all__ = ["Block", "BlockModulation", "BranchModulation", "ForwardContext", "Stack", "build_mixer"]
 
 
 def _branch(x: torch.Tensor, norm: nn.Module, fn, m: BranchModulation | None) -> torch.Tensor:

@@ -235,7 +235,7 @@ def load_model_for_inference(
     """
     from .config import load_model_config
     from .data.tokenizers import check_tokenizer_fingerprint, check_vocab, load_tokenizer, tokenizer_fingerprint
-    from .model import build
+    from .factory import build
 
     ckpt = resolve_checkpoint(path)
     cfg = load_json(ckpt / CONFIG_FILE)

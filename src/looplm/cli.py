@@ -33,6 +33,7 @@ COMMAND_MODULES = {
     "bench": "looplm.bench",
     "export": "looplm.hf.cli",
     "import": "looplm.hf.cli",
+    "kernels": "looplm.kernels.cli",
 }
 
 
@@ -97,6 +98,11 @@ def _cmd_info(args) -> int:
     info = model_info(spec, overrides=args.set or None, num_loops=args.loops, seq_len=args.seq_len)
     if retrofit:
         info["retrofit"] = retrofit
+    from .kernels import status
+    from .kernels.cli import status_line
+
+    kst = status()
+    info["cpu_kernels"] = kst.to_dict()
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -113,6 +119,7 @@ def _cmd_info(args) -> int:
     print(f"  forward FLOPs/token {human(info['forward_flops_per_token'])}  (context {info['seq_len_for_flops']})")
     for line in info.get("retrofit", []):
         print(f"  {line}")
+    print(f"  CPU kernels         {status_line(kst)}")
     return 0
 
 
@@ -122,7 +129,7 @@ def _cmd_generate(args) -> int:
     from .checkpoint_io import load_model_for_inference
     from .data.tokenizers import check_vocab, load_tokenizer
     from .dataclass_util import refuse_empty_yaml
-    from .model import build
+    from .factory import build
 
     if args.checkpoint:
         # --tokenizer replaces the recorded tokenizer (a warning if it differs); --set takes inference-time fields only

@@ -12,11 +12,17 @@ The Looped-Mamba paper's ``N⊗R`` is ``(0, N, R, 0)``.
 
 Each component has its own dataclass (``AttentionConfig``, ``Mamba2Config``, ``RuleConfig``) nested
 in ``ModelConfig``. ``ModelConfig.from_dict`` reports every bad field in one ``ConfigError``.
+
+This module is a leaf: it imports nothing of looplm but the dataclass helpers. What a section means
+elsewhere is checked by the code that owns it, through :func:`register_validator` — the recurrence-rule
+registry checks ``rule.name`` and ``rule.options`` (:mod:`looplm.recurrence`) — and reported in the
+same one error.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -105,20 +111,15 @@ class Mamba2Config:
 class RuleConfig:
     """Which recurrence rule passes information between loop iterations, and its options.
 
-    ``name`` selects a class registered in ``looplm.recurrence``; ``options`` are passed to it.
+    ``name`` selects a class registered in ``looplm.recurrence``; ``options`` are passed to it. Both are
+    checked by the rule registry (:func:`register_validator`).
     """
 
     name: str = "vanilla"
     options: dict[str, Any] = field(default_factory=dict)
 
     def validate(self) -> list[str]:
-        from .recurrence import RULES
-
-        if self.name not in RULES:
-            from .dataclass_util import _suggest
-
-            return [f"rule.name: unknown rule {self.name!r}{_suggest(self.name, sorted(RULES))}; known: {sorted(RULES)}"]
-        return RULES[self.name].validate_options(self.options)
+        return [] if self.name else ["rule.name: must name a recurrence rule (e.g. vanilla)"]
 
 
 @dataclass
@@ -248,10 +249,9 @@ class ModelConfig:
                 errs.append(f"mamba.ngroups: {m.ngroups} does not divide the number of heads {(m.expand * self.d_model) // m.headdim}")
         if self.pause is not None and self.pause.token_id is not None and self.pause.token_id >= self.vocab_size:
             errs.append(f"pause.token_id: {self.pause.token_id} is outside the vocabulary [0, {self.vocab_size})")
-        try:
-            errs += [f"rule.{e}" if not e.startswith("rule.") else e for e in self.rule.validate()]
-        except Exception as e:  # pragma: no cover - defensive
-            errs.append(f"rule: {e}")
+        errs += self.rule.validate()
+        for check in _VALIDATORS:  # sections owned elsewhere (the rule registry: rule.name, rule.options)
+            errs += check(self)
         return errs
 
     def __post_init__(self):  # direct construction in Python is validated too (from_dict validates itself)
@@ -270,6 +270,16 @@ class ModelConfig:
     def replace(self, **overrides) -> "ModelConfig":
         """A new validated config with ``overrides`` (dotted keys allowed: ``attention.n_heads=2``)."""
         return ModelConfig.from_dict(apply_overrides(self.to_dict(), overrides))
+
+
+_VALIDATORS: list[Callable[[ModelConfig], list[str]]] = []
+
+
+def register_validator(check: Callable[[ModelConfig], list[str]]) -> None:
+    """Add ``check(cfg) -> [messages]`` to :meth:`ModelConfig.validate` (for a section whose meaning lives in
+    another module: the recurrence rules' registry validates ``rule``). Messages name their field."""
+    if check not in _VALIDATORS:
+        _VALIDATORS.append(check)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -364,6 +374,7 @@ __all__ = [
     "RuleConfig",
     "ConfigError",
     "list_presets",
+    "register_validator",
     "load_model_config",
     "preset_dict",
     "swiglu_hidden",

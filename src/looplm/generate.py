@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .layers.decode import fused_blocks
-from .layers.gemv import decode_linears
+from . import dispatch
 
 
 def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
@@ -108,11 +107,16 @@ def generate(
     cache = model.new_cache(B, cache_loops, capacity=T + max_new_tokens) if use_cache else None
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
     n = T
-    # on a CPU with AVX512-BF16 the products of each one-token step run on looplm's kernels where they
-    # beat torch's matmul at this batch size (bf16 1-16 rows, fp32 3-8; layers/gemv.py), else F.linear,
-    # and each plain transformer block's one-token step is two fused ops (layers/decode.py)
+    # the fused one-token steps registered with looplm.dispatch: on a CPU, looplm.kernels (loaded here,
+    # built once if needed) runs each plain block's step as fused ops and the products on its kernels where
+    # they beat torch's matmul at this batch size; everywhere else the reference forward
+    p = next(model.parameters())
+    if p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float32):  # other dtypes never build the kernels
+        from . import kernels
+
+        kernels.load("cpu")
     try:
-        with decode_linears(model, batch_size=B), fused_blocks(model):
+        with dispatch.decode_steps(model, batch_size=B):
             for i in range(max_new_tokens):
                 step_mask = mask[:, :n] if padded else None
                 if use_cache:

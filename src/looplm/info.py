@@ -45,7 +45,7 @@ def forward_flops_per_token(model, num_loops: int | None = None, seq_len: int | 
 
 def model_info(spec, overrides=None, num_loops: int | None = None, seq_len: int | None = None) -> dict:
     """Everything ``looplm info`` prints, computed on the meta device."""
-    from .model import build
+    from .factory import build
 
     model = build(spec, device="meta", overrides=overrides)
     cfg = model.config

@@ -2,27 +2,27 @@
 
 The driver below is the whole looped computation. It calls the recurrence rule between iterations
 (see :mod:`looplm.recurrence.base`) and never branches on which rule it holds. Parallelism,
-activation checkpointing (per loop iteration: wrap ``model.core``) and ``torch.compile`` are
-applied from outside (:mod:`looplm.parallel`).
+activation checkpointing (per loop iteration: wrap ``model.core``), ``torch.compile`` and fast kernels
+are applied from outside (:mod:`looplm.parallel`, :mod:`looplm.dispatch`). Models are made by
+:func:`looplm.build` (:mod:`looplm.factory`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
-from .blocks import ForwardContext, Stack
+from .blocks import Stack
 from .cache import LoopCache
-from .config import ModelConfig, load_model_config
+from .config import ModelConfig
+from .context import ForwardContext, LoopContext
 from .layers.loss import linear_cross_entropy
 from .layers.rope import RotaryEmbedding
-from .recurrence import LoopContext, build_rule
+from .recurrence import build_rule
 
 
 @dataclass
@@ -332,54 +332,3 @@ class LoopedLM(nn.Module):
         from .generate import generate
 
         return generate(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)
-
-
-def build(spec="tiny-llama", *, device=None, dtype=None, overrides=None, **kw) -> LoopedLM:
-    """Build a model from a preset name, a YAML path, a dict or a :class:`ModelConfig`.
-
-    Extra keyword arguments are config overrides (``n_loops=4``); dotted overrides go in
-    ``overrides={"attention.n_heads": 2}``. ``device="meta"`` builds without memory (parameter counts).
-    """
-    if isinstance(overrides, (list, tuple)):
-        from .dataclass_util import parse_value, split_override
-
-        overrides = {k: parse_value(v) for k, v in map(split_override, overrides)}
-    ov = dict(overrides or {})
-    ov.update(kw)
-    cfg = load_model_config(spec, ov or None)
-    meta = str(device) == "meta"
-    with torch.device(device) if device is not None else contextlib.nullcontext(), _SkipMetaInit() if meta else contextlib.nullcontext():
-        if cfg.pause is not None:  # pause tokens change T, so they wrap the model rather than being a rule
-            from .pause import PauseLM
-
-            model = PauseLM(cfg)
-        else:
-            model = LoopedLM(cfg)
-    if device is not None:
-        # buffers computed on the CPU on purpose (RoPE's inverse frequencies, in fp64 like HF) join the
-        # parameters on ``device``; for every other tensor this is a no-op
-        model = model.to(device)
-    if dtype is not None:
-        model = model.to(dtype)
-    return model
-
-
-class _SkipMetaInit(TorchFunctionMode):
-    """Make torch's random initialisers no-ops on meta tensors, for this ``with`` block only.
-
-    A meta tensor has no values to initialise, yet ``normal_`` on the meta device dispatches through
-    torch's Python reference kernels, which import dynamo (about 2 s) — most of ``looplm info``'s time.
-    """
-
-    _SKIP = frozenset(
-        [nn.init.normal_, nn.init.trunc_normal_, nn.init.uniform_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_,
-         torch.Tensor.normal_, torch.Tensor.uniform_]
-    )  # fmt: skip
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in self._SKIP:
-            t = args[0] if args else kwargs.get("tensor")
-            if isinstance(t, torch.Tensor) and t.is_meta:
-                return t
-        return func(*args, **kwargs)

@@ -27,8 +27,8 @@ Choices that are ours: the pause logit is excluded from the softmax of the loss 
 is never a target, and the loss then equals ``−log p`` of the logits ``generate`` samples from);
 pauses follow *every* token including the last one of a prompt; positions count pauses too.
 
-``looplm.build`` returns a plain ``LoopedLM`` for now: build a Pause model with
-``PauseLM(load_model_config("stateloop-1.4b-pause"))`` or :func:`build_pause`.
+``looplm.build`` returns a :class:`PauseLM` for a config with a ``pause:`` section
+(``looplm.build("stateloop-1.4b-pause")``; the choice is :func:`looplm.factory.model_class`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from .config import ModelConfig, load_model_config
+from .config import ModelConfig
 from .model import LoopedLM, LoopedLMOutput
 
 
@@ -122,9 +122,3 @@ class PauseLM(LoopedLM):
         new = {"logits": logits, "loss": loss, "lm_loss": loss, "hidden": hidden}  # the rest as the backbone gave it
         fields = {f.name for f in dataclasses.fields(LoopedLMOutput)}
         return dataclasses.replace(out, **{k: v for k, v in new.items() if k in fields})
-
-
-def build_pause(spec="stateloop-1.4b-pause", *, overrides: dict | None = None, device=None) -> PauseLM:
-    """A :class:`PauseLM` from a preset / YAML / dict / config with a ``pause:`` section."""
-    model = PauseLM(load_model_config(spec, overrides))
-    return model if device is None else model.to(device)

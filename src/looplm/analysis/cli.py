@@ -77,7 +77,7 @@ def cmd_analyze(args) -> int:
         source = str(args.checkpoint)
     else:
         from ..data.tokenizers import load_tokenizer
-        from ..model import build
+        from ..factory import build
 
         torch.manual_seed(args.seed)
         model = build(args.model).to(device).eval()

@@ -1,10 +1,10 @@
 """Causal self-attention with grouped-query heads, RoPE, optional QK-norm and a KV cache.
 
-The attention product itself is ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory
-efficient kernels where the device has them) with ``enable_gqa`` so that key/value heads are not
-materialised ``n_heads / n_kv_heads`` times — except when training on a CPU: there :func:`attention`
-takes :class:`CPUAttention`, torch's CPU flash forward with looplm's own backward
-(``csrc/attention.cpp``; torch 2.13's CPU flash backward is ~9× its forward at the SmolLM2-135M shape).
+The attention product itself is :data:`attention`, a dispatch point (:mod:`looplm.dispatch`) whose
+reference is ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory efficient kernels
+where the device has them) with ``enable_gqa`` so that key/value heads are not materialised
+``n_heads / n_kv_heads`` times. (looplm's CPU training path registers its own backward there:
+:mod:`looplm.kernels.training`.)
 
 It follows the library's one mixer interface (:mod:`looplm.blocks`): ``attn(u, fctx, cache)`` and
 ``attn.new_cache(batch_size)``. A recurrence rule can own an ``Attention`` at its own width (e.g.
@@ -18,69 +18,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import cpu_gemm, gemv
+from .. import dispatch
+from .linear import linear_group
 from .rope import apply_rotary
 
 
-class CPUAttention(torch.autograd.Function):
-    """Softmax attention ``softmax(q kᵀ / √hd + causal mask) v`` on CPU with looplm's backward.
-
-    Forward: in bf16 torch's CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``, what
-    SDPA runs on a CPU: the training forward equals the inference one bit for bit), which also returns the
-    log-sum-exp ``L`` of each query row; in fp32 ``looplm_cpu::attention_forward`` (the same quantities
-    from two MKL products per query block, 1.6x the flash kernel there; equal to it to fp32 rounding). Backward:
-    ``looplm_cpu::attention_backward`` (``csrc/attention.cpp``): for each (batch row, key/value head)
-    the query heads sharing it recompute ``P = exp(q kᵀ/√hd − L)`` block by block in fp32 and take
-    ``dV = Pᵀ dO``, ``dS = P ⊙ (dO vᵀ − rowsum(dO ⊙ O)) / √hd``, ``dQ = dS k``, ``dK = dSᵀ q`` with
-    the MKL GEMM torch links (bf16 in, fp32 out; dK, dV summed in fp32 over the group). Equal to SDPA's
-    gradients up to float rounding (``tests/test_training_kernels.py``). ``q [B, H, T, hd]``,
-    ``k, v [B, H_kv, S, hd]`` (``H_kv`` dividing ``H``), one dtype (bf16 or fp32).
-    """
-
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal: bool):
-        scale = q.shape[-1] ** -0.5
-        if q.dtype == torch.float32:  # looplm's forward: 1.6x torch's flash kernel in fp32 (equal speed in bf16)
-            out, lse = torch.ops.looplm_cpu.attention_forward(q, k, v, scale, is_causal)
-        else:  # bf16: the flash kernel, so that a training forward is bit for bit the inference one
-            out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse)  # out [B, H, T, hd], lse [B, H, T] fp32
-        ctx.scale, ctx.is_causal = scale, is_causal
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
-        if grad_out.stride(-1) != 1:
-            grad_out = grad_out.contiguous()
-        dq, dk, dv = torch.ops.looplm_cpu.attention_backward(grad_out, q, k, v, out, lse, ctx.scale, ctx.is_causal)
-        return dq, dk, dv, None
-
-
-def cpu_backward_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, is_causal: bool) -> bool:
-    """Whether :func:`attention` takes :class:`CPUAttention`: autograd will differentiate the call, the
-    tensors are all bf16 or all fp32 on a CPU, there is no explicit mask, causal attention has as many keys as
-    queries, and the extension was built with its AVX-512 kernels (the portable build's plain-loop
-    softmax measured no faster than torch's backward in fp32, so SDPA stays there)."""
-    if q.device.type != "cpu" or attn_mask is not None or not torch.is_grad_enabled():
-        return False
-    if not (q.requires_grad or k.requires_grad or v.requires_grad):
-        return False
-    if is_causal and q.shape[-2] != k.shape[-2]:
-        return False
-    return q.dtype == k.dtype == v.dtype and q.dtype in (torch.float32, torch.bfloat16) and gemv.mkl_gemm_ready()
-
-
-def attention(q, k, v, attn_mask=None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
-    """``F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal, enable_gqa=enable_gqa)``, through
-    :class:`CPUAttention` where :func:`cpu_backward_applies`. Under autocast the inputs are cast to the
-    autocast dtype first, as autocast does for SDPA."""
+def _attention_reference(q, k, v, attn_mask=None, is_causal: bool = False, enable_gqa: bool = False) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal, enable_gqa=enable_gqa)``;
+    ``q [B, H, T, hd]``, ``k, v [B, H_kv, S, hd]`` -> ``[B, H, T, hd]``. Under CPU autocast the inputs are
+    cast to the autocast dtype first, as autocast does for SDPA (so a provider sees one dtype)."""
     if q.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
         dt = torch.get_autocast_dtype("cpu")
         q, k, v = q.to(dt), k.to(dt), v.to(dt)
-    if cpu_backward_applies(q, k, v, attn_mask, is_causal):
-        return CPUAttention.apply(q, k, v, is_causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, enable_gqa=enable_gqa)
+
+
+attention = dispatch.Op("attention", _attention_reference, "softmax(q kᵀ/√d + mask) v")
 
 
 class KVCache:
@@ -129,7 +82,7 @@ class KVCache:
         return self.k, self.v
 
     def append_buffers(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """For a kernel that writes one new token in place (:mod:`looplm.layers.decode`): the preallocated
+        """For a kernel that writes one new token in place (a fused decode step): the preallocated
         ``[B, H_kv, capacity, hd]`` key and value buffers and the position to write at, or ``None`` when
         there are none to write into (a growing cache, buffers not allocated yet, full, another batch
         size). The writer then calls :meth:`advance`."""
@@ -191,7 +144,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, fctx, cache: KVCache | None = None) -> torch.Tensor:
         """``x [B, T, d_model]`` -> ``[B, T, d_model]``; masks and rotary tables come from ``fctx``."""
         B, T, _ = x.shape
-        q, k, v = cpu_gemm.linear_group(x, (self.q_proj, self.k_proj, self.v_proj))  # one product for bf16 training on a CPU
+        q, k, v = linear_group(x, (self.q_proj, self.k_proj, self.v_proj))  # a dispatch point (looplm.dispatch)
         # [B, T, H*hd] -> [B, H, T, hd]
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)

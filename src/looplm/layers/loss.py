@@ -12,9 +12,10 @@ recomputed. Peak extra memory is one chunk of logits plus one gradient of ``h`` 
 
 :func:`linear_cross_entropy_reference` is the readable unchunked form it is tested against.
 
-On a CPU where looplm's extension has its AVX-512 kernels the softmax of each chunk is one op (``csrc/loss.cpp``:
-``looplm_cpu::cross_entropy_rows_``, the same formulas, each row read twice and written once); the
-PyTorch loop below stays as the path everywhere else and as its reference.
+Each chunk — its logits, softmax, loss and gradients — is one call of :data:`loss_chunk`, a dispatch
+point (:mod:`looplm.dispatch`) whose reference is the PyTorch code below. (looplm's CPU path registers the
+same formulas with the products in the measured fastest split and the softmax of each chunk as one C++ op,
+each row read twice and written once: :mod:`looplm.kernels.training`.)
 
 (Why not a library kernel: the fused kernels in the ecosystem — Liger, Apple's cut-cross-entropy —
 are Triton / CUDA only, and this has to run on CPU too; a chunked PyTorch version is small.)
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_gemm, gemv
+from .. import dispatch
 
 
 def linear_cross_entropy_reference(h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -46,19 +47,20 @@ def _compute_dtype(h: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 _CPU_ROWS = 16
 
 
-def _chunk_softmax_(z, s, targets, valid, scale, acc, need_grad, loss):
-    """The loss of one chunk of logits ``z [n, V]`` (rows ``s:s+n`` of the batch) added to ``loss``;
-    with ``need_grad`` z is overwritten with d(mean loss)/dz. The PyTorch form of ``cross_entropy_rows_``."""
-    e = s + z.shape[0]
+def _chunk_softmax_(z, targets, valid, scale, acc, need_grad) -> torch.Tensor:
+    """The summed loss of one chunk of logits ``z [n, V]`` (``targets``, ``valid`` ``[n]`` its rows'); with
+    ``need_grad`` z is overwritten with d(mean loss)/dz (``scale`` = 1 / the batch's valid rows)."""
+    loss = torch.zeros((), dtype=acc, device=z.device)
     # The softmax runs over blocks of rows in acc: a block's fp32 copy is small enough
     # to stay in cache, and the gradient is written back into z's own buffer, so no [n, V]
     # fp32 tensor is allocated (on a CPU each fresh one costs as much as a matmul).
-    rows = _CPU_ROWS if z.device.type == "cpu" else e - s
-    for r in range(0, e - s, rows):
+    n = z.shape[0]
+    rows = _CPU_ROWS if z.device.type == "cpu" else n
+    for r in range(0, n, rows):
         zb = z[r : r + rows]  # [b, V] view
         zf = zb.to(acc)  # [b, V]; zb itself when z is already in acc
-        ok = valid[s + r : s + r + zb.shape[0], None]  # [b, 1]
-        y = torch.where(ok, targets[s + r : s + r + zb.shape[0], None], 0)  # [b, 1]
+        ok = valid[r : r + zb.shape[0], None]  # [b, 1]
+        y = torch.where(ok, targets[r : r + zb.shape[0], None], 0)  # [b, 1]
         m = zf.amax(dim=-1, keepdim=True)  # [b, 1]
         zy = zf.gather(1, y)  # [b, 1] the target's logit
         ez = zf.sub_(m).exp_()  # [b, V] exp(z − max), in place
@@ -73,6 +75,20 @@ def _chunk_softmax_(z, s, targets, valid, scale, acc, need_grad, loss):
                 zb.copy_(ez)  # back into the matmul dtype, in z's buffer
             zb.scatter_(1, y, ((py - 1.0) * rs).to(z.dtype))
     return loss
+
+
+def _loss_chunk_reference(h, w, targets, valid, scale, acc, need_grad):
+    """One chunk of the chunked loss: ``h [n, d]`` (rows of the batch, in the matmul dtype), ``w [V, d]``,
+    ``targets`` / ``valid`` ``[n]``. Returns ``(loss, grad_h, grad_w)``: the chunk's summed loss (``acc``)
+    and, with ``need_grad``, d(mean loss)/dh ``[n, d]`` (matmul dtype) and d(mean loss)/dW ``[V, d]`` (acc)."""
+    z = h @ w.t()  # [n, V] logits of this chunk only, in the matmul dtype
+    loss = _chunk_softmax_(z, targets, valid, scale, acc, need_grad)  # z becomes the logits' gradient
+    if not need_grad:
+        return loss, None, None
+    return loss, z @ w, (z.t() @ h).to(acc)  # [n, d], [V, d]
+
+
+loss_chunk = dispatch.Op("loss_chunk", _loss_chunk_reference, "one chunk of the chunked head + cross-entropy")
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -90,20 +106,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h = torch.empty_like(hc) if need_grad else None  # [N, d]
             grad_w = None  # [V, d] in acc, the sum over chunks
             loss = torch.zeros((), dtype=acc, device=h.device)
-            # the op where the extension has its AVX-512 kernels (its portable plain loops are slower than this loop)
-            fused = h.device.type == "cpu" and acc == torch.float32 and targets.dtype == torch.long and gemv.kernels_built()
             for s in range(0, h.shape[0], chunk_size):
                 e = min(s + chunk_size, h.shape[0])
-                z = cpu_gemm.mm(hc[s:e], wc.t())  # [n, V] logits of this chunk only, in the matmul dtype
-                if fused:  # _chunk_softmax_ in one op: z becomes the logits' gradient in place
-                    loss = loss + torch.ops.looplm_cpu.cross_entropy_rows_(z, targets[s:e].contiguous(), scale, need_grad).sum()
-                else:
-                    loss = _chunk_softmax_(z, s, targets, valid, scale, acc, need_grad, loss)
+                ls, gh, gw = loss_chunk(hc[s:e], wc, targets[s:e], valid[s:e], scale, acc, need_grad)
+                loss = loss + ls
                 if need_grad:
-                    g = z  # [n, V] the logits' gradient, in the matmul dtype
-                    grad_h[s:e] = cpu_gemm.mm(g, wc).to(grad_h.dtype)  # [n, d]
-                    gw = cpu_gemm.mm_f32(g.t(), hc[s:e]).to(acc)  # [V, d], fp32 straight from the GEMM on a bf16 CPU
-                    grad_w = gw if grad_w is None else grad_w.add_(gw)
+                    grad_h[s:e] = gh.to(grad_h.dtype)  # [n, d]
+                    grad_w = gw if grad_w is None else grad_w.add_(gw)  # [V, d]
             if need_grad and grad_w is None:  # no tokens at all
                 grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device)
             loss = loss / n_valid.to(acc)  # nan when every target is ignored, like F.cross_entropy
@@ -147,4 +156,4 @@ def linear_cross_entropy(
     return _LinearCrossEntropy.apply(h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), chunk_size)
 
 
-__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference"]
+__all__ = ["linear_cross_entropy", "linear_cross_entropy_reference", "loss_chunk"]

@@ -2,7 +2,7 @@
 
 StateLoop's state mixers (eqs. 8, 9: an attention or Mamba-2 mixer over the per-token states ``S̃``, one
 module shared across loop iterations) are this branch. It lives with the layers so that the fused decode
-step (:mod:`looplm.layers.decode`) can run it as it runs a block's mixer branch.
+step (:mod:`looplm.kernels.decode`) can run it as it runs a block's mixer branch.
 """
 
 from __future__ import annotations

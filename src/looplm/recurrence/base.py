@@ -43,11 +43,12 @@ token — and read/write hooks that let a rule own a block's residual streams, s
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
+
+from ..context import LoopContext
 
 RULES: dict[str, type["RecurrenceRule"]] = {}
 
@@ -61,56 +62,6 @@ def register_rule(name: str):
         return cls
 
     return deco
-
-
-@dataclass
-class LoopContext:
-    """Where the driver is and what a rule may read (see the module docstring). Called ``lctx``."""
-
-    iteration: int = 0  # k
-    num_loops: int = 1  # r: iterations the driver runs (the largest per-row count)
-    train_loops: int = 1  # K: the config's training loop count
-    loops_per_row: torch.Tensor | None = None  # [B] long, when depth was given per sequence
-    fctx: Any = None  # the blocks' ForwardContext (positions, rotary tables, masks)
-    cache: Any = None  # LoopCache or None
-    loop_options: dict = field(default_factory=dict)  # rule-specific inference options
-    embeddings: torch.Tensor | None = None  # E [B, T, d], before the prelude
-    embed_weight: torch.Tensor | None = None  # [V, d] token embedding matrix (unscaled)
-    embed_multiplier: float = 1.0  # E = embed_multiplier · embed_weight[x]
-    targets: torch.Tensor | None = None  # [B, T] next-token targets (-100 = ignore), training only
-    core_input: torch.Tensor | None = None  # Z^k, set by the driver before rule.step
-    readout_fn: Callable[[torch.Tensor, "LoopContext"], torch.Tensor] | None = None
-
-    @property
-    def positions(self) -> torch.Tensor:
-        """``[B, T]`` token positions."""
-        return self.fctx.positions
-
-    @property
-    def is_last(self) -> bool:
-        """Whether this is the last iteration the driver runs."""
-        return self.iteration == self.num_loops - 1
-
-    def rope_for(self, rotary_dim: int):
-        """Rotary ``(cos, sin)`` tables ``[B, T, rotary_dim]`` (the dim must be declared in ``rope_dims``)."""
-        return self.fctx.rope_for(rotary_dim)
-
-    def readout(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits ``[B, T, V]`` of any iterate ``h [B, T, d]``: coda, final norm and head. During decoding
-        the coda uses slots of its own per iteration (``("readout", k, layer)``)."""
-        return self.readout_fn(h, self)
-
-    def active_rows(self) -> torch.Tensor | None:
-        """``[B]`` bool: rows still looping at this iteration (``None`` = every row)."""
-        if self.loops_per_row is None:
-            return None
-        return self.iteration < self.loops_per_row
-
-    def cache_slot(self, key, factory: Callable[[], Any]):
-        """A decoding cache slot owned by the rule (``None`` when not decoding); see :mod:`looplm.cache`."""
-        if self.cache is None:
-            return None
-        return self.cache.slot(("rule", key), factory)
 
 
 def where_rows(keep_new: torch.Tensor, new: Any, old: Any) -> Any:

@@ -143,11 +143,6 @@ class GRUUpdate(nn.Module):
         return (1 - z) * n + z * S
 
 
-def _eps(norm: nn.RMSNorm) -> float:
-    """The epsilon ``norm`` uses (``nn.RMSNorm``'s default: its weight dtype's machine epsilon)."""
-    return norm.eps if norm.eps is not None else torch.finfo(norm.weight.dtype).eps
-
-
 def _check(cond: bool, msg: str, errs: list[str]) -> None:
     if not cond:
         errs.append(msg)
@@ -263,51 +258,28 @@ class StateLoop(RecurrenceRule):
             raise ValueError(f"loop_options['read_scale'] needs one entry per read, {lctx.num_loops}, got {len(scales)}")
         return scales[j - 1]
 
-    def _read(self, W: nn.Linear, S: torch.Tensor, lctx, j: int) -> torch.Tensor:
-        """Projected state read ``R_j = N^j Wᵀ`` ``[B, T, d]``."""
-        R = W(self.norm_s(S))
+    def read(self, W: nn.Linear, state: dict, lctx, j: int) -> torch.Tensor:
+        """``H + R_j`` with the projected state read ``R_j = N^j Wᵀ`` ``[B, T, d]`` (eq. 4 with ``W_{s→z}``,
+        eq. 10 with ``W_{s→out}``), ``N^j = RMSNorm_s(S^j)``."""
+        R = W(self.norm_s(state["S"]))
         s = self._read_scale(lctx, j)
-        return R if s is None else R * s
+        return state["h"] + (R if s is None else R * s)
 
-    def _fused(self, h: torch.Tensor, S: torch.Tensor) -> bool:
-        """A one-token decode step on the fused ops of ``csrc/decode.cpp`` (the selective update and each read
-        as one op): inside ``generate``'s :func:`~looplm.layers.decode.fused_blocks`, which sets
-        ``_fused_decode`` on an eligible rule (SSM update without reset, parameters of one CPU dtype, no
-        hooks), for ``[B, 1, ·]`` rows of that dtype without autograd. The reference below is the rest."""
-        return (
-            self.__dict__.get("_fused_decode", False)
-            and h.dim() == 3 and h.shape[1] == 1 and S.dim() == 3 and S.shape[1] == 1
-            and h.dtype == S.dtype == self.norm_h.weight.dtype
-            and not torch.is_grad_enabled()
-        )  # fmt: skip
-
-    def _fused_read(self, W: nn.Linear, state, lctx, j: int):
-        """``h + R_j`` on the fused op, or ``None`` where the reference must run (a read scale, not a decode step)."""
-        h, S = state["h"], state["S"]
-        if not self._fused(h, S) or self._read_scale(lctx, j) is not None:
-            return None
-        return torch.ops.looplm_cpu.decode_stateloop_read(h.contiguous(), S.contiguous(), self.norm_s.weight, _eps(self.norm_s), W.weight)
+    def update_state(self, S: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """``S̃^{k+1}`` from ``S^k`` and ``H^k``: ``U = RMSNorm_h(H)`` (eq. 2), ``P = U W_uᵀ`` (eq. 5), then the
+        selective update (eq. 6), its reset form (eq. 14) or the GRU."""
+        U = self.norm_h(h)  # U^k (eq. 2)
+        P = self.W_u(U)  # P^k (eq. 5)
+        return self.update(None if self.reset else S, U, P)  # S̃^{k+1} (eqs. 6, 14, GRU)
 
     def next_input(self, state, lctx):
         k = lctx.iteration
         if k == 0:
             return state["h"]  # Z^0: T(E) at the first iteration (eq. 1)
-        z = self._fused_read(self.W_sz, state, lctx, k)
-        if z is not None:
-            return z
-        return state["h"] + self._read(self.W_sz, state["S"], lctx, k)  # Z^k = H^{k−1} + N^k W_{s→z}ᵀ (eq. 4)
+        return self.read(self.W_sz, state, lctx, k)  # Z^k = H^{k−1} + N^k W_{s→z}ᵀ (eq. 4)
 
     def step(self, state, h, lctx):
-        if self._fused(h, state["S"]):  # eqs. 2, 5, 6 in one op
-            u = self.update
-            S = torch.ops.looplm_cpu.decode_stateloop_update(
-                h.contiguous(), state["S"].contiguous(), self.norm_h.weight, _eps(self.norm_h), self.W_u.weight, u.W_delta.weight,
-                u.b_delta, u.A_log,
-            )  # fmt: skip
-        else:
-            U = self.norm_h(h)  # U^k (eq. 2)
-            P = self.W_u(U)  # P^k (eq. 5)
-            S = self.update(None if self.reset else state["S"], U, P)  # S̃^{k+1} (eqs. 6, 14, GRU)
+        S = self.update_state(state["S"], h)  # S̃^{k+1}
         if self.mixer is not None:  # X_ψ, its own decoding slot per iteration (eqs. 8, 9)
             slot = lctx.cache_slot(("stateloop-mixer", lctx.iteration), lambda: self.mixer.new_cache(h.shape[0], lctx.cache.capacity))
             S = self.mixer(S, lctx.fctx, slot)
@@ -318,10 +290,7 @@ class StateLoop(RecurrenceRule):
 
     def finish(self, state, lctx):
         """``Y = H^{r−1} + N^r W_{s→out}ᵀ`` (eq. 10) at the last executed iteration ``r``."""
-        y = self._fused_read(self.W_out, state, lctx, lctx.num_loops)
-        if y is not None:
-            return y
-        return state["h"] + self._read(self.W_out, state["S"], lctx, lctx.num_loops)
+        return self.read(self.W_out, state, lctx, lctx.num_loops)
 
     # --- introspection ---------------------------------------------------------------------------
     def write_rate(self, U: torch.Tensor | None = None) -> torch.Tensor:

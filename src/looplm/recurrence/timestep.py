@@ -53,7 +53,7 @@ import math
 import torch
 from torch import nn
 
-from ..blocks import BlockModulation, BranchModulation
+from ..context import BlockModulation, BranchModulation
 from .base import LoopContext, RecurrenceRule, register_rule
 
 GATINGS = ("loop", "branch", "adaln")

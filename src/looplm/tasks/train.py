@@ -202,7 +202,7 @@ def load_task_config(source, overrides: list[str] | None = None, task: str | Non
 
 
 def build_task_model(cfg: TaskRunConfig, device="cpu"):
-    from ..model import build
+    from ..factory import build
 
     return build(cfg.model_config()).to(device)
 

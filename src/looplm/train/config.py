@@ -172,7 +172,7 @@ class TrainLoopConfig:
     cpu_malloc: bool | str = "auto"  # keep freed memory for reuse (looplm.cpu_malloc): true | false | "auto" (CPU + glibc)
     activation_checkpointing: bool = False  # recompute each loop iteration in backward
     compile: bool | str = "auto"  # compile every block (looplm.parallel.compile_blocks): true | false | "auto" (see resolve_compile)
-    cpu_gemm: bool | str = "auto"  # bf16 Linear products in the measured fastest split (looplm.layers.cpu_gemm): true | false | "auto" (CPU + bf16)
+    cpu_gemm: bool | str = "auto"  # bf16 Linear products in the measured fastest split (looplm.kernels.gemm): true | false | "auto" (CPU + bf16)
     num_grad_loops: int | None = None  # fixed truncated BPTT: backprop through the last m loops only
     random_loops: RandomLoopsConfig | None = None
     nan_policy: str = "stop"  # "stop" | "skip": what to do on a non-finite loss / grad norm

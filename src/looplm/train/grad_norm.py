@@ -1,12 +1,13 @@
 """Gradient clipping by the global L2 norm, as ``torch.nn.utils.clip_grad_norm_(params, max_norm)``
 defines it, in the two parts the trainer needs:
 
-* :func:`total_norm` — ``‖g‖₂`` over every gradient. On a CPU with looplm's extension it is one op
-  (``csrc/reduce.cpp``: squares summed in fp32 runs of 16 per SIMD lane, the runs added in fp64, both
-  cores, the result independent of the thread count): 19-22 ms against ``get_total_norm``'s 47-52 ms
-  over the 538 MB of fp32 gradients of the SmolLM2-135M shape on a 2-core Xeon, and nearer the exact
-  norm (2e-12 relative off the fp64 sum there, against 6e-4 for torch's fp32 reduction). Elsewhere
-  (CUDA, DTensor shards, sparse or strided gradients, no extension) it is ``get_total_norm``.
+* :func:`total_norm` — ``‖g‖₂`` over every gradient: :data:`grad_norm`, a dispatch point
+  (:mod:`looplm.dispatch`) whose reference is ``torch.nn.utils.get_total_norm``. On a CPU with looplm's
+  extension it is one op (:mod:`looplm.kernels.training`, ``csrc/reduce.cpp``: squares summed in fp32
+  runs of 16 per SIMD lane, the runs added in fp64, both cores, the result independent of the thread
+  count): 19-22 ms against ``get_total_norm``'s 47-52 ms over the 538 MB of fp32 gradients of the
+  SmolLM2-135M shape on a 2-core Xeon, and nearer the exact norm (2e-12 relative off the fp64 sum there,
+  against 6e-4 for torch's fp32 reduction).
 * :func:`clip_factor` — torch's ``clamp(max_norm / (‖g‖ + 1e-6), max=1)``, or ``None`` when it is
   exactly 1 (nothing to scale). The trainer hands it to :meth:`MultiOptimizer.step
   <looplm.train.optim.MultiOptimizer.step>`, where a fused AdamW applies it inside its own pass.
@@ -16,32 +17,22 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["total_norm", "clip_factor"]
+from .. import dispatch
+
+__all__ = ["total_norm", "clip_factor", "grad_norm"]
 
 
-def _fast_applies(grads: list[torch.Tensor]) -> bool:
-    from ..layers import gemv
+def _grad_norm_reference(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.nn.utils.get_total_norm(grads, 2.0)
 
-    return (
-        bool(grads)
-        and all(
-            type(g) is torch.Tensor  # not a DTensor (FSDP2) or another subclass
-            and g.device.type == "cpu"
-            and g.layout == torch.strided
-            and g.dtype in (torch.float32, torch.bfloat16)
-            and g.is_contiguous()
-            for g in grads
-        )
-        and gemv.extension_available()
-    )
+
+grad_norm = dispatch.Op("grad_norm", _grad_norm_reference, "the global L2 norm of the gradients")
 
 
 def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of all entries of ``grads`` together, a float32 scalar tensor (a DTensor for FSDP2
     shards, as ``torch.nn.utils.get_total_norm`` returns it)."""
-    if _fast_applies(grads):
-        return torch.ops.looplm_cpu.sum_squares(grads).sqrt().float()
-    return torch.nn.utils.get_total_norm(grads, 2.0)
+    return grad_norm(grads)
 
 
 def clip_factor(norm: float, total: torch.Tensor, max_norm: float) -> torch.Tensor | None:

@@ -130,7 +130,7 @@ def resolve_compile(setting, device: torch.device, precision: str, max_steps: in
 
 def resolve_cpu_gemm(setting, device: torch.device, precision: str, fsdp: bool) -> bool:
     """``train.cpu_gemm``: ``true`` / ``false``, or ``auto`` = switch the ``nn.Linear`` layers to
-    :class:`looplm.layers.cpu_gemm.TunedLinear` when training in bf16 on a CPU with native bf16 (a
+    :class:`looplm.kernels.gemm.TunedLinear` when training in bf16 on a CPU with native bf16 (a
     SmolLM2-135M-shape step measured 8-9% faster, benchmarks/bench_train.py), not under FSDP2."""
     if setting != "auto":
         return bool(setting)
@@ -177,7 +177,7 @@ class Trainer:
     def _setup(self) -> None:
         from ..data.pipeline import build_stream
         from ..data.tokenizers import check_vocab, load_tokenizer
-        from ..model import build
+        from ..factory import build
 
         cfg, tc = self.cfg, self.cfg.train
         self.info: DistInfo = init_distributed(tc.device)
@@ -238,8 +238,12 @@ class Trainer:
 
             apply_activation_checkpointing(model)
         self.tuned_linears = 0
+        if info.device.type == "cpu":
+            from .. import kernels
+
+            kernels.load("cpu")  # looplm's CPU training ops behind the model's dispatch points (built once if needed)
         if resolve_cpu_gemm(tc.cpu_gemm, info.device, self.precision, info.distributed and tc.parallel == "fsdp"):
-            from ..layers.cpu_gemm import tuned_linears
+            from ..kernels.gemm import tuned_linears
 
             self.tuned_linears = tuned_linears(model)  # before compiling: the blocks trace the tuned products
         self.compiled = resolve_compile(tc.compile, info.device, self.precision, tc.max_steps)

@@ -1,7 +1,7 @@
 // One decode step (one new token per sequence) of looplm's pre-norm blocks as fused ops — the attention
 // branch, the SwiGLU branch and the Mamba-2 branch — for bf16 and fp32 on CPU. Built with gemv.cpp by
-// looplm/layers/gemv.py (with AVX-512 where the CPU has AVX512-BF16, else portably: plain loops, AVX2
-// where available); used by looplm/layers/decode.py (DecodeBlock, DecodeStack) inside generate().
+// looplm/kernels/build.py (with AVX-512 where the CPU has AVX512-BF16, else portably: plain loops, AVX2
+// where available); used by looplm/kernels/decode.py (the fused decode steps) inside generate().
 //
 // Why this exists: after the products moved onto gemv.cpp's kernels, a batch-1 decode step of the
 // SmolLM2-135M shape spent as long again outside them: ~330 µs per block of eager PyTorch (RMSNorm's
@@ -36,6 +36,7 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -624,11 +625,57 @@ at::Tensor decode_swiglu(const at::Tensor& x, const at::Tensor& norm_w, double e
 // model whose blocks run back to back (looplm.blocks.Stack). Per block it is decode_attention then
 // decode_swiglu (the same functions, the same results to the bit); what it saves is a Python op call
 // per branch and the allocations, and every block's last product prefetches the next block's first.
-// weights: kStackSlots entries per block, in this order (None where absent; no MLP: its seven are None):
-//   mixer_norm, wq, bq, wk, bk, wv, bv, wo, bo, q_norm, k_norm, mlp_norm, w_gate, b_gate, w_up, b_up, w_down, b_down
-// eps: 3 per block (mixer_norm's, the QK-norm's, mlp_norm's); n_heads: 1 per block; the caches: 1 each per
-// block. pos, cos, sin and attn_mask are the step's (every block's cache holds pos tokens).
-constexpr int64_t kStackSlots = 18;
+// The blocks' weights come as one StackPlan, built once per generate() call (looplm/kernels/decode.py):
+// per block, its parameters by their names in the block's state dict (mixer_norm.weight,
+// mixer.q_proj.weight, ..., mlp.down_proj.bias; absent = None) and its three epsilons and head count.
+// pos, cos, sin and attn_mask are the step's (every block's cache holds pos tokens).
+struct PlanBlock {
+  at::Tensor norm_w, wq, wk, wv, wo;
+  std::optional<at::Tensor> bq, bk, bv, bo, q_norm_w, k_norm_w;
+  double eps, qk_eps;
+  int64_t n_heads;
+  bool has_mlp;
+  at::Tensor mlp_norm_w, wg, wu, wd;
+  std::optional<at::Tensor> bg, bu, bd;
+  double mlp_eps;
+
+  AttnArgs attn() const { return AttnArgs{norm_w, eps, wq, bq, wk, bk, wv, bv, wo, bo, q_norm_w, k_norm_w, qk_eps, n_heads}; }
+  MlpArgs mlp() const { return MlpArgs{mlp_norm_w, mlp_eps, wg, bg, wu, bu, wd, bd}; }
+};
+
+struct StackPlan : torch::CustomClassHolder {
+  std::vector<PlanBlock> blocks;
+
+  // One block: `weights` maps the block's parameter names to tensors (see above).
+  void add_block(const c10::Dict<std::string, at::Tensor>& weights, double eps, double qk_eps, double mlp_eps, int64_t n_heads) {
+    auto need = [&](const char* name) {
+      TORCH_CHECK(weights.contains(name), "StackPlan.add_block: block ", blocks.size(), " lacks ", name);
+      return weights.at(name);
+    };
+    auto maybe = [&](const char* name) -> std::optional<at::Tensor> {
+      return weights.contains(name) ? std::optional<at::Tensor>(weights.at(name)) : std::nullopt;
+    };
+    PlanBlock b;
+    b.norm_w = need("mixer_norm.weight");
+    b.wq = need("mixer.q_proj.weight"), b.wk = need("mixer.k_proj.weight"), b.wv = need("mixer.v_proj.weight"), b.wo = need("mixer.o_proj.weight");
+    b.bq = maybe("mixer.q_proj.bias"), b.bk = maybe("mixer.k_proj.bias"), b.bv = maybe("mixer.v_proj.bias"), b.bo = maybe("mixer.o_proj.bias");
+    b.q_norm_w = maybe("mixer.q_norm.weight"), b.k_norm_w = maybe("mixer.k_norm.weight");
+    b.eps = eps, b.qk_eps = qk_eps, b.n_heads = n_heads, b.mlp_eps = mlp_eps;
+    b.has_mlp = weights.contains("mlp_norm.weight");
+    if (b.has_mlp) {
+      b.mlp_norm_w = need("mlp_norm.weight");
+      b.wg = need("mlp.gate_proj.weight"), b.wu = need("mlp.up_proj.weight"), b.wd = need("mlp.down_proj.weight");
+      b.bg = maybe("mlp.gate_proj.bias"), b.bu = maybe("mlp.up_proj.bias"), b.bd = maybe("mlp.down_proj.bias");
+    }
+    blocks.push_back(std::move(b));
+  }
+  int64_t size() const { return static_cast<int64_t>(blocks.size()); }
+  int64_t mlp_blocks() const {  // blocks with a SwiGLU branch
+    int64_t n = 0;
+    for (const PlanBlock& b : blocks) n += b.has_mlp;
+    return n;
+  }
+};
 
 template <typename T>
 at::Tensor stack_impl(const at::Tensor& x, const std::vector<AttnArgs>& attn, const std::vector<std::optional<MlpArgs>>& mlp, const StepArgs& st, at::TensorList k_caches, at::TensorList v_caches) {
@@ -669,33 +716,25 @@ at::Tensor stack_impl(const at::Tensor& x, const std::vector<AttnArgs>& attn, co
   return out;
 }
 
-at::Tensor decode_stack(const at::Tensor& x, const c10::List<std::optional<at::Tensor>>& weights, at::ArrayRef<double> eps,
-                        at::IntArrayRef n_heads, at::TensorList k_caches, at::TensorList v_caches, int64_t pos,
-                        const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin, const std::optional<at::Tensor>& attn_mask) {
+at::Tensor decode_stack(const at::Tensor& x, const c10::intrusive_ptr<StackPlan>& plan, at::TensorList k_caches, at::TensorList v_caches,
+                        int64_t pos, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
+                        const std::optional<at::Tensor>& attn_mask) {
   const char* op = "decode_stack";
   const at::ScalarType dt = check_x(op, x);
-  const int64_t n = static_cast<int64_t>(n_heads.size());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == kStackSlots * n && static_cast<int64_t>(eps.size()) == 3 * n
-                  && static_cast<int64_t>(k_caches.size()) == n && static_cast<int64_t>(v_caches.size()) == n,
-              op, ": for ", n, " blocks (n_heads) give ", kStackSlots * n, " weights, ", 3 * n, " eps and ", n, " k and v caches; got ",
-              weights.size(), ", ", eps.size(), ", ", k_caches.size(), " and ", v_caches.size());
-  std::vector<std::optional<at::Tensor>> w(weights.begin(), weights.end());
+  const int64_t n = plan->size();
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == n && static_cast<int64_t>(v_caches.size()) == n,
+              op, ": the plan has ", n, " blocks; give one k and one v cache each, got ", k_caches.size(), " and ", v_caches.size());
   const StepArgs st{cos, sin, pos, attn_mask};
   std::vector<AttnArgs> attn;
   std::vector<std::optional<MlpArgs>> mlp;
   attn.reserve(n);
   mlp.reserve(n);
   for (int64_t l = 0; l < n; ++l) {
-    const std::optional<at::Tensor>* s = w.data() + l * kStackSlots;
-    for (int64_t i : {0, 1, 3, 5, 7})
-      TORCH_CHECK(s[i].has_value() && s[i]->defined(), op, ": block ", l, " lacks its weight ", i, " (mixer_norm, wq, wk, wv and wo are required)");
-    attn.push_back(AttnArgs{*s[0], eps[3 * l], *s[1], s[2], *s[3], s[4], *s[5], s[6], *s[7], s[8], s[9], s[10], eps[3 * l + 1], n_heads[l]});
+    const PlanBlock& b = plan->blocks[l];
+    attn.push_back(b.attn());
     check_attention(op, dt, x.size(0), x.size(2), attn.back(), st, k_caches[l], v_caches[l]);
-    const bool has_mlp = s[11].has_value() && s[11]->defined();
-    if (has_mlp) {
-      for (int64_t i : {12, 14, 16})
-        TORCH_CHECK(s[i].has_value() && s[i]->defined(), op, ": block ", l, " has an mlp_norm but lacks its weight ", i, " (w_gate, w_up, w_down)");
-      mlp.emplace_back(MlpArgs{*s[11], eps[3 * l + 2], *s[12], s[13], *s[14], s[15], *s[16], s[17]});
+    if (b.has_mlp) {
+      mlp.emplace_back(b.mlp());
       check_swiglu(op, dt, x.size(2), *mlp.back());
     } else {
       mlp.emplace_back(std::nullopt);
@@ -922,8 +961,13 @@ TORCH_LIBRARY_FRAGMENT(looplm_cpu, m) {
       "decode_stateloop_update(Tensor h, Tensor S, Tensor norm_weight, float eps, Tensor w_u, Tensor w_delta, Tensor b_delta, "
       "Tensor A_log) -> Tensor");
   m.def("decode_stateloop_read(Tensor h, Tensor S, Tensor norm_weight, float eps, Tensor w) -> Tensor");
+  m.class_<looplm_cpu::StackPlan>("StackPlan")
+      .def(torch::init<>())
+      .def("add_block", &looplm_cpu::StackPlan::add_block)
+      .def("size", &looplm_cpu::StackPlan::size)
+      .def("mlp_blocks", &looplm_cpu::StackPlan::mlp_blocks);
   m.def(
-      "decode_stack(Tensor x, Tensor?[] weights, float[] eps, int[] n_heads, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int pos, "
+      "decode_stack(Tensor x, __torch__.torch.classes.looplm_cpu.StackPlan plan, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int pos, "
       "Tensor? cos, Tensor? sin, Tensor? attn_mask) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) {

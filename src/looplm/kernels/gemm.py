@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .. import cpuinfo
+from .. import cpuinfo, dispatch
+from .loader import mkl_gemm_ready
 
 STRATEGIES = ("direct", "rows2", "cols2")
 MIN_SIDE = 128  # smaller products are overhead-bound: always direct (and tiny test models never tune)
@@ -185,22 +186,29 @@ def _tuned_mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
 
 
 # The op ``looplm::tuned_mm`` (defined with torch.library.Library rather than custom_op: ~10 µs less per
-# call, and a training step makes ~600 of them). Its autograd is _LinearsFn's.
-_lib = torch.library.Library("looplm", "FRAGMENT")
-_lib.define("tuned_mm(Tensor a, Tensor b, Tensor? bias=None) -> Tensor")
-_lib.impl("tuned_mm", _tuned_mm, "CompositeExplicitAutograd")  # any device (plain a @ b off CPU bf16)
+# call, and a training step makes ~600 of them), defined by register(). Its autograd is _LinearsFn's.
+_lib: list = []
 
 
-@torch.library.register_fake("looplm::tuned_mm", lib=_lib)
-def _(a, b, bias=None):
-    return a.new_empty(a.shape[0], b.shape[1])
+def _define_tuned_mm() -> None:
+    if _lib:
+        return
+    lib = torch.library.Library("looplm", "FRAGMENT")
+    lib.define("tuned_mm(Tensor a, Tensor b, Tensor? bias=None) -> Tensor")
+    lib.impl("tuned_mm", _tuned_mm, "CompositeExplicitAutograd")  # any device (plain a @ b off CPU bf16)
+
+    @torch.library.register_fake("looplm::tuned_mm", lib=lib)
+    def _(a, b, bias=None):
+        return a.new_empty(a.shape[0], b.shape[1])
+
+    _lib.append(lib)
 
 
 def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``a [M, K] @ b [K, N] (+ bias [N])`` (2-d CPU tensors of one dtype), in the fastest measured split
     (see the module docstring)."""
     if torch.compiler.is_compiling():
-        return torch.ops.looplm.tuned_mm(a, b, bias)  # one node of the compiled graph
+        return torch.ops.looplm.tuned_mm(a, b, bias)  # one node of the compiled graph (defined by register())
     return _tuned_mm(a, b, bias)
 
 
@@ -208,9 +216,7 @@ def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [M, K] @ b [K, N]`` for bf16 CPU operands with an fp32 result, not rounded to bf16 on the way:
     MKL's bf16 GEMM (``looplm_cpu::mm_f32``) where looplm's extension has its AVX-512 build, else
     ``a @ b`` in at least fp32. The weight gradients of bf16 linear layers, for their fp32 master weights."""
-    from . import gemv  # here, not at the top: gemv imports this module (TunedLinear) at its own top
-
-    if a.device.type == "cpu" and a.dtype == b.dtype == torch.bfloat16 and gemv.mkl_gemm_ready():
+    if a.device.type == "cpu" and a.dtype == b.dtype == torch.bfloat16 and mkl_gemm_ready():
         return torch.ops.looplm_cpu.mm_f32(a, b)
     c = a @ b
     return c.to(torch.promote_types(c.dtype, torch.float32))
@@ -320,26 +326,28 @@ class TunedLinear(nn.Linear):
 
 
 def linear_group(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
-    """``tuple(lin(x) for lin in linears)`` for Linear layers that read the same ``x`` (attention's q / k /
-    v projections, SwiGLU's gate and up). Where they are all :class:`TunedLinear` and the product is bf16 on
-    a CPU, it is one product with the weights stacked, split into views of one output (the stacked bf16
-    copy made once per step like TunedLinear's); elsewhere the layers are called one by one.
+    """The ``linear_group`` dispatch op (:mod:`looplm.layers.linear`): ``tuple(lin(x) for lin in linears)``
+    for Linear layers that read the same ``x`` (attention's q / k / v projections, SwiGLU's gate and up).
+    Where they are all :class:`TunedLinear` and the product is bf16 on a CPU under autograd, it is one
+    product with the weights stacked, split into views of one output (the stacked bf16 copy made once per
+    step like TunedLinear's); elsewhere the reference (the layers called one by one).
 
     Why: at the SmolLM2-135M training shape on a 2-core Xeon with AMX the stacked forms took 1.9-2.0 ms
     instead of 2.8-3.1 (q/k/v, 576 + 192 + 192 outputs) and 5.3-5.4 ms instead of 5.9 (gate/up, 2 × 1536)
     for the forward, input-gradient and weight-gradient products of one layer: fewer, larger GEMMs, and the
     input gradients summed inside one GEMM instead of added afterwards."""
     linears = tuple(linears)
+    reference = dispatch.OPS["linear_group"].reference
     # training only: without autograd (eval, decoding) the per-layer products need no stacked copy
     if x.device.type != "cpu" or not torch.is_grad_enabled() or not all(type(lin) is TunedLinear for lin in linears):
-        return tuple(lin(x) for lin in linears)
+        return reference(x, linears)
     ws = [lin.weight for lin in linears]
     dt = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
     has_bias = [lin.bias is not None for lin in linears]
     if dt != torch.bfloat16 or len({w.dtype for w in ws}) != 1 or len({w.shape[1] for w in ws}) != 1 or any(has_bias) != all(has_bias):
-        return tuple(lin(x) for lin in linears)
+        return reference(x, linears)
     if ws[0].dtype != dt and not torch.is_autocast_enabled("cpu"):
-        return tuple(lin(x) for lin in linears)  # fp32 weights outside autocast: F.linear's promotion rules
+        return reference(x, linears)  # fp32 weights outside autocast: F.linear's promotion rules
     w_c = _weight_copy(linears, dt, "_stack_cache")
     b_c = torch.cat([lin.bias.detach().to(dt) for lin in linears]) if all(has_bias) else None
     with torch.autocast("cpu", enabled=False):
@@ -350,6 +358,7 @@ def linear_group(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
 def tuned_linears(model: nn.Module) -> int:
     """Switch every plain ``nn.Linear`` of ``model`` to :class:`TunedLinear` in place (before compiling);
     returns how many. Parameters, buffers and hooks stay; ``state_dict`` keys are unchanged."""
+    _define_tuned_mm()  # compiled TunedLinear products are one looplm::tuned_mm node
     n = 0
     for m in model.modules():
         if type(m) is nn.Linear:
@@ -358,4 +367,10 @@ def tuned_linears(model: nn.Module) -> int:
     return n
 
 
-__all__ = ["STRATEGIES", "TunedLinear", "forget", "linear_group", "mm", "mm_f32", "plan", "plans_path", "tuned_linears"]
+def register() -> None:
+    """Serve the ``linear_group`` op with the stacked product above (CPU, bf16, autograd, TunedLinear layers)."""
+    _define_tuned_mm()
+    dispatch.register("linear_group", linear_group, "looplm.kernels.gemm")
+
+
+__all__ = ["STRATEGIES", "TunedLinear", "forget", "linear_group", "mm", "mm_f32", "plan", "plans_path", "register", "tuned_linears"]

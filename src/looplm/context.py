@@ -1,0 +1,111 @@
+"""What the driver hands to the blocks and the recurrence rules each forward (leaf types, plain data).
+
+* :class:`ForwardContext` (``fctx``): positions, rotary tables and masks, shared by every block;
+* :class:`BranchModulation` / :class:`BlockModulation`: the hooks a rule may put inside a block's
+  residual branches (timestep conditioning, hyper-connections; see :mod:`looplm.blocks`);
+* :class:`LoopContext` (``lctx``): where the loop driver is and what a rule may read
+  (see :mod:`looplm.recurrence.base`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .cache import LoopCache
+
+__all__ = ["BlockModulation", "BranchModulation", "ForwardContext", "LoopContext"]
+
+
+@dataclass
+class ForwardContext:
+    """Per-forward information shared by every block (built once per forward by the model): ``fctx``."""
+
+    rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # rotary dim -> cos, sin [B, T, rot]
+    positions: torch.Tensor | None = None  # [B, T] position of each token (left padding counts real tokens only)
+    attn_mask: torch.Tensor | None = None  # bool [B, 1, T, T_past+T]; None = plain causal
+    is_causal: bool = True
+    pad_mask: torch.Tensor | None = None  # bool [B, T], True = real token (left padding)
+
+    def rope_for(self, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` tables ``[B, T, rotary_dim]``; the model builds one per rotary dim it declares."""
+        try:
+            return self.rope[rotary_dim]
+        except KeyError:
+            raise KeyError(
+                f"no rotary tables for rotary dim {rotary_dim} (have {sorted(self.rope)}); a recurrence rule that "
+                "owns an attention mixer must declare its head dim in `rope_dims`"
+            ) from None
+
+
+@dataclass
+class BranchModulation:
+    """Hooks of one residual branch. Tensors are ``None`` (identity) or broadcastable to ``[B, T, d]``
+    (per channel ``[d]``, per sequence ``[B, 1, d]`` or per token ``[B, T, d]``)."""
+
+    scale: torch.Tensor | None = None  # multiplies the normalised branch input
+    shift: torch.Tensor | None = None  # added to the normalised branch input (after the scale)
+    gate: torch.Tensor | None = None  # multiplies the branch output
+    read: Callable[[torch.Tensor], torch.Tensor] | None = None  # residual carrier -> branch input [B, T, d]
+    write: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # (carrier, branch out) -> carrier
+
+
+@dataclass
+class BlockModulation:
+    """The modulation of one block call: one :class:`BranchModulation` per branch (``None`` = plain)."""
+
+    mixer: BranchModulation | None = None
+    mlp: BranchModulation | None = None
+
+
+@dataclass
+class LoopContext:
+    """Where the driver is and what a rule may read (see :mod:`looplm.recurrence.base`). Called ``lctx``."""
+
+    iteration: int = 0  # k
+    num_loops: int = 1  # r: iterations the driver runs (the largest per-row count)
+    train_loops: int = 1  # K: the config's training loop count
+    loops_per_row: torch.Tensor | None = None  # [B] long, when depth was given per sequence
+    fctx: ForwardContext | None = None  # the blocks' context (positions, rotary tables, masks)
+    cache: LoopCache | None = None  # the decoding cache, None outside decoding
+    loop_options: dict[str, Any] = field(default_factory=dict)  # rule-specific inference options
+    embeddings: torch.Tensor | None = None  # E [B, T, d], before the prelude
+    embed_weight: torch.Tensor | None = None  # [V, d] token embedding matrix (unscaled)
+    embed_multiplier: float = 1.0  # E = embed_multiplier · embed_weight[x]
+    targets: torch.Tensor | None = None  # [B, T] next-token targets (-100 = ignore), training only
+    core_input: torch.Tensor | None = None  # Z^k, set by the driver before rule.step
+    readout_fn: Callable[[torch.Tensor, "LoopContext"], torch.Tensor] | None = None
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[B, T]`` token positions."""
+        return self.fctx.positions
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this is the last iteration the driver runs."""
+        return self.iteration == self.num_loops - 1
+
+    def rope_for(self, rotary_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotary ``(cos, sin)`` tables ``[B, T, rotary_dim]`` (the dim must be declared in ``rope_dims``)."""
+        return self.fctx.rope_for(rotary_dim)
+
+    def readout(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, T, V]`` of any iterate ``h [B, T, d]``: coda, final norm and head. During decoding
+        the coda uses slots of its own per iteration (``("readout", k, layer)``)."""
+        return self.readout_fn(h, self)
+
+    def active_rows(self) -> torch.Tensor | None:
+        """``[B]`` bool: rows still looping at this iteration (``None`` = every row)."""
+        if self.loops_per_row is None:
+            return None
+        return self.iteration < self.loops_per_row
+
+    def cache_slot(self, key, factory: Callable[[], Any]):
+        """A decoding cache slot owned by the rule (``None`` when not decoding); see :mod:`looplm.cache`."""
+        if self.cache is None:
+            return None
+        return self.cache.slot(("rule", key), factory)

@@ -1,0 +1,166 @@
+"""Matrix-vector kernels for CPU decoding, and the decode-time linear layers that use them.
+
+A decode step multiplies a handful of activation rows (the batch) by every weight matrix, so its cost
+is the weight bytes read from memory (the bandwidth limit of ``benchmarks/bench_decode.py``). torch's
+bf16 matmul on CPU (oneDNN) is built for matrix-matrix products and reads bf16 weights at 4–15 GB/s at
+the SmolLM2-135M shapes on a 2-core Xeon that streams ~23 GB/s, which made bf16 decoding *slower* than
+fp32; its fp32 GEMM (MKL) is at the bandwidth for one row but reads at 8–14 GB/s for 4–8 rows.
+``csrc/gemv.cpp`` reads each weight matrix in place, once, with software prefetching: bf16 with
+one row of x on AVX512-BF16 dot products (13–27 GB/s, 2–4× torch on that machine), bf16 with 2–16 rows
+on AMX tiles where the CPU has them (1.1–2.6×), fp32 with 3–8 rows on AVX-512 FMA tiles (1.4–2.7×).
+The decode step as a whole is measured by ``benchmarks/bench_decode.py``.
+
+The reference is ``F.linear``: :func:`linear` uses the kernels only where they are the faster path —
+CPU, bf16 or fp32 activations and weights, the row counts of :func:`kernel_wins`, no autograd — and
+``F.linear`` everywhere else; ``tests/test_gemv.py`` checks every path against an fp64 product of the
+same numbers.
+
+The kernels are in the ``avx512bf16`` build of looplm's extension (:mod:`looplm.kernels.loader`: built by
+``looplm kernels build``, for CPUs with AVX512-BF16; the fp32 kernel too: one build for the CPUs this was
+measured on). Where the CPU lacks AVX512-BF16, :func:`available` is ``False`` and the products run on
+``F.linear``; the fused decode steps of ``csrc/decode.cpp`` (:mod:`looplm.kernels.decode`) call the kernels
+from C++ where they exist and torch's matmul where not.
+
+Inside :func:`looplm.generate.generate` (:func:`looplm.dispatch.decode_steps`) every plain ``nn.Linear``
+with bf16 or fp32 CPU weights that a kernel serves at the call's batch size runs its one-token steps
+through :func:`linear` (the decode step registered by :func:`register`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import dispatch
+from .loader import amx, constant_for_compile, enabled, extension_available, kernels_available, unavailable_reason  # noqa: F401
+from .gemm import TunedLinear
+
+MAX_ROWS = 16  # the AMX path's limit (one B tile holds 16 rows of x); above it torch's matmul is the path
+_wins: dict[tuple[int, int, torch.dtype], bool] = {}
+
+
+@constant_for_compile
+def kernel_wins(rows: int, k: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Where the kernels beat torch's matmul (2-core Xeon with AMX, weights streamed from memory): the
+    rule of ``csrc/gemv.h`` (``looplm_cpu::kernel_wins``, asked once per shape), which the fused decode
+    steps apply in C++ too. ``False`` where the kernels are not built.
+
+    bf16, one row: the AVX512-BF16 path at every shape measured (K 64-8192, N 64-151,936: 1.4-4x).
+    bf16, 2-16 rows: the AMX path where the CPU has it (1.1-2.6x at K 576-8192, N 192-49,152); without
+    AMX the one-row path per row, only for 2-4 short rows (4 rows: 3x at K 256, 1.15x at K 896,
+    0.67-0.78x at K 2048+). fp32: 3-8 rows while they fit in L1 beside the weights (rows x K <= 6144;
+    1.4-2.7x MKL at K 576, 0.94x for 8 rows of K 1536); one row stays on MKL (at the bandwidth already).
+    """
+    if not kernels_available() or dtype not in _KERNEL_DTYPES:
+        return False
+    key = (rows, k, dtype)
+    win = _wins.get(key)
+    if win is None:
+        win = _wins[key] = bool(torch.ops.looplm_cpu.kernel_wins(rows, k, dtype))
+    return win
+
+
+def available() -> bool:
+    """Whether the GEMV kernels run here (an AVX512-BF16 CPU; loads the extension on the first call)."""
+    return kernels_available()
+
+
+def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, use_amx: bool = True) -> torch.Tensor:
+    """The kernels themselves: ``x [M, K]``, ``weight [N, K]``, ``bias [N]`` (contiguous bf16, CPU) ->
+    ``[M, N]``; 2-16 rows on AMX where the CPU has it, unless ``use_amx=False`` (the per-row path)."""
+    if not available():
+        raise RuntimeError(f"the bf16 GEMV kernel is not available: {unavailable_reason()}")
+    return torch.ops.looplm_cpu.gemv_bf16(x, weight, bias, use_amx)
+
+
+def gemv_fp32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 kernel: ``x [M, K]`` with 3 <= M <= 8, ``weight [N, K]``, ``bias [N]`` (contiguous fp32, CPU)."""
+    if not available():
+        raise RuntimeError(f"the GEMV kernels are not available: {unavailable_reason()}")
+    return torch.ops.looplm_cpu.gemv_fp32(x, weight, bias)
+
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def uses_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`linear` takes a kernel for these arguments (else ``F.linear``)."""
+    dt = x.dtype
+    return (
+        dt in _KERNEL_DTYPES
+        and weight.dtype == dt
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and x.numel() > 0
+        and kernel_wins(x.numel() // x.shape[-1], x.shape[-1], dt)
+        and available()
+        and weight.is_contiguous()
+        and (bias is None or (bias.dtype == dt and bias.is_contiguous()))
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``x [..., K]`` -> ``[..., N]``), on a kernel where it is faster."""
+    if not uses_kernel(x, weight, bias):
+        return F.linear(x, weight, bias)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
+    if x.dtype == torch.bfloat16:
+        y = torch.ops.looplm_cpu.gemv_bf16(x2, weight, bias)  # [M, N]
+    else:
+        y = torch.ops.looplm_cpu.gemv_fp32(x2, weight, bias)
+    return y.view(*lead, weight.shape[0])
+
+
+_PLAIN_LINEARS = (nn.Linear, TunedLinear)  # TunedLinear: a model switched for training (looplm.kernels.gemm)
+
+
+def _prepare_linear(lin: nn.Module, batch_size: int | None):
+    """A linear layer's decode step applies where its weights are bf16 or fp32 on the CPU and a kernel serves
+    the call's batch size (so e.g. fp32 at batch 1 keeps ``nn.Linear``, and its call costs nothing extra)."""
+    w = lin.weight
+    if w.dtype not in _KERNEL_DTYPES or w.device.type != "cpu" or not available():
+        return None
+    if batch_size is not None and not kernel_wins(batch_size, lin.in_features, w.dtype):
+        return None
+    return True
+
+
+def _linear_step(lin: nn.Module, prepared, x: torch.Tensor):
+    """One new position per sequence (``x [B, 1, K]``: a decode step) on :func:`linear`; ``None`` (the layer's
+    own ``F.linear``) otherwise. Keeping the prompt step on ``F.linear`` makes the choice depend on the
+    batch size only, which a compiled decode step holds fixed, not on the prompt length."""
+    if x.dim() == 3 and x.shape[1] == 1:
+        return linear(x, lin.weight, lin.bias)
+    return None
+
+
+@contextlib.contextmanager
+def decode_linears(model: nn.Module, batch_size: int | None = None):
+    """Only the linear layers' decode steps, for the ``with`` block (:func:`looplm.dispatch.decode_steps` with
+    this module's steps; ``generate`` enters all steps at once). Yields how many layers were switched."""
+    with dispatch.decode_steps(model, batch_size, only=lambda s: s.provider == PROVIDER) as counts:
+        yield sum(counts.values())
+
+
+def fused_linear_class(cls: type = nn.Linear) -> type:
+    """The class a plain linear layer of class ``cls`` has while its decode step is switched in."""
+    return dispatch.DECODE_STEPS[cls].fused_class()
+
+
+PROVIDER = "looplm.kernels.gemv"
+
+
+def register() -> None:
+    """Register the one-token step of plain linear layers (:func:`looplm.dispatch.decode_steps`)."""
+    for cls in _PLAIN_LINEARS:
+        dispatch.register_decode_step(
+            dispatch.DecodeStep(f"gemv {cls.__name__}", cls, _prepare_linear, {"forward": _linear_step}, provider=PROVIDER)
+        )
+
+
+__all__ = ["MAX_ROWS", "amx", "available", "decode_linears", "enabled", "extension_available", "fused_linear_class", "unavailable_reason", "gemv_bf16", "gemv_fp32", "kernel_wins", "linear", "register", "uses_kernel"]
