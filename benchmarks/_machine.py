@@ -10,7 +10,7 @@ SHARED_CORPUS = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinys
 
 def cpu_name() -> str:
     """The ``model name`` of /proc/cpuinfo (``unknown CPU`` elsewhere)."""
-    from looplm import cpuinfo
+    from looplm.utils import cpuinfo
 
     return cpuinfo.model_name() or "unknown CPU"
 

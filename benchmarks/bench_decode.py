@@ -7,8 +7,8 @@ Prompt 32 tokens, 128 new tokens, greedy, batch 1 and 8, fp32 and bf16 weights.
 
 Contenders: looplm (flat and looped, eager; flat with every block compiled — ``looplm generate
 --compile`` — unless ``--no-compiled``). On a CPU with AVX512-BF16, looplm's decode runs the products
-of its few-row steps on its own kernels (``looplm/layers/gemv.py``: bf16 with 1-16 rows, fp32 with 3-8)
-and each transformer block's one-token step as two fused ops (``looplm/layers/decode.py``), a stack of
+of its few-row steps on its own kernels (``looplm/kernels/gemv.py``: bf16 with 1-16 rows, fp32 with 3-8)
+and each transformer block's one-token step as two fused ops (``looplm/kernels/decode.py``), a stack of
 such blocks as one ``decode_stack`` call; the flat rows are then repeated with each block's two ops
 called from Python ("op per branch"), with the blocks on their reference forward ("blocks unfused") and
 on plain PyTorch ("torch matmul": no kernels, no fusion) to show what each is worth. Baseline:
@@ -37,7 +37,7 @@ import torch
 
 from _machine import SHARED_CORPUS, cpu_name, find_gguf, native_bf16, sync  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
-from looplm.layers import decode, gemv
+from looplm.kernels import decode, gemv
 
 SHAPE = dict(vocab=49152, d=576, ff=1536, heads=9, kv=3)
 
@@ -221,6 +221,9 @@ def mamba_rows(args, bw: float) -> None:
 
 
 def main() -> None:
+    from looplm import kernels
+
+    kernels.load()  # looplm's CPU fast paths behind the model's dispatch points (built once if needed)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--new", type=int, default=128)

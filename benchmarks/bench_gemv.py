@@ -1,4 +1,4 @@
-"""looplm's decode kernels (``looplm/layers/gemv.py``) against torch's matmul, one linear layer at a time.
+"""looplm's decode kernels (``looplm/kernels/gemv.py``) against torch's matmul, one linear layer at a time.
 
 For each weight shape and number of activation rows: the time of ``y = x · Wᵀ`` with torch
 (``F.linear``: oneDNN for bf16, MKL for fp32) and with the kernel ``gemv.linear`` would pick (bf16: one
@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from _machine import cpu_info  # noqa: E402  (benchmarks/ is on sys.path when run as a script)
 
-from looplm.layers import gemv
+from looplm.kernels import gemv
 
 SHAPES = [  # (N, K): SmolLM2-135M's k/v, q/o, gate/up, down, tied head; a 2048-wide model; Qwen3's head
     (192, 576), (576, 576), (1536, 576), (576, 1536), (49152, 576), (2048, 2048), (8192, 2048), (2048, 8192), (151936, 1024),

@@ -52,7 +52,7 @@ def bench(mixer, x, chunks, bf16, repeats, warmup):
 
 
 def cpu_name() -> str:
-    from looplm import cpuinfo
+    from looplm.utils import cpuinfo
 
     return cpuinfo.model_name() or platform.processor() or platform.machine()
 

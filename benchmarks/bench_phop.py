@@ -27,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def cpu_description() -> str:
-    from looplm import cpuinfo
+    from looplm.utils import cpuinfo
 
     if cpuinfo.model_name() is None and not cpuinfo.flags():
         return platform.processor() or "unknown CPU"

@@ -11,7 +11,7 @@ Contenders (each in its own process, so peak memory is its own):
                       ``fused=True`` (the Trainer's default optimizer, ``adamw_torch_fused``, since
                       torch 2.8). The baseline.
 * ``hf-malloc``     — the same ``hf`` step in a process whose glibc keeps freed memory
-                      (:func:`looplm.cpu_malloc.keep_freed_memory`, what ``looplm train`` does on a CPU):
+                      (:func:`looplm.utils.cpu_malloc.keep_freed_memory`, what ``looplm train`` does on a CPU):
                       how much of looplm's lead is the allocator (CPU only).
 * ``looplm``        — the same step on ``looplm`` (chunked loss: no ``[B, T, V]`` logits; fused AdamW;
                       the Linear layers switched to TunedLinear where ``train.cpu_gemm: auto`` would —
@@ -137,7 +137,7 @@ def run_looplm(args, layout: str, precision: str, compiled: bool) -> dict:
     import looplm
     from looplm.parallel import compile_blocks
 
-    from looplm.layers.cpu_gemm import tuned_linears
+    from looplm.kernels.gemm import tuned_linears
     from looplm.train.trainer import resolve_cpu_gemm
 
     model = looplm.build(looplm_config(layout, args.seq), device=args.device).train()
@@ -234,7 +234,7 @@ def child(args) -> None:
     torch.manual_seed(0)
     if name in ("hf", "hf-malloc"):
         if name == "hf-malloc":
-            from looplm import cpu_malloc
+            from looplm.utils import cpu_malloc
 
             if not cpu_malloc.keep_freed_memory():
                 print("RESULT " + json.dumps({"error": "hf-malloc needs glibc (Linux)"}))
@@ -254,6 +254,9 @@ def child(args) -> None:
 
 
 def main() -> None:
+    from looplm import kernels
+
+    kernels.load()  # looplm's CPU fast paths behind the model's dispatch points (built once if needed)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)

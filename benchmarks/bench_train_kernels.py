@@ -50,12 +50,15 @@ def row(what: str, base: str, base_s: float, ours: str, ours_s: float, flops: fl
 
 
 def main() -> None:
+    from looplm import kernels
+
+    kernels.load()  # looplm's CPU fast paths behind the model's dispatch points (built once if needed)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
 
-    from looplm import cpu_malloc
-    from looplm.layers import cpu_gemm, gemv
+    from looplm.utils import cpu_malloc
+    from looplm.kernels import gemm as cpu_gemm, gemv
     from looplm.layers import loss as loss_mod
     from looplm.layers.attention import CPUAttention
 

@@ -71,6 +71,9 @@ def child(args) -> None:
 
 
 def main() -> None:
+    from looplm import kernels
+
+    kernels.load()  # looplm's CPU fast paths behind the model's dispatch points (built once if needed)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--loops", type=int, nargs="+", default=[1, 2, 4, 8])
     ap.add_argument("--batch", type=int, default=8)

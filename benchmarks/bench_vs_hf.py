@@ -68,6 +68,9 @@ def time_steps(model, x, precision: str, steps: int, warmup: int) -> list[float]
 
 
 def main():
+    from looplm import kernels
+
+    kernels.load()  # looplm's CPU fast paths behind the model's dispatch points (built once if needed)
     ap = argparse.ArgumentParser()
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--d-ff", type=int, default=1408)

@@ -206,7 +206,7 @@ def test_a_model_trains_the_same_with_tuned_linears(monkeypatch):
 
 def test_trainer_rule_and_config():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    from looplm.cpuinfo import flags
+    from looplm.utils.cpuinfo import flags
 
     native = bool({"avx512_bf16", "amx_bf16"} & flags())
     assert resolve_cpu_gemm("auto", cpu, "bf16", False) == native

@@ -108,7 +108,7 @@ def test_generate_on_bf16_weights(name):
 
 _FAULTS_SCRIPT = """
 import resource, sys, torch
-from looplm import cpu_malloc
+from looplm.utils import cpu_malloc
 kept = cpu_malloc.keep_freed_memory() if sys.argv[1] == "keep" else False
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -120,7 +120,7 @@ print(kept, *counts)
 """
 
 
-@pytest.mark.skipif(not __import__("looplm.cpu_malloc").cpu_malloc.supported(), reason="needs Linux with glibc")
+@pytest.mark.skipif(not __import__("looplm.utils.cpu_malloc").utils.cpu_malloc.supported(), reason="needs Linux with glibc")
 def test_cpu_malloc_reuses_freed_pages_instead_of_faulting_new_ones():
     """``keep_freed_memory``: a 64 MB tensor allocated again after a free touches no new page (the
     system default maps it fresh: one fault per 4 KiB page, 16k faults). Own processes: the setting
@@ -143,7 +143,7 @@ def test_cpu_malloc_reuses_freed_pages_instead_of_faulting_new_ones():
 
 
 def test_cpu_malloc_setting_resolves_and_validates():
-    from looplm import cpu_malloc
+    from looplm.utils import cpu_malloc
     from looplm.train import load_train_config
 
     assert cpu_malloc.resolve(True, "cuda") and not cpu_malloc.resolve(False, "cpu")

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from looplm.config import ConfigError
-from looplm.grid import format_table, grid_rows, load_grid
+from looplm.tasks.grid import format_table, grid_rows, load_grid
 from looplm.info import model_info
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_bad_grid_files_are_reported(tmp_path):
 
 
 def test_lm_grid_run_trains_every_row_with_the_train_config(tmp_path):
-    from looplm.grid import run_grid
+    from looplm.tasks.grid import run_grid
     from test_train_resume import write_corpus
 
     corpus = write_corpus(tmp_path / "c.txt", n_docs=60)

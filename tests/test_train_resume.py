@@ -133,6 +133,6 @@ def test_kill9_then_resume_is_bit_exact(tmp_path):
     assert not list((out / "ckpt").glob(".tmp-*"))
     run = json.loads((out / "run.json").read_text())
     assert run["resumed_from_step"] == resumed_from and run["previous"]
-    from looplm import cpu_malloc
+    from looplm.utils import cpu_malloc
 
     assert run["cpu_malloc_kept"] == cpu_malloc.supported()  # train.cpu_malloc auto: on for a CPU run under glibc

@@ -50,7 +50,7 @@ DECODE_MODELS = {
 
 def cpu_description() -> str:
     """CPU model name and whether it has native bf16 matrix instructions (AVX512-BF16 / AMX)."""
-    from . import cpuinfo
+    from .utils import cpuinfo
 
     name, flags = cpuinfo.model_name() or "unknown CPU", cpuinfo.flags()
     extra = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]

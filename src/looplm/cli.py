@@ -28,7 +28,7 @@ COMMAND_MODULES = {
     "plot": "looplm.train.cli",
     "demo": "looplm.train.cli",
     "task": "looplm.tasks.cli",
-    "grid": "looplm.grid",
+    "grid": "looplm.tasks.grid",
     "analyze": "looplm.analysis.cli",
     "bench": "looplm.bench",
     "export": "looplm.hf.cli",

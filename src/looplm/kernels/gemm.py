@@ -39,7 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .. import cpuinfo, dispatch
+from .. import dispatch
+from ..utils import cpuinfo
 from .loader import mkl_gemm_ready
 
 STRATEGIES = ("direct", "rows2", "cols2")

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from .. import cpuinfo
+from ..utils import cpuinfo
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ("gemv.cpp", "decode.cpp", "attention.cpp", "loss.cpp", "reduce.cpp")

@@ -77,7 +77,7 @@ def _format_summary(s: dict) -> str:
 
 # ------------------------------------------------------------------------------------- plot / demo
 def cmd_plot(args) -> int:
-    from ..plot import plot_run
+    from .plot import plot_run
 
     path = plot_run(args.run_dir, args.out)
     print(f"wrote {path}")
@@ -85,7 +85,7 @@ def cmd_plot(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from ..plot import plot_run
+    from .plot import plot_run
     from .config import load_train_config
     from .metrics import read_metrics
     from .run_lock import RunDirLock, RunDirLockedError

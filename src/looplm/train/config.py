@@ -169,7 +169,7 @@ class TrainLoopConfig:
     seed: int = 42
     device: str = "auto"  # "auto" (cuda if available) | "cpu" | "cuda"
     cpu_threads: int | None = None  # torch.set_num_threads on CPU (None = torch's default)
-    cpu_malloc: bool | str = "auto"  # keep freed memory for reuse (looplm.cpu_malloc): true | false | "auto" (CPU + glibc)
+    cpu_malloc: bool | str = "auto"  # keep freed memory for reuse (looplm.utils.cpu_malloc): true | false | "auto" (CPU + glibc)
     activation_checkpointing: bool = False  # recompute each loop iteration in backward
     compile: bool | str = "auto"  # compile every block (looplm.parallel.compile_blocks): true | false | "auto" (see resolve_compile)
     cpu_gemm: bool | str = "auto"  # bf16 Linear products in the measured fastest split (looplm.kernels.gemm): true | false | "auto" (CPU + bf16)

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .. import cpu_malloc, cpuinfo
+from ..utils import cpu_malloc, cpuinfo
 from ..data.tokenizers import check_tokenizer_fingerprint, tokenizer_fingerprint
 from ..dataclass_util import to_dict
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -187,7 +187,7 @@ class Trainer:
         self.malloc_kept = False
         if cpu_malloc.resolve(tc.cpu_malloc, info.device.type):
             # every step frees and reallocates the same large tensors: reuse their pages instead of
-            # page-faulting fresh ones (measured 15-25% of a SmolLM2-shape CPU step, see looplm.cpu_malloc)
+            # page-faulting fresh ones (measured 15-25% of a SmolLM2-shape CPU step, see looplm.utils.cpu_malloc)
             self.malloc_kept = cpu_malloc.keep_freed_memory()
             if not self.malloc_kept:
                 self._log("warning: train.cpu_malloc=true needs glibc (Linux); the system allocator is left as it is")

@@ -25,7 +25,7 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .train.metrics import read_metrics
+    from .metrics import read_metrics
 
     run_dir = Path(run_dir)
     records = [r for r in read_metrics(run_dir) if not r.get("skipped")]

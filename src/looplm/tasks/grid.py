@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .dataclass_util import ConfigError, from_dict, read_yaml_file
+from ..dataclass_util import ConfigError, from_dict, read_yaml_file
 
 __all__ = ["GridGroup", "GridConfig", "load_grid", "grid_rows", "format_table", "run_grid", "register"]
 
@@ -79,7 +79,7 @@ def load_grid(path) -> GridConfig:
 
 
 def _task_cfg(grid: GridConfig, group: GridGroup, N: int, R: int, sets: list[str]):
-    from .tasks.train import load_task_config
+    from .train import load_task_config
 
     ov = list(sets) + [f"layers={N}", f"loops={R}"]
     if group.model is not None:
@@ -94,7 +94,7 @@ def _task_cfg(grid: GridConfig, group: GridGroup, N: int, R: int, sets: list[str
 
 def grid_rows(grid: GridConfig, sets: list[str] | None = None) -> list[dict]:
     """One row per (group, N, R): label, relative and exact parameters / FLOPs (no training)."""
-    from .info import model_info
+    from ..info import model_info
 
     rows = []
     for g in grid.groups:
@@ -139,13 +139,13 @@ def run_grid(grid: GridConfig, out_dir, sets: list[str] | None = None, quiet: bo
         g = groups[r["group"]]
         run_dir = out / f"{g.name.replace(' ', '_').replace('/', '_')}-{r['N']}x{r['R']}"
         if grid.kind == "task":
-            from .tasks.train import train_task
+            from .train import train_task
 
             res = train_task(_task_cfg(grid, g, r["N"], r["R"], sets or []), run_dir, quiet=quiet)
             r.update(accuracy=res["best_accuracy"], seeds=[x["accuracy"] for x in res["runs"]],
                      train_time_s=sum(x["train_time_s"] for x in res["runs"]))
         else:
-            from .train import Trainer, load_train_config
+            from ..train import Trainer, load_train_config
 
             ov = list(sets or []) + [f"model={g.model}", f"model_overrides.n_core={r['N'] * (grid.blocks_per_layer or 1)}",
                                      f"model_overrides.n_loops={r['R']}"]
