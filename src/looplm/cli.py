@@ -194,7 +194,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seeds a random preset's weights (no --checkpoint) and the sampling")
     p.add_argument("--compile", action="store_true",
                    help="compile every block first (torch.compile); pays for long generations where the fused CPU "
-                        "decode step does not run (GPUs, CPUs without AVX512-BF16, Mamba-2 blocks, modulated blocks)")
+                        "decode step does not run (GPUs, modulated blocks, CPUs without a C++ compiler)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default="fp32",
                    help="weights' dtype for decoding: fp32 (as trained; the default), bf16, or auto = bf16 on CUDA "
                         "and on CPUs with native bf16 (where bf16 decodes 1.5-2x faster than fp32), else fp32")
