@@ -105,3 +105,65 @@ def test_tiny_demo_config_is_the_stable_interface():
     cfg = load_train_config(REPO / "configs/train/tiny.yaml")
     assert cfg.model == "tiny-llama" and cfg.data.source == "stdlib" and cfg.train.precision in ("auto", "bf16")
     assert torch.device(cfg.train.device if cfg.train.device != "auto" else "cpu").type == "cpu"
+
+
+# ------------------------------------------------------------------------------------- hostile YAML
+BOMB = "\n".join(  # 9 levels of 9 aliases: ~390 million values once expanded, a few hundred bytes on disk
+    [f"l0: &l0 [{', '.join(['lol'] * 9)}]"]
+    + [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
+    + ["model_overrides: *l8", "model: tiny-llama"]
+) + "\n"
+
+
+def test_an_alias_bomb_is_refused_at_parse_time_with_a_short_message(tmp_path):
+    import time
+
+    (tmp_path / "bomb.yaml").write_text(BOMB)
+    assert len(BOMB) < 700
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as ei:
+        load_train_config(tmp_path / "bomb.yaml")
+    assert time.perf_counter() - t0 < 2  # was: about a minute and gigabytes, then an empty MemoryError
+    msg = str(ei.value)
+    assert "bomb.yaml" in msg and "aliases expand to more than 100,000 values" in msg and len(msg) < 1000
+    # a recursive alias is refused too; aliases within the limit (and merge keys) still work
+    (tmp_path / "rec.yaml").write_text("model: tiny-llama\nmodel_overrides: &a {x: *a}\n")
+    with pytest.raises(ConfigError, match="recursive alias"):
+        load_train_config(tmp_path / "rec.yaml")
+    (tmp_path / "ok.yaml").write_text("base: &b {max_steps: 3, seed: 1}\nmodel: tiny-llama\ntrain:\n  <<: *b\n  seed: 2\n")
+    data = looplm.dataclass_util.read_yaml_file(tmp_path / "ok.yaml", "x")
+    assert data["train"] == {"max_steps": 3, "seed": 2}
+
+
+def test_error_messages_show_a_bounded_summary_of_a_value():
+    huge = [list(range(1000))] * 1000  # a million values behind one key
+    with pytest.raises(ConfigError) as ei:
+        load_train_config({"model": "tiny-llama", "train": {"max_steps": huge}, "optim": {"name": "x" * 100_000}})
+    assert len(str(ei.value)) < 1000 and "train.max_steps: expected an integer, got [[0, 1, 2" in str(ei.value)
+
+
+def test_a_duplicate_key_is_refused_naming_both_lines(tmp_path):
+    (tmp_path / "dup.yaml").write_text("model: tiny-llama\ntrain:\n  max_steps: 3\n  seed: 1\n  max_steps: 5\n")
+    with pytest.raises(ConfigError) as ei:
+        load_train_config(tmp_path / "dup.yaml")
+    msg = str(ei.value)
+    assert "found the key 'max_steps' twice (first on line 3)" in msg and "line 5" in msg
+
+
+def test_python_tags_stay_refused(tmp_path):
+    (tmp_path / "py.yaml").write_text("model: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(ConfigError, match="could not determine a constructor"):
+        load_train_config(tmp_path / "py.yaml")
+
+
+@pytest.mark.parametrize("override, message", [
+    ("train.grad_clip=nan", "train.grad_clip: got NaN"),  # would switch clipping off
+    ("train.grad_clip=.inf", "grad_clip: must be a finite number"),
+    ("optim.lr=inf", "lr / muon_lr: must be finite numbers >= 0, got inf"),  # was accepted until step 2
+    ("optim.muon_lr=nan", "optim.muon_lr: got NaN"),
+    ("optim.weight_decay=inf", "weight_decay: must be a finite number"),
+    ("schedule.warmup_fraction=nan", "schedule.warmup_fraction: got NaN"),
+])
+def test_non_finite_numbers_are_refused(override, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("/", "/")):
+        load_train_config({"model": "tiny-llama"}, [override])

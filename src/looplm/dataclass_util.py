@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from typing import Any, TypeVar, Union, get_args, get_origin, get_type_hints
@@ -25,9 +26,30 @@ class ConfigError(ValueError):
     """A configuration is invalid. ``errors`` lists one message per bad field."""
 
     def __init__(self, errors: list[str], what: str = "config"):
-        self.errors = list(errors)
+        self.errors = [_bounded(str(e)) for e in errors]  # a message quoting a huge value stays readable
         lines = "\n".join(f"  - {e}" for e in self.errors)
         super().__init__(f"invalid {what} ({len(self.errors)} problem(s)):\n{lines}")
+
+
+def _bounded(message: str, limit: int = 600) -> str:
+    """``message`` cut in the middle to at most about ``limit`` characters (its start names the field,
+    its end usually says what to do)."""
+    if len(message) <= limit:
+        return message
+    keep = limit // 2 - 20
+    return f"{message[:keep]} ... [{len(message) - 2 * keep:,} characters left out] ... {message[-keep:]}"
+
+
+def brief(value: Any, limit: int = 120) -> str:
+    """A bounded ``repr`` of ``value`` for error messages: nested containers and long strings are cut
+    (``reprlib``), so a huge value (e.g. a YAML alias bomb) never becomes a huge message."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxlist, r.maxtuple, r.maxdict, r.maxset = 3, 6, 6, 4, 6
+    r.maxstring, r.maxother, r.maxlong = 60, 60, 40
+    text = r.repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _suggest(key: str, options: list[str]) -> str:
@@ -59,13 +81,13 @@ def _coerce(value: Any, tp, path: str, errors: list[str]):
         if dataclasses.is_dataclass(value) and isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            errors.append(f"{path}: expected a mapping for {tp.__name__}, got {type(value).__name__}")
+            errors.append(f"{path}: expected a mapping for {tp.__name__}, got {type(value).__name__} {brief(value, 60)}")
             return None
         return _build(tp, value, path, errors)
     origin = get_origin(tp)
     if origin in (list, tuple, typing.Sequence):
         if not isinstance(value, (list, tuple)):
-            errors.append(f"{path}: expected a list, got {value!r}")
+            errors.append(f"{path}: expected a list, got {brief(value)}")
             return None
         args = get_args(tp)
         elem = args[0] if args else Any
@@ -73,23 +95,23 @@ def _coerce(value: Any, tp, path: str, errors: list[str]):
         return tuple(out) if origin is tuple else out
     if origin is dict:
         if not isinstance(value, dict):
-            errors.append(f"{path}: expected a mapping, got {value!r}")
+            errors.append(f"{path}: expected a mapping, got {brief(value)}")
             return None
         return dict(value)
     if origin is typing.Literal:
         if value not in get_args(tp):
-            errors.append(f"{path}: {value!r} is not one of {list(get_args(tp))}")
+            errors.append(f"{path}: {brief(value)} is not one of {list(get_args(tp))}")
         return value
     if tp is bool:
         if isinstance(value, bool):
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
-        errors.append(f"{path}: expected true/false, got {value!r}")
+        errors.append(f"{path}: expected true/false, got {brief(value)}")
         return None
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-            errors.append(f"{path}: expected an integer, got {value!r}")
+            errors.append(f"{path}: expected an integer, got {brief(value)}")
             return None
         try:
             f = float(value)
@@ -97,20 +119,24 @@ def _coerce(value: Any, tp, path: str, errors: list[str]):
                 raise ValueError
             return int(f)
         except (ValueError, OverflowError):
-            errors.append(f"{path}: expected an integer, got {value!r}")
+            errors.append(f"{path}: expected an integer, got {brief(value)}")
             return None
     if tp is float:
         if isinstance(value, bool):
-            errors.append(f"{path}: expected a number, got {value!r}")
+            errors.append(f"{path}: expected a number, got {brief(value)}")
             return None
         try:
-            return float(value)
+            f = float(value)
         except (TypeError, ValueError):
-            errors.append(f"{path}: expected a number, got {value!r}")
+            errors.append(f"{path}: expected a number, got {brief(value)}")
             return None
+        if math.isnan(f):  # NaN compares false with every bound, so it would pass any range check
+            errors.append(f"{path}: got NaN (not a number); give a number")
+            return None
+        return f
     if tp is str:
         if not isinstance(value, str):
-            errors.append(f"{path}: expected a string, got {value!r}")
+            errors.append(f"{path}: expected a string, got {brief(value)}")
             return None
         return value
     return value
@@ -185,7 +211,7 @@ def parse_value(text: str):
     import yaml
 
     try:
-        return yaml.safe_load(text)
+        return load_yaml(text)
     except yaml.YAMLError:
         return text
 
@@ -217,11 +243,104 @@ def split_override(o: str) -> tuple[str, str]:
 
 
 
+# nodes a YAML config may have once every alias is expanded: a real config has hundreds; a few
+# hundred bytes of nested aliases ("billion laughs") expand to billions, which every later pass
+# over the value (type checks, copies, error messages) would pay for in time and memory
+YAML_MAX_NODES = 100_000
+
+_CONFIG_LOADER = None
+
+
+def _config_loader():
+    """``yaml.SafeLoader`` (standard tags only: ``!!python/...`` stays refused) that also refuses a
+    key given twice in one mapping and aliases that expand past :data:`YAML_MAX_NODES` nodes."""
+    global _CONFIG_LOADER
+    if _CONFIG_LOADER is not None:
+        return _CONFIG_LOADER
+    import yaml
+    from yaml.constructor import ConstructorError
+
+    class ConfigLoader(yaml.SafeLoader):
+        def compose_document(self):
+            node = super().compose_document()
+            _check_expanded_size(node, YAML_MAX_NODES)
+            return node
+
+        def construct_mapping(self, node, deep=False):
+            if isinstance(node, yaml.MappingNode):
+                first: dict = {}
+                for key_node, _ in node.value:
+                    if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base` keys may be overridden
+                        continue
+                    key = self.construct_object(key_node, deep=True)
+                    try:
+                        seen = first.get(key)
+                    except TypeError:  # an unhashable key: the base class reports it
+                        continue
+                    if seen is not None:
+                        raise ConstructorError(
+                            "while constructing a mapping", node.start_mark,
+                            f"found the key {brief(key)} twice (first on line {seen.line + 1}); a key given twice "
+                            "would silently take its last value: keep one", key_node.start_mark,
+                        )  # fmt: skip
+                    first[key] = key_node.start_mark
+            return super().construct_mapping(node, deep=deep)
+
+    _CONFIG_LOADER = ConfigLoader
+    return ConfigLoader
+
+
+def _check_expanded_size(root, limit: int) -> None:
+    """Raise a ``yaml.YAMLError`` when the node graph under ``root``, with every alias expanded, has
+    more than ``limit`` nodes or contains itself. Each distinct node is visited once (sizes are
+    memoised), so this costs the size of the file, not of the expansion."""
+    import yaml
+    from yaml.composer import ComposerError
+
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+
+    def size(node) -> int:
+        key = id(node)
+        if key in sizes:
+            return sizes[key]
+        if key in on_path:
+            raise ComposerError(None, None, "found a recursive alias (a node that contains itself); configs cannot "
+                                "hold one", node.start_mark)
+        on_path.add(key)
+        if isinstance(node, yaml.SequenceNode):
+            n = 1 + sum(size(c) for c in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            n = 1 + sum(size(k) + size(v) for k, v in node.value)
+        else:
+            n = 1
+        on_path.discard(key)
+        if n > limit:
+            raise ComposerError(
+                None, None, f"its aliases expand to more than {limit:,} values (an alias bomb?); a config needs far "
+                "fewer: write the values out or use fewer nested aliases", node.start_mark,
+            )  # fmt: skip
+        sizes[key] = n
+        return n
+
+    if root is not None:
+        size(root)
+
+
+def load_yaml(text: str):
+    """``yaml.safe_load`` for configs, stricter (see :func:`_config_loader`): one YAML document
+    (``None`` if empty); raises ``yaml.YAMLError`` naming the line of a duplicate key or an alias bomb."""
+    import yaml
+
+    return yaml.load(text, Loader=_config_loader())
+
+
 def read_yaml_file(path, what: str) -> dict:
     """The top-level mapping of a YAML config file.
 
-    Raises one ``ConfigError`` (titled ``what``) when the file is not valid YAML, is empty or holds
-    only comments (which would silently mean "all defaults"), or is not a mapping.
+    Raises one ``ConfigError`` (titled ``what``) when the file is not valid YAML, gives a key twice in
+    a mapping, has aliases that expand past :data:`YAML_MAX_NODES` values, is empty or holds only
+    comments (which would silently mean "all defaults"), or is not a mapping.
     """
     from pathlib import Path
 
@@ -229,9 +348,11 @@ def read_yaml_file(path, what: str) -> dict:
 
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text())
+        data = load_yaml(path.read_text())
     except yaml.YAMLError as e:
         raise ConfigError([f"{path}: not valid YAML: {e}"], what) from e
+    except RecursionError as e:
+        raise ConfigError([f"{path}: not a config: its values are nested too deeply to read"], what) from e
     if data is None or data == {}:
         raise ConfigError(
             [f"{path}: the file is empty or holds only comments; write the settings into it (an empty config "

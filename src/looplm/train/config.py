@@ -19,6 +19,7 @@ A run is described by one YAML file plus ``--set key=value`` overrides::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,14 +73,14 @@ class OptimConfig:
         errs = []
         if self.name not in ("muon_adamw", "adamw"):
             errs.append(f"name: must be 'muon_adamw' or 'adamw', got {self.name!r}")
-        if self.lr < 0 or self.muon_lr < 0:
-            errs.append(f"lr / muon_lr: must be >= 0, got {self.lr} / {self.muon_lr}")
+        if not (math.isfinite(self.lr) and math.isfinite(self.muon_lr)) or self.lr < 0 or self.muon_lr < 0:
+            errs.append(f"lr / muon_lr: must be finite numbers >= 0, got {self.lr} / {self.muon_lr}")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             errs.append(f"betas: need two values in [0, 1), got {list(self.betas)}")
-        if self.eps <= 0:
-            errs.append(f"eps: must be > 0, got {self.eps}")
-        if self.weight_decay < 0:
-            errs.append(f"weight_decay: must be >= 0, got {self.weight_decay}")
+        if not math.isfinite(self.eps) or self.eps <= 0:
+            errs.append(f"eps: must be a finite number > 0, got {self.eps}")
+        if not math.isfinite(self.weight_decay) or self.weight_decay < 0:
+            errs.append(f"weight_decay: must be a finite number >= 0, got {self.weight_decay}")
         if not 0 <= self.momentum < 1:
             errs.append(f"momentum: must be in [0, 1), got {self.momentum}")
         if self.ns_steps < 1:
@@ -197,8 +198,8 @@ class TrainLoopConfig:
             )
         if self.max_steps < 1:
             errs.append(f"max_steps: must be >= 1, got {self.max_steps}")
-        if self.grad_clip < 0:
-            errs.append(f"grad_clip: must be >= 0 (0 = off), got {self.grad_clip}")
+        if not math.isfinite(self.grad_clip) or self.grad_clip < 0:  # NaN / inf would switch clipping off
+            errs.append(f"grad_clip: must be a finite number >= 0 (0 = off), got {self.grad_clip}")
         if self.precision not in ("bf16", "fp32", "auto"):
             errs.append(f"precision: must be 'bf16', 'fp32' or 'auto' (fp16 is not supported), got {self.precision!r}")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -213,6 +214,8 @@ class TrainLoopConfig:
             errs.append(f"nan_policy: must be 'stop' or 'skip', got {self.nan_policy!r}")
         if self.max_consecutive_skips < 1:
             errs.append(f"max_consecutive_skips: must be >= 1, got {self.max_consecutive_skips}")
+        if not math.isfinite(self.debug_step_sleep_s) or self.debug_step_sleep_s < 0:
+            errs.append(f"debug_step_sleep_s: must be a finite number >= 0, got {self.debug_step_sleep_s}")
         if self.debug_nan_steps < 1:
             errs.append(f"debug_nan_steps: must be >= 1, got {self.debug_nan_steps}")
         if self.parallel not in ("ddp", "fsdp", "none"):
