@@ -306,3 +306,149 @@ def test_import_errors(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="no config.json"):
         import_hf(tmp_path / "empty", tmp_path / "out")
+
+
+# ------------------------------------------------------------------------------------------ import integrity
+def _llama_dir(tmp_path, name="llama"):
+    hf = _tiny_hf("llama").eval()
+    src = tmp_path / name
+    hf.save_pretrained(str(src))
+    _byte_hf_tokenizer(src)
+    return src
+
+
+def _edit_weights(path, edit):
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(str(path))
+    edit(sd)
+    save_file(sd, str(path), metadata={"format": "pt"})
+
+
+def test_import_refuses_missing_unexpected_or_misshaped_tensors(tmp_path, capsys):
+    src = _llama_dir(tmp_path)
+    _edit_weights(src / "model.safetensors", lambda sd: [sd.pop("model.layers.1.self_attn.q_proj.weight"),
+                                                         sd.pop("model.layers.1.mlp.down_proj.weight")])
+    # was: exit 0 and a COMPLETE checkpoint with those two tensors drawn from N(0, 0.02)
+    assert cli_main(["import", "hf", str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "do not fit its llama config (missing 2: model.layers.1.mlp.down_proj.weight, " \
+           "model.layers.1.self_attn.q_proj.weight); nothing was written" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+    src2 = _llama_dir(tmp_path, "llama2")
+    _edit_weights(src2 / "model.safetensors", lambda sd: sd.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(40, 32)}))
+    with pytest.raises(ValueError, match=r"mis-shaped 1: model\.layers\.0\.mlp\.up_proj\.weight \[40, 32\] \(expected \[48, 32\]\)"):
+        import_hf(src2, tmp_path / "out")
+    # a Llama config.json over looplm weights: every tensor is missing (was: exit 0, an all-random model)
+    model = _perturb(looplm.build("tiny-llama"))
+    mixed = export_hf(model, tmp_path / "mixed", tokenizer="byte")
+    (mixed / "config.json").write_text((src / "config.json").read_text())
+    with pytest.raises(ValueError, match=r"missing 21: .*unexpected \d+: looplm\.core"):
+        import_hf(mixed, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_import_of_an_export_checks_its_tensors_too(exported, tmp_path):
+    import shutil
+
+    model, out, _ = exported
+    bad = tmp_path / "bad"
+    shutil.copytree(out, bad)
+    _edit_weights(bad / "model.safetensors", lambda sd: sd.pop("looplm.core.stack.blocks.0.mlp.up_proj.weight"))
+    with pytest.raises(ValueError, match=r"do not fit its looplm config .*missing 1: looplm\.core\.stack\.blocks\.0\.mlp\.up_proj"):
+        import_hf(bad, tmp_path / "out")  # was: a raw load_state_dict traceback
+
+
+def test_import_reads_exactly_the_files_the_format_names(exported, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from looplm.checkpoint_io import load_model_for_inference
+
+    model, out, _ = exported
+    src = tmp_path / "src"
+    shutil.copytree(out, src)
+    # a stray backup beside model.safetensors (sorted after it, so it used to win the merge): ignored, with a warning
+    stale = {k: torch.zeros_like(v) for k, v in load_file(str(src / "model.safetensors")).items()}
+    save_file(stale, str(src / "model_v0_backup.safetensors"))
+    with pytest.warns(UserWarning, match=r"ignoring \['model_v0_backup.safetensors'\]"):
+        ckpt = import_hf(src, tmp_path / "a")
+    back, _ = load_model_for_inference(ckpt)
+    assert torch.equal(back.embed.weight, model.embed.weight)
+    # shards listed in model.safetensors.index.json are read; an index beside model.safetensors is ambiguous
+    full = load_file(str(src / "model.safetensors"))
+    keys = sorted(full)
+    half = len(keys) // 2
+    save_file({k: full[k] for k in keys[:half]}, str(src / "model-00001-of-00002.safetensors"))
+    save_file({k: full[k] for k in keys[half:]}, str(src / "model-00002-of-00002.safetensors"))
+    index = {"metadata": {}, "weight_map": {k: f"model-0000{1 + (i >= half)}-of-00002.safetensors" for i, k in enumerate(keys)}}
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match="holds both model.safetensors and model.safetensors.index.json"):
+        import_hf(src, tmp_path / "b")
+    (src / "model.safetensors").unlink()
+    with pytest.warns(UserWarning, match="model_v0_backup"):
+        back, _ = load_model_for_inference(import_hf(src, tmp_path / "c"))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
+    (src / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"lists shard\(s\) that are missing: \['model-00002-of-00002.safetensors'\]"):
+        import_hf(src, tmp_path / "d")
+    (src / "model.safetensors.index.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no model.safetensors nor model.safetensors.index.json; it has "
+                                                r"\['model-00001-of-00002.safetensors', 'model_v0_backup.safetensors'\]"):
+        import_hf(src, tmp_path / "e")
+
+
+def test_corrupted_sources_are_one_line_errors_naming_the_file(exported, tmp_path, capsys):
+    import shutil
+
+    _, out, _ = exported
+    trunc = tmp_path / "trunc"
+    shutil.copytree(out, trunc)
+    data = (trunc / "model.safetensors").read_bytes()
+    (trunc / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert cli_main(["import", "hf", str(trunc), str(tmp_path / "o1")]) == 1  # was a SafetensorError traceback
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"weight file '{trunc / 'model.safetensors'}' is truncated or corrupted" in err
+    (trunc / "config.json").write_text("{not json")
+    assert cli_main(["import", "hf", str(trunc), str(tmp_path / "o2")]) == 2
+    assert f"config file '{trunc / 'config.json'}' is not valid JSON" in capsys.readouterr().err
+    # a GGUF with a valid magic and garbage after it (was: "config file is not a valid JSON file")
+    import struct
+
+    gguf = tmp_path / "g" / "model.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", 4) + b"\xff\xfe\xfd\xfc" + b"junk" * 50)
+    assert cli_main(["import", "hf", str(gguf), str(tmp_path / "o3")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: GGUF file '{gguf}' could not be loaded") and "truncated, corrupted" in err
+    gguf.write_bytes(b"PK\x03\x04 not a gguf")
+    assert cli_main(["import", "hf", str(gguf), str(tmp_path / "o4")]) == 2
+    assert "is not a GGUF file" in capsys.readouterr().err
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 5))
+
+
+def test_export_and_import_never_overwrite_a_training_checkpoint_or_run(tmp_path, capsys):
+    from looplm.checkpoint_io import load_model_for_inference, verify_checkpoint
+    from looplm.train.checkpoint import save_checkpoint
+
+    model = _perturb(looplm.build("tiny-llama"))
+    ckpt = write_checkpoint(tmp_path / "ckpt", model, ByteTokenizer())
+    # export hf --overwrite into a looplm checkpoint used to replace its model.safetensors / config.json
+    assert cli_main(["export", "hf", str(ckpt), str(ckpt), "--overwrite"]) == 2
+    assert "holds a looplm checkpoint; an export into it would overwrite" in capsys.readouterr().err
+    verify_checkpoint(ckpt)
+    load_model_for_inference(ckpt)
+    run = tmp_path / "run"
+    record = {"model": model.config.to_dict(), "tokenizer": "byte", "tokenizer_fingerprint": ByteTokenizer().fingerprint()}
+    step = save_checkpoint(run / "ckpt", 2, model, None, {"step": 2}, record)
+    (run / "metrics.jsonl").write_text("{}\n")
+    for target, what in ((run, "training run"), (step, "training checkpoint")):
+        assert cli_main(["export", "hf", str(ckpt), str(target), "--overwrite"]) == 2
+        assert f"holds a looplm {what}" in capsys.readouterr().err
+    hf = export_hf(model, tmp_path / "hf", tokenizer="byte")
+    export_hf(model, hf, tokenizer="byte", overwrite=True)  # over an earlier export: what --overwrite is for
+    with pytest.raises(FileExistsError, match="holds a looplm training checkpoint; writing a checkpoint over it"):
+        import_hf(hf, step, overwrite=True)
+    import_hf(hf, ckpt, overwrite=True)  # over an earlier import / written checkpoint: allowed
+    verify_checkpoint(step)

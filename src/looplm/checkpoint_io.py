@@ -34,10 +34,12 @@ __all__ = [
     "CheckpointWarning",
     "INFERENCE_OVERRIDES",
     "checkpoint_path",
+    "looplm_contents",
     "list_checkpoints",
     "latest_checkpoint",
     "resolve_checkpoint",
     "verify_checkpoint",
+    "verify_or_warn",
     "load_model_weights",
     "read_checkpoint_config",
     "load_model_for_inference",
@@ -111,6 +113,30 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     )
 
 
+def looplm_contents(path: str | os.PathLike) -> str | None:
+    """What looplm data the directory ``path`` holds, that writing over it would destroy: ``"run"`` (a
+    training run: ``ckpt/``, ``metrics.jsonl``, ``run.json`` or its lock), ``"training checkpoint"``
+    (one step of a run: ``trainer_state.json``), ``"checkpoint"`` (weights + config, e.g. from ``looplm
+    import hf``) or ``None`` (nothing of looplm's; a Hugging Face directory such as an export)."""
+    p = Path(path)
+    if not p.is_dir():
+        return None
+    if (p / "ckpt").is_dir() or any((p / f).exists() for f in ("metrics.jsonl", "run.json", "train.lock")):
+        return "run"
+    if (p / STATE_FILE).is_file() or (STEP_RE.match(p.name) and (p / MODEL_FILE).is_file()):
+        return "training checkpoint"
+    if (p / MARKER).is_file():
+        return "checkpoint"
+    if (p / CONFIG_FILE).is_file() and (p / MODEL_FILE).is_file():
+        try:
+            cfg = json.loads((p / CONFIG_FILE).read_text())
+        except (OSError, ValueError):
+            cfg = None
+        if isinstance(cfg, dict) and "model" in cfg and "model_type" not in cfg:  # looplm's record, not HF's
+            return "checkpoint"
+    return None
+
+
 # ----------------------------------------------------------------------------------- reading files
 def sha256_of(path: Path) -> str:
     """Hex SHA-256 of a file's bytes."""
@@ -175,13 +201,27 @@ def verify_checkpoint(path: str | os.PathLike, check_hashes: bool = True) -> dic
     return manifest
 
 
+def verify_or_warn(ckpt: Path, check_hashes: bool = True) -> dict | None:
+    """:func:`verify_checkpoint` when ``ckpt`` has its ``COMPLETE`` manifest; without one (a checkpoint
+    written by hand, or one whose writing was interrupted) a :class:`CheckpointWarning` says that it is
+    loaded unverified. Returns the manifest or ``None``."""
+    if (ckpt / MARKER).is_file():
+        return verify_checkpoint(ckpt, check_hashes=check_hashes)
+    warnings.warn(
+        f"checkpoint {str(ckpt)!r} has no {MARKER} manifest, so its files cannot be verified (it may have been "
+        "interrupted while being written); loading it unverified. Prefer a complete checkpoint",
+        CheckpointWarning, stacklevel=3,
+    )
+    return None
+
+
 # ----------------------------------------------------------------------------------- loading
 def load_model_weights(path: str | os.PathLike, model: nn.Module, verify: bool = True) -> Path:
     """Load only the model weights of a checkpoint (or a run directory's newest one) into an
-    unwrapped ``model``, without any collective; returns the checkpoint directory used."""
+    unwrapped ``model``, without any collective; returns the checkpoint directory used. A checkpoint
+    without its ``COMPLETE`` manifest loads with a :class:`CheckpointWarning` (:func:`verify_or_warn`)."""
     ckpt = resolve_checkpoint(path)
-    if (ckpt / MARKER).exists():
-        verify_checkpoint(ckpt, check_hashes=verify)
+    verify_or_warn(ckpt, check_hashes=verify)
     sd = load_tensors(ckpt / MODEL_FILE)
     try:
         model.load_state_dict(sd, strict=True)

@@ -13,8 +13,15 @@ __all__ = ["register"]
 
 
 def cmd_export_hf(args) -> int:
+    from ..checkpoint_io import looplm_contents
     from .export import export_hf
 
+    held = looplm_contents(args.out)
+    if held is not None:  # --overwrite empties nothing, but writes export files over a checkpoint's own
+        raise FileExistsError(
+            f"{args.out!r} holds a looplm {'training run' if held == 'run' else held}; an export into it would "
+            "overwrite its model.safetensors and config.json (even with --overwrite): pick another directory"
+        )
     out = export_hf(args.checkpoint, args.out, num_loops=args.loops, exit_threshold=args.exit_threshold,
                     dtype=args.dtype, overwrite=args.overwrite)
     print(f"exported {args.checkpoint} -> {out}")

@@ -19,6 +19,7 @@ training config that retrofits it, see :mod:`looplm.hf.retrofit`). ``looplm gene
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -28,7 +29,7 @@ import torch
 
 from .export import PREFIX
 
-__all__ = ["import_hf", "write_checkpoint", "read_export"]
+__all__ = ["import_hf", "write_checkpoint", "read_export", "weight_files", "read_shapes"]
 
 
 def write_checkpoint(out: str | Path, model, tokenizer, *, extra: dict | None = None, overwrite: bool = False) -> Path:
@@ -38,9 +39,17 @@ def write_checkpoint(out: str | Path, model, tokenizer, *, extra: dict | None = 
     from ..checkpoint_io import CONFIG_FILE, FORMAT_VERSION, MARKER, MODEL_FILE, sha256_of
     from ..data.tokenizers import tokenizer_fingerprint
 
+    from ..checkpoint_io import looplm_contents
+
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory")
+    held = looplm_contents(out)
+    if held in ("run", "training checkpoint"):  # overwriting an earlier import is what --overwrite is for
+        raise FileExistsError(
+            f"{str(out)!r} holds a looplm {'training run' if held == 'run' else held}; writing a checkpoint over "
+            "it would break it (even with --overwrite): pick another directory"
+        )
     out.mkdir(parents=True, exist_ok=True)
     (out / MARKER).unlink(missing_ok=True)
     if getattr(tokenizer, "name", None) == "byte":
@@ -72,25 +81,141 @@ def write_checkpoint(out: str | Path, model, tokenizer, *, extra: dict | None = 
     return out
 
 
+# ------------------------------------------------------------------------------------------ reading weights
+WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def _read_json(path: Path, what: str) -> dict:
+    """A JSON object from ``path``; a ``ValueError`` naming the file when it is not one."""
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{what} {str(path)!r} is not valid JSON ({e}); the directory is corrupted or incomplete") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {str(path)!r} is not a JSON object")
+    return data
+
+
+def weight_files(src: str | Path) -> list[Path]:
+    """The safetensors files of a model directory, exactly as the format names them: ``model.safetensors``,
+    or the shards listed in ``model.safetensors.index.json``. Both at once is ambiguous and refused;
+    other ``*.safetensors`` files (a stray backup) are never read, with a warning."""
+    import warnings
+
+    src = Path(src)
+    index, single = src / INDEX_FILE, src / WEIGHTS_FILE
+    if index.is_file() and single.is_file():
+        raise ValueError(
+            f"{str(src)!r} holds both {WEIGHTS_FILE} and {INDEX_FILE} (shards): which weights are meant is ambiguous; "
+            "remove the one that is stale"
+        )
+    if index.is_file():
+        weight_map = _read_json(index, "weight index").get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"weight index {str(index)!r} has no weight_map (tensor name -> shard file)")
+        names = sorted(set(weight_map.values()))
+        bad = [n for n in names if not isinstance(n, str) or Path(n).name != n or not n.endswith(".safetensors")]
+        if bad:
+            raise ValueError(f"weight index {str(index)!r} names shards that are not *.safetensors files beside it: {bad[:5]}")
+        missing = [n for n in names if not (src / n).is_file()]
+        if missing:
+            raise FileNotFoundError(f"weight index {str(index)!r} lists shard(s) that are missing: {missing[:5]}")
+        files = [src / n for n in names]
+    elif single.is_file():
+        files = [single]
+    else:
+        found = sorted(p.name for p in src.glob("*.safetensors"))
+        hint = f"; it has {found}, which the format does not name: rename the one meant to {WEIGHTS_FILE}" if found else ""
+        raise FileNotFoundError(f"{str(src)!r} has no {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
+    stray = sorted(p.name for p in src.glob("*.safetensors") if p not in files)
+    if stray:
+        warnings.warn(f"{str(src)!r}: ignoring {stray} (not named by {files[0].name if len(files) == 1 else INDEX_FILE})",
+                      stacklevel=2)
+    return files
+
+
+def read_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of safetensors ``files`` from their headers only (no tensor data read); a
+    truncated or corrupted file, or a tensor in two shards, is refused naming the file."""
+    from safetensors import safe_open
+
+    from ..checkpoint_io import CheckpointError
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    where: dict[str, str] = {}
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                found = {k: tuple(h.get_slice(k).get_shape()) for k in h.keys()}
+        except Exception as e:  # safetensors' own error type: a bad header, a file shorter than its header says
+            raise CheckpointError(f"weight file {str(f)!r} is truncated or corrupted and cannot be read ({e})") from e
+        for k, shape in found.items():
+            if k in shapes:
+                raise ValueError(f"tensor {k!r} is in two weight files, {where[k]} and {f.name}: which one is meant is ambiguous")
+            shapes[k], where[k] = shape, f.name
+    return shapes
+
+
+def _listing(names, n: int = 8) -> str:
+    names = sorted(names)
+    return ", ".join(names[:n]) + (f", ... ({len(names) - n} more)" if len(names) > n else "")
+
+
+def refuse_mismatch(src, missing=(), unexpected=(), mismatched=(), what: str = "the model") -> None:
+    """Raise one ``ValueError`` listing tensors ``src`` lacks, has too many of, or has in the wrong shape
+    (``mismatched``: ``(name, file shape, model shape)``), so nothing is written with random stand-ins."""
+    problems = []
+    if missing:
+        problems.append(f"missing {len(missing)}: {_listing(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)}: {_listing(unexpected)}")
+    if mismatched:
+        shown = [f"{k} {list(a)} (expected {list(b)})" for k, a, b in sorted(mismatched)[:8]]
+        problems.append(f"mis-shaped {len(mismatched)}: " + ", ".join(shown) + (" ..." if len(mismatched) > 8 else ""))
+    if problems:
+        raise ValueError(
+            f"the weights in {str(src)!r} do not fit {what} ({'; '.join(problems)}); nothing was written. Check that "
+            "config.json belongs to these weights and that no weight file is missing or stale"
+        )
+
+
 def read_export(src: str | Path):
-    """``(model, tokenizer)`` from a looplm export directory, without transformers' model classes."""
+    """``(model, tokenizer)`` from a looplm export directory, without transformers' model classes.
+
+    The weights are read from exactly the files the format names (:func:`weight_files`) and must match
+    the config's tensors one for one (names and shapes) before any is loaded."""
     from safetensors.torch import load_file
 
+    from ..checkpoint_io import CheckpointError
     from ..data.tokenizers import HFTokenizer, load_tokenizer
     from .remote.modeling_looplm import build_looplm_model
 
     src = Path(src)
-    cfg = json.loads((src / "config.json").read_text())
+    cfg = _read_json(src / "config.json", "config file")
+    if not isinstance(cfg.get("looplm"), dict):
+        raise ValueError(f"config file {str(src / 'config.json')!r} has no looplm model config (key 'looplm')")
     model = build_looplm_model(cfg["looplm"])
-    files = sorted(src.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{str(src)!r} has no *.safetensors weights")
+    files = weight_files(src)
+    tied = model.config.tie_embeddings
+    expected = {PREFIX + k: tuple(v.shape) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    shapes = read_shapes(files)
+    if tied:
+        shapes.pop(PREFIX + "lm_head.weight", None)  # an export stores a tied head once; an extra copy is harmless
+    refuse_mismatch(
+        src, [k for k in expected if k not in shapes], [k for k in shapes if k not in expected],
+        [(k, shapes[k], expected[k]) for k in expected if k in shapes and shapes[k] != expected[k]],
+        what=f"its looplm config ({model.config.name})",
+    )
     sd = {}
     for f in files:
-        sd.update(load_file(str(f)))
+        try:
+            sd.update(load_file(str(f)))
+        except Exception as e:  # the header was fine, the data is not
+            raise CheckpointError(f"weight file {str(f)!r} is truncated or corrupted and cannot be read ({e})") from e
     sd = {k.removeprefix(PREFIX): v for k, v in sd.items()}
-    if model.config.tie_embeddings:
-        sd.setdefault("lm_head.weight", sd["embed.weight"])
+    if tied:
+        sd["lm_head.weight"] = sd["embed.weight"]
     model.load_state_dict(sd, strict=True)
     if cfg.get("looplm_tokenizer") == "byte":
         tok = load_tokenizer("byte")
@@ -104,13 +229,55 @@ def read_export(src: str | Path):
     return model.eval(), tok
 
 
+def _first_line(e: BaseException, limit: int = 300) -> str:
+    text = (str(e).strip().splitlines() or [""])[0]
+    return f"{type(e).__name__}: {text[:limit]}"
+
+
+@contextlib.contextmanager
+def _transformers_errors_only():
+    """transformers prints a table of missing / unexpected weights; :func:`refuse_mismatch` says it in one line."""
+    from transformers.utils import logging as hf_logging
+
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+
+
 def _load_transformers(src: Path, gguf_file: str | None):
-    """``(hf_model, hf_tokenizer)`` of a Llama / Qwen3 / Mamba-2 directory (or a GGUF file in it), fp32."""
+    """``(hf_model, hf_tokenizer)`` of a Llama / Qwen3 / Mamba-2 directory (or a GGUF file in it), fp32.
+
+    Every tensor of the model must come from the source: transformers would fill a missing or
+    mis-shaped one with random values; here that is refused, listing them."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     kw = {"gguf_file": gguf_file} if gguf_file else {}
-    hf_model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32, **kw)
-    hf_tok = AutoTokenizer.from_pretrained(str(src), **kw)
+    if gguf_file:
+        what = f"GGUF file {str(src / gguf_file)!r}"
+        fix = "it is truncated, corrupted or of a GGUF version transformers cannot read"
+    else:
+        what = f"Hugging Face model directory {str(src)!r}"
+        fix = "its config.json or weight files are corrupted or of an unsupported kind"
+    try:
+        with _transformers_errors_only():
+            hf_model, info = AutoModelForCausalLM.from_pretrained(
+                str(src), dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True, **kw
+            )
+    except Exception as e:  # transformers' and the file readers' own types; one line naming the source instead
+        raise ValueError(f"{what} could not be loaded ({_first_line(e)}): {fix}") from e
+    # mismatched_keys: (name, shape in the file, shape of the model) with ignore_mismatched_sizes
+    mismatched = [(m[0], tuple(m[1]), tuple(m[2])) for m in info.get("mismatched_keys") or ()]
+    refuse_mismatch(src / gguf_file if gguf_file else src, info.get("missing_keys") or (),
+                    info.get("unexpected_keys") or (), mismatched, what=f"its {hf_model.config.model_type} config")
+    if info.get("error_msgs"):
+        raise ValueError(f"{what}: transformers reported errors while loading the weights: {info['error_msgs'][:3]}")
+    try:
+        hf_tok = AutoTokenizer.from_pretrained(str(src), **kw)
+    except Exception as e:
+        raise ValueError(f"the tokenizer of {what} could not be loaded ({_first_line(e)})") from e
     return hf_model.eval(), hf_tok
 
 
@@ -129,7 +296,7 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
     if not src.is_dir():
         raise FileNotFoundError(f"{str(src)!r} is not a Hugging Face model directory (or a .gguf file)")
     cfg_path = src / "config.json"
-    is_export = cfg_path.is_file() and json.loads(cfg_path.read_text()).get("model_type") == "looplm"
+    is_export = cfg_path.is_file() and _read_json(cfg_path, "config file").get("model_type") == "looplm"
     if is_export:
         model, tok = read_export(src)
         if overrides:
@@ -147,6 +314,16 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
                     f"{str(src)!r} has no config.json" + (f" and {len(ggufs)} .gguf files: pass one" if ggufs else "")
                 )
             gguf_file = ggufs[0].name
+        if gguf_file is not None:
+            gpath = src / gguf_file
+            if not gpath.is_file():
+                raise FileNotFoundError(f"GGUF file {str(gpath)!r} does not exist")
+            with open(gpath, "rb") as f:
+                if f.read(4) != b"GGUF":
+                    raise ValueError(f"{str(gpath)!r} is not a GGUF file (it does not start with the bytes 'GGUF')")
+        elif any(src.glob("*.safetensors")) or (src / INDEX_FILE).exists():
+            # exactly the files the format names, their headers intact, before transformers loads anything
+            read_shapes(weight_files(src))
         from ..interop import from_transformers
 
         hf_model, hf_tok = _load_transformers(src, gguf_file)

@@ -103,12 +103,11 @@ def apply_layer_map(model, source: str | Path, init_map: dict) -> str:
     source layers), plus ``embed`` / ``norm`` / ``lm_head``; only recurrence-rule parameters keep
     their initialisation. Returns a one-line summary for the training log.
     """
-    from ..checkpoint_io import CheckpointError, load_json, load_tensors, resolve_checkpoint, verify_checkpoint
+    from ..checkpoint_io import CheckpointError, load_json, load_tensors, resolve_checkpoint, verify_or_warn
     from ..config import ModelConfig
 
     ckpt = resolve_checkpoint(source)
-    if (ckpt / "COMPLETE").exists():
-        verify_checkpoint(ckpt)
+    verify_or_warn(ckpt)
     src_cfg = ModelConfig.from_dict(load_json(ckpt / "config.json")["model"])
     src = load_tensors(ckpt / "model.safetensors")
     n_src = src_cfg.n_physical
