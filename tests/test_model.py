@@ -269,3 +269,69 @@ def test_init_statistics():
     w = model.core.stack.blocks[0].mlp.up_proj.weight
     assert abs(w.std().item() - 0.02) < 0.002
     assert torch.all(model.norm.weight == 1)
+
+
+# ------------------------------------------------------------------------------------- bad inputs, refused up front
+def test_num_grad_loops_must_be_a_positive_int():
+    model = looplm.build("tiny-llama").train()
+    x = torch.randint(0, 256, (1, 8))
+    for bad in (0, -1, 2.5, True, "2"):  # 0 / -1 / 2.5 used to train the core with zero gradient
+        with pytest.raises(ValueError, match=f"num_grad_loops must be None .* or an int >= 1, got {bad!r}"):
+            model(x, labels=x, num_grad_loops=bad)
+    model(x, labels=x, num_grad_loops=1).loss.backward()
+    assert model.core.stack.blocks[0].mlp.down_proj.weight.grad.abs().sum() > 0
+
+
+def test_sampling_temperature_must_be_finite():
+    model = looplm.build("tiny-llama").eval()
+    x = torch.randint(0, 256, (1, 4))
+    for bad in (float("nan"), float("inf"), -1.0, None):  # NaN reached torch.multinomial
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+            model.generate(x, max_new_tokens=2, do_sample=True, temperature=bad)
+
+
+def test_unknown_loop_options_are_refused_naming_the_known_ones():
+    x = torch.randint(0, 256, (1, 6))
+    gate = looplm.build("tiny-llama", overrides={"rule.name": "exit_gate"}).eval()
+    with pytest.raises(ValueError, match=r"\['exit_treshold'\]: not read by the recurrence rule 'exit_gate' \(did you mean "
+                                         r"'exit_threshold'\?\); it reads: 'exit_threshold'"):
+        gate(x, loop_options={"exit_treshold": 0.5})  # was silently ignored: q stayed the rule's default
+    gate(x, loop_options={"exit_threshold": 0.5})
+    with pytest.raises(ValueError, match="not read by the recurrence rule 'vanilla'; it reads: none"):
+        looplm.build("tiny-llama").eval()(x, loop_options={"exit_threshold": 0.5})
+    from looplm.recurrence import RULES
+
+    assert RULES["stateloop"].loop_options == ("read_scale", "state_hook") and RULES["timestep"].loop_options == ("grid",)
+
+
+def test_every_loop_option_a_rule_reads_is_declared():
+    """A rule file that reads ``lctx.loop_options.get(KEY)`` declares KEY in some rule's ``loop_options``."""
+    import re
+    from pathlib import Path
+
+    import looplm.recurrence as rec
+    from looplm.recurrence import RULES
+
+    declared = {k for cls in RULES.values() for k in cls.loop_options}
+    read = set()
+    for f in Path(rec.__file__).parent.glob("*.py"):
+        read |= set(re.findall(r"loop_options\.get\(\s*[\"'](\w+)[\"']", f.read_text()))
+    assert read and read <= declared, read - declared
+
+
+def test_a_cache_of_another_model_is_refused_up_front():
+    wide, narrow = looplm.build("tiny-llama"), looplm.build("tiny-llama", d_model=32, d_ff=64)
+    x = torch.randint(0, 256, (1, 5))
+    with torch.no_grad():
+        cache = wide.new_cache(1)
+        wide(x, cache=cache)
+        with pytest.raises(ValueError, match=r"this cache belongs to another model \(d_model 64 vs 32.*model.new_cache"):
+            narrow(x[:, :1], cache=cache)  # was a raw size error deep inside attention
+        with pytest.raises(ValueError, match="belongs to another model"):
+            narrow(x, cache=wide.new_cache(1))
+        from looplm.cache import LoopCache
+
+        own = LoopCache(narrow.config.n_loops, 1)  # made by hand: it belongs to the first model that fills it
+        narrow(x, cache=own)
+        with pytest.raises(ValueError, match="belongs to another model"):
+            wide(x[:, :1], cache=own)

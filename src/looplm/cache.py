@@ -107,6 +107,9 @@ class LoopCache:
         self.device, self.dtype = device, dtype
         self.seqlen = 0  # tokens absorbed so far
         self.slots: dict[Any, Any] = {}
+        # the shapes of the model it belongs to (set by new_cache or the first forward): a cache of
+        # another model is refused up front (LoopedLM._check_inputs), not deep inside a block
+        self.model_signature: dict | None = None
 
     def slot(self, key, factory: Callable[[], Any]):
         """The slot under ``key``, created by ``factory()`` on first use (checked against :class:`CacheSlot`)."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -38,8 +40,8 @@ def _check_generate_args(model, input_ids, max_new_tokens, do_sample, temperatur
         raise ValueError(f"input_ids must be a [batch, seq_len] (or [seq_len]) tensor of token ids, got {shape}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         errs.append(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
-    if temperature is None or temperature < 0:
-        errs.append(f"temperature must be >= 0 (0 = greedy), got {temperature!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        errs.append(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")  # NaN fails too
     if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
         errs.append(f"top_k must be an int >= 0 (0 or None = off), got {top_k!r}")
     if top_p is not None and not 0 < top_p <= 1:

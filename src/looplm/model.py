@@ -108,7 +108,18 @@ class LoopedLM(nn.Module):
     def new_cache(self, batch_size: int, num_loops: int | None = None, capacity: int | None = None) -> LoopCache:
         """An empty decoding cache for ``num_loops`` iterations; ``capacity`` tokens preallocates KV slots."""
         p = next(self.parameters())
-        return LoopCache(num_loops or self.config.n_loops, batch_size, device=p.device, dtype=p.dtype, capacity=capacity)
+        cache = LoopCache(num_loops or self.config.n_loops, batch_size, device=p.device, dtype=p.dtype, capacity=capacity)
+        cache.model_signature = self._cache_signature()
+        return cache
+
+    def _cache_signature(self) -> dict:
+        """What a decoding cache's slots depend on (widths, layers, mixers, rule): another model's cache
+        does not fit when any of these differ."""
+        c = self.config
+        return {"d_model": c.d_model, "layers (p, s, c)": (c.n_prelude, c.n_core, c.n_coda),
+                "mixers": tuple(c.mixer_of(i) for i in range(c.n_physical)),
+                "attention (kv heads, head dim)": (c.attention.n_kv_heads, c.attention.head_dim),
+                "rule": (c.rule.name, repr(sorted(c.rule.options.items())))}
 
     # ------------------------------------------------------------------------------------------
     def _check_inputs(self, input_ids: torch.Tensor, cache: LoopCache | None, attention_mask) -> None:
@@ -134,6 +145,17 @@ class LoopedLM(nn.Module):
             )
         if cache is not None and cache.batch_size != B:
             raise ValueError(f"cache holds batch size {cache.batch_size}, input has {B}")
+        if cache is not None:
+            mine = self._cache_signature()
+            theirs = getattr(cache, "model_signature", None)
+            if theirs is None:
+                cache.model_signature = mine
+            elif theirs != mine:
+                diff = "; ".join(f"{k} {theirs.get(k)} vs {v}" for k, v in mine.items() if theirs.get(k) != v)
+                raise ValueError(
+                    f"this cache belongs to another model ({diff}, cache vs this model); "
+                    "make one for this model with model.new_cache(batch_size)"
+                )
         if torch.compiler.is_compiling():
             return
         lo, hi = int(input_ids.min()), int(input_ids.max())
@@ -266,6 +288,12 @@ class LoopedLM(nn.Module):
             raise ValueError("logits_to_keep is for decoding; the loss needs the logits of every position")
         B = input_ids.shape[0]
         r, loops_per_row = self._resolve_loops(num_loops, cache, B)
+        if num_grad_loops is not None and (isinstance(num_grad_loops, bool) or not isinstance(num_grad_loops, int) or num_grad_loops < 1):
+            raise ValueError(
+                f"num_grad_loops must be None (backprop through every loop) or an int >= 1, got {num_grad_loops!r}"
+            )
+        if loop_options:
+            self.rule.check_loop_options(loop_options)
         if cache is not None and cache.num_loops != r:
             raise ValueError(f"cache was built for {cache.num_loops} loops, forward asked for {r}")
         fctx = self._forward_context(input_ids, attention_mask, position_ids, cache.seqlen if cache is not None else 0)

@@ -12,7 +12,8 @@ file and the paper-style PNG figures per analysis.
 An analysis is a function ``fn(model, batches, options) -> dict`` where ``batches`` is a list of
 ``[B, T]`` token-id tensors and ``options`` a dict of command-line options (e.g. ``loops``); the
 returned dict must be JSON-serialisable. A figure maker ``plot(result, out_dir) -> list[Path]`` is
-optional.
+optional. The extra ``--option`` keys an analysis reads are declared with ``register_analysis(...,
+options=(...))``; ``looplm analyze`` refuses any other key, naming the known ones.
 """
 
 from __future__ import annotations
@@ -27,16 +28,18 @@ class Analysis:
     fn: Callable[..., dict]
     plot: Callable[..., list] | None = None
     help: str = ""
+    options: tuple[str, ...] = ()  # the ``--option`` keys it reads (besides ``loops`` / ``calibration_batches``)
 
 
 ANALYSES: dict[str, Analysis] = {}
 
 
-def register_analysis(name: str, *, plot: Callable[..., list] | None = None, help: str = ""):
-    """Decorator: make ``fn(model, batches, options) -> dict`` available as ``looplm analyze --metrics NAME``."""
+def register_analysis(name: str, *, plot: Callable[..., list] | None = None, help: str = "", options: tuple[str, ...] = ()):
+    """Decorator: make ``fn(model, batches, options) -> dict`` available as ``looplm analyze --metrics NAME``.
+    ``options``: the ``--option KEY=VALUE`` keys ``fn`` reads (``looplm analyze`` refuses any other)."""
 
     def deco(fn):
-        ANALYSES[name] = Analysis(name, fn, plot, help or (fn.__doc__ or "").strip().split("\n")[0])
+        ANALYSES[name] = Analysis(name, fn, plot, help or (fn.__doc__ or "").strip().split("\n")[0], tuple(options))
         return fn
 
     return deco

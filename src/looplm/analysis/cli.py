@@ -49,6 +49,32 @@ def _parse_options(items: list[str]) -> dict:
     return out
 
 
+# options the command line itself sets for every analysis, and its flags for them
+CLI_OPTIONS = {"loops": "--loops", "calibration_batches": "--calib-batches"}
+
+
+def _check_args(args, selected) -> None:
+    """One error naming every bad count and every ``--option`` key none of the selected analyses
+    reads, before a model is loaded."""
+    from ..dataclass_util import ConfigError, _suggest
+
+    errs = []
+    for flag, value, low in (("--batches", args.batches, 1), ("--calib-batches", args.calib_batches, 0),
+                             ("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 2),
+                             ("--loops", args.loops, 1)):
+        if value is not None and value < low:
+            errs.append(f"{flag}: must be >= {low}, got {value}" + (" (leave it out for the trained K)" if flag == "--loops" else ""))
+    known = sorted({o for a in selected for o in a.options})
+    for key in _parse_options(args.option):
+        if key in CLI_OPTIONS:
+            errs.append(f"--option {key}: set by the command line itself (use {CLI_OPTIONS[key]})")
+        elif key not in known:
+            names = ", ".join(a.name for a in selected)
+            errs.append(f"--option {key}: not read by {names}{_suggest(key, known)}; they read: {', '.join(known) or 'no options'}")
+    if errs:
+        raise ConfigError(errs, "analyze arguments")
+
+
 def cmd_analyze(args) -> int:
     import torch
 
@@ -68,6 +94,7 @@ def cmd_analyze(args) -> int:
         raise ValueError(f"--metrics: unknown analysis {unknown or names}{hints}; known: {sorted(analyses)} (or 'list')")
     if (args.checkpoint is None) == (args.model is None):
         raise ValueError("give a CHECKPOINT (a checkpoint or run directory) or --model PRESET (random weights), not both")
+    _check_args(args, [analyses[n] for n in names])
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if args.checkpoint is not None:

@@ -280,7 +280,7 @@ def state_shapley(model, batches, options) -> dict:
 
 @register_analysis(
     "state-replace-freeze", plot=_plot_replace_freeze,
-    help="StateLoop calibrated single replacement and freezing of states (eq. 15, Fig. 4b)",
+    help="StateLoop calibrated single replacement and freezing of states (eq. 15, Fig. 4b)", options=("epsilon",),
 )  # fmt: skip
 def state_replace_freeze(model, batches, options) -> dict:
     """``options['calibration_batches']``: the separate calibration sample (default: the first half of

@@ -122,7 +122,8 @@ class _RecordingRule(RecurrenceRule):
     def __init__(self, inner: RecurrenceRule, sink):
         super().__init__(None)
         self.inner, self.sink = inner, sink
-        self.rope_dims, self.lm_loss_weight = inner.rope_dims, inner.lm_loss_weight
+        self.rope_dims, self.lm_loss_weight, self.loop_options = inner.rope_dims, inner.lm_loss_weight, inner.loop_options
+        self.rule_name = inner.rule_name
 
     @staticmethod
     def _x(state, fallback):
@@ -389,7 +390,8 @@ def _plot_angles(res, out_dir):
     return _plot("angular-distance", draw, out_dir)
 
 
-@register_analysis("angular-distance", plot=_plot_angles, help="normalised angular distance per block (effective depth) and per loop")
+@register_analysis("angular-distance", plot=_plot_angles,
+                   help="normalised angular distance per block (effective depth) and per loop", options=("grid",))
 def analyze_angular_distance(model, batches, options) -> dict:
     loops, lopts = _options(options)
     tr = record_trajectory(model, batches, loops, lopts)
@@ -407,7 +409,8 @@ def _plot_update(res, out_dir):
     return _plot("update-norm", draw, out_dir)
 
 
-@register_analysis("update-norm", plot=_plot_update, help="relative update norm per loop and per block (means of per-sequence ratios)")
+@register_analysis("update-norm", plot=_plot_update,
+                   help="relative update norm per loop and per block (means of per-sequence ratios)", options=("grid",))
 def analyze_update_norm(model, batches, options) -> dict:
     loops, lopts = _options(options)
     tr = record_trajectory(model, batches, loops, lopts)
@@ -435,7 +438,8 @@ def _plot_variance(res, out_dir):
     return _plot("state-variance", draw, out_dir)
 
 
-@register_analysis("state-variance", plot=_plot_variance, help="within-token feature variance, normalised at L_tr, and amplification factors")
+@register_analysis("state-variance", plot=_plot_variance,
+                   help="within-token feature variance, normalised at L_tr, and amplification factors", options=("grid",))
 def analyze_state_variance(model, batches, options) -> dict:
     loops, lopts = _options(options)
     tr = record_trajectory(model, batches, loops, lopts)
@@ -455,7 +459,8 @@ def _plot_skip(res, out_dir):
     return _plot("skip-response", draw, out_dir)
 
 
-@register_analysis("skip-response", plot=_plot_skip, help="skip response C(d) over loop lags beyond the training loops, and C_D")
+@register_analysis("skip-response", plot=_plot_skip, help="skip response C(d) over loop lags beyond the training loops, and C_D",
+                   options=("grid", "lags"))
 def analyze_skip_response(model, batches, options) -> dict:
     loops, lopts = _options(options)
     K = model.config.n_loops

@@ -89,12 +89,15 @@ class RecurrenceRule(nn.Module):
     * ``rope_dims`` — rotary dims of attention mixers the rule owns (the model builds their tables);
     * ``lm_loss_weight`` — weight of the final next-token loss in the training loss (a rule whose
       objective is entirely its own, e.g. an expected loss over exit steps, sets 0 and returns it from
-      :meth:`aux_loss`).
+      :meth:`aux_loss`);
+    * ``loop_options`` — the keys of ``forward(loop_options=...)`` the rule reads (``lctx.loop_options``);
+      any other key is refused by :meth:`check_loop_options` (a misspelt option would be ignored).
     """
 
     rule_name: ClassVar[str] = "base"
     rope_dims: tuple[int, ...] = ()
     lm_loss_weight: float = 1.0
+    loop_options: tuple[str, ...] = ()
 
     def __init__(self, cfg, **options):
         """Subclasses read what they need from ``cfg`` (the ModelConfig) and declare their options as
@@ -110,6 +113,18 @@ class RecurrenceRule(nn.Module):
         params = inspect.signature(cls.__init__).parameters
         known = [p for p in params if p not in ("self", "cfg") and params[p].kind == params[p].KEYWORD_ONLY]
         return [f"options.{k}: unknown option for rule {cls.rule_name!r}{_suggest(k, known)}" for k in options if k not in known]
+
+    def check_loop_options(self, options: dict) -> None:
+        """Refuse ``forward(loop_options=...)`` keys this rule does not read, naming the ones it does."""
+        unknown = [k for k in options if k not in self.loop_options]
+        if unknown:
+            from ..dataclass_util import _suggest
+
+            known = ", ".join(map(repr, self.loop_options)) or "none"
+            hints = "".join(_suggest(str(k), list(self.loop_options)) for k in unknown)
+            raise ValueError(
+                f"loop_options {unknown}: not read by the recurrence rule {self.rule_name!r}{hints}; it reads: {known}"
+            )
 
     # --- the loop protocol -----------------------------------------------------------------------
     def begin(self, h0: torch.Tensor, lctx: LoopContext) -> dict:

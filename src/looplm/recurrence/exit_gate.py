@@ -56,6 +56,8 @@ class ExitGate(RecurrenceRule):
     ``log(π + ε)``, App. E.5).
     """
 
+    loop_options = ("exit_threshold",)  # q per forward, instead of the option `threshold`
+
     def __init__(self, cfg, *, stage: int = 1, beta: float = 0.25, kappa: float = 50.0, gamma: float = 0.005,
                  bias_init: float = -2.0, threshold: float = 1.0, entropy_eps: float = 1e-10):
         super().__init__(cfg)

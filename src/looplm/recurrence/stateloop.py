@@ -180,6 +180,7 @@ class StateLoop(RecurrenceRule):
     """
 
     interventions = ("read_scale", "state_hook")  # loop_options understood (looplm.analysis.interventions)
+    loop_options = interventions
 
     def __init__(
         self,
@@ -324,6 +325,7 @@ class StateOnlyLoop(RecurrenceRule):
     """
 
     interventions = ("state_hook",)  # X^j for j = 1 … r−1 (X^r is never computed)
+    loop_options = interventions
 
     def __init__(self, cfg, *, init_delta: float = 0.3, lambda_range: Sequence[float] = (0.01, 4.0)):
         super().__init__(cfg)

@@ -97,6 +97,8 @@ class TimestepConditioning(RecurrenceRule):
         grid: the default inference grid, ``auto`` | ``prefix`` | ``rescaled`` (``loop_options`` wins).
     """
 
+    loop_options = ("grid",)
+
     def __init__(self, cfg, *, gating: str = "loop", grid: str = "auto"):
         super().__init__(cfg)
         self.gating, self.grid = gating, grid
