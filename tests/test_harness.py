@@ -261,3 +261,27 @@ def test_suite_definitions_match_the_papers():
 def test_unknown_task_is_reported(ckpt, tmp_path):
     with pytest.raises(ValueError, match="unknown task"):
         run_harness(ckpt, ["no_such_task_xyz"], data_dir=_fake_eval_dir(tmp_path / "e"), include_defaults=False)
+
+
+def test_bad_arguments_are_refused_before_any_work(ckpt, model, capsys):
+    import time
+
+    t0 = time.perf_counter()
+    rc = cli_main(["eval", "harness", str(ckpt), "--tasks", "no_such_task", "--max-length", "0", "--limit", "-3",
+                   "--batch-size", "0", "--num-fewshot", "-1", "--exit-threshold", "nan"])
+    assert rc == 2 and time.perf_counter() - t0 < 5  # --max-length 0 looped until MemoryError
+    err = capsys.readouterr().err
+    assert "invalid eval harness arguments (5 problem(s))" in err
+    for flag in ("--max-length", "--limit", "--batch-size", "--num-fewshot", "--exit-threshold"):
+        assert flag in err
+    # lm-eval's model_args arrive as strings; the model's own window and exit gate are checked too
+    from looplm.dataclass_util import ConfigError
+
+    with pytest.raises(ConfigError, match="max_length .* integer >= 1"):
+        LoopLMEvalModel(model=model, tokenizer=TOK, max_length="0")
+    with pytest.raises(ConfigError, match="at most the model's max_seq_len=128, got 4096"):
+        LoopLMEvalModel(model=model, tokenizer=TOK, max_length=4096)  # was silently cut to 128
+    with pytest.raises(ValueError, match="this model has no exit gate"):
+        LoopLMEvalModel(model=model, tokenizer=TOK, exit_threshold="0.5")
+    one = LoopLMEvalModel(model=model, tokenizer=TOK, max_length="1")  # the smallest window still advances
+    assert len(one._loglikelihood_tokens([(None, [1, 2, 3], [4, 5])])) == 1

@@ -197,6 +197,39 @@ def _child_argv(args) -> list[str]:
     return argv + (["--json"] if args.json else []) + (["--lean"] if args.lean else [])
 
 
+def _check_bench_args(args) -> None:
+    """One error naming every bad ``bench decode`` argument (counts, threads, device, models)."""
+    import torch
+
+    from .dataclass_util import ConfigError
+
+    errs = [f"{flag}: must be >= 1, got {v}" for flag, v in (
+        ("--prefill", args.prefill), ("--new", args.new), ("--runs", args.runs), ("--d-model", args.d_model),
+        ("--layers", args.layers), ("--vocab", args.vocab)) if v < 1]  # fmt: skip
+    if args.threads < 0:
+        errs.append(f"--threads: must be >= 1, or 0 for torch's default, got {args.threads}")
+    if args.device != "auto":
+        try:
+            dev = torch.device(args.device)
+        except (RuntimeError, ValueError):
+            dev = None
+            errs.append(f"--device: {args.device!r} is not a device; use auto, cpu, cuda or cuda:N")
+        if dev is not None and dev.type == "cuda":
+            n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+            if n == 0:
+                errs.append(f"--device {args.device}: no CUDA device is available here; use cpu or auto")
+            elif dev.index is not None and dev.index >= n:
+                errs.append(f"--device {args.device}: there are {n} CUDA device(s), cuda:0 to cuda:{n - 1}")
+        elif dev is not None and dev.type != "cpu":
+            errs.append(f"--device {args.device}: only cpu and cuda devices are supported")
+    names = list(DECODE_MODELS) if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [n for n in names if n not in DECODE_MODELS]
+    if unknown or not names:
+        errs.append(f"--models: unknown model(s) {unknown or names}; choose from {', '.join(DECODE_MODELS)} (or all)")
+    if errs:
+        raise ConfigError(errs, "bench decode arguments")
+
+
 def cmd_bench_decode(args) -> int:
     import os
     import subprocess
@@ -204,6 +237,7 @@ def cmd_bench_decode(args) -> int:
 
     import torch
 
+    _check_bench_args(args)  # before the child process is started or a model is built
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
     if on_cpu and sys.platform.startswith("linux") and "THP_MEM_ALLOC_ENABLE" not in os.environ and not args.same_process:
         # PyTorch reads THP_MEM_ALLOC_ENABLE once, at its first allocation: re-run in a child process with it set
@@ -220,12 +254,9 @@ def cmd_bench_decode(args) -> int:
     names = list(DECODE_MODELS) if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
     if names[0] != "vanilla-k4":
         names = ["vanilla-k4"] + [n for n in names if n != "vanilla-k4"]  # the baseline is always measured
-    for n, v in (("--prefill", args.prefill), ("--new", args.new), ("--runs", args.runs), ("--d-model", args.d_model), ("--layers", args.layers)):
-        if v < 1:
-            raise ValueError(f"{n} must be >= 1, got {v}")
     models = build_decode_models(names, d_model=args.d_model, layers=args.layers, vocab=args.vocab,
                                  max_len=args.prefill + args.new + 1, device=device, dtype=dtype)
-    where = torch.cuda.get_device_name() if device == "cuda" else cpu_description()
+    where = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else cpu_description()
     if not args.json:
         print(f"decode latency: batch 1, prefill {args.prefill}, {args.new} new tokens, {args.runs} runs, {args.dtype}, "
               f"d={args.d_model} x {args.layers} layers, vocab {args.vocab}, {torch.get_num_threads()} threads, "

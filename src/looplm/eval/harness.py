@@ -61,6 +61,7 @@ except ImportError:  # pragma: no cover - exercised only without lm-eval
 __all__ = [
     "LoopLMEvalModel",
     "SUITES",
+    "check_harness_args",
     "register_lm_eval_model",
     "run_harness",
     "suite_tables",
@@ -83,6 +84,13 @@ class LoopLMEvalModel(TemplateLM):
         super().__init__()
         if (pretrained is None) == (model is None):
             raise ValueError("LoopLMEvalModel needs pretrained=PATH (a checkpoint, run or export directory) or model=")
+        # lm-eval passes model_args as strings ("max_length=0"): numbers first, then one check of them
+        # all before the model is loaded (and once more against its max_seq_len after)
+        loops, q, max_length = _number(loops, int), _number(exit_threshold, float), _number(max_length, int)
+        batch_size = 8 if str(batch_size).startswith("auto") else _number(batch_size, int)
+        max_gen_toks = _number(max_gen_toks, int)
+        check_harness_args(loops=loops, exit_threshold=q, batch_size=batch_size, max_length=max_length,
+                           max_gen_toks=max_gen_toks)
         if device in (None, "auto"):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if model is None:
@@ -98,18 +106,20 @@ class LoopLMEvalModel(TemplateLM):
               "float16": torch.float16, "auto": None}.get(str(dtype))
         if str(dtype) not in ("float32", "fp32", "bfloat16", "bf16", "float16", "auto"):
             raise ValueError(f"dtype must be float32, bfloat16, float16 or auto, got {dtype!r}")
+        cfg_max = model.config.max_seq_len
+        check_harness_args(loops=loops, exit_threshold=q, batch_size=batch_size, max_length=max_length,
+                           max_gen_toks=max_gen_toks, model_max_length=cfg_max)
+        if q is not None and "exit_threshold" not in getattr(model.rule, "loop_options", ()):
+            raise ValueError(f"exit_threshold (--exit-threshold) {q}: this model has no exit gate (its recurrence rule is "
+                             f"{model.config.rule.name!r}); leave it out, or evaluate an exit_gate model")
         self.model = model.to(device=device, dtype=dt).eval() if dt is not None else model.to(device).eval()
         self.tok = tokenizer
         self._device = torch.device(device)
-        self.loops = int(loops) if loops not in (None, "", "None") else None
-        if self.loops is not None and self.loops < 1:
-            raise ValueError(f"loops must be >= 1, got {loops}")
-        q = float(exit_threshold) if exit_threshold not in (None, "", "None") else None
+        self.loops = loops
         self.loop_options = {"exit_threshold": q} if q is not None else None
-        self.batch_size = int(str(batch_size).split(":")[0]) if str(batch_size) != "auto" else 8
-        cfg_max = self.model.config.max_seq_len
-        self._max_length = min(int(max_length), cfg_max) if max_length not in (None, "", "None") else min(seq_len or cfg_max, cfg_max)
-        self.max_gen_toks = int(max_gen_toks)
+        self.batch_size = batch_size
+        self._max_length = max_length if max_length is not None else min(seq_len or cfg_max, cfg_max)
+        self.max_gen_toks = max_gen_toks
 
     # --- what lm-eval asks of a TemplateLM ---
     @property
@@ -265,6 +275,56 @@ class LoopLMEvalModel(TemplateLM):
                     text = text.split(s)[0]
             texts.append(text)
         return texts
+
+
+def _number(value, kind):
+    """A model argument as ``kind`` (``int`` / ``float``); ``None`` for unset (lm-eval passes strings).
+    A value that is not a number is returned as it is, for :func:`check_harness_args` to name."""
+    if value in (None, "", "None"):
+        return None
+    if isinstance(value, str):
+        try:
+            f = float(value)
+        except ValueError:
+            return value
+        return int(f) if kind is int and f.is_integer() else f
+    return value
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_harness_args(*, loops=None, exit_threshold=None, num_fewshot=None, limit=None, batch_size=8, max_length=None,
+                       max_gen_toks=256, model_max_length: int | None = None) -> None:
+    """One ``ConfigError`` naming every bad ``looplm eval harness`` argument, before any work starts
+    (a ``max_length`` of 0 would never advance the scoring window)."""
+    from ..dataclass_util import ConfigError
+
+    errs = []
+    if loops is not None and (not _is_int(loops) or loops < 1):
+        errs.append(f"loops (--loops): must be an integer >= 1 (default: the trained K), got {loops!r}")
+    if exit_threshold is not None and (
+        isinstance(exit_threshold, bool) or not isinstance(exit_threshold, (int, float)) or not 0 <= exit_threshold <= 1
+    ):
+        errs.append(f"exit_threshold (--exit-threshold): must be a number in [0, 1], got {exit_threshold!r}")
+    if num_fewshot is not None and (not _is_int(num_fewshot) or num_fewshot < 0):
+        errs.append(f"num_fewshot (--num-fewshot): must be an integer >= 0, got {num_fewshot!r}")
+    if limit is not None:
+        ok = isinstance(limit, (int, float)) and not isinstance(limit, bool) and math.isfinite(limit) and limit > 0
+        if not ok or (limit >= 1 and not float(limit).is_integer()):
+            errs.append(f"limit (--limit): must be a document count >= 1 or a fraction in (0, 1), got {limit!r}")
+    if not _is_int(batch_size) or batch_size < 1:
+        errs.append(f"batch_size (--batch-size): must be an integer >= 1, got {batch_size!r}")
+    if max_length is not None:
+        top = f" and at most the model's max_seq_len={model_max_length}" if model_max_length else ""
+        if not _is_int(max_length) or max_length < 1 or (model_max_length and max_length > model_max_length):
+            errs.append(f"max_length (--max-length): the window of tokens the model reads must be an integer >= 1{top}, "
+                        f"got {max_length!r}")
+    if not _is_int(max_gen_toks) or max_gen_toks < 1:
+        errs.append(f"max_gen_toks: must be an integer >= 1, got {max_gen_toks!r}")
+    if errs:
+        raise ConfigError(errs, "eval harness arguments")
 
 
 def load_for_eval(path, tokenizer=None):
@@ -452,6 +512,8 @@ def run_harness(checkpoint, tasks: list[str], *, loops=None, exit_threshold=None
     only when a requested task is neither a suite nor in ``include_path``."""
     import tempfile
 
+    check_harness_args(loops=loops, exit_threshold=exit_threshold, num_fewshot=num_fewshot, limit=limit,
+                       batch_size=batch_size, max_length=max_length)
     import lm_eval
     from lm_eval.tasks import TaskManager
 

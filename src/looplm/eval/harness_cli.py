@@ -38,6 +38,8 @@ def cmd_eval_harness(args) -> int:
             return 0
     if not args.checkpoint or not args.tasks:
         raise ValueError("looplm eval harness needs CHECKPOINT and --tasks (or only --write-tasks DIR)")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
     if args.threads:
         import torch
 

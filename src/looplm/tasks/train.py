@@ -103,7 +103,7 @@ class TaskSpec:
         """``(input_ids, answer_pos, answers)`` of the deterministic evaluation set."""
         from . import mano, phop
 
-        count, seed = count or self.count, self.eval_seed if seed is None else seed
+        count, seed = self.count if count is None else count, self.eval_seed if seed is None else seed
         if self.name == "mano":
             return mano.eval_batch(mano.generate("eval", count, self.max_length, seed), self.vocab())
         return phop.eval_batch(phop.generate("eval", count, self.n, self.p, self.alphabet, seed), self.vocab())
@@ -349,6 +349,17 @@ def evaluate_run(run_dir, task: str | None = None, count: int | None = None, see
     the executed depth stays ``R``). ``png``: the Figure-1-style plot of both."""
     from ..eval.threshold import plot_sweep, sweep
 
+    errs = []
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        errs.append(f"count (--count): must be an integer >= 1 (default: the run's), got {count!r}")
+    bad_loops = [r for r in num_loops or [] if isinstance(r, bool) or not isinstance(r, int) or r < 1]
+    if bad_loops:
+        errs.append(f"num_loops (--loops): every forced loop count must be an integer >= 1, got {bad_loops}")
+    bad_q = [q for q in thresholds or [] if isinstance(q, bool) or not isinstance(q, (int, float)) or not 0 <= q <= 1]
+    if bad_q:
+        errs.append(f"thresholds (--thresholds): every exit threshold q must be in [0, 1], got {bad_q}")
+    if errs:
+        raise ConfigError(errs, "task eval arguments")
     model, cfg = load_task_run(run_dir, device)
     if task is not None and cfg.task.name != task:
         raise ValueError(f"{run_dir} is a {cfg.task.name!r} run, not {task!r}")
