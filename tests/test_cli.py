@@ -219,3 +219,45 @@ def test_info_is_fast_for_the_largest_presets():
     elapsed = time.perf_counter() - t
     assert json.loads(out.stdout)["params"] == 1_467_222_016
     assert elapsed < 15  # < 5 s on an idle machine; generous under a loaded test run
+
+
+# ------------------------------------------------------------------------------------ bad arguments, refused up front
+def test_task_eval_refuses_bad_counts_before_opening_the_run(tmp_path, capsys):
+    # --count -1 was an IndexError, --count 0 silently the run's default
+    assert main(["task", "phop", "eval", str(tmp_path / "no-run"), "--count", "-1", "--loops", "0", "--thresholds", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid task eval arguments (3 problem(s))" in err and "count (--count): must be an integer >= 1" in err
+    assert "--loops" in err and "--thresholds" in err and "no-run" not in err  # the run was not opened
+
+
+def test_analyze_refuses_bad_counts_and_unknown_options(tmp_path, capsys):
+    out = tmp_path / "an"
+    argv = ["analyze", "--model", "tiny-llama", "--metrics", "angular-distance,skip-response", "--out", str(out)]
+    assert main([*argv, "--batches", "0", "--loops", "0", "--option", "gird=prefix", "--option", "loops=2"]) == 2
+    err = capsys.readouterr().err
+    assert "--batches: must be >= 1, got 0" in err  # was a TypeError
+    assert "--loops: must be >= 1, got 0" in err  # silently meant K
+    assert "--option gird: not read by angular-distance, skip-response (did you mean 'grid'?); they read: grid, lags" in err
+    assert "--option loops: set by the command line itself (use --loops)" in err  # an unknown --option was ignored
+    assert not out.exists()
+
+
+def test_bench_decode_refuses_bad_threads_and_devices(capsys):
+    assert main(["bench", "decode", "--threads", "-4", "--device", "cuda:9", "--runs", "0", "--models", "vanila-k4"]) == 2
+    err = capsys.readouterr().err  # were tracebacks from torch.set_num_threads and the CUDA runtime
+    assert "--threads: must be >= 1, or 0 for torch's default, got -4" in err and "--device cuda:9:" in err
+    assert "--runs: must be >= 1" in err and "--models: unknown model(s) ['vanila-k4']" in err
+    assert main(["bench", "decode", "--device", "tpu"]) == 2
+    assert "--device: 'tpu' is not a device; use auto, cpu, cuda or cuda:N" in capsys.readouterr().err
+    assert main(["bench", "decode", "--device", "meta"]) == 2
+    assert "--device meta: only cpu and cuda devices are supported" in capsys.readouterr().err
+
+
+def test_a_checkpoint_without_its_complete_manifest_loads_with_a_warning(tiny_run, capsys):
+    run, model = tiny_run
+    step = run / "ckpt" / "step_000003"
+    (step / "COMPLETE").unlink()  # written by hand, or interrupted between the rename and the manifest
+    with pytest.warns(CheckpointWarning, match=rf"checkpoint '{step}' has no COMPLETE manifest, so its files cannot be "
+                                               "verified .* loading it unverified"):  # was silent
+        rc, out, err = _generate(step, capsys)
+    assert rc == 0 and out.strip() == _greedy(model, b"abc", 4).strip()

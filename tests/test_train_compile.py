@@ -101,3 +101,40 @@ def test_per_sequence_depth_sampling(corpus, tmp_path):  # noqa: F811
     assert rec["num_loops_mean"] == pytest.approx(float(loops.float().mean()))
     with pytest.raises(Exception, match="poisson distribution needs a mean"):
         tiny(corpus, "train.random_loops.distribution=poisson")
+
+
+def _failing_compile(monkeypatch):
+    """Blocks 'compiled' with a backend that fails like a corrupt inductor cache entry, at the first call."""
+    import looplm.train.trainer as trainer
+
+    def backend(gm, example_inputs):
+        raise ImportError("/tmp/torchinductor_root/xy/cxyz.so: invalid ELF header")
+
+    real = looplm.parallel.compile_blocks
+    monkeypatch.setattr(looplm.parallel, "compile_blocks", lambda model: real(model, backend=backend))
+    monkeypatch.setattr(trainer, "resolve_compile", lambda *a: True)  # "auto" decides to compile (a long run)
+    torch._dynamo.reset()
+
+
+def test_compile_auto_falls_back_to_eager_when_compiling_fails(corpus, tmp_path, monkeypatch, capsys):  # noqa: F811
+    eager, _ = _run(tiny(corpus, "train.compile=false"), tmp_path / "a")
+    _failing_compile(monkeypatch)
+    tr = Trainer(tiny(corpus, "train.compile=auto"), tmp_path / "b")
+    tr._setup()
+    assert tr.compiled
+    records = [tr._first_compiled_step(0)] + [tr._train_step(i) for i in (1, 2)]  # was: a crash at step 1
+    assert not tr.compiled and all(b._compiled_call_impl is None for b in tr.model.core.stack.blocks)
+    assert [r["loss"] for r in records] == [r["loss"] for r in eager]  # the failed attempt left no trace
+    assert [r["batch_hash"] for r in records] == [r["batch_hash"] for r in eager] and tr.tokens == 3 * 8 * 32
+    err = capsys.readouterr().err
+    assert err.count("warning: train.compile=auto: compiling the blocks failed at the first step") == 1
+    assert "invalid ELF header" in err and "TORCHINDUCTOR_CACHE_DIR" in err
+
+
+def test_compile_true_keeps_the_failure_with_a_note(corpus, tmp_path, monkeypatch):  # noqa: F811
+    _failing_compile(monkeypatch)
+    tr = Trainer(tiny(corpus, "train.compile=true"), tmp_path / "c", quiet=True)
+    tr._setup()
+    with pytest.raises(Exception, match="invalid ELF header") as ei:
+        tr._first_compiled_step(0)
+    assert any("train.compile=auto would train eagerly instead" in n for n in getattr(ei.value, "__notes__", []))

@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # Ctrl-C outside training (training itself stops at a step, with a checkpoint)
+        print("\ninterrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `looplm presets | head`
         sys.stderr.close()
         return 0

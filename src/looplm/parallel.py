@@ -57,3 +57,13 @@ def compile_blocks(model, **kwargs) -> None:
     for m in model.modules():
         if isinstance(m, Block):
             m.compile(**kwargs)
+
+
+def uncompile_blocks(model) -> None:
+    """Undo :func:`compile_blocks`: every block runs eagerly again (``nn.Module.compile`` keeps the
+    compiled call in ``_compiled_call_impl``; ``None`` there is the module's eager call)."""
+    from .blocks import Block
+
+    for m in model.modules():
+        if isinstance(m, Block):
+            m._compiled_call_impl = None

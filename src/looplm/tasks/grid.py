@@ -22,6 +22,7 @@ validation PPL for ``lm`` grids, best-of-seeds exact-match accuracy for ``task``
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -165,7 +166,13 @@ def _cmd_grid(args) -> int:
     if args.run:
         if not args.out:
             raise ConfigError(["--out: --run needs a directory for the runs"], "grid command")
-        rows = run_grid(grid, args.out, args.set or [], quiet=args.quiet)
+        from .train.trainer import TrainingInterrupted
+
+        try:
+            rows = run_grid(grid, args.out, args.set or [], quiet=args.quiet)
+        except TrainingInterrupted as e:  # SIGTERM / SIGINT: the row's checkpoint is written; rerun to resume
+            print(e, file=sys.stderr)
+            return e.exit_code
     else:
         rows = grid_rows(grid, args.set or [])
     print(json.dumps(rows, indent=2, ensure_ascii=False) if args.json else format_table(rows, metrics))

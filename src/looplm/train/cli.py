@@ -9,7 +9,8 @@ Examples::
 
 ``looplm train`` resumes automatically from the newest complete checkpoint in ``OUT/ckpt`` and
 appends to ``OUT/metrics.jsonl``. A second ``looplm train`` on the same ``--out`` while one runs is
-refused (the run directory is locked).
+refused (the run directory is locked). SIGTERM / SIGINT (preemption, Ctrl-C) finish the current step,
+write its checkpoint, print one line naming it and exit with 128 + the signal number (143, 130).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def cmd_train(args) -> int:
     from .config import load_train_config
     from .distributed import is_main_process
     from .run_lock import RunDirLockedError
-    from .trainer import Trainer, TrainingDivergedError
+    from .trainer import Trainer, TrainingDivergedError, TrainingInterrupted
 
     cfg = load_train_config(args.config, _train_overrides(args))
     try:
@@ -59,6 +60,10 @@ def cmd_train(args) -> int:
     except (RunDirLockedError, TrainingDivergedError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except TrainingInterrupted as e:  # SIGTERM / SIGINT: the checkpoint is written; one line, 128 + signal
+        if is_main_process():
+            print(e, file=sys.stderr, flush=True)
+        return e.exit_code
     if is_main_process():
         print(json.dumps(summary, indent=2) if args.json else _format_summary(summary))
     return 0
@@ -89,7 +94,7 @@ def cmd_demo(args) -> int:
     from .config import load_train_config
     from .metrics import read_metrics
     from .run_lock import RunDirLock, RunDirLockedError
-    from .trainer import Trainer
+    from .trainer import Trainer, TrainingInterrupted
 
     config = Path(args.config) if args.config else find_config(DEMO_CONFIG)
     cfg = load_train_config(config, _train_overrides(args))
@@ -111,6 +116,9 @@ def cmd_demo(args) -> int:
     except RunDirLockedError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except TrainingInterrupted as e:
+        print(f"{e} (looplm demo --resume)", file=sys.stderr)
+        return e.exit_code
     recs = [r for r in read_metrics(out) if not r.get("skipped")]
     png = plot_run(out)
     first = recs[0]["loss"] if recs else float("nan")

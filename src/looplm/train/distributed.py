@@ -41,6 +41,7 @@ __all__ = [
     "wrap_model",
     "unwrap_model",
     "all_reduce_mean",
+    "all_reduce_max",
     "barrier",
     "cleanup",
     "broadcast_object",
@@ -134,6 +135,16 @@ def all_reduce_mean(value: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         value /= dist.get_world_size()
     return value
+
+
+def all_reduce_max(value: int, device: torch.device | str = "cpu") -> int:
+    """The largest ``value`` over ranks (``value`` itself without a process group): one 1-element
+    all-reduce, e.g. so that every rank stops at the step where any rank was asked to."""
+    if is_distributed() and dist.get_world_size() > 1:
+        t = torch.tensor([int(value)], dtype=torch.int64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return int(t.item())
+    return int(value)
 
 
 def broadcast_object(obj, src: int = 0):

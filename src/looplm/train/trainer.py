@@ -28,16 +28,26 @@ tokenizer whose fingerprint differs from the checkpoint's is refused.
 
 One trainer per output directory: ``fit`` holds :class:`~looplm.train.run_lock.RunDirLock` on
 ``OUT`` (rank 0) from before it touches the directory until it returns or dies.
+
+Preemption: the first SIGTERM or SIGINT (how SLURM and Kubernetes preempt; Ctrl-C) lets the current
+optimizer step finish, then every rank writes the checkpoint of that step and ``fit`` raises
+:class:`TrainingInterrupted` (``looplm train`` prints one line naming the checkpoint and exits with
+128 + the signal number). Ranks agree on the step with one 1-element all-reduce per step. A second
+signal (after :data:`DUPLICATE_SIGNAL_S`: launchers such as torchrun forward the one they got) ends
+the process at once. Resuming from that checkpoint is exact like any other resume.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import math
 import os
 import random
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,7 +60,7 @@ from ..data.tokenizers import check_tokenizer_fingerprint, tokenizer_fingerprint
 from ..dataclass_util import to_dict
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .distributed import DistInfo, all_reduce_mean, broadcast_object, cleanup, init_distributed, wrap_model
+from .distributed import DistInfo, all_reduce_max, all_reduce_mean, broadcast_object, cleanup, init_distributed, wrap_model
 from .grad_norm import clip_factor
 from .grad_norm import total_norm as total_grad_norm
 from .metrics import MetricsLogger, truncate_metrics, write_run_json
@@ -58,18 +68,17 @@ from .optim import MultiOptimizer, build_optimizer, freeze_parameters, plan_para
 from .run_lock import RunDirLock, RunDirLockedError
 from .schedule import apply_lr, build_lr_lambda
 
-__all__ = ["Trainer", "TrainingDivergedError", "train", "step_seed", "batch_hash"]
+__all__ = ["Trainer", "TrainingDivergedError", "TrainingInterrupted", "train", "step_seed", "batch_hash"]
 
 
 def _load_init_weights(model: nn.Module, path: str) -> str:
     """``train.init_from``: load a checkpoint's model weights into ``model`` (before any resume).
     Parameters the checkpoint lacks are allowed only under ``rule.`` (a rule added for continued
     training, e.g. the exit gate on a fixed-loop model) and keep their initialisation."""
-    from ..checkpoint_io import CheckpointError, load_tensors, resolve_checkpoint, verify_checkpoint
+    from ..checkpoint_io import CheckpointError, load_tensors, resolve_checkpoint, verify_or_warn
 
     ckpt = resolve_checkpoint(path)
-    if (ckpt / "COMPLETE").exists():
-        verify_checkpoint(ckpt)
+    verify_or_warn(ckpt)
     sd = load_tensors(ckpt / "model.safetensors")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     bad = [k for k in missing if not k.startswith("rule.")]
@@ -84,6 +93,62 @@ def _load_init_weights(model: nn.Module, path: str) -> str:
 class TrainingDivergedError(RuntimeError):
     """The loss or the gradient norm became NaN / Inf (raised before the optimizer update), or too
     many updates in a row were skipped for it (``nan_policy: skip``)."""
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGTERM / SIGINT stopped training after a complete optimizer step, whose checkpoint was written
+    (``checkpoint``: its directory on rank 0, ``None`` on the other ranks)."""
+
+    def __init__(self, signum: int, step: int, max_steps: int, checkpoint: Path | None):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        name = signal.Signals(signum).name
+        super().__init__(
+            f"stopped by {name} after step {step} of {max_steps}: wrote checkpoint {checkpoint}; "
+            "run the same command again to resume from it"
+        )
+
+    @property
+    def exit_code(self) -> int:
+        """``128 + signal number``, the shell's code for a process ended by that signal (143 for SIGTERM)."""
+        return 128 + self.signum
+
+
+# a repeat of the stop signal this soon after the first is the same request delivered twice (torchrun
+# forwards the SIGINT / SIGTERM it gets to workers that got it too; SLURM signals every process)
+DUPLICATE_SIGNAL_S = 0.5
+
+
+class _StopOnSignal:
+    """While active (main thread only): the first SIGTERM / SIGINT sets :attr:`signum` (the loop stops
+    after the current optimizer step); a later one ends the process at once, by that signal."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, announce: bool):
+        self.signum = 0
+        self.announce = announce
+        self._first_at = 0.0
+        self._previous: dict = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():  # Python runs signal handlers there only
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+
+    def restore(self) -> None:
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        self._previous = {}
+
+    def _handle(self, signum, frame) -> None:
+        now = time.monotonic()
+        if not self.signum:
+            self.signum, self._first_at = signum, now
+            if self.announce:
+                os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
+                            "(send it again to stop at once, without one)\n".encode())
+        elif now - self._first_at > DUPLICATE_SIGNAL_S:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)  # the default action: the process ends now
 
 
 def step_seed(seed: int, step: int, purpose: str = "step") -> int:
@@ -481,6 +546,42 @@ class Trainer:
         )
         return record
 
+    def _first_compiled_step(self, step: int) -> dict:
+        """The first step with compiled blocks, where they are compiled. With ``train.compile: auto`` a
+        compilation failure (a corrupt inductor cache entry: "invalid ELF header", no C++ compiler, ...)
+        falls back to eager blocks with one warning and the step runs again from the same state; with
+        ``compile: true`` the error stands, with a note on what to do."""
+        stream_state = copy.deepcopy(self.stream.state_dict())
+        tokens = self.tokens
+        try:
+            return self._train_step(step)
+        except TrainingDivergedError:
+            raise
+        except Exception as e:
+            if self.cfg.train.compile != "auto":
+                e.add_note(
+                    "looplm: train.compile=true and compiling the blocks failed at the first step. A corrupt inductor "
+                    "cache entry (e.g. 'invalid ELF header') goes away with the cache (TORCHINDUCTOR_CACHE_DIR, by "
+                    "default /tmp/torchinductor_$USER); train.compile=auto would train eagerly instead, false never compiles."
+                )
+                raise
+            from ..parallel import uncompile_blocks
+
+            inner = getattr(e, "inner_exception", None) or e  # dynamo's BackendCompilerFailed wraps the cause
+            first = (str(inner).strip().splitlines() or [""])[0][:300]
+            self._log(
+                f"warning: train.compile=auto: compiling the blocks failed at the first step ({type(inner).__name__}: "
+                f"{first}); training with eager blocks instead. Clearing the inductor cache (TORCHINDUCTOR_CACHE_DIR, "
+                "by default /tmp/torchinductor_$USER) usually lets compiling work again"
+            )
+            uncompile_blocks(self.model)
+            torch._dynamo.reset()
+            self.compiled = False
+            self.optimizer.zero_grad(set_to_none=True)
+            self.stream.load_state_dict(stream_state)  # the same batch again
+            self.tokens = tokens
+            return self._train_step(step)
+
     # ------------------------------------------------------------------------------ eval
     @torch.no_grad()
     def evaluate(self) -> dict:
@@ -532,6 +633,7 @@ class Trainer:
             self.ckpt_root, self.step, self.wrapped, list(self.optimizer), state, self._config_record(),
             keep_last=self.cfg.checkpoint.keep_last,
         )
+        self.saved_step = self.step
         return path
 
     # ------------------------------------------------------------------------------ main loop
@@ -589,9 +691,15 @@ class Trainer:
         first_loss = last_loss = None
         last_eval: dict = {}
         last_ckpt = None
+        self.saved_step = None
+        stop = _StopOnSignal(announce=info.is_main and not self.quiet)
         try:
+            stop.install()  # SIGTERM / SIGINT: finish this step, write its checkpoint, raise TrainingInterrupted
             while self.step < tc.max_steps:
-                record = self._train_step(self.step)
+                if self.compiled and not self._compile_logged:
+                    record = self._first_compiled_step(self.step)
+                else:
+                    record = self._train_step(self.step)
                 self.step += 1
                 self.elapsed += record["step_time_s"]
                 record["elapsed_s"] = self.elapsed
@@ -620,9 +728,16 @@ class Trainer:
                     )
                 if (cfg.checkpoint.every and self.step % cfg.checkpoint.every == 0) or (done and cfg.checkpoint.at_end):
                     last_ckpt = self.save()
+                # every rank stops at the same step: one 1-element all-reduce per step under torchrun
+                signum = all_reduce_max(stop.signum, info.device) if info.distributed else stop.signum
+                if signum and not done:
+                    if self.saved_step != self.step:
+                        last_ckpt = self.save()  # collective: every rank takes part
+                    raise TrainingInterrupted(signum, self.step, tc.max_steps, last_ckpt)
                 if tc.debug_step_sleep_s > 0:
                     time.sleep(tc.debug_step_sleep_s)
         finally:
+            stop.restore()
             if bar is not None:
                 bar.close()
             logger.close()
