@@ -246,7 +246,7 @@ def test_bench_decode_refuses_bad_threads_and_devices(capsys):
     assert main(["bench", "decode", "--threads", "-4", "--device", "cuda:9", "--runs", "0", "--models", "vanila-k4"]) == 2
     err = capsys.readouterr().err  # were tracebacks from torch.set_num_threads and the CUDA runtime
     assert "--threads: must be >= 1, or 0 for torch's default, got -4" in err and "--device cuda:9:" in err
-    assert "--runs: must be >= 1" in err and "--models: unknown model(s) ['vanila-k4']" in err
+    assert "--runs: must be >= 1" in err and "--models: unknown model 'vanila-k4'; choose from vanilla-k4," in err
     assert main(["bench", "decode", "--device", "tpu"]) == 2
     assert "--device: 'tpu' is not a device; use auto, cpu, cuda or cuda:N" in capsys.readouterr().err
     assert main(["bench", "decode", "--device", "meta"]) == 2

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import looplm
+from looplm.checkpoint_io import CheckpointWarning
 from looplm.train.checkpoint import (
     MARKER,
     CheckpointError,
@@ -124,7 +125,8 @@ def test_corrupted_and_missing_files_are_named(tmp_path):
     f2 = path2 / "model.safetensors"
     f2.write_bytes(f2.read_bytes()[:100])
     (path2 / MARKER).unlink()
-    with pytest.raises(CheckpointError, match=r"model\.safetensors.*(truncated|corrupted)"):
+    with pytest.raises(CheckpointError, match=r"model\.safetensors.*(truncated|corrupted)"), \
+            pytest.warns(CheckpointWarning, match="no COMPLETE manifest"):  # it cannot be verified, and says so
         load_model_weights(path2, looplm.build("tiny-llama"), verify=False)
     (path / "optimizer.json").unlink()
     with pytest.raises(CheckpointError, match=r"optimizer\.json.*missing"):

@@ -223,9 +223,10 @@ def _check_bench_args(args) -> None:
         elif dev is not None and dev.type != "cpu":
             errs.append(f"--device {args.device}: only cpu and cuda devices are supported")
     names = list(DECODE_MODELS) if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
-    unknown = [n for n in names if n not in DECODE_MODELS]
-    if unknown or not names:
-        errs.append(f"--models: unknown model(s) {unknown or names}; choose from {', '.join(DECODE_MODELS)} (or all)")
+    errs += [f"--models: unknown model {n!r}; choose from {', '.join(DECODE_MODELS)} (or all)"
+             for n in names if n not in DECODE_MODELS]
+    if not names:
+        errs.append(f"--models: no model given; choose from {', '.join(DECODE_MODELS)} (or all)")
     if errs:
         raise ConfigError(errs, "bench decode arguments")
 

@@ -136,7 +136,8 @@ class _StopOnSignal:
 
     def restore(self) -> None:
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            if handler is not None:  # None: a handler installed outside Python, which cannot be put back
+                signal.signal(s, handler)
         self._previous = {}
 
     def _handle(self, signum, frame) -> None:
