@@ -166,7 +166,7 @@ def _cmd_grid(args) -> int:
     if args.run:
         if not args.out:
             raise ConfigError(["--out: --run needs a directory for the runs"], "grid command")
-        from .train.trainer import TrainingInterrupted
+        from ..train.trainer import TrainingInterrupted
 
         try:
             rows = run_grid(grid, args.out, args.set or [], quiet=args.quiet)
