@@ -95,3 +95,17 @@ def test_lm_grid_run_trains_every_row_with_the_train_config(tmp_path):
 
     mc = json.loads((tmp_path / "runs" / "M-1x2" / "run.json").read_text())["model_config"]
     assert (mc["n_core"], mc["n_loops"]) == (1, 2)  # the row's N⊗R reached the trainer
+
+
+def test_an_interrupted_grid_run_ends_with_one_line(tmp_path, capsys, monkeypatch):
+    """SIGTERM during a row's training (TrainingInterrupted, its checkpoint written): one line, 128 + signal."""
+    import looplm.tasks.grid as grid
+    from looplm.cli import main
+    from looplm.train.trainer import TrainingInterrupted
+
+    def preempted(*args, **kwargs):
+        raise TrainingInterrupted(15, 4, 10, tmp_path / "runs" / "ckpt" / "step_000004")
+
+    monkeypatch.setattr(grid, "run_grid", preempted)
+    assert main(["grid", str(REPO / "configs/grids/mano-table1.yaml"), "--run", "--out", str(tmp_path / "runs")]) == 143
+    assert capsys.readouterr().err.startswith("stopped by SIGTERM after step 4 of 10: wrote checkpoint ")
