@@ -95,6 +95,9 @@ def _cmd_info(args) -> int:
 
         ck = read_checkpoint_config(args.model)
         spec, retrofit = ck["model"], retrofit_summary(ck)
+        imp = ck.get("import") or {}
+        if imp.get("imported_kind"):  # `looplm import hf`: where the weights came from, in which format
+            retrofit = [f"imported from  {imp.get('imported_from')} ({imp['imported_kind']})", *retrofit]
     info = model_info(spec, overrides=args.set or None, num_loops=args.loops, seq_len=args.seq_len)
     if retrofit:
         info["retrofit"] = retrofit

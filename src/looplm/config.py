@@ -63,7 +63,13 @@ class AttentionConfig:
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
     rotary_dim: int | None = None  # None = head_dim; hybrid Mamba models use 64
-    bias: bool = False
+    bias: bool = False  # biases on the q, k, v and output projections
+    qk_bias: bool = False  # biases on the q and k projections only (Huginn's ``qk_bias``)
+    # sliding-window (local) causal attention: a query attends to the last ``sliding_window`` positions
+    # (itself included) in the physical layers ``sliding_layer_idx`` (0-based over prelude+core+coda;
+    # empty = every attention layer). None = full causal attention everywhere (Ouro's ``layer_types``).
+    sliding_window: int | None = None
+    sliding_layer_idx: list[int] = field(default_factory=list)
 
     def validate(self) -> list[str]:
         errs = []
@@ -83,6 +89,12 @@ class AttentionConfig:
                 errs.append(f"rotary_dim: {self.rotary_dim} exceeds head_dim={self.head_dim}")
         if self.rope_theta <= 0:
             errs.append(f"rope_theta: must be > 0, got {self.rope_theta}")
+        if self.bias and self.qk_bias:
+            errs.append("qk_bias: bias already puts biases on q, k, v and the output; set one of the two")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            errs.append(f"sliding_window: must be >= 1 (or null = full attention), got {self.sliding_window}")
+        if self.sliding_layer_idx and self.sliding_window is None:
+            errs.append(f"sliding_layer_idx: {self.sliding_layer_idx} given without a sliding_window")
         return errs
 
 
@@ -158,6 +170,9 @@ class ModelConfig:
     mixer: Literal["attention", "mamba2"] = "attention"
     attn_layer_idx: list[int] = field(default_factory=list)
     d_ff: int = 0  # SwiGLU hidden width; 0 = no MLP sub-layer (Mamba-2 blocks)
+    # where each block's RMSNorms sit (looplm.blocks): "pre" x + f(N(x)) (Llama); "sandwich"
+    # x + N'(f(N(x))) (Ouro: four norms per layer); "post-sum" N'(x + f(N(x))) (Huginn's sandwich block)
+    norm_placement: Literal["pre", "sandwich", "post-sum"] = "pre"
     attention: AttentionConfig = field(default_factory=AttentionConfig)
     mamba: Mamba2Config = field(default_factory=Mamba2Config)
     rule: RuleConfig = field(default_factory=RuleConfig)
@@ -191,6 +206,13 @@ class ModelConfig:
     def mixer_of(self, layer: int) -> str:
         """Mixer kind of physical block ``layer`` (0-based over prelude+core+coda)."""
         return "attention" if layer in self.attn_layer_idx else self.mixer
+
+    def sliding_window_of(self, layer: int) -> int | None:
+        """The attention window of physical block ``layer`` (``None`` = full causal attention)."""
+        a = self.attention
+        if a.sliding_window is None or (a.sliding_layer_idx and layer not in a.sliding_layer_idx):
+            return None
+        return a.sliding_window
 
     @property
     def uses_attention(self) -> bool:
@@ -239,6 +261,9 @@ class ModelConfig:
                 errs += [f"attention.rope_scaling.{e}" for e in a.rope_scaling.validate()]
             if a.rotary_dim is not None and a.head_dim is None and a.n_heads >= 1 and a.rotary_dim > self.d_model // a.n_heads:
                 errs.append(f"attention.rotary_dim: {a.rotary_dim} exceeds head_dim={self.d_model // a.n_heads}")
+            bad_sw = [i for i in a.sliding_layer_idx if not 0 <= i < self.n_physical or self.mixer_of(i) != "attention"]
+            if bad_sw:
+                errs.append(f"attention.sliding_layer_idx: {bad_sw} are not attention layers of the {self.n_physical} physical layers")
         uses_mamba = self.mixer == "mamba2" and len(set(self.attn_layer_idx)) < self.n_physical
         if uses_mamba:
             m = self.mamba

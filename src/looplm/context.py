@@ -78,6 +78,9 @@ class LoopContext:
     targets: torch.Tensor | None = None  # [B, T] next-token targets (-100 = ignore), training only
     core_input: torch.Tensor | None = None  # Z^k, set by the driver before rule.step
     readout_fn: Callable[[torch.Tensor, "LoopContext"], torch.Tensor] | None = None
+    # the model's final RMSNorm N (the module itself, shared weights): rules that normalise the state between
+    # iterations (Ouro), feed their exit gate a normed state or normalise the loop's output (Huginn) use it
+    final_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def positions(self) -> torch.Tensor:

@@ -304,7 +304,7 @@ class LoopedLM(nn.Module):
         lctx = LoopContext(
             num_loops=r, train_loops=self.config.n_loops, loops_per_row=loops_per_row, fctx=fctx, cache=cache,
             loop_options=loop_options or {}, embeddings=E, embed_weight=self.embed.weight,
-            embed_multiplier=self.embed_multiplier, targets=targets, readout_fn=self._readout,
+            embed_multiplier=self.embed_multiplier, targets=targets, readout_fn=self._readout, final_norm=self.norm,
         )  # fmt: skip
         no_grad_until = r - num_grad_loops if num_grad_loops is not None and self.training else 0
         iterations = [] if output_iterations else None

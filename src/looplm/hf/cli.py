@@ -5,6 +5,8 @@ Examples::
     looplm export hf runs/demo hf/demo --loops 4       # a run dir (newest checkpoint) -> transformers dir
     looplm import hf hf/demo runs/imported              # an export round-trips exactly
     looplm import hf ~/models/SmolLM2-135M runs/smol    # Llama / Qwen3 / Mamba-2 (or a .gguf file)
+    looplm import hf ~/models/Ouro-1.4B runs/ouro       # Ouro / Huginn checkpoints in their own format
+    looplm export hf runs/ouro out/ouro --format original   # back into Ouro's format
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ __all__ = ["register"]
 
 def cmd_export_hf(args) -> int:
     from ..checkpoint_io import looplm_contents
-    from .export import export_hf
 
     held = looplm_contents(args.out)
     if held is not None:  # --overwrite empties nothing, but writes export files over a checkpoint's own
@@ -22,6 +23,24 @@ def cmd_export_hf(args) -> int:
             f"{args.out!r} holds a looplm {'training run' if held == 'run' else held}; an export into it would "
             "overwrite its model.safetensors and config.json (even with --overwrite): pick another directory"
         )
+    if args.format == "original":
+        if args.loops is not None or args.exit_threshold is not None:
+            raise ValueError("--loops / --exit-threshold are looplm-export options; the original format keeps the "
+                             "model's own total_ut_steps / mean_recurrence and early_exit_threshold")
+        from .public import export_original
+
+        out = export_original(args.checkpoint, args.out, dtype=args.dtype, reference_code=args.reference_code,
+                              overwrite=args.overwrite)
+        print(f"exported {args.checkpoint} -> {out} (original format: {out / 'config.json'})")
+        if args.reference_code:
+            print(f"  load with: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
+        else:
+            print("  add the original modelling files (--reference-code DIR) to load it with trust_remote_code")
+        return 0
+    if args.reference_code:
+        raise ValueError("--reference-code goes with --format original")
+    from .export import export_hf
+
     out = export_hf(args.checkpoint, args.out, num_loops=args.loops, exit_threshold=args.exit_threshold,
                     dtype=args.dtype, overwrite=args.overwrite)
     print(f"exported {args.checkpoint} -> {out}")
@@ -34,7 +53,8 @@ def cmd_import_hf(args) -> int:
     from .importer import import_hf
 
     overrides = {k: parse_value(v) for k, v in map(split_override, args.set or [])}
-    out = import_hf(args.source, args.out, gguf_file=args.gguf_file, overwrite=args.overwrite, **overrides)
+    out = import_hf(args.source, args.out, gguf_file=args.gguf_file, overwrite=args.overwrite, dtype=args.dtype,
+                    **overrides)
     print(f"imported {args.source} -> {out}")
     print(f"  try: looplm generate --checkpoint {out} --prompt 'Hello'")
     return 0
@@ -60,15 +80,22 @@ def register(subparsers) -> None:
         p.add_argument("--loops", type=int, default=None, help="default loop count r in the exported config (default: trained K)")
         p.add_argument("--exit-threshold", type=float, default=None, help="default exit threshold q (exit-gate rules)")
         p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="cast the weights")
+        p.add_argument("--format", choices=["looplm", "original"], default="looplm",
+                       help="looplm: remote-code export of any model (default); original: an Ouro or Huginn model in "
+                            "its own format (config.json fields and tensor names of its release)")
+        p.add_argument("--reference-code", default=None, metavar="DIR",
+                       help="with --format original: copy the original modelling files from DIR (auto_map)")
         p.add_argument("--overwrite", action="store_true")
         p.set_defaults(func=cmd_export_hf)
     im = _subparsers(subparsers, "import", "import a checkpoint from another format (hf)")
     if "hf" not in im.choices:
-        p = im.add_parser("hf", help="a Hugging Face directory (looplm export, Llama, Qwen3, Mamba-2, GGUF) as a looplm checkpoint")
+        p = im.add_parser("hf", help="a Hugging Face directory (looplm export, Llama, Qwen3, Mamba-2, Ouro, Huginn, GGUF) as a looplm checkpoint")
         p.add_argument("source", help="model directory (config.json + safetensors), or a .gguf file")
         p.add_argument("out", help="output checkpoint directory")
         p.add_argument("--gguf-file", default=None, help="the GGUF file inside SOURCE to load (needs the gguf package)")
         p.add_argument("--set", action="append", metavar="KEY=VALUE",
                        help="change the imported config before the weights are copied (e.g. n_loops=2)")
+        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                       help="dtype of the imported weights (default: float32)")
         p.add_argument("--overwrite", action="store_true")
         p.set_defaults(func=cmd_import_hf)

@@ -8,6 +8,9 @@ Sources:
 * a transformers Llama / Qwen3 / Mamba-2 causal LM (safetensors or a GGUF file through transformers'
   GGUF loader, which needs the ``gguf`` package): loaded with ``AutoModelForCausalLM`` in fp32 and
   converted by :func:`looplm.interop.from_transformers` (``(p, s, K, c) = (0, L, 1, 0)``, the same logits).
+* an Ouro (``model_type: ouro``) or Huginn / Raven (``model_type: huginn_raven``) checkpoint: its own
+  format read by :mod:`looplm.hf.public` — no remote code runs — into looplm's driver (sandwich / post-sum
+  norms, the exit gate or the adapter and random state as rule options), every tensor checked first.
 
 The result is a checkpoint directory like one ``looplm train`` writes (``model.safetensors``,
 ``config.json`` with ``{"model": ..., "tokenizer": ..., "tokenizer_fingerprint": ...}`` and a
@@ -282,11 +285,12 @@ def _load_transformers(src: Path, gguf_file: str | None):
 
 
 def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None, overwrite: bool = False,
-              **overrides) -> Path:
+              dtype: str | torch.dtype | None = None, **overrides) -> Path:
     """Convert a Hugging Face model directory (or ``src`` = a ``.gguf`` file) into a looplm checkpoint at ``out``.
 
     ``overrides`` change the imported config before the weights are copied (``n_loops=2`` loops the
-    whole imported stack; shapes must stay the same). Returns ``out``.
+    whole imported stack; shapes must stay the same). ``dtype`` (Ouro / Huginn): the weights' dtype in the
+    looplm checkpoint (default float32, whatever the files hold). Returns ``out``.
     """
     from ..data.tokenizers import HFTokenizer
 
@@ -295,6 +299,8 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
         src, gguf_file = src.parent, src.name
     if not src.is_dir():
         raise FileNotFoundError(f"{str(src)!r} is not a Hugging Face model directory (or a .gguf file)")
+    if Path(out).exists() and any(Path(out).iterdir()) and not overwrite:  # before loading anything
+        raise FileExistsError(f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory")
     cfg_path = src / "config.json"
     is_export = cfg_path.is_file() and _read_json(cfg_path, "config file").get("model_type") == "looplm"
     if is_export:
@@ -306,6 +312,10 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
             new.load_state_dict(model.state_dict())
             model = new
         origin = {"imported_from": str(src.resolve()), "imported_kind": "looplm-export"}
+    elif gguf_file is None and _public_family(cfg_path) is not None:
+        from .public import load_public
+
+        model, tok, origin = load_public(src, dtype=_dtype(dtype), **overrides)
     else:
         if gguf_file is None and not cfg_path.is_file():
             ggufs = sorted(src.glob("*.gguf"))
@@ -332,7 +342,30 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
                           eos_token=None if hf_tok.eos_token else _guess_eos(hf_tok))
         origin = {"imported_from": str(src.resolve()) + (f"/{gguf_file}" if gguf_file else ""),
                   "imported_kind": hf_model.config.model_type}
+    if dtype is not None:
+        model = model.to(_dtype(dtype))
     return write_checkpoint(out, model, tok, extra={"import": origin}, overwrite=overwrite)
+
+
+def _public_family(cfg_path: Path) -> str | None:
+    if not cfg_path.is_file():
+        return None
+    from .public import detect
+
+    try:
+        c = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError:
+        return None
+    return detect(c) if isinstance(c, dict) else None
+
+
+def _dtype(dtype) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    dt = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if dt not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype!r}")
+    return dt
 
 
 def _guess_eos(hf_tok) -> str | None:

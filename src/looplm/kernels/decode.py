@@ -37,9 +37,9 @@ reference's tokens, in both builds.
 When it runs: these steps are registered with :mod:`looplm.dispatch` (:func:`register`) for
 :class:`~looplm.blocks.Block`, :class:`~looplm.blocks.Stack` and :class:`~looplm.layers.residual.ResidualMixer`;
 inside :func:`looplm.dispatch.decode_steps` (entered by :func:`looplm.generate.generate`) every eligible module
-runs them. A block is eligible when it is a plain :class:`Block` with an
-:class:`~looplm.layers.attention.Attention` mixer (GQA, optional QK-norm, optional biases, full or partial
-RoPE) or a :class:`~looplm.layers.mamba2.Mamba2Mixer`, and a SwiGLU MLP or none, all of one dtype (bf16 or
+runs them. A block is eligible when it is a plain pre-norm :class:`Block` (``norm_placement: pre``; a
+sandwich or post-sum block keeps the reference) with an :class:`~looplm.layers.attention.Attention` mixer
+(GQA, optional QK-norm, optional biases, full or partial RoPE, no sliding window) or a :class:`~looplm.layers.mamba2.Mamba2Mixer`, and a SwiGLU MLP or none, all of one dtype (bf16 or
 fp32) on the CPU, with no hooks on it or its submodules; a stack when all its blocks are eligible attention
 blocks of one dtype and one rotary dim (:func:`stack_eligible`). A call takes the fused op only for one new
 token per row with a preallocated KV slot (attention) or a non-empty state (Mamba-2), no block modulation
@@ -140,7 +140,8 @@ def plain_linear(lin: nn.Module) -> bool:
 def _mixer_eligible(mixer: nn.Module) -> bool:
     if type(mixer) is Attention:
         return (
-            all(plain_linear(lin) for lin in (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.o_proj))
+            mixer.sliding_window is None  # the fused step attends to the whole cache
+            and all(plain_linear(lin) for lin in (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.o_proj))
             and all(n is None or (type(n) is nn.RMSNorm and n.weight is not None) for n in (mixer.q_norm, mixer.k_norm))
             and mixer.head_dim <= 256
             and (mixer.rotary_dim is None or (mixer.rotary_dim % 2 == 0 and mixer.rotary_dim <= mixer.head_dim))
@@ -157,8 +158,8 @@ def _mixer_eligible(mixer: nn.Module) -> bool:
 
 def eligible(block: nn.Module) -> bool:
     """Whether the fused step can run ``block``'s decode steps (see the module docstring)."""
-    if type(block) is not Block or not _mixer_eligible(block.mixer):
-        return False
+    if type(block) is not Block or block.norm_placement != "pre" or not _mixer_eligible(block.mixer):
+        return False  # the fused step computes x + f(N(x)): sandwich / post-sum blocks keep the reference
     mlp = block.mlp
     if mlp is not None and (type(mlp) is not SwiGLU or not all(plain_linear(lin) for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))):
         return False

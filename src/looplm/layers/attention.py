@@ -112,7 +112,9 @@ class Attention(nn.Module):
 
     ``q = W_q x``, ``k = W_k x``, ``v = W_v x`` split into heads; optional per-head RMSNorm of q and k
     (Qwen3 QK-norm) *before* RoPE on the first ``rotary_dim`` channels (``None`` = no RoPE);
-    ``softmax(q kᵀ / √hd + mask) v``; output projection ``W_o``.
+    ``softmax(q kᵀ / √hd + mask) v``; output projection ``W_o``. ``bias``: biases on all four
+    projections; ``qk_bias``: on ``W_q`` and ``W_k`` only (Huginn). ``sliding_window = w``: query ``i``
+    attends to keys ``j`` with ``i − w < j <= i`` only (local attention, Ouro's ``sliding_attention`` layers).
     """
 
     def __init__(
@@ -125,13 +127,16 @@ class Attention(nn.Module):
         qk_norm: bool = False,
         norm_eps: float = 1e-5,
         bias: bool = False,
+        qk_bias: bool = False,
         rotary_dim: int | None = None,
+        sliding_window: int | None = None,
     ):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = n_heads, n_kv_heads, head_dim
         self.rotary_dim = rotary_dim
-        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias)
-        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
+        self.sliding_window = sliding_window
+        self.q_proj = nn.Linear(d_model, n_heads * head_dim, bias=bias or qk_bias)
+        self.k_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias or qk_bias)
         self.v_proj = nn.Linear(d_model, n_kv_heads * head_dim, bias=bias)
         self.o_proj = nn.Linear(n_heads * head_dim, d_model, bias=bias)
         self.q_norm = nn.RMSNorm(head_dim, eps=norm_eps) if qk_norm else None
@@ -156,12 +161,25 @@ class Attention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v)  # [B, H_kv, T_past + T, hd]
+        mask, causal = fctx.attn_mask, fctx.is_causal and fctx.attn_mask is None
+        if self.sliding_window is not None:
+            mask, causal = self._window_mask(mask, T, k.shape[2], x.device), False
         y = attention(
             q,
             k,
             v,
-            attn_mask=fctx.attn_mask,
-            is_causal=fctx.is_causal and fctx.attn_mask is None,
+            attn_mask=mask,
+            is_causal=causal,
             enable_gqa=self.n_kv_heads != self.n_heads,
         )  # [B, H, T, hd]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
+
+    def _window_mask(self, mask: torch.Tensor | None, T: int, S: int, device) -> torch.Tensor:
+        """The forward's mask (``None`` = causal) and the window band ``i − w < j <= i``: bool
+        ``[B or 1, 1, T, S]`` for the ``T`` new queries (the last ``T`` of ``S`` positions). Left padding
+        only precedes the real tokens, so index distance is token distance within a row."""
+        q_idx = torch.arange(S - T, S, device=device)[:, None]
+        k_idx = torch.arange(S, device=device)[None, :]
+        band = ((k_idx <= q_idx) & (k_idx > q_idx - self.sliding_window))[None, None]  # [1, 1, T, S]
+        # the forward's mask keeps every query's own position (a padding row: finite garbage, never NaN); so does the band
+        return band if mask is None else mask & band

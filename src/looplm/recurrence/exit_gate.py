@@ -19,6 +19,11 @@ with ``ℓ_i^(r)`` the next-token loss of the readout of step ``r`` (``lctx.read
 head) and ``M`` the valid (non-ignored) positions. The final-loop LM loss is not used
 (``lm_loss_weight = 0``): the objective is the auxiliary loss.
 
+**Expected logits** (``objective: expected_logits``, stage 1 only; the training loss of Ouro's released
+modelling code)::
+
+    L = 1/M Σ_i CE( Σ_r π_i^(r) z_i^(r),  y_i ) − β/M Σ_i H_i        z^(r): the readout logits of step r
+
 **Stage 2** (App. B eq. 2, focused gate training, ``stage: 2``; backbone, embeddings, norm and head
 frozen by the trainer's ``train.freeze``)::
 
@@ -30,6 +35,11 @@ so its backward never enters the backbone).
 
 **Threshold inference** (App. B): ``z_i(q) = min{r : CDF_i(r) >= q}``, ``CDF_i(r) = Σ_{j<=r} π_i^(j)``;
 ``q`` is the rule option ``threshold`` or ``loop_options={"exit_threshold": q}`` per forward.
+**Ouro's gate** (options ``gate_norm`` and ``inter_norm``, both reading the model's final RMSNorm ``N``,
+``lctx.final_norm``, with its weights): the gate reads the normed state, ``λ^(r) = σ(Linear_φ(N(h^(r))))``,
+and the next step reads ``N(h^(r))`` instead of ``h^(r)`` (``Z^k = N(H^{k−1})`` for ``k >= 1``, ``Z^0 = h_0``);
+the head still reads ``N(h^(z))`` through the model's own final norm, so every step's logits are
+``head(N(h^(r)))`` as in Ouro (its norm at the end of every recurrent step feeds the next one).
 Output-selection semantics (§3.1): **all R steps run** (every SSM / KV state chain stays complete),
 the gate only picks whose hidden state reaches the head. The selected depth ("Iter") is therefore
 no compute saving; the executed depth is the forward's loop count. After every forward
@@ -53,19 +63,24 @@ class ExitGate(RecurrenceRule):
 
     Options: ``stage`` (1: expected loss − β·entropy; 2: improvement-target BCE), ``beta``, ``kappa``,
     ``gamma``, ``bias_init``, ``threshold`` (default ``q`` for inference), ``entropy_eps`` (the ε in
-    ``log(π + ε)``, App. E.5).
+    ``log(π + ε)``, App. E.5); ``objective`` (stage 1: ``expected_loss`` Σ π ℓ, or ``expected_logits``
+    CE(Σ π z), Ouro's), ``gate_norm`` (the gate reads ``N(h)``) and ``inter_norm`` (the next step reads ``N(h)``).
     """
 
     loop_options = ("exit_threshold",)  # q per forward, instead of the option `threshold`
 
     def __init__(self, cfg, *, stage: int = 1, beta: float = 0.25, kappa: float = 50.0, gamma: float = 0.005,
-                 bias_init: float = -2.0, threshold: float = 1.0, entropy_eps: float = 1e-10):
+                 bias_init: float = -2.0, threshold: float = 1.0, entropy_eps: float = 1e-10,
+                 objective: str = "expected_loss", gate_norm: bool = False, inter_norm: bool = False):
         super().__init__(cfg)
         if stage not in (1, 2):
             raise ValueError(f"exit_gate option stage must be 1 or 2, got {stage!r}")
+        if objective not in OBJECTIVES:
+            raise ValueError(f"exit_gate option objective must be one of {list(OBJECTIVES)}, got {objective!r}")
         _check_threshold(threshold, "exit_gate option threshold")
         self.stage, self.beta, self.kappa, self.gamma = stage, float(beta), float(kappa), float(gamma)
         self.bias_init, self.threshold, self.entropy_eps = float(bias_init), float(threshold), float(entropy_eps)
+        self.objective, self.gate_norm, self.inter_norm = objective, bool(gate_norm), bool(inter_norm)
         self.gate = nn.Linear(cfg.d_model, 1)  # Linear_φ
         self.gate.weight._no_muon = True  # the gate is a vector: AdamW, as in the paper (Tab. 10, 11)
         self.lm_loss_weight = 0.0  # both stages' objectives are the auxiliary loss
@@ -84,6 +99,14 @@ class ExitGate(RecurrenceRule):
                 errs.append(f"options.{k}: must be a number >= 0, got {options[k]!r}")
         if "kappa" in options and (not isinstance(options["kappa"], (int, float)) or options["kappa"] <= 0):
             errs.append(f"options.kappa: must be a number > 0, got {options['kappa']!r}")
+        obj = options.get("objective", "expected_loss")
+        if obj not in OBJECTIVES:
+            errs.append(f"options.objective: must be one of {list(OBJECTIVES)}, got {obj!r}")
+        elif obj == "expected_logits" and options.get("stage", 1) != 1:
+            errs.append("options.objective: expected_logits is a stage-1 objective (stage 2 trains the gate by BCE)")
+        for k in ("gate_norm", "inter_norm"):
+            if k in options and not isinstance(options[k], bool):
+                errs.append(f"options.{k}: must be true or false, got {options[k]!r}")
         return errs
 
     def looplm_init(self):
@@ -103,7 +126,10 @@ class ExitGate(RecurrenceRule):
             "entropy": torch.zeros(B, T, **f32),  # −Σ π log(π + ε)
         }
         if lctx.targets is not None:
-            if self.stage == 1:
+            if self.stage == 1 and self.objective == "expected_logits":
+                state["exp_logits"] = None  # Σ_r π^(r) z^(r)  [B, T, V], from the first step on
+                state["exp_ent"] = torch.zeros(B, T, **f32)  # H with its gradient (for − β H)
+            elif self.stage == 1:
                 state["exp_loss"] = torch.zeros(B, T, **f32)  # Σ_r π^(r) ℓ^(r) − β H (per token)
             else:
                 state.update(bce=torch.zeros(B, T, **f32), n_bce=torch.zeros(B, T, **f32),
@@ -123,11 +149,18 @@ class ExitGate(RecurrenceRule):
         return F.cross_entropy(logits.reshape(B * T, V).float(), lctx.targets.reshape(-1), ignore_index=-100,
                                reduction="none").view(B, T)
 
+    def next_input(self, state: dict, lctx: LoopContext) -> torch.Tensor:
+        """``Z^k``: ``h^(k)``, or ``N(h^(k))`` with ``inter_norm`` (Ouro; ``Z^0 = h_0`` either way)."""
+        if self.inter_norm and lctx.iteration > 0:
+            return lctx.final_norm(state["h"])  # [B, T, d]
+        return state["h"]
+
     def step(self, state: dict, h: torch.Tensor, lctx: LoopContext) -> dict:
         B = h.shape[0]
         r = lctx.iteration + 1
         # stage 2 trains φ only (App. E.6): the gate reads a detached h, so nothing backpropagates into the backbone
-        g = self.gate(h.detach() if self.stage == 2 and lctx.targets is not None else h).squeeze(-1).float()  # [B, T]
+        u = h.detach() if self.stage == 2 and lctx.targets is not None else h
+        g = self.gate(lctx.final_norm(u) if self.gate_norm else u).squeeze(-1).float()  # [B, T]
         last = self._last_step(lctx, B, h.device)  # [B, 1]
         lam = torch.where(last, torch.ones_like(g), torch.sigmoid(g))  # λ^(r); λ^(R) := 1 (remainder)
         S_prev = state["S"]
@@ -148,7 +181,11 @@ class ExitGate(RecurrenceRule):
         }
         if lctx.targets is None:
             return new
-        if self.stage == 1:
+        if self.stage == 1 and self.objective == "expected_logits":
+            term = pi.unsqueeze(-1) * lctx.readout(h).float()  # π^(r) z^(r)  [B, T, V]
+            new["exp_logits"] = term if state["exp_logits"] is None else state["exp_logits"] + term
+            new["exp_ent"] = state["exp_ent"] - pi * torch.log(pi + self.entropy_eps)
+        elif self.stage == 1:
             ent = -pi * torch.log(pi + self.entropy_eps)
             new["exp_loss"] = state["exp_loss"] + pi * self._token_loss(h, lctx) - self.beta * ent
         else:
@@ -179,7 +216,12 @@ class ExitGate(RecurrenceRule):
         if lctx.targets is None:
             return None
         valid = lctx.targets != -100  # the M valid next-token positions
-        if self.stage == 1:
+        if self.stage == 1 and self.objective == "expected_logits":
+            z = state["exp_logits"]  # [B, T, V]
+            ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), lctx.targets.reshape(-1), ignore_index=-100,
+                                 reduction="none").view_as(valid)
+            per_token = ce - self.beta * state["exp_ent"] if self.beta else ce
+        elif self.stage == 1:
             per_token = state["exp_loss"]  # Σ_r π ℓ − β H
         else:
             per_token = state["bce"] / state["n_bce"].clamp(min=1.0)  # 1/(R−1) Σ_r BCE
@@ -211,6 +253,9 @@ class ExitGate(RecurrenceRule):
             return {}
         s = self.exit_summary()
         return {"exit_entropy": s["exit_entropy"], "expected_exit_step": s["expected_step"], "exit_iter": s["iter"]}
+
+
+OBJECTIVES = ("expected_loss", "expected_logits")
 
 
 def _check_threshold(q, what: str) -> float:

@@ -21,6 +21,11 @@ optimizer section gives Muon only the attention and feed-forward matrices).
 
 The adapter is applied at every iteration including the first (``h_1 = F_θ(A(h_0, h_0))``).
 :class:`InjectionAdapter` is also used by :mod:`.history` for the combined variant.
+
+Huginn / Raven (Geiping et al. 2025) is the ``dense`` form with two options: the state starts from a random
+``s_0`` instead of ``h_0`` (``init_state: normal``, :mod:`.state_init`: ``s_{ℓ+1} = F_θ([W_h W_0]·[s_ℓ; h_0])``,
+their adapter on ``[state; prelude output]``) and the loop's output goes through the model's final norm
+before the coda (``finish_norm``: their ``ln_f`` used twice, after the core and at the end).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 from torch import nn
 
 from .base import RecurrenceRule, register_rule
+from .state_init import initial_state, init_state_errors
 
 FORMS = ("scalar", "channel", "residual_channel", "dense")
 
@@ -106,11 +112,18 @@ class Injection(RecurrenceRule):
 
     Options:
         form: ``scalar`` | ``channel`` | ``residual_channel`` | ``dense``.
+        init_state: the state before the first iteration, ``prelude`` (``h_0``, the default) | ``zeros`` |
+            ``normal`` (Huginn's random state, :mod:`.state_init`), with ``init_std`` (σ) and ``init_seed``
+            (an int: deterministic per token position; ``null``: fresh draws each forward).
+        finish_norm: the loop's output goes through the model's final norm before the coda (Huginn).
     """
 
-    def __init__(self, cfg, *, form: str = "scalar"):
+    def __init__(self, cfg, *, form: str = "scalar", init_state: str = "prelude", init_std: float = 0.02,
+                 init_seed: int | None = 0, finish_norm: bool = False):
         super().__init__(cfg)
         self.inject = InjectionAdapter(cfg.d_model, form)
+        self.init_state, self.init_std, self.init_seed = init_state, float(init_std), init_seed
+        self.finish_norm = bool(finish_norm)
 
     @classmethod
     def validate_options(cls, options: dict) -> list[str]:
@@ -118,13 +131,19 @@ class Injection(RecurrenceRule):
         form = options.get("form", "scalar")
         if form not in FORMS:
             errs.append(f"options.form: must be one of {list(FORMS)}, got {form!r}")
-        return errs
+        if "finish_norm" in options and not isinstance(options["finish_norm"], bool):
+            errs.append(f"options.finish_norm: must be true or false, got {options['finish_norm']!r}")
+        return errs + init_state_errors(options)
 
     def begin(self, h0, lctx):
-        return {"h": h0, "h0_term": self.inject.precompute(h0)}
+        s0 = initial_state(h0, lctx, self.init_state, self.init_std, self.init_seed)  # [B, T, d]
+        return {"h": s0, "h0_term": self.inject.precompute(h0)}
 
     def next_input(self, state, lctx):
         return self.inject(state["h"], state["h0_term"])  # Z^ℓ = A(h_ℓ, h_0)  [B, T, d]
+
+    def finish(self, state, lctx):
+        return lctx.final_norm(state["h"]) if self.finish_norm else state["h"]
 
 
 __all__ = ["FORMS", "InjectionAdapter", "Injection"]

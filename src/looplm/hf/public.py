@@ -1,0 +1,714 @@
+"""The public looped models in their own formats: Ouro (ByteDance) and Huginn / Raven (Geiping et al.).
+
+``looplm import hf DIR OUT`` recognises both by ``config.json``'s ``model_type`` and loads them into looplm's
+own driver (:func:`load_public`); ``looplm export hf RUN OUT --format original`` writes a looplm model of
+either architecture back in its original format (:func:`export_original`), so the original modelling
+code and other engines read it.
+
+Ouro (``model_type: ouro``; Ouro-1.4B / 2.6B and their Thinking variants)::
+
+    h_0 = E = W_E[x]                                             (no embedding scale)
+    h_k = N(F_θ(h_{k−1}))  k = 1..K                              K = total_ut_steps; F_θ: L sandwich layers
+    layer: x += N₂(Attn(N₁(x))); x += N₄(MLP(N₃(x)))             four RMSNorms per layer
+    λ_k = σ(w·h_k + b)  (early_exit_gate), exit pdf p_k = λ_k Π_{j<k}(1 − λ_j), p_K = Π_{j<K}(1 − λ_j)
+    logits_k = W_out h_k;  output: logits_K, or those of the step exit_at_step / exit_threshold select
+
+looplm: ``norm_placement: sandwich``, ``(p, s, K, c) = (0, L, K, 0)``, rule ``exit_gate`` with ``gate_norm``
+and ``inter_norm`` (the final norm ``N`` is the model's: after every step its output feeds the next step
+and the gate; the head reads ``N(h)``), ``threshold = early_exit_threshold``, ``objective:
+expected_logits`` (the loss of its modelling code: CE of ``Σ_k p_k logits_k``). ``exit_at_step = j`` is
+``num_loops = j + 1`` (``--loops``): step ``j``'s logits do not depend on later steps. Sliding-window layers
+(``use_sliding_window``, ``layer_types``) map to ``attention.sliding_window`` / ``sliding_layer_idx``.
+
+Huginn / Raven (``model_type: huginn_raven``; huginn-0125)::
+
+    e = γ W_E[x]                  γ = init_values.embed_scale (√n_embd)
+    h_0 = prelude(e)              p post-sum ("SandwichBlock") layers:
+                                  x = N₂(Attn(N₁(x)) + x); x = N₄(MLP(N₃(x)) + x)
+    s_0 ~ γ·TN(0, σ², ±3σ)        σ = init_values.std  (state_init: like-init)
+    s_k = core(A [s_{k−1}; h_0])  k = 1..r, A = adapter Linear(2d → d), r = mean_recurrence at inference
+    y = N_f(coda(N_f(s_r)))       ln_f used twice; logits = W_out y (tied to W_E)
+    attention: fused Wqkv, q/k biases (qk_bias [2, 1, H, hd]), RoPE on interleaved pairs (2i, 2i+1)
+
+looplm: ``norm_placement: post-sum``, rule ``injection`` (``form: dense`` — its ``[W_h W_0]`` *is* the
+adapter on ``[state; prelude output]`` —, ``init_state: normal`` with ``init_std = σ``, ``finish_norm``);
+``attention.qk_bias``; ``Wqkv`` and ``fc`` split into q/k/v and gate/up; the q/k rows of every head permuted
+from interleaved pairs to looplm's half-split RoPE (``i ← 2i``, ``i + hd/2 ← 2i + 1``: scores ``q·k`` are
+unchanged because both sides move alike). The random state is drawn per token position from a fixed seed
+by default (``init_seed: 0``: deterministic, caches exact); ``init_seed: null`` draws afresh each forward
+as Huginn's own code does. Not mapped (refused when set): ``test_time_noise > 0``, an adapter bias,
+injection types other than ``linear``, state inits other than ``like-init`` / ``zero``; its adaptive-compute
+exit criteria (KL, latent difference) and KV-sharing lookup strategies have no looplm counterpart yet.
+
+Checks before anything is loaded (one error naming every problem): the config's required fields; then
+every tensor the architecture needs, against the files — missing, unexpected and mis-shaped tensors listed
+together. Weights come from ``model.safetensors`` or exactly the shards ``model.safetensors.index.json``
+names (never a pickle); bf16, fp16 and fp32 tensors load (cast to ``dtype``, fp32 by default).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FAMILIES",
+    "PublicFormatError",
+    "detect",
+    "export_original",
+    "family_of",
+    "load_public",
+    "public_config",
+    "read_tensors",
+    "to_original_state",
+]
+
+FAMILIES = {"ouro": "Ouro", "huginn_raven": "Huginn"}
+INDEX_FILE = "model.safetensors.index.json"
+WEIGHTS_FILE = "model.safetensors"
+
+
+class PublicFormatError(ValueError):
+    """A checkpoint directory that is not a complete Ouro / Huginn checkpoint; the message lists every problem."""
+
+    def __init__(self, problems: list[str], where: str):
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"{where}: cannot load it ({len(self.problems)} problem(s)):\n{lines}")
+
+
+def detect(hf_config: dict) -> str | None:
+    """The family (``ouro`` / ``huginn_raven``) of a ``config.json`` dict, or ``None``."""
+    mt = hf_config.get("model_type")
+    return mt if mt in FAMILIES else None
+
+
+# ------------------------------------------------------------------------------------------------
+# config.json -> looplm ModelConfig
+# ------------------------------------------------------------------------------------------------
+
+
+def _require(c: dict, fields: list[str | tuple[str, ...]], errs: list[str]) -> None:
+    for f in fields:
+        names = f if isinstance(f, tuple) else (f,)
+        if not any(n in c and c[n] is not None for n in names):
+            errs.append(f"config.json: missing field {' / '.join(repr(n) for n in names)}")
+
+
+def _get(c: dict, *names, default=None):
+    return next((c[n] for n in names if c.get(n) is not None), default)
+
+
+def _ouro_rope(c: dict, errs: list[str]) -> tuple[float, dict | None]:
+    from types import SimpleNamespace
+
+    from ..interop import _rope_params
+
+    try:
+        return _rope_params(SimpleNamespace(rope_theta=c.get("rope_theta", 10000.0), rope_scaling=c.get("rope_scaling"),
+                                            rope_parameters=c.get("rope_parameters")))
+    except (ValueError, KeyError, TypeError) as e:
+        errs.append(f"config.json: rope_scaling {c.get('rope_scaling')!r}: {e}")
+        return float(c.get("rope_theta", 10000.0)), None
+
+
+def _ouro_config(c: dict, errs: list[str]) -> dict:
+    _require(c, ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                 "rms_norm_eps", "max_position_embeddings", "total_ut_steps"], errs)
+    if errs:
+        return {}
+    if c.get("hidden_act", "silu") != "silu":
+        errs.append(f"config.json: hidden_act {c['hidden_act']!r} is not supported (Ouro's MLP is SwiGLU: silu)")
+    if c.get("attention_bias"):
+        errs.append("config.json: attention_bias=true is not part of Ouro's architecture (its projections are bias-free)")
+    if c.get("partial_rotary_factor", 1.0) != 1.0:
+        errs.append(f"config.json: partial_rotary_factor {c['partial_rotary_factor']} is not supported (1.0 only)")
+    L, heads = int(c["num_hidden_layers"]), int(c["num_attention_heads"])
+    window = c.get("sliding_window") if c.get("use_sliding_window") else None
+    types = c.get("layer_types")
+    if types is not None and len(types) != L:
+        errs.append(f"config.json: layer_types has {len(types)} entries for num_hidden_layers={L}")
+    if window is not None:
+        if types is not None:
+            sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+        else:
+            sliding = [i for i in range(L) if i >= int(c.get("max_window_layers", 28))]
+    else:
+        sliding = []
+    unknown_types = sorted({t for t in types or [] if t not in ("full_attention", "sliding_attention")})
+    if unknown_types:
+        errs.append(f"config.json: layer_types {unknown_types} are not known (full_attention, sliding_attention)")
+    q = c.get("early_exit_threshold", 1.0)
+    if q is None:
+        q = 1.0
+    if not isinstance(q, (int, float)) or not 0.0 <= float(q) <= 1.0:
+        errs.append(f"config.json: early_exit_threshold must be a number in [0, 1], got {q!r}")
+        q = 1.0
+    theta, scaling = _ouro_rope(c, errs)
+    K = int(c["total_ut_steps"])
+    return dict(
+        name="ouro",
+        description=f"Ouro (model_type ouro): {L} sandwich-norm layers looped {K} times, learned exit gate on the normed state",
+        vocab_size=int(c["vocab_size"]),
+        d_model=int(c["hidden_size"]),
+        n_prelude=0, n_core=L, n_loops=K, n_coda=0,
+        d_ff=int(c["intermediate_size"]),
+        norm_placement="sandwich",
+        attention=dict(
+            n_heads=heads,
+            n_kv_heads=int(_get(c, "num_key_value_heads", default=heads)),
+            head_dim=int(_get(c, "head_dim", default=int(c["hidden_size"]) // heads)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            sliding_window=int(window) if window is not None and sliding else None,
+            sliding_layer_idx=sliding if window is not None else [],
+        ),
+        rule=dict(name="exit_gate", options=dict(gate_norm=True, inter_norm=True, threshold=float(q),
+                                                 objective="expected_logits", beta=0.0)),
+        norm_eps=float(c["rms_norm_eps"]),
+        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
+        max_seq_len=int(c["max_position_embeddings"]),
+    )
+
+
+def huginn_values(c: dict) -> dict:
+    """Huginn's derived values as ``RavenConfig`` computes them (a value in ``config.json`` wins): heads, kv
+    heads, head dim, vocabulary rows, init std σ and embedding scale γ."""
+    d = int(c["n_embd"])
+    heads = int(_get(c, "num_attention_heads", "n_heads"))
+    iv = c.get("init_values") or {}
+    return dict(
+        d=d, heads=heads, kv=int(_get(c, "num_key_value_heads", default=heads)), hd=d // heads,
+        vocab=int(_get(c, "padded_vocab_size", "vocab_size")),
+        std=float(iv.get("std", math.sqrt(2 / (5 * d)))), embed_scale=float(iv.get("embed_scale", math.sqrt(d))),
+    )
+
+
+def _huginn_config(c: dict, errs: list[str]) -> dict:
+    _require(c, ["n_embd", ("num_attention_heads", "n_heads"), "intermediate_size", ("padded_vocab_size", "vocab_size"),
+                 "n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda", "mean_recurrence",
+                 "norm_eps", "rope_base", "block_size"], errs)
+    if errs:
+        return {}
+    v = huginn_values(c)
+    p, s, cd = int(c["n_layers_in_prelude"]), int(c["n_layers_in_recurrent_block"]), int(c["n_layers_in_coda"])
+    if c.get("n_layers") is not None and int(c["n_layers"]) != p + s + cd:
+        errs.append(f"config.json: n_layers={c['n_layers']} is not n_layers_in_prelude + _recurrent_block + _coda = {p + s + cd}")
+    if v["d"] % v["heads"]:
+        errs.append(f"config.json: num_attention_heads={v['heads']} does not divide n_embd={v['d']}")
+    if c.get("head_dim") is not None and v["d"] % v["heads"] == 0 and int(c["head_dim"]) != v["hd"]:
+        errs.append(f"config.json: head_dim={c['head_dim']} is not n_embd // num_attention_heads = {v['hd']} (what the modelling code uses)")
+    qk_bias = bool(c.get("qk_bias", True))
+    if qk_bias and v["kv"] != v["heads"]:
+        errs.append(f"config.json: qk_bias with num_key_value_heads={v['kv']} != num_attention_heads={v['heads']} (its k bias has one row per query head)")
+    if c.get("bias"):
+        errs.append("config.json: bias=true (an adapter bias) is not supported: looplm's dense injection is bias-free")
+    if c.get("injection_type", "linear") != "linear":
+        errs.append(f"config.json: injection_type {c['injection_type']!r} is not supported (linear: the adapter on [state; prelude output])")
+    state_init = c.get("state_init", "like-init")
+    if state_init not in ("like-init", "zero"):
+        errs.append(f"config.json: state_init {state_init!r} is not supported (like-init, zero)")
+    if float(c.get("test_time_noise", 0) or 0) > 0:
+        errs.append(f"config.json: test_time_noise={c['test_time_noise']} (noise injected into every recurrence) is not supported; set it to 0")
+    for field, want in (("block_class_name", "SandwichBlock"), ("mlp_class_name", "GatedMLP"), ("nonlin_name", "SiLU")):
+        if c.get(field) is not None and c[field] != want:
+            errs.append(f"config.json: {field} {c[field]!r} is not supported ({want})")
+    if c.get("norm_class_name") is not None and "RMSNorm" not in str(c["norm_class_name"]):
+        errs.append(f"config.json: norm_class_name {c['norm_class_name']!r} is not an RMSNorm")
+    gamma = v["embed_scale"]
+    if math.isclose(gamma, math.sqrt(v["d"]), rel_tol=1e-12):
+        embed_scale = True
+    elif gamma == 1.0:
+        embed_scale = False
+    else:
+        errs.append(f"config.json: init_values.embed_scale={gamma} is neither 1 nor sqrt(n_embd)={math.sqrt(v['d'])}")
+        embed_scale = False
+    rule_opts: dict[str, Any] = dict(form="dense", finish_norm=True)
+    if state_init == "zero" or v["std"] == 0:
+        rule_opts.update(init_state="zeros")
+    else:
+        rule_opts.update(init_state="normal", init_std=v["std"], init_seed=0)
+    K = int(c["mean_recurrence"])
+    return dict(
+        name="huginn",
+        description=f"Huginn / Raven (model_type huginn_raven): prelude {p}, recurrent core {s} x {K}, coda {cd}; "
+                    "post-sum norms, adapter on [state; prelude output], random initial state",
+        vocab_size=v["vocab"],
+        d_model=v["d"],
+        n_prelude=p, n_core=s, n_loops=K, n_coda=cd,
+        d_ff=int(c["intermediate_size"]),
+        norm_placement="post-sum",
+        embed_scale=embed_scale,
+        attention=dict(n_heads=v["heads"], n_kv_heads=v["kv"], head_dim=v["hd"], qk_bias=qk_bias,
+                       rope_theta=float(c["rope_base"])),
+        rule=dict(name="injection", options=rule_opts),
+        norm_eps=float(c["norm_eps"]),
+        tie_embeddings=bool(_get(c, "tie_embeddings", "tie_word_embeddings", default=True)),
+        max_seq_len=int(c["block_size"]),
+    )
+
+
+def public_config(hf_config: dict, where: str = "config.json", **overrides):
+    """The looplm :class:`~looplm.config.ModelConfig` of an Ouro / Huginn ``config.json`` dict
+    (:class:`PublicFormatError` naming every missing or unsupported field)."""
+    from ..config import ModelConfig
+    from ..dataclass_util import ConfigError, apply_overrides
+
+    fam = detect(hf_config)
+    if fam is None:
+        raise PublicFormatError([f"model_type {hf_config.get('model_type')!r} is neither of {sorted(FAMILIES)}"], where)
+    errs: list[str] = []
+    d = (_ouro_config if fam == "ouro" else _huginn_config)(hf_config, errs)
+    if errs:
+        raise PublicFormatError(errs, where)
+    try:
+        return ModelConfig.from_dict(apply_overrides(d, overrides) if overrides else d)
+    except ConfigError as e:
+        raise PublicFormatError([f"the looplm config it maps to is invalid: {e}"], where) from e
+
+
+def family_of(cfg) -> str:
+    """Which original format a looplm config can be written in (``ouro`` / ``huginn_raven``); a
+    :class:`PublicFormatError` naming what does not fit either."""
+    a, ro = cfg.attention, cfg.rule.options
+    common = []
+    if cfg.mixer != "attention" or cfg.attn_layer_idx:
+        common.append(f"mixer {cfg.mixer!r} (both are attention models)")
+    if cfg.d_ff <= 0:
+        common.append("d_ff = 0 (both have a gated MLP in every layer)")
+    if a.qk_norm or a.bias:
+        common.append("attention.qk_norm / attention.bias (neither has them)")
+    if a.rotary_dim is not None and a.rotary_dim != cfg.head_dim:
+        common.append(f"attention.rotary_dim {a.rotary_dim} (both rotate the whole head)")
+    if cfg.pause is not None:
+        common.append("pause tokens")
+    ouro = [
+        *common,
+        *(["norm_placement must be sandwich"] if cfg.norm_placement != "sandwich" else []),
+        *(["n_prelude = n_coda = 0"] if cfg.n_prelude or cfg.n_coda else []),
+        *(["rule exit_gate with gate_norm and inter_norm"] if cfg.rule.name != "exit_gate" or not ro.get("gate_norm") or not ro.get("inter_norm") else []),
+        *(["attention.qk_bias"] if a.qk_bias else []),
+        *(["embed_scale"] if cfg.embed_scale else []),
+    ]
+    if not ouro:
+        return "ouro"
+    hd = cfg.head_dim
+    huginn = [
+        *common,
+        *(["norm_placement must be post-sum"] if cfg.norm_placement != "post-sum" else []),
+        *(["rule injection with form dense and finish_norm"] if cfg.rule.name != "injection" or ro.get("form") != "dense" or not ro.get("finish_norm") else []),
+        *(["injection init_state normal or zeros"] if ro.get("init_state", "prelude") == "prelude" else []),
+        *([f"head_dim {hd} = d_model / n_heads"] if hd * a.n_heads != cfg.d_model else []),
+        *(["attention.sliding_window"] if a.sliding_window is not None else []),
+        *(["qk_bias needs n_kv_heads = n_heads"] if a.qk_bias and cfg.n_kv_heads != a.n_heads else []),
+    ]
+    if not huginn:
+        return "huginn_raven"
+    raise PublicFormatError([f"as Ouro: needs {', '.join(ouro)}", f"as Huginn: needs {', '.join(huginn)}"],
+                            f"model {cfg.name!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# tensor names and shapes
+# ------------------------------------------------------------------------------------------------
+
+
+def _rope_perm(hd: int) -> torch.Tensor:
+    """Interleaved pairs ``(2i, 2i+1)`` -> half-split ``(i, i + hd/2)``: ``ours = theirs[perm]`` per head."""
+    return torch.cat([torch.arange(0, hd, 2), torch.arange(1, hd, 2)])
+
+
+def _expected_shapes(fam: str, cfg) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the original format for ``cfg`` (a looplm config) and its shape."""
+    d, V, ff = cfg.d_model, cfg.vocab_size, cfg.d_ff
+    H, kv, hd = cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim
+    out: dict[str, tuple[int, ...]] = {}
+    if fam == "ouro":
+        out["model.embed_tokens.weight"] = (V, d)
+        for i in range(cfg.n_core):
+            p = f"model.layers.{i}."
+            out |= {p + "self_attn.q_proj.weight": (H * hd, d), p + "self_attn.k_proj.weight": (kv * hd, d),
+                    p + "self_attn.v_proj.weight": (kv * hd, d), p + "self_attn.o_proj.weight": (d, H * hd),
+                    p + "mlp.gate_proj.weight": (ff, d), p + "mlp.up_proj.weight": (ff, d), p + "mlp.down_proj.weight": (d, ff)}
+            for n in ("input_layernorm", "input_layernorm_2", "post_attention_layernorm", "post_attention_layernorm_2"):
+                out[p + n + ".weight"] = (d,)
+        out |= {"model.norm.weight": (d,), "model.early_exit_gate.weight": (1, d), "model.early_exit_gate.bias": (1,)}
+        if not cfg.tie_embeddings:
+            out["lm_head.weight"] = (V, d)
+        return out
+    out["transformer.wte.weight"] = (V, d)
+    for prefix, n in (("prelude", cfg.n_prelude), ("core_block", cfg.n_core), ("coda", cfg.n_coda)):
+        for i in range(n):
+            p = f"transformer.{prefix}.{i}."
+            out |= {p + "attn.Wqkv.weight": ((H + 2 * kv) * hd, d), p + "attn.proj.weight": (d, H * hd),
+                    p + "mlp.fc.weight": (2 * ff, d), p + "mlp.proj.weight": (d, ff)}
+            if cfg.attention.qk_bias:
+                out[p + "attn.qk_bias"] = (2, 1, H, hd)
+            for k in range(1, 5):
+                out[p + f"norm_{k}.weight"] = (d,)
+    out |= {"transformer.adapter.weight": (d, 2 * d), "transformer.ln_f.weight": (d,)}
+    if not cfg.tie_embeddings:
+        out["lm_head.weight"] = (V, d)
+    return out
+
+
+# tensors the original checkpoints may carry that are derived, not weights (checked by name only)
+_DERIVED = {"ouro": ("model.rotary_emb.inv_freq",), "huginn_raven": ("freqs_cis",)}
+
+
+def _looplm_prefix(fam: str, cfg, their_prefix: str) -> str:
+    if fam == "ouro":
+        return "core.stack.blocks." + their_prefix.split(".")[2] + "."
+    _, part, i = their_prefix.rstrip(".").split(".")
+    return {"prelude": "prelude.blocks.", "core_block": "core.stack.blocks.", "coda": "coda.blocks."}[part] + i + "."
+
+
+def to_looplm_state(fam: str, cfg, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The looplm state dict from the original tensors ``t`` (already checked against :func:`_expected_shapes`)."""
+    sd: dict[str, torch.Tensor] = {}
+    if fam == "ouro":
+        sd["embed.weight"] = t["model.embed_tokens.weight"]
+        names = {"self_attn.q_proj": "mixer.q_proj", "self_attn.k_proj": "mixer.k_proj", "self_attn.v_proj": "mixer.v_proj",
+                 "self_attn.o_proj": "mixer.o_proj", "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj",
+                 "mlp.down_proj": "mlp.down_proj", "input_layernorm": "mixer_norm", "input_layernorm_2": "mixer_out_norm",
+                 "post_attention_layernorm": "mlp_norm", "post_attention_layernorm_2": "mlp_out_norm"}
+        for i in range(cfg.n_core):
+            for theirs, ours in names.items():
+                sd[f"core.stack.blocks.{i}.{ours}.weight"] = t[f"model.layers.{i}.{theirs}.weight"]
+        sd |= {"norm.weight": t["model.norm.weight"], "rule.gate.weight": t["model.early_exit_gate.weight"],
+               "rule.gate.bias": t["model.early_exit_gate.bias"]}
+        sd["lm_head.weight"] = sd["embed.weight"] if cfg.tie_embeddings else t["lm_head.weight"]
+        return sd
+    d, H, kv, hd, ff = cfg.d_model, cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    perm = _rope_perm(hd)
+    sd["embed.weight"] = t["transformer.wte.weight"]
+    for part, n in (("prelude", cfg.n_prelude), ("core_block", cfg.n_core), ("coda", cfg.n_coda)):
+        for i in range(n):
+            src = f"transformer.{part}.{i}."
+            dst = _looplm_prefix(fam, cfg, src)
+            wq, wk, wv = t[src + "attn.Wqkv.weight"].split([H * hd, kv * hd, kv * hd], dim=0)
+            sd[dst + "mixer.q_proj.weight"] = wq.view(H, hd, d)[:, perm].reshape(H * hd, d)  # [H·hd, d], half-split rows
+            sd[dst + "mixer.k_proj.weight"] = wk.view(kv, hd, d)[:, perm].reshape(kv * hd, d)
+            sd[dst + "mixer.v_proj.weight"] = wv
+            if cfg.attention.qk_bias:
+                qb, kb = t[src + "attn.qk_bias"].unbind(0)  # each [1, H, hd]
+                sd[dst + "mixer.q_proj.bias"] = qb[0][:, perm].reshape(H * hd)
+                sd[dst + "mixer.k_proj.bias"] = kb[0][:, perm].reshape(H * hd)
+            sd[dst + "mixer.o_proj.weight"] = t[src + "attn.proj.weight"]
+            gate, up = t[src + "mlp.fc.weight"].split([ff, ff], dim=0)  # chunk(2): SiLU on the first half
+            sd[dst + "mlp.gate_proj.weight"], sd[dst + "mlp.up_proj.weight"] = gate, up
+            sd[dst + "mlp.down_proj.weight"] = t[src + "mlp.proj.weight"]
+            for k, ours in zip(range(1, 5), ("mixer_norm", "mixer_out_norm", "mlp_norm", "mlp_out_norm")):
+                sd[dst + ours + ".weight"] = t[src + f"norm_{k}.weight"]
+    sd |= {"rule.inject.proj.weight": t["transformer.adapter.weight"], "norm.weight": t["transformer.ln_f.weight"]}
+    sd["lm_head.weight"] = sd["embed.weight"] if cfg.tie_embeddings else t["lm_head.weight"]
+    return sd
+
+
+def to_original_state(fam: str, model) -> dict[str, torch.Tensor]:
+    """The inverse of :func:`to_looplm_state`: a looplm model's tensors under the original names."""
+    cfg = model.config
+    sd = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    out: dict[str, torch.Tensor] = {}
+    if fam == "ouro":
+        out["model.embed_tokens.weight"] = sd["embed.weight"]
+        names = {"mixer.q_proj": "self_attn.q_proj", "mixer.k_proj": "self_attn.k_proj", "mixer.v_proj": "self_attn.v_proj",
+                 "mixer.o_proj": "self_attn.o_proj", "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj",
+                 "mlp.down_proj": "mlp.down_proj", "mixer_norm": "input_layernorm", "mixer_out_norm": "input_layernorm_2",
+                 "mlp_norm": "post_attention_layernorm", "mlp_out_norm": "post_attention_layernorm_2"}
+        for i in range(cfg.n_core):
+            for ours, theirs in names.items():
+                out[f"model.layers.{i}.{theirs}.weight"] = sd[f"core.stack.blocks.{i}.{ours}.weight"]
+        out |= {"model.norm.weight": sd["norm.weight"], "model.early_exit_gate.weight": sd["rule.gate.weight"],
+                "model.early_exit_gate.bias": sd["rule.gate.bias"]}
+        if not cfg.tie_embeddings:
+            out["lm_head.weight"] = sd["lm_head.weight"]
+    else:
+        d, H, kv, hd = cfg.d_model, cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim
+        inv = torch.argsort(_rope_perm(hd))  # half-split -> interleaved
+        out["transformer.wte.weight"] = sd["embed.weight"]
+        for part, n in (("prelude", cfg.n_prelude), ("core_block", cfg.n_core), ("coda", cfg.n_coda)):
+            for i in range(n):
+                dst = f"transformer.{part}.{i}."
+                src = _looplm_prefix(fam, cfg, dst)
+                wq = sd[src + "mixer.q_proj.weight"].view(H, hd, d)[:, inv].reshape(H * hd, d)
+                wk = sd[src + "mixer.k_proj.weight"].view(kv, hd, d)[:, inv].reshape(kv * hd, d)
+                out[dst + "attn.Wqkv.weight"] = torch.cat([wq, wk, sd[src + "mixer.v_proj.weight"]], dim=0)
+                if cfg.attention.qk_bias:
+                    qb = sd[src + "mixer.q_proj.bias"].view(H, hd)[:, inv]
+                    kb = sd[src + "mixer.k_proj.bias"].view(H, hd)[:, inv]
+                    out[dst + "attn.qk_bias"] = torch.stack([qb, kb])[:, None]  # [2, 1, H, hd]
+                out[dst + "attn.proj.weight"] = sd[src + "mixer.o_proj.weight"]
+                out[dst + "mlp.fc.weight"] = torch.cat([sd[src + "mlp.gate_proj.weight"], sd[src + "mlp.up_proj.weight"]])
+                out[dst + "mlp.proj.weight"] = sd[src + "mlp.down_proj.weight"]
+                for k, ours in zip(range(1, 5), ("mixer_norm", "mixer_out_norm", "mlp_norm", "mlp_out_norm")):
+                    out[dst + f"norm_{k}.weight"] = sd[src + ours + ".weight"]
+        out |= {"transformer.adapter.weight": sd["rule.inject.proj.weight"], "transformer.ln_f.weight": sd["norm.weight"]}
+        if not cfg.tie_embeddings:
+            out["lm_head.weight"] = sd["lm_head.weight"]
+        out["freqs_cis"] = _freqs_cis(hd, cfg.max_seq_len, cfg.attention.rope_theta)
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _freqs_cis(hd: int, n: int, theta: float) -> torch.Tensor:
+    """Huginn's persistent RoPE buffer ``[1, n, 1, hd/2, 2]`` (cos, sin of ``t · θ^(−2i/hd)``)."""
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    f = torch.outer(torch.arange(n, dtype=torch.float32), inv)  # [n, hd/2]
+    return torch.stack([f.cos(), f.sin()], dim=-1)[None, :, None]
+
+
+# ------------------------------------------------------------------------------------------------
+# reading: the files, then every tensor checked before any is loaded
+# ------------------------------------------------------------------------------------------------
+
+
+def weight_files(src: Path) -> dict[str, list[str]]:
+    """``{file: [tensor names]}`` to read: the shards ``model.safetensors.index.json`` names (each tensor from
+    the file the index assigns it to), else ``model.safetensors``. Refuses pickles and ambiguous layouts."""
+    index = src / INDEX_FILE
+    if index.is_file():
+        try:
+            wmap = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise PublicFormatError([f"{INDEX_FILE} is not a safetensors index with a weight_map ({e})"], str(src)) from e
+        files: dict[str, list[str]] = {}
+        for name, f in wmap.items():
+            files.setdefault(f, []).append(name)
+        missing = [f for f in files if not (src / f).is_file()]
+        if missing:
+            raise PublicFormatError([f"{INDEX_FILE} names shard {f!r}, which is not in the directory" for f in missing], str(src))
+        return files
+    if (src / WEIGHTS_FILE).is_file():
+        return {WEIGHTS_FILE: []}  # every tensor in the file
+    others = sorted(p.name for p in src.glob("*.safetensors"))
+    if others:
+        raise PublicFormatError([f"no {WEIGHTS_FILE} and no {INDEX_FILE} saying which of {others} to read"], str(src))
+    pickles = sorted(p.name for p in src.glob("*.bin")) + sorted(p.name for p in src.glob("*.pt"))
+    hint = f" (found {pickles}: pickled weights are never loaded; convert them to safetensors)" if pickles else ""
+    raise PublicFormatError([f"no {WEIGHTS_FILE} (or {INDEX_FILE} with shards){hint}"], str(src))
+
+
+def read_tensors(src: Path, expected: dict[str, tuple[int, ...]], derived=(), tied_head: str | None = None,
+                 tie_to: str | None = None, dtype=torch.float32) -> dict[str, torch.Tensor]:
+    """Every tensor of ``expected`` from ``src``'s safetensors, cast to ``dtype``, after checking the names and
+    shapes of all of them (headers only): a :class:`PublicFormatError` lists every missing, unexpected and
+    mis-shaped tensor. ``derived`` names may be present (ignored); ``tied_head`` may be present when the head is
+    tied to ``tie_to`` (then it must equal it)."""
+    from safetensors import safe_open
+
+    files = weight_files(src)
+    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
+    problems: list[str] = []
+    for f, names in files.items():
+        with safe_open(str(src / f), framework="pt") as fh:
+            keys = set(fh.keys())
+            for n in names:
+                if n not in keys:
+                    problems.append(f"{INDEX_FILE} puts {n!r} in {f!r}, which does not hold it")
+            for n in (names or sorted(keys)):
+                if n in keys:
+                    shapes[n] = (tuple(fh.get_slice(n).get_shape()), f)
+    missing = [n for n in expected if n not in shapes]
+    optional = set(derived) | ({tied_head} if tied_head else set())
+    unexpected = [n for n in shapes if n not in expected and n not in optional]
+    bad = [f"{n}: shape {list(shapes[n][0])}, expected {list(s)}" for n, s in expected.items() if n in shapes and shapes[n][0] != s]
+    if tied_head and tied_head in shapes and tie_to in expected and shapes[tied_head][0] != expected[tie_to]:
+        bad.append(f"{tied_head}: shape {list(shapes[tied_head][0])}, expected {list(expected[tie_to])} (the tied head)")
+    if missing:
+        problems.append(f"missing {len(missing)} tensor(s): {_clip(missing)}")
+    if unexpected:
+        problems.append(f"unexpected {len(unexpected)} tensor(s) (not part of this architecture/config): {_clip(unexpected)}")
+    if bad:
+        problems.append(f"{len(bad)} tensor(s) of the wrong shape: {_clip(bad)}")
+    if problems:
+        raise PublicFormatError(problems, str(src))
+    out: dict[str, torch.Tensor] = {}
+    by_file: dict[str, list[str]] = {}
+    for n, (_, f) in shapes.items():
+        if n in expected or n == tied_head:
+            by_file.setdefault(f, []).append(n)
+    for f, names in by_file.items():
+        with safe_open(str(src / f), framework="pt") as fh:
+            for n in names:
+                t = fh.get_tensor(n)
+                if not t.is_floating_point():
+                    raise PublicFormatError([f"{n}: dtype {t.dtype} is not a floating-point weight"], str(src))
+                out[n] = t.to(dtype)
+    if tied_head and tied_head in out:
+        head = out.pop(tied_head)
+        if not torch.equal(head, out[tie_to]):
+            raise PublicFormatError([f"the config ties the head to {tie_to!r}, but {tied_head!r} holds other values"], str(src))
+    return out
+
+
+def _clip(items: list[str], n: int = 12) -> str:
+    return ", ".join(items[:n]) + (f", … ({len(items) - n} more)" if len(items) > n else "")
+
+
+def _tokenizer(src: Path):
+    """The checkpoint's own tokenizer (``tokenizer.json`` + ``tokenizer_config.json``, chat template included)."""
+    from ..data.tokenizers import HFTokenizer
+
+    if not (src / "tokenizer.json").is_file():
+        raise PublicFormatError(["no tokenizer.json (the tokenizer is copied with the weights)"], str(src))
+    # by the generic fast class: AutoTokenizer would read config.json, whose model_type transformers does not know
+    from transformers import PreTrainedTokenizerFast
+
+    from ..data.tokenizers import EOS_CANDIDATES
+
+    backend = PreTrainedTokenizerFast.from_pretrained(str(src))
+    guess = None if backend.eos_token else next((t for t in EOS_CANDIDATES if t in backend.get_vocab()), None)
+    return HFTokenizer(backend, str(src), kind="transformers", eos_token=guess)
+
+
+def read_config(src: Path) -> dict:
+    p = src / "config.json"
+    if not p.is_file():
+        raise PublicFormatError(["no config.json"], str(src))
+    try:
+        c = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise PublicFormatError([f"config.json is not valid JSON ({e})"], str(src)) from e
+    if not isinstance(c, dict):
+        raise PublicFormatError(["config.json is not a JSON object"], str(src))
+    return c
+
+
+def load_public(src: str | Path, *, dtype=torch.float32, **overrides):
+    """``(model, tokenizer, origin)`` of an Ouro / Huginn checkpoint directory: the config mapped
+    (:func:`public_config`), every tensor checked, then loaded into a looplm model (in ``dtype``).
+    ``overrides`` change the config first (``n_loops=8``; shapes must stay the same)."""
+    from ..factory import build
+
+    src = Path(src)
+    hf = read_config(src)
+    fam = detect(hf)
+    cfg = public_config(hf, str(src / "config.json"), **overrides)
+    expected = _expected_shapes(fam, cfg)
+    tie_to = "model.embed_tokens.weight" if fam == "ouro" else "transformer.wte.weight"
+    tensors = read_tensors(src, expected, _DERIVED[fam], tied_head="lm_head.weight" if cfg.tie_embeddings else None,
+                           tie_to=tie_to, dtype=dtype)
+    tok = _tokenizer(src)
+    # built without memory, then every tensor assigned (no random init of billions of weights to overwrite)
+    model = build(cfg, device="meta")
+    sd = to_looplm_state(fam, cfg, tensors)
+    ours = model.state_dict()
+    if set(sd) != set(ours) or any(sd[k].shape != ours[k].shape for k in ours):
+        raise RuntimeError(f"internal mapping error for {fam}: {sorted(set(sd) ^ set(ours))}")
+    model.load_state_dict(sd, assign=True)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    for rot in model.rotary.values():  # RoPE tables are not weights: computed again off the meta device
+        rot.inv_freq = torch.empty(0)
+        rot.reset_buffers()
+    origin = {"imported_from": str(src.resolve()), "imported_kind": fam,
+              "original_config": {k: v for k, v in hf.items() if k not in ("auto_map",)}}
+    return model.eval(), tok, origin
+
+
+# ------------------------------------------------------------------------------------------------
+# writing the original format
+# ------------------------------------------------------------------------------------------------
+
+
+def _original_config(fam: str, cfg, tok, dtype: str) -> dict:
+    a = cfg.attention
+    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id} if tok is not None else {}
+    if fam == "ouro":
+        sliding = set(cfg.attention.sliding_layer_idx) if a.sliding_window is not None and a.sliding_layer_idx else (
+            set(range(cfg.n_core)) if a.sliding_window is not None else set())
+        rope_scaling = None
+        if a.rope_scaling is not None:
+            rope_scaling = {"rope_type": "llama3", **a.rope_scaling.__dict__}
+        return {
+            "architectures": ["OuroForCausalLM"], "model_type": "ouro",
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
+            "num_hidden_layers": cfg.n_core, "num_attention_heads": a.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+            "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
+            "rms_norm_eps": cfg.norm_eps, "rope_theta": a.rope_theta, "rope_scaling": rope_scaling,
+            "tie_word_embeddings": cfg.tie_embeddings, "total_ut_steps": cfg.n_loops,
+            "early_exit_threshold": float(cfg.rule.options.get("threshold", 1.0)),
+            "use_sliding_window": a.sliding_window is not None, "sliding_window": a.sliding_window,
+            "max_window_layers": cfg.n_core,
+            "layer_types": ["sliding_attention" if i in sliding else "full_attention" for i in range(cfg.n_core)],
+            "attention_dropout": 0.0, "initializer_range": cfg.init_std, "use_cache": True,
+            "torch_dtype": dtype, **ids,
+        }
+    ro = cfg.rule.options
+    std = float(ro.get("init_std", 0.02)) if ro.get("init_state") == "normal" else 0.0
+    d = cfg.d_model
+    return {
+        "architectures": ["RavenForCausalLM"], "model_type": "huginn_raven",
+        "n_embd": d, "n_heads": a.n_heads, "num_attention_heads": a.n_heads, "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim, "intermediate_size": cfg.d_ff, "vocab_size": cfg.vocab_size,
+        "padded_vocab_size": cfg.vocab_size, "n_layers": cfg.n_physical,
+        "n_layers_in_prelude": cfg.n_prelude, "n_layers_in_recurrent_block": cfg.n_core, "n_layers_in_coda": cfg.n_coda,
+        "mean_recurrence": cfg.n_loops, "injection_type": "linear",
+        "state_init": "like-init" if std > 0 else "zero", "norm_eps": cfg.norm_eps, "qk_bias": a.qk_bias, "bias": False,
+        "tie_embeddings": cfg.tie_embeddings, "tie_word_embeddings": cfg.tie_embeddings, "rope_base": a.rope_theta,
+        "block_size": cfg.max_seq_len, "block_class_name": "SandwichBlock", "mlp_class_name": "GatedMLP",
+        "nonlin_name": "SiLU", "norm_class_name": "RMSNorm_llama", "test_time_noise": 0,
+        "init_values": {"std": std, "embedding": std, "embed_scale": math.sqrt(d) if cfg.embed_scale else 1.0},
+        "torch_dtype": dtype, **ids,
+    }
+
+
+_AUTO_MAP = {
+    "ouro": {"AutoConfig": "configuration_ouro.OuroConfig", "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"},
+    "huginn_raven": {"AutoConfig": "raven_config_minimal.RavenConfig",
+                     "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM"},
+}
+
+
+def export_original(source, out: str | Path, *, tokenizer=None, dtype: str | torch.dtype | None = None,
+                    reference_code: str | Path | None = None, overwrite: bool = False) -> Path:
+    """Write a looplm model of the Ouro or Huginn architecture (an import, or one trained from the
+    ``ouro-*`` / ``huginn-0125`` presets) in its original format: ``config.json`` with the original field
+    names, ``model.safetensors`` with the original tensor names (Huginn: q/k rows back to interleaved RoPE
+    pairs, ``Wqkv`` / ``fc`` fused, ``freqs_cis``), the tokenizer. ``reference_code``: a directory holding the
+    original modelling files (``modeling_ouro.py`` ... / ``raven_*_minimal.py``), copied next to the weights
+    with an ``auto_map`` so ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` loads it."""
+    from safetensors.torch import save_file
+
+    from ..data.tokenizers import load_tokenizer
+
+    if isinstance(source, (str, Path)):
+        from ..checkpoint_io import load_model_for_inference
+
+        model, tok = load_model_for_inference(source, tokenizer=tokenizer)
+    else:
+        model = source
+        tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    fam = family_of(model.config)
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory")
+    out.mkdir(parents=True, exist_ok=True)
+    sd = to_original_state(fam, model)
+    dt = (getattr(torch, dtype) if isinstance(dtype, str) else dtype) or next(iter(sd.values())).dtype
+    sd = {k: (v if k == "freqs_cis" else v.to(dt)) for k, v in sd.items()}
+    save_file(sd, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    hf = _original_config(fam, model.config, tok, str(dt).removeprefix("torch."))
+    if reference_code is not None:
+        ref = Path(reference_code)
+        wanted = [m.split(".")[0] + ".py" for m in _AUTO_MAP[fam].values()]
+        absent = [f for f in wanted if not (ref / f).is_file()]
+        if absent:
+            raise FileNotFoundError(f"reference code directory {str(ref)!r} lacks {absent}")
+        for f in sorted(ref.glob("*.py")):
+            shutil.copyfile(f, out / f.name)
+        hf["auto_map"] = _AUTO_MAP[fam]
+    (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    if tok is not None:
+        if getattr(tok, "name", None) == "byte" or getattr(tok, "_kind", None) != "transformers":
+            from .tokenizer import save_pretrained_tokenizer
+
+            save_pretrained_tokenizer(tok, out)
+        else:
+            tok._tok.save_pretrained(str(out))
+    return out
