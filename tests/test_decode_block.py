@@ -279,6 +279,37 @@ def test_modulated_blocks_keep_the_reference():
 
 
 @needs_extension
+@pytest.mark.parametrize("spec", ["ouro-1.4b", "huginn-0125", "sliding"])
+def test_sandwich_post_sum_and_windowed_blocks_keep_the_reference(spec):
+    """The fused step computes ``x + f(N(x))`` over the whole cache: sandwich (Ouro) and post-sum (Huginn)
+    blocks and sliding-window attention are not eligible (nor their stacks), decode on the reference, and
+    give its tokens; a pre-norm block of the same model shape stays eligible."""
+    if spec == "sliding":
+        model = _model("tiny-llama", torch.float32, overrides={"attention.sliding_window": 3, "attention.sliding_layer_idx": [1]})
+        windowed = [b for b in model.modules() if isinstance(b, Block) and b.mixer.sliding_window is not None]
+        assert windowed and not any(decode.eligible(b) for b in windowed)
+        assert not decode.stack_eligible(model.core.stack)
+    else:
+        model = _model(spec, torch.float32, overrides={"n_loops": 2})
+        blocks = [b for b in model.modules() if isinstance(b, Block)]
+        assert blocks and not any(decode.eligible(b) for b in blocks)
+        assert not any(decode.stack_eligible(st) for st in (model.prelude, model.core.stack, model.coda) if len(st))
+        plain = _model(spec, torch.float32, overrides={"n_loops": 2, "norm_placement": "pre"})
+        assert all(decode.eligible(b) for b in plain.modules() if isinstance(b, Block))
+    ids = torch.randint(0, model.config.vocab_size, (2, 7))
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[0, :2] = 0
+    with _CountOps() as c:
+        got = model.generate(ids, max_new_tokens=5, attention_mask=mask)
+    with decode.enabled(False):
+        ref = model.generate(ids, max_new_tokens=5, attention_mask=mask)
+    assert torch.equal(got, ref)
+    assert c.attention == 4 * _fused_calls_per_step(model, Attention)  # only eligible blocks took the op
+    if spec != "sliding":
+        assert c.attention == 0 and c.stack == 0
+
+
+@needs_extension
 def test_fallbacks_take_the_reference():
     """The prompt step, a growing cache, autograd, a hooked block and a compiled block's prompt."""
     model = _model("tiny-llama", torch.float32)

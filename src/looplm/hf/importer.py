@@ -302,7 +302,8 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
     if Path(out).exists() and any(Path(out).iterdir()) and not overwrite:  # before loading anything
         raise FileExistsError(f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory")
     cfg_path = src / "config.json"
-    is_export = cfg_path.is_file() and _read_json(cfg_path, "config file").get("model_type") == "looplm"
+    hf_cfg = _read_json(cfg_path, "config file") if cfg_path.is_file() else {}
+    is_export = hf_cfg.get("model_type") == "looplm"
     if is_export:
         model, tok = read_export(src)
         if overrides:
@@ -312,7 +313,7 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
             new.load_state_dict(model.state_dict())
             model = new
         origin = {"imported_from": str(src.resolve()), "imported_kind": "looplm-export"}
-    elif gguf_file is None and _public_family(cfg_path) is not None:
+    elif gguf_file is None and _public_family(hf_cfg) is not None:
         from .public import load_public
 
         model, tok, origin = load_public(src, dtype=_dtype(dtype), **overrides)
@@ -347,16 +348,10 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
     return write_checkpoint(out, model, tok, extra={"import": origin}, overwrite=overwrite)
 
 
-def _public_family(cfg_path: Path) -> str | None:
-    if not cfg_path.is_file():
-        return None
+def _public_family(hf_cfg: dict) -> str | None:
     from .public import detect
 
-    try:
-        c = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError:
-        return None
-    return detect(c) if isinstance(c, dict) else None
+    return detect(hf_cfg)
 
 
 def _dtype(dtype) -> torch.dtype:

@@ -76,10 +76,10 @@ WEIGHTS_FILE = "model.safetensors"
 class PublicFormatError(ValueError):
     """A checkpoint directory that is not a complete Ouro / Huginn checkpoint; the message lists every problem."""
 
-    def __init__(self, problems: list[str], where: str):
+    def __init__(self, problems: list[str], where: str, what: str = "cannot load it"):
         self.problems = list(problems)
         lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{where}: cannot load it ({len(self.problems)} problem(s)):\n{lines}")
+        super().__init__(f"{where}: {what} ({len(self.problems)} problem(s)):\n{lines}")
 
 
 def detect(hf_config: dict) -> str | None:
@@ -274,43 +274,46 @@ def public_config(hf_config: dict, where: str = "config.json", **overrides):
 
 def family_of(cfg) -> str:
     """Which original format a looplm config can be written in (``ouro`` / ``huginn_raven``); a
-    :class:`PublicFormatError` naming what does not fit either."""
-    a, ro = cfg.attention, cfg.rule.options
+    :class:`PublicFormatError` naming, for each family, every field that does not fit it."""
+    a, ro, hd = cfg.attention, cfg.rule.options, cfg.head_dim
     common = []
     if cfg.mixer != "attention" or cfg.attn_layer_idx:
-        common.append(f"mixer {cfg.mixer!r} (both are attention models)")
+        common.append(f"mixer: attention everywhere (is {cfg.mixer!r}, attn_layer_idx {cfg.attn_layer_idx})")
     if cfg.d_ff <= 0:
-        common.append("d_ff = 0 (both have a gated MLP in every layer)")
+        common.append("d_ff > 0 (a gated MLP in every layer)")
     if a.qk_norm or a.bias:
-        common.append("attention.qk_norm / attention.bias (neither has them)")
-    if a.rotary_dim is not None and a.rotary_dim != cfg.head_dim:
-        common.append(f"attention.rotary_dim {a.rotary_dim} (both rotate the whole head)")
+        common.append("no attention.qk_norm / attention.bias")
+    if a.rotary_dim is not None and a.rotary_dim != hd:
+        common.append(f"attention.rotary_dim = head_dim (is {a.rotary_dim})")
     if cfg.pause is not None:
-        common.append("pause tokens")
-    ouro = [
-        *common,
-        *(["norm_placement must be sandwich"] if cfg.norm_placement != "sandwich" else []),
-        *(["n_prelude = n_coda = 0"] if cfg.n_prelude or cfg.n_coda else []),
-        *(["rule exit_gate with gate_norm and inter_norm"] if cfg.rule.name != "exit_gate" or not ro.get("gate_norm") or not ro.get("inter_norm") else []),
-        *(["attention.qk_bias"] if a.qk_bias else []),
-        *(["embed_scale"] if cfg.embed_scale else []),
-    ]
+        common.append("no pause tokens")
+    ouro = list(common)
+    if cfg.norm_placement != "sandwich":
+        ouro.append(f"norm_placement: sandwich (is {cfg.norm_placement})")
+    if cfg.n_prelude or cfg.n_coda:
+        ouro.append(f"n_prelude = n_coda = 0 (are {cfg.n_prelude}, {cfg.n_coda})")
+    if cfg.rule.name != "exit_gate" or not ro.get("gate_norm") or not ro.get("inter_norm"):
+        ouro.append(f"rule exit_gate with gate_norm and inter_norm (is {cfg.rule.name} {ro})")
+    if a.qk_bias or cfg.embed_scale:
+        ouro.append("no attention.qk_bias / embed_scale")
     if not ouro:
         return "ouro"
-    hd = cfg.head_dim
-    huginn = [
-        *common,
-        *(["norm_placement must be post-sum"] if cfg.norm_placement != "post-sum" else []),
-        *(["rule injection with form dense and finish_norm"] if cfg.rule.name != "injection" or ro.get("form") != "dense" or not ro.get("finish_norm") else []),
-        *(["injection init_state normal or zeros"] if ro.get("init_state", "prelude") == "prelude" else []),
-        *([f"head_dim {hd} = d_model / n_heads"] if hd * a.n_heads != cfg.d_model else []),
-        *(["attention.sliding_window"] if a.sliding_window is not None else []),
-        *(["qk_bias needs n_kv_heads = n_heads"] if a.qk_bias and cfg.n_kv_heads != a.n_heads else []),
-    ]
+    huginn = list(common)
+    if cfg.norm_placement != "post-sum":
+        huginn.append(f"norm_placement: post-sum (is {cfg.norm_placement})")
+    if cfg.rule.name != "injection" or ro.get("form") != "dense" or not ro.get("finish_norm") \
+            or ro.get("init_state", "prelude") == "prelude":
+        huginn.append(f"rule injection with form dense, finish_norm and init_state normal or zeros (is {cfg.rule.name} {ro})")
+    if hd * a.n_heads != cfg.d_model:
+        huginn.append(f"head_dim = d_model / n_heads (is {hd})")
+    if a.sliding_window is not None:
+        huginn.append("no attention.sliding_window")
+    if a.qk_bias and cfg.n_kv_heads != a.n_heads:
+        huginn.append("n_kv_heads = n_heads with qk_bias")
     if not huginn:
         return "huginn_raven"
-    raise PublicFormatError([f"as Ouro: needs {', '.join(ouro)}", f"as Huginn: needs {', '.join(huginn)}"],
-                            f"model {cfg.name!r}")
+    raise PublicFormatError([f"as Ouro it needs {'; '.join(ouro)}", f"as Huginn it needs {'; '.join(huginn)}"],
+                            f"model {cfg.name!r}", "cannot be written in an original format")
 
 
 # ------------------------------------------------------------------------------------------------
