@@ -159,9 +159,10 @@ def _attend(q, k, v, allowed):
 
 
 def _angles(pos, hd, theta):
-    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-    ang = pos[:, None, :, None].double() * inv  # [B, 1, T, hd/2]
-    return ang.cos().float(), ang.sin().float()
+    """cos, sin of ``t · θ^(−2i/hd)`` in the releases' arithmetic (fp32: it matters at long positions)."""
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float32) / hd))
+    ang = pos[:, None, :, None].float() * inv  # [B, 1, T, hd/2]
+    return ang.cos(), ang.sin()
 
 
 def _rope_half(x, pos, theta):  # Ouro (Llama): channel i pairs with i + hd/2
@@ -176,12 +177,14 @@ def _rope_pairs(x, pos, theta):  # Huginn: (2i, 2i+1) rotated as the complex num
     return torch.stack([re * c - im * s, im * c + re * s], -1).flatten(-2)
 
 
-def ouro_reference(t, cfg, ids, mask=None, K=None, windows=None):
+def ouro_reference(t, cfg, ids, mask=None, K=None, windows=None, offset=0):
     """Ouro: ``h_k = N(F(h_{k−1}))`` with sandwich layers; returns logits of the last step, the per-step normed
-    states, the exit pdf ``[B, T, K]`` and every step's logits. ``windows``: ``{layer: w}`` sliding windows."""
+    states, the exit pdf ``[B, T, K]`` and every step's logits. ``windows``: ``{layer: w}`` sliding windows;
+    ``offset``: the first token's position."""
     B, T = ids.shape
     mask = torch.ones(B, T, dtype=torch.long) if mask is None else mask
     pos, allowed = _positions_and_allowed(mask)
+    pos = pos + offset
     idx = torch.arange(T)
     band = {i: allowed & (idx[None, :] > idx[:, None] - w)[None] for i, w in (windows or {}).items()}
     L, H, kv, hd, eps = (cfg[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps"))
@@ -213,12 +216,13 @@ def ouro_reference(t, cfg, ids, mask=None, K=None, windows=None):
     return step_logits[-1], states, torch.stack(pdf, -1), step_logits
 
 
-def huginn_reference(t, cfg, ids, s0, mask=None, r=None):
+def huginn_reference(t, cfg, ids, s0, mask=None, r=None, offset=0):
     """Huginn: prelude, ``s_k = core(adapter([s_{k−1}; e]))`` from ``s0``, ``ln_f``, coda, ``ln_f``, tied head;
     returns the logits and every ``s_k``."""
     B, T = ids.shape
     mask = torch.ones(B, T, dtype=torch.long) if mask is None else mask
     pos, allowed = _positions_and_allowed(mask)
+    pos = pos + offset
     d, H, eps, theta = cfg["n_embd"], cfg["num_attention_heads"], cfg["norm_eps"], cfg["rope_base"]
     hd = d // H
     r = r or cfg["mean_recurrence"]
@@ -392,6 +396,35 @@ def test_cached_greedy_decoding_matches_the_reference(family, ouro, huginn):
     from helpers import assert_cached_equals_full
 
     assert_cached_equals_full(m, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["ouro", "huginn"])
+def test_long_positions_use_the_releases_rope_arithmetic(family, tmp_path):
+    """At position ~4,000 the fp32 arithmetic of the releases' inverse frequencies matters (an ulp per
+    frequency, ~2e-4 rad): the import computes them as the original code does (``rope_precision: fp32``)."""
+    if family == "ouro":
+        src, cfg, t = write_ouro(tmp_path / "o", max_position_embeddings=8192)
+    else:
+        src, cfg, t = write_huginn(tmp_path / "h", block_size=8192)
+    m, _, _ = load_public(src)
+    assert m.config.attention.rope_precision == "fp32"
+    ids = torch.randint(0, cfg["vocab_size"], (2, 12), generator=torch.Generator().manual_seed(4))
+    pos = torch.arange(4090, 4102)[None].expand(2, 12)
+    if family == "ouro":
+        want = ouro_reference(t, cfg, ids, offset=4090)[0]
+    else:
+        s0 = position_noise(pos, cfg["n_embd"], 0, cfg["init_values"]["std"]) * cfg["init_values"]["embed_scale"]
+        want = huginn_reference(t, cfg, ids, s0, offset=4090)[0]
+    with torch.no_grad():
+        _close(m(ids, position_ids=pos).logits, want, "logits at positions 4090..4101")
+    # at the real head dims the two arithmetics differ in a third of the frequencies (the option is not cosmetic)
+    from looplm.layers.rope import rope_inv_freq
+
+    for hd, theta in ((128, 1e6), (96, 5e4)):  # Ouro, Huginn
+        release = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.int64).float() / hd))
+        assert torch.equal(rope_inv_freq(hd, theta, precision="fp32"), release)
+        fp64 = rope_inv_freq(hd, theta)
+        assert (fp64 != release).sum() > hd // 8 and (4095 * (fp64 - release)).abs().max() > 1e-4  # radians
 
 
 def test_sliding_window_layers_match_the_reference(tmp_path):

@@ -62,6 +62,9 @@ class AttentionConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k (per head) before RoPE
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # arithmetic of the inverse frequencies θ^(-2i/d) before rounding to fp32 (looplm.layers.rope.rope_inv_freq):
+    # fp64 (looplm's default) or fp32 (the modelling code of Ouro, Huginn and transformers; set by their imports)
+    rope_precision: Literal["fp64", "fp32"] = "fp64"
     rotary_dim: int | None = None  # None = head_dim; hybrid Mamba models use 64
     bias: bool = False  # biases on the q, k, v and output projections
     qk_bias: bool = False  # biases on the q and k projections only (Huginn's ``qk_bias``)

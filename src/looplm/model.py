@@ -68,7 +68,7 @@ class LoopedLM(nn.Module):
         # one table builder per rotary dim: the backbone's attention (config) and the rule's own mixers
         a = cfg.attention
         dims = sorted(set(cfg.rope_dims) | set(self.rule.rope_dims))
-        self.rotary = nn.ModuleDict({str(r): RotaryEmbedding(r, a.rope_theta, a.rope_scaling) for r in dims})
+        self.rotary = nn.ModuleDict({str(r): RotaryEmbedding(r, a.rope_theta, a.rope_scaling, a.rope_precision) for r in dims})
         self.reset_parameters()
 
     # ------------------------------------------------------------------------------------------

@@ -165,6 +165,7 @@ def _ouro_config(c: dict, errs: list[str]) -> dict:
             head_dim=int(_get(c, "head_dim", default=int(c["hidden_size"]) // heads)),
             rope_theta=theta,
             rope_scaling=scaling,
+            rope_precision="fp32",  # its modelling code computes θ^(-2i/d) in fp32
             sliding_window=int(window) if window is not None and sliding else None,
             sliding_layer_idx=sliding if window is not None else [],
         ),
@@ -245,7 +246,7 @@ def _huginn_config(c: dict, errs: list[str]) -> dict:
         norm_placement="post-sum",
         embed_scale=embed_scale,
         attention=dict(n_heads=v["heads"], n_kv_heads=v["kv"], head_dim=v["hd"], qk_bias=qk_bias,
-                       rope_theta=float(c["rope_base"])),
+                       rope_theta=float(c["rope_base"]), rope_precision="fp32"),
         rule=dict(name="injection", options=rule_opts),
         norm_eps=float(c["norm_eps"]),
         tie_embeddings=bool(_get(c, "tie_embeddings", "tie_word_embeddings", default=True)),
@@ -653,7 +654,7 @@ def _original_config(fam: str, cfg, tok, dtype: str) -> dict:
         "n_layers_in_prelude": cfg.n_prelude, "n_layers_in_recurrent_block": cfg.n_core, "n_layers_in_coda": cfg.n_coda,
         "mean_recurrence": cfg.n_loops, "injection_type": "linear",
         "state_init": "like-init" if std > 0 else "zero", "norm_eps": cfg.norm_eps, "qk_bias": a.qk_bias, "bias": False,
-        "tie_embeddings": cfg.tie_embeddings, "tie_word_embeddings": cfg.tie_embeddings, "rope_base": a.rope_theta,
+        "tie_embeddings": cfg.tie_embeddings, "rope_base": a.rope_theta,  # (RavenConfig derives tie_word_embeddings)
         "block_size": cfg.max_seq_len, "block_class_name": "SandwichBlock", "mlp_class_name": "GatedMLP",
         "nonlin_name": "SiLU", "norm_class_name": "RMSNorm_llama", "test_time_noise": 0,
         "init_values": {"std": std, "embedding": std, "embed_scale": math.sqrt(d) if cfg.embed_scale else 1.0},

@@ -16,8 +16,13 @@ from torch import nn
 from ..config import RopeScaling
 
 
-def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None = None, precision: str = "fp64") -> torch.Tensor:
     """Inverse frequencies ``θ^(-2i/rot)`` for ``i < rot/2``; Llama-3 scaling when ``scaling`` is given.
+
+    ``precision``: the arithmetic before the result is rounded to fp32 — ``fp64`` (correctly rounded), or
+    ``fp32`` (``1 / θ ** (arange / rot)`` in fp32, as the modelling code of Ouro, Huginn and transformers
+    computes it). They differ by an ulp in some frequencies, which grows with the position: about 2e-4 rad at
+    position 4,095 — enough to move logits by more than 1e-5 on long prompts, so imports match their source's.
 
     Llama-3 rule: wavelengths longer than ``original_max / low_freq_factor`` are divided by ``factor``;
     shorter than ``original_max / high_freq_factor`` are kept; in between, interpolate smoothly with
@@ -25,7 +30,8 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None = N
     """
     # computed on the CPU even inside a `torch.device("meta")` context: meta-device ops import torch's
     # reference kernels (seconds), which would slow down parameter counting
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim))
+    dt = torch.float64 if precision == "fp64" else torch.float32
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=dt, device="cpu") / rotary_dim))
     if scaling is None:
         return inv_freq.float()
     low_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
@@ -43,16 +49,17 @@ def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None = N
 class RotaryEmbedding(nn.Module):
     """Computes ``(cos, sin)`` tables for given positions. No parameters; buffers are not saved."""
 
-    def __init__(self, rotary_dim: int, theta: float, scaling: RopeScaling | None = None):
+    def __init__(self, rotary_dim: int, theta: float, scaling: RopeScaling | None = None, precision: str = "fp64"):
         super().__init__()
         self.rotary_dim = rotary_dim
         self.theta = theta
         self.scaling = scaling
-        self.register_buffer("inv_freq", rope_inv_freq(rotary_dim, theta, scaling), persistent=False)
+        self.precision = precision
+        self.register_buffer("inv_freq", rope_inv_freq(rotary_dim, theta, scaling, precision), persistent=False)
 
     def reset_buffers(self) -> None:
         """Recompute ``inv_freq`` (needed after materialising a model built on the meta device)."""
-        self.inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling).to(self.inv_freq.device)
+        self.inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling, self.precision).to(self.inv_freq.device)
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # position_ids [B, T] -> cos, sin [B, T, rot] (float32)

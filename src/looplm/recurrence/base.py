@@ -34,6 +34,9 @@ What a rule can read from the loop context ``lctx`` (:class:`LoopContext`), buil
 * ``loop_options`` — rule-specific inference options passed to ``forward(loop_options=...)``;
 * ``cache_slot(key, factory)`` — a decoding slot owned by the rule (one per iteration: put
   ``lctx.iteration`` in the key), ``None`` when not decoding.
+* ``final_norm`` — the model's final RMSNorm ``N`` (the module, its weights shared): Ouro normalises the
+  state between iterations and feeds its gate ``N(h)`` (exit_gate ``inter_norm`` / ``gate_norm``), Huginn
+  normalises the loop's output before the coda (injection ``finish_norm``).
 
 Hooks with defaults that do nothing: ``block_modulation`` (shifts, scales, gates — per channel or per
 token — and read/write hooks that let a rule own a block's residual streams, see
