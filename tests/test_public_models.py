@@ -521,6 +521,8 @@ def test_bad_configs_are_refused_naming_every_field(tmp_path):
     assert "2 problem(s)" in msg
     (src / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu", "early_exit_threshold": 1.5}))
     _refused(src, "hidden_act 'gelu'", "early_exit_threshold must be a number in [0, 1]")
+    (src / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": "two", "rope_theta": None, "rms_norm_eps": "small"}))
+    _refused(src, "num_hidden_layers must be a non-negative integer, got 'two'", "rms_norm_eps must be a number, got 'small'")
     src, cfg, _ = write_huginn(tmp_path / "h")
     (src / "config.json").write_text(json.dumps({**cfg, "test_time_noise": 0.2, "injection_type": "add", "bias": True,
                                                  "state_init": "embed", "n_layers": 9}))

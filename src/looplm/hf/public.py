@@ -97,7 +97,19 @@ def _require(c: dict, fields: list[str | tuple[str, ...]], errs: list[str]) -> N
     for f in fields:
         names = f if isinstance(f, tuple) else (f,)
         if not any(n in c and c[n] is not None for n in names):
-            errs.append(f"config.json: missing field {' / '.join(repr(n) for n in names)}")
+            errs.append(f"missing field {' / '.join(repr(n) for n in names)}")
+
+
+def _types(c: dict, ints: tuple[str, ...], numbers: tuple[str, ...], errs: list[str]) -> None:
+    """The numeric fields that are present have numeric values (named otherwise)."""
+    for f in ints:
+        v = c.get(f)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+            errs.append(f"{f} must be a non-negative integer, got {v!r}")
+    for f in numbers:
+        v = c.get(f)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            errs.append(f"{f} must be a number, got {v!r}")
 
 
 def _get(c: dict, *names, default=None):
@@ -109,30 +121,36 @@ def _ouro_rope(c: dict, errs: list[str]) -> tuple[float, dict | None]:
 
     from ..interop import _rope_params
 
+    if "rope_theta" in c and c["rope_theta"] is None and not c.get("rope_parameters"):
+        errs.append("rope_theta is null (the RoPE base is needed)")
+        return 10000.0, None
     try:
         return _rope_params(SimpleNamespace(rope_theta=c.get("rope_theta", 10000.0), rope_scaling=c.get("rope_scaling"),
                                             rope_parameters=c.get("rope_parameters")))
     except (ValueError, KeyError, TypeError) as e:
-        errs.append(f"config.json: rope_scaling {c.get('rope_scaling')!r}: {e}")
+        errs.append(f"rope_scaling {c.get('rope_scaling')!r}: {e}")
         return float(c.get("rope_theta", 10000.0)), None
 
 
 def _ouro_config(c: dict, errs: list[str]) -> dict:
     _require(c, ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "rms_norm_eps", "max_position_embeddings", "total_ut_steps"], errs)
+    _types(c, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "max_position_embeddings", "total_ut_steps", "sliding_window",
+               "max_window_layers"), ("rms_norm_eps", "rope_theta"), errs)
     if errs:
         return {}
     if c.get("hidden_act", "silu") != "silu":
-        errs.append(f"config.json: hidden_act {c['hidden_act']!r} is not supported (Ouro's MLP is SwiGLU: silu)")
+        errs.append(f"hidden_act {c['hidden_act']!r} is not supported (Ouro's MLP is SwiGLU: silu)")
     if c.get("attention_bias"):
-        errs.append("config.json: attention_bias=true is not part of Ouro's architecture (its projections are bias-free)")
+        errs.append("attention_bias=true is not part of Ouro's architecture (its projections are bias-free)")
     if c.get("partial_rotary_factor", 1.0) != 1.0:
-        errs.append(f"config.json: partial_rotary_factor {c['partial_rotary_factor']} is not supported (1.0 only)")
+        errs.append(f"partial_rotary_factor {c['partial_rotary_factor']} is not supported (1.0 only)")
     L, heads = int(c["num_hidden_layers"]), int(c["num_attention_heads"])
     window = c.get("sliding_window") if c.get("use_sliding_window") else None
     types = c.get("layer_types")
     if types is not None and len(types) != L:
-        errs.append(f"config.json: layer_types has {len(types)} entries for num_hidden_layers={L}")
+        errs.append(f"layer_types has {len(types)} entries for num_hidden_layers={L}")
     if window is not None:
         if types is not None:
             sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
@@ -142,12 +160,12 @@ def _ouro_config(c: dict, errs: list[str]) -> dict:
         sliding = []
     unknown_types = sorted({t for t in types or [] if t not in ("full_attention", "sliding_attention")})
     if unknown_types:
-        errs.append(f"config.json: layer_types {unknown_types} are not known (full_attention, sliding_attention)")
+        errs.append(f"layer_types {unknown_types} are not known (full_attention, sliding_attention)")
     q = c.get("early_exit_threshold", 1.0)
     if q is None:
         q = 1.0
     if not isinstance(q, (int, float)) or not 0.0 <= float(q) <= 1.0:
-        errs.append(f"config.json: early_exit_threshold must be a number in [0, 1], got {q!r}")
+        errs.append(f"early_exit_threshold must be a number in [0, 1], got {q!r}")
         q = 1.0
     theta, scaling = _ouro_rope(c, errs)
     K = int(c["total_ut_steps"])
@@ -194,40 +212,46 @@ def _huginn_config(c: dict, errs: list[str]) -> dict:
     _require(c, ["n_embd", ("num_attention_heads", "n_heads"), "intermediate_size", ("padded_vocab_size", "vocab_size"),
                  "n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda", "mean_recurrence",
                  "norm_eps", "rope_base", "block_size"], errs)
+    _types(c, ("n_embd", "num_attention_heads", "n_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+               "padded_vocab_size", "vocab_size", "n_layers", "n_layers_in_prelude", "n_layers_in_recurrent_block",
+               "n_layers_in_coda", "mean_recurrence", "block_size"), ("norm_eps", "rope_base", "test_time_noise"), errs)
+    iv = c.get("init_values")
+    if iv is not None and not (isinstance(iv, dict) and all(isinstance(iv.get(k, 0.0), (int, float)) for k in ("std", "embed_scale"))):
+        errs.append(f"init_values must be a mapping with numeric std / embed_scale, got {iv!r}")
     if errs:
         return {}
     v = huginn_values(c)
     p, s, cd = int(c["n_layers_in_prelude"]), int(c["n_layers_in_recurrent_block"]), int(c["n_layers_in_coda"])
     if c.get("n_layers") is not None and int(c["n_layers"]) != p + s + cd:
-        errs.append(f"config.json: n_layers={c['n_layers']} is not n_layers_in_prelude + _recurrent_block + _coda = {p + s + cd}")
+        errs.append(f"n_layers={c['n_layers']} is not n_layers_in_prelude + _recurrent_block + _coda = {p + s + cd}")
     if v["d"] % v["heads"]:
-        errs.append(f"config.json: num_attention_heads={v['heads']} does not divide n_embd={v['d']}")
+        errs.append(f"num_attention_heads={v['heads']} does not divide n_embd={v['d']}")
     if c.get("head_dim") is not None and v["d"] % v["heads"] == 0 and int(c["head_dim"]) != v["hd"]:
-        errs.append(f"config.json: head_dim={c['head_dim']} is not n_embd // num_attention_heads = {v['hd']} (what the modelling code uses)")
+        errs.append(f"head_dim={c['head_dim']} is not n_embd // num_attention_heads = {v['hd']} (what the modelling code uses)")
     qk_bias = bool(c.get("qk_bias", True))
     if qk_bias and v["kv"] != v["heads"]:
-        errs.append(f"config.json: qk_bias with num_key_value_heads={v['kv']} != num_attention_heads={v['heads']} (its k bias has one row per query head)")
+        errs.append(f"qk_bias with num_key_value_heads={v['kv']} != num_attention_heads={v['heads']} (its k bias has one row per query head)")
     if c.get("bias"):
-        errs.append("config.json: bias=true (an adapter bias) is not supported: looplm's dense injection is bias-free")
+        errs.append("bias=true (an adapter bias) is not supported: looplm's dense injection is bias-free")
     if c.get("injection_type", "linear") != "linear":
-        errs.append(f"config.json: injection_type {c['injection_type']!r} is not supported (linear: the adapter on [state; prelude output])")
+        errs.append(f"injection_type {c['injection_type']!r} is not supported (linear: the adapter on [state; prelude output])")
     state_init = c.get("state_init", "like-init")
     if state_init not in ("like-init", "zero"):
-        errs.append(f"config.json: state_init {state_init!r} is not supported (like-init, zero)")
+        errs.append(f"state_init {state_init!r} is not supported (like-init, zero)")
     if float(c.get("test_time_noise", 0) or 0) > 0:
-        errs.append(f"config.json: test_time_noise={c['test_time_noise']} (noise injected into every recurrence) is not supported; set it to 0")
+        errs.append(f"test_time_noise={c['test_time_noise']} (noise injected into every recurrence) is not supported; set it to 0")
     for field, want in (("block_class_name", "SandwichBlock"), ("mlp_class_name", "GatedMLP"), ("nonlin_name", "SiLU")):
         if c.get(field) is not None and c[field] != want:
-            errs.append(f"config.json: {field} {c[field]!r} is not supported ({want})")
+            errs.append(f"{field} {c[field]!r} is not supported ({want})")
     if c.get("norm_class_name") is not None and "RMSNorm" not in str(c["norm_class_name"]):
-        errs.append(f"config.json: norm_class_name {c['norm_class_name']!r} is not an RMSNorm")
+        errs.append(f"norm_class_name {c['norm_class_name']!r} is not an RMSNorm")
     gamma = v["embed_scale"]
     if math.isclose(gamma, math.sqrt(v["d"]), rel_tol=1e-12):
         embed_scale = True
     elif gamma == 1.0:
         embed_scale = False
     else:
-        errs.append(f"config.json: init_values.embed_scale={gamma} is neither 1 nor sqrt(n_embd)={math.sqrt(v['d'])}")
+        errs.append(f"init_values.embed_scale={gamma} is neither 1 nor sqrt(n_embd)={math.sqrt(v['d'])}")
         embed_scale = False
     rule_opts: dict[str, Any] = dict(form="dense", finish_norm=True)
     if state_init == "zero" or v["std"] == 0:
