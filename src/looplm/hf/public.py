@@ -41,9 +41,10 @@ injection types other than ``linear``, state inits other than ``like-init`` / ``
 exit criteria (KL, latent difference) and KV-sharing lookup strategies have no looplm counterpart yet.
 
 Checks before anything is loaded (one error naming every problem): the config's required fields; then
-every tensor the architecture needs, against the files — missing, unexpected and mis-shaped tensors listed
-together. Weights come from ``model.safetensors`` or exactly the shards ``model.safetensors.index.json``
-names (never a pickle); bf16, fp16 and fp32 tensors load (cast to ``dtype``, fp32 by default).
+every tensor the architecture needs, against the files' headers — missing, unexpected and mis-shaped tensors
+listed together (:mod:`looplm.hf.weights`, shared with the other importers). Weights come from
+``model.safetensors`` or exactly the shards ``model.safetensors.index.json`` names (never a pickle); bf16,
+fp16 and fp32 tensors load (cast to ``dtype``, fp32 by default).
 """
 
 from __future__ import annotations
@@ -69,7 +70,6 @@ __all__ = [
 ]
 
 FAMILIES = {"ouro": "Ouro", "huginn_raven": "Huginn"}
-INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -495,87 +495,38 @@ def _freqs_cis(hd: int, n: int, theta: float) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
-def weight_files(src: Path) -> dict[str, list[str]]:
-    """``{file: [tensor names]}`` to read: the shards ``model.safetensors.index.json`` names (each tensor from
-    the file the index assigns it to), else ``model.safetensors``. Refuses pickles and ambiguous layouts."""
-    index = src / INDEX_FILE
-    if index.is_file():
-        try:
-            wmap = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise PublicFormatError([f"{INDEX_FILE} is not a safetensors index with a weight_map ({e})"], str(src)) from e
-        files: dict[str, list[str]] = {}
-        for name, f in wmap.items():
-            files.setdefault(f, []).append(name)
-        missing = [f for f in files if not (src / f).is_file()]
-        if missing:
-            raise PublicFormatError([f"{INDEX_FILE} names shard {f!r}, which is not in the directory" for f in missing], str(src))
-        return files
-    if (src / WEIGHTS_FILE).is_file():
-        return {WEIGHTS_FILE: []}  # every tensor in the file
-    others = sorted(p.name for p in src.glob("*.safetensors"))
-    if others:
-        raise PublicFormatError([f"no {WEIGHTS_FILE} and no {INDEX_FILE} saying which of {others} to read"], str(src))
-    pickles = sorted(p.name for p in src.glob("*.bin")) + sorted(p.name for p in src.glob("*.pt"))
-    hint = f" (found {pickles}: pickled weights are never loaded; convert them to safetensors)" if pickles else ""
-    raise PublicFormatError([f"no {WEIGHTS_FILE} (or {INDEX_FILE} with shards){hint}"], str(src))
-
-
 def read_tensors(src: Path, expected: dict[str, tuple[int, ...]], derived=(), tied_head: str | None = None,
-                 tie_to: str | None = None, dtype=torch.float32) -> dict[str, torch.Tensor]:
-    """Every tensor of ``expected`` from ``src``'s safetensors, cast to ``dtype``, after checking the names and
-    shapes of all of them (headers only): a :class:`PublicFormatError` lists every missing, unexpected and
-    mis-shaped tensor. ``derived`` names may be present (ignored); ``tied_head`` may be present when the head is
-    tied to ``tie_to`` (then it must equal it)."""
+                 tie_to: str | None = None, dtype=torch.float32, what: str = "the model") -> dict[str, torch.Tensor]:
+    """Every tensor of ``expected`` from ``src``'s safetensors (exactly the files the format names,
+    :func:`looplm.hf.weights.weight_files`), cast to ``dtype`` — after checking the names and shapes of all of
+    them from the headers: every missing, unexpected and mis-shaped tensor in one error. ``derived`` names may be
+    present (ignored); ``tied_head`` may be present when the head is tied to ``tie_to`` (then it must equal it)."""
     from safetensors import safe_open
 
+    from .weights import read_shapes, refuse_mismatch, weight_files
+
     files = weight_files(src)
-    shapes: dict[str, tuple[tuple[int, ...], str]] = {}
-    problems: list[str] = []
-    for f, names in files.items():
-        with safe_open(str(src / f), framework="pt") as fh:
-            keys = set(fh.keys())
-            for n in names:
-                if n not in keys:
-                    problems.append(f"{INDEX_FILE} puts {n!r} in {f!r}, which does not hold it")
-            for n in (names or sorted(keys)):
-                if n in keys:
-                    shapes[n] = (tuple(fh.get_slice(n).get_shape()), f)
-    missing = [n for n in expected if n not in shapes]
+    shapes = read_shapes(files)
     optional = set(derived) | ({tied_head} if tied_head else set())
-    unexpected = [n for n in shapes if n not in expected and n not in optional]
-    bad = [f"{n}: shape {list(shapes[n][0])}, expected {list(s)}" for n, s in expected.items() if n in shapes and shapes[n][0] != s]
-    if tied_head and tied_head in shapes and tie_to in expected and shapes[tied_head][0] != expected[tie_to]:
-        bad.append(f"{tied_head}: shape {list(shapes[tied_head][0])}, expected {list(expected[tie_to])} (the tied head)")
-    if missing:
-        problems.append(f"missing {len(missing)} tensor(s): {_clip(missing)}")
-    if unexpected:
-        problems.append(f"unexpected {len(unexpected)} tensor(s) (not part of this architecture/config): {_clip(unexpected)}")
-    if bad:
-        problems.append(f"{len(bad)} tensor(s) of the wrong shape: {_clip(bad)}")
-    if problems:
-        raise PublicFormatError(problems, str(src))
+    mismatched = [(n, shapes[n], s) for n, s in expected.items() if n in shapes and shapes[n] != s]
+    if tied_head and tied_head in shapes and shapes[tied_head] != expected[tie_to]:
+        mismatched.append((tied_head, shapes[tied_head], expected[tie_to]))
+    refuse_mismatch(src, [n for n in expected if n not in shapes], [n for n in shapes if n not in expected and n not in optional],
+                    mismatched, what=what)
     out: dict[str, torch.Tensor] = {}
-    by_file: dict[str, list[str]] = {}
-    for n, (_, f) in shapes.items():
-        if n in expected or n == tied_head:
-            by_file.setdefault(f, []).append(n)
-    for f, names in by_file.items():
-        with safe_open(str(src / f), framework="pt") as fh:
-            for n in names:
-                t = fh.get_tensor(n)
-                if not t.is_floating_point():
-                    raise PublicFormatError([f"{n}: dtype {t.dtype} is not a floating-point weight"], str(src))
-                out[n] = t.to(dtype)
+    for f in files:
+        with safe_open(str(f), framework="pt") as fh:
+            for n in fh.keys():
+                if n in expected or n == tied_head:
+                    t = fh.get_tensor(n)
+                    if not t.is_floating_point():
+                        raise PublicFormatError([f"{n}: dtype {t.dtype} is not a floating-point weight"], str(src))
+                    out[n] = t.to(dtype)
     if tied_head and tied_head in out:
         head = out.pop(tied_head)
         if not torch.equal(head, out[tie_to]):
             raise PublicFormatError([f"the config ties the head to {tie_to!r}, but {tied_head!r} holds other values"], str(src))
     return out
-
-
-def _clip(items: list[str], n: int = 12) -> str:
-    return ", ".join(items[:n]) + (f", … ({len(items) - n} more)" if len(items) > n else "")
 
 
 def _tokenizer(src: Path):
@@ -620,7 +571,7 @@ def load_public(src: str | Path, *, dtype=torch.float32, **overrides):
     expected = _expected_shapes(fam, cfg)
     tie_to = "model.embed_tokens.weight" if fam == "ouro" else "transformer.wte.weight"
     tensors = read_tensors(src, expected, _DERIVED[fam], tied_head="lm_head.weight" if cfg.tie_embeddings else None,
-                           tie_to=tie_to, dtype=dtype)
+                           tie_to=tie_to, dtype=dtype, what=f"its {FAMILIES[fam]} config")
     tok = _tokenizer(src)
     # built without memory, then every tensor assigned (no random init of billions of weights to overwrite)
     model = build(cfg, device="meta")

@@ -118,6 +118,8 @@ class Injection(RecurrenceRule):
         finish_norm: the loop's output goes through the model's final norm before the coda (Huginn).
     """
 
+    loop_options = ("initial_state",)  # a given s_0 [B, T, d] for one forward (Huginn's input_states)
+
     def __init__(self, cfg, *, form: str = "scalar", init_state: str = "prelude", init_std: float = 0.02,
                  init_seed: int | None = 0, finish_norm: bool = False):
         super().__init__(cfg)
