@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
@@ -617,6 +616,20 @@ def test_export_round_trips(family, ouro, huginn, tmp_path):
     # the command line
     assert cli_main(["export", "hf", str(f["out"]), str(tmp_path / "cli"), "--format", "original"]) == 0
     assert load_file(str(tmp_path / "cli" / "model.safetensors")).keys() == written.keys()
+
+
+def test_export_original_with_reference_code_writes_the_auto_map(ouro, tmp_path):
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "modeling_ouro.py").write_text("# the release's modelling file (a stand-in)\n")
+    with pytest.raises(FileNotFoundError, match=r"lacks \['configuration_ouro.py'\]"):
+        export_original(ouro["out"], tmp_path / "none", reference_code=code)
+    assert not (tmp_path / "none").exists()  # refused before anything was written
+    (code / "configuration_ouro.py").write_text("# stand-in\n")
+    out = export_original(ouro["out"], tmp_path / "with", reference_code=code)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["auto_map"] == {"AutoConfig": "configuration_ouro.OuroConfig", "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"}
+    assert (out / "modeling_ouro.py").read_text().startswith("# the release's")
 
 
 def test_export_original_refuses_other_architectures(tmp_path):

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from .export import PREFIX
-from .weights import INDEX_FILE, WEIGHTS_FILE, _read_json, read_shapes, refuse_mismatch, weight_files
+from .weights import INDEX_FILE, _read_json, read_shapes, refuse_mismatch, weight_files
 
 __all__ = ["import_hf", "write_checkpoint", "read_export", "weight_files", "read_shapes"]
 

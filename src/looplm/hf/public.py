@@ -57,6 +57,8 @@ from typing import Any
 
 import torch
 
+from .weights import WEIGHTS_FILE
+
 __all__ = [
     "FAMILIES",
     "PublicFormatError",
@@ -70,7 +72,6 @@ __all__ = [
 ]
 
 FAMILIES = {"ouro": "Ouro", "huginn_raven": "Huginn"}
-WEIGHTS_FILE = "model.safetensors"
 
 
 class PublicFormatError(ValueError):
@@ -389,9 +390,8 @@ def _expected_shapes(fam: str, cfg) -> dict[str, tuple[int, ...]]:
 _DERIVED = {"ouro": ("model.rotary_emb.inv_freq",), "huginn_raven": ("freqs_cis",)}
 
 
-def _looplm_prefix(fam: str, cfg, their_prefix: str) -> str:
-    if fam == "ouro":
-        return "core.stack.blocks." + their_prefix.split(".")[2] + "."
+def _huginn_prefix(their_prefix: str) -> str:
+    """``transformer.{prelude,core_block,coda}.i.`` -> looplm's ``{prelude.blocks,core.stack.blocks,coda.blocks}.i.``"""
     _, part, i = their_prefix.rstrip(".").split(".")
     return {"prelude": "prelude.blocks.", "core_block": "core.stack.blocks.", "coda": "coda.blocks."}[part] + i + "."
 
@@ -418,7 +418,7 @@ def to_looplm_state(fam: str, cfg, t: dict[str, torch.Tensor]) -> dict[str, torc
     for part, n in (("prelude", cfg.n_prelude), ("core_block", cfg.n_core), ("coda", cfg.n_coda)):
         for i in range(n):
             src = f"transformer.{part}.{i}."
-            dst = _looplm_prefix(fam, cfg, src)
+            dst = _huginn_prefix(src)
             wq, wk, wv = t[src + "attn.Wqkv.weight"].split([H * hd, kv * hd, kv * hd], dim=0)
             sd[dst + "mixer.q_proj.weight"] = wq.view(H, hd, d)[:, perm].reshape(H * hd, d)  # [H·hd, d], half-split rows
             sd[dst + "mixer.k_proj.weight"] = wk.view(kv, hd, d)[:, perm].reshape(kv * hd, d)
@@ -463,7 +463,7 @@ def to_original_state(fam: str, model) -> dict[str, torch.Tensor]:
         for part, n in (("prelude", cfg.n_prelude), ("core_block", cfg.n_core), ("coda", cfg.n_coda)):
             for i in range(n):
                 dst = f"transformer.{part}.{i}."
-                src = _looplm_prefix(fam, cfg, dst)
+                src = _huginn_prefix(dst)
                 wq = sd[src + "mixer.q_proj.weight"].view(H, hd, d)[:, inv].reshape(H * hd, d)
                 wk = sd[src + "mixer.k_proj.weight"].view(kv, hd, d)[:, inv].reshape(kv * hd, d)
                 out[dst + "attn.Wqkv.weight"] = torch.cat([wq, wk, sd[src + "mixer.v_proj.weight"]], dim=0)
@@ -667,6 +667,11 @@ def export_original(source, out: str | Path, *, tokenizer=None, dtype: str | tor
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory")
+    if reference_code is not None:  # checked before anything is written
+        ref = Path(reference_code)
+        absent = [m.split(".")[0] + ".py" for m in _AUTO_MAP[fam].values() if not (ref / (m.split(".")[0] + ".py")).is_file()]
+        if absent:
+            raise FileNotFoundError(f"reference code directory {str(ref)!r} lacks {absent}")
     out.mkdir(parents=True, exist_ok=True)
     sd = to_original_state(fam, model)
     dt = (getattr(torch, dtype) if isinstance(dtype, str) else dtype) or next(iter(sd.values())).dtype
@@ -674,12 +679,7 @@ def export_original(source, out: str | Path, *, tokenizer=None, dtype: str | tor
     save_file(sd, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     hf = _original_config(fam, model.config, tok, str(dt).removeprefix("torch."))
     if reference_code is not None:
-        ref = Path(reference_code)
-        wanted = [m.split(".")[0] + ".py" for m in _AUTO_MAP[fam].values()]
-        absent = [f for f in wanted if not (ref / f).is_file()]
-        if absent:
-            raise FileNotFoundError(f"reference code directory {str(ref)!r} lacks {absent}")
-        for f in sorted(ref.glob("*.py")):
+        for f in sorted(Path(reference_code).glob("*.py")):
             shutil.copyfile(f, out / f.name)
         hf["auto_map"] = _AUTO_MAP[fam]
     (out / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
