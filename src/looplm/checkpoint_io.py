@@ -41,6 +41,8 @@ __all__ = [
     "verify_checkpoint",
     "verify_or_warn",
     "load_model_weights",
+    "assign_state_dict",
+    "with_tied_head",
     "read_checkpoint_config",
     "load_model_for_inference",
 ]
@@ -219,15 +221,49 @@ def verify_or_warn(ckpt: Path, check_hashes: bool = True) -> dict | None:
 def load_model_weights(path: str | os.PathLike, model: nn.Module, verify: bool = True) -> Path:
     """Load only the model weights of a checkpoint (or a run directory's newest one) into an
     unwrapped ``model``, without any collective; returns the checkpoint directory used. A checkpoint
-    without its ``COMPLETE`` manifest loads with a :class:`CheckpointWarning` (:func:`verify_or_warn`)."""
+    without its ``COMPLETE`` manifest loads with a :class:`CheckpointWarning` (:func:`verify_or_warn`).
+
+    A model built by :func:`looplm.factory.build_for_loading` (parameters on the ``meta`` device) takes the
+    file's tensors as its parameters (``assign``: no initialisation, no copy), cast to the dtypes it was
+    built with; a tied head is tied again. A checkpoint of a tied model may store the head once (as the
+    embedding), as ``looplm import hf`` writes it."""
     ckpt = resolve_checkpoint(path)
     verify_or_warn(ckpt, check_hashes=verify)
-    sd = load_tensors(ckpt / MODEL_FILE)
+    sd = with_tied_head(model, load_tensors(ckpt / MODEL_FILE))
     try:
-        model.load_state_dict(sd, strict=True)
+        if any(p.is_meta for p in model.parameters()):
+            assign_state_dict(model, sd)
+        else:
+            model.load_state_dict(sd, strict=True)
     except RuntimeError as e:
         raise CheckpointError(f"the weights in {str(ckpt / MODEL_FILE)!r} do not fit this model: {e}") from e
     return ckpt
+
+
+def with_tied_head(model: nn.Module, sd: dict) -> dict:
+    """``sd`` with ``lm_head.weight`` filled in from ``embed.weight`` when ``model`` ties them and the file
+    stores the shared tensor once."""
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "tie_embeddings", False) and "lm_head.weight" not in sd and "embed.weight" in sd:
+        sd = {**sd, "lm_head.weight": sd["embed.weight"]}
+    return sd
+
+
+def assign_state_dict(model: nn.Module, sd: dict) -> None:
+    """Load ``sd`` into a ``model`` built on the meta device: its tensors become the parameters (cast to the
+    dtype each was built with), a tied head is tied again, and nothing may stay on ``meta`` (a computed
+    buffer without real values would be garbage; the error names it)."""
+    own = model.state_dict(keep_vars=True)
+    sd = {k: v.to(own[k].dtype) if k in own and v.dtype != own[k].dtype else v for k, v in sd.items()}
+    attrs = {n: dict(p.__dict__) for n, p in model.named_parameters()}  # e.g. _no_muon marks
+    model.load_state_dict(sd, strict=True, assign=True)
+    if getattr(model.config, "tie_embeddings", False):
+        model.lm_head.weight = model.embed.weight
+    for n, p in model.named_parameters():
+        p.__dict__.update({k: v for k, v in attrs.get(n, {}).items() if k not in p.__dict__})
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise RuntimeError(f"{len(left)} tensor(s) have no values after loading: {left[:5]}")
 
 
 def read_checkpoint_config(path: str | os.PathLike) -> dict:
@@ -275,13 +311,14 @@ def load_model_for_inference(
     """
     from .config import load_model_config
     from .data.tokenizers import check_tokenizer_fingerprint, check_vocab, load_tokenizer, tokenizer_fingerprint
-    from .factory import build
+    from .factory import build_for_loading
 
     ckpt = resolve_checkpoint(path)
     cfg = load_json(ckpt / CONFIG_FILE)
     if not isinstance(cfg, dict) or "model" not in cfg:
         raise CheckpointError(f"checkpoint file {str(ckpt / CONFIG_FILE)!r} has no model config; cannot rebuild the model")
-    model = build(load_model_config(cfg["model"], _inference_overrides(overrides) or None))
+    # parameters on the meta device, then the file's tensors become them: no random init, no copy
+    model = build_for_loading(load_model_config(cfg["model"], _inference_overrides(overrides) or None))
     load_model_weights(ckpt, model, verify=verify)
 
     recorded_spec = cfg.get("tokenizer") or cfg.get("train", {}).get("data", {}).get("tokenizer", "byte")

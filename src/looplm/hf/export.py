@@ -1,31 +1,35 @@
-"""``looplm export hf``: a looplm checkpoint as a Hugging Face model directory.
+"""``looplm export hf``: a looplm checkpoint as a self-contained Hugging Face model directory.
 
-The directory holds everything ``transformers`` needs, offline::
+The directory holds everything ``transformers`` needs, offline, with only ``torch`` and ``transformers``
+installed (looplm need not be)::
 
-    config.json              LoopLMConfig: the looplm ModelConfig (rule name + options included),
-                             num_loops / exit_threshold, special ids, auto_map -> the files below
+    config.json              LoopLMConfig: the looplm ModelConfig (rule name + options included) and the
+                             fields tools read (heads, widths, (p, s, K, c), num_loops, exit_threshold, ...),
+                             special ids, auto_map -> the files below
     model.safetensors        the weights under "looplm.<looplm name>" (a tied head stored once)
+    modeling_looplm.py       the remote-code model (looplm/hf/remote/modeling_looplm.py)
     configuration_looplm.py  the remote-code config class
-    modeling_looplm.py       the remote-code model: looplm's own driver behind PreTrainedModel
+    looplm_*.py              looplm's own plain-PyTorch model code — config, layers, blocks, every recurrence
+                             rule, cache, model, generate — copied flat from looplm's source at export time
+                             (looplm/hf/bundle.py; no kernels, trainer, data or eval code), and
+                             looplm_manifest.py: what was carried, from which source (its SHA-256)
     generation_config.json   eos / pad / bos ids
-    tokenizer.json, tokenizer_config.json, special_tokens_map.json   a PreTrainedTokenizerFast
+    tokenizer.json, tokenizer_config.json, special_tokens_map.json, chat_template.jinja
+                             the tokenizer as the source had it (chat template, special tokens), loadable
+                             by AutoTokenizer without custom code
 
 so ``AutoModelForCausalLM.from_pretrained(OUT, trust_remote_code=True)`` and
-``AutoTokenizer.from_pretrained(OUT)`` load it. The modelling file imports ``looplm`` (``pip install
-looplm``): the model *is* looplm's, so every recurrence rule — present and future — exports without
-per-rule code, and the exported logits equal looplm's bit for bit.
+``AutoTokenizer.from_pretrained(OUT)`` load it. The exported logits equal looplm's bit for bit (the code
+is looplm's); with looplm installed at the export's source, the export runs on it (and its fast paths).
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
-REMOTE_DIR = Path(__file__).parent / "remote"
-REMOTE_FILES = ("configuration_looplm.py", "modeling_looplm.py")
 WEIGHTS = "model.safetensors"
 PREFIX = "looplm."
 
@@ -82,10 +86,14 @@ def export_hf(
 
     import looplm
 
+    from .bundle import write_bundle
+
     mcfg = model.config
+    if exit_threshold is None:  # a rule with an exit gate: its own default threshold, for tools reading the config
+        exit_threshold = getattr(model.rule, "threshold", None)
     cfg = LoopLMConfig(
         looplm=mcfg.to_dict(),
-        num_loops=num_loops,
+        num_loops=num_loops if num_loops is not None else mcfg.n_loops,
         exit_threshold=exit_threshold,
         looplm_version=getattr(looplm, "__version__", None),
         bos_token_id=tok.bos_id,
@@ -111,8 +119,7 @@ def export_hf(
     from safetensors.torch import save_file
 
     save_file(sd, str(out / WEIGHTS), metadata={"format": "pt"})
-    for f in REMOTE_FILES:
-        shutil.copyfile(REMOTE_DIR / f, out / f)
+    write_bundle(out, version=getattr(looplm, "__version__", None))
 
     from transformers import GenerationConfig
 

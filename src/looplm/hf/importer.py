@@ -62,8 +62,8 @@ def write_checkpoint(out: str | Path, model, tokenizer, *, extra: dict | None = 
         tokenizer.save(out / "tokenizer")
         tok_spec = str((out / "tokenizer").resolve())
     sd = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
-    if model.config.tie_embeddings:  # safetensors refuses shared storage: store the tied head as its own copy
-        sd["lm_head.weight"] = sd["lm_head.weight"].clone()
+    if model.config.tie_embeddings:  # the tied head is the embedding: stored once (checkpoint_io.with_tied_head)
+        del sd["lm_head.weight"]
     save_file(sd, str(out / MODEL_FILE), metadata={"format": "pt", "step": "0"})
     record = {"model": model.config.to_dict(), "tokenizer": tok_spec,
               "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), **(extra or {})}
@@ -94,13 +94,15 @@ def read_export(src: str | Path):
 
     from ..checkpoint_io import CheckpointError
     from ..data.tokenizers import HFTokenizer, load_tokenizer
-    from .remote.modeling_looplm import build_looplm_model
+    from ..checkpoint_io import assign_state_dict
+    from ..config import ModelConfig
+    from ..factory import build_for_loading
 
     src = Path(src)
     cfg = _read_json(src / "config.json", "config file")
     if not isinstance(cfg.get("looplm"), dict):
         raise ValueError(f"config file {str(src / 'config.json')!r} has no looplm model config (key 'looplm')")
-    model = build_looplm_model(cfg["looplm"])
+    model = build_for_loading(ModelConfig.from_dict(cfg["looplm"]))  # on meta: the file's tensors become it
     files = weight_files(src)
     tied = model.config.tie_embeddings
     expected = {PREFIX + k: tuple(v.shape) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
@@ -121,7 +123,7 @@ def read_export(src: str | Path):
     sd = {k.removeprefix(PREFIX): v for k, v in sd.items()}
     if tied:
         sd["lm_head.weight"] = sd["embed.weight"]
-    model.load_state_dict(sd, strict=True)
+    assign_state_dict(model, sd)
     if cfg.get("looplm_tokenizer") == "byte":
         tok = load_tokenizer("byte")
     else:
@@ -209,9 +211,9 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
     if is_export:
         model, tok = read_export(src)
         if overrides:
-            from .remote.modeling_looplm import build_looplm_model
+            from ..factory import build
 
-            new = build_looplm_model(model.config.replace(**overrides).to_dict())
+            new = build(model.config.replace(**overrides))
             new.load_state_dict(model.state_dict())
             model = new
         origin = {"imported_from": str(src.resolve()), "imported_kind": "looplm-export"}

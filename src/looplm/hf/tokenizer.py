@@ -8,7 +8,11 @@ and 5.x alike, without custom code. The token ids are the ones the model was tra
   BPE without merges whose vocabulary maps byte ``b`` to id ``b``, plus the three specials. As in
   looplm, text that spells a special token (``"<eos>"``) is encoded as its bytes
   (``split_special_tokens``);
-* a ``tokenizers`` / ``transformers`` fast tokenizer is saved as it is, with its specials named.
+* a ``tokenizers`` fast tokenizer (a ``tokenizer.json``) is saved with its specials named;
+* a ``transformers`` fast tokenizer is saved as the source had it — ``save_pretrained`` of the very object,
+  so its chat template, special and added tokens, ``model_max_length`` and class survive an import →
+  export round trip — with the special tokens looplm uses named (looplm may have picked the EOS itself),
+  and without ``auto_map`` (a tokenizer that needs custom code is saved as the generic fast class).
 """
 
 from __future__ import annotations
@@ -71,14 +75,27 @@ def to_pretrained_tokenizer_fast(tok):
 
 
 def save_pretrained_tokenizer(tok, out_dir) -> None:
-    """Save ``tok`` as a ``PreTrainedTokenizerFast`` into ``out_dir`` (``tokenizer_class`` recorded so
-    ``AutoTokenizer`` picks the generic fast class under transformers 4.x and 5.x)."""
+    """Save ``tok`` so that ``AutoTokenizer.from_pretrained(out_dir)`` loads it without custom code under
+    transformers 4.x and 5.x, giving looplm's ids (see the module docstring)."""
     import json
     from pathlib import Path
 
-    fast = to_pretrained_tokenizer_fast(tok)
-    fast.save_pretrained(str(out_dir))
+    from ..data.tokenizers import HFTokenizer
+
     cfg_path = Path(out_dir) / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text())
-    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    source = getattr(tok, "_tok", None) if isinstance(tok, HFTokenizer) and tok._kind == "transformers" else None
+    if source is not None and getattr(source, "is_fast", False):
+        source.save_pretrained(str(out_dir))  # chat template, specials, added tokens: as the source had them
+        cfg = json.loads(cfg_path.read_text())
+        inv = {i: t for t, i in tok._vocab().items()}
+        for key, tid in (("eos_token", tok.eos_id), ("bos_token", tok.bos_id), ("pad_token", tok.pad_id)):
+            if tid is not None and inv.get(tid) is not None:
+                cfg[key] = inv[tid]
+        if cfg.pop("auto_map", None) is not None or not cfg.get("tokenizer_class"):
+            cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    else:
+        fast = to_pretrained_tokenizer_fast(tok)
+        fast.save_pretrained(str(out_dir))
+        cfg = json.loads(cfg_path.read_text())
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")

@@ -75,11 +75,11 @@ def _load_init_weights(model: nn.Module, path: str) -> str:
     """``train.init_from``: load a checkpoint's model weights into ``model`` (before any resume).
     Parameters the checkpoint lacks are allowed only under ``rule.`` (a rule added for continued
     training, e.g. the exit gate on a fixed-loop model) and keep their initialisation."""
-    from ..checkpoint_io import CheckpointError, load_tensors, resolve_checkpoint, verify_or_warn
+    from ..checkpoint_io import CheckpointError, load_tensors, resolve_checkpoint, verify_or_warn, with_tied_head
 
     ckpt = resolve_checkpoint(path)
     verify_or_warn(ckpt)
-    sd = load_tensors(ckpt / "model.safetensors")
+    sd = with_tied_head(model, load_tensors(ckpt / "model.safetensors"))  # an imported tied head is stored once
     missing, unexpected = model.load_state_dict(sd, strict=False)
     bad = [k for k in missing if not k.startswith("rule.")]
     if bad or unexpected:
