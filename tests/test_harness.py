@@ -62,7 +62,7 @@ def test_loglikelihood_matches_model_and_batches(model):
     a = one.loglikelihood([_Req(*r) for r in reqs], disable_tqdm=True)
     b = many.loglikelihood([_Req(*r) for r in reqs], disable_tqdm=True)
     for (c, x), (s1, g1), (s2, g2) in zip(reqs, a, b):
-        ctx = TOK.encode(c) if c else [TOK.eos_id]  # an empty context is conditioned on EOS
+        ctx = TOK.encode(c) if c else [TOK.bos_id]  # an empty context is conditioned on BOS (lm-eval's hf rule)
         want = _logp(model, ctx, TOK.encode(x))
         assert math.isclose(s1, want, rel_tol=1e-5, abs_tol=1e-4)
         assert math.isclose(s2, want, rel_tol=1e-5, abs_tol=1e-4)  # right-padded batch == alone
@@ -103,16 +103,20 @@ def test_loglikelihood_rolling_windows(model):
     lm = LoopLMEvalModel(model=model, tokenizer=TOK, max_length=16)
     got = lm.loglikelihood_rolling([_Req(text)], disable_tqdm=True)[0]
     ids = TOK.encode(text)
-    # each token predicted once: the first from EOS, the others from at most 16 tokens before them
+    # each token predicted once: the first from BOS (lm-eval's hf rule), the others from at most 16 tokens before them
     want = 0.0
     for start in range(0, len(ids), 16):
         end = min(start + 16, len(ids))
-        window = ([TOK.eos_id] + ids)[max(0, end - 16): end + 1]
+        window = ([TOK.bos_id] + ids)[max(0, end - 16): end + 1]
         n = end - start
         want += _logp(model, window[:-n], window[-n:])
     assert math.isclose(got, want, rel_tol=1e-5)
     short = LoopLMEvalModel(model=model, tokenizer=TOK).loglikelihood_rolling([_Req("short text")], disable_tqdm=True)[0]
-    assert math.isclose(short, _logp(model, [TOK.eos_id], TOK.encode("short text")), rel_tol=1e-5)
+    assert math.isclose(short, _logp(model, [TOK.bos_id], TOK.encode("short text")), rel_tol=1e-5)
+    # prefix_token_id= chooses another (lm-eval's hf model argument of that name)
+    eos = LoopLMEvalModel(model=model, tokenizer=TOK, prefix_token_id=TOK.eos_id)
+    assert math.isclose(eos.loglikelihood_rolling([_Req("short text")], disable_tqdm=True)[0],
+                        _logp(model, [TOK.eos_id], TOK.encode("short text")), rel_tol=1e-5)
 
 
 def test_generate_until_honours_until_and_max_gen_toks(model):
@@ -180,11 +184,11 @@ def test_simple_evaluate_on_local_tasks(model, tmp_path):
         scores = [_logp(model, TOK.encode(r["q"]), TOK.encode(c)) for c in r["choices"]]
         hits.append(max(range(3), key=scores.__getitem__) == r["label"])
     assert math.isclose(res["local_mc"]["acc,none"], sum(hits) / len(hits))
-    # word perplexity = exp(-sum log p / words), each document conditioned on EOS
+    # word perplexity = exp(-sum log p / words), each document conditioned on BOS
     lp = words = 0
     for line in (tasks / "ppl.jsonl").read_text().splitlines():
         t = json.loads(line)["text"]
-        lp += _logp(model, [TOK.eos_id], TOK.encode(t))
+        lp += _logp(model, [TOK.bos_id], TOK.encode(t))
         words += len(t.split())
     assert math.isclose(res["local_ppl"]["word_perplexity,none"], math.exp(-lp / words), rel_tol=1e-4)
     assert 0 <= res["local_gen"]["exact_match,none"] <= 1

@@ -13,15 +13,20 @@ The model (:class:`LoopLMEvalModel`, registered as ``looplm``; from Python:
 
 * ``loglikelihood`` — contexts and continuations tokenised together (lm-eval's ``_encode_pair``),
   scored in batches sorted by length, right-padded with an attention mask; an empty context is
-  conditioned on EOS, the document separator looplm trains with (it never adds a BOS);
+  conditioned on the prefix token;
 * ``loglikelihood_rolling`` — perplexity tasks: disjoint windows of ``max_length`` tokens, each
-  token predicted once (lm-eval's rolling windows, first token conditioned on EOS);
+  token predicted once (lm-eval's rolling windows, the first token conditioned on the prefix token);
 * ``generate_until`` — greedy (or sampled, per request) decoding with the per-(loop, layer) cache,
   left-padded batches, stopping at any ``until`` string, EOS or ``max_gen_toks`` tokens.
 
+The prefix token follows lm-eval's own ``hf`` model, so the two score an export identically:
+``prefix_token_id`` when given, else the tokenizer's BOS, else its EOS (looplm's byte tokenizer and
+SmolLM2's have a BOS; a tokenizer without one — GPT-NeoX's — conditions on EOS, the document separator).
+
 Model arguments: ``pretrained`` (path), ``loops`` (r, default the trained K), ``exit_threshold``
 (q, passed as ``loop_options={"exit_threshold": q}``), ``dtype`` (``float32`` | ``bfloat16``),
-``device``, ``batch_size``, ``max_length``, ``max_gen_toks``.
+``device``, ``batch_size``, ``max_length``, ``max_gen_toks``, ``prefix_token_id``. Any other argument
+is refused, naming the close matches (``loop=6`` is not silently ignored).
 
 Suites (task groups written by :func:`write_task_configs`, scored with each task's headline metric,
 unweighted means, printed in the papers' table layouts by :func:`suite_tables`):
@@ -46,6 +51,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,9 +84,15 @@ class LoopLMEvalModel(TemplateLM):
     def __init__(self, pretrained: str | None = None, *, model=None, tokenizer=None, loops: int | str | None = None,
                  exit_threshold: float | str | None = None, dtype: str = "float32", device: str | None = None,
                  batch_size: int | str = 8, max_length: int | str | None = None, max_gen_toks: int | str = 256,
-                 **kwargs):
+                 prefix_token_id: int | str | None = None, max_batch_size: int | str | None = None, **kwargs):
         if TemplateLM is object:
             raise ImportError("the lm-eval harness needs lm-eval: pip install 'looplm[eval]' (or pip install lm-eval)")
+        if kwargs:  # before any loading: a misspelt argument (loop=6) must not be silently ignored
+            from ..dataclass_util import _suggest
+
+            known = sorted(MODEL_ARGS)
+            raise ValueError("looplm model: unknown argument(s) " + "; ".join(
+                f"{k}={v!r}{_suggest(k, known)}" for k, v in kwargs.items()) + f". Known: {', '.join(known)}")
         super().__init__()
         if (pretrained is None) == (model is None):
             raise ValueError("LoopLMEvalModel needs pretrained=PATH (a checkpoint, run or export directory) or model=")
@@ -91,6 +103,9 @@ class LoopLMEvalModel(TemplateLM):
         max_gen_toks = _number(max_gen_toks, int)
         check_harness_args(loops=loops, exit_threshold=q, batch_size=batch_size, max_length=max_length,
                            max_gen_toks=max_gen_toks)
+        prefix_id = _number(prefix_token_id, int)
+        if prefix_id is not None and (not _is_int(prefix_id) or prefix_id < 0):
+            raise ValueError(f"prefix_token_id must be a token id >= 0 (default: BOS, else EOS), got {prefix_token_id!r}")
         if device in (None, "auto"):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if model is None:
@@ -120,11 +135,23 @@ class LoopLMEvalModel(TemplateLM):
         self.batch_size = batch_size
         self._max_length = max_length if max_length is not None else min(seq_len or cfg_max, cfg_max)
         self.max_gen_toks = max_gen_toks
+        if prefix_id is not None and prefix_id >= self.model.config.vocab_size:
+            raise ValueError(f"prefix_token_id must be a token id in [0, {self.model.config.vocab_size}), got {prefix_token_id}")
+        self.custom_prefix_token_id = prefix_id
 
     # --- what lm-eval asks of a TemplateLM ---
     @property
     def eot_token_id(self) -> int:
         return self.tok.eos_id
+
+    @property
+    def prefix_token_id(self) -> int:
+        """What an empty context and a document's first token are conditioned on: lm-eval's ``hf`` rule —
+        ``prefix_token_id`` if given, else BOS, else EOS."""
+        if self.custom_prefix_token_id is not None:
+            return self.custom_prefix_token_id
+        bos = getattr(self.tok, "bos_id", None)
+        return bos if bos is not None else self.tok.eos_id
 
     @property
     def max_length(self) -> int:
@@ -327,6 +354,11 @@ def check_harness_args(*, loops=None, exit_threshold=None, num_fewshot=None, lim
         raise ConfigError(errs, "eval harness arguments")
 
 
+# the model arguments LoopLMEvalModel takes (lm-eval adds batch_size, max_batch_size and device itself)
+MODEL_ARGS = ("pretrained", "model", "tokenizer", "loops", "exit_threshold", "dtype", "device", "batch_size",
+              "max_length", "max_gen_toks", "prefix_token_id", "max_batch_size")
+
+
 def load_for_eval(path, tokenizer=None):
     """``(model, tokenizer, training seq_len or None)`` from a checkpoint / run directory or an HF export."""
     p = Path(path)
@@ -410,8 +442,10 @@ LOCAL_DIRS = {"lambada_openai": "lambada-openai", "arc_easy": "arc-easy", "arc_c
 _LOCAL_FIXES = {"boolq": {"doc_to_target": "{{answer|int}}"}}  # the local copy has a bool `answer`, not `label`
 
 
-def _local_overrides(task: str, data_dir: Path) -> dict | None:
-    """Config fields that point ``task`` at ``data_dir/<task>/`` (``None`` if there is no local copy)."""
+def _local_overrides(task: str, data_dir: Path, out_dir: Path) -> dict | None:
+    """Config fields that point ``task`` at ``data_dir/<task>/`` (``None`` if there is no local copy). The
+    ``.arrow`` files are named relative to ``out_dir`` (where the YAML is written) and read by
+    :data:`LOCAL_DATA_MODULE` next to the YAML, so the folder of YAMLs moves with its data."""
     sub = LOCAL_DIRS.get(task)
     if sub is None:
         return None
@@ -419,58 +453,152 @@ def _local_overrides(task: str, data_dir: Path) -> dict | None:
     if not arrows:
         return None
     split = "test" if task == "lambada_openai" else "validation"
-    ov = {"dataset_path": "arrow", "dataset_name": None,
-          "dataset_kwargs": {"data_files": {split: [str(a.resolve()) for a in arrows]}},
+    rel = [os.path.relpath(a.resolve(), out_dir.resolve()) for a in arrows]
+    ov = {"dataset_path": "arrow", "dataset_name": None, "custom_dataset": _Function(f"{LOCAL_DATA_MODULE}.load"),
+          "dataset_kwargs": {"data_files": {split: rel}},
           "training_split": None, "validation_split": split if split == "validation" else None,
           "test_split": split if split == "test" else None, "fewshot_split": split}
     ov.update(_LOCAL_FIXES.get(task, {}))
     return ov
 
 
-def write_task_configs(out_dir: str | Path, data_dir: str | Path | None = None) -> dict[str, list[tuple[str, SuiteTask]]]:
-    """Write one wrapper task YAML per (suite task, shots) and one group YAML per suite into ``out_dir``.
+# the reader of local task data written next to the YAMLs (self-contained: lm_eval --include_path needs no looplm)
+LOCAL_DATA_MODULE = "_looplm_local_data"
+_LOCAL_DATA_SOURCE = '''"""Local copies of lm-eval tasks' data for the task YAMLs in this folder (written by
+``looplm eval harness --write-tasks``): the ``custom_dataset`` of each YAML. A YAML's ``data_files`` are
+relative to this folder, so the folder can move together with the data."""
 
-    Each wrapper ``include``-s lm-eval's own YAML and sets ``num_fewshot`` (and, with ``data_dir``,
-    the local dataset); it has its own name (``<suite>_<task>``, aliased to the task's name) so the
-    same task can run in several suites (and at several shot counts) in one evaluation. Returns, per suite, the
-    ``(wrapper name, SuiteTask)`` pairs written (tasks without a local copy are left out).
-    """
+from pathlib import Path
+
+
+def load(data_files=None, **_metadata):
+    """The ``.arrow`` files of ``data_files`` (split -> paths relative to this folder) as a DatasetDict."""
+    import datasets
+
+    here = Path(__file__).resolve().parent
+    files = {split: [str((here / f).resolve()) for f in paths] for split, paths in (data_files or {}).items()}
+    return datasets.load_dataset("arrow", data_files=files)
+'''
+
+
+class _Function:
+    """A ``!function`` reference of an lm-eval task YAML, kept as the importable name it resolves to."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+
+def _task_yaml_loader(lm_eval_tasks: Path, base: Path):
+    """A YAML loader for lm-eval's task files: ``!function utils.f`` next to ``base`` becomes the importable
+    ``lm_eval.tasks.<dir>.utils.f`` (lm-eval resolves both forms), anything else is plain YAML."""
     import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def function(loader, node):
+        spec = loader.construct_scalar(node)
+        rel = base.resolve().relative_to(lm_eval_tasks.resolve())
+        return _Function(".".join(["lm_eval", "tasks", *rel.parts, spec]))
+
+    Loader.add_constructor("!function", function)
+    return Loader
+
+
+def _lm_eval_task_config(path: Path, lm_eval_tasks: Path) -> dict:
+    """lm-eval's task YAML ``path`` with its ``include``-s merged in (as lm-eval merges them: included first,
+    local keys win, an included ``task_list`` dropped) and its functions as importable names — so a task
+    YAML written from it names nothing of this environment."""
+    import yaml
+
+    cfg = yaml.load(path.read_text(), Loader=_task_yaml_loader(lm_eval_tasks, path.parent))  # noqa: S506
+    includes = cfg.pop("include", None)
+    if includes is None:
+        return cfg
+    merged: dict = {}
+    for inc in includes if isinstance(includes, list) else [includes]:
+        inc_cfg = _lm_eval_task_config(path.parent / inc if not Path(inc).is_absolute() else Path(inc), lm_eval_tasks)
+        inc_cfg.pop("task_list", None)
+        merged.update(inc_cfg)
+    merged.update(cfg)
+    return merged
+
+
+def _dump_task_yaml(cfg: dict) -> str:
+    import yaml
+
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    Dumper.add_representer(_Function, lambda d, f: d.represent_scalar("!function", f.name))
+    return yaml.dump(cfg, Dumper=Dumper, sort_keys=False, allow_unicode=True)
+
+
+def write_task_configs(out_dir: str | Path, data_dir: str | Path | None = None) -> dict[str, list[tuple[str, SuiteTask]]]:
+    """Write one task YAML per (suite task, shots) and one group YAML per suite into ``out_dir``; with
+    ``data_dir``, also one per plain task name that has a local copy (``arc_easy.yaml``: ``--tasks arc_easy``
+    then reads the local data instead of the hub, overriding lm-eval's own definition of that name).
+
+    Each task YAML is lm-eval's own task config (its includes merged, its functions named by their
+    importable ``lm_eval.tasks...`` names) with ``num_fewshot`` set and, with ``data_dir``, the local dataset
+    (paths relative to ``out_dir``); nothing in them names this environment, so the folder (with its data)
+    works on another machine with lm-eval installed. A suite task has its own name (``<suite>_<task>``,
+    aliased to the task's name) so the same task can run in several suites (and at several shot counts) in
+    one evaluation. Returns, per suite, the ``(task name, SuiteTask)`` pairs written (tasks without a local
+    copy are left out).
+    """
     import lm_eval
 
     root = Path(lm_eval.__file__).parent / "tasks"
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     data = Path(data_dir) if data_dir is not None else None
+    if data is not None:
+        (out / f"{LOCAL_DATA_MODULE}.py").write_text(_LOCAL_DATA_SOURCE)
+    sources: dict[str, dict] = {}
+
+    def task_config(task: str) -> dict:
+        if task not in sources:
+            src = root / _BUILTIN_YAML[task]
+            if not src.is_file():
+                raise FileNotFoundError(f"lm-eval has no {src} (task {task!r}); this lm-eval version is not supported")
+            sources[task] = _lm_eval_task_config(src, root)
+        return dict(sources[task])
+
     written: dict[str, list[tuple[str, SuiteTask]]] = {}
     done: set[str] = set()
     for suite, (_, _, tasks) in SUITES.items():
         members = []
         for st in tasks:
-            src = root / _BUILTIN_YAML[st.task]
-            if not src.is_file():
-                raise FileNotFoundError(f"lm-eval has no {src} (task {st.task!r}); this lm-eval version is not supported")
             name = f"{suite}_{st.task}" + ("_local" if data is not None else "")  # one per suite: lm-eval refuses
             # a task that appears in two groups of one evaluation (mamba7 and stateloop8_5shot share 5-shot PIQA)
             if name not in done:
-                cfg = {"include": str(src), "task": name, "task_alias": st.task, "num_fewshot": st.shots}
+                cfg = task_config(st.task)
+                cfg.update(task=name, task_alias=st.task, num_fewshot=st.shots)
                 if data is not None:
-                    ov = _local_overrides(st.task, data)
+                    ov = _local_overrides(st.task, data, out)
                     if ov is None:
                         continue
                     cfg.update(ov)
                 cfg["tag"] = []  # not in the included task's tags (ai2_arc, ...)
-                (out / f"{name}.yaml").write_text(yaml.safe_dump(cfg, sort_keys=False))
+                (out / f"{name}.yaml").write_text(_dump_task_yaml(cfg))
                 done.add(name)
             members.append((name, st))
         if members:
             group = {"group": suite, "task": [m for m, _ in members],
                      "aggregate_metric_list": [{"metric": tasks[0].metric, "aggregation": "mean", "weight_by_size": False}],
                      "metadata": {"version": 1.0}}
-            (out / f"_{suite}.yaml").write_text(yaml.safe_dump(group, sort_keys=False))
+            (out / f"_{suite}.yaml").write_text(_dump_task_yaml(group))
             written[suite] = members
+    if data is not None:  # plain names: lm-eval's task itself on the local copy (its own shots)
+        for task in sorted(LOCAL_DIRS):
+            ov = _local_overrides(task, data, out)
+            if ov is not None:
+                cfg = task_config(task)
+                cfg.update(ov)
+                cfg.update(task=task, tag=[])
+                (out / f"{task}.yaml").write_text(_dump_task_yaml(cfg))
     return written
-
 
 def suite_tables(results: dict, suites: dict[str, list[tuple[str, SuiteTask]]], model_name: str = "model") -> str:
     """Markdown tables in the papers' layouts (one row: the model; columns: the tasks; the mean) for
@@ -504,16 +632,22 @@ def suite_tables(results: dict, suites: dict[str, list[tuple[str, SuiteTask]]], 
 # ------------------------------------------------------------------------------------------ running
 def run_harness(checkpoint, tasks: list[str], *, loops=None, exit_threshold=None, num_fewshot=None, limit=None,
                 include_path=None, data_dir=None, output_json=None, batch_size=8, device=None, dtype="float32",
-                max_length=None, seed: int = 1234, task_dir=None, include_defaults: bool | None = None) -> dict:
+                max_length=None, seed: int = 1234, task_dir=None, include_defaults: bool | None = None,
+                log_samples: bool = False, prefix_token_id: int | None = None) -> dict:
     """Evaluate ``checkpoint`` on ``tasks`` (task, group or suite names); returns lm-eval's results dict
     with ``looplm_tables`` (the suites' tables) added, and writes it to ``output_json`` when given.
 
-    ``include_defaults``: index lm-eval's own task folder too (slow: thousands of YAMLs); ``None`` =
-    only when a requested task is neither a suite nor in ``include_path``."""
+    With ``data_dir``, a plain task name that has a local copy there (``arc_easy``) runs on it.
+    ``log_samples``: every scored document, as lm-eval logs them, one JSON line each, into
+    ``<output_json without .json>_samples_<task>.jsonl`` (needs ``output_json``; the paths are listed under
+    ``samples_files``). ``include_defaults``: index lm-eval's own task folder too (slow: thousands of
+    YAMLs); ``None`` = only when a requested task is neither a suite nor in ``include_path`` / ``data_dir``."""
     import tempfile
 
     check_harness_args(loops=loops, exit_threshold=exit_threshold, num_fewshot=num_fewshot, limit=limit,
                        batch_size=batch_size, max_length=max_length)
+    if log_samples and not output_json:
+        raise ValueError("log_samples needs output_json (the samples are written next to it); pass --output-json")
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -534,11 +668,11 @@ def run_harness(checkpoint, tasks: list[str], *, loops=None, exit_threshold=None
     if limit is not None and limit >= 1:
         limit = int(limit)
     lm = LoopLMEvalModel(str(checkpoint), loops=loops, exit_threshold=exit_threshold, dtype=dtype, device=device,
-                         batch_size=batch_size, max_length=max_length)
+                         batch_size=batch_size, max_length=max_length, prefix_token_id=prefix_token_id)
     t0 = time.perf_counter()
     results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                                       task_manager=tm, random_seed=seed, numpy_random_seed=seed,
-                                      torch_random_seed=seed, fewshot_random_seed=seed, log_samples=False)
+                                      torch_random_seed=seed, fewshot_random_seed=seed, log_samples=log_samples)
     if tmp is not None:
         tmp.cleanup()
     ran = {s: m for s, m in suites.items() if s in tasks}
@@ -547,11 +681,29 @@ def run_harness(checkpoint, tasks: list[str], *, loops=None, exit_threshold=None
                      "exit_threshold": exit_threshold, "num_fewshot": num_fewshot, "limit": limit,
                      "data_dir": str(data_dir) if data_dir else None, "max_length": lm.max_length,
                      "time_s": time.perf_counter() - t0}
+    out["config"]["prefix_token_id"] = lm.prefix_token_id
     out["looplm_tables"] = suite_tables(out, ran, model_name=Path(str(checkpoint)).name)
+    if log_samples:
+        out["samples_files"] = _write_samples(results.get("samples") or {}, Path(output_json))
     if output_json:
         Path(output_json).parent.mkdir(parents=True, exist_ok=True)
         Path(output_json).write_text(json.dumps(out, indent=2, default=_json_default))
     return out
+
+
+def _write_samples(samples: dict, output_json: Path) -> dict[str, str]:
+    """lm-eval's logged samples, one JSON line per document, ``<output_json stem>_samples_<task>.jsonl``."""
+    try:
+        from lm_eval.utils import handle_non_serializable as default
+    except ImportError:  # pragma: no cover - older lm-eval
+        default = _json_default
+    files = {}
+    output_json.parent.mkdir(parents=True, exist_ok=True)
+    for task, rows in sorted(samples.items()):
+        f = output_json.with_name(f"{output_json.stem}_samples_{task}.jsonl")
+        f.write_text("".join(json.dumps(r, default=default, ensure_ascii=False) + "\n" for r in rows))
+        files[task] = str(f)
+    return files
 
 
 def _json_default(o):

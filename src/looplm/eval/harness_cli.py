@@ -33,7 +33,8 @@ def cmd_eval_harness(args) -> int:
     if args.write_tasks:
         suites = write_task_configs(args.write_tasks, args.data_dir)
         print(f"wrote {sum(len(m) for m in suites.values())} task and {len(suites)} group configs to {args.write_tasks} "
-              f"(lm_eval --include_path {args.write_tasks} --tasks {','.join(suites)})")
+              f"(lm_eval --include_path {args.write_tasks} --tasks {','.join(suites)}); paths in them are relative "
+              "to that folder")
         if not args.checkpoint:
             return 0
     if not args.checkpoint or not args.tasks:
@@ -48,7 +49,8 @@ def cmd_eval_harness(args) -> int:
     out = run_harness(args.checkpoint, tasks, loops=args.loops, exit_threshold=args.exit_threshold,
                       num_fewshot=args.num_fewshot, limit=args.limit, include_path=args.include_path,
                       data_dir=args.data_dir, output_json=args.output_json, batch_size=args.batch_size,
-                      device=args.device, dtype=args.dtype, max_length=args.max_length, seed=args.seed)
+                      device=args.device, dtype=args.dtype, max_length=args.max_length, seed=args.seed,
+                      log_samples=args.log_samples, prefix_token_id=args.prefix_token_id)
     _print_results(out)
     return 0
 
@@ -68,8 +70,14 @@ def register(subparsers) -> None:
     p.add_argument("--num-fewshot", type=int, default=None, help="override every task's shots (default: the suite's)")
     p.add_argument("--limit", type=float, default=None, help="at most N documents per task (a fraction if < 1)")
     p.add_argument("--include-path", action="append", default=None, help="a folder of extra lm-eval task YAMLs (repeatable)")
-    p.add_argument("--data-dir", default=None, help="local task data (DIR/<task>/ as saved by datasets.save_to_disk)")
+    p.add_argument("--data-dir", default=None,
+                   help="local task data (DIR/<task>/ as saved by datasets.save_to_disk); suites and plain task names "
+                        "with a local copy (arc_easy, ...) read it instead of the hub")
     p.add_argument("--output-json", default=None, help="write the results (and the suites' tables) here")
+    p.add_argument("--log-samples", action="store_true",
+                   help="also write every scored document (lm-eval's samples) as OUTPUT_samples_<task>.jsonl next to --output-json")
+    p.add_argument("--prefix-token-id", type=int, default=None,
+                   help="token an empty context and each document's first token are conditioned on (default: BOS, else EOS, as lm-eval's hf model)")
     p.add_argument("--write-tasks", default=None, metavar="DIR", help="write the suites' task YAMLs to DIR (for lm_eval --include_path)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--max-length", type=int, default=None, help="context window (default: the training seq_len)")
