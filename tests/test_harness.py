@@ -289,3 +289,80 @@ def test_bad_arguments_are_refused_before_any_work(ckpt, model, capsys):
         LoopLMEvalModel(model=model, tokenizer=TOK, exit_threshold="0.5")
     one = LoopLMEvalModel(model=model, tokenizer=TOK, max_length="1")  # the smallest window still advances
     assert len(one._loglikelihood_tokens([(None, [1, 2, 3], [4, 5])])) == 1
+
+
+# ------------------------------------------------------------------------------- lm-eval's conventions
+def test_unknown_model_arguments_are_refused_before_loading(tmp_path):
+    register_lm_eval_model()
+    from lm_eval.api.registry import get_model
+
+    with pytest.raises(ValueError, match=r"unknown argument\(s\) loop=6 \(did you mean 'loops'\?\)"):
+        get_model("looplm").create_from_arg_string(f"pretrained={tmp_path / 'nowhere'},loop=6", {"batch_size": 2})
+    with pytest.raises(ValueError, match="prefix_token_id must be a token id"):
+        LoopLMEvalModel(model=looplm.build("tiny-llama"), tokenizer=TOK, prefix_token_id=10**6)
+
+
+def test_rolling_loglikelihood_equals_lm_evals_own_hf_model_on_the_export(ckpt, tmp_path):
+    """lm-eval's `hf` model on the export and looplm's on the checkpoint: the same prefix token, the same
+    windows, the same numbers (perplexity tasks compare across the two)."""
+    pytest.importorskip("accelerate")  # lm-eval's hf model needs it
+    from lm_eval.models.huggingface import HFLM
+
+    from looplm.hf.export import export_hf
+
+    out = export_hf(ckpt, tmp_path / "hf")
+    docs = [_Req(f"document {i}: " + "the looped model reads this line again and again. " * (1 + 2 * i)) for i in range(3)]
+    ours = LoopLMEvalModel(str(ckpt), max_length=48, batch_size=2)
+    theirs = HFLM(pretrained=str(out), trust_remote_code=True, max_length=48, batch_size=2, device="cpu")
+    assert ours.prefix_token_id == theirs.prefix_token_id == TOK.bos_id
+    a = ours.loglikelihood_rolling(docs, disable_tqdm=True)
+    b = theirs.loglikelihood_rolling(docs, disable_tqdm=True)
+    for x, y in zip(a, b):
+        assert math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-4)
+    assert max(len(TOK.encode(d.args[0])) for d in docs) > 48  # several windows
+
+
+def test_plain_task_name_reads_the_local_copy_and_samples_are_logged(ckpt, tmp_path):
+    data = _fake_eval_dir(tmp_path / "eval")
+    out = tmp_path / "res.json"
+    rc = cli_main(["eval", "harness", str(ckpt), "--tasks", "piqa", "--data-dir", str(data), "--output-json", str(out),
+                   "--log-samples"])
+    assert rc == 0
+    res = json.loads(out.read_text())
+    assert res["n-samples"]["piqa"]["original"] == 8  # the local copy (lm-eval's piqa has 1,838), offline
+    lines = (tmp_path / "res_samples_piqa.jsonl").read_text().splitlines()
+    assert len(lines) == 8 and {"doc", "resps", "acc"} <= set(json.loads(lines[0]))
+    assert res["samples_files"]["piqa"].endswith("res_samples_piqa.jsonl")
+    with pytest.raises(ValueError, match="needs output_json"):
+        run_harness(ckpt, ["piqa"], data_dir=data, log_samples=True)
+
+
+def test_written_task_yamls_name_nothing_of_this_environment(ckpt, tmp_path):
+    """--write-tasks: lm-eval's config inlined (functions by importable name), data paths relative to the
+    folder: copied elsewhere with its data, lm-eval runs it."""
+    import shutil
+
+    from lm_eval.tasks import TaskManager
+
+    data = _fake_eval_dir(tmp_path / "a" / "eval")
+    write_task_configs(tmp_path / "a" / "tasks", data_dir=data)
+    texts = {f.name: f.read_text() for f in (tmp_path / "a" / "tasks").glob("*.yaml")}
+    assert "piqa.yaml" in texts and "looplm_mamba7_boolq_local.yaml" in texts
+    import lm_eval
+
+    for name, t in texts.items():
+        assert str(tmp_path) not in t and str(Path(lm_eval.__file__).parent) not in t and "include:" not in t, name
+    moved = tmp_path / "elsewhere"
+    shutil.copytree(tmp_path / "a", moved)
+    shutil.rmtree(tmp_path / "a")
+    register_lm_eval_model()
+    res = lm_eval.simple_evaluate(model="looplm", model_args=f"pretrained={ckpt}", tasks=["looplm_mamba7"], limit=3,
+                                  task_manager=TaskManager(include_path=str(moved / "tasks"), include_defaults=False))
+    assert res["n-samples"]["looplm_mamba7_piqa_local"]["original"] == 8
+    assert "acc,none" in res["results"]["looplm_mamba7_boolq_local"]
+    # without data: every suite task, hellaswag's process_docs named by its importable module in lm-eval
+    write_task_configs(tmp_path / "nodata")
+    hs = (tmp_path / "nodata" / "looplm_stateloop8_0shot_hellaswag.yaml").read_text()
+    assert "process_docs: !function 'lm_eval.tasks.hellaswag.utils.process_docs'" in hs
+    tm = TaskManager(include_path=str(tmp_path / "nodata"), include_defaults=False)
+    assert tm.match_tasks(["looplm_stateloop8_0shot"]) and tm.match_tasks(["looplm_stateloop8_0shot_hellaswag"])

@@ -452,3 +452,215 @@ def test_export_and_import_never_overwrite_a_training_checkpoint_or_run(tmp_path
         import_hf(hf, step, overwrite=True)
     import_hf(hf, ckpt, overwrite=True)  # over an earlier import / written checkpoint: allowed
     verify_checkpoint(step)
+
+
+# ------------------------------------------------------------------------------------------ what tools read
+def test_config_json_has_the_fields_tools_read(tmp_path):
+    from helpers import tiny_variant
+
+    cfg = tiny_variant("stateloop-410m-k5")
+    torch.manual_seed(0)
+    model = _perturb(looplm.build(cfg))
+    out = export_hf(model, tmp_path / "sl", tokenizer="byte")
+    c = json.loads((out / "config.json").read_text())
+    p, s, K, co = cfg.n_prelude, cfg.n_core, cfg.n_loops, cfg.n_coda
+    assert (c["num_prelude_layers"], c["num_core_layers"], c["trained_num_loops"], c["num_coda_layers"]) == (p, s, K, co)
+    assert c["num_loops"] == K and c["num_hidden_layers"] == p + s + co and c["effective_num_hidden_layers"] == p + s * K + co
+    assert (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]) == (cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim)
+    assert (c["hidden_size"], c["intermediate_size"], c["vocab_size"]) == (cfg.d_model, cfg.d_ff, cfg.vocab_size)
+    assert c["rms_norm_eps"] == cfg.norm_eps and c["rope_theta"] == cfg.attention.rope_theta
+    assert c["max_position_embeddings"] == cfg.max_seq_len and c["looplm"]["rule"]["name"] == "stateloop"
+    assert c["exit_threshold"] is None and len(c["layer_types"]) == p + s + co
+    # another inference loop count moves the effective depth; generate(num_loops=...) still overrides it
+    deep = json.loads((export_hf(model, tmp_path / "deep", tokenizer="byte", num_loops=K + 2) / "config.json").read_text())
+    assert deep["num_loops"] == K + 2 and deep["effective_num_hidden_layers"] == p + s * (K + 2) + co
+    # an exit gate writes its threshold at the top level; a pause model counts real tokens
+    gate = looplm.build("tiny-llama", overrides={"rule.name": "exit_gate", "rule.options": {"threshold": 0.7}, "n_loops": 3})
+    assert json.loads((export_hf(gate, tmp_path / "gate", tokenizer="byte") / "config.json").read_text())["exit_threshold"] == 0.7
+    pause = looplm.build("tiny-llama", overrides={"pause": {"n_pause": 3}})
+    pc = json.loads((export_hf(pause, tmp_path / "pause", tokenizer="byte") / "config.json").read_text())
+    assert pc["max_position_embeddings"] == pause.config.max_seq_len // 4
+
+
+def test_hidden_states_in_transformers_layout(tmp_path):
+    """An imported Llama's export returns transformers' own hidden states; a looped one 1 + p + s·r + c of them."""
+    hf = _tiny_hf("llama").eval()
+    hf.save_pretrained(str(tmp_path / "llama"))
+    _byte_hf_tokenizer(tmp_path / "llama")
+    out = export_hf(import_hf(tmp_path / "llama", tmp_path / "ckpt"), tmp_path / "hf")
+    ex = _load(out)
+    ids = _prompt(8, vocab=256)
+    with torch.no_grad():
+        want, got = hf(ids, output_hidden_states=True).hidden_states, ex(ids, output_hidden_states=True).hidden_states
+    assert len(got) == len(want) == 3
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    model = _perturb(looplm.build("tiny-coreloop"))
+    ex = _load(export_hf(model, tmp_path / "loop", tokenizer="byte"))
+    cfg = model.config
+    with torch.no_grad():
+        hs = ex(ids, output_hidden_states=True, num_loops=5).hidden_states
+        ref = model(ids, output_hidden=True, output_iterations=True, num_loops=5)
+    assert len(hs) == 1 + cfg.n_prelude + cfg.n_core * 5 + cfg.n_coda
+    assert torch.equal(hs[0], model.embed(ids) * model.embed_multiplier) and torch.equal(hs[-1], ref.hidden)
+    for k in range(5):  # the last core block's output at iteration k is H^k
+        assert torch.equal(hs[cfg.n_prelude + cfg.n_core * (k + 1)], ref.iterations[k])
+
+
+def test_incomplete_export_is_refused(exported, tmp_path):
+    """A tensor missing from the safetensors would be uninitialised memory (values up to 1e30, NaN): refused."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    _, out, _ = exported
+    broken = shutil.copytree(out, tmp_path / "broken")
+    sd = load_file(str(broken / "model.safetensors"))
+    gone = "looplm.core.stack.blocks.0.mlp.up_proj.weight"
+    assert gone in sd
+    del sd[gone]
+    save_file(sd, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing.*core\.stack\.blocks\.0\.mlp\.up_proj\.weight.*uninitialised"):
+        AutoModelForCausalLM.from_pretrained(str(broken), trust_remote_code=True)
+    sd[gone] = torch.zeros(1)
+    sd["looplm.not_a_tensor_of_the_model"] = torch.zeros(2)
+    del sd[gone]
+    save_file(sd, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="not the model's.*not_a_tensor_of_the_model"):
+        AutoModelForCausalLM.from_pretrained(str(broken), trust_remote_code=True)
+
+
+# ------------------------------------------------------------------------------------------ generate()
+def _spy(hf):
+    """Count the calls of the lean path (looplm's generate behind the export's generate())."""
+    import dataclasses
+    import functools
+
+    calls = []
+    impl = hf.looplm_implementation
+
+    @functools.wraps(impl.generate)  # its signature: the export passes the arguments looplm's generate takes
+    def lean(*a, **kw):
+        calls.append(kw)
+        return impl.generate(*a, **kw)
+
+    hf.looplm_implementation = dataclasses.replace(impl, generate=lean)
+    return calls
+
+
+def test_generate_takes_the_lean_path_with_transformers_tokens(exported):
+    model, out, _ = exported
+    hf = _load(out)
+    calls = _spy(hf)
+    a, b = _prompt(9, seed=2)[0], _prompt(4, seed=3)[0]
+    batch = torch.full((2, 9), hf.config.pad_token_id)
+    batch[0], batch[1, 5:] = a, b
+    mask = (torch.arange(9)[None] >= torch.tensor([[0], [5]])).long()
+    loop = transformers.GenerationMixin.generate  # transformers' own loop over forward()
+    for kw in ({"do_sample": False}, {"do_sample": True, "top_k": 7}, {"do_sample": True, "top_p": 0.8, "temperature": 0.7},
+               {"do_sample": False, "eos_token_id": int(batch[0, 3])}, {"do_sample": False, "num_loops": 5}):
+        torch.manual_seed(1)
+        lean = hf.generate(batch, attention_mask=mask, max_new_tokens=6, **kw)
+        torch.manual_seed(1)
+        assert torch.equal(lean, loop(hf, batch, attention_mask=mask, max_new_tokens=6, **kw)), kw
+    assert len(calls) == 5 and calls[-1]["num_loops"] == 5 and calls[0]["attention_mask"] is not None
+    # looplm's own generate options pass straight through (here: its sampling generator)
+    g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    ids = _prompt(5)
+    assert torch.equal(hf.generate(ids, max_new_tokens=5, do_sample=True, generator=g1),
+                       model.generate(ids, max_new_tokens=5, do_sample=True, top_k=50, generator=g2))
+    # what only transformers' loop does goes there (its cache preallocated for the whole request)
+    n = len(calls)
+    beams = hf.generate(ids, max_new_tokens=4, num_beams=2, return_dict_in_generate=True)
+    cache = beams["cache"] if "cache" in beams else beams["past_key_values"]
+    assert cache.inner.capacity == 5 + 4
+    hf.generate(ids, max_new_tokens=4, repetition_penalty=1.3)
+    assert len(calls) == n
+    with pytest.raises(ValueError, match="num_loop"):  # a misspelt argument: transformers' own error
+        hf.generate(ids, max_new_tokens=2, num_loop=3)
+
+
+def test_generate_refuses_too_long_a_request_before_decoding(exported):
+    _, out, _ = exported
+    hf = _load(out)
+    steps = []
+    hook = hf.looplm.register_forward_hook(lambda *a: steps.append(1))
+    limit = hf.looplm.config.max_seq_len
+    ids = _prompt(5)
+    for kw in ({}, {"num_beams": 2}):  # the lean path and transformers' loop alike
+        with pytest.raises(ValueError, match=rf"prompt length 5 \+ {limit} new tokens exceeds .* at most {limit - 5}"):
+            hf.generate(ids, max_new_tokens=limit, **kw)
+    hook.remove()
+    assert steps == []
+
+
+# ------------------------------------------------------------------------------------------ tokenizer
+def _chat_source(path):
+    """A tiny Llama with a BPE tokenizer that has a chat template and named special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(["the user asks and the assistant answers in a loop"] * 50, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    chat = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                                unk_token="<|endoftext|>", pad_token="<|im_end|>", chat_template=chat)
+    fast.save_pretrained(str(path))
+    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(str(path))
+    return fast
+
+
+def test_chat_template_and_special_tokens_survive_import_and_export(tmp_path):
+    from transformers import AutoTokenizer, pipeline
+
+    src = _chat_source(tmp_path / "src")
+    ckpt = import_hf(tmp_path / "src", tmp_path / "ckpt")
+    out = export_hf(ckpt, tmp_path / "hf")
+    # no custom code runs for the tokenizer (transformers 5 still reads config.json: say so to skip its question)
+    tok = AutoTokenizer.from_pretrained(str(out), trust_remote_code=False)
+    msgs = [{"role": "user", "content": "the loop asks"}]
+    assert tok.chat_template == src.chat_template
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True) == src.apply_chat_template(msgs, add_generation_prompt=True)
+    assert (tok.bos_token, tok.eos_token, tok.unk_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_end|>")
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert "local_files_only" not in cfg and "auto_map" not in cfg
+    pipe = pipeline("text-generation", model=str(out), trust_remote_code=True)
+    res = pipe(msgs, max_new_tokens=3, do_sample=False)
+    assert res[0]["generated_text"][-1]["role"] == "assistant"
+
+
+# ------------------------------------------------------------------------------------------ checkpoints
+def test_import_stores_a_tied_head_once_and_loads_on_meta(tmp_path):
+    from safetensors import safe_open
+
+    from looplm.checkpoint_io import load_model_for_inference
+
+    hf = _tiny_hf("qwen3").eval()  # tie_word_embeddings
+    hf.save_pretrained(str(tmp_path / "q"))
+    _byte_hf_tokenizer(tmp_path / "q")
+    ckpt = import_hf(tmp_path / "q", tmp_path / "ckpt")
+    with safe_open(str(ckpt / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "embed.weight" in keys and "lm_head.weight" not in keys
+    model, _ = load_model_for_inference(ckpt)
+    assert model.lm_head.weight is model.embed.weight  # tied again after the assign-load
+    assert not [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    assert model.embed.weight._no_muon and model.num_params() == sum(p.numel() for p in hf.parameters())
+    ids = _prompt(8, vocab=256)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, hf(ids).logits, rtol=1e-4, atol=1e-4)
+    # `train.init_from` on it fills the tied head from the embedding
+    from looplm.train.trainer import _load_init_weights
+
+    fresh = looplm.build(model.config)
+    _load_init_weights(fresh, str(ckpt))
+    assert torch.equal(fresh.lm_head.weight, hf.lm_head.weight.detach())

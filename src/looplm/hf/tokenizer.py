@@ -17,7 +17,9 @@ and 5.x alike, without custom code. The token ids are the ones the model was tra
 
 from __future__ import annotations
 
-BYTE_SPECIALS = ("<eos>", "<bos>", "<pad>")  # ids 256, 257, 258 (looplm.data.tokenizers.ByteTokenizer)
+BYTE_SPECIALS = ("<eos>", "<bos>", "<pad>")
+_LOAD_OPTIONS = ("is_local", "local_files_only", "cache_dir", "force_download", "token", "revision", "subfolder",
+                 "_commit_hash", "trust_remote_code")  # ids 256, 257, 258 (looplm.data.tokenizers.ByteTokenizer)
 
 
 def byte_backend():
@@ -93,6 +95,8 @@ def save_pretrained_tokenizer(tok, out_dir) -> None:
                 cfg[key] = inv[tid]
         if cfg.pop("auto_map", None) is not None or not cfg.get("tokenizer_class"):
             cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+        for k in _LOAD_OPTIONS:  # how the source was loaded (transformers 5 saves some), not what it is
+            cfg.pop(k, None)
     else:
         fast = to_pretrained_tokenizer_fast(tok)
         fast.save_pretrained(str(out_dir))

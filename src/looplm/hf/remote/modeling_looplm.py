@@ -60,7 +60,7 @@ from transformers.utils import ModelOutput
 from ...config import ModelConfig
 from ...factory import model_class
 from ...generate import generate as looplm_generate
-from .configuration_looplm import LoopLMConfig
+from .configuration_looplm import LOOPLM_CODE_CHOICES, LoopLMConfig
 from .looplm_source import installed_package_dir, sources_digest
 
 try:
@@ -95,6 +95,8 @@ def looplm_implementation(choice: str = "auto") -> Implementation:
     """The code that runs an exported model: ``"bundled"`` (the export's copy of looplm's model code),
     ``"installed"`` (an installed looplm: its CPU fast paths decode), or ``"auto"``: the installed looplm if
     its source is the one the export was made from (the manifest's digest), else the copy."""
+    if choice not in LOOPLM_CODE_CHOICES:
+        raise ValueError(f"looplm_code must be one of {LOOPLM_CODE_CHOICES}, got {choice!r}")
     if MANIFEST is None or choice == "bundled":
         return _HERE
     pkg = installed_package_dir()
@@ -109,8 +111,6 @@ def looplm_implementation(choice: str = "auto") -> Implementation:
                 stacklevel=3,
             )
         return _installed(f"looplm at {pkg}" + ("" if same else " (another source than the export's)"))
-    if choice != "auto":
-        raise ValueError(f"looplm_code must be 'auto', 'bundled' or 'installed', got {choice!r}")
     return _installed(f"looplm at {pkg} (the export's source)") if same else _HERE
 
 

@@ -1,0 +1,86 @@
+"""Start-up of ``looplm generate``: wall time of one short generation from a checkpoint, and where the
+import time goes, for one or more source trees, alternating them run by run (medians).
+
+    python benchmarks/bench_startup.py CHECKPOINT [--src before=/tmp/old/src --src after=src] [--repeats 5]
+
+Each run is a fresh ``python -m looplm.cli generate --checkpoint CHECKPOINT --max-new-tokens 1`` with
+``PYTHONPATH`` set to the tree; the import breakdown comes from one ``python -X importtime`` run per tree
+(the cumulative time of the largest top-level imports). Prints a Markdown table; nothing is cached
+between runs except the OS page cache (a first untimed run per tree warms it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _env(src: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=src, HF_HUB_OFFLINE="1")
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_ext"))
+    return env
+
+
+def _cmd(ckpt: str, extra: list[str]) -> list[str]:
+    return [sys.executable, *extra, "-m", "looplm.cli", "generate", "--checkpoint", ckpt, "--prompt", "Hello",
+            "--max-new-tokens", "1"]
+
+
+def wall(ckpt: str, src: str) -> float:
+    t0 = time.perf_counter()
+    subprocess.run(_cmd(ckpt, []), env=_env(src), check=True, capture_output=True)
+    return time.perf_counter() - t0
+
+
+def import_profile(ckpt: str, src: str, top: int = 6) -> tuple[float, list[tuple[str, float]]]:
+    """(total import seconds, the largest packages by cumulative import time) from ``-X importtime``."""
+    r = subprocess.run(_cmd(ckpt, ["-X", "importtime"]), env=_env(src), check=True, capture_output=True, text=True)
+    rows = []
+    for line in r.stderr.splitlines():
+        m = re.match(r"import time:\s+(\d+) \|\s+(\d+) \|(\s*)(\S+)", line)
+        if m:
+            rows.append((len(m.group(3)), m.group(4), int(m.group(2)) / 1e6))
+    total = sum(c for depth, _, c in rows if depth == 1)  # top-level imports (one space of indent)
+    interesting = ("torch._dynamo", "transformers", "looplm.kernels", "looplm.train", "safetensors", "tokenizers", "torch")
+    shown = {}
+    for _, name, c in rows:
+        if name in interesting:
+            shown[name] = max(shown.get(name, 0.0), c)
+    return total, sorted(shown.items(), key=lambda kv: -kv[1])[:top]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("checkpoint")
+    ap.add_argument("--src", action="append", default=None, metavar="NAME=PATH",
+                    help="a source tree to time (repeatable; default: this checkout's src)")
+    ap.add_argument("--repeats", type=int, default=5)
+    args = ap.parse_args()
+    srcs = dict(s.split("=", 1) for s in (args.src or [f"this=src"]))
+    srcs = {k: str(Path(v).resolve()) for k, v in srcs.items()}
+    from looplm.utils import cpuinfo
+
+    print(f"CPU: {cpuinfo.model_name() or 'unknown'}; checkpoint {args.checkpoint}; median of {args.repeats}")
+    for s in srcs.values():  # warm the page cache and any build
+        wall(args.checkpoint, s)
+    times: dict[str, list[float]] = {k: [] for k in srcs}
+    for _ in range(args.repeats):  # alternate the trees run by run
+        for k, s in srcs.items():
+            times[k].append(wall(args.checkpoint, s))
+    print("| tree | wall s (median) | min | imports s | largest imports (cumulative s) |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    for k, s in srcs.items():
+        total, top = import_profile(args.checkpoint, s)
+        tops = ", ".join(f"{n} {c:.2f}" for n, c in top)
+        print(f"| {k} | {statistics.median(times[k]):.2f} | {min(times[k]):.2f} | {total:.2f} | {tops} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
