@@ -4,9 +4,10 @@ import time goes, for one or more source trees, alternating them run by run (med
     python benchmarks/bench_startup.py CHECKPOINT [--src before=/tmp/old/src --src after=src] [--repeats 5]
 
 Each run is a fresh ``python -m looplm.cli generate --checkpoint CHECKPOINT --max-new-tokens 1`` with
-``PYTHONPATH`` set to the tree; the import breakdown comes from one ``python -X importtime`` run per tree
-(the cumulative time of the largest top-level imports). Prints a Markdown table; nothing is cached
-between runs except the OS page cache (a first untimed run per tree warms it).
+``PYTHONPATH`` set to the tree, timed in wall and CPU seconds (CPU time is what a shared machine's load
+disturbs least); the import breakdown comes from three ``python -X importtime`` runs per tree (medians of
+the cumulative time of the largest imports). Prints a Markdown table; nothing is cached between runs except
+the OS page cache (a first untimed run per tree warms it).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,10 +34,14 @@ def _cmd(ckpt: str, extra: list[str]) -> list[str]:
             "--max-new-tokens", "1"]
 
 
-def wall(ckpt: str, src: str) -> float:
+def wall(ckpt: str, src: str) -> tuple[float, float]:
+    """(wall seconds, CPU seconds user+sys) of one run; CPU time is what a shared machine's load disturbs least."""
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     subprocess.run(_cmd(ckpt, []), env=_env(src), check=True, capture_output=True)
-    return time.perf_counter() - t0
+    t = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return t, (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
 
 
 def import_profile(ckpt: str, src: str, top: int = 6) -> tuple[float, list[tuple[str, float]]]:
@@ -69,16 +75,21 @@ def main() -> int:
     print(f"CPU: {cpuinfo.model_name() or 'unknown'}; checkpoint {args.checkpoint}; median of {args.repeats}")
     for s in srcs.values():  # warm the page cache and any build
         wall(args.checkpoint, s)
-    times: dict[str, list[float]] = {k: [] for k in srcs}
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in srcs}
     for _ in range(args.repeats):  # alternate the trees run by run
         for k, s in srcs.items():
             times[k].append(wall(args.checkpoint, s))
-    print("| tree | wall s (median) | min | imports s | largest imports (cumulative s) |")
-    print("| --- | ---: | ---: | ---: | --- |")
+    print("| tree | wall s (median) | wall min | CPU s (median) | imports s | largest imports (cumulative s) |")
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
     for k, s in srcs.items():
-        total, top = import_profile(args.checkpoint, s)
+        profiles = [import_profile(args.checkpoint, s) for _ in range(3)]  # medians of three -X importtime runs
+        total = statistics.median(t for t, _ in profiles)
+        names = [n for n, _ in profiles[0][1]]
+        top = [(n, statistics.median(dict(p).get(n, 0.0) for _, p in profiles)) for n in names]
         tops = ", ".join(f"{n} {c:.2f}" for n, c in top)
-        print(f"| {k} | {statistics.median(times[k]):.2f} | {min(times[k]):.2f} | {total:.2f} | {tops} |")
+        w = [a for a, _ in times[k]]
+        c = [b for _, b in times[k]]
+        print(f"| {k} | {statistics.median(w):.2f} | {min(w):.2f} | {statistics.median(c):.2f} | {total:.2f} | {tops} |")
     return 0
 
 

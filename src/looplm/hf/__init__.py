@@ -1,8 +1,10 @@
 """Hugging Face interoperability: export to / import from transformers model directories, and the
 layer maps that start a looped model from a pretrained stack.
 
-* :func:`export_hf` (``looplm export hf``) — a checkpoint as a transformers model directory with
-  remote code (:mod:`looplm.hf.remote`), loadable offline with ``trust_remote_code=True``;
+* :func:`export_hf` (``looplm export hf``) — a checkpoint as a self-contained transformers model
+  directory: remote code (:mod:`looplm.hf.remote`) and looplm's own model code copied flat beside it
+  (:mod:`looplm.hf.bundle`), loadable offline with ``trust_remote_code=True`` where only torch and
+  transformers are installed;
 * :func:`import_hf` (``looplm import hf``) — a looplm export, or a Llama / Qwen3 / Mamba-2 model
   (safetensors or GGUF), as a looplm checkpoint;
 * :func:`register_auto_classes` — make ``AutoConfig`` / ``AutoModelForCausalLM`` know ``looplm``

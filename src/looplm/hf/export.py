@@ -80,9 +80,13 @@ def export_hf(
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory")
-    if num_loops is not None and num_loops < 1:
-        raise ValueError(f"num_loops must be >= 1, got {num_loops}")
+    if num_loops is not None and (isinstance(num_loops, bool) or not isinstance(num_loops, int) or num_loops < 1):
+        raise ValueError(f"num_loops must be an int >= 1, got {num_loops!r}")
+    if dtype is not None and not isinstance(getattr(torch, str(dtype).removeprefix("torch."), None), torch.dtype):
+        raise ValueError(f"dtype must be a torch dtype such as 'bfloat16', got {dtype!r}")
     out.mkdir(parents=True, exist_ok=True)
+    for stale in [*out.glob("looplm_*.py"), out / "modeling_looplm.py", out / "configuration_looplm.py"]:
+        stale.unlink(missing_ok=True)  # a previous export's code (--overwrite): only this source's files stay
 
     import looplm
 
@@ -108,7 +112,7 @@ def export_hf(
     cfg.looplm_tokenizer = "byte" if getattr(tok, "name", None) == "byte" else None
     sd = hf_state_dict(model)
     if dtype is not None:
-        dt = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        dt = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
         sd = {k: v.to(dt) if v.is_floating_point() else v for k, v in sd.items()}
         cfg.dtype = str(dt).removeprefix("torch.")
     else:
