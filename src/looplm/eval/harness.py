@@ -42,9 +42,11 @@ unweighted means, printed in the papers' table layouts by :func:`suite_tables`):
   WinoGrande, BoolQ, OBQA, SIQA, CommonsenseQA, LAMBADA-OpenAI (change :data:`SUITES` to correct it).
 
 ``--data-dir DIR`` points lm-eval's own task definitions at local copies (``DIR/<task>/`` saved by
-``datasets.save_to_disk``: ``dataset_path: arrow`` on its ``.arrow`` file, ``training_split: null``
-so few-shot examples come from the evaluation split, never the document itself); suite tasks
-without a local copy are skipped with a note. Nothing touches the hub then.
+``datasets.save_to_disk``, read from its ``.arrow`` files; ``training_split: null`` so few-shot examples
+come from the evaluation split, never the document itself): the suites' tasks and the plain task names
+that have a copy (``--tasks arc_easy``); suite tasks without a local copy are skipped with a note.
+Nothing touches the hub then. The task YAMLs (:func:`write_task_configs`, ``--write-tasks DIR``) are
+lm-eval's own configs inlined, with data paths relative to ``DIR``: they name nothing of this machine.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ def cmd_export_hf(args) -> int:
     out = export_hf(args.checkpoint, args.out, num_loops=args.loops, exit_threshold=args.exit_threshold,
                     dtype=args.dtype, overwrite=args.overwrite)
     print(f"exported {args.checkpoint} -> {out}")
-    print(f"  load with: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
+    print(f"  load with: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)"
+          "  (torch + transformers; looplm not needed)")
     return 0
 
 

@@ -77,6 +77,10 @@ def export_hf(
         if tokenizer is None:
             raise ValueError("export_hf(model, ...) needs tokenizer=... (a looplm tokenizer or a spec such as 'byte')")
         tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    gated = "exit_threshold" in getattr(model.rule, "loop_options", ())  # the rule reads an exit threshold
+    if exit_threshold is not None and not gated:
+        raise ValueError(f"exit_threshold {exit_threshold}: this model has no exit gate (its recurrence rule is "
+                         f"{model.config.rule.name!r}); leave it out")
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory")
@@ -93,7 +97,7 @@ def export_hf(
     from .bundle import write_bundle
 
     mcfg = model.config
-    if exit_threshold is None:  # a rule with an exit gate: its own default threshold, for tools reading the config
+    if exit_threshold is None and gated:  # its own default, for tools reading the config
         exit_threshold = getattr(model.rule, "threshold", None)
     cfg = LoopLMConfig(
         looplm=mcfg.to_dict(),

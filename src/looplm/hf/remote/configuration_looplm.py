@@ -10,8 +10,9 @@ looplm's own ``ModelConfig``) for the tools that read the usual names:
   (transformers 5's form, ``llama3`` scaling and ``partial_rotary_factor`` included; 4.x: ``rope_scaling``
   and ``partial_rotary_factor``), ``attention_bias``, ``hidden_act``, ``max_position_embeddings`` (real
   tokens: a pause model's ``max_seq_len`` holds its pauses too), ``tie_word_embeddings``,
-  ``layer_types`` (the mixer of each physical block: ``attention`` / ``mamba``, which transformers 5
-  names ``full_attention`` / ``linear_attention``);
+  ``layer_types`` (the mixer of each physical block: ``attention`` / ``sliding_attention`` / ``mamba``,
+  which transformers 5 names ``full_attention`` / ``sliding_attention`` / ``linear_attention``) and
+  ``sliding_window``;
 * the loop structure ``(p, s, K, c)``: ``num_prelude_layers``, ``num_core_layers``,
   ``num_coda_layers``, ``trained_num_loops`` (``K``); ``num_hidden_layers`` counts physical blocks
   ``p + s + c`` (as Ouro's config does) and ``effective_num_hidden_layers`` is ``p + s·r + c`` at the
@@ -70,7 +71,8 @@ def derived_fields(cfg: ModelConfig, num_loops: int | None = None) -> dict:
         "attention_bias": a.bias,
         "hidden_act": "silu",
         "max_position_embeddings": n_real,
-        "layer_types": [{"mamba2": "mamba"}.get(cfg.mixer_of(i), cfg.mixer_of(i)) for i in range(cfg.n_physical)],
+        "layer_types": [_layer_type(cfg, i) for i in range(cfg.n_physical)],
+        "sliding_window": a.sliding_window,
         "num_hidden_layers": cfg.n_physical,
         "num_prelude_layers": cfg.n_prelude,
         "num_core_layers": cfg.n_core,
@@ -79,6 +81,13 @@ def derived_fields(cfg: ModelConfig, num_loops: int | None = None) -> dict:
         "effective_num_hidden_layers": cfg.effective_depth(r),
     }  # fmt: skip
     return out
+
+
+def _layer_type(cfg: ModelConfig, i: int) -> str:
+    """transformers' name for physical block ``i``'s mixer (4.x names; transformers 5 maps them to its own)."""
+    if cfg.mixer_of(i) == "mamba2":
+        return "mamba"
+    return "sliding_attention" if cfg.sliding_window_of(i) is not None else "attention"
 
 
 class LoopLMConfig(PretrainedConfig):
