@@ -23,8 +23,13 @@ import time
 from pathlib import Path
 
 
+THREADS: list[str] = []  # --threads: OMP_NUM_THREADS of the runs
+
+
 def _env(src: str) -> dict:
     env = dict(os.environ, PYTHONPATH=src, HF_HUB_OFFLINE="1")
+    if THREADS:
+        env["OMP_NUM_THREADS"] = THREADS[0]
     env.setdefault("TORCH_EXTENSIONS_DIR", str(Path(__file__).resolve().parents[1] / ".torch_ext"))
     return env
 
@@ -67,12 +72,18 @@ def main() -> int:
     ap.add_argument("--src", action="append", default=None, metavar="NAME=PATH",
                     help="a source tree to time (repeatable; default: this checkout's src)")
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="OMP_NUM_THREADS for the runs (on a shared 2-core machine, 2 threads make one small product "
+                         "~75x slower than 1 while other processes hold a core; 1 isolates the start-up work)")
     args = ap.parse_args()
+    if args.threads:
+        THREADS.append(str(args.threads))
     srcs = dict(s.split("=", 1) for s in (args.src or [f"this=src"]))
     srcs = {k: str(Path(v).resolve()) for k, v in srcs.items()}
     from looplm.utils import cpuinfo
 
-    print(f"CPU: {cpuinfo.model_name() or 'unknown'}; checkpoint {args.checkpoint}; median of {args.repeats}")
+    print(f"CPU: {cpuinfo.model_name() or 'unknown'}; checkpoint {args.checkpoint}; median of {args.repeats}; "
+          f"OMP_NUM_THREADS={args.threads or 'unset'}")
     for s in srcs.values():  # warm the page cache and any build
         wall(args.checkpoint, s)
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in srcs}
