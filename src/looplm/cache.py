@@ -21,19 +21,19 @@ tokens; a recurrent state can only "crop" to its own length and says so). :meth:
 checks this when a slot is created, so a rule cannot hand in a bare tensor that would silently keep all
 its rows when the batch is reordered: wrap such a tensor in :class:`TensorSlot`.
 
-Per-token early exit at decode time (not built yet) needs more than filling slots. A token that exits
-after iteration ``k*`` must still leave an entry in every later iteration's slots, because later tokens
-attend to it (attention) or carry a state through it (Mamba-2):
+Per-token early exit (:mod:`looplm.adaptive`)
+--------------------------------------------
+A token that exits after iteration ``k*`` must still leave an entry in every later iteration's slots,
+because later tokens attend to it (attention) or carry a state through it (Mamba-2). So slots of one
+*family* (a core layer, a readout's coda layer, a rule's per-iteration mixer) are registered with their
+loop index (:meth:`LoopCache.slot` ``loop=``, ``family=``), and the exit policy fills the skipped loops'
+slots of each family from the exit (``copy``, ``propagate``; SSM: ``freeze``, ``propagate``, ``decay``)
+— see ``docs/adaptive-depth.md``. Under ``kv_shared=True`` (the ``shared`` policy) a family's attention
+slots are one :class:`SharedKV` buffer for every loop: each loop overwrites the token's column, so a
+later token reads every earlier token at the last loop it ran (memory ÷ K).
 
-* an attention slot of iteration ``k > k*`` needs the token's key/value there, i.e. the input of that
-  block at iteration ``k``. For the first core block a choice of stand-in input (the exit state, as
-  in CALM-style state copying) suffices; the blocks after it need the output of the blocks before
-  them, so the remaining blocks must run on the stand-in (cheaper only by skipping the MLPs and the
-  query side), or the skipped entries must be marked and masked out for later tokens;
-* a Mamba-2 slot needs a real mixer step on some input (its state cannot be left "unchanged" without
-  desynchronising the conv window and ``seqlen``), so the exit saves nothing in SSM layers unless the
-  state is simply carried over (``dt = 0``), which changes the model;
-* rule slots follow the rule's own semantics.
+Within one token the active rows of a loop write through row views (``slot.rows(idx, batch)``) at column
+``seqlen`` without advancing it; :meth:`LoopCache.commit` counts the column once every row has its entry.
 
 ``seqlen`` is tracked per cache; every slot of a complete cache has the same length.
 """
@@ -97,10 +97,60 @@ class TensorSlot:
             self.value = self.value.narrow(self.time_dim, 0, length)
 
 
-class LoopCache:
-    """All decoding state of one batch. Created by :meth:`LoopedLM.new_cache` or lazily by ``generate``."""
+class SharedKV:
+    """One loop's view of a family's single KV slot (``kv_shared``): writes go to the token's columns at
+    ``seqlen`` (overwriting the previous loop's entry) and count at :meth:`commit`; reads see every
+    committed column (each earlier token at the last loop it ran) and the columns just written."""
 
-    def __init__(self, num_loops: int, batch_size: int, device=None, dtype=None, capacity: int | None = None):
+    def __init__(self, base):
+        self.base = base
+
+    @property
+    def seqlen(self) -> int:
+        return self.base.seqlen
+
+    def update(self, k: torch.Tensor, v: torch.Tensor):
+        b = self.base
+        T = k.shape[2]
+        b.allocate(k.shape[0], k.shape[1], k.shape[-1], v.shape[-1], k.dtype, k.device)
+        if b.seqlen + T > b.capacity:
+            raise ValueError(f"KV cache capacity {b.capacity} exceeded ({b.seqlen} + {T} tokens)")
+        L = b.seqlen + T
+        b._k[:, :, b.seqlen : L] = k
+        b._v[:, :, b.seqlen : L] = v
+        b.pending = max(b.pending, T)
+        return b._k[:, :, :L], b._v[:, :, :L]
+
+    def rows(self, idx: torch.Tensor, batch: int):
+        return self.base.rows(idx, batch)
+
+    def append_buffers(self, batch_size: int):
+        b = self.base
+        if b._k is None or b.seqlen >= b.capacity or b._k.shape[0] != batch_size:
+            return None
+        return b._k, b._v, b.seqlen
+
+    def advance(self, n: int = 1) -> None:
+        self.base.pending = max(self.base.pending, n)
+
+    def commit(self) -> None:
+        self.base.commit()
+
+    def index_select(self, idx: torch.Tensor) -> None:
+        pass  # the LoopCache reorders the base once
+
+    def crop(self, length: int) -> None:
+        pass  # the LoopCache crops the base once
+
+
+class LoopCache:
+    """All decoding state of one batch. Created by :meth:`LoopedLM.new_cache` or lazily by ``generate``.
+
+    ``kv_shared``: one KV buffer per family for every loop (the ``shared`` exit policy, see the module
+    docstring); ``loop_slots[family][k]`` lists the loop-indexed slots."""
+
+    def __init__(self, num_loops: int, batch_size: int, device=None, dtype=None, capacity: int | None = None,
+                 kv_shared: bool = False):
         self.num_loops = num_loops
         self.batch_size = batch_size
         self.capacity = capacity  # most tokens any slot will hold (preallocated KV), None = grow
@@ -110,9 +160,16 @@ class LoopCache:
         # the shapes of the model it belongs to (set by new_cache or the first forward): a cache of
         # another model is refused up front (LoopedLM._check_inputs), not deep inside a block
         self.model_signature: dict | None = None
+        self.kv_shared = kv_shared
+        if kv_shared and capacity is None:
+            raise ValueError("kv_shared needs a capacity (one preallocated buffer per family)")
+        self.loop_slots: dict[Any, dict[int, Any]] = {}  # family -> {loop: slot}
+        self.shared: dict[Any, Any] = {}  # family -> the one KV buffer of its loops (kv_shared)
 
-    def slot(self, key, factory: Callable[[], Any]):
-        """The slot under ``key``, created by ``factory()`` on first use (checked against :class:`CacheSlot`)."""
+    def slot(self, key, factory: Callable[[], Any], loop: int | None = None, family=None):
+        """The slot under ``key``, created by ``factory()`` on first use (checked against :class:`CacheSlot`).
+        ``loop`` / ``family``: the slot is family ``family``'s at loop iteration ``loop`` (per-token exit
+        fills a family's skipped loops; ``kv_shared`` gives a family's attention slots one buffer)."""
         s = self.slots.get(key)
         if s is None:
             s = factory()
@@ -121,12 +178,33 @@ class LoopCache:
                     f"cache slot {key!r}: {type(s).__name__} does not implement the cache-slot protocol "
                     "(seqlen, index_select, crop); wrap a plain tensor in looplm.cache.TensorSlot"
                 )
+            if loop is not None:
+                if self.kv_shared and hasattr(s, "write_rows"):  # an attention slot: the family's one buffer
+                    s = SharedKV(self.shared.setdefault(family, s))
+                self.loop_slots.setdefault(family, {})[loop] = s
             self.slots[key] = s
         return s
 
+    def physical_slots(self) -> list:
+        """Every distinct buffer once (a shared family's buffer, not its per-loop views)."""
+        out = [s for s in self.slots.values() if not isinstance(s, SharedKV)]
+        return out + list(self.shared.values())
+
+    def rows(self, idx: torch.Tensor) -> "RowsCache":
+        """The cache as rows ``idx`` of the batch see it for one loop iteration (per-token exit)."""
+        return RowsCache(self, idx)
+
+    def commit(self, n: int) -> None:
+        """``n`` new tokens absorbed: count the columns row views and fills wrote (every slot)."""
+        for s in self.physical_slots():
+            c = getattr(s, "commit", None)
+            if c is not None:
+                c()
+        self.seqlen += n
+
     def index_select(self, idx: torch.Tensor) -> None:
         """Keep (or reorder) batch rows ``idx`` in every slot."""
-        for s in self.slots.values():
+        for s in self.physical_slots():
             s.index_select(idx)
         self.batch_size = len(idx)
 
@@ -134,9 +212,28 @@ class LoopCache:
         """Drop every token after the first ``length`` in every slot."""
         if not 0 <= length <= self.seqlen:
             raise ValueError(f"cannot crop a cache of {self.seqlen} tokens to {length}")
-        for s in self.slots.values():
+        for s in self.physical_slots():
             s.crop(length)
         self.seqlen = length
 
     def __repr__(self) -> str:
         return f"LoopCache(num_loops={self.num_loops}, seqlen={self.seqlen}, slots={len(self.slots)})"
+
+
+class RowsCache:
+    """Rows ``idx`` of a :class:`LoopCache` for one loop iteration: every slot it hands out is a row view
+    of the full batch's slot (``slot.rows(idx, batch)``), so a loop over the active rows writes and reads
+    those rows' entries in place."""
+
+    def __init__(self, cache: LoopCache, idx: torch.Tensor):
+        self.cache, self.idx = cache, idx
+        self.num_loops, self.capacity, self.seqlen = cache.num_loops, cache.capacity, cache.seqlen
+        self.batch_size = cache.batch_size  # slots are made for the whole batch (their rows are viewed)
+        self.device, self.dtype = cache.device, cache.dtype
+
+    def slot(self, key, factory: Callable[[], Any], loop: int | None = None, family=None):
+        s = self.cache.slot(key, factory, loop, family)
+        view = getattr(s, "rows", None)
+        if view is None:
+            raise TypeError(f"cache slot {key!r}: {type(s).__name__} has no row view; per-token exit cannot run its rows")
+        return view(self.idx, self.cache.batch_size)

@@ -112,3 +112,13 @@ class LoopContext:
         if self.cache is None:
             return None
         return self.cache.slot(("rule", key), factory)
+
+    def loop_slot(self, name: str, factory: Callable[[], Any]):
+        """The rule's slot ``name`` of this iteration, ``("rule", name, k)`` (``None`` when not decoding):
+        one slot per iteration, registered as loop ``k`` of the family ``("rule", name)`` so that per-token
+        exit fills the loops a token skipped (:mod:`looplm.adaptive`). ``factory`` makes a slot for
+        ``cache.batch_size`` rows."""
+        if self.cache is None:
+            return None
+        k = self.iteration
+        return self.cache.slot(("rule", name, k), factory, loop=k, family=("rule", name))

@@ -105,10 +105,13 @@ class LoopedLM(nn.Module):
                 n -= self.lm_head.weight.numel()
         return n
 
-    def new_cache(self, batch_size: int, num_loops: int | None = None, capacity: int | None = None) -> LoopCache:
-        """An empty decoding cache for ``num_loops`` iterations; ``capacity`` tokens preallocates KV slots."""
+    def new_cache(self, batch_size: int, num_loops: int | None = None, capacity: int | None = None,
+                  kv_shared: bool = False) -> LoopCache:
+        """An empty decoding cache for ``num_loops`` iterations; ``capacity`` tokens preallocates KV slots;
+        ``kv_shared``: one KV buffer per layer for every loop (the ``shared`` exit policy)."""
         p = next(self.parameters())
-        cache = LoopCache(num_loops or self.config.n_loops, batch_size, device=p.device, dtype=p.dtype, capacity=capacity)
+        cache = LoopCache(num_loops or self.config.n_loops, batch_size, device=p.device, dtype=p.dtype, capacity=capacity,
+                          kv_shared=kv_shared)  # fmt: skip
         cache.model_signature = self._cache_signature()
         return cache
 
@@ -217,14 +220,17 @@ class LoopedLM(nn.Module):
             is_causal = False
         return ForwardContext(rope=rope, positions=position_ids, attn_mask=attn_mask, is_causal=is_causal, pad_mask=pad_mask)
 
-    def _slots(self, cache: LoopCache | None, stack: Stack, key, batch: int) -> list | None:
-        """Decoding slots of ``stack``'s blocks under ``(*key, layer)`` (``None`` without a cache)."""
+    def _slots(self, cache: LoopCache | None, stack: Stack, key, batch: int, loop: int | None = None, family=None) -> list | None:
+        """Decoding slots of ``stack``'s blocks under ``(*key, layer)`` (``None`` without a cache); slots of
+        loop iteration ``loop`` belong to ``(family, layer)`` (see :mod:`looplm.cache`)."""
         if cache is None:
             return None
+        n = cache.batch_size  # a slot holds the whole batch (a loop over some rows views it)
         return [
-            cache.slot((*key, blk.layer_idx), lambda blk=blk: blk.new_cache(batch, capacity=cache.capacity))
+            cache.slot((*key, blk.layer_idx), lambda blk=blk: blk.new_cache(n, capacity=cache.capacity),
+                       loop, None if loop is None else (family, blk.layer_idx))
             for blk in stack.blocks
-        ]
+        ]  # fmt: skip
 
     def _embed(self, input_ids: torch.Tensor, head_in_loss: bool) -> torch.Tensor:
         """``embed(input_ids)`` ``[B, T, d]``. When the embedding is tied to the head and the head's dense
@@ -241,9 +247,11 @@ class LoopedLM(nn.Module):
             return self.embed(input_ids)
         return F.embedding(input_ids, w, sparse=True)
 
-    def _readout(self, h: torch.Tensor, lctx: LoopContext) -> torch.Tensor:
-        """Logits of an intermediate iterate (``lctx.readout``): coda -> final norm -> head."""
-        y = self.coda(h, lctx.fctx, self._slots(lctx.cache, self.coda, ("readout", lctx.iteration), h.shape[0]))
+    def _readout(self, h: torch.Tensor, lctx: LoopContext, family: str = "readout") -> torch.Tensor:
+        """Logits of an intermediate iterate (``lctx.readout``): coda -> final norm -> head. During decoding
+        the coda has slots of its own per iteration, ``(family, k, layer)``."""
+        k = lctx.iteration
+        y = self.coda(h, lctx.fctx, self._slots(lctx.cache, self.coda, (family, k), h.shape[0], loop=k, family=family))
         return self.lm_head(self.norm(y))
 
     def forward(
@@ -315,7 +323,7 @@ class LoopedLM(nn.Module):
             with torch.set_grad_enabled(torch.is_grad_enabled() and k >= no_grad_until):
                 z = lctx.core_input = self.rule.next_input(state, lctx)  # Z^k  [B, T, d]
                 mods = self.rule.block_modulation(state, lctx)
-                h = self.core(z, fctx, self._slots(cache, self.core.stack, (k,), B), mods)  # H^k
+                h = self.core(z, fctx, self._slots(cache, self.core.stack, (k,), B, loop=k, family="core"), mods)  # H^k
                 new_state = self.rule.step(state, h, lctx)
                 active = lctx.active_rows()  # [B] or None: rows whose own loop count is not reached yet
                 state = new_state if active is None else self.rule.select_rows(active, new_state, state)
@@ -327,7 +335,7 @@ class LoopedLM(nn.Module):
         y = self.coda(y, fctx, self._slots(cache, self.coda, (0,), B))
         hidden = self.norm(y)
         if cache is not None:
-            cache.seqlen += input_ids.shape[1]
+            cache.commit(input_ids.shape[1])
         fused_loss = labels is not None and not return_logits
         head_in = hidden if logits_to_keep is None else hidden[:, -logits_to_keep:]
         logits = None if fused_loss else self.lm_head(head_in)  # [B, T, V]

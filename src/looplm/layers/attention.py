@@ -43,6 +43,11 @@ class KVCache:
     the first update, and each token is written in place; without one they grow by concatenation.
     Implements the cache-slot protocol of :mod:`looplm.cache`: ``seqlen``, ``index_select`` (keep /
     reorder batch rows: beam search, dropping finished rows) and ``crop`` (drop the newest tokens).
+
+    Per-token early exit (:mod:`looplm.adaptive`) writes one column for *some* rows at a time: a
+    :meth:`rows` view writes its rows' keys at column ``seqlen`` without advancing it (``pending``), the
+    exit policy fills the other rows' entries there, and :meth:`commit` (called once per token by
+    :meth:`looplm.cache.LoopCache.commit`) counts the column.
     """
 
     def __init__(self, capacity: int | None = None) -> None:
@@ -50,6 +55,7 @@ class KVCache:
         self._k: torch.Tensor | None = None  # [B, H_kv, capacity or T_past, hd]
         self._v: torch.Tensor | None = None
         self._len = 0
+        self.pending = 0  # columns written at [_len, _len + pending) by row views / fills, counted at commit
 
     @property
     def seqlen(self) -> int:
@@ -73,13 +79,19 @@ class KVCache:
             if self._len + T > self.capacity:
                 raise ValueError(f"KV cache capacity {self.capacity} exceeded ({self._len} + {T} tokens)")
             if self._k is None:
-                B, H, _, hd = k.shape
-                self._k = k.new_empty(B, H, self.capacity, hd)
-                self._v = v.new_empty(B, H, self.capacity, v.shape[-1])
+                self.allocate(k.shape[0], k.shape[1], k.shape[-1], v.shape[-1], k.dtype, k.device)
             self._k[:, :, self._len : self._len + T] = k
             self._v[:, :, self._len : self._len + T] = v
         self._len += T
         return self.k, self.v
+
+    def allocate(self, batch: int, heads: int, hd: int, hd_v: int, dtype, device) -> None:
+        """The ``[batch, heads, capacity, hd]`` buffers (a preallocated cache; no-op once allocated)."""
+        if self._k is None:
+            if self.capacity is None:
+                raise ValueError("a KV slot written row by row needs a capacity (preallocated buffers)")
+            self._k = torch.empty(batch, heads, self.capacity, hd, dtype=dtype, device=device)
+            self._v = torch.empty(batch, heads, self.capacity, hd_v, dtype=dtype, device=device)
 
     def append_buffers(self, batch_size: int) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """For a kernel that writes one new token in place (a fused decode step): the preallocated
@@ -94,6 +106,27 @@ class KVCache:
         """Count ``n`` tokens written into :meth:`append_buffers`' buffers by someone else."""
         self._len += n
 
+    # --- row subsets (per-token exit) ------------------------------------------------------------
+    def rows(self, idx: torch.Tensor, batch: int) -> "KVRows":
+        """A view that writes and attends for batch rows ``idx`` only (of a ``batch``-row cache), in place."""
+        return KVRows(self, idx, batch)
+
+    def write_rows(self, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int) -> None:
+        """Write ``k, v [n, H_kv, T, hd]`` for rows ``idx [n]`` at columns ``seqlen .. seqlen + T`` (pending)."""
+        T = k.shape[2]
+        self.allocate(batch, k.shape[1], k.shape[-1], v.shape[-1], k.dtype, k.device)
+        if self._len + T > self.capacity:
+            raise ValueError(f"KV cache capacity {self.capacity} exceeded ({self._len} + {T} tokens)")
+        cols = slice(self._len, self._len + T)
+        self._k[:, :, cols].index_copy_(0, idx, k.to(self._k.dtype))  # in place: a view of the buffer
+        self._v[:, :, cols].index_copy_(0, idx, v.to(self._v.dtype))
+        self.pending = max(self.pending, T)
+
+    def commit(self) -> None:
+        """Count the pending columns (every row has its entry there now)."""
+        self._len += self.pending
+        self.pending = 0
+
     def index_select(self, idx: torch.Tensor) -> None:
         if self._k is not None:
             self._k, self._v = self._k.index_select(0, idx), self._v.index_select(0, idx)
@@ -105,6 +138,60 @@ class KVCache:
         if self._k is not None and self.capacity is None:
             self._k, self._v = self._k[:, :, :length], self._v[:, :, :length]
         self._len = length
+        self.pending = 0
+
+
+class KVRows:
+    """Rows ``idx`` of a :class:`KVCache` (or of a loop-shared slot, :class:`looplm.cache.SharedKV`): the
+    active rows of one loop iteration under per-token exit.
+
+    :meth:`attend` writes the rows' new keys and values into the base buffers at column ``seqlen``
+    (pending until the token is committed) and attends over each row's own keys *in place*: the queries
+    are scattered into a ``[B, H, T, hd]`` tensor (zeros for the rows that wait), one attention runs over
+    the whole buffer, and the active rows' outputs are gathered. No key or value is copied; the waiting
+    rows' attention is computed and thrown away (on the reference path; the fused CPU step attends the
+    active rows only, :mod:`looplm.kernels.decode`).
+    """
+
+    def __init__(self, base: KVCache, idx: torch.Tensor, batch: int):
+        self.base, self.idx, self.batch = base, idx, batch
+
+    @property
+    def seqlen(self) -> int:
+        return self.base.seqlen
+
+    def attend(self, q, k, v, attn_mask, enable_gqa: bool) -> torch.Tensor:
+        """``q [n, H, T, hd]``, ``k, v [n, H_kv, T, hd]`` of rows ``idx``; ``attn_mask`` ``None`` or bool
+        ``[n, 1, T, seqlen + T]`` -> ``[n, H, T, hd]``."""
+        base, n, T = self.base, q.shape[0], q.shape[2]
+        base.write_rows(self.idx, k, v, self.batch)
+        L = base.seqlen + T
+        K, V = base._k[:, :, :L], base._v[:, :, :L]  # [B, H_kv, L, hd]: views, every row's own keys
+        q_all = q.new_zeros(self.batch, *q.shape[1:]).index_copy_(0, self.idx, q)  # [B, H, T, hd]
+        mask = None
+        if attn_mask is not None or T > 1:
+            if attn_mask is None:  # several new tokens without a mask: causal among themselves
+                attn_mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)[None, None].expand(n, 1, T, L)
+            mask = torch.ones(self.batch, 1, T, L, dtype=torch.bool, device=q.device).index_copy_(0, self.idx, attn_mask)
+        y = attention(q_all, K, V, attn_mask=mask, is_causal=False, enable_gqa=enable_gqa)  # [B, H, T, hd]
+        return y.index_select(0, self.idx)
+
+    def append_buffers(self, batch_size: int):
+        """The fused step's write target: ``(k_buf, v_buf, pos)`` of the base (``batch_size`` = the active
+        rows; the op writes row ``i`` into buffer row ``idx[i]``), or ``None``."""
+        b = self.base
+        if b._k is None or b.capacity is None or b._len >= b.capacity or b._k.shape[0] != self.batch:
+            return None
+        return b._k, b._v, b._len
+
+    def advance(self, n: int = 1) -> None:
+        self.base.pending = max(self.base.pending, n)
+
+    def index_select(self, idx):  # pragma: no cover - views live for one loop iteration
+        raise TypeError("a row view of a KV slot cannot be reordered; reorder the cache")
+
+    def crop(self, length):  # pragma: no cover
+        raise TypeError("a row view of a KV slot cannot be cropped; crop the cache")
 
 
 class Attention(nn.Module):
@@ -159,6 +246,14 @@ class Attention(nn.Module):
         if self.rotary_dim is not None:
             cos, sin = fctx.rope_for(self.rotary_dim)  # [B, T, rot]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        gqa = self.n_kv_heads != self.n_heads
+        if cache is not None and hasattr(cache, "attend"):  # rows of a batch (per-token exit): the slot attends in place
+            mask = fctx.attn_mask
+            if self.sliding_window is not None:
+                S = cache.seqlen + T
+                mask = self._window_mask(mask, T, S, x.device).expand(B, 1, T, S)
+            y = cache.attend(q, k, v, mask, gqa)  # [B, H, T, hd]
+            return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
         if cache is not None:
             k, v = cache.update(k, v)  # [B, H_kv, T_past + T, hd]
         mask, causal = fctx.attn_mask, fctx.is_causal and fctx.attn_mask is None
@@ -170,7 +265,7 @@ class Attention(nn.Module):
             v,
             attn_mask=mask,
             is_causal=causal,
-            enable_gqa=self.n_kv_heads != self.n_heads,
+            enable_gqa=gqa,
         )  # [B, H, T, hd]
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim))
 

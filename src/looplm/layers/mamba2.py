@@ -40,8 +40,6 @@ Shapes (used in every comment): ``b`` batch, ``T``/``t`` time, ``h`` heads (``H`
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -261,35 +259,129 @@ def ssd_chunked(
 # ----------------------------------------------------------------------------------------------------
 
 
-@dataclass
 class Mamba2State:
     """Decoding state of one (loop iteration, layer) slot (the cache-slot protocol of :mod:`looplm.cache`).
 
     ``conv_state`` [B, conv_dim, d_conv]: the last ``d_conv`` inputs of the convolution, oldest first.
     ``ssm_state`` [B, nheads, headdim, d_state]: the SSM state ``H``, float32.
     ``seqlen_offset``: tokens already absorbed (0 = empty; contents are then ignored).
+
+    Two additions serve adaptive decoding (:mod:`looplm.adaptive`, :mod:`looplm.speculative`):
+
+    * :meth:`rows` — a view of some batch rows whose one-token step reads and writes those rows' states
+      only (per-token exit: the rows still looping at this iteration); the token is counted once, at
+      :meth:`commit`;
+    * :meth:`begin_recording` / :meth:`rollback` — a recurrent state cannot forget a token, so a
+      speculative round keeps a snapshot after every token it absorbs and each row returns to the
+      snapshot of its own accepted length.
     """
 
-    conv_state: Tensor
-    ssm_state: Tensor
-    seqlen_offset: int = 0
+    def __init__(self, conv_state: Tensor, ssm_state: Tensor, seqlen_offset: int = 0):
+        self.conv_state, self.ssm_state = conv_state, ssm_state
+        self._seqlen = seqlen_offset
+        self.pending = 0  # a token absorbed by row views / fills, counted at commit
+        self.snapshots: list[tuple[Tensor, Tensor]] | None = None  # (conv, ssm) after each recorded token
+
+    @property
+    def seqlen_offset(self) -> int:
+        return self._seqlen
+
+    @seqlen_offset.setter
+    def seqlen_offset(self, n: int) -> None:
+        if self.snapshots is not None:  # every absorbed token leaves a snapshot while recording
+            for _ in range(n - self._seqlen):
+                self.snapshots.append((self.conv_state.clone(), self.ssm_state.clone()))
+        self._seqlen = n
 
     @property
     def seqlen(self) -> int:
-        return self.seqlen_offset
+        return self._seqlen
 
     def index_select(self, idx: Tensor) -> None:
         """Keep batch rows ``idx`` (reordering for beam search, dropping finished rows)."""
         self.conv_state = self.conv_state.index_select(0, idx)
         self.ssm_state = self.ssm_state.index_select(0, idx)
+        if self.snapshots is not None:
+            self.snapshots = [(c.index_select(0, idx), s.index_select(0, idx)) for c, s in self.snapshots]
 
     def crop(self, length: int) -> None:
         """A recurrent state cannot forget tokens: only a no-op crop (``length == seqlen``) is allowed."""
-        if length != self.seqlen_offset:
+        if length != self._seqlen:
             raise ValueError(
-                f"cannot crop a Mamba-2 state from {self.seqlen_offset} to {length} tokens: the SSM state has "
-                "absorbed them; re-run the prefix from an empty cache instead"
+                f"cannot crop a Mamba-2 state from {self._seqlen} to {length} tokens: the SSM state has "
+                "absorbed them; re-run the prefix from an empty cache instead (speculative decoding rolls "
+                "back through snapshots: begin_recording / rollback)"
             )
+
+    # --- row subsets (per-token exit) ------------------------------------------------------------
+    def rows(self, idx: Tensor, batch: int) -> "Mamba2Rows":
+        return Mamba2Rows(self, idx)
+
+    def commit(self) -> None:
+        """Count a token absorbed row by row (every row has taken its step or its exit policy's fill)."""
+        if self.pending:
+            self.seqlen_offset = self._seqlen + self.pending
+            self.pending = 0
+
+    # --- snapshots (speculative rounds) ------------------------------------------------------------
+    def begin_recording(self) -> None:
+        """Start a round: snapshot 0 is the state now; each token absorbed from here adds one."""
+        self.snapshots = [(self.conv_state.clone(), self.ssm_state.clone())]
+
+    def restart_recording(self) -> None:
+        """Back to snapshot 0 for every row, dropping the round's tokens (the coda before verification)."""
+        c, s = self.snapshots[0]
+        self.conv_state, self.ssm_state = c.clone(), s.clone()
+        self._seqlen -= len(self.snapshots) - 1
+        self.snapshots = self.snapshots[:1]
+
+    def rollback(self, keep: Tensor) -> None:
+        """Row ``b`` returns to its state after ``keep[b]`` of the round's tokens; recording ends."""
+        n = len(self.snapshots) - 1
+        if int(keep.min()) < 0 or int(keep.max()) > n:
+            raise ValueError(f"rollback to {keep.tolist()} tokens, but the round absorbed {n}")
+        rows = torch.arange(keep.shape[0], device=keep.device)
+        self.conv_state = torch.stack([c for c, _ in self.snapshots])[keep, rows].contiguous()  # [B, conv_dim, d_conv]
+        self.ssm_state = torch.stack([s for _, s in self.snapshots])[keep, rows].contiguous()  # [B, h, p, n]
+        self._seqlen -= n  # the uniform count of the round's start; the caller advances it by what it keeps
+        self.snapshots = None
+
+
+class Mamba2Rows:
+    """Rows ``idx`` of a :class:`Mamba2State` for one single-token step: ``conv_state`` / ``ssm_state``
+    read those rows (a gather: the step's own input) and assigning them writes the rows back in place;
+    the token is counted at :meth:`Mamba2State.commit`."""
+
+    def __init__(self, base: Mamba2State, idx: Tensor):
+        self.base, self.idx = base, idx
+
+    @property
+    def conv_state(self) -> Tensor:
+        return self.base.conv_state.index_select(0, self.idx)
+
+    @conv_state.setter
+    def conv_state(self, value: Tensor) -> None:
+        self.base.conv_state.index_copy_(0, self.idx, value.to(self.base.conv_state.dtype))
+
+    @property
+    def ssm_state(self) -> Tensor:
+        return self.base.ssm_state.index_select(0, self.idx)
+
+    @ssm_state.setter
+    def ssm_state(self, value: Tensor) -> None:
+        self.base.ssm_state.index_copy_(0, self.idx, value.to(self.base.ssm_state.dtype))
+
+    @property
+    def seqlen_offset(self) -> int:
+        return self.base.seqlen_offset
+
+    @seqlen_offset.setter
+    def seqlen_offset(self, n: int) -> None:
+        self.base.pending = max(self.base.pending, n - self.base.seqlen_offset)
+
+    @property
+    def seqlen(self) -> int:
+        return self.base.seqlen
 
 
 class RMSNormGated(nn.Module):
@@ -450,6 +542,10 @@ class Mamba2Mixer(nn.Module):
         state = cache
         if state is not None and state.seqlen_offset > 0 and x.shape[1] == 1:
             return self._step(x, pad_mask, state)
+        if state is not None and state.seqlen_offset > 0 and getattr(state, "snapshots", None) is not None:
+            # a speculative round records the state after every token: the tokens one step at a time
+            return torch.cat([self._step(x[:, t : t + 1], None if pad_mask is None else pad_mask[:, t : t + 1], state)
+                              for t in range(x.shape[1])], dim=1)  # fmt: skip
         batch, seqlen, _ = x.shape
         kernels = self._kernels_for(x)
         zxbcdt = self.in_proj(x)  # [b,T,d_in_proj]

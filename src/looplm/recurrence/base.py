@@ -32,8 +32,9 @@ What a rule can read from the loop context ``lctx`` (:class:`LoopContext`), buil
 * ``targets`` — the shifted next-token targets ``[B, T]`` (``-100`` = ignored) when labels are given,
   for auxiliary losses on intermediate iterates;
 * ``loop_options`` — rule-specific inference options passed to ``forward(loop_options=...)``;
-* ``cache_slot(key, factory)`` — a decoding slot owned by the rule (one per iteration: put
-  ``lctx.iteration`` in the key), ``None`` when not decoding.
+* ``cache_slot(key, factory)`` — a decoding slot owned by the rule, ``None`` when not decoding;
+  ``loop_slot(name, factory)`` — the rule's slot of this iteration (per-token exit fills the
+  iterations a token skipped; declare the slot's mixer in :meth:`RecurrenceRule.loop_slot_mixers`).
 * ``final_norm`` — the model's final RMSNorm ``N`` (the module, its weights shared): Ouro normalises the
   state between iterations and feeds its gate ``N(h)`` (exit_gate ``inter_norm`` / ``gate_norm``), Huginn
   normalises the loop's output before the coda (injection ``finish_norm``).
@@ -41,6 +42,12 @@ What a rule can read from the loop context ``lctx`` (:class:`LoopContext`), buil
 Hooks with defaults that do nothing: ``block_modulation`` (shifts, scales, gates — per channel or per
 token — and read/write hooks that let a rule own a block's residual streams, see
 :mod:`looplm.blocks`), ``aux_loss``, ``halted`` and ``select_rows``.
+
+Hooks of adaptive decoding (:mod:`looplm.adaptive`, per-token exit; defaults serve every rule whose
+state is a dict of ``[B, T, ...]`` tensors): ``exit_log_survival`` (a learned exit distribution, read by
+the ``gate`` criterion), ``exit_rows`` (tokens that stop after this iteration), ``take_rows`` (the rows
+still looping), ``cat_tokens`` (draft states joined for speculative verification) and
+``loop_slot_mixers`` (the mixers of the rule's per-iteration slots).
 """
 
 from __future__ import annotations
@@ -165,5 +172,55 @@ class RecurrenceRule(nn.Module):
         holds tensors whose first dim is not the batch or lists that grow per iteration."""
         return where_rows(keep_new, new, old)
 
+    # --- adaptive decoding (looplm.adaptive) -----------------------------------------------------
+    def exit_log_survival(self, state: dict, lctx: LoopContext) -> torch.Tensor | None:
+        """``[B, T]`` float64 ``log(1 − CDF(r))`` of a learned per-token exit distribution after the step just
+        taken (the ``gate`` criterion exits at the first ``r`` with ``CDF(r) >= q``); ``None`` = no gate."""
+        return None
+
+    def exit_rows(self, state: dict, exiting: torch.Tensor, lctx: LoopContext) -> dict:
+        """Tokens ``exiting [B, T]`` (bool) stop looping after this iteration: return the state whose
+        :meth:`finish` gives their output at this depth. Default: unchanged (``finish`` reads the latest
+        state). A rule that selects among iterates (the exit gate) selects this one."""
+        return state
+
+    def take_rows(self, state: dict, idx: torch.Tensor, batch: int) -> dict:
+        """The state of batch rows ``idx`` (of ``batch``): the rows still looping. Default: every tensor
+        whose first dim is the batch, through dicts / lists / tuples."""
+        return take_rows(state, idx, batch)
+
+    def cat_tokens(self, states: list[dict]) -> dict:
+        """States of consecutive single tokens joined along the token axis (dim 1), ``[B, 1, ...]`` ->
+        ``[B, n, ...]`` (speculative verification resumes the draft's states at its depth)."""
+        return cat_tokens(states)
+
+    def loop_slot_mixers(self) -> list[nn.Module]:
+        """Mixers whose decoding slots the rule takes per iteration (``lctx.loop_slot``): per-token exit
+        checks that its KV / SSM policies can fill them. Default: none."""
+        return []
+
     def extra_repr(self) -> str:
         return f"rule={self.rule_name!r}"
+
+
+def take_rows(state: Any, idx: torch.Tensor, batch: int) -> Any:
+    """Rows ``idx`` of every tensor in ``state`` whose first dim is ``batch`` (dicts, lists, tuples)."""
+    if isinstance(state, torch.Tensor):
+        return state.index_select(0, idx) if state.dim() >= 1 and state.shape[0] == batch else state
+    if isinstance(state, dict):
+        return {k: take_rows(v, idx, batch) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(take_rows(v, idx, batch) for v in state)
+    return state
+
+
+def cat_tokens(states: list) -> Any:
+    """``[B, 1, ...]`` tensors of the same place in each state joined along dim 1; others from the first."""
+    first = states[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(states, dim=1) if first.dim() >= 2 else first
+    if isinstance(first, dict):
+        return {k: cat_tokens([s[k] for s in states]) for k in first}
+    if isinstance(first, (list, tuple)):
+        return type(first)(cat_tokens([s[i] for s in states]) for i in range(len(first)))
+    return first

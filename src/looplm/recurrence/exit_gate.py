@@ -34,21 +34,31 @@ frozen by the trainer's ``train.freeze``)::
 so its backward never enters the backbone).
 
 **Threshold inference** (App. B): ``z_i(q) = min{r : CDF_i(r) >= q}``, ``CDF_i(r) = Σ_{j<=r} π_i^(j)``;
-``q`` is the rule option ``threshold`` or ``loop_options={"exit_threshold": q}`` per forward.
+``q`` is the rule option ``threshold`` or ``loop_options={"exit_threshold": q}`` per forward. The
+comparison is made on the survival, ``CDF(r) >= q  ⟺  log S^(r) <= log(1 − q)``, with
+``log S^(r) = Σ_{j<=r} log σ(−g^(j))`` summed in float64 (``−∞`` at ``R``, where ``λ^(R) := 1``). So
+``z(1.0) = R`` and ``z(q → 0) = 1`` whatever the gate's saturation: ``1 − S`` in float32 reaches 1.0 once
+``S < 6e-8`` (a gate bias of +10 selected step 2 at q = 1.0) and stays 0.0 while ``λ < 6e-8`` (a bias of
+−20 missed step 1 at any tiny q).
 **Ouro's gate** (options ``gate_norm`` and ``inter_norm``, both reading the model's final RMSNorm ``N``,
 ``lctx.final_norm``, with its weights): the gate reads the normed state, ``λ^(r) = σ(Linear_φ(N(h^(r))))``,
 and the next step reads ``N(h^(r))`` instead of ``h^(r)`` (``Z^k = N(H^{k−1})`` for ``k >= 1``, ``Z^0 = h_0``);
 the head still reads ``N(h^(z))`` through the model's own final norm, so every step's logits are
 ``head(N(h^(r)))`` as in Ouro (its norm at the end of every recurrent step feeds the next one).
-Output-selection semantics (§3.1): **all R steps run** (every SSM / KV state chain stays complete),
-the gate only picks whose hidden state reaches the head. The selected depth ("Iter") is therefore
-no compute saving; the executed depth is the forward's loop count. After every forward
+Output-selection semantics (§3.1): in a forward **all R steps run** (every SSM / KV state chain stays
+complete), the gate only picks whose hidden state reaches the head. The selected depth ("Iter") is
+therefore no compute saving; the executed depth is the forward's loop count. Decoding that stops a
+token's loop at its exit (and fills the state of the loops it skips) is :mod:`looplm.adaptive`; it
+reads the gate through :meth:`ExitGate.exit_log_survival` (the ``gate`` criterion of :mod:`looplm.exits`)
+and ends a token's selection with :meth:`ExitGate.exit_rows`. After every forward
 :attr:`ExitGate.last_exit` holds the per-token selected depth, expected exit step
 ``s_i = Σ_r r π_i^(r)`` and exit entropy ``H_i`` (detached), and :meth:`ExitGate.exit_summary` their
 means over real tokens next to the executed depth.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -122,6 +132,7 @@ class ExitGate(RecurrenceRule):
             "sel": torch.zeros_like(h0),  # h^(z_i(q)) once chosen
             "chosen": torch.zeros(B, T, dtype=torch.bool, device=h0.device),
             "depth": torch.zeros(B, T, dtype=torch.long, device=h0.device),  # z_i(q)
+            "log_S": torch.zeros(B, T, dtype=torch.float64, device=h0.device),  # log S^(r−1), for the selection
             "exp_step": torch.zeros(B, T, **f32),  # Σ r π^(r)
             "entropy": torch.zeros(B, T, **f32),  # −Σ π log(π + ε)
         }
@@ -155,24 +166,32 @@ class ExitGate(RecurrenceRule):
             return lctx.final_norm(state["h"])  # [B, T, d]
         return state["h"]
 
+    def gate_logit(self, h: torch.Tensor, lctx: LoopContext) -> torch.Tensor:
+        """``g = Linear_φ(h)`` ``[B, T]`` (fp32) from the step's hidden state ``h [B, T, d]`` (λ = σ(g));
+        ``Linear_φ(N(h))`` with ``gate_norm`` (Ouro)."""
+        return self.gate(lctx.final_norm(h) if self.gate_norm else h).squeeze(-1).float()
+
+
     def step(self, state: dict, h: torch.Tensor, lctx: LoopContext) -> dict:
         B = h.shape[0]
         r = lctx.iteration + 1
         # stage 2 trains φ only (App. E.6): the gate reads a detached h, so nothing backpropagates into the backbone
         u = h.detach() if self.stage == 2 and lctx.targets is not None else h
-        g = self.gate(lctx.final_norm(u) if self.gate_norm else u).squeeze(-1).float()  # [B, T]
+        g = self.gate_logit(u, lctx)  # [B, T]
         last = self._last_step(lctx, B, h.device)  # [B, 1]
         lam = torch.where(last, torch.ones_like(g), torch.sigmoid(g))  # λ^(r); λ^(R) := 1 (remainder)
         S_prev = state["S"]
         pi = lam * S_prev  # π^(r) = λ^(r) S^(r−1)       (eq. 1)
         S = S_prev * (1.0 - lam)  # S^(r); exactly 0 after the last step
-        cdf = 1.0 - S  # CDF(r) = Σ_{j<=r} π^(j)
+        # log S^(r) = log S^(r−1) + log σ(−g^(r)) in float64, −∞ at the last step: CDF(r) >= q ⟺ log S^(r) <= log(1 − q)
+        log_S = state["log_S"] + torch.where(last, float("-inf"), F.logsigmoid(-g.detach().double()))
         q = _check_threshold(lctx.loop_options.get("exit_threshold", self.threshold), "exit_threshold")
-        pick = ~state["chosen"] & (cdf >= q)  # z_i(q) = min{r : CDF_i(r) >= q}
+        pick = ~state["chosen"] & reaches(log_S, q)  # z_i(q) = min{r : CDF_i(r) >= q}
         new = {
             **state,
             "h": h,
             "S": S,
+            "log_S": log_S,
             "sel": torch.where(pick.unsqueeze(-1), h, state["sel"]),
             "chosen": state["chosen"] | pick,
             "depth": torch.where(pick, torch.full_like(state["depth"], r), state["depth"]),
@@ -200,6 +219,23 @@ class ExitGate(RecurrenceRule):
                 new["n_bce"] = state["n_bce"] + 1.0
             new["prev_logit"], new["prev_loss"] = g, loss
         return new
+
+    def exit_log_survival(self, state: dict, lctx: LoopContext) -> torch.Tensor:
+        """``log S^(r) = log(1 − CDF(r))`` ``[B, T]`` (float64) after the step just taken: the ``gate`` exit
+        criterion leaves at the first ``r`` with ``log S^(r) <= log(1 − q)``, i.e. at ``z(q)``."""
+        return state["log_S"]
+
+    def exit_rows(self, state: dict, exiting: torch.Tensor, lctx: LoopContext) -> dict:
+        """Tokens ``exiting [B, T]`` stop after this step (adaptive decoding): those not selected yet select
+        it, ``h^(r)`` (what ``num_loops = r`` selects with ``λ^(r) := 1``)."""
+        new = exiting & ~state["chosen"]
+        r = lctx.iteration + 1
+        return {
+            **state,
+            "sel": torch.where(new.unsqueeze(-1), state["h"], state["sel"]),
+            "chosen": state["chosen"] | new,
+            "depth": torch.where(new, torch.full_like(state["depth"], r), state["depth"]),
+        }
 
     def finish(self, state: dict, lctx: LoopContext) -> torch.Tensor:
         pad = lctx.fctx.pad_mask if lctx.fctx is not None else None
@@ -256,6 +292,12 @@ class ExitGate(RecurrenceRule):
 
 
 OBJECTIVES = ("expected_loss", "expected_logits")
+
+
+def reaches(log_S: torch.Tensor, q: float) -> torch.Tensor:
+    """``CDF(r) >= q`` from the log survival ``log S^(r) = log(1 − CDF(r))``: exact at both ends (``q = 1``
+    only where ``S`` is exactly 0, i.e. at ``R``; any ``q > 0`` at a step with ``λ > 0`` once ``q`` is small)."""
+    return log_S <= math.log1p(-q) if q < 1.0 else torch.isneginf(log_S)
 
 
 def _check_threshold(q, what: str) -> float:

@@ -282,12 +282,15 @@ class StateLoop(RecurrenceRule):
     def step(self, state, h, lctx):
         S = self.update_state(state["S"], h)  # S̃^{k+1}
         if self.mixer is not None:  # X_ψ, its own decoding slot per iteration (eqs. 8, 9)
-            slot = lctx.cache_slot(("stateloop-mixer", lctx.iteration), lambda: self.mixer.new_cache(h.shape[0], lctx.cache.capacity))
+            slot = lctx.loop_slot("stateloop-mixer", lambda: self.mixer.new_cache(lctx.cache.batch_size, lctx.cache.capacity))
             S = self.mixer(S, lctx.fctx, slot)
         hook = lctx.loop_options.get("state_hook")
         if hook is not None:
             S = hook(lctx.iteration + 1, S)  # S^{k+1}
         return {"h": h, "S": S}
+
+    def loop_slot_mixers(self):
+        return [] if self.mixer is None else [self.mixer.mixer]  # X_ψ's slot per iteration (eqs. 8, 9)
 
     def finish(self, state, lctx):
         """``Y = H^{r−1} + N^r W_{s→out}ᵀ`` (eq. 10) at the last executed iteration ``r``."""
