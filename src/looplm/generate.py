@@ -17,6 +17,12 @@ def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_k
         # the first maximum, as argmax; torch's CPU argmax is 2-4x slower (0.17 vs 0.04 ms for one bf16
         # row of 49,152 logits: 1.5% of a batch-1 decode step at the SmolLM2-135M shape)
         return logits.max(-1).indices
+    return torch.multinomial(sampling_probs(logits, temperature, top_k, top_p), 1, generator=generator).squeeze(-1)
+
+
+def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """The distribution :func:`sample_next` samples from: ``softmax(logits / temperature)`` restricted to the
+    top ``k`` and to the smallest set of mass ``top_p`` (``[..., V]`` float32)."""
     logits = logits.float() / max(temperature, 1e-8)
     if top_k is not None and top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
@@ -28,8 +34,7 @@ def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_k
         drop = probs.cumsum(-1) - probs >= top_p
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
-    probs = F.softmax(logits, dim=-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return F.softmax(logits, dim=-1)
 
 
 def _check_generate_args(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, attention_mask) -> None:
@@ -78,18 +83,59 @@ def generate(
     generator: torch.Generator | None = None,
     use_cache: bool = True,
     loop_options: dict | None = None,
-) -> torch.Tensor:
+    exit=None,
+    speculative=None,
+    return_stats: bool = False,
+):
     """Return ``[B, T + max_new_tokens]`` token ids, prompt included.
 
     Batches of different prompt lengths are left-padded; pass their ``attention_mask`` (1 = token).
     Rows that emitted ``eos_token_id`` keep emitting ``pad_token_id`` (default: the eos id); decoding
     stops early when every row has finished (the result is then shorter).
     ``use_cache=False`` recomputes the full forward each step (the reference the cache is tested against).
-    ``loop_options`` reach the recurrence rule at every step (e.g. ``{"exit_threshold": 0.8}``).
+    ``loop_options`` reach the recurrence rule at every step (e.g. ``{"exit_threshold": 0.8}``: output
+    selection; every loop still runs).
+
+    Adaptive depth (``docs/adaptive-depth.md``):
+
+    * ``exit`` — per-token early exit that skips the work (:class:`looplm.exits.Exit`, a dict of its fields
+      or a string such as ``"gate:0.8"``, ``"kl:5e-4"``, ``"convergence:0.03"``, ``"replay:2"``): each
+      token stops looping at its exit and the loops it skipped are filled by the ``kv`` / ``ssm`` policies.
+      A criterion that is off (``q = 1``, ``ε = 0``) with the ordinary caches runs exactly today's path;
+    * ``speculative`` — lossless self-speculative decoding (:class:`looplm.speculative.Speculative`, a dict,
+      or an int: the draft's loop count ``r_d``): ``k`` tokens drafted with ``r_d`` loops, verified with
+      every loop in one forward that resumes at loop ``r_d + 1``; greedy output equals full-depth greedy,
+      sampled output has full depth's distribution;
+    * ``return_stats`` — also return what ran: ``(ids, stats)`` with :meth:`looplm.adaptive.DepthStats.summary`
+      (selected / executed depth, FLOPs) or the speculative round statistics.
     """
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
         input_ids = input_ids[None]
     _check_generate_args(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, attention_mask)
+    if exit is not None and speculative is not None:
+        raise ValueError("generate: pass exit= or speculative=, not both (a speculative draft takes its own depth)")
+    if (exit is not None or speculative is not None) and not use_cache:
+        raise ValueError("generate: exit= / speculative= decode with the cache; use_cache=False is the full-forward reference")
+    if speculative is not None:
+        from .speculative import speculative_generate
+
+        return speculative_generate(
+            model, input_ids, max_new_tokens, speculative, do_sample=do_sample, temperature=temperature, top_k=top_k,
+            top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, attention_mask=attention_mask,
+            generator=generator, loop_options=loop_options, return_stats=return_stats,
+        )  # fmt: skip
+    if exit is not None:
+        from .exits import Exit
+
+        if isinstance(num_loops, torch.Tensor):
+            raise ValueError("generate: exit= decides each token's depth; per-sequence num_loops cannot be combined with it")
+        e = Exit.parse(exit)
+        if num_loops is not None and e.max_loops is None:
+            e = e.with_policies(max_loops=num_loops)
+        e = e.resolved(model, input_ids.shape[0])  # every bad option refused here, before any work
+        if not e.is_off(model) or return_stats:
+            return _generate_adaptive(model, input_ids, max_new_tokens, e, do_sample, temperature, top_k, top_p, eos_token_id,
+                                      pad_token_id, attention_mask, generator, loop_options, return_stats)  # fmt: skip
     was_training = model.training
     model.eval()
     B, T = input_ids.shape
@@ -140,3 +186,54 @@ def generate(
         model.train(was_training)
     return out[:, :n]
 
+
+
+def _decode_context(model, B: int):
+    """Where the CPU fast paths load and switch in (as for the plain path)."""
+    p = next(model.parameters())
+    if p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float32):
+        from . import kernels
+
+        kernels.load("cpu")
+    return dispatch.decode_steps(model, batch_size=B)
+
+
+@torch.no_grad()
+def _generate_adaptive(model, input_ids, max_new_tokens, exit, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
+                       attention_mask, generator, loop_options, return_stats):
+    """:func:`generate` with per-token exit (:class:`looplm.adaptive.AdaptiveDecoder`): the prompt at full
+    depth, every new token with its own exit."""
+    from .adaptive import AdaptiveDecoder
+
+    was_training = model.training
+    model.eval()
+    B, T = input_ids.shape
+    dev = input_ids.device
+    if pad_token_id is None:
+        pad_token_id = eos_token_id if eos_token_id is not None else 0
+    padded = attention_mask is not None and bool((attention_mask == 0).any())
+    out = torch.empty(B, T + max_new_tokens, dtype=input_ids.dtype, device=dev)
+    out[:, :T] = input_ids
+    mask = torch.ones(B, T + max_new_tokens, dtype=torch.long, device=dev)
+    if padded:
+        mask[:, :T] = attention_mask.long()
+    dec = AdaptiveDecoder(model, B, T + max_new_tokens, exit, loop_options)
+    finished = torch.zeros(B, dtype=torch.bool, device=dev)
+    n = T
+    try:
+        with _decode_context(model, B):
+            for i in range(max_new_tokens):
+                step_mask = mask[:, :n] if padded else None
+                step_input = out[:, :n] if i == 0 else out[:, n - 1 : n]
+                logits = dec(step_input, step_mask, validate=i == 0)
+                nxt = sample_next(logits[:, -1], do_sample, temperature, top_k, top_p, generator)  # [B]
+                nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
+                out[:, n] = nxt
+                n += 1
+                if eos_token_id is not None:
+                    finished |= nxt == eos_token_id
+                    if bool(finished.all()):
+                        break
+    finally:
+        model.train(was_training)
+    return (out[:, :n], dec.stats) if return_stats else out[:, :n]

@@ -233,6 +233,21 @@ class Attention(nn.Module):
         """An empty KV slot, allocated at its first update (``capacity`` tokens, or growing when ``None``)."""
         return KVCache(capacity)
 
+    def kv_of(self, x: torch.Tensor, fctx) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values ``[B, H_kv, T, hd]`` that :meth:`forward` would cache for ``x [B, T, d_model]``
+        (projections, QK-norm, RoPE at ``fctx``'s positions), without the query side (per-token exit's
+        ``propagate`` fill, :mod:`looplm.exits`)."""
+        B, T, _ = x.shape
+        k, v = linear_group(x, (self.k_proj, self.v_proj))
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, hd]
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        if self.rotary_dim is not None:
+            cos, sin = fctx.rope_for(self.rotary_dim)  # [B, T, rot]
+            k = apply_rotary(k, cos, sin)
+        return k, v
+
     def forward(self, x: torch.Tensor, fctx, cache: KVCache | None = None) -> torch.Tensor:
         """``x [B, T, d_model]`` -> ``[B, T, d_model]``; masks and rotary tables come from ``fctx``."""
         B, T, _ = x.shape

@@ -139,16 +139,23 @@ def ssd_step(
     """
     K = _heads_per_group(x, B)
     with torch.autocast(x.device.type, enabled=False):
-        xf, dtf = x.float(), dt.float()
-        Bh = B.float().repeat_interleave(K, dim=1)  # [b,g,n] -> [b,h,n]
+        xf = x.float()
         Ch = C.float().repeat_interleave(K, dim=1)  # [b,g,n] -> [b,h,n]
-        decay = torch.exp(dtf * A.float())  # [b,h]
-        # H_t = exp(dt A) H_{t-1} + dt x ⊗ B                                          [b,h,p,n]
-        new_state = state.float() * decay[:, :, None, None] + (dtf[:, :, None] * xf)[..., None] * Bh[:, :, None, :]
+        new_state = ssd_state_update(state, x, dt, A, B)  # H_t = exp(dt A) H_{t-1} + dt x ⊗ B   [b,h,p,n]
         y = torch.einsum("bhpn,bhn->bhp", new_state, Ch)  # y = H_t C_t                 [b,h,p]
         if D is not None:
             y = y + _d_skip(D, xf)
     return y.to(x.dtype), new_state
+
+
+def ssd_state_update(state: Tensor, x: Tensor, dt: Tensor, A: Tensor, B: Tensor) -> Tensor:
+    """The state half of :func:`ssd_step`: ``H_t = exp(dt·A)·H_{t-1} + dt·x ⊗ B`` (float32), shapes as there."""
+    K = _heads_per_group(x, B)
+    with torch.autocast(x.device.type, enabled=False):
+        xf, dtf = x.float(), dt.float()
+        Bh = B.float().repeat_interleave(K, dim=1)  # [b,g,n] -> [b,h,n]
+        decay = torch.exp(dtf * A.float())  # [b,h]
+        return state.float() * decay[:, :, None, None] + (dtf[:, :, None] * xf)[..., None] * Bh[:, :, None, :]
 
 
 def _segsum(a: Tensor) -> Tensor:
@@ -343,8 +350,7 @@ class Mamba2State:
         rows = torch.arange(keep.shape[0], device=keep.device)
         self.conv_state = torch.stack([c for c, _ in self.snapshots])[keep, rows].contiguous()  # [B, conv_dim, d_conv]
         self.ssm_state = torch.stack([s for _, s in self.snapshots])[keep, rows].contiguous()  # [B, h, p, n]
-        self._seqlen -= n  # the uniform count of the round's start; the caller advances it by what it keeps
-        self.snapshots = None
+        self.snapshots = None  # seqlen keeps counting the round's columns (the attention slots mask the dropped ones)
 
 
 class Mamba2Rows:
@@ -589,10 +595,12 @@ class Mamba2Mixer(nn.Module):
         y = self.norm(y.reshape(batch, seqlen, self.d_inner), z)  # [b,T,d_inner]
         return self.out_proj(y.to(x.dtype))
 
-    def _step(self, x: Tensor, pad_mask: Tensor | None, state: Mamba2State) -> Tensor:
-        """One token from a non-empty state: x [b,1,d_model] -> [b,1,d_model]."""
-        batch = x.shape[0]
-        zxbcdt = self.in_proj(x[:, 0])  # [b,d_in_proj]
+    def _step_inputs(self, x: Tensor, pad_mask: Tensor | None, state, zxbcdt: Tensor | None = None):
+        """The first half of a one-token step: ``in_proj`` (unless given), the conv window slid by the new
+        input (written into ``state``), SiLU, the split and ``dt``. Returns ``z [b,d_inner]``,
+        ``x [b,h,p]``, ``B, C [b,g,n]``, ``dt [b,h]`` and ``A [h]``."""
+        if zxbcdt is None:
+            zxbcdt = self.in_proj(x[:, 0])  # [b,d_in_proj]
         z, xBC, dt_raw = zxbcdt.split([self.d_inner, self.conv_dim, self.nheads], dim=-1)
         mask = None if pad_mask is None else pad_mask[:, 0, None].to(zxbcdt.dtype)  # [b,1]
         if mask is not None:
@@ -611,6 +619,12 @@ class Mamba2Mixer(nn.Module):
         xs, B, C = self._split_ssm_inputs(xBC)  # [b,h,p], [b,g,n], [b,g,n]
         dt = self._dt(dt_raw, mask)  # [b,h]
         A = -torch.exp(self.A_log.float())  # [h]
+        return z, xs, B, C, dt, A
+
+    def _step(self, x: Tensor, pad_mask: Tensor | None, state: Mamba2State) -> Tensor:
+        """One token from a non-empty state: x [b,1,d_model] -> [b,1,d_model]."""
+        batch = x.shape[0]
+        z, xs, B, C, dt, A = self._step_inputs(x, pad_mask, state)
         if self._kernels_for(x):  # pragma: no cover - CUDA only
             ssm_state = state.ssm_state.float().contiguous()  # updated in place by the kernel
             H, P, N = self.nheads, self.headdim, self.d_state
@@ -630,6 +644,33 @@ class Mamba2Mixer(nn.Module):
 
         y = self.norm(y.reshape(batch, 1, self.d_inner), z[:, None])  # [b,1,d_inner]
         return self.out_proj(y.to(x.dtype))
+
+    def absorb(self, x: Tensor, state, mode: str = "propagate", zxbcdt: Tensor | None = None) -> None:
+        """The state of a token that skips this layer (per-token exit, :mod:`looplm.exits`): ``x [b,1,d_model]``
+        is the stand-in mixer input (the normed block input), ``state`` the slot (or its rows).
+
+        * ``propagate``: the step's state half: the conv window slid by ``in_proj(x)``'s conv input, then
+          ``S ← exp(dt·A)·S + dt·x ⊗ B`` — what :meth:`_step` leaves in ``state`` (``out_proj`` skipped);
+        * ``decay``: ``S ← exp(dt·A)·S`` with ``dt`` from the dt rows of ``in_proj`` only; conv untouched.
+
+        ``zxbcdt``: ``in_proj(x[:, 0])`` when the caller computed it once for several loops' slots."""
+        if mode == "propagate":
+            _, xs, B, _, dt, A = self._step_inputs(x, None, state, zxbcdt)
+            state.ssm_state = ssd_state_update(state.ssm_state, xs, dt, A, B)
+        elif mode == "decay":
+            H = self.nheads
+            if zxbcdt is not None:
+                dt_raw = zxbcdt[:, -H:]
+            else:
+                w, b = self.in_proj.weight[-H:], None if self.in_proj.bias is None else self.in_proj.bias[-H:]
+                dt_raw = F.linear(x[:, 0], w, b)  # [b, h]: the dt rows of in_proj
+            dt = self._dt(dt_raw, None)
+            A = -torch.exp(self.A_log.float())
+            S = state.ssm_state
+            state.ssm_state = S.float() * torch.exp(dt * A)[:, :, None, None]  # H ← exp(dt·A)·H
+        else:
+            raise ValueError(f"Mamba2Mixer.absorb: mode must be 'propagate' or 'decay', got {mode!r}")
+        state.seqlen_offset += 1
 
     def extra_repr(self) -> str:
         return (

@@ -1,0 +1,383 @@
+"""The decode-time loop driver with per-token exit: each token's loop stops at its own exit.
+
+:meth:`LoopedLM.forward` runs every loop for every token. :class:`AdaptiveDecoder` runs the same
+computation one decoding call at a time, with an :class:`~looplm.exits.Exit`: after each loop ``k`` the
+criterion decides which of the rows still looping may stop; only the rows still active run the next loop
+(their hidden states gathered, every cache slot read and written through a row view of the whole batch's
+slot, in place: :mod:`looplm.cache`); rows that exited wait at the coda, which runs once for the whole batch.
+Then the exit policy fills the loops each exited token skipped (``kv`` / ``ssm``, :mod:`looplm.exits`) and
+the token is committed to the cache. It calls the rule's hooks and never asks which rule it holds::
+
+    x = prelude(embed(ids))                      # every row
+    state = rule.begin(x)
+    for k in range(R):                           # R = max_loops
+        z = rule.next_input(state); h = core(z)  # the active rows only (n of B)
+        state = rule.step(state, h)
+        exit = criterion(h, state) and k + 1 >= min_loops
+        y[exiting rows] = rule.finish(rule.exit_rows(state[exiting]))
+        state = state[staying rows]              # (kv = 'full': every row goes on, only y is taken here)
+    y[rows still looping] = rule.finish(state)
+    fill the skipped loops' slots of every exited row (policy); cache.commit()
+    logits = head(norm(coda(y)))                 # every row
+
+The prompt (the first call, whatever its length) and any call of several tokens run at full depth (every
+loop, no exit; a ``kl`` criterion still reads out every loop so that its readout slots hold the prompt);
+a single new token per row takes the exits. So every slot of every loop exists, aligned, before the
+first exit. Teacher
+forcing (scoring a given text token by token with exits) is :meth:`AdaptiveDecoder.score`.
+
+Per decoded token and row :class:`DepthStats` records the selected depth (the exit), the executed depth
+(the core passes the row ran), the loops the batch ran (what a waiting row waits for), and FLOPs where the
+work runs: core passes, fills, checks (readouts, norms) and the rest (prelude, coda, head).
+
+CUDA: the active rows are index tensors built on the device (``nonzero``); the row count is read on the
+host once per loop to size the next loop's tensors — the one synchronisation per loop that compaction
+costs (see ``docs/adaptive-depth.md``; not measured on a GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from .context import ForwardContext, LoopContext
+from .exits import Exit, make_criterion, readout_flops, stack_flops
+
+__all__ = ["AdaptiveDecoder", "DepthStats", "restrict_context"]
+
+
+@dataclass
+class DepthStats:
+    """What adaptive decoding did, per decoded token (lists over tokens; tensors over rows ``[B]``)."""
+
+    max_loops: int
+    selected: list = field(default_factory=list)  # [B] long: the exit depth of each row's token
+    executed: list = field(default_factory=list)  # [B] long: core passes each row ran (kv='full': max_loops)
+    batch_loops: list = field(default_factory=list)  # int: loops the batch ran (a row that exited waits for them)
+    core_flops: float = 0.0  # the core passes that ran
+    fill_flops: float = 0.0  # propagate fills (copy / freeze / shared: 0)
+    fill_bytes: float = 0.0  # bytes a copy fill moved
+    check_flops: float = 0.0  # the criterion: readouts (kl), norms (convergence), the gate's linear
+    other_flops: float = 0.0  # prelude, coda, final norm, head
+    full_core_flops: float = 0.0  # the core passes full depth would run on the same tokens
+
+    def summary(self) -> dict:
+        """Means per decoded token and row, next to full depth ``max_loops``."""
+        if not self.selected:
+            return {"tokens": 0}
+        sel = torch.stack(self.selected).float()
+        ex = torch.stack(self.executed).float()
+        n = sel.numel()
+        total = self.core_flops + self.fill_flops + self.check_flops + self.other_flops
+        full = self.full_core_flops + self.other_flops
+        return {
+            "tokens": n,
+            "selected_depth": float(sel.mean()),
+            "executed_depth": float(ex.mean()),
+            "batch_depth": float(sum(self.batch_loops)) / len(self.batch_loops),
+            "max_loops": self.max_loops,
+            "executed_ratio": float(ex.mean()) / self.max_loops,
+            "flops_per_token": total / n,
+            "flops_ratio": total / full if full else float("nan"),
+            "fill_flops_per_token": self.fill_flops / n,
+            "fill_bytes_per_token": self.fill_bytes / n,
+            "check_flops_per_token": self.check_flops / n,
+        }
+
+
+def restrict_fctx(fctx: ForwardContext, idx: torch.Tensor) -> ForwardContext:
+    """``fctx`` for batch rows ``idx`` (rotary tables, positions, masks)."""
+    pick = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
+    return ForwardContext(
+        rope={r: (cos.index_select(0, idx), sin.index_select(0, idx)) for r, (cos, sin) in fctx.rope.items()},
+        positions=pick(fctx.positions), attn_mask=pick(fctx.attn_mask), is_causal=fctx.is_causal, pad_mask=pick(fctx.pad_mask),
+    )  # fmt: skip
+
+
+def restrict_context(lctx: LoopContext, idx: torch.Tensor) -> LoopContext:
+    """``lctx`` as batch rows ``idx`` see it: their forward context, embeddings, and row views of the cache."""
+    pick = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
+    return replace(
+        lctx, fctx=restrict_fctx(lctx.fctx, idx), cache=None if lctx.cache is None else lctx.cache.rows(idx),
+        embeddings=pick(lctx.embeddings), loops_per_row=pick(lctx.loops_per_row), targets=pick(lctx.targets), core_input=None,
+    )  # fmt: skip
+
+
+class AdaptiveDecoder:
+    """Decoding with per-token exit for one batch: a cache of ``max_loops`` loops (``capacity`` tokens, one
+    KV buffer per family under ``kv='shared'``), the criterion, and :class:`DepthStats`.
+
+    ``decoder(ids, attention_mask)`` takes the prompt (several tokens: full depth) or one new token per row
+    (``[B, 1]``: exits) and returns the logits of the last position ``[B, 1, V]`` (``logits_to_keep`` more).
+    ``attention_mask`` ``[B, past + T]`` as for :meth:`LoopedLM.forward` (left padding).
+    """
+
+    def __init__(self, model, batch_size: int, capacity: int, exit, loop_options: dict | None = None):
+        self.model = model
+        self.exit = e = Exit.parse(exit).resolved(model, batch_size)
+        self.R = e.max_loops
+        self.cache = model.new_cache(batch_size, self.R, capacity=capacity, kv_shared=e.kv == "shared")
+        self.criterion = make_criterion(e)
+        opts = dict(loop_options or {})
+        if e.criterion == "gate":  # the rule's own selection agrees with the criterion's q
+            opts.setdefault("exit_threshold", e.threshold)
+        self.loop_options = opts
+        self.stats = DepthStats(self.R)
+        self.token = 0  # single-token calls so far (the index replay depths are read at)
+        self.core_pass = lambda ctx: stack_flops(model.core.stack, ctx)  # one row, one loop
+
+    # ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, logits_to_keep: int = 1,
+                 validate: bool = True) -> torch.Tensor:
+        m = self.model
+        if validate:
+            m._check_inputs(input_ids, self.cache, attention_mask)
+        B, T = input_ids.shape
+        cache = self.cache
+        ctx = cache.seqlen + T  # keys each attention layer reads (the last position)
+        fctx = m._forward_context(input_ids, attention_mask, None, cache.seqlen)
+        E = m._embed(input_ids, head_in_loss=False) * m.embed_multiplier  # [B, T, d]
+        x = m.prelude(E, fctx, m._slots(cache, m.prelude, (0,), B))
+        lctx = self._context(fctx, E)
+        decoding = T == 1 and cache.seqlen > 0  # the prompt (the first call, any length) runs at full depth
+        y, depth, executed, loops = self._loops(x, lctx, allow_exit=decoding)
+        y = m.coda(y, fctx, m._slots(cache, m.coda, (0,), B))
+        logits = m.lm_head(m.norm(y[:, -logits_to_keep:]))  # [B, keep, V]
+        st = self.stats
+        if decoding:  # the statistics are of decoded tokens (a prompt runs at full depth)
+            st.other_flops += B * (stack_flops(m.prelude, ctx) + readout_flops(m, lctx))
+            st.selected.append(depth)
+            st.executed.append(executed)
+            st.batch_loops.append(loops)
+            st.full_core_flops += B * self.R * self.core_pass(ctx)
+            self.token += 1
+        cache.commit(T)
+        return logits
+
+    # ------------------------------------------------------------------------------------------
+    def _loops(self, x: torch.Tensor, lctx: LoopContext, allow_exit: bool):
+        """The loops of one call: ``(y [B, T, d] for the coda, depth [B], executed [B], loops the batch ran)``."""
+        m, rule, e, crit, cache = self.model, self.model.rule, self.exit, self.criterion, self.cache
+        B, T = x.shape[:2]
+        R, full = self.R, e.kv == "full"
+        dev = x.device
+        ctx = cache.seqlen + T
+        state = rule.begin(x, lctx)
+        crit.begin(self.token)
+        rows = torch.arange(B, device=dev)  # global ids of the rows still looping
+        sub = lctx  # their loop context (the whole batch until the first exit)
+        y = None  # [B, T, d]: rows' outputs as they exit
+        depth = torch.full((B,), R, dtype=torch.long, device=dev)
+        executed = torch.zeros(B, dtype=torch.long, device=dev)
+        exited = torch.zeros(B, dtype=torch.bool, device=dev)  # kv='full': exited, still looping
+        fills = []
+        check_before = crit.flops
+        loops = 0
+        for k in range(R):
+            sub.iteration = k
+            n = rows.shape[0]
+            z = sub.core_input = rule.next_input(state, sub)  # Z^k  [n, T, d]
+            mods = rule.block_modulation(state, sub)
+            h = m.core(z, sub.fctx, m._slots(sub.cache, m.core.stack, (k,), n, loop=k, family="core"), mods)  # H^k
+            state = rule.step(state, h, sub)
+            executed[rows] += 1
+            loops += 1
+            if allow_exit:
+                self.stats.core_flops += n * self.core_pass(ctx)
+            if k == R - 1:
+                break
+            if not allow_exit:
+                if crit.readout:  # the prompt's readout slots (a kl criterion reads out every loop)
+                    crit.check(k, h, state, sub, rows, m)
+                continue
+            leave = crit.check(k, h, state, sub, rows, m)  # [n] bool
+            if k + 1 < e.min_loops:
+                continue
+            if full:
+                leave = leave & ~exited[rows]
+            if not bool(leave.any()):  # the host reads one flag per loop (the row count of the next loop)
+                continue
+            out = leave.nonzero()[:, 0]  # local ids of the rows leaving now
+            g = rows.index_select(0, out)
+            st_out = rule.take_rows(state, out, n)
+            ctx_out = restrict_context(lctx, g)
+            ctx_out.iteration = k
+            st_out = rule.exit_rows(st_out, torch.ones(out.shape[0], T, dtype=torch.bool, device=dev), ctx_out)
+            if y is None:
+                y = x.new_zeros(B, T, x.shape[-1])
+            y.index_copy_(0, g, rule.finish(st_out, ctx_out))
+            depth[g] = k + 1
+            if full:  # exact caches: the row keeps looping, only its output was taken here
+                exited[g] = True
+                continue
+            fills.append((g, k, st_out, ctx_out, h.index_select(0, out)))
+            stay = (~leave).nonzero()[:, 0]
+            if stay.numel() == 0:
+                rows = rows[:0]
+                break
+            state = rule.take_rows(state, stay, n)
+            rows = rows.index_select(0, stay)
+            crit.take(stay)
+            sub = restrict_context(lctx, rows)
+        if allow_exit:
+            self.stats.check_flops += crit.flops - check_before
+        if rows.numel():
+            if y is None:  # nobody exited: the forward's own last step
+                y = rule.finish(state, sub)
+            else:
+                keep = ~exited.index_select(0, rows)  # kv='full': rows that exited keep their output
+                y_rest = rule.finish(state, sub)
+                if bool(keep.all()):
+                    y.index_copy_(0, rows, y_rest)
+                else:
+                    sel = keep.nonzero()[:, 0]
+                    y.index_copy_(0, rows.index_select(0, sel), y_rest.index_select(0, sel))
+        for f in fills:
+            self._fill(*f)
+        return y, depth, executed, loops
+
+    # ------------------------------------------------------------------------------------------
+    def _fill(self, g: torch.Tensor, k_exit: int, state: dict, lctx: LoopContext, h_exit: torch.Tensor) -> None:
+        """The slots of loops ``k_exit + 1 .. R − 1`` for rows ``g`` that exited after loop ``k_exit``."""
+        m, e, cache = self.model, self.exit, self.cache
+        skipped = range(k_exit + 1, self.R)
+        B, pos = cache.batch_size, cache.seqlen
+        blocks = {b.layer_idx: b for stack in (m.core.stack, m.coda) for b in stack.blocks}
+        modulated = _modulates(m.rule)
+        z_next = None
+        per_layer: dict = {}  # (family, layer, k or None) -> the stand-in's fill (computed once per layer)
+        st = self.stats
+        n = g.shape[0]
+        for family, by_loop in cache.loop_slots.items():
+            src = by_loop.get(k_exit)
+            for k in skipped:
+                dst = by_loop.get(k)
+                if dst is None:
+                    continue
+                kv_slot = hasattr(dst, "update")
+                if kv_slot and e.kv == "shared":
+                    continue  # the token's column keeps the last loop it ran
+                if not kv_slot and e.ssm == "freeze":
+                    dst.pending = max(dst.pending, 1)  # state and conv window untouched; the token is counted
+                    continue
+                if kv_slot and e.kv == "copy":
+                    s = getattr(src, "base", src)
+                    kk = s._k[:, :, pos : pos + 1].index_select(0, g)  # [n, H_kv, 1, hd]: the exit loop's entry
+                    vv = s._v[:, :, pos : pos + 1].index_select(0, g)
+                    getattr(dst, "base", dst).write_rows(g, kk, vv, B)
+                    st.fill_bytes += 2 * kk.numel() * kk.element_size()
+                    continue
+                # propagate (KV or SSM) / decay (SSM): the stand-in through the skipped layer
+                kind, layer = family
+                blk = blocks[layer]
+                if kind == "core":
+                    if z_next is None:
+                        nxt = replace(lctx, iteration=k_exit + 1)
+                        z_next = m.rule.next_input(state, nxt)  # Z^{k+1}: what the next loop would read
+                    stand = z_next
+                else:  # a readout's coda layer: the exit iterate H^k
+                    stand = h_exit
+                mod_key = k if (kind == "core" and modulated) else None
+                key = (family, mod_key)
+                u = per_layer.get(key)
+                if u is None:
+                    u = blk.mixer_norm(stand)  # [n, 1, d]
+                    if mod_key is not None:  # the rule's per-loop scale / shift of this block's mixer input
+                        mods = m.rule.block_modulation(state, replace(lctx, iteration=k))
+                        mm = None if mods is None else mods[layer - m.core.stack.first].mixer
+                        if mm is not None and mm.scale is not None:
+                            u = u * mm.scale
+                        if mm is not None and mm.shift is not None:
+                            u = u + mm.shift
+                    if kv_slot:
+                        u = blk.mixer.kv_of(u, lctx.fctx)  # (k, v) [n, H_kv, 1, hd]
+                        st.fill_flops += n * 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
+                    else:
+                        mix = blk.mixer
+                        rows_w = mix.in_proj.weight if e.ssm == "propagate" else mix.in_proj.weight[-mix.nheads :]
+                        u = (u, mix.in_proj(u[:, 0]) if e.ssm == "propagate" else None)
+                        st.fill_flops += n * 2.0 * rows_w.numel()
+                    per_layer[key] = u
+                if kv_slot:
+                    getattr(dst, "base", dst).write_rows(g, u[0], u[1], B)
+                else:
+                    mix = blk.mixer
+                    mix.absorb(u[0], dst.rows(g, B), e.ssm, zxbcdt=u[1])
+                    st.fill_flops += n * (2.0 * mix.conv_dim * mix.d_conv + 4.0 * mix.nheads * mix.headdim * mix.d_state)
+
+    # ------------------------------------------------------------------------------------------
+    # self-speculative decoding (looplm.speculative): a draft that stops at r_d, a verification that resumes
+    @torch.no_grad()
+    def draft(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, loops: int):
+        """One new token per row through ``loops`` loops only, with no fill (the deeper loops' slots stay one
+        token behind: verification writes them). Returns the logits ``[B, 1, V]`` of the exit at ``loops`` and
+        the rule state after it (what verification resumes from)."""
+        m, cache, rule = self.model, self.cache, self.model.rule
+        B = input_ids.shape[0]
+        fctx = m._forward_context(input_ids, attention_mask, None, cache.seqlen)
+        E = m._embed(input_ids, head_in_loss=False) * m.embed_multiplier
+        x = m.prelude(E, fctx, m._slots(cache, m.prelude, (0,), B))
+        lctx = self._context(fctx, E)
+        state = rule.begin(x, lctx)
+        for k in range(loops):
+            lctx.iteration = k
+            z = lctx.core_input = rule.next_input(state, lctx)
+            h = m.core(z, fctx, m._slots(cache, m.core.stack, (k,), B, loop=k, family="core"), rule.block_modulation(state, lctx))
+            state = rule.step(state, h, lctx)
+        out = rule.exit_rows(state, torch.ones(B, 1, dtype=torch.bool, device=x.device), lctx)
+        y = m.coda(rule.finish(out, lctx), fctx, m._slots(cache, m.coda, (0,), B))
+        logits = m.lm_head(m.norm(y))  # [B, 1, V]
+        cache.commit(1)
+        return logits, state
+
+    @torch.no_grad()
+    def verify(self, states: list, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, start: int, past: int):
+        """Resume the drafted tokens ``input_ids [B, n]`` (columns ``past .. past + n − 1``, their loops
+        ``< start`` already run by :meth:`draft`, whose states ``states`` are) at loop ``start``: loops
+        ``start .. R − 1`` of all ``n`` tokens in one forward, then finish, coda and head: logits ``[B, n, V]``
+        at full depth. The coda's slots must have been rolled back to ``past`` by the caller."""
+        m, cache, rule = self.model, self.cache, self.model.rule
+        B, n = input_ids.shape
+        fctx = m._forward_context(input_ids, attention_mask, None, past)
+        E = m._embed(input_ids, head_in_loss=False) * m.embed_multiplier
+        lctx = self._context(fctx, E)
+        state = rule.cat_tokens(states)  # [B, n, ...]
+        for k in range(start, self.R):
+            lctx.iteration = k
+            z = lctx.core_input = rule.next_input(state, lctx)
+            h = m.core(z, fctx, m._slots(cache, m.core.stack, (k,), B, loop=k, family="core"), rule.block_modulation(state, lctx))
+            state = rule.step(state, h, lctx)
+        y = m.coda(rule.finish(state, lctx), fctx, m._slots(cache, m.coda, (0,), B))
+        return m.lm_head(m.norm(y))  # [B, n, V]
+
+    def _context(self, fctx, E) -> LoopContext:
+        m = self.model
+        return LoopContext(
+            num_loops=self.R, train_loops=m.config.n_loops, fctx=fctx, cache=self.cache, loop_options=self.loop_options,
+            embeddings=E, embed_weight=m.embed.weight, embed_multiplier=m.embed_multiplier, readout_fn=m._readout,
+        )  # fmt: skip
+
+    # ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def score(self, input_ids: torch.Tensor, prompt_len: int = 1) -> torch.Tensor:
+        """Teacher forcing with exits: the first ``prompt_len`` tokens as a prompt (full depth), then every
+        further token one at a time (its exit decided as in decoding). Returns the logits of every position
+        ``[B, T, V]`` from position ``prompt_len − 1`` on (earlier positions are zeros)."""
+        B, T = input_ids.shape
+        if not 1 <= prompt_len <= T:
+            raise ValueError(f"prompt_len must be in [1, {T}], got {prompt_len}")
+        V = self.model.config.vocab_size
+        out = torch.zeros(B, T, V, device=input_ids.device)
+        out[:, :prompt_len] = self(input_ids[:, :prompt_len], logits_to_keep=prompt_len).float()
+        for t in range(prompt_len, T):
+            out[:, t] = self(input_ids[:, t : t + 1], validate=False)[:, -1].float()
+        return out
+
+
+def _modulates(rule) -> bool:
+    """Whether the rule overrides ``block_modulation`` (its blocks may differ per loop)."""
+    from .recurrence.base import RecurrenceRule
+
+    return type(rule).block_modulation is not RecurrenceRule.block_modulation

@@ -1,0 +1,359 @@
+"""Per-token exit criteria and the state policies of the loops a token skips (one interface, any rule).
+
+:class:`Exit` is the option of a call (``generate(..., exit=...)``, ``looplm generate --exit ...``):
+*when* a token stops looping (the criterion, ``min_loops`` / ``max_loops``) and *what later tokens see*
+in the loops it skipped (``kv`` for attention slots, ``ssm`` for Mamba-2 slots). The decode-time driver
+that acts on it is :mod:`looplm.adaptive`; ``docs/adaptive-depth.md`` is the user's guide.
+
+Criteria (``r`` = the loop just run, 1-based; a token may exit after loop ``r >= min_loops``, and every
+token exits at ``max_loops``, default the trained ``K``):
+
+* ``gate`` (``q`` in (0, 1]): the rule's learned exit distribution (the exit gate, Looped-Mamba App. B):
+  exit at ``z(q) = min{r : CDF(r) >= q}``, read through ``rule.exit_log_survival`` (``log(1 − CDF(r))``);
+  ``q = 1`` runs every loop (``z(1) = R``). A rule without a gate is refused.
+* ``kl`` (``ε >= 0``, Huginn's zero-shot criterion): exit when ``KL(p^{r−1} ‖ p^r) < ε`` for the next-token
+  distributions ``p^r = softmax(readout(H^r))`` of successive iterates (from ``r = 2``). It needs a readout
+  (coda, final norm, head) at every loop a token runs: the check cost, counted.
+* ``convergence`` (``ε >= 0``): exit when the relative update ``‖H^r − H^{r−1}‖ / ‖H^{r−1}‖ < ε``
+  (from ``r = 2``; no readout).
+* ``replay`` (``depths``): given depths — an int (every token), a ``[B]`` tensor (per row) or a
+  ``[B, N]`` tensor (per row and decoded token ``t < N``) — for tests and studies.
+
+``ε = 0`` and ``q = 1`` switch a criterion off (every token runs ``max_loops``).
+
+KV policies (attention slots of skipped loops; see :mod:`looplm.cache`):
+
+* ``copy`` — the exit loop's key/value copied into every deeper loop's slot (no FLOPs; bytes);
+* ``propagate`` — the stand-in state through each skipped layer's norm and K/V projections (CALM's
+  propagation): the core input the next loop would read, ``Z^{r+1} = next_input(state)``, for core
+  layers; the exit iterate ``H^r`` for readout (coda) layers. Computed once per layer when the rule
+  puts nothing loop-dependent into the blocks (else once per layer and loop, with the rule's scale /
+  shift);
+* ``shared`` — one KV slot per layer for all loops (memory ÷ K): a token writes its column at every loop
+  it runs, later tokens read each earlier token at the last loop it ran (Huginn's zero-shot sharing).
+  It changes the model even at full depth;
+* ``full`` — the exited token keeps running every loop (today's behaviour: exact caches); only its
+  output comes from the exit. No compute saved.
+
+SSM policies (Mamba-2 slots of skipped loops; attention-free layers hold a state, not a list):
+
+* ``freeze`` — state and conv window untouched (the skipped loops never see the token);
+* ``propagate`` — the stand-in through the layer's norm, ``in_proj``, the conv window and the state
+  update ``S ← exp(Δ·A)·S + Δ·x ⊗ B`` (``out_proj`` and everything after it skipped);
+* ``decay`` — ``S ← exp(Δ·A)·S`` only (``Δ`` from the stand-in's dt projection), conv window untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["CRITERIA", "Exit", "KV_POLICIES", "SSM_POLICIES", "make_criterion"]
+
+CRITERIA = ("gate", "kl", "convergence", "replay")
+KV_POLICIES = ("copy", "propagate", "shared", "full")
+SSM_POLICIES = ("freeze", "propagate", "decay")
+_DEFAULT_THRESHOLD = {"gate": 1.0, "kl": 0.0, "convergence": 0.0}
+
+
+@dataclass(frozen=True)
+class Exit:
+    """When tokens stop looping and what the skipped loops hold (module docstring)."""
+
+    criterion: str = "gate"
+    threshold: float | None = None  # q (gate) or ε (kl, convergence); None = off (q = 1, ε = 0)
+    depths: int | torch.Tensor | None = None  # replay
+    min_loops: int = 1
+    max_loops: int | None = None  # default: the trained K
+    kv: str = "copy"
+    ssm: str = "freeze"
+
+    # --- construction ------------------------------------------------------------------------------
+    @classmethod
+    def parse(cls, spec) -> "Exit":
+        """An :class:`Exit` from itself, a dict of its fields, or a string ``criterion[:value]``
+        (``gate:0.8``, ``kl:5e-4``, ``convergence:0.03``, ``replay:2``)."""
+        if isinstance(spec, Exit):
+            return spec
+        if isinstance(spec, dict):
+            unknown = sorted(set(spec) - set(cls.__dataclass_fields__))
+            if unknown:
+                raise ValueError(f"exit: unknown option(s) {unknown}; options are {sorted(cls.__dataclass_fields__)}")
+            return cls(**spec)
+        if isinstance(spec, str):
+            name, _, value = spec.partition(":")
+            name = name.strip()
+            if name not in CRITERIA:
+                raise ValueError(f"exit criterion {name!r} is unknown; use one of {list(CRITERIA)} (e.g. 'gate:0.8', 'kl:5e-4')")
+            if not value:
+                return cls(criterion=name)
+            try:
+                num = float(value)
+            except ValueError:
+                raise ValueError(f"exit {spec!r}: {value!r} is not a number") from None
+            if name == "replay":
+                if num != int(num):
+                    raise ValueError(f"exit {spec!r}: replay depth must be an integer, got {value!r}")
+                return cls(criterion=name, depths=int(num))
+            return cls(criterion=name, threshold=num)
+        raise TypeError(f"exit must be an Exit, a dict or a string like 'gate:0.8', got {type(spec).__name__}")
+
+    def with_policies(self, kv: str | None = None, ssm: str | None = None, min_loops: int | None = None,
+                      max_loops: int | None = None) -> "Exit":
+        """A copy with the given fields replaced (``None`` keeps them)."""
+        kw = {k: v for k, v in dict(kv=kv, ssm=ssm, min_loops=min_loops, max_loops=max_loops).items() if v is not None}
+        return replace(self, **kw)
+
+    # --- checks ------------------------------------------------------------------------------------
+    def resolved(self, model, batch_size: int | None = None) -> "Exit":
+        """This exit checked against ``model`` (and the batch), ``max_loops`` filled in; a
+        ``ValueError`` naming the option and what to do otherwise — before any decoding work."""
+        errs = []
+        K = model.config.n_loops
+        if self.criterion not in CRITERIA:
+            errs.append(f"exit criterion {self.criterion!r} is unknown; use one of {list(CRITERIA)}")
+        t = self.threshold
+        if self.criterion == "gate":
+            if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 < t <= 1.0):
+                errs.append(f"exit threshold q must be in (0, 1] for the gate criterion (1 = every loop), got {t!r}")
+            if type(model.rule).exit_log_survival is _base_exit_log_survival():
+                errs.append(
+                    f"exit criterion 'gate' needs a rule with a learned exit gate (rule exit_gate); this model's rule is "
+                    f"{model.config.rule.name!r}: use 'kl:EPS' or 'convergence:EPS'"
+                )
+        elif self.criterion in ("kl", "convergence"):
+            if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0 or math.isinf(t)):
+                errs.append(f"exit threshold ε must be a finite number >= 0 for the {self.criterion} criterion (0 = every loop), got {t!r}")
+        if self.criterion == "replay":
+            d = self.depths
+            if d is None:
+                errs.append("exit criterion 'replay' needs depths (an int, a [B] or a [B, N] integer tensor)")
+            elif isinstance(d, torch.Tensor):
+                if d.dtype.is_floating_point or d.dtype == torch.bool or d.dim() not in (1, 2):
+                    errs.append(f"exit depths must be an integer tensor [B] or [B, N], got dtype {d.dtype} shape {tuple(d.shape)}")
+                elif batch_size is not None and d.shape[0] != batch_size:
+                    errs.append(f"exit depths have {d.shape[0]} rows, the batch has {batch_size}")
+                elif d.numel() and int(d.min()) < 1:
+                    errs.append(f"exit depths must be >= 1, got a minimum of {int(d.min())}")
+            elif isinstance(d, bool) or not isinstance(d, int) or d < 1:
+                errs.append(f"exit depths must be an int >= 1 or an integer tensor, got {d!r}")
+        elif self.depths is not None:
+            errs.append(f"exit depths are for the replay criterion, not {self.criterion!r}")
+        R = K if self.max_loops is None else self.max_loops
+        if isinstance(R, bool) or not isinstance(R, int) or R < 1:
+            errs.append(f"exit max_loops must be an int >= 1 (default: the trained {K}), got {self.max_loops!r}")
+            R = K
+        if isinstance(self.min_loops, bool) or not isinstance(self.min_loops, int) or not 1 <= self.min_loops:
+            errs.append(f"exit min_loops must be an int >= 1, got {self.min_loops!r}")
+        elif self.min_loops > R:
+            errs.append(f"exit min_loops={self.min_loops} exceeds max_loops={R}")
+        if self.kv not in KV_POLICIES:
+            errs.append(f"exit kv policy {self.kv!r} is unknown; use one of {list(KV_POLICIES)}")
+        if self.ssm not in SSM_POLICIES:
+            errs.append(f"exit ssm policy {self.ssm!r} is unknown; use one of {list(SSM_POLICIES)}")
+        if not errs:
+            errs += _policy_support(model, self.kv, self.ssm)
+        if errs:
+            raise ValueError("exit: " + "; ".join(errs))
+        th = _DEFAULT_THRESHOLD.get(self.criterion) if t is None else float(t)
+        return replace(self, max_loops=R, threshold=th)
+
+    def is_off(self, model) -> bool:
+        """No token can exit before the trained depth and the caches are the ordinary ones: ``generate``
+        then takes today's path (the same ops, bit for bit)."""
+        e = self.resolved(model)
+        off = {"gate": e.threshold == 1.0, "kl": e.threshold == 0.0, "convergence": e.threshold == 0.0}.get(e.criterion, False)
+        return off and e.max_loops == model.config.n_loops and e.kv != "shared"
+
+
+def _base_exit_log_survival():
+    from .recurrence.base import RecurrenceRule
+
+    return RecurrenceRule.exit_log_survival
+
+
+def _policy_support(model, kv: str, ssm: str) -> list[str]:
+    """Why ``model`` cannot run the policies ``kv`` / ``ssm`` (empty: it can)."""
+    from .layers.attention import Attention
+    from .layers.mamba2 import Mamba2Mixer
+
+    errs = []
+    for mixer in model.rule.loop_slot_mixers():
+        kind = "attention" if isinstance(mixer, Attention) else "mamba2" if isinstance(mixer, Mamba2Mixer) else type(mixer).__name__
+        if kind == "attention" and kv == "propagate":
+            errs.append(
+                f"kv policy 'propagate' cannot fill the rule {model.config.rule.name!r}'s own attention slots (its state "
+                "mixer reads the rule's state, not a block input); use kv='copy', 'shared' or 'full'"
+            )
+        elif kind == "mamba2" and ssm != "freeze" and kv != "full":
+            errs.append(
+                f"ssm policy {ssm!r} cannot fill the rule {model.config.rule.name!r}'s own Mamba-2 slots; use ssm='freeze' or kv='full'"
+            )
+        elif kind not in ("attention", "mamba2"):
+            errs.append(f"the rule's per-iteration slots of a {kind} cannot be filled by any policy; use kv='full'")
+    if kv == "propagate" and _modulation_owns_carrier(model):
+        errs.append(
+            f"kv policy 'propagate' needs plain block inputs; the rule {model.config.rule.name!r} replaces a block's "
+            "residual stream (read / write hooks); use kv='copy' or 'full'"
+        )
+    return errs
+
+
+def _modulation_owns_carrier(model) -> bool:
+    """Whether the rule's block modulation reads / writes a carrier of its own (probed on one zero token)."""
+    from .recurrence.base import RecurrenceRule
+
+    if type(model.rule).block_modulation is RecurrenceRule.block_modulation:
+        return False
+    from .context import LoopContext
+
+    p = next(model.parameters())
+    with torch.no_grad():
+        h0 = torch.zeros(1, 1, model.config.d_model, device=p.device, dtype=p.dtype)
+        fctx = model._forward_context(torch.zeros(1, 1, dtype=torch.long, device=p.device), None, None, 0)
+        lctx = LoopContext(num_loops=model.config.n_loops, train_loops=model.config.n_loops, fctx=fctx, embeddings=h0)
+        mods = model.rule.block_modulation(model.rule.begin(h0, lctx), lctx) or []
+    return any(m is not None and b is not None and (b.read is not None or b.write is not None) for m in mods for b in (m.mixer, m.mlp))
+
+
+# ------------------------------------------------------------------------------------------------
+# the criteria (stateful over one token's loops)
+# ------------------------------------------------------------------------------------------------
+
+
+class Criterion:
+    """One token's exit test over its loops. ``check`` gets the loop just run (``k``, 0-based), the core
+    output ``h [n, T, d]`` of the rows still looping (global row ids ``rows [n]``), the rule state after
+    the step and the loop context of those rows; it returns ``[n]`` bool (``True`` = may exit now) and
+    counts its own cost in ``flops``. ``take(keep)`` keeps the memory of rows ``keep`` (local ids)."""
+
+    readout = False  # whether it reads out every iterate (KL)
+
+    def __init__(self, threshold: float | None):
+        self.threshold = threshold
+        self.flops = 0.0
+
+    def begin(self, token: int) -> None:
+        self.token = token
+
+    def check(self, k, h, state, lctx, rows, model) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def take(self, keep: torch.Tensor) -> None:
+        pass
+
+
+class GateCriterion(Criterion):
+    def check(self, k, h, state, lctx, rows, model):
+        from .recurrence.exit_gate import reaches
+
+        log_S = model.rule.exit_log_survival(state, lctx)  # [n, T]
+        self.flops += 2 * h.shape[0] * h.shape[-1]  # the gate's linear d -> 1 (computed in the rule's step)
+        return reaches(log_S[:, -1], self.threshold)
+
+
+class KLCriterion(Criterion):
+    readout = True
+
+    def begin(self, token):
+        super().begin(token)
+        self.prev = None  # log p^{r−1} [n, V]
+
+    def check(self, k, h, state, lctx, rows, model):
+        # every position reads out (a prompt's readout slots need each token); the last one is compared
+        logp = torch.log_softmax(model._readout(h, lctx, family="exit-check")[:, -1].float(), -1)  # [n, V]
+        self.flops += h.shape[0] * h.shape[1] * readout_flops(model, lctx)
+        if self.prev is None:
+            out = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
+        else:  # KL(p^{r−1} ‖ p^r) = Σ p^{r−1} (log p^{r−1} − log p^r)
+            kl = (self.prev.exp() * (self.prev - logp)).sum(-1)
+            out = kl < self.threshold
+        self.prev = logp
+        return out
+
+    def take(self, keep):
+        if self.prev is not None:
+            self.prev = self.prev.index_select(0, keep)
+
+
+class ConvergenceCriterion(Criterion):
+    def begin(self, token):
+        super().begin(token)
+        self.prev = None  # H^{r−1} [n, d]
+
+    def check(self, k, h, state, lctx, rows, model):
+        cur = h[:, -1].float()
+        self.flops += 4 * cur.shape[0] * cur.shape[1]
+        if self.prev is None:
+            out = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
+        else:  # ‖H^r − H^{r−1}‖ / ‖H^{r−1}‖
+            rel = (cur - self.prev).norm(dim=-1) / self.prev.norm(dim=-1).clamp_min(1e-30)
+            out = rel < self.threshold
+        self.prev = cur
+        return out
+
+    def take(self, keep):
+        if self.prev is not None:
+            self.prev = self.prev.index_select(0, keep)
+
+
+class ReplayCriterion(Criterion):
+    def __init__(self, depths):
+        super().__init__(None)
+        self.depths = depths
+
+    def depth_of(self, rows: torch.Tensor) -> torch.Tensor:
+        d = self.depths
+        if isinstance(d, int):
+            return torch.full_like(rows, d)
+        d = d.to(rows.device)
+        if d.dim() == 1:
+            return d[rows]
+        if self.token >= d.shape[1]:
+            raise ValueError(f"exit depths give {d.shape[1]} tokens per row; decoding reached token {self.token}")
+        return d[rows, self.token]
+
+    def check(self, k, h, state, lctx, rows, model):
+        return self.depth_of(rows) <= k + 1
+
+
+def make_criterion(e: Exit) -> Criterion:
+    """The criterion object of a resolved :class:`Exit`."""
+    if e.criterion == "replay":
+        return ReplayCriterion(e.depths)
+    return {"gate": GateCriterion, "kl": KLCriterion, "convergence": ConvergenceCriterion}[e.criterion](e.threshold)
+
+
+# ------------------------------------------------------------------------------------------------
+# FLOPs (counted where the work runs; products 2·m·n·k, attention 4·H·hd·L per query)
+# ------------------------------------------------------------------------------------------------
+
+
+def stack_flops(stack, context: int) -> float:
+    """FLOPs of one token through ``stack``'s blocks with ``context`` keys per attention layer."""
+    from .layers.attention import Attention
+
+    total = 0.0
+    for blk in stack.blocks:
+        total += 2.0 * sum(p.numel() for n, p in blk.named_parameters() if p.dim() == 2)
+        if isinstance(blk.mixer, Attention):
+            total += 4.0 * blk.mixer.n_heads * blk.mixer.head_dim * context
+    return total
+
+
+def readout_flops(model, lctx) -> float:
+    """One token's readout: the coda, the final norm and the head (``d · V`` products)."""
+    ctx = (lctx.cache.seqlen if lctx.cache is not None else 0) + 1
+    return stack_flops(model.coda, ctx) + 2.0 * model.lm_head.weight.numel()
+
+
+def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
+    """``KL(p ‖ q)`` over the last dim from log-probabilities."""
+    return (p_log.exp() * (p_log - q_log)).sum(-1)
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    return F.log_softmax(logits.float(), -1)

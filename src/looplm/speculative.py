@@ -1,0 +1,226 @@
+"""Lossless self-speculative decoding for looped models: draft with ``r_d`` loops, verify with all ``K``.
+
+A looped model is its own draft model: the first ``r_d < K`` loops of a token are exactly the first
+``r_d`` loops of its full-depth computation (with per-loop caches, loop ``k`` of a token reads only loop
+``k`` of earlier tokens). One round, per batch row::
+
+    draft   t_0 → d_1 → … → d_k → (·)        k + 1 one-token steps through loops 1..r_d (no fill)
+    verify  [t_0, d_1, …, d_k]                one forward over the k + 1 tokens that resumes at loop r_d + 1
+                                              from the drafted states: p_0 … p_k at full depth
+    accept  greedy: d_i while argmax p_{i−1} = d_i;  sampling: d_i with probability min(1, p_{i−1}(d_i) / q_{i−1}(d_i))
+    emit    the accepted d_1..d_a, then argmax p_a (greedy) / a sample of norm(max(p_a − q_a, 0)), or of p_k
+            when all k were accepted
+
+So greedy output equals full-depth greedy decoding token for token, and sampled output has full
+depth's distribution (Leviathan et al. 2023, Chen et al. 2023: the accept / resample rule). Rows accept
+different numbers of tokens: every row writes ``k + 1`` cache columns per round and the rejected ones
+become holes, masked like left padding (positions count real tokens only, so a row continues exactly as
+if they had never been written); a Mamba-2 state cannot hold a hole, so every Mamba-2 slot keeps a
+snapshot after each token of the round and each row returns to the snapshot of its own accepted length
+(:meth:`looplm.layers.mamba2.Mamba2State.rollback`). The coda ran on draft states during the draft, so
+its slots are rolled back to the round's start before verification (KV: crop; Mamba-2: snapshot 0).
+
+Where exactness needs care: the draft stops at loop ``r_d`` of a forward planned for ``K`` loops (the rule
+sees ``num_loops = K``), so rules whose early loops depend on the total (a timestep grid) draft the same
+states verification resumes. The ``shared`` KV policy breaks it (a loop's entry is overwritten by later
+loops) and is refused. Verification computes loops ``> r_d`` for ``k + 1`` tokens in one batched forward
+while plain decoding computes them one token at a time: the same values up to the order of float
+additions, so greedy output can differ only where two logits tie to rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Speculative", "SpeculativeStats", "speculative_generate"]
+
+
+@dataclass(frozen=True)
+class Speculative:
+    """``draft_loops`` (``r_d``, ``1 <= r_d < K``) and ``k`` drafted tokens per round."""
+
+    draft_loops: int
+    k: int = 4
+
+    @classmethod
+    def parse(cls, spec) -> "Speculative":
+        if isinstance(spec, Speculative):
+            return spec
+        if isinstance(spec, dict):
+            unknown = sorted(set(spec) - {"draft_loops", "k"})
+            if unknown:
+                raise ValueError(f"speculative: unknown option(s) {unknown}; options are ['draft_loops', 'k']")
+            if "draft_loops" not in spec:
+                raise ValueError("speculative: give draft_loops (the draft's loop count r_d < K)")
+            return cls(**spec)
+        if isinstance(spec, int) and not isinstance(spec, bool):
+            return cls(draft_loops=spec)
+        raise TypeError(f"speculative must be a Speculative, a dict or an int (draft loops), got {type(spec).__name__}")
+
+    def resolved(self, model) -> "Speculative":
+        """Checked against ``model``; a ``ValueError`` naming the option otherwise (before any work)."""
+        K = model.config.n_loops
+        errs = []
+        r = self.draft_loops
+        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < K:
+            errs.append(f"speculative draft_loops must be an int in [1, {K - 1}] (fewer than the model's K = {K} loops), got {r!r}")
+        if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
+            errs.append(f"speculative k (tokens drafted per round) must be an int >= 1, got {self.k!r}")
+        if errs:
+            raise ValueError("; ".join(errs))
+        return self
+
+
+@dataclass
+class SpeculativeStats:
+    """Per round: accepted drafts per row ``[B]``; the draft's and verification's loop counts."""
+
+    draft_loops: int
+    k: int
+    max_loops: int
+    accepted: list = field(default_factory=list)  # [B] long per round
+    decoder: object = None  # the AdaptiveDecoder (its cache), the column mask and every emitted token, for inspection
+    mask: torch.Tensor | None = None
+    tokens: torch.Tensor | None = None  # [B, T + emitted]: a row's last round may run past max_new_tokens
+    emitted: torch.Tensor | None = None  # [B]
+
+    def summary(self) -> dict:
+        if not self.accepted:
+            return {"rounds": 0}
+        acc = torch.stack(self.accepted).float()  # [rounds, B]
+        return {
+            "rounds": acc.shape[0],
+            "accepted_per_round": float(acc.mean()),
+            "tokens_per_round": float(acc.mean()) + 1.0,
+            "acceptance": float(acc.mean()) / self.k,  # share of drafted tokens accepted
+            "draft_loops": self.draft_loops,
+            "k": self.k,
+            # loop passes per emitted token: (k + 1) drafts of r_d loops + k + 1 verified tokens of K − r_d loops
+            "loops_per_token": (self.k + 1) * self.max_loops / (float(acc.mean()) + 1.0),
+        }
+
+
+def _rollback_mamba(cache, keep: torch.Tensor) -> None:
+    for s in cache.physical_slots():
+        if getattr(s, "snapshots", None) is not None:
+            s.rollback(keep)
+
+
+@torch.no_grad()
+def speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=False, temperature=1.0, top_k=None, top_p=None,
+                         eos_token_id=None, pad_token_id=None, attention_mask=None, generator=None, loop_options=None,
+                         return_stats=False):
+    """:func:`looplm.generate.generate` with ``speculative=spec`` (see the module docstring)."""
+    from .adaptive import AdaptiveDecoder
+    from .exits import Exit
+    from .generate import _decode_context, sample_next, sampling_probs
+
+    sp = Speculative.parse(spec).resolved(model)
+    K, r_d, k = model.config.n_loops, sp.draft_loops, sp.k
+    was_training = model.training
+    model.eval()
+    B, T = input_ids.shape
+    dev = input_ids.device
+    if pad_token_id is None:
+        pad_token_id = eos_token_id if eos_token_id is not None else 0
+    greedy = not do_sample or temperature == 0
+    cols = T + (max_new_tokens + 1) * (k + 1)  # each round writes k + 1 columns and emits at least one token
+    dec = AdaptiveDecoder(model, B, cols, Exit(criterion="replay", depths=K, kv="full"), loop_options)
+    cache = dec.cache
+    mask = torch.zeros(B, cols, dtype=torch.long, device=dev)
+    mask[:, :T] = 1 if attention_mask is None else attention_mask.long()
+    # every token a row commits (rows that reached max_new_tokens keep decoding while others finish)
+    out = torch.full((B, T + 1 + max_new_tokens * (k + 1)), pad_token_id, dtype=input_ids.dtype, device=dev)
+    out[:, :T] = input_ids
+    n_out = torch.zeros(B, dtype=torch.long, device=dev)  # tokens emitted per row
+    finished = torch.zeros(B, dtype=torch.bool, device=dev)
+    stats = SpeculativeStats(r_d, k, K)
+    rows = torch.arange(B, device=dev)
+
+    def emit(tokens: torch.Tensor, counts: torch.Tensor) -> None:
+        """Append ``tokens [B, m]``'s first ``counts[b]`` to row b (eos: the row pads from there on)."""
+        nonlocal finished
+        for j in range(tokens.shape[1]):
+            live = counts > j
+            tok = torch.where(finished, torch.full_like(tokens[:, j], pad_token_id), tokens[:, j])
+            pos = T + n_out
+            out[rows, pos] = torch.where(live, tok, out[rows, pos])
+            if eos_token_id is not None:
+                finished = finished | (live & (tok == eos_token_id))
+            n_out.add_(live.long())
+
+    try:
+        with _decode_context(model, B):
+            if max_new_tokens == 0:
+                return (out[:, :T], stats) if return_stats else out[:, :T]
+            logits = dec(input_ids, mask[:, :T])  # the prompt at full depth
+            t0 = sample_next(logits[:, -1], do_sample, temperature, top_k, top_p, generator)  # [B]
+            emit(t0[:, None], torch.ones_like(n_out))
+            L = T  # committed columns (the pending token t_0 goes to column L)
+            while bool((n_out < max_new_tokens).any()) and not (eos_token_id is not None and bool(finished.all())):
+                for s in cache.physical_slots():  # every Mamba-2 state snapshots each token of the round
+                    if hasattr(s, "begin_recording"):
+                        s.begin_recording()
+                # draft: t_0 -> d_1 .. d_k, and d_k through the draft loops too (verification resumes it)
+                tok, drafted, q, states = t0, [], [], []
+                for i in range(k + 1):
+                    mask[:, L + i] = 1
+                    lg, st = dec.draft(tok[:, None], mask[:, : L + i + 1], r_d)
+                    states.append(st)
+                    if i == k:
+                        break
+                    if greedy:
+                        tok = lg[:, -1].max(-1).indices
+                    else:
+                        qi = sampling_probs(lg[:, -1], temperature, top_k, top_p)  # [B, V]
+                        tok = torch.multinomial(qi, 1, generator=generator)[:, 0]
+                        q.append(qi)
+                    drafted.append(tok)
+                d = torch.stack(drafted, 1)  # [B, k]
+                # verify: roll the coda back to the round's start, resume loops r_d+1..K for all k + 1 tokens
+                for layer in (b.layer_idx for b in model.coda.blocks):
+                    s = cache.slots.get((0, layer))
+                    if s is None:
+                        continue
+                    if hasattr(s, "restart_recording"):
+                        s.restart_recording()
+                    else:
+                        s.crop(L)
+                block = torch.cat([t0[:, None], d], 1)  # [B, k + 1] at columns L .. L + k
+                p_logits = dec.verify(states, block, mask[:, : L + k + 1], r_d, L)  # [B, k + 1, V]
+                if greedy:
+                    best = p_logits.max(-1).indices  # [B, k + 1]
+                    ok = best[:, :k] == d
+                    a = ok.long().cumprod(1).sum(1)  # accepted drafts per row
+                    nxt = best.gather(1, a[:, None])[:, 0]
+                else:
+                    p = sampling_probs(p_logits.reshape(B * (k + 1), -1), temperature, top_k, top_p).view(B, k + 1, -1)
+                    qs = torch.stack(q, 1)  # [B, k, V]
+                    pd = p[:, :k].gather(-1, d[..., None])[..., 0]
+                    qd = qs.gather(-1, d[..., None])[..., 0]
+                    u = torch.rand(B, k, generator=generator, device=dev)
+                    ok = u < (pd / qd).clamp(max=1.0)  # accept d_i with probability min(1, p/q)
+                    a = ok.long().cumprod(1).sum(1)
+                    p_a = p[rows, a]  # [B, V]
+                    q_a = torch.cat([qs, torch.zeros_like(qs[:, :1])], 1)[rows, a]  # q_k := 0: the bonus samples p_k
+                    resid = (p_a - q_a).clamp(min=0.0)
+                    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_a)
+                    nxt = torch.multinomial(resid / resid.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
+                stats.accepted.append(a)
+                emitted = torch.cat([d, d[:, :1]], 1)  # [B, k + 1]: d_1 .. d_a, then the verified token
+                emitted[rows, a] = nxt
+                emit(emitted, a + 1)
+                # rollback: columns of rejected drafts become holes; Mamba-2 states return to their row's length
+                cols_round = torch.arange(k + 1, device=dev)[None]  # [1, k + 1]
+                mask[:, L : L + k + 1] = (cols_round <= a[:, None]).long()
+                _rollback_mamba(cache, a + 1)
+                L += k + 1
+                t0 = nxt
+    finally:
+        model.train(was_training)
+    stats.decoder, stats.mask, stats.tokens, stats.emitted = dec, mask, out, n_out.clone()
+    n = T + min(max_new_tokens, int(n_out.max()))
+    res = out[:, :n]
+    return (res, stats) if return_stats else res

@@ -1,0 +1,152 @@
+"""Lossless self-speculative decoding (looplm.speculative): greedy == full depth, the rejection sampler's
+distribution == full depth's (chi-square), per-row rollback of KV columns and Mamba-2 states."""
+
+import pytest
+import torch
+
+import looplm
+from looplm.generate import sampling_probs
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model(name, **kw):
+    torch.manual_seed(0)
+    return looplm.build(name, **kw).eval()
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mamba2", "tiny-stateloop", "tiny-hybrid", "tiny-coreloop"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_speculative_equals_greedy_full_depth(name, batch):
+    m = _model(name)
+    K = m.config.n_loops
+    x = torch.randint(0, 260, (batch, 5))
+    ref = m.generate(x, 12)
+    for r_d in sorted({1, K - 1}):
+        out, st = m.generate(x, 12, speculative={"draft_loops": r_d, "k": 3}, return_stats=True)
+        assert torch.equal(out, ref), (r_d, out, ref)
+        s = st.summary()
+        assert s["rounds"] >= 1 and 0 <= s["accepted_per_round"] <= 3
+
+
+def test_greedy_speculative_with_left_padding_and_eos():
+    m = _model("tiny-hybrid")
+    ids = torch.randint(0, 260, (3, 6))
+    mask = torch.ones(3, 6, dtype=torch.long)
+    mask[1, :2] = 0
+    mask[2, :4] = 0
+    ref = m.generate(ids, 10, attention_mask=mask)
+    out = m.generate(ids, 10, attention_mask=mask, speculative=1)
+    assert torch.equal(out, ref)
+    eos = int(ref[0, 9])  # a token row 0 emits: it stops there and pads, as plain decoding does
+    ref_e = m.generate(ids, 10, attention_mask=mask, eos_token_id=eos)
+    out_e = m.generate(ids, 10, attention_mask=mask, eos_token_id=eos, speculative={"draft_loops": 1, "k": 4})
+    assert torch.equal(out_e[:, : ref_e.shape[1]], ref_e) and bool((out_e[:, ref_e.shape[1] :] == eos).all())
+
+
+def _exact_joint(m, prompt, n, **samp):
+    """P(t_1 .. t_n | prompt) at full depth over every continuation in the sampler's support: ``{tuple: p}``."""
+    seqs = {(): 1.0}
+    for _ in range(n):
+        keys = list(seqs)
+        x = torch.stack([torch.cat([prompt, torch.tensor(k, dtype=torch.long)]) for k in keys])
+        with torch.no_grad():
+            p = sampling_probs(m(x).logits[:, -1], **samp)  # [S, V]
+        nxt = {}
+        for i, key in enumerate(keys):
+            for t in p[i].nonzero()[:, 0].tolist():
+                nxt[key + (t,)] = seqs[key] * float(p[i, t])
+        seqs = nxt
+    return seqs
+
+
+def test_rejection_sampling_matches_full_depth_distribution():
+    """6,000 rows sample 3 tokens with a 1-loop draft (k = 2) of a 3-loop model; the joint distribution of
+    the tokens passes a chi-square test against the exact full-depth distribution (and the draft alone,
+    which differs, fails it: the test can fail)."""
+    m = _model("tiny-llama")
+    samp = dict(temperature=1.5, top_k=4, top_p=None)
+    prompt = torch.randint(0, 260, (4,))
+    N = 6000
+    g = torch.Generator().manual_seed(1234)
+    out, st = m.generate(prompt.expand(N, 4), 3, do_sample=True, generator=g, speculative={"draft_loops": 1, "k": 2},
+                         return_stats=True, **samp)  # fmt: skip
+    acc = st.summary()["acceptance"]
+    assert 0.05 < acc < 0.95  # drafts are accepted, and rejected often enough for the resampling to matter
+    exact = _exact_joint(m, prompt, 3, **samp)
+
+    def chi2_pvalue(samples):
+        counts = {}
+        for row in samples.tolist():
+            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+        assert set(counts) <= set(exact)  # nothing outside full depth's support
+        cells = sorted(exact, key=exact.get, reverse=True)
+        big = [c for c in cells if exact[c] * N >= 5]
+        obs = [counts.get(c, 0) for c in big] + [N - sum(counts.get(c, 0) for c in big)]
+        expd = [exact[c] * N for c in big] + [N - sum(exact[c] * N for c in big)]
+        if expd[-1] < 5:  # fold a too-small remainder into the last cell
+            obs[-2] += obs.pop()
+            expd[-2] += expd.pop()
+        stat = sum((o - e) ** 2 / e for o, e in zip(obs, expd))
+        dof = len(obs) - 1
+        return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+    assert chi2_pvalue(out[:, 4:]) > 1e-3
+    # the draft's own samples (every token from 1 loop) are far from full depth's
+    g = torch.Generator().manual_seed(1234)
+    draft = m.generate(prompt.expand(N, 4), 3, do_sample=True, generator=g, num_loops=1, **samp)
+    keep = [all(tuple(r[:j]) in {c[:j] for c in exact} for j in range(1, 4)) for r in draft[:, 4:].tolist()]
+    assert not all(keep) or chi2_pvalue(draft[:, 4:]) < 1e-6
+
+
+def test_sampling_is_deterministic_with_a_seed():
+    m = _model("tiny-mamba2")
+    x = torch.randint(0, 260, (4, 3))
+    runs = [m.generate(x, 8, do_sample=True, top_k=20, generator=torch.Generator().manual_seed(7), speculative=2) for _ in range(2)]
+    assert torch.equal(*runs)
+
+
+def test_rollback_restores_row_lengths_and_ssm_states():
+    """After speculative rounds with different acceptance per row, each row's valid KV columns are its
+    committed tokens and every Mamba-2 state equals decoding that row's tokens alone at full depth."""
+    m = _model("tiny-hybrid")
+    x = torch.randint(0, 260, (3, 4))
+    out, st = m.generate(x, 9, speculative={"draft_loops": 1, "k": 3}, return_stats=True)
+    acc = torch.stack(st.accepted)
+    assert len(set(acc.flatten().tolist())) > 1  # rows accepted different numbers
+    dec, mask = st.decoder, st.mask
+    committed = 4 + (acc + 1).sum(0)  # per row: the prompt, then t_0 and the accepted drafts of each round
+    assert mask.sum(1).tolist() == committed.tolist()  # the rows' own lengths (rejected columns masked)
+    assert torch.equal(committed, 4 + st.emitted - 1)  # the last emitted token is pending (not in the cache yet)
+    assert torch.equal(st.tokens[:, : out.shape[1]], out)
+    for b in range(3):
+        ref = m.new_cache(1)
+        with torch.no_grad():
+            m(st.tokens[b : b + 1, : int(committed[b])], cache=ref)
+        for key, s in ref.slots.items():
+            mine = dec.cache.slots[key]
+            if hasattr(s, "ssm_state"):
+                torch.testing.assert_close(mine.ssm_state[b], s.ssm_state[0], atol=2e-5, rtol=1e-4)
+                torch.testing.assert_close(mine.conv_state[b], s.conv_state[0], atol=2e-5, rtol=1e-4)
+                assert mine.snapshots is None
+            else:  # the valid columns of the row hold exactly the row's keys
+                valid = mask[b, : mine.seqlen].bool()
+                torch.testing.assert_close(mine.k[b][:, valid], s.k[0], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "spec,match",
+    [({"draft_loops": 3}, r"draft_loops must be an int in \[1, 2\]"), ({"draft_loops": 0}, "draft_loops"),
+     ({"draft_loops": 1, "k": 0}, "k \\(tokens drafted per round\\)"), ({"k": 2}, "give draft_loops"),
+     ({"draft_loops": 1, "depth": 2}, "unknown option")],
+)  # fmt: skip
+def test_bad_speculative_options_are_refused_before_any_work(spec, match):
+    m = _model("tiny-llama")
+    calls = []
+    hook = m.embed.register_forward_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match=match):
+        m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=spec)
+    with pytest.raises(ValueError, match="not both"):
+        m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=1, exit="kl:1e-3")
+    hook.remove()
+    assert not calls
