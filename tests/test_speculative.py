@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import looplm
-from looplm.generate import sampling_probs
+from looplm.sampling import sampling_probs
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -115,7 +115,7 @@ def speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=Fa
     """:func:`looplm.generate.generate` with ``speculative=spec`` (see the module docstring)."""
     from .adaptive import AdaptiveDecoder
     from .exits import Exit
-    from .generate import _decode_context, sample_next, sampling_probs
+    from .sampling import decode_context, sample_next, sampling_probs
 
     sp = Speculative.parse(spec).resolved(model)
     K, r_d, k = model.config.n_loops, sp.draft_loops, sp.k
@@ -152,7 +152,7 @@ def speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=Fa
             n_out.add_(live.long())
 
     try:
-        with _decode_context(model, B):
+        with decode_context(model, B):
             if max_new_tokens == 0:
                 return (out[:, :T], stats) if return_stats else out[:, :T]
             logits = dec(input_ids, mask[:, :T])  # the prompt at full depth
