@@ -42,7 +42,9 @@ sandwich or post-sum block keeps the reference) with an :class:`~looplm.layers.a
 (GQA, optional QK-norm, optional biases, full or partial RoPE, no sliding window) or a :class:`~looplm.layers.mamba2.Mamba2Mixer`, and a SwiGLU MLP or none, all of one dtype (bf16 or
 fp32) on the CPU, with no hooks on it or its submodules; a stack when all its blocks are eligible attention
 blocks of one dtype and one rotary dim (:func:`stack_eligible`). A call takes the fused op only for one new
-token per row with a preallocated KV slot (attention) or a non-empty state (Mamba-2), no block modulation
+token per row with a preallocated KV slot (attention) or a non-empty state (Mamba-2) — or some rows of the
+batch's slots (per-token exit, :mod:`looplm.adaptive`: an int64 ``rows`` index, each active row reading and
+writing its own cache row in place), or a loop-shared KV slot — no block modulation
 (timestep conditioning, hyper-connections: those blocks keep the reference) and no autograd; every other
 call — the prompt step, a rule's modulated blocks — is the reference ``forward`` (compiled, if the block was
 compiled). A rule's own residual mixers — StateLoop's ``S + mixer(RMSNorm(S))`` over its state (eqs. 8, 9),
@@ -64,8 +66,9 @@ from torch import nn
 
 from .. import dispatch
 from ..blocks import Block, Stack
-from ..layers.attention import Attention, KVCache
-from ..layers.mamba2 import Mamba2Mixer, Mamba2State, RMSNormGated
+from ..cache import SharedKV
+from ..layers.attention import Attention, KVCache, KVRows
+from ..layers.mamba2 import Mamba2Mixer, Mamba2Rows, Mamba2State, RMSNormGated
 from ..layers.mlp import SwiGLU
 from ..layers.residual import ResidualMixer
 from .loader import extension_available
@@ -229,9 +232,18 @@ def _step_tables(fctx, B: int, pos: int, rot: int | None):
     return cos, sin, None if mask is None else mask.contiguous()
 
 
-def _attention_step(plan: BranchPlan, x, fctx, cache: KVCache):
+_KV_SLOTS = (KVCache, KVRows, SharedKV)  # a layer's own slot; some rows of one (per-token exit); a loop-shared one
+
+
+def _rows_of(cache) -> torch.Tensor | None:
+    """The cache rows a row view writes (``None``: x's rows are the slot's)."""
+    return cache.idx if type(cache) in (KVRows, Mamba2Rows) else None
+
+
+def _attention_step(plan: BranchPlan, x, fctx, cache):
     """``x + attention(RMSNorm(x))`` for one new token as ``decode_attention``, or ``None`` where the op does
-    not apply to this call."""
+    not apply to this call. A row view (:class:`~looplm.layers.attention.KVRows`) writes and reads its rows
+    of the whole batch's buffers in place."""
     bufs = cache.append_buffers(x.shape[0])
     if bufs is None:  # a growing cache, buffers not allocated yet, full, another batch size
         return None
@@ -240,28 +252,31 @@ def _attention_step(plan: BranchPlan, x, fctx, cache: KVCache):
     if tables is None:
         return None
     y = torch.ops.looplm_cpu.decode_attention(
-        x, *plan.weights, *tables[:2], k_buf, v_buf, pos, tables[2], plan.n_heads
+        x, *plan.weights, *tables[:2], k_buf, v_buf, pos, tables[2], plan.n_heads, rows=_rows_of(cache)
     )  # [B, 1, d]; the new token's key and value written into k_buf / v_buf at pos
     cache.advance(1)
     return y
 
 
-def _mamba2_step(plan: BranchPlan, x, fctx, state: Mamba2State):
+def _mamba2_step(plan: BranchPlan, x, fctx, state):
     """``x + mamba2(RMSNorm(x))`` for one new token as ``decode_mamba2``, or ``None`` where the op does not
-    apply to this call."""
+    apply to this call. A row view (:class:`~looplm.layers.mamba2.Mamba2Rows`) updates its rows of the whole
+    batch's states in place."""
     B = x.shape[0]
     pad = fctx.pad_mask
-    if (state.seqlen_offset == 0 or state.conv_state.shape[0] != B or state.conv_state.dtype != x.dtype
+    rows = _rows_of(state)
+    base = state.base if rows is not None else state
+    if (base.seqlen_offset == 0 or (rows is None and base.conv_state.shape[0] != B) or base.conv_state.dtype != x.dtype
             or (pad is not None and tuple(pad.shape) != (B, 1))):  # fmt: skip
         return None  # an empty state (the prompt's first token), another batch or dtype
-    if not state.conv_state.is_contiguous():  # the prompt step leaves views; the op writes in place
-        state.conv_state = state.conv_state.contiguous()
-    if state.ssm_state.dtype != torch.float32 or not state.ssm_state.is_contiguous():
-        state.ssm_state = state.ssm_state.float().contiguous()
+    if not base.conv_state.is_contiguous():  # the prompt step leaves views; the op writes in place
+        base.conv_state = base.conv_state.contiguous()
+    if base.ssm_state.dtype != torch.float32 or not base.ssm_state.is_contiguous():
+        base.ssm_state = base.ssm_state.float().contiguous()
     y = torch.ops.looplm_cpu.decode_mamba2(
-        x, *plan.weights, state.conv_state, state.ssm_state, None if pad is None else pad.contiguous()
+        x, *plan.weights, base.conv_state, base.ssm_state, None if pad is None else pad.contiguous(), rows=rows
     )  # [B, 1, d]; the conv window and the SSM state updated in place
-    state.seqlen_offset += 1
+    state.seqlen_offset += 1  # a row view: counted at the token's commit
     return y
 
 
@@ -269,9 +284,9 @@ def branch_step(plan: BranchPlan, x, fctx, cache):
     """The fused branch for ``x [B, 1, d]`` in the plan's dtype without autograd, or ``None`` (the reference)."""
     if x.dim() != 3 or x.shape[1] != 1 or x.dtype != plan.dtype or torch.is_grad_enabled():
         return None
-    if plan.kind == "attention" and type(cache) is KVCache:
+    if plan.kind == "attention" and type(cache) in _KV_SLOTS:
         return _attention_step(plan, x.contiguous(), fctx, cache)
-    if plan.kind == "mamba2" and type(cache) is Mamba2State:
+    if plan.kind == "mamba2" and type(cache) in (Mamba2State, Mamba2Rows):
         return _mamba2_step(plan, x.contiguous(), fctx, cache)
     return None
 
@@ -381,9 +396,10 @@ def _stack_call(stack: Stack, plan: StackPlan, x, fctx, caches=None, mods=None):
         return None
     B = x.shape[0]
     ks, vs, pos = [], [], None
+    rows = _rows_of(caches[0]) if caches else None
     for c in caches:
-        bufs = c.append_buffers(B) if type(c) is KVCache else None
-        if bufs is None or (pos is not None and bufs[2] != pos):
+        bufs = c.append_buffers(B) if type(c) in _KV_SLOTS else None
+        if bufs is None or (pos is not None and bufs[2] != pos) or _rows_of(c) is not rows:
             return None
         ks.append(bufs[0])
         vs.append(bufs[1])
@@ -391,7 +407,8 @@ def _stack_call(stack: Stack, plan: StackPlan, x, fctx, caches=None, mods=None):
     tables = _step_tables(fctx, B, pos, plan.rotary_dim)
     if tables is None:
         return None
-    y = torch.ops.looplm_cpu.decode_stack(x.contiguous(), plan.plan, ks, vs, pos, *tables)  # [B, 1, d]; each block's KV written at pos
+    # [B, 1, d]; each block's KV written at pos (in rows `rows` of the buffers under per-token exit)
+    y = torch.ops.looplm_cpu.decode_stack(x.contiguous(), plan.plan, ks, vs, pos, *tables, rows=rows)
     for c in caches:
         c.advance(1)
     return y

@@ -23,6 +23,9 @@
 //   x [B, 1, d]; caches [B, G, capacity, hd] with `pos` tokens written (the new one goes to `pos`);
 //   cos, sin [B, 1, rot] fp32 (rot ≤ hd, even; RoPE on the first rot channels, half-split pairs);
 //   attn_mask: absent (every cached token is visible) or bool [B, 1, 1, pos + 1] (left padding).
+//   rows: absent (row b of x is row b of the caches) or int64 [B]: row b of x reads and writes row rows[b]
+//         of caches with more rows, in place — the rows still looping at one iteration under per-token
+//         exit (looplm/adaptive.py); x, cos, sin and attn_mask are the active rows' own.
 // The Mamba-2 op's shapes are with it, below.
 #include "gemv.h"
 #include "simd.h"
@@ -436,13 +439,33 @@ struct MlpArgs {
   const std::optional<at::Tensor>& bd;
 };
 
-// Rope tables and mask of one step, shared by the attention blocks of a stack.
+// Rope tables, mask and cache rows of one step, shared by the attention blocks of a stack.
 struct StepArgs {
   const std::optional<at::Tensor>& cos;
   const std::optional<at::Tensor>& sin;
   int64_t pos;
   const std::optional<at::Tensor>& attn_mask;
+  const std::optional<at::Tensor>& rows;
+  // the cache row of x's row b
+  int64_t row(int64_t b) const { return rows.has_value() && rows->defined() ? rows->data_ptr<int64_t>()[b] : b; }
 };
+
+// rows (see the top): int64 [B], contiguous, each in [0, cache_rows) and distinct.
+void check_rows(const char* op, const std::optional<at::Tensor>& rows, int64_t B, int64_t cache_rows) {
+  if (!rows.has_value() || !rows->defined()) {
+    TORCH_CHECK(cache_rows == B, op, ": the caches hold ", cache_rows, " rows, x has ", B, "; pass rows to map x's rows onto them");
+    return;
+  }
+  TORCH_CHECK(rows->scalar_type() == at::kLong && rows->is_contiguous() && rows->dim() == 1 && rows->numel() == B,
+              op, ": rows must be a contiguous int64 [B] tensor with B = ", B, ", got ", rows->sizes(), " ", rows->scalar_type());
+  std::vector<bool> seen(cache_rows, false);
+  const int64_t* r = rows->data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(0 <= r[b] && r[b] < cache_rows, op, ": rows[", b, "] = ", r[b], " is outside the caches' ", cache_rows, " rows");
+    TORCH_CHECK(!seen[r[b]], op, ": rows must be distinct (row ", r[b], " twice)");
+    seen[r[b]] = true;
+  }
+}
 
 template <typename T>
 size_t attention_scratch(const AttnArgs& a, int64_t B, int64_t d, int64_t G, int64_t hd) {
@@ -474,6 +497,7 @@ void attention_rows(const AttnArgs& a, const StepArgs& st, const T* x, int64_t B
   for (int64_t b = 0; b < B; ++b) {
     const float* cb = rot ? st.cos->data_ptr<float>() + b * rot : nullptr;
     const float* sb = rot ? st.sin->data_ptr<float>() + b * rot : nullptr;
+    const int64_t cr = st.row(b);  // the cache row
     for (int64_t h = 0; h < H + G; ++h) {  // the H query heads, then the G key heads
       T* head = h < H ? qp + (b * H + h) * hd : kp + (b * G + h - H) * hd;
       if (qk_norm) {
@@ -483,8 +507,8 @@ void attention_rows(const AttnArgs& a, const StepArgs& st, const T* x, int64_t B
       if (rot) rotary(head, cb, sb, rot);
     }
     for (int64_t g = 0; g < G; ++g) {  // the new token's key and value into the caches at `pos`
-      std::memcpy(kc + ((b * G + g) * cap + pos) * hd, kp + (b * G + g) * hd, hd * sizeof(T));
-      std::memcpy(vc + ((b * G + g) * cap + pos) * hd, vp + (b * G + g) * hd, hd * sizeof(T));
+      std::memcpy(kc + ((cr * G + g) * cap + pos) * hd, kp + (b * G + g) * hd, hd * sizeof(T));
+      std::memcpy(vc + ((cr * G + g) * cap + pos) * hd, vp + (b * G + g) * hd, hd * sizeof(T));
     }
   }
   const bool* mask = st.attn_mask.has_value() && st.attn_mask->defined() ? st.attn_mask->data_ptr<bool>() : nullptr;
@@ -494,7 +518,7 @@ void attention_rows(const AttnArgs& a, const StepArgs& st, const T* x, int64_t B
     std::vector<float> s(L);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / H, h = t % H, g = h / (H / G);
-      const int64_t off = (b * G + g) * cap * hd;
+      const int64_t off = (st.row(b) * G + g) * cap * hd;
       attend(qp + t * hd, kc + off, vc + off, mask ? mask + b * L : nullptr, L, hd, s.data(), yp + t * hd);
     }
   });
@@ -529,8 +553,9 @@ void swiglu_rows(const MlpArgs& a, const T* x, int64_t B, int64_t d, T* out, Scr
 // The checks of decode_attention's arguments (op: the name in messages).
 void check_attention(const char* op, at::ScalarType dt, int64_t B, int64_t d, const AttnArgs& a, const StepArgs& st,
                      const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && k_cache.size(0) == B,
-              op, ": k_cache and v_cache must be [B, G, capacity, hd] with B = ", B, ", got ", k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
+              op, ": k_cache and v_cache must be [B, G, capacity, hd] tensors of one shape, got ", k_cache.sizes(), " and ", v_cache.sizes());
+  check_rows(op, st.rows, B, k_cache.size(0));
   const int64_t H = a.H, G = k_cache.size(1), cap = k_cache.size(2), hd = k_cache.size(3), pos = st.pos;
   TORCH_CHECK(H >= G && G >= 1 && H % G == 0, op, ": n_heads ", H, " must be a multiple of the caches' ", G, " key/value heads");
   TORCH_CHECK(hd >= 1 && hd <= 256, op, ": head dim ", hd, " outside 1-256");
@@ -593,11 +618,11 @@ at::Tensor decode_attention(const at::Tensor& x, const at::Tensor& norm_w, doubl
                             const std::optional<at::Tensor>& bo, const std::optional<at::Tensor>& q_norm_w,
                             const std::optional<at::Tensor>& k_norm_w, double qk_eps, const std::optional<at::Tensor>& cos,
                             const std::optional<at::Tensor>& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,
-                            const std::optional<at::Tensor>& attn_mask, int64_t n_heads) {
+                            const std::optional<at::Tensor>& attn_mask, int64_t n_heads, const std::optional<at::Tensor>& rows) {
   const char* op = "decode_attention";
   const at::ScalarType dt = check_x(op, x);
   const AttnArgs a{norm_w, eps, wq, bq, wk, bk, wv, bv, wo, bo, q_norm_w, k_norm_w, qk_eps, n_heads};
-  const StepArgs st{cos, sin, pos, attn_mask};
+  const StepArgs st{cos, sin, pos, attn_mask, rows};
   check_attention(op, dt, x.size(0), x.size(2), a, st, k_cache, v_cache);
   return dt == at::kBFloat16 ? attention_op<bf16>(a, st, x, k_cache, v_cache) : attention_op<float>(a, st, x, k_cache, v_cache);
 }
@@ -718,13 +743,13 @@ at::Tensor stack_impl(const at::Tensor& x, const std::vector<AttnArgs>& attn, co
 
 at::Tensor decode_stack(const at::Tensor& x, const c10::intrusive_ptr<StackPlan>& plan, at::TensorList k_caches, at::TensorList v_caches,
                         int64_t pos, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
-                        const std::optional<at::Tensor>& attn_mask) {
+                        const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& rows) {
   const char* op = "decode_stack";
   const at::ScalarType dt = check_x(op, x);
   const int64_t n = plan->size();
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == n && static_cast<int64_t>(v_caches.size()) == n,
               op, ": the plan has ", n, " blocks; give one k and one v cache each, got ", k_caches.size(), " and ", v_caches.size());
-  const StepArgs st{cos, sin, pos, attn_mask};
+  const StepArgs st{cos, sin, pos, attn_mask, rows};
   std::vector<AttnArgs> attn;
   std::vector<std::optional<MlpArgs>> mlp;
   attn.reserve(n);
@@ -779,8 +804,10 @@ at::Tensor mamba2_impl(const at::Tensor& x, const at::Tensor& norm_w, double eps
                        const std::optional<at::Tensor>& b_in, const at::Tensor& conv_w, const std::optional<at::Tensor>& conv_b,
                        const at::Tensor& dt_bias, const at::Tensor& A_log, const at::Tensor& Dp, const at::Tensor& gnorm_w,
                        double gnorm_eps, const at::Tensor& w_out, const std::optional<at::Tensor>& b_out, at::Tensor& conv_state,
-                       at::Tensor& ssm_state, const std::optional<at::Tensor>& pad_mask) {
+                       at::Tensor& ssm_state, const std::optional<at::Tensor>& pad_mask, const std::optional<at::Tensor>& rows) {
   const int64_t Bn = x.size(0), d = x.size(2), d_inner = gnorm_w.size(0), conv_dim = conv_state.size(1), K = conv_state.size(2);
+  const int64_t* rix = rows.has_value() && rows->defined() ? rows->data_ptr<int64_t>() : nullptr;
+  auto srow = [rix](int64_t b) { return rix ? rix[b] : b; };  // the state row of x's row b
   const int64_t H = ssm_state.size(1), P = ssm_state.size(2), N = ssm_state.size(3), G = (conv_dim - d_inner) / (2 * N);
   const int64_t E = d_inner + conv_dim + H;
   at::Tensor u = norm_rows<T>(x, norm_w, eps, Bn, d);  // [B, d]
@@ -798,7 +825,7 @@ at::Tensor mamba2_impl(const at::Tensor& x, const at::Tensor& norm_w, double eps
     const T* in = zp + b * E + d_inner;  // xBC, then dt
     float* out = xbc.data() + b * conv_dim;
     for (int64_t c = 0; c < conv_dim; ++c) {  // slide the window, append the new input, the depthwise conv
-      T* win = cs + (b * conv_dim + c) * K;
+      T* win = cs + (srow(b) * conv_dim + c) * K;
       for (int64_t k = 0; k + 1 < K; ++k) win[k] = win[k + 1];
       win[K - 1] = real ? in[c] : T(0.f);
       float acc = 0.f;
@@ -818,7 +845,7 @@ at::Tensor mamba2_impl(const at::Tensor& x, const at::Tensor& norm_w, double eps
       const float* Cv = xbc.data() + b * conv_dim + d_inner + G * N + g * N;
       const float decay = std::exp(dt[t] * A[h]);
       for (int64_t p = 0; p < P; ++p) {
-        const float yp = ssm_row(S + (t * P + p) * N, decay, dt[t] * xs[p], Bv, Cv, N);
+        const float yp = ssm_row(S + ((srow(b) * H + h) * P + p) * N, decay, dt[t] * xs[p], Bv, Cv, N);
         y[b * d_inner + h * P + p] = rnd<T>(yp + xs[p] * widen(Dv[h]));
       }
     }
@@ -846,16 +873,17 @@ at::Tensor decode_mamba2(const at::Tensor& x, const at::Tensor& norm_w, double e
                          const std::optional<at::Tensor>& b_in, const at::Tensor& conv_w, const std::optional<at::Tensor>& conv_b,
                          const at::Tensor& dt_bias, const at::Tensor& A_log, const at::Tensor& Dp, const at::Tensor& gnorm_w,
                          double gnorm_eps, const at::Tensor& w_out, const std::optional<at::Tensor>& b_out, at::Tensor& conv_state,
-                         at::Tensor& ssm_state, const std::optional<at::Tensor>& pad_mask) {
+                         at::Tensor& ssm_state, const std::optional<at::Tensor>& pad_mask, const std::optional<at::Tensor>& rows) {
   const char* op = "decode_mamba2";
   const at::ScalarType dt = check_x(op, x);
   const int64_t Bn = x.size(0), d = x.size(2);
-  TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(0) == Bn && conv_state.scalar_type() == dt && conv_state.is_contiguous(),
-              op, ": conv_state must be a contiguous ", dtype_name(dt), " [B, conv_dim, d_conv] tensor with B = ", Bn, ", got ",
+  TORCH_CHECK(conv_state.dim() == 3 && conv_state.scalar_type() == dt && conv_state.is_contiguous(),
+              op, ": conv_state must be a contiguous ", dtype_name(dt), " [B, conv_dim, d_conv] tensor, got ",
               conv_state.sizes(), " ", conv_state.scalar_type());
-  TORCH_CHECK(ssm_state.dim() == 4 && ssm_state.size(0) == Bn && ssm_state.scalar_type() == at::kFloat && ssm_state.is_contiguous(),
-              op, ": ssm_state must be a contiguous float32 [B, nheads, headdim, d_state] tensor with B = ", Bn, ", got ",
-              ssm_state.sizes(), " ", ssm_state.scalar_type());
+  TORCH_CHECK(ssm_state.dim() == 4 && ssm_state.size(0) == conv_state.size(0) && ssm_state.scalar_type() == at::kFloat && ssm_state.is_contiguous(),
+              op, ": ssm_state must be a contiguous float32 [B, nheads, headdim, d_state] tensor with the conv state's ", conv_state.size(0),
+              " rows, got ", ssm_state.sizes(), " ", ssm_state.scalar_type());
+  check_rows(op, rows, Bn, conv_state.size(0));
   const int64_t conv_dim = conv_state.size(1), K = conv_state.size(2), H = ssm_state.size(1), P = ssm_state.size(2), N = ssm_state.size(3);
   const int64_t d_inner = H * P, rest = conv_dim - d_inner;
   TORCH_CHECK(rest > 0 && rest % (2 * N) == 0 && H % (rest / (2 * N)) == 0,
@@ -880,9 +908,9 @@ at::Tensor decode_mamba2(const at::Tensor& x, const at::Tensor& norm_w, double e
   }
   if (dt == at::kBFloat16)
     return mamba2_impl<bf16>(x, norm_w, eps, w_in, b_in, conv_w, conv_b, dt_bias, A_log, Dp, gnorm_w, gnorm_eps, w_out, b_out, conv_state,
-                             ssm_state, pad_mask);
+                             ssm_state, pad_mask, rows);
   return mamba2_impl<float>(x, norm_w, eps, w_in, b_in, conv_w, conv_b, dt_bias, A_log, Dp, gnorm_w, gnorm_eps, w_out, b_out, conv_state,
-                            ssm_state, pad_mask);
+                            ssm_state, pad_mask, rows);
 }
 
 // ---- StateLoop's state update and state read (looplm/recurrence/stateloop.py), one token per row ----------------
@@ -949,14 +977,14 @@ TORCH_LIBRARY_FRAGMENT(looplm_cpu, m) {
   m.def(
       "decode_attention(Tensor x, Tensor norm_weight, float eps, Tensor wq, Tensor? bq, Tensor wk, Tensor? bk, Tensor wv, "
       "Tensor? bv, Tensor wo, Tensor? bo, Tensor? q_norm_weight, Tensor? k_norm_weight, float qk_eps, Tensor? cos, Tensor? sin, "
-      "Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, Tensor? attn_mask, int n_heads) -> Tensor");
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, Tensor? attn_mask, int n_heads, Tensor? rows=None) -> Tensor");
   m.def(
       "decode_swiglu(Tensor x, Tensor norm_weight, float eps, Tensor w_gate, Tensor? b_gate, Tensor w_up, Tensor? b_up, "
       "Tensor w_down, Tensor? b_down) -> Tensor");
   m.def(
       "decode_mamba2(Tensor x, Tensor norm_weight, float eps, Tensor w_in, Tensor? b_in, Tensor conv_weight, Tensor? conv_bias, "
       "Tensor dt_bias, Tensor A_log, Tensor D, Tensor gate_norm_weight, float gate_norm_eps, Tensor w_out, Tensor? b_out, "
-      "Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor? pad_mask) -> Tensor");
+      "Tensor(a!) conv_state, Tensor(b!) ssm_state, Tensor? pad_mask, Tensor? rows=None) -> Tensor");
   m.def(
       "decode_stateloop_update(Tensor h, Tensor S, Tensor norm_weight, float eps, Tensor w_u, Tensor w_delta, Tensor b_delta, "
       "Tensor A_log) -> Tensor");
@@ -968,7 +996,7 @@ TORCH_LIBRARY_FRAGMENT(looplm_cpu, m) {
       .def("mlp_blocks", &looplm_cpu::StackPlan::mlp_blocks);
   m.def(
       "decode_stack(Tensor x, __torch__.torch.classes.looplm_cpu.StackPlan plan, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int pos, "
-      "Tensor? cos, Tensor? sin, Tensor? attn_mask) -> Tensor");
+      "Tensor? cos, Tensor? sin, Tensor? attn_mask, Tensor? rows=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) {
   m.impl("decode_attention", &looplm_cpu::decode_attention);
