@@ -154,12 +154,35 @@ def _cmd_generate(args) -> int:
         compile_blocks(model)  # per block, ~10 s; where looplm's CPU kernels run, the fused one-token step of plain attention blocks bypasses it
     torch.manual_seed(args.seed)
     ids = torch.tensor([tok.encode(args.prompt)], dtype=torch.long)
+    adaptive = _adaptive_args(args, model)  # checked before any decoding
     out = model.generate(
         ids, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, eos_token_id=tok.eos_id, num_loops=args.loops,
+        top_k=args.top_k, top_p=args.top_p, eos_token_id=tok.eos_id, num_loops=args.loops, return_stats=args.stats, **adaptive,
     )
+    if args.stats:
+        out, stats = out
+        print(json.dumps(stats.summary()), file=sys.stderr)
     print(tok.decode(out[0, ids.shape[1]:].tolist()))
     return 0
+
+
+def _adaptive_args(args, model) -> dict:
+    """``exit=`` / ``speculative=`` for ``generate`` from ``looplm generate``'s options."""
+    from .exits import Exit
+    from .speculative import Speculative
+
+    policy = {"kv": args.kv_policy, "ssm": args.ssm_policy, "min_loops": args.min_loops, "max_loops": args.max_loops}
+    if args.exit and args.speculative:
+        raise ValueError("--exit and --speculative cannot be combined (the draft takes its own depth)")
+    if args.exit:
+        e = Exit.parse(args.exit).with_policies(**policy)
+        e.resolved(model)
+        return {"exit": e}
+    if any(v is not None for v in policy.values()):
+        raise ValueError("--kv-policy / --ssm-policy / --min-loops / --max-loops are options of --exit")
+    if args.speculative:
+        return {"speculative": Speculative(draft_loops=args.speculative, k=args.draft_k).resolved(model)}
+    return {}
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -203,6 +226,20 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                         "and on CPUs with native bf16 (where bf16 decodes 1.5-2x faster than fp32), else fp32")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a model config field; with --checkpoint only max_seq_len and n_loops")
+    a = p.add_argument_group("adaptive depth (docs/adaptive-depth.md)")
+    a.add_argument("--exit", default=None, metavar="CRITERION[:VALUE]",
+                   help="per-token early exit that skips the loops: gate:Q (learned exit gate, q in (0, 1]), kl:EPS "
+                        "(KL of successive iterates' next-token distributions), convergence:EPS (relative update norm), replay:R")
+    a.add_argument("--kv-policy", choices=["copy", "propagate", "shared", "full"], default=None,
+                   help="what later tokens attend to in the loops a token skipped (default copy)")
+    a.add_argument("--ssm-policy", choices=["freeze", "propagate", "decay"], default=None,
+                   help="what a Mamba-2 state does in the loops a token skipped (default freeze)")
+    a.add_argument("--min-loops", type=int, default=None, help="no exit before this many loops (default 1)")
+    a.add_argument("--max-loops", type=int, default=None, help="every token exits here (default the trained K)")
+    a.add_argument("--speculative", type=int, default=None, metavar="R_D",
+                   help="lossless self-speculative decoding: draft with R_D < K loops, verify with all K")
+    a.add_argument("--draft-k", type=int, default=4, help="tokens drafted per speculative round")
+    a.add_argument("--stats", action="store_true", help="print the selected / executed depth (or acceptance) summary on stderr")
     p.set_defaults(func=_cmd_generate)
 
     if command in COMMAND_MODULES:

@@ -93,6 +93,9 @@ def generate(
     if speculative is not None:
         from .speculative import speculative_generate
 
+        if num_loops is not None and num_loops != model.config.n_loops:
+            raise ValueError(f"generate: speculative decoding verifies at the model's K = {model.config.n_loops} loops; num_loops={num_loops!r} cannot change it")
+
         return speculative_generate(
             model, input_ids, max_new_tokens, speculative, do_sample=do_sample, temperature=temperature, top_k=top_k,
             top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, attention_mask=attention_mask,

@@ -25,8 +25,10 @@ SmolLM2's have a BOS; a tokenizer without one — GPT-NeoX's — conditions on E
 
 Model arguments: ``pretrained`` (path), ``loops`` (r, default the trained K), ``exit_threshold``
 (q, passed as ``loop_options={"exit_threshold": q}``), ``dtype`` (``float32`` | ``bfloat16``),
-``device``, ``batch_size``, ``max_length``, ``max_gen_toks``, ``prefix_token_id``. Any other argument
-is refused, naming the close matches (``loop=6`` is not silently ignored).
+``device``, ``batch_size``, ``max_length``, ``max_gen_toks``, ``prefix_token_id``; for ``generate_until``
+also adaptive depth (``docs/adaptive-depth.md``): ``exit`` (``gate:0.8``, ``kl:5e-4``, ...), ``kv_policy``,
+``ssm_policy``, ``min_loops``, ``max_loops``, or ``speculative`` (draft loops) with ``draft_k``. Any other
+argument is refused, naming the close matches (``loop=6`` is not silently ignored).
 
 Suites (task groups written by :func:`write_task_configs`, scored with each task's headline metric,
 unweighted means, printed in the papers' table layouts by :func:`suite_tables`):
@@ -86,7 +88,10 @@ class LoopLMEvalModel(TemplateLM):
     def __init__(self, pretrained: str | None = None, *, model=None, tokenizer=None, loops: int | str | None = None,
                  exit_threshold: float | str | None = None, dtype: str = "float32", device: str | None = None,
                  batch_size: int | str = 8, max_length: int | str | None = None, max_gen_toks: int | str = 256,
-                 prefix_token_id: int | str | None = None, max_batch_size: int | str | None = None, **kwargs):
+                 prefix_token_id: int | str | None = None, max_batch_size: int | str | None = None,
+                 exit: str | None = None, kv_policy: str | None = None, ssm_policy: str | None = None,
+                 min_loops: int | str | None = None, max_loops: int | str | None = None, speculative: int | str | None = None,
+                 draft_k: int | str | None = None, **kwargs):
         if TemplateLM is object:
             raise ImportError("the lm-eval harness needs lm-eval: pip install 'looplm[eval]' (or pip install lm-eval)")
         if kwargs:  # before any loading: a misspelt argument (loop=6) must not be silently ignored
@@ -140,6 +145,7 @@ class LoopLMEvalModel(TemplateLM):
         if prefix_id is not None and prefix_id >= self.model.config.vocab_size:
             raise ValueError(f"prefix_token_id must be a token id in [0, {self.model.config.vocab_size}), got {prefix_token_id}")
         self.custom_prefix_token_id = prefix_id
+        self.decode_options = adaptive_options(self.model, exit, kv_policy, ssm_policy, min_loops, max_loops, speculative, draft_k)
 
     # --- what lm-eval asks of a TemplateLM ---
     @property
@@ -273,6 +279,12 @@ class LoopLMEvalModel(TemplateLM):
             mask[r, T - len(p):] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         padded = bool((mask[:, :T] == 0).any())
+        if self.decode_options:  # per-token exit / speculative decoding: looplm's generate, then the same cuts
+            gen = self.model.generate(ids, max_new, attention_mask=mask[:, :T] if padded else None, do_sample=do_sample,
+                                      temperature=temperature, eos_token_id=self.eot_token_id, loop_options=self.loop_options,
+                                      num_loops=self.loops if "exit" in self.decode_options else None,
+                                      **self.decode_options)  # fmt: skip
+            return [_cut(self.tok_decode(_until_eot(row, self.eot_token_id)), until) for row in gen[:, T:].tolist()]
         r = self.loops or self.model.config.n_loops
         cache = self.model.new_cache(B, r)
         new: list[list[int]] = [[] for _ in range(B)]
@@ -358,7 +370,42 @@ def check_harness_args(*, loops=None, exit_threshold=None, num_fewshot=None, lim
 
 # the model arguments LoopLMEvalModel takes (lm-eval adds batch_size, max_batch_size and device itself)
 MODEL_ARGS = ("pretrained", "model", "tokenizer", "loops", "exit_threshold", "dtype", "device", "batch_size",
-              "max_length", "max_gen_toks", "prefix_token_id", "max_batch_size")
+              "max_length", "max_gen_toks", "prefix_token_id", "max_batch_size", "exit", "kv_policy", "ssm_policy",
+              "min_loops", "max_loops", "speculative", "draft_k")
+
+
+def adaptive_options(model, exit=None, kv_policy=None, ssm_policy=None, min_loops=None, max_loops=None, speculative=None,
+                     draft_k=None) -> dict:
+    """``generate()`` keyword arguments from the lm-eval model's string arguments (checked now, before any
+    request): ``{"exit": Exit}``, ``{"speculative": Speculative}`` or ``{}``."""
+    from ..exits import Exit
+    from ..speculative import Speculative
+
+    none = (None, "", "None")
+    opt = lambda v: None if v in none else int(v)  # noqa: E731
+    if exit not in none and speculative not in none:
+        raise ValueError("LoopLMEvalModel: give exit= or speculative=, not both")
+    if exit not in none:
+        e = Exit.parse(str(exit)).with_policies(kv=None if kv_policy in none else str(kv_policy),
+                                               ssm=None if ssm_policy in none else str(ssm_policy),
+                                               min_loops=opt(min_loops), max_loops=opt(max_loops))  # fmt: skip
+        e.resolved(model)
+        return {"exit": e}
+    if speculative not in none:
+        sp = Speculative(draft_loops=int(speculative), k=opt(draft_k) or 4).resolved(model)
+        return {"speculative": sp}
+    return {}
+
+
+def _until_eot(ids: list[int], eot: int) -> list[int]:
+    return ids[: ids.index(eot)] if eot in ids else ids
+
+
+def _cut(text: str, until: list[str]) -> str:
+    for s in until:  # cut at the first stop string
+        if s and s in text:
+            text = text.split(s)[0]
+    return text
 
 
 def load_for_eval(path, tokenizer=None):

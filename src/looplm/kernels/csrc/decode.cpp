@@ -877,13 +877,15 @@ at::Tensor decode_mamba2(const at::Tensor& x, const at::Tensor& norm_w, double e
   const char* op = "decode_mamba2";
   const at::ScalarType dt = check_x(op, x);
   const int64_t Bn = x.size(0), d = x.size(2);
-  TORCH_CHECK(conv_state.dim() == 3 && conv_state.scalar_type() == dt && conv_state.is_contiguous(),
-              op, ": conv_state must be a contiguous ", dtype_name(dt), " [B, conv_dim, d_conv] tensor, got ",
+  const bool by_rows = rows.has_value() && rows->defined();  // x's rows are some rows of the states
+  const int64_t Sn = by_rows && conv_state.dim() == 3 ? conv_state.size(0) : Bn;  // the states' rows
+  TORCH_CHECK(conv_state.dim() == 3 && conv_state.size(0) == Sn && conv_state.scalar_type() == dt && conv_state.is_contiguous(),
+              op, ": conv_state must be a contiguous ", dtype_name(dt), " [B, conv_dim, d_conv] tensor with B = ", Sn, ", got ",
               conv_state.sizes(), " ", conv_state.scalar_type());
-  TORCH_CHECK(ssm_state.dim() == 4 && ssm_state.size(0) == conv_state.size(0) && ssm_state.scalar_type() == at::kFloat && ssm_state.is_contiguous(),
-              op, ": ssm_state must be a contiguous float32 [B, nheads, headdim, d_state] tensor with the conv state's ", conv_state.size(0),
-              " rows, got ", ssm_state.sizes(), " ", ssm_state.scalar_type());
-  check_rows(op, rows, Bn, conv_state.size(0));
+  TORCH_CHECK(ssm_state.dim() == 4 && ssm_state.size(0) == Sn && ssm_state.scalar_type() == at::kFloat && ssm_state.is_contiguous(),
+              op, ": ssm_state must be a contiguous float32 [B, nheads, headdim, d_state] tensor with B = ", Sn, ", got ",
+              ssm_state.sizes(), " ", ssm_state.scalar_type());
+  check_rows(op, rows, Bn, Sn);
   const int64_t conv_dim = conv_state.size(1), K = conv_state.size(2), H = ssm_state.size(1), P = ssm_state.size(2), N = ssm_state.size(3);
   const int64_t d_inner = H * P, rest = conv_dim - d_inner;
   TORCH_CHECK(rest > 0 && rest % (2 * N) == 0 && H % (rest / (2 * N)) == 0,
