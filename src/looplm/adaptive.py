@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .context import ForwardContext, LoopContext
-from .exits import Exit, make_criterion, readout_flops, stack_flops
+from .exits import Exit, make_criterion, stack_flop_terms
 
 __all__ = ["AdaptiveDecoder", "DepthStats", "restrict_context"]
 
@@ -125,7 +125,14 @@ class AdaptiveDecoder:
         self.loop_options = opts
         self.stats = DepthStats(self.R)
         self.token = 0  # single-token calls so far (the index replay depths are read at)
-        self.core_pass = lambda ctx: stack_flops(model.core.stack, ctx)  # one row, one loop
+        # FLOPs, (weights, per key of context) of one token: a core pass; prelude + coda + head
+        self._core_terms = stack_flop_terms(model.core.stack)
+        (pw, pa), (cw, ca) = stack_flop_terms(model.prelude), stack_flop_terms(model.coda)
+        self._other_terms = (pw + cw + 2.0 * model.lm_head.weight.numel(), pa + ca)
+
+    def core_pass(self, ctx: int) -> float:
+        """FLOPs of one row's core pass at ``ctx`` keys."""
+        return self._core_terms[0] + self._core_terms[1] * ctx
 
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -147,7 +154,7 @@ class AdaptiveDecoder:
         logits = m.lm_head(m.norm(y[:, -logits_to_keep:]))  # [B, keep, V]
         st = self.stats
         if decoding:  # the statistics are of decoded tokens (a prompt runs at full depth)
-            st.other_flops += B * (stack_flops(m.prelude, ctx) + readout_flops(m, lctx))
+            st.other_flops += B * (self._other_terms[0] + self._other_terms[1] * ctx)
             st.selected.append(depth)
             st.executed.append(executed)
             st.batch_loops.append(loops)
@@ -170,7 +177,6 @@ class AdaptiveDecoder:
         sub = lctx  # their loop context (the whole batch until the first exit)
         y = None  # [B, T, d]: rows' outputs as they exit
         depth = torch.full((B,), R, dtype=torch.long, device=dev)
-        executed = torch.zeros(B, dtype=torch.long, device=dev)
         exited = torch.zeros(B, dtype=torch.bool, device=dev)  # kv='full': exited, still looping
         fills = []
         check_before = crit.flops
@@ -182,7 +188,6 @@ class AdaptiveDecoder:
             mods = rule.block_modulation(state, sub)
             h = m.core(z, sub.fctx, m._slots(sub.cache, m.core.stack, (k,), n, loop=k, family="core"), mods)  # H^k
             state = rule.step(state, h, sub)
-            executed[rows] += 1
             loops += 1
             if allow_exit:
                 self.stats.core_flops += n * self.core_pass(ctx)
@@ -236,6 +241,7 @@ class AdaptiveDecoder:
                     y.index_copy_(0, rows.index_select(0, sel), y_rest.index_select(0, sel))
         for f in fills:
             self._fill(*f)
+        executed = torch.full_like(depth, loops) if full else depth  # core passes per row (kv='full': every loop)
         return y, depth, executed, loops
 
     # ------------------------------------------------------------------------------------------
@@ -252,6 +258,7 @@ class AdaptiveDecoder:
         n = g.shape[0]
         for family, by_loop in cache.loop_slots.items():
             src = by_loop.get(k_exit)
+            src_kv = None  # the exit loop's entry of rows g, read once for every skipped loop
             for k in skipped:
                 dst = by_loop.get(k)
                 if dst is None:
@@ -263,11 +270,11 @@ class AdaptiveDecoder:
                     dst.pending = max(dst.pending, 1)  # state and conv window untouched; the token is counted
                     continue
                 if kv_slot and e.kv == "copy":
-                    s = getattr(src, "base", src)
-                    kk = s._k[:, :, pos : pos + 1].index_select(0, g)  # [n, H_kv, 1, hd]: the exit loop's entry
-                    vv = s._v[:, :, pos : pos + 1].index_select(0, g)
-                    getattr(dst, "base", dst).write_rows(g, kk, vv, B)
-                    st.fill_bytes += 2 * kk.numel() * kk.element_size()
+                    if src_kv is None:
+                        s = getattr(src, "base", src)
+                        src_kv = (s._k[:, :, pos : pos + 1].index_select(0, g), s._v[:, :, pos : pos + 1].index_select(0, g))  # [n, H_kv, 1, hd]
+                    getattr(dst, "base", dst).write_rows(g, *src_kv, B)
+                    st.fill_bytes += 2 * src_kv[0].numel() * src_kv[0].element_size()
                     continue
                 # propagate (KV or SSM) / decay (SSM): the stand-in through the skipped layer
                 kind, layer = family

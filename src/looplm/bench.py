@@ -280,7 +280,7 @@ def cmd_bench_decode(args) -> int:
 
 def register(subparsers) -> None:
     """Add ``bench decode`` to the ``looplm`` command line."""
-    p = subparsers.add_parser("bench", help="benchmarks (decode: the StateLoop decoding-latency study, Tab. 3)")
+    p = subparsers.add_parser("bench", help="benchmarks (decode: the StateLoop decoding-latency study, Tab. 3; adaptive: per-token exit and self-speculative decoding)")
     sub = p.add_subparsers(dest="bench_command", required=True)
     d = sub.add_parser("decode", help="batch-1 decoding latency of Vanilla Looped K=4/5, +FFN and StateLoop (identity / attention / Mamba-2)")
     d.add_argument("--d-model", type=int, default=512)
@@ -302,3 +302,6 @@ def register(subparsers) -> None:
     d.add_argument("--same-process", action="store_true",
                    help="on a Linux CPU, do not re-run in a child process with THP_MEM_ALLOC_ENABLE=1")
     d.set_defaults(func=cmd_bench_decode)
+    from .bench_adaptive import register as register_adaptive
+
+    register_adaptive(sub)

@@ -257,6 +257,7 @@ class GateCriterion(Criterion):
 
 class KLCriterion(Criterion):
     readout = True
+    terms = None  # the readout's FLOP terms (coda, head), computed once
 
     def begin(self, token):
         super().begin(token)
@@ -265,7 +266,10 @@ class KLCriterion(Criterion):
     def check(self, k, h, state, lctx, rows, model):
         # every position reads out (a prompt's readout slots need each token); the last one is compared
         logp = torch.log_softmax(model._readout(h, lctx, family="exit-check")[:, -1].float(), -1)  # [n, V]
-        self.flops += h.shape[0] * h.shape[1] * readout_flops(model, lctx)
+        if self.terms is None:
+            self.terms = stack_flop_terms(model.coda), 2.0 * model.lm_head.weight.numel()
+        (w, a), head = self.terms
+        self.flops += h.shape[0] * h.shape[1] * (w + a * (lctx.cache.seqlen + 1 if lctx.cache is not None else 1) + head)
         if self.prev is None:
             out = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
         else:  # KL(p^{r−1} ‖ p^r) = Σ p^{r−1} (log p^{r−1} − log p^r)
@@ -334,14 +338,21 @@ def make_criterion(e: Exit) -> Criterion:
 
 def stack_flops(stack, context: int) -> float:
     """FLOPs of one token through ``stack``'s blocks with ``context`` keys per attention layer."""
+    w, a = stack_flop_terms(stack)
+    return w + a * context
+
+
+def stack_flop_terms(stack) -> tuple[float, float]:
+    """``(weights, per key)``: one token through ``stack`` costs ``weights + per_key · context`` FLOPs
+    (2 per weight of every product; 4·H·hd per attention layer and key)."""
     from .layers.attention import Attention
 
-    total = 0.0
+    w = a = 0.0
     for blk in stack.blocks:
-        total += 2.0 * sum(p.numel() for n, p in blk.named_parameters() if p.dim() == 2)
+        w += 2.0 * sum(p.numel() for p in blk.parameters() if p.dim() == 2)
         if isinstance(blk.mixer, Attention):
-            total += 4.0 * blk.mixer.n_heads * blk.mixer.head_dim * context
-    return total
+            a += 4.0 * blk.mixer.n_heads * blk.mixer.head_dim
+    return w, a
 
 
 def readout_flops(model, lctx) -> float:

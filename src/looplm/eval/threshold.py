@@ -8,6 +8,11 @@
   (``num_loops=r``; for an exit-gate model this puts the remaining mass on step ``r``, i.e. selects it).
 * **Plot** (Figure 1 style): metric against selected depth — the threshold sweep as a line, the
   fixed depths as separate markers.
+* **Real wall-clock** (:func:`decode_sweep`, on by default: ``--decode-batches``): the same ``q`` (and
+  forced ``r``) decoded token by token with per-token exit that *skips* the loops (:mod:`looplm.adaptive`,
+  the ``gate`` criterion, ``--kv-policy`` / ``--ssm-policy`` for the skipped loops), interleaved with
+  full-depth decoding on the same tokens: the executed depth, the PPL of that decoding and the time per
+  token relative to full depth (columns ``executed (decode)``, ``ms/token``, ``time / full``).
 
 ``looplm eval threshold RUN --data stdlib`` sweeps a language-model checkpoint (PPL);
 ``looplm task {mano,phop} eval RUN --thresholds ... --loops ... --png F`` a task run (accuracy).
@@ -105,14 +110,52 @@ def sweep(model, metric: Callable, thresholds=PAPER_THRESHOLDS, fixed_loops=None
     return rows
 
 
+def decode_sweep(model, batch: torch.Tensor, rows: list[dict], *, kv: str = "copy", ssm: str = "freeze", prompt_len: int = 8,
+                 clock: str = "wall", precision: str = "fp32") -> list[dict]:
+    """Add real decoding to the sweep's ``rows``: each threshold ``q`` (criterion ``gate``) and forced ``r``
+    (``replay``) decoded token by token over ``batch [B, T]`` with per-token exit (the loops skipped), every
+    setting and full depth interleaved token by token. Adds ``decode_executed_depth``, ``decode_ppl``,
+    ``decode_ms_per_token`` and ``decode_time_ratio`` (vs full depth in the same run) to each row."""
+    from ..adaptive import AdaptiveDecoder
+    from ..bench_adaptive import FullDepth, teacher_forced_timing
+
+    m = model.to(torch.bfloat16) if precision == "bf16" else model
+    specs = {}
+    for r in rows:
+        if r["setting"] == "threshold":
+            specs[("threshold", r["q"])] = {"criterion": "gate", "threshold": r["q"], "kv": kv, "ssm": ssm}
+        else:
+            specs[("fixed", r["r"])] = {"criterion": "replay", "depths": r["r"], "kv": kv, "ssm": ssm, "max_loops": model.config.n_loops}
+    cont = {"full": lambda b, c: FullDepth(m, b, c)}
+    cont.update({key: (lambda b, c, e=e: AdaptiveDecoder(m, b, c, e)) for key, e in specs.items()})
+    res = teacher_forced_timing(m, batch, cont, prompt_len=prompt_len, clock=clock)
+    tgt = batch[:, prompt_len + 1 :]
+    for r in rows:
+        got = res[("threshold", r["q"]) if r["setting"] == "threshold" else ("fixed", r["r"])]
+        lp = got["logits"][:, prompt_len:-1]
+        nll = float(F.cross_entropy(lp.reshape(-1, lp.shape[-1]), tgt.reshape(-1)))
+        r.update(decode_executed_depth=got["stats"]["executed_depth"], decode_ppl=math.exp(min(nll, 700.0)),
+                 decode_ms_per_token=got["ms_per_token"], decode_time_ratio=got["ratio"], decode_kv=kv, decode_ssm=ssm)
+    if precision == "bf16":
+        model.float()
+    return rows
+
+
 def format_sweep(rows: list[dict], metrics=("ppl",)) -> str:
-    """Markdown in the layout of Tab. 16-19 (sweep) and Tab. 12-15 (forced loops)."""
-    out = ["| setting | q / forced r | Iter (selected depth) | executed depth | " + " | ".join(m for m in metrics) + " |",
-           "| --- | ---: | ---: | ---: |" + " ---: |" * len(metrics)]
+    """Markdown in the layout of Tab. 16-19 (sweep) and Tab. 12-15 (forced loops); with real decoding
+    (:func:`decode_sweep`) also its executed depth, PPL and time per token relative to full depth."""
+    dec = any("decode_time_ratio" in r for r in rows)
+    extra = " executed (decode) | PPL (decode) | ms/token | time / full |" if dec else ""
+    out = ["| setting | q / forced r | Iter (selected depth) | executed depth | " + " | ".join(m for m in metrics) + " |" + extra,
+           "| --- | ---: | ---: | ---: |" + " ---: |" * len(metrics) + (" ---: | ---: | ---: | ---: |" if dec else "")]
     for r in rows:
         key = f"{r['q']:.2f}" if r["setting"] == "threshold" else str(r["r"])
         vals = " | ".join(f"{r[m]:.2%}" if m == "accuracy" else f"{r[m]:.2f}" for m in metrics)
-        out.append(f"| {r['setting']} | {key} | {r['iter']:.2f} | {r['executed_depth']} | {vals} |")
+        line = f"| {r['setting']} | {key} | {r['iter']:.2f} | {r['executed_depth']} | {vals} |"
+        if dec:
+            line += (f" {r['decode_executed_depth']:.2f} | {r['decode_ppl']:.2f} | {r['decode_ms_per_token']:.2f} |"
+                     f" {r['decode_time_ratio']:.3f} |")
+        out.append(line)
     return "\n".join(out)
 
 
@@ -171,6 +214,9 @@ def _cmd_threshold(args) -> int:
                             batch_size=args.batch_size, device=args.device)  # fmt: skip
         metric, shown = combine_metrics(metric, tasks), ("ppl", "accuracy")
     rows = sweep(model, metric, thresholds, fixed)
+    if args.decode_batches:  # the same settings decoded with the loops really skipped, timed against full depth
+        decode_sweep(model, torch.cat(batches[: args.decode_batches]), rows, kv=args.kv_policy, ssm=args.ssm_policy,
+                     clock=args.clock, precision=args.precision)  # fmt: skip
     if args.png:
         plot_sweep(rows, args.png, shown[-1], title=f"{ckpt.parent.parent.name}: R = {R}")
     print(json.dumps(rows, indent=2) if args.json else format_sweep(rows, shown))
@@ -198,5 +244,12 @@ def register(subparsers) -> None:
     p.add_argument("--include-path", nargs="*", default=None, help="extra lm-eval task folders (with --tasks)")
     p.add_argument("--data-dir", default=None, help="local copies of the suites' datasets (with --tasks)")
     p.add_argument("--limit", type=int, default=None, help="at most this many documents per task (with --tasks)")
+    p.add_argument("--decode-batches", type=int, default=1,
+                   help="batches also decoded token by token with per-token exit that skips the loops, timed against "
+                        "full depth (0 = off)")
+    p.add_argument("--kv-policy", choices=["copy", "propagate", "shared", "full"], default="copy",
+                   help="the decoding's KV policy for skipped loops (docs/adaptive-depth.md)")
+    p.add_argument("--ssm-policy", choices=["freeze", "propagate", "decay"], default="freeze")
+    p.add_argument("--clock", choices=["wall", "cpu"], default="wall", help="wall time, or the process CPU time (a loaded machine)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=_cmd_threshold)

@@ -118,8 +118,8 @@ class KVCache:
         if self._len + T > self.capacity:
             raise ValueError(f"KV cache capacity {self.capacity} exceeded ({self._len} + {T} tokens)")
         cols = slice(self._len, self._len + T)
-        self._k[:, :, cols].index_copy_(0, idx, k.to(self._k.dtype))  # in place: a view of the buffer
-        self._v[:, :, cols].index_copy_(0, idx, v.to(self._v.dtype))
+        self._k[:, :, cols].index_copy_(0, idx, k if k.dtype == self._k.dtype else k.to(self._k.dtype))  # in place: a view
+        self._v[:, :, cols].index_copy_(0, idx, v if v.dtype == self._v.dtype else v.to(self._v.dtype))
         self.pending = max(self.pending, T)
 
     def commit(self) -> None:

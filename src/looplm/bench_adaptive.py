@@ -1,0 +1,642 @@
+"""``looplm bench adaptive``: what per-token exit and self-speculative decoding really save (issue #23).
+
+Every number is measured against full-depth decoding *in the same process*, on models trained here:
+
+* ``lm`` — a looped Transformer (2 shared blocks × K = 4, d = 256) trained on a corpus with a random loop
+  count per step (``configs/bench/adaptive-lm.yaml``); zero-shot exit criteria (``kl``, ``convergence``)
+  and the r_d-loop self-speculative draft;
+* ``phop`` — p-hop (n = 32, p = 4) on a 1⊗4 looped Transformer with the two-stage exit gate (stage 1
+  by ``looplm task phop train configs/bench/adaptive-phop-gate.yaml``, stage 2 here): the ``gate``
+  criterion.
+
+Tables (``--sections``, each a list of dicts in the JSON written to ``--out``):
+
+* ``quality`` — teacher-forced decoding of held-out text with exits: selected and executed depth, fill
+  and check FLOPs, greedy agreement with full depth and ``KL(full ‖ adaptive)`` of the next-token
+  distributions, per criterion threshold and KV policy; PPL;
+* ``timing`` — decode-only wall (and CPU) time per generated token, adaptive vs full depth, the contenders
+  interleaved token by token on the same prompts, at batch 1 and 8, fp32 and bf16, on the fused CPU path:
+  the wall-time ratio beside the executed-depth ratio and the target ``ratio <= 1.1 × executed / K``;
+* ``kv_bytes`` — KV-cache bytes per token per policy;
+* ``speculative`` — the draft's agreement with full depth, accepted tokens per round, speed-up of
+  greedy self-speculative decoding over full depth at batch 1 and 8;
+* ``task`` — p-hop accuracy vs selected / executed depth vs wall time over the gate's q (and fixed depths);
+* ``scale`` — the timing protocol on larger backbones (random weights, the LM's measured exit depths
+  replayed), showing where fixed per-token costs stop hiding the saving.
+
+``--train`` (re)trains the models into ``--runs`` (default ``runs/adaptive-bench``; trained weights stay
+out of git). Plots: ``--png-dir`` (accuracy / PPL vs executed depth, annotated with the time ratio).
+
+    looplm bench adaptive --train --data /work/shared/data/tinyshakespeare.txt
+    looplm bench adaptive --sections timing,speculative --clock cpu --threads 1 --json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["FullDepth", "decode_timing", "register", "teacher_forced_quality"]
+
+SECTIONS = ("quality", "timing", "kv_bytes", "speculative", "task", "scale")
+
+
+# ------------------------------------------------------------------------------------------------
+# contenders: full depth (generate's own path) and adaptive decoding, one step at a time
+# ------------------------------------------------------------------------------------------------
+
+
+class FullDepth:
+    """Full-depth decoding as :func:`looplm.generate.generate` does it (the plain path): the prompt, then one
+    ``model(token, cache=...)`` per step with preallocated KV slots, the head on the last position."""
+
+    def __init__(self, model, batch_size: int, capacity: int):
+        self.model = model
+        self.cache = model.new_cache(batch_size, capacity=capacity)
+
+    def __call__(self, ids, attention_mask=None, logits_to_keep: int = 1, validate: bool = True):
+        return self.model(ids, cache=self.cache, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
+                          validate=validate).logits  # fmt: skip
+
+
+def _now(clock: str):
+    return time.perf_counter if clock == "wall" else time.process_time
+
+
+@torch.inference_mode()
+def decode_timing(model, prompts: torch.Tensor, new_tokens: int, contenders: dict, *, runs: int = 3, clock: str = "wall") -> dict:
+    """Decode-only time per generated token of each contender (``{name: factory(batch, capacity)}``, the
+    first is the baseline): every run prefills each contender with ``prompts [B, P]`` (untimed), then
+    decodes ``new_tokens`` greedy tokens, one step of every contender in a rotating order before any
+    takes the next (a burst of load hits all alike). Returns ``{name: {"ms_per_token", "ratio",
+    "ratios", "stats"}}`` (``ratio``: median over runs of the time relative to the first contender)."""
+    from .sampling import decode_context
+
+    B, P = prompts.shape
+    now = _now(clock)
+    names = list(contenders)
+    per_run = {k: [] for k in names}
+    last = {}
+    with decode_context(model, B):
+        for run in range(runs + 1):  # the first run warms up (allocations, caches)
+            decs = {k: contenders[k](B, P + new_tokens + 1) for k in names}
+            toks = {k: decs[k](prompts)[:, -1].argmax(-1, keepdim=True) for k in names}
+            spent = dict.fromkeys(names, 0.0)
+            n = new_tokens if run else min(4, new_tokens)
+            for t in range(n):
+                shift = (run + t) % len(names)
+                for k in names[shift:] + names[:shift]:
+                    t0 = now()
+                    toks[k] = decs[k](toks[k], validate=False)[:, -1].argmax(-1, keepdim=True)
+                    spent[k] += now() - t0
+            if run:
+                for k in names:
+                    per_run[k].append(1000 * spent[k] / n)
+            last = decs
+    base = per_run[names[0]]
+    out = {}
+    for k in names:
+        ratios = [a / b for a, b in zip(per_run[k], base)]
+        st = getattr(last[k], "stats", None)
+        out[k] = {"ms_per_token": statistics.median(per_run[k]), "ratio": statistics.median(ratios), "ratios": ratios,
+                  "stats": st.summary() if st is not None else None}  # fmt: skip
+    return out
+
+
+@torch.inference_mode()
+def teacher_forced_timing(model, ids: torch.Tensor, contenders: dict, *, prompt_len: int = 8, runs: int = 1,
+                          clock: str = "wall") -> dict:
+    """Score ``ids [B, T]`` with every contender (``{name: factory(batch, capacity)}``), the first ``prompt_len``
+    tokens as a prompt (untimed) and then one token at a time, the contenders interleaved token by token in a
+    rotating order. Returns ``{name: {"ms_per_token", "ratio" (median over runs vs the first), "logits"
+    [B, T, V] from prompt_len − 1 on, "stats"}}``."""
+    from .sampling import decode_context
+
+    B, T = ids.shape
+    now = _now(clock)
+    names = list(contenders)
+    per_run = {k: [] for k in names}
+    logits, last = {}, {}
+    with decode_context(model, B):
+        for run in range(runs):
+            decs = {k: contenders[k](B, T) for k in names}
+            out = {k: torch.zeros(B, T, model.config.vocab_size) for k in names}
+            for k in names:
+                out[k][:, :prompt_len] = decs[k](ids[:, :prompt_len], logits_to_keep=prompt_len).float()
+            spent = dict.fromkeys(names, 0.0)
+            for t in range(prompt_len, T):
+                shift = (run + t) % len(names)
+                for k in names[shift:] + names[:shift]:
+                    t0 = now()
+                    lg = decs[k](ids[:, t : t + 1], validate=False)
+                    spent[k] += now() - t0
+                    out[k][:, t] = lg[:, -1].float()
+            for k in names:
+                per_run[k].append(1000 * spent[k] / max(1, T - prompt_len))
+            logits, last = out, decs
+    base = per_run[names[0]]
+    res = {}
+    for k in names:
+        st = getattr(last[k], "stats", None)
+        res[k] = {"ms_per_token": statistics.median(per_run[k]), "ratio": statistics.median([a / b for a, b in zip(per_run[k], base)]),
+                  "logits": logits[k], "stats": st.summary() if st is not None else None}  # fmt: skip
+    return res
+
+
+@torch.inference_mode()
+def teacher_forced_quality(model, ids: torch.Tensor, exit, prompt_len: int = 8, ref_logits: torch.Tensor | None = None) -> dict:
+    """Score ``ids [B, T]`` token by token with exits (:meth:`AdaptiveDecoder.score`) against full depth:
+    greedy agreement and ``KL(full ‖ adaptive)`` of every decoded position, PPL of both, the depth summary."""
+    from .adaptive import AdaptiveDecoder
+
+    if ref_logits is None:
+        ref_logits = model(ids).logits.float()
+    dec = AdaptiveDecoder(model, ids.shape[0], ids.shape[1], exit)
+    got = dec.score(ids, prompt_len)
+    a, r = got[:, prompt_len:-1].float(), ref_logits[:, prompt_len:-1].float()  # positions decoded one at a time
+    tgt = ids[:, prompt_len + 1 :]
+    la, lr = F.log_softmax(a, -1), F.log_softmax(r, -1)
+    kl = (lr.exp() * (lr - la)).sum(-1)  # KL(full ‖ adaptive)
+    nll = F.nll_loss(la.reshape(-1, la.shape[-1]), tgt.reshape(-1))
+    nll_full = F.nll_loss(lr.reshape(-1, lr.shape[-1]), tgt.reshape(-1))
+    return {
+        "agreement": float((a.argmax(-1) == r.argmax(-1)).float().mean()), "kl_to_full": float(kl.mean()),
+        "ppl": math.exp(float(nll)), "ppl_full": math.exp(float(nll_full)), **dec.stats.summary(),
+    }  # fmt: skip
+
+
+def kv_bytes_per_token(model, kv: str, batch: int = 1) -> float:
+    """KV-cache bytes one token occupies (every attention slot of every loop; ``shared``: one per layer)."""
+    from .adaptive import AdaptiveDecoder
+
+    dec = AdaptiveDecoder(model, batch, 4, {"criterion": "replay", "depths": 1, "kv": kv})
+    with torch.no_grad():
+        dec(torch.zeros(batch, 2, dtype=torch.long))
+    total = 0
+    for s in dec.cache.physical_slots():
+        k = getattr(s, "_k", None)
+        if k is not None:
+            total += 2 * k.numel() * k.element_size() // k.shape[2]  # one column of keys and values
+    return total / batch
+
+
+# ------------------------------------------------------------------------------------------------
+# models trained here
+# ------------------------------------------------------------------------------------------------
+
+
+def _repo_file(rel: str) -> Path:
+    from .train.cli import find_config
+
+    return find_config(rel)
+
+
+def train_lm(runs: Path, data: str, steps: int | None = None) -> Path:
+    from .train.config import load_train_config
+    from .train.trainer import Trainer
+
+    out = runs / "lm"
+    ov = [f"data.paths=[{data}]"] + ([f"train.max_steps={steps}"] if steps else [])
+    Trainer(load_train_config(_repo_file("configs/bench/adaptive-lm.yaml"), ov), out, resume=True, quiet=True).fit()
+    return out
+
+
+def load_lm(runs: Path, device="cpu"):
+    from .checkpoint_io import load_model_for_inference
+
+    model, tok = load_model_for_inference(runs / "lm", device=device)
+    return model.eval(), tok
+
+
+def train_phop(runs: Path, stage2_steps: int = 400, quiet: bool = True) -> Path:
+    """Stage 1 (backbone + gate, the expected loss) by the task trainer, then stage 2 (the gate alone)."""
+    from .tasks.train import load_task_config, train_task
+
+    cfg = load_task_config(_repo_file("configs/bench/adaptive-phop-gate.yaml"), task="phop")
+    s1 = runs / "phop-gate1"
+    if not (s1 / "results.json").exists():
+        train_task(cfg, s1, quiet=quiet)
+    return gate_stage2(s1, runs / "phop-gate2", steps=stage2_steps)
+
+
+def gate_stage2(stage1_run: Path, out: Path, steps: int = 400, lr: float = 1e-3, seed: int = 1) -> Path:
+    """App. B stage 2 on a stage-1 task run: everything but ``rule.gate`` frozen, the improvement-target BCE
+    (κ = 50, γ = 0.005), AdamW; writes a task run (``model.safetensors``, ``config.json``) at ``out``."""
+    from safetensors.torch import save_file
+
+    from .dataclass_util import to_dict
+    from .tasks.train import load_task_run
+
+    if (out / "model.safetensors").exists():
+        return out
+    model, cfg = load_task_run(stage1_run)
+    model.train()
+    model.rule.stage = 2
+    cfg.model_overrides = {**cfg.model_overrides, "rule": {"name": "exit_gate", "options": {"stage": 2, "bias_init": -2.0}}}
+    gate = [p for n, p in model.named_parameters() if n.startswith("rule.gate")]
+    for n, p in model.named_parameters():
+        p.requires_grad_(n.startswith("rule.gate"))
+    opt = torch.optim.AdamW(gate, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    stream = cfg.task.stream(seed)
+    for step in range(steps):
+        ids, labels = stream.next_batch(cfg.train.batch_size)
+        loss = model(ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(gate, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({"task_run": to_dict(cfg), "model": to_dict(model.config), "seed": seed}, indent=2))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the sections
+# ------------------------------------------------------------------------------------------------
+
+
+def _held_out(tok, data: str, n: int, length: int, seed: int = 0) -> torch.Tensor:
+    """``[n, length]`` rows of the LM's validation documents (every 50th speech of the corpus, never trained
+    on), ``seed`` picking which of the first ``4n`` rows."""
+    from .data.config import DataConfig
+    from .data.pipeline import iter_val_batches
+
+    if not Path(data).exists():
+        raise FileNotFoundError(f"--data {data!r}: the LM's corpus is not there (a text file; the LM trains on it)")
+    cfg = DataConfig(source="files", paths=[data], split_mode="blank_lines", seq_len=length, tokenizer="byte", shuffle_buffer=0)
+    rows = torch.cat(list(iter_val_batches(cfg, tok, None, 64)))[: 4 * n]
+    g = torch.Generator().manual_seed(seed)
+    return rows[torch.randperm(rows.shape[0], generator=g)[:n]]
+
+
+def section_quality(model, ids, settings, policies, prompt_len: int = 8) -> list[dict]:
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+    rows = []
+    for crit, eps in settings:
+        for kv in policies:
+            r = teacher_forced_quality(model, ids, {"criterion": crit, "threshold": eps, "kv": kv}, prompt_len, ref)
+            rows.append({"criterion": crit, "threshold": eps, "kv": kv, **r})
+    return rows
+
+
+def section_timing(model, prompts_by_batch: dict, settings, new_tokens: int, runs: int, clock: str, dtypes) -> list[dict]:
+    from .adaptive import AdaptiveDecoder
+
+    rows = []
+    for dt in dtypes:
+        m = model.to(dt)
+        for B, prompts in prompts_by_batch.items():
+            cont = {"full": lambda b, c: FullDepth(m, b, c)}
+            for crit, eps, kv in settings:
+                spec = {"criterion": crit, "threshold": eps, "kv": kv}
+                cont[f"{crit}:{eps}/{kv}"] = lambda b, c, spec=spec: AdaptiveDecoder(m, b, c, spec)
+            res = decode_timing(m, prompts, new_tokens, cont, runs=runs, clock=clock)
+            full_ms = res["full"]["ms_per_token"]
+            for (crit, eps, kv), name in zip(settings, list(res)[1:]):
+                r = res[name]
+                ex = r["stats"]["executed_ratio"]
+                rows.append({"dtype": str(dt).replace("torch.", ""), "batch": B, "criterion": crit, "threshold": eps, "kv": kv,
+                             "full_ms_per_token": full_ms, "ms_per_token": r["ms_per_token"], "time_ratio": r["ratio"],
+                             "executed_ratio": ex, "selected_depth": r["stats"]["selected_depth"],
+                             "executed_depth": r["stats"]["executed_depth"], "batch_depth": r["stats"]["batch_depth"],
+                             "flops_ratio": r["stats"]["flops_ratio"], "target_met": r["ratio"] <= 1.1 * ex,
+                             "ratios": r["ratios"], "clock": clock})  # fmt: skip
+    model.float()
+    return rows
+
+
+@torch.inference_mode()
+def _speculative_times(model, prompts, new_tokens, spec, runs, clock):
+    """Whole ``generate`` calls, full depth and speculative alternated (their prompts' prefill is the same
+    full-depth step in both); ``(median speed-up, speed-ups, round statistics, identical?, full s)``."""
+    from .generate import generate
+    from .sampling import decode_context
+
+    now = _now(clock)
+    t_full, t_spec = [], []
+    with decode_context(model, prompts.shape[0]):
+        for run in range(runs + 1):  # run 0 warms up
+            outs = {}
+            for k in (("full", "spec") if run % 2 == 0 else ("spec", "full")):
+                t0 = now()
+                outs[k] = generate(model, prompts, new_tokens) if k == "full" else \
+                    generate(model, prompts, new_tokens, speculative=spec, return_stats=True)
+                dt = now() - t0
+                if run:
+                    (t_full if k == "full" else t_spec).append(dt)
+    spec_out, st = outs["spec"]
+    ratios = [f / s for f, s in zip(t_full, t_spec)]
+    return statistics.median(ratios), ratios, st.summary(), bool(torch.equal(spec_out, outs["full"])), statistics.median(t_full)
+
+
+def section_speculative(model, ids, prompts_by_batch, drafts, ks, new_tokens, runs, clock, dtypes) -> list[dict]:
+    rows = []
+    with torch.no_grad():
+        full = model(ids).logits.argmax(-1)
+        agree = {r: float((model(ids, num_loops=r).logits.argmax(-1) == full).float().mean()) for r in drafts}
+    for dt in dtypes:
+        m = model.to(dt)
+        for B, prompts in prompts_by_batch.items():
+            for r in drafts:
+                for k in ks:
+                    sp, ratios, st, same, t_full = _speculative_times(m, prompts, new_tokens, {"draft_loops": r, "k": k}, runs, clock)
+                    rows.append({"dtype": str(dt).replace("torch.", ""), "batch": B, "draft_loops": r, "k": k,
+                                 "draft_agreement": agree[r], "accepted_per_round": st["accepted_per_round"],
+                                 "tokens_per_round": st["tokens_per_round"], "acceptance": st["acceptance"], "speedup": sp,
+                                 "speedups": ratios, "full_ms_per_token": 1000 * t_full / new_tokens,
+                                 "greedy_identical": same, "clock": clock})  # fmt: skip
+    model.float()
+    return rows
+
+
+@torch.inference_mode()
+def section_task(model, cfg, qs, policies, fixed, time_batch: int, runs: int, clock: str, count: int | None = None) -> list[dict]:
+    """p-hop accuracy at <ans> under teacher-forced decoding with exits (every token of the sequence decoded
+    one at a time, its own exit), next to the full forward; wall time per token at ``time_batch``."""
+    from .adaptive import AdaptiveDecoder
+
+    ids, pos, answers = cfg.task.eval_set()
+    if count:
+        ids, pos, answers = ids[:count], pos[:count], answers[:count]
+    L = int(pos.max()) + 1  # decode up to <ans>
+    rows = []
+    settings = [("full", None)] + [("gate", q) for q in qs] + [("replay", r) for r in fixed]
+    for kv in policies:
+        for crit, v in settings:
+            if crit == "full" and kv != policies[0]:
+                continue
+            spec = ({"criterion": "gate", "threshold": 1.0, "kv": "full"} if crit == "full" else
+                    {"criterion": crit, ("threshold" if crit == "gate" else "depths"): v, "kv": kv})  # fmt: skip
+            correct, sel, ex, sel_ans, ex_ans = 0, [], [], [], []
+            for a in range(0, ids.shape[0], 250):
+                x, p, y = ids[a : a + 250, :L], pos[a : a + 250], answers[a : a + 250]
+                dec = AdaptiveDecoder(model, x.shape[0], L, spec)
+                logits = dec.score(x, prompt_len=1)
+                correct += int((logits[torch.arange(x.shape[0]), p].argmax(-1) == y).sum())
+                s = torch.stack(dec.stats.selected, 1).float()  # [b, L-1]: positions 1 .. L-1
+                e = torch.stack(dec.stats.executed, 1).float()
+                sel.append(s.mean())
+                ex.append(e.mean())
+                sel_ans.append(s[torch.arange(x.shape[0]), p - 1].mean())
+                ex_ans.append(e[torch.arange(x.shape[0]), p - 1].mean())
+            rows.append({"kv": kv if crit != "full" else "-", "setting": crit, "value": v, "accuracy": correct / ids.shape[0],
+                         "selected_depth": float(torch.stack(sel).mean()), "executed_depth": float(torch.stack(ex).mean()),
+                         "selected_depth_ans": float(torch.stack(sel_ans).mean()),
+                         "executed_depth_ans": float(torch.stack(ex_ans).mean())})  # fmt: skip
+    # wall time per token at time_batch: every setting of the first policy against full depth, interleaved
+    prompts = ids[:time_batch, :8]
+    cont = {"full": lambda b, c: FullDepth(model, b, c)}
+    for crit, v in settings[1:]:
+        spec = {"criterion": crit, ("threshold" if crit == "gate" else "depths"): v, "kv": policies[0]}
+        cont[f"{crit}:{v}"] = lambda b, c, spec=spec: AdaptiveDecoder(model, b, c, spec)
+    res = decode_timing(model, prompts, L - 8, cont, runs=runs, clock=clock)
+    for r in rows:
+        if r["kv"] in ("-", policies[0]):
+            key = "full" if r["setting"] == "full" else f"{r['setting']}:{r['value']}"
+            r["time_ratio"] = res[key]["ratio"]
+            r["ms_per_token"] = res[key]["ms_per_token"]
+    return rows
+
+
+def section_scale(depth_pool: torch.Tensor, widths, batches, new_tokens, runs, clock, dtypes) -> list[dict]:
+    """The timing protocol on larger random-weight backbones (2 blocks × K = 4 like the LM, wider), every
+    token's depth drawn from the LM's measured exit depths (``depth_pool``): timing does not depend on the
+    weights' values, only on how many loops run."""
+    from .adaptive import AdaptiveDecoder
+    from .factory import build
+
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for d in widths:
+        for dt in dtypes:
+            torch.manual_seed(0)
+            m = build("tiny-llama", overrides={"d_model": d, "n_core": 2, "n_loops": 4, "d_ff": 3 * d, "vocab_size": 260,
+                                                 "max_seq_len": 1024, "attention.n_heads": d // 64, "attention.n_kv_heads": d // 64,
+                                                 "attention.head_dim": 64}, dtype=dt).eval()  # fmt: skip
+            for B in batches:
+                prompts = torch.randint(0, 260, (B, 32), generator=g)
+                depths = depth_pool[torch.randint(0, depth_pool.numel(), (B, new_tokens + 8), generator=g)]
+                spec = {"criterion": "replay", "depths": depths, "kv": "copy"}
+                res = decode_timing(m, prompts, new_tokens, {"full": lambda b, c: FullDepth(m, b, c),
+                                                             "replay": lambda b, c: AdaptiveDecoder(m, b, c, spec)}, runs=runs, clock=clock)
+                r = res["replay"]
+                ex = r["stats"]["executed_ratio"]
+                rows.append({"d_model": d, "dtype": str(dt).replace("torch.", ""), "batch": B, "executed_ratio": ex,
+                             "batch_depth": r["stats"]["batch_depth"], "time_ratio": r["ratio"],
+                             "full_ms_per_token": res["full"]["ms_per_token"], "target_met": r["ratio"] <= 1.1 * ex, "clock": clock})  # fmt: skip
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# tables and plots
+# ------------------------------------------------------------------------------------------------
+
+
+def _md(rows: list[dict], cols: list[tuple[str, str, str]]) -> str:
+    head = "| " + " | ".join(c[1] for c in cols) + " |"
+    sep = "| " + " | ".join("---:" if c[2] else "---" for c in cols) + " |"
+    lines = [head, sep]
+    for r in rows:
+        vals = []
+        for key, _, fmt in cols:
+            v = r.get(key)
+            vals.append("" if v is None else (format(v, fmt) if fmt and isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)))
+        lines.append("| " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+TABLES = {
+    "quality": [("criterion", "criterion", ""), ("threshold", "ε", "g"), ("kv", "kv", ""), ("selected_depth", "selected", ".2f"),
+                ("executed_depth", "executed", ".2f"), ("flops_ratio", "FLOPs / full", ".3f"), ("agreement", "greedy agree", ".3f"),
+                ("kl_to_full", "KL(full‖exit)", ".4f"), ("ppl", "PPL", ".3f"), ("ppl_full", "PPL full", ".3f")],
+    "timing": [("dtype", "dtype", ""), ("batch", "B", "d"), ("criterion", "criterion", ""), ("threshold", "ε / q", "g"), ("kv", "kv", ""),
+               ("selected_depth", "selected", ".2f"), ("executed_depth", "executed", ".2f"), ("batch_depth", "batch loops", ".2f"),
+               ("executed_ratio", "executed / K", ".3f"), ("time_ratio", "time / full", ".3f"), ("full_ms_per_token", "full ms/tok", ".2f"),
+               ("target_met", "≤ 1.1 × executed", "")],
+    "kv_bytes": [("kv", "policy", ""), ("bytes_per_token", "KV bytes / token", ",.0f"), ("ratio", "vs per-loop", ".3f")],
+    "speculative": [("dtype", "dtype", ""), ("batch", "B", "d"), ("draft_loops", "r_d", "d"), ("k", "k", "d"),
+                    ("draft_agreement", "draft agrees", ".3f"), ("acceptance", "accepted / drafted", ".3f"),
+                    ("tokens_per_round", "tokens / round", ".2f"), ("speedup", "speed-up", ".3f"), ("greedy_identical", "== full greedy", "")],
+    "task": [("setting", "setting", ""), ("value", "q / r", ""), ("kv", "kv", ""), ("accuracy", "accuracy", ".4f"),
+             ("selected_depth", "selected", ".2f"), ("executed_depth", "executed", ".2f"), ("executed_depth_ans", "executed @ans", ".2f"),
+             ("time_ratio", "time / full", ".3f")],
+    "scale": [("d_model", "d", "d"), ("dtype", "dtype", ""), ("batch", "B", "d"), ("executed_ratio", "executed / K", ".3f"),
+              ("batch_depth", "batch loops", ".2f"), ("time_ratio", "time / full", ".3f"), ("full_ms_per_token", "full ms/tok", ".2f"),
+              ("target_met", "≤ 1.1 × executed", "")],
+}
+
+
+def plot_frontier(rows: list[dict], path, metric: str, title: str, xkey: str = "executed_depth") -> None:
+    """Metric against executed depth, one line per KV policy, each point labelled with its time ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.2, 3.6))
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault(r.get("kv", "-"), []).append(r)
+    for kv, rs in groups.items():
+        rs = sorted(rs, key=lambda r: r[xkey])
+        ax.plot([r[xkey] for r in rs], [r[metric] for r in rs], "o-" if kv != "-" else "s", label=f"kv={kv}" if kv != "-" else "full depth")
+        for r in rs:
+            if r.get("time_ratio") is not None:
+                ax.annotate(f"{r['time_ratio']:.2f}×t", (r[xkey], r[metric]), textcoords="offset points", xytext=(3, 3), fontsize=6)
+    ax.set_xlabel("executed loops per token (the work that ran)")
+    ax.set_ylabel(metric)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+
+
+def cmd_bench_adaptive(args) -> int:
+    import os
+    import subprocess
+    import sys
+
+    from .bench import cpu_description
+
+    if sys.platform.startswith("linux") and "THP_MEM_ALLOC_ENABLE" not in os.environ and not args.same_process:
+        # as `looplm bench decode`: PyTorch reads THP_MEM_ALLOC_ENABLE at its first allocation; re-run with it set
+        env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}
+        child = subprocess.run([sys.executable, "-m", "looplm.cli", *sys.argv[1:], "--same-process"], env=env)
+        return child.returncode
+    from . import kernels
+
+    kernels.load("cpu")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    bad = [s for s in sections if s not in SECTIONS]
+    if bad:
+        raise ValueError(f"--sections: unknown {bad}; choose from {list(SECTIONS)}")
+    runs = Path(args.runs)
+    dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in args.dtypes.split(",")]
+    q = args.quick
+    report = {"cpu": cpu_description(), "threads": torch.get_num_threads(), "clock": args.clock, "sections": {}}
+    log = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
+    log(f"bench adaptive on {report['cpu']}, {report['threads']} threads, {args.clock} clock")
+    need_lm = any(s in sections for s in ("quality", "timing", "kv_bytes", "speculative", "scale"))
+    if need_lm:
+        if args.train or not (runs / "lm").exists():
+            log("training the LM (configs/bench/adaptive-lm.yaml) ...")
+            train_lm(runs, args.data, args.lm_steps)
+        lm, tok = load_lm(runs)
+        held = _held_out(tok, args.data, 16 if q else 32, 96 if q else 160)
+        log(f"LM: {lm.config.n_core} blocks x K={lm.config.n_loops}, d={lm.config.d_model}, {lm.num_params():,} parameters")
+    kl_grid = [float(v) for v in args.kl.split(",")]
+    conv_grid = [float(v) for v in args.convergence.split(",")]
+    policies = args.policies.split(",")
+    depth_pool = None
+    if "quality" in sections:
+        rows = section_quality(lm, held, [("kl", e) for e in kl_grid] + [("convergence", e) for e in conv_grid], policies)
+        report["sections"]["quality"] = rows
+        log("\n## quality (teacher-forced, held-out text)\n" + _md(rows, TABLES["quality"]))
+        if args.png_dir:
+            Path(args.png_dir).mkdir(parents=True, exist_ok=True)
+            for crit in ("kl", "convergence"):
+                rs = [r for r in rows if r["criterion"] == crit]
+                plot_frontier(rs, Path(args.png_dir) / f"adaptive-lm-{crit}.png", "ppl", f"LM, {crit} criterion: PPL vs executed loops")
+    if "kv_bytes" in sections:
+        base = kv_bytes_per_token(lm, "copy")
+        rows = [{"kv": kv, "bytes_per_token": kv_bytes_per_token(lm, kv), "ratio": kv_bytes_per_token(lm, kv) / base}
+                for kv in ("copy", "propagate", "full", "shared")]  # fmt: skip
+        report["sections"]["kv_bytes"] = rows
+        log("\n## KV bytes per token\n" + _md(rows, TABLES["kv_bytes"]))
+    if "timing" in sections or "scale" in sections:
+        prompts = {B: _held_out(tok, args.data, B, 32, seed=1) for B in (1, 8)}
+        settings = [("kl", e, kv) for e in [kl_grid[len(kl_grid) // 2]] for kv in ("copy", "propagate")]
+        settings += [("convergence", e, "copy") for e in [conv_grid[len(conv_grid) // 2]]]
+        if "timing" in sections:
+            rows = section_timing(lm, prompts, settings, 16 if q else args.new, 2 if q else args.runs, args.clock, dtypes)
+            report["sections"]["timing"] = rows
+            log("\n## timing (decode only, interleaved with full depth)\n" + _md(rows, TABLES["timing"]))
+        # the LM's own exit depths at the middle kl threshold (the pool the scale section replays)
+        from .adaptive import AdaptiveDecoder
+
+        dec = AdaptiveDecoder(lm, held.shape[0], held.shape[1], {"criterion": "kl", "threshold": kl_grid[len(kl_grid) // 2]})
+        dec.score(held, 8)
+        depth_pool = torch.stack(dec.stats.selected).flatten()
+    if "scale" in sections:
+        rows = section_scale(depth_pool, [int(w) for w in args.widths.split(",")], (1, 8), 16 if q else args.new,
+                             2 if q else args.runs, args.clock, dtypes)
+        report["sections"]["scale"] = rows
+        log("\n## scale (random weights, the LM's exit depths replayed)\n" + _md(rows, TABLES["scale"]))
+    if "speculative" in sections:
+        prompts = {B: _held_out(tok, args.data, B, 16, seed=2) for B in (1, 8)}
+        rows = section_speculative(lm, held, prompts, [int(r) for r in args.drafts.split(",")], [int(k) for k in args.k.split(",")],
+                                   16 if q else args.new, 2 if q else args.runs, args.clock, dtypes)
+        report["sections"]["speculative"] = rows
+        log("\n## self-speculative decoding (greedy)\n" + _md(rows, TABLES["speculative"]))
+    if "task" in sections:
+        from .tasks.train import load_task_run
+
+        if args.train or not (runs / "phop-gate2" / "model.safetensors").exists():
+            log("training the p-hop exit-gate model (stage 1, stage 2) ...")
+            train_phop(runs)
+        m, cfg = load_task_run(runs / "phop-gate2")
+        qs = [float(v) for v in args.qs.split(",")]
+        rows = section_task(m, cfg, qs, policies[:2] if q else policies, list(range(1, m.config.n_loops)), 8,
+                            2 if q else args.runs, args.clock, count=500 if q else None)
+        report["sections"]["task"] = rows
+        log("\n## p-hop with the exit gate (teacher-forced decoding, accuracy at <ans>)\n" + _md(rows, TABLES["task"]))
+        if args.png_dir:
+            Path(args.png_dir).mkdir(parents=True, exist_ok=True)
+            plot_frontier(rows, Path(args.png_dir) / "adaptive-phop-gate.png", "accuracy", "p-hop 1⊗4, exit gate: accuracy vs executed loops")
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    if args.json:
+        print(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+def register(sub) -> None:
+    """``bench adaptive`` under ``looplm bench`` (called by :func:`looplm.bench.register`)."""
+    a = sub.add_parser("adaptive", help="per-token exit and self-speculative decoding vs full depth, on models trained here")
+    a.add_argument("--runs", default="runs/adaptive-bench", help="where the trained models live (trained there if missing)")
+    a.add_argument("--train", action="store_true", help="(re)train the models first (the LM resumes from its newest checkpoint)")
+    a.add_argument("--data", default="/work/shared/data/tinyshakespeare.txt", help="the LM's corpus (a text file)")
+    a.add_argument("--lm-steps", type=int, default=None, help="override the LM's training steps")
+    a.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
+    a.add_argument("--kl", default="0.001,0.003,0.01,0.03", help="ε grid of the kl criterion")
+    a.add_argument("--convergence", default="0.05,0.1,0.2,0.3", help="ε grid of the convergence criterion")
+    a.add_argument("--qs", default="0.3,0.5,0.7,0.9,0.95", help="q grid of the gate criterion (task)")
+    a.add_argument("--policies", default="copy,propagate,shared,full", help="KV policies compared")
+    a.add_argument("--drafts", default="1,2,3", help="speculative draft loop counts r_d")
+    a.add_argument("--k", default="2,4", help="speculative tokens drafted per round")
+    a.add_argument("--widths", default="512,1024", help="backbone widths of the scale section")
+    a.add_argument("--dtypes", default="fp32,bf16")
+    a.add_argument("--new", type=int, default=48, help="decoded tokens per timing run")
+    a.add_argument("--runs-per-setting", dest="runs", type=int, default=5, help="timing runs (medians)")
+    a.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    a.add_argument("--threads", type=int, default=1)
+    a.add_argument("--quick", action="store_true", help="fewer tokens, runs and settings (a smoke run)")
+    a.add_argument("--png-dir", default=None, help="write the accuracy / PPL vs executed-depth plots here")
+    a.add_argument("--out", default=None, help="write the full report (JSON) here")
+    a.add_argument("--json", action="store_true")
+    a.add_argument("--same-process", action="store_true", help=argparse_suppress())
+    a.set_defaults(func=cmd_bench_adaptive)
+
+
+def argparse_suppress():
+    import argparse
+
+    return argparse.SUPPRESS

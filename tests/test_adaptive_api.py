@@ -1,0 +1,94 @@
+"""Adaptive depth through the interfaces: `looplm generate --exit / --speculative`, the lm-eval model's
+generate_until, and `looplm eval threshold`'s decoding with the loops skipped."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import looplm
+from looplm.cli import main
+from looplm.data.tokenizers import ByteTokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+TOK = ByteTokenizer()
+
+
+def test_cli_generate_with_exit_and_speculative(capsys):
+    base = ["generate", "--model", "tiny-llama", "--prompt", "The loop ", "--max-new-tokens", "8"]
+    assert main(base) == 0
+    plain = capsys.readouterr().out
+    assert main(base + ["--speculative", "2", "--draft-k", "3"]) == 0
+    assert capsys.readouterr().out == plain  # lossless
+    assert main(base + ["--exit", "convergence:0.9", "--kv-policy", "propagate", "--min-loops", "2", "--stats"]) == 0
+    cap = capsys.readouterr()
+    stats = json.loads(cap.err.strip().splitlines()[-1])
+    assert stats["tokens"] == 7 and 2 <= stats["executed_depth"] <= 3 and stats["max_loops"] == 3
+
+
+@pytest.mark.parametrize(
+    "extra,match",
+    [(["--exit", "gate:0.5"], "needs a rule with a learned exit gate"), (["--exit", "kl:-1"], "threshold ε"),
+     (["--speculative", "3"], r"draft_loops must be an int in \[1, 2\]"), (["--kv-policy", "copy"], "are options of --exit"),
+     (["--exit", "kl:1e-3", "--max-loops", "0"], "max_loops must be an int >= 1")],
+)  # fmt: skip
+def test_cli_generate_refuses_bad_adaptive_options(extra, match, capsys):
+    assert main(["generate", "--model", "tiny-llama", "--max-new-tokens", "4", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and __import__("re").search(match, err), err
+
+
+def test_lm_eval_generate_until_takes_exit_and_speculative_options():
+    pytest.importorskip("lm_eval")
+    from looplm.eval.harness import LoopLMEvalModel
+
+    class Req:
+        def __init__(self, *args):
+            self.args = args
+
+    torch.manual_seed(0)
+    m = looplm.build("tiny-coreloop", max_seq_len=128).eval()
+    prompts = ["Q: what loops?\nA:", "x", "The model said"]
+    reqs = [Req(p, {"until": [], "max_gen_toks": 10}) for p in prompts]
+    plain = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=3).generate_until(reqs)
+    spec = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=3, speculative="1", draft_k="3").generate_until(reqs)
+    assert spec == plain
+    lm = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=1, exit="replay:2", kv_policy="propagate")
+    got = lm.generate_until(reqs)
+    for p, text in zip(prompts, got):  # exactly looplm's own adaptive decoding
+        ids = torch.tensor([TOK.encode(p)])
+        ref = m.generate(ids, 10, eos_token_id=TOK.eos_id, exit={"criterion": "replay", "depths": 2, "kv": "propagate"})
+        ref = ref[0, ids.shape[1] :].tolist()
+        assert text == TOK.decode(ref[: ref.index(TOK.eos_id)] if TOK.eos_id in ref else ref)
+    with pytest.raises(ValueError, match="kv policy 'nope'"):
+        LoopLMEvalModel(model=m, tokenizer=TOK, exit="kl:1e-3", kv_policy="nope")
+    with pytest.raises(ValueError, match="not both"):
+        LoopLMEvalModel(model=m, tokenizer=TOK, exit="kl:1e-3", speculative="1")
+
+
+def test_threshold_sweep_decodes_with_the_loops_skipped():
+    """`eval threshold`'s decoding: q = 1 runs every loop; with kv='full' the decoding's PPL is the output
+    selection's (the paper's semantics) on the same positions; with kv='copy' fewer loops run."""
+    from looplm.eval.threshold import decode_sweep, format_sweep, lm_metric, sweep
+
+    torch.manual_seed(0)
+    m = looplm.build("tiny-hybrid", n_loops=4, overrides={"rule": {"name": "exit_gate"}}).eval()
+    with torch.no_grad():
+        m.rule.gate.weight.normal_(0, 1.0)
+        m.rule.gate.bias.zero_()
+    batch = torch.randint(0, 260, (2, 20))
+    rows = sweep(m, lm_metric([batch]), thresholds=(0.5, 1.0), fixed_loops=[2])
+    decode_sweep(m, batch, rows, kv="full")
+    q5, q1, r2 = rows
+    assert q1["decode_executed_depth"] == 4 and r2["decode_executed_depth"] == 4  # kv='full' runs every loop
+    with torch.no_grad():
+        sel = m(batch, loop_options={"exit_threshold": 0.5}).logits[:, 8:-1]
+    nll = F.cross_entropy(sel.reshape(-1, sel.shape[-1]), batch[:, 9:].reshape(-1))
+    assert q5["decode_ppl"] == pytest.approx(math.exp(float(nll)), rel=1e-4)
+    decode_sweep(m, batch, rows, kv="copy")
+    assert q5["decode_executed_depth"] < 4 and r2["decode_executed_depth"] == 2 and q1["decode_executed_depth"] == 4
+    table = format_sweep(rows)
+    assert "| time / full |" in table and "| threshold | 0.50 |" in table
+    assert all(r["decode_time_ratio"] > 0 for r in rows)
