@@ -215,42 +215,52 @@ def load_lm(runs: Path, device="cpu"):
     return model.eval(), tok
 
 
-def train_phop(runs: Path, stage2_steps: int = 400, quiet: bool = True) -> Path:
-    """Stage 1 (backbone + gate, the expected loss) by the task trainer, then stage 2 (the gate alone)."""
+def train_phop(runs: Path, stage1_steps: int = 1000, stage2_steps: int = 400, quiet: bool = True) -> Path:
+    """The base (final-loop loss, the task trainer), then the exit gate's stage 1 and stage 2 (App. B)."""
     from .tasks.train import load_task_config, train_task
 
     cfg = load_task_config(_repo_file("configs/bench/adaptive-phop-gate.yaml"), task="phop")
-    s1 = runs / "phop-gate1"
-    if not (s1 / "results.json").exists():
-        train_task(cfg, s1, quiet=quiet)
-    return gate_stage2(s1, runs / "phop-gate2", steps=stage2_steps)
+    base = runs / "phop-base"
+    if not (base / "results.json").exists():
+        train_task(cfg, base, quiet=quiet)
+    s1 = gate_stage(base, runs / "phop-gate1", stage=1, steps=stage1_steps, lr=1e-3)
+    return gate_stage(s1, runs / "phop-gate2", stage=2, steps=stage2_steps, lr=3e-3)
 
 
-def gate_stage2(stage1_run: Path, out: Path, steps: int = 400, lr: float = 1e-3, seed: int = 1) -> Path:
-    """App. B stage 2 on a stage-1 task run: everything but ``rule.gate`` frozen, the improvement-target BCE
-    (κ = 50, γ = 0.005), AdamW; writes a task run (``model.safetensors``, ``config.json``) at ``out``."""
-    from safetensors.torch import save_file
+def gate_stage(run: Path, out: Path, stage: int, steps: int, lr: float, seed: int = 1) -> Path:
+    """Continue a task run with the exit gate (App. B): ``stage`` 1 trains every parameter on the
+    entropy-regularised expected loss (β = 0.25) from the run's weights (a new gate, bias −2); stage 2 only
+    ``rule.gate`` on the improvement-target BCE (κ = 50, γ = 0.005), everything else frozen. AdamW, cosine
+    to 0.1 of ``lr``; writes a task run (``model.safetensors``, ``config.json``) at ``out``."""
+    from safetensors.torch import load_file, save_file
 
     from .dataclass_util import to_dict
-    from .tasks.train import load_task_run
+    from .tasks.train import build_task_model, load_task_run
 
     if (out / "model.safetensors").exists():
         return out
-    model, cfg = load_task_run(stage1_run)
+    _, cfg = load_task_run(run)
+    d = Path(run)
+    if (d / "results.json").exists() and not (d / "model.safetensors").exists():
+        d = d / f"seed_{json.loads((d / 'results.json').read_text())['best_seed']}"
+    cfg.model_overrides = {**cfg.model_overrides, "rule": {"name": "exit_gate", "options": {"stage": stage, "beta": 0.25, "bias_init": -2.0}}}
+    torch.manual_seed(seed)
+    model = build_task_model(cfg)
+    missing, _ = model.load_state_dict(load_file(str(d / "model.safetensors")), strict=False)
+    assert set(missing) <= {"rule.gate.weight", "rule.gate.bias"}, missing
     model.train()
-    model.rule.stage = 2
-    cfg.model_overrides = {**cfg.model_overrides, "rule": {"name": "exit_gate", "options": {"stage": 2, "bias_init": -2.0}}}
-    gate = [p for n, p in model.named_parameters() if n.startswith("rule.gate")]
+    params = [p for n, p in model.named_parameters() if stage == 1 or n.startswith("rule.gate")]
     for n, p in model.named_parameters():
-        p.requires_grad_(n.startswith("rule.gate"))
-    opt = torch.optim.AdamW(gate, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+        p.requires_grad_(stage == 1 or n.startswith("rule.gate"))
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / max(1, steps))))
     stream = cfg.task.stream(seed)
-    for step in range(steps):
+    for _ in range(steps):
         ids, labels = stream.next_batch(cfg.train.batch_size)
-        loss = model(ids, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(gate, 1.0)
+        model(ids, labels=labels).loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))

@@ -9,9 +9,10 @@ Slot keys:
 * ``(0, i)``                     prelude block ``i`` (physical index ``i``), run once,
 * ``(k, p + j)``                 core block ``j`` at loop iteration ``k``,
 * ``(0, p + s + j)``             coda block ``j`` on the final output,
-* ``("readout", k, p + s + j)``  coda block ``j`` when a rule reads out iterate ``k`` (``lctx.readout``),
-* ``("rule", key)``              slots owned by the recurrence rule (e.g. StateLoop's token-axis mixers,
-  one per iteration).
+* ``("readout", k, p + s + j)``  coda block ``j`` when a rule reads out iterate ``k`` (``lctx.readout``;
+  ``("exit-check", k, p + s + j)`` for the ``kl`` exit criterion's own readouts),
+* ``("rule", key)``              slots owned by the recurrence rule; ``("rule", name, k)`` one per iteration
+  (``lctx.loop_slot``, e.g. StateLoop's token-axis mixers).
 
 The cache-slot protocol
 -----------------------

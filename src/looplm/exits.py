@@ -154,6 +154,8 @@ class Exit:
             errs.append(f"exit kv policy {self.kv!r} is unknown; use one of {list(KV_POLICIES)}")
         if self.ssm not in SSM_POLICIES:
             errs.append(f"exit ssm policy {self.ssm!r} is unknown; use one of {list(SSM_POLICIES)}")
+        if getattr(model, "n_pause", 0):
+            errs.append("per-token exit does not run pause-token models (PauseLM inserts pause positions in its own forward)")
         if not errs:
             errs += _policy_support(model, self.kv, self.ssm)
         if errs:

@@ -90,6 +90,10 @@ def generate(
         raise ValueError("generate: pass exit= or speculative=, not both (a speculative draft takes its own depth)")
     if (exit is not None or speculative is not None) and not use_cache:
         raise ValueError("generate: exit= / speculative= decode with the cache; use_cache=False is the full-forward reference")
+    if return_stats and exit is None and speculative is None:  # full depth, counted by the adaptive driver
+        from .exits import Exit
+
+        exit = Exit(criterion="replay", depths=num_loops or model.config.n_loops, kv="full")
     if speculative is not None:
         from .speculative import speculative_generate
 

@@ -68,6 +68,8 @@ class Speculative:
             errs.append(f"speculative draft_loops must be an int in [1, {K - 1}] (fewer than the model's K = {K} loops), got {r!r}")
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             errs.append(f"speculative k (tokens drafted per round) must be an int >= 1, got {self.k!r}")
+        if getattr(model, "n_pause", 0):
+            errs.append("speculative decoding does not run pause-token models (PauseLM inserts pause positions in its own forward)")
         if errs:
             raise ValueError("; ".join(errs))
         return self
