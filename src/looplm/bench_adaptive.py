@@ -43,111 +43,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FullDepth", "decode_timing", "register", "teacher_forced_quality"]
+from .eval.decode_timing import FullDepth, _now, decode_timing, teacher_forced_timing  # noqa: F401
+
+__all__ = ["FullDepth", "decode_timing", "register", "teacher_forced_quality", "teacher_forced_timing"]
 
 SECTIONS = ("quality", "timing", "kv_bytes", "speculative", "task", "scale")
-
-
-# ------------------------------------------------------------------------------------------------
-# contenders: full depth (generate's own path) and adaptive decoding, one step at a time
-# ------------------------------------------------------------------------------------------------
-
-
-class FullDepth:
-    """Full-depth decoding as :func:`looplm.generate.generate` does it (the plain path): the prompt, then one
-    ``model(token, cache=...)`` per step with preallocated KV slots, the head on the last position."""
-
-    def __init__(self, model, batch_size: int, capacity: int):
-        self.model = model
-        self.cache = model.new_cache(batch_size, capacity=capacity)
-
-    def __call__(self, ids, attention_mask=None, logits_to_keep: int = 1, validate: bool = True):
-        return self.model(ids, cache=self.cache, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
-                          validate=validate).logits  # fmt: skip
-
-
-def _now(clock: str):
-    return time.perf_counter if clock == "wall" else time.process_time
-
-
-@torch.inference_mode()
-def decode_timing(model, prompts: torch.Tensor, new_tokens: int, contenders: dict, *, runs: int = 3, clock: str = "wall") -> dict:
-    """Decode-only time per generated token of each contender (``{name: factory(batch, capacity)}``, the
-    first is the baseline): every run prefills each contender with ``prompts [B, P]`` (untimed), then
-    decodes ``new_tokens`` greedy tokens, one step of every contender in a rotating order before any
-    takes the next (a burst of load hits all alike). Returns ``{name: {"ms_per_token", "ratio",
-    "ratios", "stats"}}`` (``ratio``: median over runs of the time relative to the first contender)."""
-    from .sampling import decode_context
-
-    B, P = prompts.shape
-    now = _now(clock)
-    names = list(contenders)
-    per_run = {k: [] for k in names}
-    last = {}
-    with decode_context(model, B):
-        for run in range(runs + 1):  # the first run warms up (allocations, caches)
-            decs = {k: contenders[k](B, P + new_tokens + 1) for k in names}
-            toks = {k: decs[k](prompts)[:, -1].argmax(-1, keepdim=True) for k in names}
-            spent = dict.fromkeys(names, 0.0)
-            n = new_tokens if run else min(4, new_tokens)
-            for t in range(n):
-                shift = (run + t) % len(names)
-                for k in names[shift:] + names[:shift]:
-                    t0 = now()
-                    toks[k] = decs[k](toks[k], validate=False)[:, -1].argmax(-1, keepdim=True)
-                    spent[k] += now() - t0
-            if run:
-                for k in names:
-                    per_run[k].append(1000 * spent[k] / n)
-            last = decs
-    base = per_run[names[0]]
-    out = {}
-    for k in names:
-        ratios = [a / b for a, b in zip(per_run[k], base)]
-        st = getattr(last[k], "stats", None)
-        out[k] = {"ms_per_token": statistics.median(per_run[k]), "ratio": statistics.median(ratios), "ratios": ratios,
-                  "stats": st.summary() if st is not None else None}  # fmt: skip
-    return out
-
-
-@torch.inference_mode()
-def teacher_forced_timing(model, ids: torch.Tensor, contenders: dict, *, prompt_len: int = 8, runs: int = 1,
-                          clock: str = "wall") -> dict:
-    """Score ``ids [B, T]`` with every contender (``{name: factory(batch, capacity)}``), the first ``prompt_len``
-    tokens as a prompt (untimed) and then one token at a time, the contenders interleaved token by token in a
-    rotating order. Returns ``{name: {"ms_per_token", "ratio" (median over runs vs the first), "logits"
-    [B, T, V] from prompt_len − 1 on, "stats"}}``."""
-    from .sampling import decode_context
-
-    B, T = ids.shape
-    now = _now(clock)
-    names = list(contenders)
-    per_run = {k: [] for k in names}
-    logits, last = {}, {}
-    with decode_context(model, B):
-        for run in range(runs):
-            decs = {k: contenders[k](B, T) for k in names}
-            out = {k: torch.zeros(B, T, model.config.vocab_size) for k in names}
-            for k in names:
-                out[k][:, :prompt_len] = decs[k](ids[:, :prompt_len], logits_to_keep=prompt_len).float()
-            spent = dict.fromkeys(names, 0.0)
-            for t in range(prompt_len, T):
-                shift = (run + t) % len(names)
-                for k in names[shift:] + names[:shift]:
-                    t0 = now()
-                    lg = decs[k](ids[:, t : t + 1], validate=False)
-                    spent[k] += now() - t0
-                    out[k][:, t] = lg[:, -1].float()
-            for k in names:
-                per_run[k].append(1000 * spent[k] / max(1, T - prompt_len))
-            logits, last = out, decs
-    base = per_run[names[0]]
-    res = {}
-    for k in names:
-        st = getattr(last[k], "stats", None)
-        res[k] = {"ms_per_token": statistics.median(per_run[k]), "ratio": statistics.median([a / b for a, b in zip(per_run[k], base)]),
-                  "logits": logits[k], "stats": st.summary() if st is not None else None}  # fmt: skip
-    return res
 
 
 @torch.inference_mode()
@@ -522,7 +422,11 @@ def cmd_bench_adaptive(args) -> int:
     import subprocess
     import sys
 
-    from .bench import cpu_description
+    from .utils import cpuinfo
+
+    name, flags = cpuinfo.model_name() or "unknown CPU", cpuinfo.flags()
+    extra = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+    cpu_description = lambda: f"{name} ({', '.join(extra) if extra else 'no avx512_bf16/amx'})"  # noqa: E731
 
     if sys.platform.startswith("linux") and "THP_MEM_ALLOC_ENABLE" not in os.environ and not args.same_process:
         # as `looplm bench decode`: PyTorch reads THP_MEM_ALLOC_ENABLE at its first allocation; re-run with it set

@@ -117,7 +117,7 @@ def decode_sweep(model, batch: torch.Tensor, rows: list[dict], *, kv: str = "cop
     setting and full depth interleaved token by token. Adds ``decode_executed_depth``, ``decode_ppl``,
     ``decode_ms_per_token`` and ``decode_time_ratio`` (vs full depth in the same run) to each row."""
     from ..adaptive import AdaptiveDecoder
-    from ..bench_adaptive import FullDepth, teacher_forced_timing
+    from .decode_timing import FullDepth, teacher_forced_timing
 
     m = model.to(torch.bfloat16) if precision == "bf16" else model
     specs = {}

@@ -1,0 +1,108 @@
+"""Timing decoding contenders against full depth in one process, interleaved token by token (used by
+``looplm bench adaptive`` and ``looplm eval threshold``)."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+__all__ = ["FullDepth", "decode_timing", "teacher_forced_timing"]
+
+
+class FullDepth:
+    """Full-depth decoding as :func:`looplm.generate.generate` does it (the plain path): the prompt, then one
+    ``model(token, cache=...)`` per step with preallocated KV slots, the head on the last position."""
+
+    def __init__(self, model, batch_size: int, capacity: int):
+        self.model = model
+        self.cache = model.new_cache(batch_size, capacity=capacity)
+
+    def __call__(self, ids, attention_mask=None, logits_to_keep: int = 1, validate: bool = True):
+        return self.model(ids, cache=self.cache, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
+                          validate=validate).logits  # fmt: skip
+
+
+def _now(clock: str):
+    return time.perf_counter if clock == "wall" else time.process_time
+
+
+@torch.inference_mode()
+def decode_timing(model, prompts: torch.Tensor, new_tokens: int, contenders: dict, *, runs: int = 3, clock: str = "wall") -> dict:
+    """Decode-only time per generated token of each contender (``{name: factory(batch, capacity)}``, the
+    first is the baseline): every run prefills each contender with ``prompts [B, P]`` (untimed), then
+    decodes ``new_tokens`` greedy tokens, one step of every contender in a rotating order before any
+    takes the next (a burst of load hits all alike). Returns ``{name: {"ms_per_token", "ratio",
+    "ratios", "stats"}}`` (``ratio``: median over runs of the time relative to the first contender)."""
+    from ..sampling import decode_context
+
+    B, P = prompts.shape
+    now = _now(clock)
+    names = list(contenders)
+    per_run = {k: [] for k in names}
+    last = {}
+    with decode_context(model, B):
+        for run in range(runs + 1):  # the first run warms up (allocations, caches)
+            decs = {k: contenders[k](B, P + new_tokens + 1) for k in names}
+            toks = {k: decs[k](prompts)[:, -1].argmax(-1, keepdim=True) for k in names}
+            spent = dict.fromkeys(names, 0.0)
+            n = new_tokens if run else min(4, new_tokens)
+            for t in range(n):
+                shift = (run + t) % len(names)
+                for k in names[shift:] + names[:shift]:
+                    t0 = now()
+                    toks[k] = decs[k](toks[k], validate=False)[:, -1].argmax(-1, keepdim=True)
+                    spent[k] += now() - t0
+            if run:
+                for k in names:
+                    per_run[k].append(1000 * spent[k] / n)
+            last = decs
+    base = per_run[names[0]]
+    out = {}
+    for k in names:
+        ratios = [a / b for a, b in zip(per_run[k], base)]
+        st = getattr(last[k], "stats", None)
+        out[k] = {"ms_per_token": statistics.median(per_run[k]), "ratio": statistics.median(ratios), "ratios": ratios,
+                  "stats": st.summary() if st is not None else None}  # fmt: skip
+    return out
+
+
+@torch.inference_mode()
+def teacher_forced_timing(model, ids: torch.Tensor, contenders: dict, *, prompt_len: int = 8, runs: int = 1,
+                          clock: str = "wall") -> dict:
+    """Score ``ids [B, T]`` with every contender (``{name: factory(batch, capacity)}``), the first ``prompt_len``
+    tokens as a prompt (untimed) and then one token at a time, the contenders interleaved token by token in a
+    rotating order. Returns ``{name: {"ms_per_token", "ratio" (median over runs vs the first), "logits"
+    [B, T, V] from prompt_len − 1 on, "stats"}}``."""
+    from ..sampling import decode_context
+
+    B, T = ids.shape
+    now = _now(clock)
+    names = list(contenders)
+    per_run = {k: [] for k in names}
+    logits, last = {}, {}
+    with decode_context(model, B):
+        for run in range(runs):
+            decs = {k: contenders[k](B, T) for k in names}
+            out = {k: torch.zeros(B, T, model.config.vocab_size) for k in names}
+            for k in names:
+                out[k][:, :prompt_len] = decs[k](ids[:, :prompt_len], logits_to_keep=prompt_len).float()
+            spent = dict.fromkeys(names, 0.0)
+            for t in range(prompt_len, T):
+                shift = (run + t) % len(names)
+                for k in names[shift:] + names[:shift]:
+                    t0 = now()
+                    lg = decs[k](ids[:, t : t + 1], validate=False)
+                    spent[k] += now() - t0
+                    out[k][:, t] = lg[:, -1].float()
+            for k in names:
+                per_run[k].append(1000 * spent[k] / max(1, T - prompt_len))
+            logits, last = out, decs
+    base = per_run[names[0]]
+    res = {}
+    for k in names:
+        st = getattr(last[k], "stats", None)
+        res[k] = {"ms_per_token": statistics.median(per_run[k]), "ratio": statistics.median([a / b for a, b in zip(per_run[k], base)]),
+                  "logits": logits[k], "stats": st.summary() if st is not None else None}  # fmt: skip
+    return res
