@@ -404,3 +404,11 @@ def test_a_policy_the_model_cannot_support_is_refused_naming_it():
                                               "rule.options.mamba_d_state": 8, "rule.options.mamba_ngroups": 2})  # fmt: skip
     with pytest.raises(ValueError, match="ssm policy 'decay' cannot fill the rule 'stateloop'"):
         mm.generate(torch.randint(0, 260, (1, 3)), 2, exit={"criterion": "replay", "depths": 2, "ssm": "decay"})
+
+
+def test_sampling_with_exits_is_deterministic_with_a_seed():
+    m = _model("tiny-hybrid")
+    x = torch.randint(0, 260, (3, 4))
+    runs = [m.generate(x, 8, do_sample=True, top_k=20, generator=torch.Generator().manual_seed(3),
+                       exit={"criterion": "convergence", "threshold": 0.9, "kv": "propagate"}) for _ in range(2)]  # fmt: skip
+    assert torch.equal(*runs)

@@ -92,3 +92,25 @@ def test_threshold_sweep_decodes_with_the_loops_skipped():
     table = format_sweep(rows)
     assert "| time / full |" in table and "| threshold | 0.50 |" in table
     assert all(r["decode_time_ratio"] > 0 for r in rows)
+
+
+def test_bench_helpers_measure_what_they_say():
+    """`looplm bench adaptive`'s pieces on a tiny model: KV bytes per policy (shared = per-loop ÷ K), the
+    interleaved decode timing, and teacher-forced quality (kv='full' agrees with full depth exactly)."""
+    from looplm.adaptive import AdaptiveDecoder
+    from looplm.bench_adaptive import FullDepth, decode_timing, kv_bytes_per_token, teacher_forced_quality
+
+    torch.manual_seed(0)
+    m = looplm.build("tiny-llama").eval()
+    per_loop = kv_bytes_per_token(m, "copy")
+    assert per_loop == 3 * 2 * 2 * (2 * 16) * 4  # K loops x layers x (k, v) x H_kv·hd x fp32 bytes
+    assert kv_bytes_per_token(m, "shared") == per_loop / 3
+    res = decode_timing(m, torch.randint(0, 260, (2, 4)), 3, {
+        "full": lambda b, c: FullDepth(m, b, c),
+        "r1": lambda b, c: AdaptiveDecoder(m, b, c, {"criterion": "replay", "depths": 1})}, runs=1)  # fmt: skip
+    assert res["full"]["ratio"] == 1.0 and res["r1"]["stats"]["executed_depth"] == 1.0 and res["r1"]["ms_per_token"] > 0
+    ids = torch.randint(0, 260, (2, 12))
+    q = teacher_forced_quality(m, ids, {"criterion": "replay", "depths": 1, "kv": "full"}, prompt_len=4)
+    assert q["executed_depth"] == 3 and q["selected_depth"] == 1 and q["agreement"] < 1
+    full = teacher_forced_quality(m, ids, {"criterion": "convergence", "threshold": 0.0}, prompt_len=4)
+    assert full["agreement"] == 1.0 and full["kl_to_full"] < 1e-6 and full["ppl"] == pytest.approx(full["ppl_full"], rel=1e-5)
