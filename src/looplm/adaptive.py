@@ -204,12 +204,19 @@ class AdaptiveDecoder:
                 leave = leave & ~exited[rows]
             if not bool(leave.any()):  # the host reads one flag per loop (the row count of the next loop)
                 continue
-            out = leave.nonzero()[:, 0]  # local ids of the rows leaving now
-            g = rows.index_select(0, out)
-            st_out = rule.take_rows(state, out, n)
-            ctx_out = restrict_context(lctx, g)
+            every = sub is lctx and bool(leave.all())  # the whole batch leaves together (batch 1): no gather
+            out = rows if every else leave.nonzero()[:, 0]  # local ids of the rows leaving now
+            g = rows if every else rows.index_select(0, out)
+            st_out = state if every else rule.take_rows(state, out, n)
+            ctx_out = lctx if every else restrict_context(lctx, g)
             ctx_out.iteration = k
             st_out = rule.exit_rows(st_out, torch.ones(out.shape[0], T, dtype=torch.bool, device=dev), ctx_out)
+            if every and not full:
+                y = rule.finish(st_out, ctx_out)
+                depth.fill_(k + 1)
+                fills.append((g, k, st_out, ctx_out, h))
+                rows = rows[:0]
+                break
             if y is None:
                 y = x.new_zeros(B, T, x.shape[-1])
             y.index_copy_(0, g, rule.finish(st_out, ctx_out))
