@@ -412,3 +412,24 @@ def test_sampling_with_exits_is_deterministic_with_a_seed():
     runs = [m.generate(x, 8, do_sample=True, top_k=20, generator=torch.Generator().manual_seed(3),
                        exit={"criterion": "convergence", "threshold": 0.9, "kv": "propagate"}) for _ in range(2)]  # fmt: skip
     assert torch.equal(*runs)
+
+
+@pytest.mark.parametrize("preset", ["ouro-1.4b", "huginn-0125"])
+def test_public_model_rules_exit_per_token_and_speculate(preset):
+    """Ouro (the exit gate reading the final norm, sandwich blocks) and Huginn (random initial state,
+    post-sum blocks, 32 loops) at toy widths: a batch with exits equals each row alone, and greedy
+    self-speculative decoding equals full depth."""
+    from helpers import tiny_variant
+
+    torch.manual_seed(0)
+    m = looplm.build(tiny_variant(preset)).eval()
+    K = m.config.n_loops
+    ids = torch.randint(0, 128, (3, 7))
+    depths = torch.randint(1, K + 1, (3, 7))
+    for kv in ("copy", "propagate"):
+        got, _ = _score(m, ids, **_replay(depths, kv=kv))
+        for b in range(3):
+            alone, _ = _score(m, ids[b : b + 1], **_replay(depths[b : b + 1], kv=kv))
+            torch.testing.assert_close(alone[0], got[b], atol=3e-5, rtol=1e-4)
+    x = torch.randint(0, 128, (2, 4))
+    assert torch.equal(m.generate(x, 6, speculative={"draft_loops": K // 2, "k": 3}), m.generate(x, 6))

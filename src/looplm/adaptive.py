@@ -122,6 +122,8 @@ class AdaptiveDecoder:
         opts = dict(loop_options or {})
         if e.criterion == "gate":  # the rule's own selection agrees with the criterion's q
             opts.setdefault("exit_threshold", e.threshold)
+        if opts:
+            model.rule.check_loop_options(opts)  # a key the rule does not read is refused, as forward does
         self.loop_options = opts
         self.stats = DepthStats(self.R)
         self.token = 0  # single-token calls so far (the index replay depths are read at)
@@ -371,6 +373,7 @@ class AdaptiveDecoder:
         return LoopContext(
             num_loops=self.R, train_loops=m.config.n_loops, fctx=fctx, cache=self.cache, loop_options=self.loop_options,
             embeddings=E, embed_weight=m.embed.weight, embed_multiplier=m.embed_multiplier, readout_fn=m._readout,
+            final_norm=m.norm,
         )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------

@@ -216,7 +216,8 @@ def _modulation_owns_carrier(model) -> bool:
     with torch.no_grad():
         h0 = torch.zeros(1, 1, model.config.d_model, device=p.device, dtype=p.dtype)
         fctx = model._forward_context(torch.zeros(1, 1, dtype=torch.long, device=p.device), None, None, 0)
-        lctx = LoopContext(num_loops=model.config.n_loops, train_loops=model.config.n_loops, fctx=fctx, embeddings=h0)
+        lctx = LoopContext(num_loops=model.config.n_loops, train_loops=model.config.n_loops, fctx=fctx, embeddings=h0,
+                           embed_multiplier=model.embed_multiplier, final_norm=model.norm)  # fmt: skip
         mods = model.rule.block_modulation(model.rule.begin(h0, lctx), lctx) or []
     return any(m is not None and b is not None and (b.read is not None or b.write is not None) for m in mods for b in (m.mixer, m.mlp))
 

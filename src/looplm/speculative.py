@@ -70,6 +70,9 @@ class Speculative:
             errs.append(f"speculative k (tokens drafted per round) must be an int >= 1, got {self.k!r}")
         if getattr(model, "n_pause", 0):
             errs.append("speculative decoding does not run pause-token models (PauseLM inserts pause positions in its own forward)")
+        if any(getattr(mod, "sliding_window", None) for mod in model.modules()):
+            errs.append("speculative decoding does not run sliding-window attention (the masked columns of rejected drafts "
+                        "would count in the window)")
         if errs:
             raise ValueError("; ".join(errs))
         return self
