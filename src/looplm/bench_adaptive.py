@@ -47,7 +47,7 @@ from .eval.decode_timing import FullDepth, _now, decode_timing, teacher_forced_t
 
 __all__ = ["FullDepth", "decode_timing", "register", "teacher_forced_quality", "teacher_forced_timing"]
 
-SECTIONS = ("quality", "timing", "kv_bytes", "speculative", "task", "scale")
+SECTIONS = ("quality", "frontier", "timing", "kv_bytes", "speculative", "task", "scale")
 
 
 @torch.inference_mode()
@@ -195,6 +195,29 @@ def section_quality(model, ids, settings, policies, prompt_len: int = 8) -> list
         for kv in policies:
             r = teacher_forced_quality(model, ids, {"criterion": crit, "threshold": eps, "kv": kv}, prompt_len, ref)
             rows.append({"criterion": crit, "threshold": eps, "kv": kv, **r})
+    return rows
+
+
+def section_frontier(model, ids, settings, kv: str, runs: int, clock: str, prompt_len: int = 8) -> list[dict]:
+    """PPL vs executed depth vs time: every setting decodes the held-out rows token by token (teacher forcing)
+    interleaved with full depth on the same tokens; PPL of the decoded positions, executed depth, time ratio."""
+    from .adaptive import AdaptiveDecoder
+
+    cont = {"full": lambda b, c: FullDepth(model, b, c)}
+    for crit, eps in settings:
+        spec = {"criterion": crit, "threshold": eps, "kv": kv}
+        cont[(crit, eps)] = lambda b, c, spec=spec: AdaptiveDecoder(model, b, c, spec)
+    res = teacher_forced_timing(model, ids, cont, prompt_len=prompt_len, runs=runs, clock=clock)
+    tgt = ids[:, prompt_len + 1 :]
+    rows = []
+    for key, r in res.items():
+        lp = r["logits"][:, prompt_len:-1]
+        nll = float(F.cross_entropy(lp.reshape(-1, lp.shape[-1]), tgt.reshape(-1)))
+        st = r["stats"] or {"executed_depth": model.config.n_loops, "selected_depth": model.config.n_loops}
+        crit, eps = ("full", None) if key == "full" else key
+        rows.append({"criterion": crit, "threshold": eps, "kv": kv if key != "full" else "-", "ppl": math.exp(nll),
+                     "executed_depth": st["executed_depth"], "selected_depth": st["selected_depth"],
+                     "ms_per_token": r["ms_per_token"], "time_ratio": r["ratio"], "clock": clock})  # fmt: skip
     return rows
 
 
@@ -372,6 +395,8 @@ TABLES = {
                ("selected_depth", "selected", ".2f"), ("executed_depth", "executed", ".2f"), ("batch_depth", "batch loops", ".2f"),
                ("executed_ratio", "executed / K", ".3f"), ("time_ratio", "time / full", ".3f"), ("full_ms_per_token", "full ms/tok", ".2f"),
                ("target_met", "≤ 1.1 × executed", "")],
+    "frontier": [("criterion", "criterion", ""), ("threshold", "ε", "g"), ("kv", "kv", ""), ("executed_depth", "executed", ".2f"),
+                 ("ppl", "PPL", ".3f"), ("ms_per_token", "ms/token", ".2f"), ("time_ratio", "time / full", ".3f")],
     "kv_bytes": [("kv", "policy", ""), ("bytes_per_token", "KV bytes / token", ",.0f"), ("ratio", "vs per-loop", ".3f")],
     "speculative": [("dtype", "dtype", ""), ("batch", "B", "d"), ("draft_loops", "r_d", "d"), ("k", "k", "d"),
                     ("draft_agreement", "draft agrees", ".3f"), ("acceptance", "accepted / drafted", ".3f"),
@@ -442,7 +467,7 @@ def cmd_bench_adaptive(args) -> int:
     bad = [s for s in sections if s not in SECTIONS]
     if bad:
         raise ValueError(f"--sections: unknown {bad}; choose from {list(SECTIONS)}")
-    runs = Path(args.runs)
+    runs = Path(args.runs_dir)
     dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in args.dtypes.split(",")]
     q = args.quick
     report = {"cpu": cpu_description(), "threads": torch.get_num_threads(), "clock": args.clock, "sections": {}}
@@ -469,6 +494,16 @@ def cmd_bench_adaptive(args) -> int:
             for crit in ("kl", "convergence"):
                 rs = [r for r in rows if r["criterion"] == crit]
                 plot_frontier(rs, Path(args.png_dir) / f"adaptive-lm-{crit}.png", "ppl", f"LM, {crit} criterion: PPL vs executed loops")
+    if "frontier" in sections:
+        settings = [("kl", e) for e in kl_grid] + [("convergence", e) for e in conv_grid]
+        rows = section_frontier(lm, held[:8], settings, "copy", 2 if q else args.runs, args.clock)
+        report["sections"]["frontier"] = rows
+        log("\n## LM frontier: PPL vs executed depth vs time (teacher-forced, batch 8, kv=copy)\n" + _md(rows, TABLES["frontier"]))
+        if args.png_dir:
+            Path(args.png_dir).mkdir(parents=True, exist_ok=True)
+            pts = [dict(r, kv=r["criterion"]) for r in rows]
+            plot_frontier(pts, Path(args.png_dir) / "adaptive-lm-frontier.png", "ppl",
+                          "LM (2x4, d=256): PPL vs executed loops; labels: time / full depth")
     if "kv_bytes" in sections:
         base = kv_bytes_per_token(lm, "copy")
         rows = [{"kv": kv, "bytes_per_token": kv_bytes_per_token(lm, kv), "ratio": kv_bytes_per_token(lm, kv) / base}
@@ -525,7 +560,7 @@ def cmd_bench_adaptive(args) -> int:
 def register(sub) -> None:
     """``bench adaptive`` under ``looplm bench`` (called by :func:`looplm.bench.register`)."""
     a = sub.add_parser("adaptive", help="per-token exit and self-speculative decoding vs full depth, on models trained here")
-    a.add_argument("--runs", default="runs/adaptive-bench", help="where the trained models live (trained there if missing)")
+    a.add_argument("--runs-dir", default="runs/adaptive-bench", help="where the trained models live (trained there if missing)")
     a.add_argument("--train", action="store_true", help="(re)train the models first (the LM resumes from its newest checkpoint)")
     a.add_argument("--data", default="/work/shared/data/tinyshakespeare.txt", help="the LM's corpus (a text file)")
     a.add_argument("--lm-steps", type=int, default=None, help="override the LM's training steps")
@@ -539,7 +574,7 @@ def register(sub) -> None:
     a.add_argument("--widths", default="512,1024", help="backbone widths of the scale section")
     a.add_argument("--dtypes", default="fp32,bf16")
     a.add_argument("--new", type=int, default=48, help="decoded tokens per timing run")
-    a.add_argument("--runs-per-setting", dest="runs", type=int, default=5, help="timing runs (medians)")
+    a.add_argument("--timing-runs", dest="runs", type=int, default=5, help="timing runs per setting (medians)")
     a.add_argument("--clock", choices=["wall", "cpu"], default="wall")
     a.add_argument("--threads", type=int, default=1)
     a.add_argument("--quick", action="store_true", help="fewer tokens, runs and settings (a smoke run)")

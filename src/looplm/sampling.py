@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from . import dispatch
 
-__all__ = ["decode_context", "sample_next", "sampling_probs"]
+__all__ = ["decode_context", "sample_next", "sampling_probs", "small_row_products"]
 
 
 def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
@@ -47,3 +47,17 @@ def decode_context(model, B: int):
 
         kernels.load("cpu")
     return dispatch.decode_steps(model, batch_size=B)
+
+
+def small_row_products(model):
+    """A forward of a few tokens per row (speculative verification) with the linear layers' products on
+    looplm's CPU kernels where they beat torch's matmul at that row count (inside :func:`decode_context`);
+    a no-op elsewhere."""
+    import contextlib
+
+    p = next(model.parameters())
+    if p.device.type != "cpu" or p.dtype not in (torch.bfloat16, torch.float32):
+        return contextlib.nullcontext()
+    from .kernels import gemv
+
+    return gemv.small_row_steps()

@@ -120,7 +120,7 @@ def speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=Fa
     """:func:`looplm.generate.generate` with ``speculative=spec`` (see the module docstring)."""
     from .adaptive import AdaptiveDecoder
     from .exits import Exit
-    from .sampling import decode_context, sample_next, sampling_probs
+    from .sampling import decode_context, sample_next, sampling_probs, small_row_products
 
     sp = Speculative.parse(spec).resolved(model)
     K, r_d, k = model.config.n_loops, sp.draft_loops, sp.k
@@ -194,7 +194,8 @@ def speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=Fa
                     else:
                         s.crop(L)
                 block = torch.cat([t0[:, None], d], 1)  # [B, k + 1] at columns L .. L + k
-                p_logits = dec.verify(states, block, mask[:, : L + k + 1], r_d, L)  # [B, k + 1, V]
+                with small_row_products(model):  # a few rows per product: the decode kernels where they win
+                    p_logits = dec.verify(states, block, mask[:, : L + k + 1], r_d, L)  # [B, k + 1, V]
                 if greedy:
                     best = p_logits.max(-1).indices  # [B, k + 1]
                     ok = best[:, :k] == d
