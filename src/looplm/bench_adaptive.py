@@ -437,6 +437,39 @@ def plot_frontier(rows: list[dict], path, metric: str, title: str, xkey: str = "
     plt.close(fig)
 
 
+def plot_task(rows: list[dict], path, title: str) -> None:
+    """Accuracy against executed loops: the gate's q sweep as one line per KV policy (kv='full' runs every
+    loop: left out, it is the table's output-selection reference), forced depths and full depth as markers;
+    the first policy's points labelled with their time ratio."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.4, 3.7))
+    for kv in dict.fromkeys(r["kv"] for r in rows if r["setting"] == "gate"):
+        if kv == "full":
+            continue
+        rs = sorted((r for r in rows if r["setting"] == "gate" and r["kv"] == kv), key=lambda r: r["executed_depth"])
+        ax.plot([r["executed_depth"] for r in rs], [r["accuracy"] for r in rs], "o-", label=f"gate q sweep, kv={kv}")
+        for r in rs:
+            if r.get("time_ratio") is not None:
+                ax.annotate(f"q={r['value']}: {r['time_ratio']:.2f}×t", (r["executed_depth"], r["accuracy"]), textcoords="offset points",
+                            xytext=(3, -9), fontsize=6)  # fmt: skip
+    fx = [r for r in rows if r["setting"] == "replay" and r["kv"] == rows[1]["kv"]]
+    ax.plot([r["executed_depth"] for r in fx], [r["accuracy"] for r in fx], "s", color="gray", label="forced depth r")
+    full = [r for r in rows if r["setting"] == "full"]
+    ax.plot([r["executed_depth"] for r in full], [r["accuracy"] for r in full], "*", ms=10, color="black", label="full depth")
+    ax.set_xlabel("executed loops per token (the work that ran)")
+    ax.set_ylabel("accuracy at <ans>")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 # ------------------------------------------------------------------------------------------------
 # CLI
 # ------------------------------------------------------------------------------------------------
@@ -549,7 +582,7 @@ def cmd_bench_adaptive(args) -> int:
         log("\n## p-hop with the exit gate (teacher-forced decoding, accuracy at <ans>)\n" + _md(rows, TABLES["task"]))
         if args.png_dir:
             Path(args.png_dir).mkdir(parents=True, exist_ok=True)
-            plot_frontier(rows, Path(args.png_dir) / "adaptive-phop-gate.png", "accuracy", "p-hop 1⊗4, exit gate: accuracy vs executed loops")
+            plot_task(rows, Path(args.png_dir) / "adaptive-phop-gate.png", "p-hop 1⊗4 (d = 64), two-stage exit gate: accuracy vs executed loops")
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     if args.json:
