@@ -142,9 +142,13 @@ for name, case in spec.items():
     with torch.no_grad():
         logits = m(ids).logits
     gen = m.generate(ids, max_new_tokens=4, do_sample=False, num_loops=case["loops"])
+    # adaptive depth and speculative decoding come with the copied code too (looplm.adaptive, .exits, .speculative)
+    gen_exit = m.generate(ids, max_new_tokens=4, do_sample=False, exit="convergence:0.05")
+    gen_spec = m.generate(ids, max_new_tokens=4, do_sample=False, speculative={"draft_loops": 1, "k": 2})
     tok = AutoTokenizer.from_pretrained(case["dir"], trust_remote_code=False)
     res[name] = {"impl": m.looplm_implementation.name, "module": type(m.looplm).__module__,
                  "logits_max_abs": float((logits - exp["logits"]).abs().max()), "tokens": torch.equal(gen, exp["tokens"]),
+                 "exit": torch.equal(gen_exit, exp["exit"]), "speculative": torch.equal(gen_spec, exp["full"]),
                  "text": tok.decode(gen[0].tolist())}
 print(json.dumps(res))
 '''
@@ -161,7 +165,9 @@ def test_every_rule_loads_and_generates_without_looplm(tmp_path):
         ids = _prompt(6)
         K = model.config.n_loops
         with torch.no_grad(), dispatch.reference_only():
-            exp = {"ids": ids, "logits": model(ids).logits, "tokens": model.generate(ids, max_new_tokens=4, num_loops=K + 1)}
+            exp = {"ids": ids, "logits": model(ids).logits, "tokens": model.generate(ids, max_new_tokens=4, num_loops=K + 1),
+                   "exit": model.generate(ids, max_new_tokens=4, exit="convergence:0.05"),
+                   "full": model.generate(ids, max_new_tokens=4)}  # fmt: skip
         torch.save(exp, tmp_path / f"{rule}.pt")
         spec[rule] = {"dir": str(out), "expected": str(tmp_path / f"{rule}.pt"), "loops": K + 1}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
@@ -180,4 +186,5 @@ def test_every_rule_loads_and_generates_without_looplm(tmp_path):
         # looplm's logits: bit for bit, but for products whose last bit depends on the weights' memory alignment
         # (MKL's gemv: the timestep rule's W @ psi differs by ~5e-7 between two copies of the same W)
         assert got["logits_max_abs"] <= 1e-5 and got["tokens"], (rule, got)
+        assert got["exit"] and got["speculative"], (rule, got)  # the same per-token exits; lossless drafts
         assert isinstance(got["text"], str)

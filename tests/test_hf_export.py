@@ -217,6 +217,28 @@ def test_exit_threshold_from_generate_and_config(tmp_path):
         assert torch.equal(_load(out_q)(ids).logits, model(ids, loop_options={"exit_threshold": 0.05}).logits)
 
 
+def test_generate_takes_adaptive_depth_and_speculative_options(tmp_path):
+    """exit= / speculative= through the export's generate(): looplm's adaptive decoding, the same tokens; the
+    gate's q from exit= (not the config's default q); a request only transformers' loop serves is refused."""
+    torch.manual_seed(0)
+    model = _perturb(looplm.build("tiny-llama", overrides={"rule.name": "exit_gate", "n_loops": 4}), scale=0.3)
+    hf = _load(export_hf(model, tmp_path / "gate", tokenizer="byte"))
+    ids = torch.randint(0, 200, (2, 6), generator=torch.Generator().manual_seed(1))
+    for q in (0.3, 0.7):
+        assert torch.equal(hf.generate(ids, max_new_tokens=6, do_sample=False, exit=f"gate:{q}"),
+                           model.generate(ids, 6, exit=f"gate:{q}"))
+    got, stats = hf.generate(ids, max_new_tokens=6, do_sample=False, exit="gate:0.3", return_stats=True)
+    assert stats.summary()["executed_depth"] < 4
+    assert torch.equal(hf.generate(ids, max_new_tokens=6, do_sample=False, speculative={"draft_loops": 1, "k": 3}),
+                       model.generate(ids, 6))
+    with pytest.raises(ValueError, match="only transformers' loop"):
+        hf.generate(ids, max_new_tokens=3, num_beams=2, exit="gate:0.5")
+    with pytest.raises(ValueError, match=r"exit threshold q must be in \(0, 1\]"):
+        hf.generate(ids, max_new_tokens=3, exit="gate:1.5")
+    with pytest.raises(ValueError, match="disagree"):
+        hf.generate(ids, max_new_tokens=3, exit="gate:0.5", exit_threshold=0.9)
+
+
 # ------------------------------------------------------------------------------------------ import
 def test_export_import_round_trip_exact(exported, tmp_path):
     model, out, _ = exported

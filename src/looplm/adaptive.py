@@ -121,7 +121,13 @@ class AdaptiveDecoder:
         self.criterion = make_criterion(e)
         opts = dict(loop_options or {})
         if e.criterion == "gate":  # the rule's own selection agrees with the criterion's q
-            opts.setdefault("exit_threshold", e.threshold)
+            q = opts.get("exit_threshold")
+            if q is not None and float(q) != e.threshold:
+                raise ValueError(
+                    f"exit='gate:{e.threshold}' and loop_options exit_threshold={q} disagree: with the gate criterion its "
+                    "q is also the rule's output selection; give one of them (or the same q)"
+                )
+            opts["exit_threshold"] = e.threshold
         if opts:
             model.rule.check_loop_options(opts)  # a key the rule does not read is refused, as forward does
         self.loop_options = opts

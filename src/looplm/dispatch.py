@@ -32,8 +32,8 @@ from typing import Any
 from torch import nn
 
 __all__ = [
-    "OPS", "DECODE_STEPS", "DecodeStep", "Op", "decode_steps", "describe", "plain_class", "register", "register_decode_step",
-    "reference_only", "unregister",
+    "OPS", "DECODE_STEPS", "DecodeStep", "Op", "decode_steps", "describe", "few_token_calls", "few_token_steps", "plain_class",
+    "register", "register_decode_step", "reference_only", "unregister",
 ]  # fmt: skip
 
 OPS: dict[str, "Op"] = {}
@@ -196,6 +196,27 @@ def decode_steps(
         for m, step, _ in chosen:
             m.__class__ = step.module_type
             m.__dict__.pop("_looplm_decode", None)
+
+
+_few_tokens = [False]
+
+
+@contextlib.contextmanager
+def few_token_steps() -> Iterator[None]:
+    """Inside the block (and inside :func:`decode_steps`), a decode step may also take calls of a few
+    positions per sequence, not only one: a speculative verification's ``k + 1`` drafted tokens
+    (:mod:`looplm.speculative`), where a step that wins at a few rows (a GEMV kernel) beats the
+    reference's matmul. A step reads :func:`few_token_calls`; one that ignores it is unaffected."""
+    prev, _few_tokens[0] = _few_tokens[0], True
+    try:
+        yield
+    finally:
+        _few_tokens[0] = prev
+
+
+def few_token_calls() -> bool:
+    """Whether :func:`few_token_steps` is active (read by decode steps at each call)."""
+    return _few_tokens[0]
 
 
 def describe() -> list[tuple[str, str]]:

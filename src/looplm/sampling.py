@@ -50,14 +50,7 @@ def decode_context(model, B: int):
 
 
 def small_row_products(model):
-    """A forward of a few tokens per row (speculative verification) with the linear layers' products on
-    looplm's CPU kernels where they beat torch's matmul at that row count (inside :func:`decode_context`);
-    a no-op elsewhere."""
-    import contextlib
-
-    p = next(model.parameters())
-    if p.device.type != "cpu" or p.dtype not in (torch.bfloat16, torch.float32):
-        return contextlib.nullcontext()
-    from .kernels import gemv
-
-    return gemv.small_row_steps()
+    """A forward of a few tokens per row (speculative verification) with the decode steps taking it too:
+    the linear layers' products on looplm's CPU kernels where they beat torch's matmul at that row count
+    (inside :func:`decode_context`; see :func:`looplm.dispatch.few_token_steps`); a no-op without steps."""
+    return dispatch.few_token_steps()

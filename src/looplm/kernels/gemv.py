@@ -130,28 +130,12 @@ def _prepare_linear(lin: nn.Module, batch_size: int | None):
     return True
 
 
-_small_rows = [False]
-
-
-@contextlib.contextmanager
-def small_row_steps():
-    """Inside the block, the linear layers' decode steps also take calls of a few positions per sequence
-    (``x [B, T, K]`` with ``B·T`` rows), each on :func:`linear` (a kernel where :func:`kernel_wins` says so for
-    that row count, ``F.linear`` elsewhere): a speculative verification's ``k + 1`` drafted tokens
-    (:mod:`looplm.speculative`), where torch's matmul reads the weights of a few rows slowly."""
-    prev, _small_rows[0] = _small_rows[0], True
-    try:
-        yield
-    finally:
-        _small_rows[0] = prev
-
-
 def _linear_step(lin: nn.Module, prepared, x: torch.Tensor):
     """One new position per sequence (``x [B, 1, K]``: a decode step) on :func:`linear`; ``None`` (the layer's
     own ``F.linear``) otherwise. Keeping the prompt step on ``F.linear`` makes the choice depend on the
     batch size only, which a compiled decode step holds fixed, not on the prompt length (inside
-    :func:`small_row_steps` a few positions per sequence take :func:`linear` too)."""
-    if x.dim() == 3 and (x.shape[1] == 1 or (_small_rows[0] and x.shape[0] * x.shape[1] <= MAX_ROWS)):
+    :func:`looplm.dispatch.few_token_steps` a few positions per sequence take :func:`linear` too)."""
+    if x.dim() == 3 and (x.shape[1] == 1 or (dispatch.few_token_calls() and x.shape[0] * x.shape[1] <= MAX_ROWS)):
         return linear(x, lin.weight, lin.bias)
     return None
 
@@ -180,4 +164,4 @@ def register() -> None:
         )
 
 
-__all__ = ["MAX_ROWS", "amx", "available", "decode_linears", "enabled", "extension_available", "fused_linear_class", "unavailable_reason", "gemv_bf16", "gemv_fp32", "kernel_wins", "linear", "register", "small_row_steps", "uses_kernel"]
+__all__ = ["MAX_ROWS", "amx", "available", "decode_linears", "enabled", "extension_available", "fused_linear_class", "unavailable_reason", "gemv_bf16", "gemv_fp32", "kernel_wins", "linear", "register", "uses_kernel"]

@@ -28,6 +28,11 @@ looplm's exactly, for every registered rule. Around it this file adds what trans
   :class:`LoopLMCache` preallocated for the whole generation. Extra keyword arguments that looplm's
   ``generate`` accepts (``num_loops``, ``loop_options``, ``generator``, ...) pass straight through.
   Both paths refuse a request longer than the model's context before decoding anything;
+* adaptive depth (``docs/adaptive-depth.md``): ``generate(..., exit="gate:0.8")`` (or ``"kl:5e-4"``,
+  ``"convergence:0.05"``, an :class:`~looplm.exits.Exit`) decodes each token until its exit, skipping the
+  loops after it; ``generate(..., speculative={"draft_loops": 1, "k": 4})`` is lossless self-speculative
+  decoding. Both run on the lean path only (a request that leaves it is refused, naming why); with
+  ``exit="gate:q"`` the gate's ``q`` is also the output selection (``config.exit_threshold`` is not applied);
 * :class:`LoopLMCache`: the decoding cache, one slot per (loop iteration, physical layer) created on
   first use — so a request for more loops than the training count makes more slots. A token decoded at
   iteration ``k`` attends to the iteration-``k`` keys of its prefix (``looplm.cache``);
@@ -277,10 +282,10 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             num_loops = self.config.num_loops
         return num_loops if num_loops is not None else self.looplm.config.n_loops
 
-    def _loop_options(self, exit_threshold, loop_options) -> dict | None:
+    def _loop_options(self, exit_threshold, loop_options, config_q: bool = True) -> dict | None:
         opts = dict(self.config.loop_options or {})
         opts.update(loop_options or {})
-        q = exit_threshold if exit_threshold is not None else self.config.exit_threshold
+        q = exit_threshold if exit_threshold is not None or not config_q else self.config.exit_threshold
         if q is not None:
             opts["exit_threshold"] = q
         return opts or None
@@ -417,6 +422,14 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             )
         if lean is not None:
             return self.looplm_implementation.generate(self.looplm, **lean)
+        adaptive = [k for k in _LOOPLM_ONLY_ARGUMENTS if kwargs.get(k) is not None]
+        if adaptive:  # transformers' loop would only say "not used by the model"
+            raise ValueError(
+                f"generate({', '.join(f'{k}=...' for k in adaptive)}) runs on looplm's own decode path (docs/adaptive-depth.md), "
+                "which this request leaves: it asks for something only transformers' loop does (beam search, logits "
+                "processors, stopping criteria, a streamer, a repetition penalty, several EOS ids, ...). Drop those "
+                "arguments, or decode at full depth without " + " / ".join(adaptive)
+            )
         self._capacity = ids.shape[1] + n_new if isinstance(ids, torch.Tensor) and ids.dim() == 2 and n_new else None
         try:
             return super().generate(inputs, generation_config=generation_config, **kwargs)
@@ -470,7 +483,9 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             temperature=float(gc.temperature) if gc.temperature is not None else 1.0,
             top_k=gc.top_k if gc.do_sample else None, top_p=gc.top_p if gc.do_sample else None,
             eos_token_id=eos, pad_token_id=pad, attention_mask=mask, num_loops=self._loops(num_loops),
-            use_cache=gc.use_cache is not False, loop_options=self._loop_options(exit_threshold, loop_options), **extra,
+            use_cache=gc.use_cache is not False, **extra,
+            # a per-token exit by the gate takes its q from exit=: the config's default q is not forced on it
+            loop_options=self._loop_options(exit_threshold, loop_options, config_q=extra.get("exit") is None),
         )  # fmt: skip
 
     def _reorder_cache(self, cache, beam_idx):  # transformers 4.x beam search on legacy caches
@@ -478,6 +493,8 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         return cache
 
 
+# looplm's generate() options that only its own decode path runs (adaptive depth, speculative decoding)
+_LOOPLM_ONLY_ARGUMENTS = ("exit", "speculative", "return_stats")
 # transformers' generate() arguments outside the generation config: any of them means its own loop
 _HF_ONLY_ARGUMENTS = (
     "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model",
