@@ -40,11 +40,14 @@ def machine() -> str:
 
 
 def render(name: str, title: str, command: list[str], output: str, when: str, where: str) -> str:
-    """The section: heading, provenance, then the output (comment lines as a list, tables verbatim)."""
+    """The section: heading, provenance, then the output (comment lines as a list, ``## `` headings bold,
+    tables verbatim)."""
     lines = [f"<!-- bench:{name} -->", f"## {title}", "", f"`{shlex.join(command)}` — {where} — {when}", ""]
     for raw in output.rstrip().splitlines():
         if raw.startswith("# "):
             lines.append(f"- {raw[2:]}")
+        elif raw.startswith("## "):  # a table's own heading (looplm bench adaptive): bold, under the section's
+            lines.append(f"**{raw[3:].strip()}**")
         elif raw.startswith("|") or not raw.strip():
             lines.append(raw)
         else:

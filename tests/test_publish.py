@@ -18,10 +18,11 @@ def _run(doc: Path, name: str, body: str) -> subprocess.CompletedProcess:
 def test_sections_are_written_replaced_and_kept_on_failure(tmp_path):
     doc = tmp_path / "perf.md"
     doc.write_text("# Performance\n\nintro\n")
-    table = "print('# CPU: test'); print('| a | b |'); print('| --- | --- |'); print('| 1 | {} |')"
+    table = "print('# CPU: test'); print('## sub'); print('| a | b |'); print('| --- | --- |'); print('| 1 | {} |')"
     assert _run(doc, "demo", table.format(2)).returncode == 0
     text = doc.read_text()
     assert text.startswith("# Performance\n\nintro\n") and "## A table" in text and "- CPU: test" in text
+    assert "\n**sub**\n" in text  # a table's own heading: bold, not a section heading of the document
     assert "| 1 | 2 |" in text and "cores, torch " in text and "`python -c " in text
     assert _run(doc, "demo", table.format(3)).returncode == 0
     text = doc.read_text()
