@@ -123,15 +123,10 @@ def generate(
     dev = input_ids.device
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0
-    padded = attention_mask is not None and bool((attention_mask == 0).any())
     # the lean path: output ids and mask preallocated, KV slots preallocated for T + max_new_tokens,
     # the head applied to the last position only, token ids checked once (for the prompt), and no
     # host synchronisation per token except the all-rows-finished check when an eos id is given
-    out = torch.empty(B, T + max_new_tokens, dtype=input_ids.dtype, device=dev)
-    out[:, :T] = input_ids
-    mask = torch.ones(B, T + max_new_tokens, dtype=torch.long, device=dev)
-    if padded:
-        mask[:, :T] = attention_mask.long()
+    out, mask, padded = _output_buffers(input_ids, max_new_tokens, attention_mask)
     cache_loops = int(num_loops.max()) if isinstance(num_loops, torch.Tensor) else num_loops
     cache = model.new_cache(B, cache_loops, capacity=T + max_new_tokens) if use_cache else None
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
@@ -169,6 +164,19 @@ def generate(
 
 
 
+def _output_buffers(input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None):
+    """The output ids ``[B, T + N]`` (the prompt copied in) and the attention mask ``[B, T + N]`` (the prompt's
+    left padding, ones after it), preallocated for the whole decode, and whether the prompt is padded."""
+    B, T = input_ids.shape
+    padded = attention_mask is not None and bool((attention_mask == 0).any())
+    out = torch.empty(B, T + max_new_tokens, dtype=input_ids.dtype, device=input_ids.device)
+    out[:, :T] = input_ids
+    mask = torch.ones(B, T + max_new_tokens, dtype=torch.long, device=input_ids.device)
+    if padded:
+        mask[:, :T] = attention_mask.long()
+    return out, mask, padded
+
+
 @torch.no_grad()
 def _generate_adaptive(model, input_ids, max_new_tokens, exit, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
                        attention_mask, generator, loop_options, return_stats):
@@ -182,12 +190,7 @@ def _generate_adaptive(model, input_ids, max_new_tokens, exit, do_sample, temper
     dev = input_ids.device
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0
-    padded = attention_mask is not None and bool((attention_mask == 0).any())
-    out = torch.empty(B, T + max_new_tokens, dtype=input_ids.dtype, device=dev)
-    out[:, :T] = input_ids
-    mask = torch.ones(B, T + max_new_tokens, dtype=torch.long, device=dev)
-    if padded:
-        mask[:, :T] = attention_mask.long()
+    out, mask, padded = _output_buffers(input_ids, max_new_tokens, attention_mask)
     dec = AdaptiveDecoder(model, B, T + max_new_tokens, exit, loop_options)
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
     n = T
