@@ -19,7 +19,9 @@ argument packing. Inside :func:`decode_steps` — entered by :func:`looplm.gener
 eligible module of the model runs as a subclass of its own class whose methods try the fused step
 first and fall back to the class's own method (the reference) whenever the step returns ``None``; on
 exit the classes are restored. So a new block or rule gets a fused step by registering one, and no
-rule or block is ever edited to become fast.
+rule or block is ever edited to become fast. Inside :func:`few_token_steps` (speculative verification) a
+step may also serve calls of a few positions per sequence; a step that does not read
+:func:`few_token_calls` is unaffected.
 """
 
 from __future__ import annotations
