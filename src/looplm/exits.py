@@ -258,53 +258,59 @@ class GateCriterion(Criterion):
         return reaches(log_S[:, -1], self.threshold)
 
 
-class KLCriterion(Criterion):
-    readout = True
-    terms = None  # the readout's FLOP terms (coda, head), computed once
+class _SuccessiveCriterion(Criterion):
+    """A test between successive iterates of a token: :meth:`value` of loop ``r`` against the one of loop
+    ``r − 1`` (kept per row), ``distance(prev, cur) < ε``; nobody leaves after the first loop."""
 
     def begin(self, token):
         super().begin(token)
-        self.prev = None  # log p^{r−1} [n, V]
+        self.prev = None  # the previous loop's value of each row still looping
+
+    def value(self, k, h, lctx, model) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def distance(self, prev: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
 
     def check(self, k, h, state, lctx, rows, model):
-        # every position reads out (a prompt's readout slots need each token); the last one is compared
-        logp = torch.log_softmax(model._readout(h, lctx, family="exit-check")[:, -1].float(), -1)  # [n, V]
-        if self.terms is None:
-            self.terms = stack_flop_terms(model.coda), 2.0 * model.lm_head.weight.numel()
-        (w, a), head = self.terms
-        self.flops += h.shape[0] * h.shape[1] * (w + a * (lctx.cache.seqlen + 1 if lctx.cache is not None else 1) + head)
+        cur = self.value(k, h, lctx, model)
         if self.prev is None:
             out = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
-        else:  # KL(p^{r−1} ‖ p^r) = Σ p^{r−1} (log p^{r−1} − log p^r)
-            kl = (self.prev.exp() * (self.prev - logp)).sum(-1)
-            out = kl < self.threshold
-        self.prev = logp
-        return out
-
-    def take(self, keep):
-        if self.prev is not None:
-            self.prev = self.prev.index_select(0, keep)
-
-
-class ConvergenceCriterion(Criterion):
-    def begin(self, token):
-        super().begin(token)
-        self.prev = None  # H^{r−1} [n, d]
-
-    def check(self, k, h, state, lctx, rows, model):
-        cur = h[:, -1].float()
-        self.flops += 4 * cur.shape[0] * cur.shape[1]
-        if self.prev is None:
-            out = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
-        else:  # ‖H^r − H^{r−1}‖ / ‖H^{r−1}‖
-            rel = (cur - self.prev).norm(dim=-1) / self.prev.norm(dim=-1).clamp_min(1e-30)
-            out = rel < self.threshold
+        else:
+            out = self.distance(self.prev, cur) < self.threshold
         self.prev = cur
         return out
 
     def take(self, keep):
         if self.prev is not None:
             self.prev = self.prev.index_select(0, keep)
+
+
+class KLCriterion(_SuccessiveCriterion):
+    readout = True
+    terms = None  # the readout's FLOP terms (coda, head), computed once
+
+    def value(self, k, h, lctx, model):  # log p^r [n, V]
+        # every position reads out (a prompt's readout slots need each token); the last one is compared
+        logp = torch.log_softmax(model._readout(h, lctx, family="exit-check")[:, -1].float(), -1)  # [n, V]
+        if self.terms is None:
+            self.terms = stack_flop_terms(model.coda), 2.0 * model.lm_head.weight.numel()
+        (w, a), head = self.terms
+        self.flops += h.shape[0] * h.shape[1] * (w + a * (lctx.cache.seqlen + 1 if lctx.cache is not None else 1) + head)
+        return logp
+
+    def distance(self, prev, cur):  # KL(p^{r−1} ‖ p^r) = Σ p^{r−1} (log p^{r−1} − log p^r)
+        return (prev.exp() * (prev - cur)).sum(-1)
+
+
+class ConvergenceCriterion(_SuccessiveCriterion):
+    def value(self, k, h, lctx, model):  # H^r at the last position [n, d]
+        cur = h[:, -1].float()
+        self.flops += 4 * cur.shape[0] * cur.shape[1]
+        return cur
+
+    def distance(self, prev, cur):  # ‖H^r − H^{r−1}‖ / ‖H^{r−1}‖
+        return (cur - prev).norm(dim=-1) / prev.norm(dim=-1).clamp_min(1e-30)
 
 
 class ReplayCriterion(Criterion):

@@ -5,10 +5,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-from . import dispatch
-from .sampling import decode_context, sample_next, sampling_probs  # noqa: F401  (re-exported: looplm.generate.sample_next)
+from .sampling import decode_context, eval_mode, sample_next, sampling_probs  # noqa: F401  (re-exported: looplm.generate.sample_next)
 
 
 def _check_generate_args(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, attention_mask) -> None:
@@ -117,64 +115,54 @@ def generate(
         if not e.is_off(model) or return_stats:
             return _generate_adaptive(model, input_ids, max_new_tokens, e, do_sample, temperature, top_k, top_p, eos_token_id,
                                       pad_token_id, attention_mask, generator, loop_options, return_stats)  # fmt: skip
-    was_training = model.training
-    model.eval()
-    B, T = input_ids.shape
-    dev = input_ids.device
-    if pad_token_id is None:
-        pad_token_id = eos_token_id if eos_token_id is not None else 0
     # the lean path: output ids and mask preallocated, KV slots preallocated for T + max_new_tokens,
     # the head applied to the last position only, token ids checked once (for the prompt), and no
     # host synchronisation per token except the all-rows-finished check when an eos id is given
-    out, mask, padded = _output_buffers(input_ids, max_new_tokens, attention_mask)
-    cache_loops = int(num_loops.max()) if isinstance(num_loops, torch.Tensor) else num_loops
-    cache = model.new_cache(B, cache_loops, capacity=T + max_new_tokens) if use_cache else None
-    finished = torch.zeros(B, dtype=torch.bool, device=dev)
-    n = T
-    # the fused one-token steps registered with looplm.dispatch: on a CPU, looplm.kernels (loaded here,
-    # built once if needed) runs each plain block's step as fused ops and the products on its kernels where
-    # they beat torch's matmul at this batch size; everywhere else the reference forward
-    p = next(model.parameters())
-    if p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float32):  # other dtypes never build the kernels
-        from . import kernels
-
-        kernels.load("cpu")
-    try:
-        with dispatch.decode_steps(model, batch_size=B):
-            for i in range(max_new_tokens):
-                step_mask = mask[:, :n] if padded else None
-                if use_cache:
-                    step_input = out[:, :n] if i == 0 else out[:, n - 1 : n]
-                    res = model(step_input, cache=cache, attention_mask=step_mask, num_loops=num_loops, logits_to_keep=1,
-                                validate=i == 0, loop_options=loop_options)  # fmt: skip
-                else:
-                    res = model(out[:, :n], attention_mask=step_mask, num_loops=num_loops, logits_to_keep=1, validate=i == 0,
-                                loop_options=loop_options)  # fmt: skip
-                nxt = sample_next(res.logits[:, -1], do_sample, temperature, top_k, top_p, generator)  # [B]
-                nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
-                out[:, n] = nxt
-                n += 1
-                if eos_token_id is not None:
-                    finished |= nxt == eos_token_id
-                    if bool(finished.all()):
-                        break
-    finally:
-        model.train(was_training)
-    return out[:, :n]
-
-
-
-def _output_buffers(input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None):
-    """The output ids ``[B, T + N]`` (the prompt copied in) and the attention mask ``[B, T + N]`` (the prompt's
-    left padding, ones after it), preallocated for the whole decode, and whether the prompt is padded."""
     B, T = input_ids.shape
+    cache_loops = int(num_loops.max()) if isinstance(num_loops, torch.Tensor) else num_loops
+    with eval_mode(model):
+        cache = model.new_cache(B, cache_loops, capacity=T + max_new_tokens) if use_cache else None
+
+        def step(i: int, ids: torch.Tensor, step_mask: torch.Tensor | None) -> torch.Tensor:
+            if use_cache:  # the prompt first, then the newest token against the cache
+                return model(ids if i == 0 else ids[:, -1:], cache=cache, attention_mask=step_mask, num_loops=num_loops,
+                             logits_to_keep=1, validate=i == 0, loop_options=loop_options).logits  # fmt: skip
+            return model(ids, attention_mask=step_mask, num_loops=num_loops, logits_to_keep=1, validate=i == 0,
+                         loop_options=loop_options).logits  # fmt: skip
+
+        return _decode(model, input_ids, max_new_tokens, attention_mask, step, do_sample, temperature, top_k, top_p,
+                       generator, eos_token_id, pad_token_id)  # fmt: skip
+
+
+def _decode(model, input_ids, max_new_tokens, attention_mask, step, do_sample, temperature, top_k, top_p, generator,
+            eos_token_id, pad_token_id) -> torch.Tensor:
+    """The token loop of both decode paths: ``step(i, ids [B, n], mask [B, n] | None)`` returns the logits
+    whose last position picks token ``i``; a row that has emitted ``eos_token_id`` pads from there on; the
+    loop ends early once every row has. Output ids and mask are preallocated for ``T + max_new_tokens``, and
+    the fused decode steps (:func:`decode_context`) are on for the whole loop."""
+    B, T = input_ids.shape
+    if pad_token_id is None:
+        pad_token_id = eos_token_id if eos_token_id is not None else 0
     padded = attention_mask is not None and bool((attention_mask == 0).any())
     out = torch.empty(B, T + max_new_tokens, dtype=input_ids.dtype, device=input_ids.device)
     out[:, :T] = input_ids
     mask = torch.ones(B, T + max_new_tokens, dtype=torch.long, device=input_ids.device)
     if padded:
         mask[:, :T] = attention_mask.long()
-    return out, mask, padded
+    finished = torch.zeros(B, dtype=torch.bool, device=input_ids.device)
+    n = T
+    with decode_context(model, B):
+        for i in range(max_new_tokens):
+            logits = step(i, out[:, :n], mask[:, :n] if padded else None)
+            nxt = sample_next(logits[:, -1], do_sample, temperature, top_k, top_p, generator)  # [B]
+            nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
+            out[:, n] = nxt
+            n += 1
+            if eos_token_id is not None:
+                finished |= nxt == eos_token_id
+                if bool(finished.all()):
+                    break
+    return out[:, :n]
 
 
 @torch.no_grad()
@@ -184,30 +172,8 @@ def _generate_adaptive(model, input_ids, max_new_tokens, exit, do_sample, temper
     depth, every new token with its own exit."""
     from .adaptive import AdaptiveDecoder
 
-    was_training = model.training
-    model.eval()
-    B, T = input_ids.shape
-    dev = input_ids.device
-    if pad_token_id is None:
-        pad_token_id = eos_token_id if eos_token_id is not None else 0
-    out, mask, padded = _output_buffers(input_ids, max_new_tokens, attention_mask)
-    dec = AdaptiveDecoder(model, B, T + max_new_tokens, exit, loop_options)
-    finished = torch.zeros(B, dtype=torch.bool, device=dev)
-    n = T
-    try:
-        with decode_context(model, B):
-            for i in range(max_new_tokens):
-                step_mask = mask[:, :n] if padded else None
-                step_input = out[:, :n] if i == 0 else out[:, n - 1 : n]
-                logits = dec(step_input, step_mask, validate=i == 0)
-                nxt = sample_next(logits[:, -1], do_sample, temperature, top_k, top_p, generator)  # [B]
-                nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
-                out[:, n] = nxt
-                n += 1
-                if eos_token_id is not None:
-                    finished |= nxt == eos_token_id
-                    if bool(finished.all()):
-                        break
-    finally:
-        model.train(was_training)
-    return (out[:, :n], dec.stats) if return_stats else out[:, :n]
+    with eval_mode(model):
+        dec = AdaptiveDecoder(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, exit, loop_options)
+        ids = _decode(model, input_ids, max_new_tokens, attention_mask, lambda i, ids, m: dec(ids if i == 0 else ids[:, -1:], m, validate=i == 0),
+                      do_sample, temperature, top_k, top_p, generator, eos_token_id, pad_token_id)  # fmt: skip
+    return (ids, dec.stats) if return_stats else ids

@@ -3,12 +3,14 @@ looplm's CPU fast paths in; shared by :mod:`looplm.generate` and :mod:`looplm.sp
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
 from . import dispatch
 
-__all__ = ["decode_context", "sample_next", "sampling_probs", "small_row_products"]
+__all__ = ["decode_context", "eval_mode", "sample_next", "sampling_probs", "small_row_products"]
 
 
 def sample_next(logits: torch.Tensor, do_sample: bool, temperature: float, top_k: int | None, top_p: float | None,
@@ -38,9 +40,21 @@ def sampling_probs(logits: torch.Tensor, temperature: float, top_k: int | None, 
     return F.softmax(logits, dim=-1)
 
 
+@contextlib.contextmanager
+def eval_mode(model):
+    """``model`` in eval mode inside the block, its own mode restored after (also on an error)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield model
+    finally:
+        model.train(was_training)
+
+
 def decode_context(model, B: int):
-    """The fused one-token steps of :mod:`looplm.dispatch` for a decode of ``B`` rows (on a CPU, looplm.kernels
-    loaded first, built once if needed), as the plain path of :func:`looplm.generate.generate` enters them."""
+    """The fused one-token steps of :mod:`looplm.dispatch` for a decode of ``B`` rows: on a CPU, looplm.kernels
+    (loaded here, built once if needed) runs each plain block's step as fused ops and the products on its
+    kernels where they beat torch's matmul at this batch size; everywhere else the reference forward."""
     p = next(model.parameters())
     if p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float32):
         from . import kernels
