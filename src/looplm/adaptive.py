@@ -192,10 +192,7 @@ class AdaptiveDecoder:
         for k in range(R):
             sub.iteration = k
             n = rows.shape[0]
-            z = sub.core_input = rule.next_input(state, sub)  # Z^k  [n, T, d]
-            mods = rule.block_modulation(state, sub)
-            h = m.core(z, sub.fctx, m._slots(sub.cache, m.core.stack, (k,), n, loop=k, family="core"), mods)  # H^k
-            state = rule.step(state, h, sub)
+            h, state = m._iteration(state, sub, n)  # H^k [n, T, d] of the rows still looping
             loops += 1
             if allow_exit:
                 self.stats.core_flops += n * self.core_pass(ctx)
@@ -345,9 +342,7 @@ class AdaptiveDecoder:
         state = rule.begin(x, lctx)
         for k in range(loops):
             lctx.iteration = k
-            z = lctx.core_input = rule.next_input(state, lctx)
-            h = m.core(z, fctx, m._slots(cache, m.core.stack, (k,), B, loop=k, family="core"), rule.block_modulation(state, lctx))
-            state = rule.step(state, h, lctx)
+            h, state = m._iteration(state, lctx, B)
         out = rule.exit_rows(state, torch.ones(B, 1, dtype=torch.bool, device=x.device), lctx)
         y = m.coda(rule.finish(out, lctx), fctx, m._slots(cache, m.coda, (0,), B))
         logits = m.lm_head(m.norm(y))  # [B, 1, V]
@@ -368,9 +363,7 @@ class AdaptiveDecoder:
         state = rule.cat_tokens(states)  # [B, n, ...]
         for k in range(start, self.R):
             lctx.iteration = k
-            z = lctx.core_input = rule.next_input(state, lctx)
-            h = m.core(z, fctx, m._slots(cache, m.core.stack, (k,), B, loop=k, family="core"), rule.block_modulation(state, lctx))
-            state = rule.step(state, h, lctx)
+            h, state = m._iteration(state, lctx, B)
         y = m.coda(rule.finish(state, lctx), fctx, m._slots(cache, m.coda, (0,), B))
         return m.lm_head(m.norm(y))  # [B, n, V]
 

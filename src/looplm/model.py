@@ -254,6 +254,18 @@ class LoopedLM(nn.Module):
         y = self.coda(h, lctx.fctx, self._slots(lctx.cache, self.coda, (family, k), h.shape[0], loop=k, family=family))
         return self.lm_head(self.norm(y))
 
+    def _iteration(self, state, lctx: LoopContext, batch: int):
+        """Loop iteration ``k = lctx.iteration`` of ``batch`` rows: the core's input ``Z^k`` from the rule
+        (kept as ``lctx.core_input``), ``H^k = core(Z^k)`` with the rule's block modulation and the cache
+        slots of loop ``k``, then the rule's step. Returns ``(H^k, state)``. One place for the body of every
+        loop driver (this forward, :mod:`looplm.adaptive`'s exits, drafts and verifications)."""
+        k = lctx.iteration
+        z = lctx.core_input = self.rule.next_input(state, lctx)  # Z^k  [batch, T, d]
+        mods = self.rule.block_modulation(state, lctx)
+        slots = self._slots(lctx.cache, self.core.stack, (k,), batch, loop=k, family="core")
+        h = self.core(z, lctx.fctx, slots, mods)  # H^k
+        return h, self.rule.step(state, h, lctx)
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -321,10 +333,7 @@ class LoopedLM(nn.Module):
         for k in range(r):
             lctx.iteration = k
             with torch.set_grad_enabled(torch.is_grad_enabled() and k >= no_grad_until):
-                z = lctx.core_input = self.rule.next_input(state, lctx)  # Z^k  [B, T, d]
-                mods = self.rule.block_modulation(state, lctx)
-                h = self.core(z, fctx, self._slots(cache, self.core.stack, (k,), B, loop=k, family="core"), mods)  # H^k
-                new_state = self.rule.step(state, h, lctx)
+                h, new_state = self._iteration(state, lctx, B)  # H^k [B, T, d], the rule's state after it
                 active = lctx.active_rows()  # [B] or None: rows whose own loop count is not reached yet
                 state = new_state if active is None else self.rule.select_rows(active, new_state, state)
             if iterations is not None:
