@@ -114,3 +114,18 @@ def test_bench_helpers_measure_what_they_say():
     assert q["executed_depth"] == 3 and q["selected_depth"] == 1 and q["agreement"] < 1
     full = teacher_forced_quality(m, ids, {"criterion": "convergence", "threshold": 0.0}, prompt_len=4)
     assert full["agreement"] == 1.0 and full["kl_to_full"] < 1e-6 and full["ppl"] == pytest.approx(full["ppl_full"], rel=1e-5)
+
+
+def test_bench_speculative_timing_reports_phases_and_the_free_verification_bound():
+    """The speculative row's timing: full and speculative whole generate calls alternated; the draft and
+    verification seconds come from the run's statistics, and the free-verification bound (full time over
+    the speculative time less its verifications) is above the measured speed-up."""
+    from looplm.bench_adaptive import _speculative_times
+
+    torch.manual_seed(0)
+    m = looplm.build("tiny-llama").eval()
+    prompts = torch.randint(0, 260, (1, 5))
+    sp, ratios, st, same, t_full, bound = _speculative_times(m, prompts, 8, {"draft_loops": 1, "k": 2}, 2, "wall")
+    assert same and len(ratios) == 2 and t_full > 0
+    assert st["draft_ms_per_round"] > 0 and st["verify_ms_per_round"] > 0
+    assert bound > sp > 0

@@ -412,16 +412,18 @@ def test_op_rejects_bad_arguments_with_a_message():
     k = torch.zeros(2, 2, 8, 16)
     cos, sin = torch.ones(2, 1, 16), torch.zeros(2, 1, 16)
     op = torch.ops.looplm_cpu.decode_attention
-    with pytest.raises(RuntimeError, match="does not fit the caches' capacity 8"):
+    with pytest.raises(RuntimeError, match="do not fit the caches' capacity 8"):
         op(x, *args, cos, sin, k, k.clone(), 8, None, 4)
-    with pytest.raises(RuntimeError, match=r"attn_mask must be a contiguous bool \[B, 1, 1, pos \+ 1\]"):
+    with pytest.raises(RuntimeError, match=r"attn_mask must be a contiguous bool \[B, 1, T, pos \+ T\] = \[2, 1, 1, 4\]"):
         op(x, *args, cos, sin, k, k.clone(), 3, torch.ones(2, 1, 1, 3, dtype=torch.bool), 4)
     with pytest.raises(RuntimeError, match="wq must be a contiguous CPU float32 tensor like x"):
         bad = list(args)
         bad[2] = bad[2].to(torch.bfloat16)
         op(x, *bad, cos, sin, k, k.clone(), 3, None, 4)
-    with pytest.raises(RuntimeError, match=r"one new token per row"):
-        op(torch.randn(2, 3, 64), *args, cos, sin, k, k.clone(), 3, None, 4)
+    with pytest.raises(RuntimeError, match=r"with 1 <= T <= 64 new tokens per row"):
+        op(torch.randn(2, 65, 64), *args, cos, sin, k, k.clone(), 3, None, 4)
+    with pytest.raises(RuntimeError, match=r"cos and sin must be contiguous float32 \[B, T, rot\] tables \(T = 3\)"):
+        op(torch.randn(2, 3, 64), *args, cos, sin, k, k.clone(), 3, None, 4)  # 3 tokens, tables of one
     with pytest.raises(RuntimeError, match="must be a multiple of the caches' 2 key/value heads"):
         op(x, *args, cos, sin, k, k.clone(), 3, None, 3)
 
@@ -463,7 +465,7 @@ def test_decode_stack_eligibility_fallbacks_and_checks():
     bad.add_block({**named, "mlp.up_proj.weight": named["mlp.up_proj.weight"].float()}, 1e-5, 0.0, 1e-5, 4)
     with pytest.raises(RuntimeError, match="decode_stack: w_up must be a contiguous CPU bfloat16 tensor like x"):
         op(x, bad, ks[:1], [ks[0].clone()], 3, None, None, None)
-    with pytest.raises(RuntimeError, match="decode_stack: position 8 does not fit the caches' capacity 8"):
+    with pytest.raises(RuntimeError, match="decode_stack: positions 8..8 do not fit the caches' capacity 8"):
         op(x, plan, ks, [k.clone() for k in ks], 8, None, None, None)
 
 
@@ -476,6 +478,9 @@ def test_cpp_dispatch_rule_is_the_python_one():
             for k in (64, 576, 1024, 1536, 2048, 6144, 8192):
                 want = gemv.available() and gemv.kernel_wins(rows, k, dt) and dt in (torch.bfloat16, torch.float32)
                 assert torch.ops.looplm_cpu.kernel_wins(rows, k, dt) == want, (dt, rows, k)
+    if gemv.available() and not torch.ops.looplm_cpu.amx_ready():  # bf16 without AMX: up to 8 rows, rows x K <= 4608
+        wins = {(5, 256): True, (8, 576): True, (4, 1024): True, (6, 768): True, (5, 1024): False, (9, 256): False, (2, 4096): False}
+        assert {rk: torch.ops.looplm_cpu.kernel_wins(*rk, torch.bfloat16) for rk in wins} == wins
 
 
 @needs_extension

@@ -27,6 +27,7 @@ def test_greedy_speculative_equals_greedy_full_depth(name, batch):
         assert torch.equal(out, ref), (r_d, out, ref)
         s = st.summary()
         assert s["rounds"] >= 1 and 0 <= s["accepted_per_round"] <= 3
+        assert s["draft_ms_per_round"] > 0 and s["verify_ms_per_round"] > 0  # CPU: the phases are timed
 
 
 def test_greedy_speculative_with_left_padding_and_eos():

@@ -267,6 +267,8 @@ def test_paper_task_configs_follow_appendices_c_and_d():
     assert cpu.task.dense_target and (cpu.task.n, cpu.task.p) == (32, 4) and cpu.model_config().d_model == 64
     assert cpu.train.batch_size == 64 and cpu.optim.lr == 2e-3 and cpu.train.steps == 2000
     load_task_config(REPO / "configs/tasks/mano-cpu.yaml").model_config()
+    gate = load_task_config(REPO / "configs/bench/adaptive-phop-gate.yaml", task="phop")  # `looplm bench adaptive`'s task model
+    assert (gate.task.n, gate.task.p) == (32, 4) and gate.model_config().n_loops == 4
 
 
 def test_task_config_builds_n_x_r_on_any_backbone_and_reports_errors():

@@ -11,7 +11,8 @@ from looplm.train.config import TrainConfig, load_train_config
 from looplm.train.optim import MUON, plan_param_groups
 
 REPO = Path(__file__).resolve().parents[1]
-SHIPPED = sorted((REPO / "configs" / "train").glob("*.yaml"))
+# the training configs, and the bench's language models (`looplm bench adaptive --lm-config`)
+SHIPPED = sorted((REPO / "configs" / "train").glob("*.yaml")) + sorted((REPO / "configs" / "bench").glob("adaptive-lm*.yaml"))
 
 
 def test_defaults_and_overrides():

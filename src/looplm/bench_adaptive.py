@@ -98,13 +98,16 @@ def _repo_file(rel: str) -> Path:
     return find_config(rel)
 
 
-def train_lm(runs: Path, data: str, steps: int | None = None) -> Path:
+LM_CONFIG = "configs/bench/adaptive-lm.yaml"
+
+
+def train_lm(runs: Path, data: str, steps: int | None = None, config: str = LM_CONFIG) -> Path:
     from .train.config import load_train_config
     from .train.trainer import Trainer
 
     out = runs / "lm"
     ov = [f"data.paths=[{data}]"] + ([f"train.max_steps={steps}"] if steps else [])
-    Trainer(load_train_config(_repo_file("configs/bench/adaptive-lm.yaml"), ov), out, resume=True, quiet=True).fit()
+    Trainer(load_train_config(_repo_file(config), ov), out, resume=True, quiet=True).fit()
     return out
 
 
@@ -250,12 +253,14 @@ def section_timing(model, prompts_by_batch: dict, settings, new_tokens: int, run
 @torch.inference_mode()
 def _speculative_times(model, prompts, new_tokens, spec, runs, clock):
     """Whole ``generate`` calls, full depth and speculative alternated (their prompts' prefill is the same
-    full-depth step in both); ``(median speed-up, speed-ups, round statistics, identical?, full s)``."""
+    full-depth step in both); ``(median speed-up, speed-ups, round statistics, identical?, full s, median
+    free-verification bound)``. The bound is the speed-up if verification cost nothing: full time over the
+    speculative run's time less its verifications (the drafts, the prefill, the bookkeeping)."""
     from .generate import generate
     from .sampling import decode_context
 
     now = _now(clock)
-    t_full, t_spec = [], []
+    t_full, t_spec, t_rest = [], [], []
     with decode_context(model, prompts.shape[0]):
         for run in range(runs + 1):  # run 0 warms up
             outs = {}
@@ -266,9 +271,12 @@ def _speculative_times(model, prompts, new_tokens, spec, runs, clock):
                 dt = now() - t0
                 if run:
                     (t_full if k == "full" else t_spec).append(dt)
+                    if k == "spec":
+                        t_rest.append(dt - outs["spec"][1].verify_s)
     spec_out, st = outs["spec"]
     ratios = [f / s for f, s in zip(t_full, t_spec)]
-    return statistics.median(ratios), ratios, st.summary(), bool(torch.equal(spec_out, outs["full"])), statistics.median(t_full)
+    bound = statistics.median(f / r for f, r in zip(t_full, t_rest))
+    return statistics.median(ratios), ratios, st.summary(), bool(torch.equal(spec_out, outs["full"])), statistics.median(t_full), bound
 
 
 def section_speculative(model, ids, prompts_by_batch, drafts, ks, new_tokens, runs, clock, dtypes) -> list[dict]:
@@ -281,11 +289,13 @@ def section_speculative(model, ids, prompts_by_batch, drafts, ks, new_tokens, ru
         for B, prompts in prompts_by_batch.items():
             for r in drafts:
                 for k in ks:
-                    sp, ratios, st, same, t_full = _speculative_times(m, prompts, new_tokens, {"draft_loops": r, "k": k}, runs, clock)
+                    sp, ratios, st, same, t_full, bound = _speculative_times(m, prompts, new_tokens, {"draft_loops": r, "k": k}, runs, clock)
                     rows.append({"dtype": str(dt).replace("torch.", ""), "batch": B, "draft_loops": r, "k": k,
                                  "draft_agreement": agree[r], "accepted_per_round": st["accepted_per_round"],
                                  "tokens_per_round": st["tokens_per_round"], "acceptance": st["acceptance"], "speedup": sp,
                                  "speedups": ratios, "full_ms_per_token": 1000 * t_full / new_tokens,
+                                 "draft_ms_per_round": st["draft_ms_per_round"], "verify_ms_per_round": st["verify_ms_per_round"],
+                                 "free_verify_bound": bound,
                                  "greedy_identical": same, "clock": clock})  # fmt: skip
     model.float()
     return rows
@@ -400,7 +410,10 @@ TABLES = {
     "kv_bytes": [("kv", "policy", ""), ("bytes_per_token", "KV bytes / token", ",.0f"), ("ratio", "vs per-loop", ".3f")],
     "speculative": [("dtype", "dtype", ""), ("batch", "B", "d"), ("draft_loops", "r_d", "d"), ("k", "k", "d"),
                     ("draft_agreement", "draft agrees", ".3f"), ("acceptance", "accepted / drafted", ".3f"),
-                    ("tokens_per_round", "tokens / round", ".2f"), ("speedup", "speed-up", ".3f"), ("greedy_identical", "== full greedy", "")],
+                    ("tokens_per_round", "tokens / round", ".2f"), ("full_ms_per_token", "full ms/tok", ".2f"),
+                    ("draft_ms_per_round", "draft ms/round", ".2f"), ("verify_ms_per_round", "verify ms/round", ".2f"),
+                    ("speedup", "speed-up", ".3f"), ("free_verify_bound", "bound (free verify)", ".3f"),
+                    ("greedy_identical", "== full greedy", "")],
     "task": [("setting", "setting", ""), ("value", "q / r", ""), ("kv", "kv", ""), ("accuracy", "accuracy", ".4f"),
              ("selected_depth", "selected", ".2f"), ("executed_depth", "executed", ".2f"), ("executed_depth_ans", "executed @ans", ".2f"),
              ("time_ratio", "time / full", ".3f")],
@@ -509,8 +522,8 @@ def cmd_bench_adaptive(args) -> int:
     need_lm = any(s in sections for s in ("quality", "timing", "kv_bytes", "speculative", "scale"))
     if need_lm:
         if args.train or not (runs / "lm").exists():
-            log("training the LM (configs/bench/adaptive-lm.yaml) ...")
-            train_lm(runs, args.data, args.lm_steps)
+            log(f"training the LM ({args.lm_config}) ...")
+            train_lm(runs, args.data, args.lm_steps, args.lm_config)
         lm, tok = load_lm(runs)
         held = _held_out(tok, args.data, 16 if q else 32, 96 if q else 160)
         log(f"LM: {lm.config.n_core} blocks x K={lm.config.n_loops}, d={lm.config.d_model}, {lm.num_params():,} parameters")
@@ -597,6 +610,8 @@ def register(sub) -> None:
     a.add_argument("--train", action="store_true", help="(re)train the models first (the LM resumes from its newest checkpoint)")
     a.add_argument("--data", default="/work/shared/data/tinyshakespeare.txt", help="the LM's corpus (a text file)")
     a.add_argument("--lm-steps", type=int, default=None, help="override the LM's training steps")
+    a.add_argument("--lm-config", default=LM_CONFIG, help="the LM's training YAML (configs/bench/adaptive-lm-1024.yaml: the "
+                   "wider LM whose decode streams its weights from memory; give it its own --runs-dir)")
     a.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     a.add_argument("--kl", default="0.001,0.003,0.01,0.03,0.1", help="ε grid of the kl criterion (the timing section takes the middle one)")
     a.add_argument("--convergence", default="0.2,0.3,0.4,0.5,0.6", help="ε grid of the convergence criterion (the timing section takes the middle one; on the bench LM updates stay above 0.2 until the last loop)")

@@ -30,6 +30,7 @@ additions, so greedy output can differ only where two logits tie to rounding.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -86,6 +87,10 @@ class SpeculativeStats:
     k: int
     max_loops: int
     accepted: list = field(default_factory=list)  # [B] long per round
+    # wall seconds in the drafts and in the verifications (CPU only: on CUDA the host clock would time the
+    # kernel launches, not the kernels; None there)
+    draft_s: float | None = 0.0
+    verify_s: float | None = 0.0
     decoder: object = None  # the AdaptiveDecoder (its cache), the column mask and every emitted token, for inspection
     mask: torch.Tensor | None = None
     tokens: torch.Tensor | None = None  # [B, T + emitted]: a row's last round may run past max_new_tokens
@@ -104,6 +109,8 @@ class SpeculativeStats:
             "k": self.k,
             # loop passes per emitted token: (k + 1) drafts of r_d loops + k + 1 verified tokens of K − r_d loops
             "loops_per_token": (self.k + 1) * self.max_loops / (float(acc.mean()) + 1.0),
+            "draft_ms_per_round": None if self.draft_s is None else 1000 * self.draft_s / acc.shape[0],
+            "verify_ms_per_round": None if self.verify_s is None else 1000 * self.verify_s / acc.shape[0],
         }
 
 
@@ -142,6 +149,10 @@ def speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=Fa
     n_out = torch.zeros(B, dtype=torch.long, device=dev)  # tokens emitted per row
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
     stats = SpeculativeStats(r_d, k, K)
+    timed = dev.type == "cpu"
+    if not timed:
+        stats.draft_s = stats.verify_s = None
+    clock = time.perf_counter
     rows = torch.arange(B, device=dev)
 
     def emit(tokens: torch.Tensor, counts: torch.Tensor) -> None:
@@ -170,6 +181,7 @@ def speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=Fa
                         s.begin_recording()
                 # draft: t_0 -> d_1 .. d_k, and d_k through the draft loops too (verification resumes it)
                 tok, drafted, q, states = t0, [], [], []
+                t_draft = clock() if timed else 0.0
                 for i in range(k + 1):
                     mask[:, L + i] = 1
                     lg, st = dec.draft(tok[:, None], mask[:, : L + i + 1], r_d)
@@ -184,6 +196,9 @@ def speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=Fa
                         q.append(qi)
                     drafted.append(tok)
                 d = torch.stack(drafted, 1)  # [B, k]
+                if timed:
+                    t_verify = clock()
+                    stats.draft_s += t_verify - t_draft
                 # verify: roll the coda back to the round's start, resume loops r_d+1..K for all k + 1 tokens
                 for layer in (b.layer_idx for b in model.coda.blocks):
                     s = cache.slots.get((0, layer))
@@ -196,6 +211,8 @@ def speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=Fa
                 block = torch.cat([t0[:, None], d], 1)  # [B, k + 1] at columns L .. L + k
                 with small_row_products(model):  # a few rows per product: the decode kernels where they win
                     p_logits = dec.verify(states, block, mask[:, : L + k + 1], r_d, L)  # [B, k + 1, V]
+                if timed:
+                    stats.verify_s += clock() - t_verify
                 if greedy:
                     best = p_logits.max(-1).indices  # [B, k + 1]
                     ok = best[:, :k] == d

@@ -389,29 +389,53 @@ def _prepare_stack(stack: Stack, batch_size: int | None) -> StackPlan | None:
     return StackPlan(plan, b0.mixer.rotary_dim, b0.mixer_norm.weight.dtype)
 
 
+def _few_token_tables(fctx, B: int, T: int, pos: int, rot: int | None):
+    """``(cos, sin, attn_mask)`` of ``T`` new tokens per row at ``pos .. pos + T − 1`` (a speculative
+    verification inside :func:`looplm.dispatch.few_token_steps`), or ``None`` where the op cannot take them
+    (a first call, a mask of another kind or shape). The op is causal inside the call by itself; a mask
+    ``[1 or B, 1, T, pos + T]`` adds left padding and the holes of rejected drafts."""
+    mask = fctx.attn_mask
+    if pos == 0 or fctx.is_causal:
+        return None  # the prompt: the reference
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.dim() != 4 or tuple(mask.shape[1:]) != (1, T, pos + T) or mask.shape[0] not in (1, B):
+            return None
+        mask = mask.expand(B, 1, T, pos + T).contiguous()
+    cos, sin = fctx.rope_for(rot) if rot is not None else (None, None)  # [B, T, rot] fp32
+    if cos is not None:
+        cos, sin = cos.expand(B, T, -1).contiguous(), sin.expand(B, T, -1).contiguous()
+    return cos, sin, mask
+
+
 def _stack_call(stack: Stack, plan: StackPlan, x, fctx, caches=None, mods=None):
-    if caches is None or x.dim() != 3 or x.shape[1] != 1 or x.dtype != plan.dtype or torch.is_grad_enabled():
+    if caches is None or x.dim() != 3 or x.dtype != plan.dtype or torch.is_grad_enabled():
         return None
+    B, T = x.shape[:2]
+    if T != 1 and not (dispatch.few_token_calls() and T <= _MAX_TOKENS):
+        return None  # several tokens per row: the reference, except a verification's few (few_token_steps)
     if mods is not None and any(m is not None and (m.mixer is not None or m.mlp is not None) for m in mods):
         return None
-    B = x.shape[0]
     ks, vs, pos = [], [], None
     rows = _rows_of(caches[0]) if caches else None
     for c in caches:
         bufs = c.append_buffers(B) if type(c) in _KV_SLOTS else None
-        if bufs is None or (pos is not None and bufs[2] != pos) or _rows_of(c) is not rows:
+        if bufs is None or (pos is not None and bufs[2] != pos) or _rows_of(c) is not rows or bufs[2] + T > bufs[0].shape[2]:
             return None
         ks.append(bufs[0])
         vs.append(bufs[1])
         pos = bufs[2]
-    tables = _step_tables(fctx, B, pos, plan.rotary_dim)
+    tables = _step_tables(fctx, B, pos, plan.rotary_dim) if T == 1 else _few_token_tables(fctx, B, T, pos, plan.rotary_dim)
     if tables is None:
         return None
-    # [B, 1, d]; each block's KV written at pos (in rows `rows` of the buffers under per-token exit)
+    # [B, T, d]; each block's keys and values written at pos .. pos + T − 1 (in rows `rows` of the buffers
+    # under per-token exit)
     y = torch.ops.looplm_cpu.decode_stack(x.contiguous(), plan.plan, ks, vs, pos, *tables, rows=rows)
     for c in caches:
-        c.advance(1)
+        c.advance(T)
     return y
+
+
+_MAX_TOKENS = 64  # csrc/decode.cpp's kMaxTokens: new tokens per row one decode_stack call takes
 
 
 PROVIDERS = ("looplm.kernels.decode", "looplm.kernels.stateloop")

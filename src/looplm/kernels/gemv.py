@@ -50,9 +50,11 @@ def kernel_wins(rows: int, k: int, dtype: torch.dtype = torch.bfloat16) -> bool:
 
     bf16, one row: the AVX512-BF16 path at every shape measured (K 64-8192, N 64-151,936: 1.4-4x).
     bf16, 2-16 rows: the AMX path where the CPU has it (1.1-2.6x at K 576-8192, N 192-49,152); without
-    AMX the one-row path per row, only for 2-4 short rows (4 rows: 3x at K 256, 1.15x at K 896,
-    0.67-0.78x at K 2048+). fp32: 3-8 rows while they fit in L1 beside the weights (rows x K <= 6144;
-    1.4-2.7x MKL at K 576, 0.94x for 8 rows of K 1536); one row stays on MKL (at the bandwidth already).
+    AMX the one-row path, each weight block read once for all rows, for 2-8 rows while rows x K <= 4608
+    (AMD EPYC, one thread, vs torch's matmul at N = K: 3.0x for 4 rows of K 256, 2.6x 5 x 256, 2.1x
+    5 x 768, 1.4x 5 x 576, 1.1x 8 x 576 and 4 x 1024; 1.0x 5 x 1024 and 0.5x at K 4096 stay on torch).
+    fp32: 3-8 rows while they fit in L1 beside the weights (rows x K <= 6144; 1.4-2.7x MKL at K 576,
+    0.94x for 8 rows of K 1536); one row stays on MKL (at the bandwidth already).
     """
     if not kernels_available() or dtype not in _KERNEL_DTYPES:
         return False

@@ -23,6 +23,11 @@
 //   x [B, 1, d]; caches [B, G, capacity, hd] with `pos` tokens written (the new one goes to `pos`);
 //   cos, sin [B, 1, rot] fp32 (rot ≤ hd, even; RoPE on the first rot channels, half-split pairs);
 //   attn_mask: absent (every cached token is visible) or bool [B, 1, 1, pos + 1] (left padding).
+// A few new tokens per row (decode_attention, decode_swiglu, decode_stack; a speculative verification's
+// k + 1 drafted tokens, looplm/speculative.py): x [B, T, d], written at columns pos .. pos + T − 1, token t
+// attending to columns 0 .. pos + t (causal inside the call: every token's key and value is written before
+// any token attends); cos, sin [B, T, rot]; attn_mask bool [B, 1, T, pos + T] (token t reads the first
+// pos + t + 1 entries of its row). The products then take B·T rows.
 //   rows: absent (row b of x is row b of the caches) or int64 [B]: row b of x reads and writes row rows[b]
 //         of caches with more rows, in place — the rows still looping at one iteration under per-token
 //         exit (looplm/adaptive.py); x, cos, sin and attn_mask are the active rows' own.
@@ -285,6 +290,16 @@ at::ScalarType check_x(const char* op, const at::Tensor& x) {
   return dt;
 }
 
+// The ops that take a few new tokens per row (see the top): x [B, T, d] with 1 <= T <= kMaxTokens.
+constexpr int64_t kMaxTokens = 64;
+at::ScalarType check_x_tokens(const char* op, const at::Tensor& x) {
+  const at::ScalarType dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kFloat, op, ": x must be bfloat16 or float32, got ", dt);
+  TORCH_CHECK(x.dim() == 3 && x.size(1) >= 1 && x.size(1) <= kMaxTokens && x.is_contiguous() && x.device().is_cpu(),
+              op, ": x must be a contiguous CPU [B, T, d] tensor with 1 <= T <= ", kMaxTokens, " new tokens per row, got ", x.sizes());
+  return dt;
+}
+
 void check_bias(const char* op, const char* name, const std::optional<at::Tensor>& b, at::ScalarType dt, int64_t n) {
   if (b.has_value() && b->defined()) check_weight(op, name, *b, dt, n, -1);
 }
@@ -446,6 +461,7 @@ struct StepArgs {
   int64_t pos;
   const std::optional<at::Tensor>& attn_mask;
   const std::optional<at::Tensor>& rows;
+  int64_t T = 1;  // new tokens per row, at columns pos .. pos + T − 1
   // the cache row of x's row b
   int64_t row(int64_t b) const { return rows.has_value() && rows->defined() ? rows->data_ptr<int64_t>()[b] : b; }
 };
@@ -472,59 +488,62 @@ size_t attention_scratch(const AttnArgs& a, int64_t B, int64_t d, int64_t G, int
   return 2 * Scratch::bytes<T>(B * d) + 2 * Scratch::bytes<T>(B * a.H * hd) + 2 * Scratch::bytes<T>(B * G * hd) + Scratch::bytes<T>(hd);
 }
 
-// out [B, d] = x + attention(RMSNorm(x)) for one new token per row; the token's key and value written into
-// the caches at pos. after: the group run next (prefetched during the output product), or null.
+// out [B·T, d] = x + attention(RMSNorm(x)) for st.T new tokens per row (x: B·T rows, row b's tokens side by
+// side); token t's key and value written into the caches at pos + t before any token attends, token t
+// attending to columns 0 .. pos + t. after: the group run next (prefetched during the output product), or null.
 template <typename T>
 void attention_rows(const AttnArgs& a, const StepArgs& st, const T* x, int64_t B, int64_t d, at::Tensor& k_cache, at::Tensor& v_cache,
                     T* out, Scratch& sc, const RowGroup* after) {
-  const int64_t H = a.H, G = k_cache.size(1), cap = k_cache.size(2), hd = k_cache.size(3), pos = st.pos;
-  const int64_t L = pos + 1;  // keys after writing the new token
-  T* u = sc.take<T>(B * d);
-  T* qp = sc.take<T>(B * H * hd);
-  T* kp = sc.take<T>(B * G * hd);
-  T* vp = sc.take<T>(B * G * hd);
-  T* yp = sc.take<T>(B * H * hd);  // [B, H hd]: heads side by side, as o_proj reads them
-  T* o = sc.take<T>(B * d);
+  const int64_t H = a.H, G = k_cache.size(1), cap = k_cache.size(2), hd = k_cache.size(3), pos = st.pos, nt = st.T;
+  const int64_t R = B * nt;          // product rows: every new token of every row
+  const int64_t stride = pos + nt;   // a mask row's length (keys after writing the new tokens)
+  T* u = sc.take<T>(R * d);
+  T* qp = sc.take<T>(R * H * hd);
+  T* kp = sc.take<T>(R * G * hd);
+  T* vp = sc.take<T>(R * G * hd);
+  T* yp = sc.take<T>(R * H * hd);  // [R, H hd]: heads side by side, as o_proj reads them
+  T* o = sc.take<T>(R * d);
   T* tmp = sc.take<T>(hd);
-  norm_into(x, a.norm_w, a.eps, B, d, u);
+  norm_into(x, a.norm_w, a.eps, R, d, u);
   const Lin qkv[3] = {{&a.wq, &a.bq, qp}, {&a.wk, &a.bk, kp}, {&a.wv, &a.bv, vp}};
   const Hint o_hint{&a.wo};
-  project(u, B, d, qkv, 3, &o_hint.g);  // q [B, H hd], k and v [B, G hd]
+  project(u, R, d, qkv, 3, &o_hint.g);  // q [R, H hd], k and v [R, G hd]
   const bool qk_norm = a.q_norm_w.has_value() && a.q_norm_w->defined();
   const int64_t rot = st.cos.has_value() && st.cos->defined() ? st.cos->size(-1) : 0;
   T* kc = mdata<T>(k_cache);
   T* vc = mdata<T>(v_cache);
-  for (int64_t b = 0; b < B; ++b) {
-    const float* cb = rot ? st.cos->data_ptr<float>() + b * rot : nullptr;
-    const float* sb = rot ? st.sin->data_ptr<float>() + b * rot : nullptr;
-    const int64_t cr = st.row(b);  // the cache row
+  for (int64_t r = 0; r < R; ++r) {
+    const float* cb = rot ? st.cos->data_ptr<float>() + r * rot : nullptr;
+    const float* sb = rot ? st.sin->data_ptr<float>() + r * rot : nullptr;
+    const int64_t cr = st.row(r / nt), col = pos + r % nt;  // the cache row and column of this token
     for (int64_t h = 0; h < H + G; ++h) {  // the H query heads, then the G key heads
-      T* head = h < H ? qp + (b * H + h) * hd : kp + (b * G + h - H) * hd;
+      T* head = h < H ? qp + (r * H + h) * hd : kp + (r * G + h - H) * hd;
       if (qk_norm) {
         rms_norm(head, data<T>(h < H ? *a.q_norm_w : *a.k_norm_w), static_cast<float>(a.qk_eps), hd, tmp);
         std::memcpy(head, tmp, hd * sizeof(T));
       }
       if (rot) rotary(head, cb, sb, rot);
     }
-    for (int64_t g = 0; g < G; ++g) {  // the new token's key and value into the caches at `pos`
-      std::memcpy(kc + ((cr * G + g) * cap + pos) * hd, kp + (b * G + g) * hd, hd * sizeof(T));
-      std::memcpy(vc + ((cr * G + g) * cap + pos) * hd, vp + (b * G + g) * hd, hd * sizeof(T));
+    for (int64_t g = 0; g < G; ++g) {  // the token's key and value into the caches at its column
+      std::memcpy(kc + ((cr * G + g) * cap + col) * hd, kp + (r * G + g) * hd, hd * sizeof(T));
+      std::memcpy(vc + ((cr * G + g) * cap + col) * hd, vp + (r * G + g) * hd, hd * sizeof(T));
     }
   }
   const bool* mask = st.attn_mask.has_value() && st.attn_mask->defined() ? st.attn_mask->data_ptr<bool>() : nullptr;
-  // one (row, head) per task; threads only when there is enough work to pay for waking them
-  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, L * hd));
-  at::parallel_for(0, B * H, grain, [&](int64_t t0, int64_t t1) {
-    std::vector<float> s(L);
+  // one (token, head) per task; threads only when there is enough work to pay for waking them
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, stride * hd));
+  at::parallel_for(0, R * H, grain, [&](int64_t t0, int64_t t1) {
+    std::vector<float> s(stride);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / H, h = t % H, g = h / (H / G);
-      const int64_t off = (st.row(b) * G + g) * cap * hd;
-      attend(qp + t * hd, kc + off, vc + off, mask ? mask + b * L : nullptr, L, hd, s.data(), yp + t * hd);
+      const int64_t r = t / H, h = t % H, g = h / (H / G);
+      const int64_t L = pos + r % nt + 1;  // this token's keys: the cache up to and including itself
+      const int64_t off = (st.row(r / nt) * G + g) * cap * hd;
+      attend(qp + t * hd, kc + off, vc + off, mask ? mask + r * stride : nullptr, L, hd, s.data(), yp + t * hd);
     }
   });
   const Lin out_proj[1] = {{&a.wo, &a.bo, o}};
-  project(yp, B, H * hd, out_proj, 1, after);  // [B, d]
-  add_rows(x, o, out, B * d);
+  project(yp, R, H * hd, out_proj, 1, after);  // [R, d]
+  add_rows(x, o, out, R * d);
 }
 
 template <typename T>
@@ -559,7 +578,8 @@ void check_attention(const char* op, at::ScalarType dt, int64_t B, int64_t d, co
   const int64_t H = a.H, G = k_cache.size(1), cap = k_cache.size(2), hd = k_cache.size(3), pos = st.pos;
   TORCH_CHECK(H >= G && G >= 1 && H % G == 0, op, ": n_heads ", H, " must be a multiple of the caches' ", G, " key/value heads");
   TORCH_CHECK(hd >= 1 && hd <= 256, op, ": head dim ", hd, " outside 1-256");
-  TORCH_CHECK(0 <= pos && pos < cap, op, ": position ", pos, " does not fit the caches' capacity ", cap);
+  const int64_t nt = st.T;
+  TORCH_CHECK(0 <= pos && pos + nt <= cap, op, ": positions ", pos, "..", pos + nt - 1, " do not fit the caches' capacity ", cap);
   TORCH_CHECK(k_cache.scalar_type() == dt && v_cache.scalar_type() == dt && k_cache.is_contiguous() && v_cache.is_contiguous(),
               op, ": the caches must be contiguous ", dtype_name(dt), " tensors like x");
   check_weight(op, "norm_weight", a.norm_w, dt, d, -1);
@@ -582,13 +602,13 @@ void check_attention(const char* op, at::ScalarType dt, int64_t B, int64_t d, co
   if (has_cos) {
     const int64_t rot = st.cos->size(-1);
     TORCH_CHECK(st.cos->scalar_type() == at::kFloat && st.sin->scalar_type() == at::kFloat && st.cos->is_contiguous() && st.sin->is_contiguous()
-                    && st.cos->numel() == B * rot && st.sin->sizes() == st.cos->sizes() && rot % 2 == 0 && rot <= hd,
-                op, ": cos and sin must be contiguous float32 [B, 1, rot] tables with an even rot <= head dim ", hd, ", got ", st.cos->sizes(),
+                    && st.cos->numel() == B * nt * rot && st.sin->sizes() == st.cos->sizes() && rot % 2 == 0 && rot <= hd,
+                op, ": cos and sin must be contiguous float32 [B, T, rot] tables (T = ", nt, ") with an even rot <= head dim ", hd, ", got ", st.cos->sizes(),
                 " ", st.cos->scalar_type());
   }
   if (st.attn_mask.has_value() && st.attn_mask->defined()) {
-    TORCH_CHECK(st.attn_mask->scalar_type() == at::kBool && st.attn_mask->is_contiguous() && st.attn_mask->numel() == B * (pos + 1),
-                op, ": attn_mask must be a contiguous bool [B, 1, 1, pos + 1] = [", B, ", 1, 1, ", pos + 1, "] tensor, got ", st.attn_mask->sizes());
+    TORCH_CHECK(st.attn_mask->scalar_type() == at::kBool && st.attn_mask->is_contiguous() && st.attn_mask->numel() == B * nt * (pos + nt),
+                op, ": attn_mask must be a contiguous bool [B, 1, T, pos + T] = [", B, ", 1, ", nt, ", ", pos + nt, "] tensor, got ", st.attn_mask->sizes());
   }
 }
 
@@ -607,7 +627,7 @@ template <typename T>
 at::Tensor attention_op(const AttnArgs& a, const StepArgs& st, const at::Tensor& x, at::Tensor& k_cache, at::Tensor& v_cache) {
   const int64_t B = x.size(0), d = x.size(2);
   at::Tensor out = at::empty_like(x);
-  Scratch& sc = Scratch::reserve(attention_scratch<T>(a, B, d, k_cache.size(1), k_cache.size(3)));
+  Scratch& sc = Scratch::reserve(attention_scratch<T>(a, B * x.size(1), d, k_cache.size(1), k_cache.size(3)));
   attention_rows<T>(a, st, data<T>(x), B, d, k_cache, v_cache, mdata<T>(out), sc, nullptr);
   return out;
 }
@@ -620,16 +640,16 @@ at::Tensor decode_attention(const at::Tensor& x, const at::Tensor& norm_w, doubl
                             const std::optional<at::Tensor>& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,
                             const std::optional<at::Tensor>& attn_mask, int64_t n_heads, const std::optional<at::Tensor>& rows) {
   const char* op = "decode_attention";
-  const at::ScalarType dt = check_x(op, x);
+  const at::ScalarType dt = check_x_tokens(op, x);
   const AttnArgs a{norm_w, eps, wq, bq, wk, bk, wv, bv, wo, bo, q_norm_w, k_norm_w, qk_eps, n_heads};
-  const StepArgs st{cos, sin, pos, attn_mask, rows};
+  const StepArgs st{cos, sin, pos, attn_mask, rows, x.size(1)};
   check_attention(op, dt, x.size(0), x.size(2), a, st, k_cache, v_cache);
   return dt == at::kBFloat16 ? attention_op<bf16>(a, st, x, k_cache, v_cache) : attention_op<float>(a, st, x, k_cache, v_cache);
 }
 
 template <typename T>
 at::Tensor swiglu_op(const MlpArgs& a, const at::Tensor& x) {
-  const int64_t B = x.size(0), d = x.size(2);
+  const int64_t B = x.size(0) * x.size(1), d = x.size(2);  // every token is a row
   at::Tensor out = at::empty_like(x);
   Scratch& sc = Scratch::reserve(swiglu_scratch<T>(B, d, a.wg.size(0)));
   swiglu_rows<T>(a, data<T>(x), B, d, mdata<T>(out), sc, nullptr);
@@ -639,7 +659,7 @@ at::Tensor swiglu_op(const MlpArgs& a, const at::Tensor& x) {
 at::Tensor decode_swiglu(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wg, const std::optional<at::Tensor>& bg,
                          const at::Tensor& wu, const std::optional<at::Tensor>& bu, const at::Tensor& wd, const std::optional<at::Tensor>& bd) {
   const char* op = "decode_swiglu";
-  const at::ScalarType dt = check_x(op, x);
+  const at::ScalarType dt = check_x_tokens(op, x);
   const MlpArgs a{norm_w, eps, wg, bg, wu, bu, wd, bd};
   check_swiglu(op, dt, x.size(2), a);
   return dt == at::kBFloat16 ? swiglu_op<bf16>(a, x) : swiglu_op<float>(a, x);
@@ -653,7 +673,8 @@ at::Tensor decode_swiglu(const at::Tensor& x, const at::Tensor& norm_w, double e
 // The blocks' weights come as one StackPlan, built once per generate() call (looplm/kernels/decode.py):
 // per block, its parameters by their names in the block's state dict (mixer_norm.weight,
 // mixer.q_proj.weight, ..., mlp.down_proj.bias; absent = None) and its three epsilons and head count.
-// pos, cos, sin and attn_mask are the step's (every block's cache holds pos tokens).
+// pos, cos, sin and attn_mask are the step's (every block's cache holds pos tokens); x may hold a few
+// new tokens per row (see the top).
 struct PlanBlock {
   at::Tensor norm_w, wq, wk, wv, wo;
   std::optional<at::Tensor> bq, bk, bv, bo, q_norm_w, k_norm_w;
@@ -704,14 +725,14 @@ struct StackPlan : torch::CustomClassHolder {
 
 template <typename T>
 at::Tensor stack_impl(const at::Tensor& x, const std::vector<AttnArgs>& attn, const std::vector<std::optional<MlpArgs>>& mlp, const StepArgs& st, at::TensorList k_caches, at::TensorList v_caches) {
-  const int64_t B = x.size(0), d = x.size(2), n = static_cast<int64_t>(attn.size());
+  const int64_t B = x.size(0), R = B * st.T, d = x.size(2), n = static_cast<int64_t>(attn.size());  // R: product rows
   size_t need = 0;
   for (int64_t l = 0; l < n; ++l) {
-    need = std::max(need, attention_scratch<T>(attn[l], B, d, k_caches[l].size(1), k_caches[l].size(3)));
-    if (mlp[l]) need = std::max(need, swiglu_scratch<T>(B, d, mlp[l]->wg.size(0)));
+    need = std::max(need, attention_scratch<T>(attn[l], R, d, k_caches[l].size(1), k_caches[l].size(3)));
+    if (mlp[l]) need = std::max(need, swiglu_scratch<T>(R, d, mlp[l]->wg.size(0)));
   }
-  Scratch& sc = Scratch::reserve(need + 2 * Scratch::bytes<T>(B * d));
-  T* buf[2] = {sc.take<T>(B * d), sc.take<T>(B * d)};
+  Scratch& sc = Scratch::reserve(need + 2 * Scratch::bytes<T>(R * d));
+  T* buf[2] = {sc.take<T>(R * d), sc.take<T>(R * d)};
   const size_t base = sc.mark();
   at::Tensor out = at::empty_like(x);
   const T* h = data<T>(x);
@@ -731,7 +752,7 @@ at::Tensor stack_impl(const at::Tensor& x, const std::vector<AttnArgs>& attn, co
     next_buf ^= 1;
     if (mlp[l]) {
       T* o = last ? mdata<T>(out) : buf[next_buf];
-      swiglu_rows<T>(*mlp[l], h, B, d, o, sc, after_block);
+      swiglu_rows<T>(*mlp[l], h, R, d, o, sc, after_block);
       sc.release(base);
       h = o;
       next_buf ^= 1;
@@ -745,11 +766,11 @@ at::Tensor decode_stack(const at::Tensor& x, const c10::intrusive_ptr<StackPlan>
                         int64_t pos, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
                         const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& rows) {
   const char* op = "decode_stack";
-  const at::ScalarType dt = check_x(op, x);
+  const at::ScalarType dt = check_x_tokens(op, x);
   const int64_t n = plan->size();
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == n && static_cast<int64_t>(v_caches.size()) == n,
               op, ": the plan has ", n, " blocks; give one k and one v cache each, got ", k_caches.size(), " and ", v_caches.size());
-  const StepArgs st{cos, sin, pos, attn_mask, rows};
+  const StepArgs st{cos, sin, pos, attn_mask, rows, x.size(1)};
   std::vector<AttnArgs> attn;
   std::vector<std::optional<MlpArgs>> mlp;
   attn.reserve(n);

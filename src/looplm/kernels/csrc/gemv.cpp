@@ -345,13 +345,17 @@ bool amx_ready() {  // the CPU has AMX-BF16 / AMX-TILE and Linux lets this proce
 #endif
 }
 
+constexpr int64_t kBf16MaxRowEntries = 4608;  // bf16 without AMX: rows x K the one-row path per row wins at
+
 bool kernel_wins(int64_t rows, int64_t k, at::ScalarType dt) {  // the rule of looplm.layers.gemv.kernel_wins (tested equal)
   if (!LOOPLM_KERNELS) return false;
   if (dt == at::kFloat) return rows >= 3 && rows <= 8 && rows * k <= kFp32MaxRowEntries;
   if (dt != at::kBFloat16) return false;
   if (rows == 1) return true;
   if (rows > kMaxRows) return false;
-  return amx_ready() || (rows <= 4 && rows * k < 4096);
+  // without AMX: each weight block read once for every row (from L1) while the rows and the block fit beside
+  // it — up to 8 rows of K x rows <= 4608 entries (a speculative verification's k + 1 tokens, small batches)
+  return amx_ready() || (rows <= 8 && rows * k <= kBf16MaxRowEntries);
 }
 
 void gemv1_group(const RowGroup& g, const RowGroup* next) {
