@@ -329,10 +329,11 @@ class AdaptiveDecoder:
     # ------------------------------------------------------------------------------------------
     # self-speculative decoding (looplm.speculative): a draft that stops at r_d, a verification that resumes
     @torch.no_grad()
-    def draft(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, loops: int):
+    def draft(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, loops: int, readout: bool = True):
         """One new token per row through ``loops`` loops only, with no fill (the deeper loops' slots stay one
-        token behind: verification writes them). Returns the logits ``[B, 1, V]`` of the exit at ``loops`` and
-        the rule state after it (what verification resumes from)."""
+        token behind: verification writes them). Returns the logits ``[B, 1, V]`` of the exit at ``loops``
+        (``None`` without ``readout``: a round's last token, whose draft only verification resumes) and the
+        rule state after it (what verification resumes from)."""
         m, cache, rule = self.model, self.cache, self.model.rule
         B = input_ids.shape[0]
         fctx = m._forward_context(input_ids, attention_mask, None, cache.seqlen)
@@ -343,9 +344,11 @@ class AdaptiveDecoder:
         for k in range(loops):
             lctx.iteration = k
             h, state = m._iteration(state, lctx, B)
-        out = rule.exit_rows(state, torch.ones(B, 1, dtype=torch.bool, device=x.device), lctx)
-        y = m.coda(rule.finish(out, lctx), fctx, m._slots(cache, m.coda, (0,), B))
-        logits = m.lm_head(m.norm(y))  # [B, 1, V]
+        logits = None
+        if readout:  # the coda's slots are rolled back to the round's start before verification anyway
+            out = rule.exit_rows(state, torch.ones(B, 1, dtype=torch.bool, device=x.device), lctx)
+            y = m.coda(rule.finish(out, lctx), fctx, m._slots(cache, m.coda, (0,), B))
+            logits = m.lm_head(m.norm(y))  # [B, 1, V]
         cache.commit(1)
         return logits, state
 

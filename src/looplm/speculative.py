@@ -4,7 +4,8 @@ A looped model is its own draft model: the first ``r_d < K`` loops of a token ar
 ``r_d`` loops of its full-depth computation (with per-loop caches, loop ``k`` of a token reads only loop
 ``k`` of earlier tokens). One round, per batch row::
 
-    draft   t_0 → d_1 → … → d_k → (·)        k + 1 one-token steps through loops 1..r_d (no fill)
+    draft   t_0 → d_1 → … → d_k → (·)        k + 1 one-token steps through loops 1..r_d (no fill; d_k's without
+                                              the coda and head: only verification reads its state)
     verify  [t_0, d_1, …, d_k]                one forward over the k + 1 tokens that resumes at loop r_d + 1
                                               from the drafted states: p_0 … p_k at full depth
     accept  greedy: d_i while argmax p_{i−1} = d_i;  sampling: d_i with probability min(1, p_{i−1}(d_i) / q_{i−1}(d_i))
@@ -184,7 +185,7 @@ def speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=Fa
                 t_draft = clock() if timed else 0.0
                 for i in range(k + 1):
                     mask[:, L + i] = 1
-                    lg, st = dec.draft(tok[:, None], mask[:, : L + i + 1], r_d)
+                    lg, st = dec.draft(tok[:, None], mask[:, : L + i + 1], r_d, readout=i < k)  # d_k: no coda, no head
                     states.append(st)
                     if i == k:
                         break
