@@ -8,7 +8,6 @@ import torch
 import looplm
 from looplm import dispatch
 from looplm.kernels import decode, gemv
-from looplm.layers.attention import KVCache
 
 from helpers import run_under_portable_build, tiny_variant
 

@@ -33,11 +33,9 @@ out of git). Plots: ``--png-dir`` (accuracy / PPL vs executed depth, annotated w
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import statistics
-import time
 from pathlib import Path
 
 import torch

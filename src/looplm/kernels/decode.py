@@ -52,9 +52,11 @@ up to 64 new tokens per row after the prompt (a speculative verification's ``k +
 :mod:`looplm.speculative`) is one ``decode_stack`` call too — every token's key and value written first,
 then token ``t`` attending to the columns up to its own, the model's mask (left padding, rejected drafts'
 holes) read row by row — so a verification costs one op per loop, not the reference's dozen per block
-(bf16, the bench LM's d = 256 core, 5 tokens: 287 µs vs 883 µs through torch's matmul; ``tests/
-test_decode_few_tokens.py`` holds it to the reference). A rule's own residual mixers — StateLoop's ``S + mixer(RMSNorm(S))`` over its state (eqs. 8, 9),
-an attention or Mamba-2 mixer — are the same branch and take the same step under the same conditions
+(bf16, the bench LM's d = 256 core, 5 tokens: 287 µs vs 883 µs through torch's matmul;
+``tests/test_decode_few_tokens.py`` holds it to the reference).
+
+A rule's own residual mixers — StateLoop's ``S + mixer(RMSNorm(S))`` over its state (eqs. 8, 9), an
+attention or Mamba-2 mixer — are the same branch and take the same step under the same conditions
 (StateLoop's own update and reads: :mod:`looplm.kernels.stateloop`).
 
 Packing: each op's arguments are taken by name — the per-block ops' from their schema (:func:`op_args`), the
@@ -395,6 +397,9 @@ def _prepare_stack(stack: Stack, batch_size: int | None) -> StackPlan | None:
     return StackPlan(plan, b0.mixer.rotary_dim, b0.mixer_norm.weight.dtype)
 
 
+_MAX_TOKENS = 64  # csrc/decode.cpp's kMaxTokens: new tokens per row one decode_stack call takes
+
+
 def _few_token_tables(fctx, B: int, T: int, pos: int, rot: int | None):
     """``(cos, sin, attn_mask)`` of ``T`` new tokens per row at ``pos .. pos + T − 1`` (a speculative
     verification inside :func:`looplm.dispatch.few_token_steps`), or ``None`` where the op cannot take them
@@ -439,9 +444,6 @@ def _stack_call(stack: Stack, plan: StackPlan, x, fctx, caches=None, mods=None):
     for c in caches:
         c.advance(T)
     return y
-
-
-_MAX_TOKENS = 64  # csrc/decode.cpp's kMaxTokens: new tokens per row one decode_stack call takes
 
 
 PROVIDERS = ("looplm.kernels.decode", "looplm.kernels.stateloop")
