@@ -152,14 +152,11 @@ class AdaptiveDecoder:
         B, T = input_ids.shape
         cache = self.cache
         ctx = cache.seqlen + T  # keys each attention layer reads (the last position)
-        fctx = m._forward_context(input_ids, attention_mask, None, cache.seqlen)
-        E = m._embed(input_ids, head_in_loss=False) * m.embed_multiplier  # [B, T, d]
-        x = m.prelude(E, fctx, m._slots(cache, m.prelude, (0,), B))
-        lctx = self._context(fctx, E)
+        fctx, lctx = self._enter(input_ids, attention_mask, cache.seqlen)
+        x = m.prelude(lctx.embeddings, fctx, m._slots(cache, m.prelude, (0,), B))  # [B, T, d]
         decoding = T == 1 and cache.seqlen > 0  # the prompt (the first call, any length) runs at full depth
         y, depth, executed, loops = self._loops(x, lctx, allow_exit=decoding)
-        y = m.coda(y, fctx, m._slots(cache, m.coda, (0,), B))
-        logits = m.lm_head(m.norm(y[:, -logits_to_keep:]))  # [B, keep, V]
+        logits = self._head(y, fctx, logits_to_keep)  # [B, keep, V]
         st = self.stats
         if decoding:  # the statistics are of decoded tokens (a prompt runs at full depth)
             st.other_flops += B * (self._other_terms[0] + self._other_terms[1] * ctx)
@@ -336,10 +333,8 @@ class AdaptiveDecoder:
         rule state after it (what verification resumes from)."""
         m, cache, rule = self.model, self.cache, self.model.rule
         B = input_ids.shape[0]
-        fctx = m._forward_context(input_ids, attention_mask, None, cache.seqlen)
-        E = m._embed(input_ids, head_in_loss=False) * m.embed_multiplier
-        x = m.prelude(E, fctx, m._slots(cache, m.prelude, (0,), B))
-        lctx = self._context(fctx, E)
+        fctx, lctx = self._enter(input_ids, attention_mask, cache.seqlen)
+        x = m.prelude(lctx.embeddings, fctx, m._slots(cache, m.prelude, (0,), B))
         state = rule.begin(x, lctx)
         for k in range(loops):
             lctx.iteration = k
@@ -347,8 +342,7 @@ class AdaptiveDecoder:
         logits = None
         if readout:  # the coda's slots are rolled back to the round's start before verification anyway
             out = rule.exit_rows(state, torch.ones(B, 1, dtype=torch.bool, device=x.device), lctx)
-            y = m.coda(rule.finish(out, lctx), fctx, m._slots(cache, m.coda, (0,), B))
-            logits = m.lm_head(m.norm(y))  # [B, 1, V]
+            logits = self._head(rule.finish(out, lctx), fctx)  # [B, 1, V]
         cache.commit(1)
         return logits, state
 
@@ -358,17 +352,29 @@ class AdaptiveDecoder:
         ``< start`` already run by :meth:`draft`, whose states ``states`` are) at loop ``start``: loops
         ``start .. R − 1`` of all ``n`` tokens in one forward, then finish, coda and head: logits ``[B, n, V]``
         at full depth. The coda's slots must have been rolled back to ``past`` by the caller."""
-        m, cache, rule = self.model, self.cache, self.model.rule
+        m, rule = self.model, self.model.rule
         B, n = input_ids.shape
-        fctx = m._forward_context(input_ids, attention_mask, None, past)
-        E = m._embed(input_ids, head_in_loss=False) * m.embed_multiplier
-        lctx = self._context(fctx, E)
+        fctx, lctx = self._enter(input_ids, attention_mask, past)
         state = rule.cat_tokens(states)  # [B, n, ...]
         for k in range(start, self.R):
             lctx.iteration = k
             h, state = m._iteration(state, lctx, B)
-        y = m.coda(rule.finish(state, lctx), fctx, m._slots(cache, m.coda, (0,), B))
-        return m.lm_head(m.norm(y))  # [B, n, V]
+        return self._head(rule.finish(state, lctx), fctx, n)  # [B, n, V]
+
+    def _enter(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, past: int):
+        """The forward context of ``input_ids`` after ``past`` cached tokens and the loop context holding
+        their scaled embeddings ``E [B, T, d]`` (``lctx.embeddings``, what the prelude reads)."""
+        m = self.model
+        fctx = m._forward_context(input_ids, attention_mask, None, past)
+        E = m._embed(input_ids, head_in_loss=False) * m.embed_multiplier  # [B, T, d]
+        return fctx, self._context(fctx, E)
+
+    def _head(self, y: torch.Tensor, fctx, keep: int = 1) -> torch.Tensor:
+        """Logits ``[B, keep, V]`` of the loop output ``y``: the coda (its slots), then the final norm and the
+        head on the last ``keep`` positions."""
+        m = self.model
+        y = m.coda(y, fctx, m._slots(self.cache, m.coda, (0,), y.shape[0]))
+        return m.lm_head(m.norm(y[:, -keep:]))
 
     def _context(self, fctx, E) -> LoopContext:
         m = self.model

@@ -112,24 +112,15 @@ class SharedKV:
 
     def update(self, k: torch.Tensor, v: torch.Tensor):
         b = self.base
-        T = k.shape[2]
-        b.allocate(k.shape[0], k.shape[1], k.shape[-1], v.shape[-1], k.dtype, k.device)
-        if b.seqlen + T > b.capacity:
-            raise ValueError(f"KV cache capacity {b.capacity} exceeded ({b.seqlen} + {T} tokens)")
-        L = b.seqlen + T
-        b._k[:, :, b.seqlen : L] = k
-        b._v[:, :, b.seqlen : L] = v
-        b.pending = max(b.pending, T)
+        b.write_rows(None, k, v, k.shape[0])  # every row's columns at seqlen, pending until commit
+        L = b.seqlen + k.shape[2]
         return b._k[:, :, :L], b._v[:, :, :L]
 
     def rows(self, idx: torch.Tensor, batch: int):
         return self.base.rows(idx, batch)
 
     def append_buffers(self, batch_size: int):
-        b = self.base
-        if b._k is None or b.seqlen >= b.capacity or b._k.shape[0] != batch_size:
-            return None
-        return b._k, b._v, b.seqlen
+        return self.base.append_buffers(batch_size)
 
     def advance(self, n: int = 1) -> None:
         self.base.pending = max(self.base.pending, n)

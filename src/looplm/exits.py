@@ -49,7 +49,6 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ["CRITERIA", "Exit", "KV_POLICIES", "SSM_POLICIES", "make_criterion"]
 
@@ -362,18 +361,3 @@ def stack_flop_terms(stack) -> tuple[float, float]:
         if isinstance(blk.mixer, Attention):
             a += 4.0 * blk.mixer.n_heads * blk.mixer.head_dim
     return w, a
-
-
-def readout_flops(model, lctx) -> float:
-    """One token's readout: the coda, the final norm and the head (``d · V`` products)."""
-    ctx = (lctx.cache.seqlen if lctx.cache is not None else 0) + 1
-    return stack_flops(model.coda, ctx) + 2.0 * model.lm_head.weight.numel()
-
-
-def kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
-    """``KL(p ‖ q)`` over the last dim from log-probabilities."""
-    return (p_log.exp() * (p_log - q_log)).sum(-1)
-
-
-def log_probs(logits: torch.Tensor) -> torch.Tensor:
-    return F.log_softmax(logits.float(), -1)

@@ -122,18 +122,24 @@ def _rollback_mamba(cache, keep: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=False, temperature=1.0, top_k=None, top_p=None,
-                         eos_token_id=None, pad_token_id=None, attention_mask=None, generator=None, loop_options=None,
-                         return_stats=False):
-    """:func:`looplm.generate.generate` with ``speculative=spec`` (see the module docstring)."""
+def speculative_generate(model, input_ids, max_new_tokens, spec, **kwargs):
+    """:func:`looplm.generate.generate` with ``speculative=spec`` (see the module docstring); keyword
+    arguments as :func:`_speculative_generate`'s. The model runs in eval mode, its own mode restored after."""
+    from .sampling import eval_mode
+
+    with eval_mode(model):
+        return _speculative_generate(model, input_ids, max_new_tokens, spec, **kwargs)
+
+
+def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=False, temperature=1.0, top_k=None, top_p=None,
+                          eos_token_id=None, pad_token_id=None, attention_mask=None, generator=None, loop_options=None,
+                          return_stats=False):
     from .adaptive import AdaptiveDecoder
     from .exits import Exit
     from .sampling import decode_context, sample_next, sampling_probs, small_row_products
 
     sp = Speculative.parse(spec).resolved(model)
     K, r_d, k = model.config.n_loops, sp.draft_loops, sp.k
-    was_training = model.training
-    model.eval()
     B, T = input_ids.shape
     dev = input_ids.device
     if pad_token_id is None:
@@ -168,82 +174,79 @@ def speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=Fa
                 finished = finished | (live & (tok == eos_token_id))
             n_out.add_(live.long())
 
-    try:
-        with decode_context(model, B):
-            if max_new_tokens == 0:
-                return (out[:, :T], stats) if return_stats else out[:, :T]
-            logits = dec(input_ids, mask[:, :T])  # the prompt at full depth
-            t0 = sample_next(logits[:, -1], do_sample, temperature, top_k, top_p, generator)  # [B]
-            emit(t0[:, None], torch.ones_like(n_out))
-            L = T  # committed columns (the pending token t_0 goes to column L)
-            while bool((n_out < max_new_tokens).any()) and not (eos_token_id is not None and bool(finished.all())):
-                for s in cache.physical_slots():  # every Mamba-2 state snapshots each token of the round
-                    if hasattr(s, "begin_recording"):
-                        s.begin_recording()
-                # draft: t_0 -> d_1 .. d_k, and d_k through the draft loops too (verification resumes it)
-                tok, drafted, q, states = t0, [], [], []
-                t_draft = clock() if timed else 0.0
-                for i in range(k + 1):
-                    mask[:, L + i] = 1
-                    lg, st = dec.draft(tok[:, None], mask[:, : L + i + 1], r_d, readout=i < k)  # d_k: no coda, no head
-                    states.append(st)
-                    if i == k:
-                        break
-                    if greedy:
-                        tok = lg[:, -1].max(-1).indices
-                    else:
-                        qi = sampling_probs(lg[:, -1], temperature, top_k, top_p)  # [B, V]
-                        tok = torch.multinomial(qi, 1, generator=generator)[:, 0]
-                        q.append(qi)
-                    drafted.append(tok)
-                d = torch.stack(drafted, 1)  # [B, k]
-                if timed:
-                    t_verify = clock()
-                    stats.draft_s += t_verify - t_draft
-                # verify: roll the coda back to the round's start, resume loops r_d+1..K for all k + 1 tokens
-                for layer in (b.layer_idx for b in model.coda.blocks):
-                    s = cache.slots.get((0, layer))
-                    if s is None:
-                        continue
-                    if hasattr(s, "restart_recording"):
-                        s.restart_recording()
-                    else:
-                        s.crop(L)
-                block = torch.cat([t0[:, None], d], 1)  # [B, k + 1] at columns L .. L + k
-                with small_row_products(model):  # a few rows per product: the decode kernels where they win
-                    p_logits = dec.verify(states, block, mask[:, : L + k + 1], r_d, L)  # [B, k + 1, V]
-                if timed:
-                    stats.verify_s += clock() - t_verify
+    with decode_context(model, B):
+        if max_new_tokens == 0:
+            return (out[:, :T], stats) if return_stats else out[:, :T]
+        logits = dec(input_ids, mask[:, :T])  # the prompt at full depth
+        t0 = sample_next(logits[:, -1], do_sample, temperature, top_k, top_p, generator)  # [B]
+        emit(t0[:, None], torch.ones_like(n_out))
+        L = T  # committed columns (the pending token t_0 goes to column L)
+        while bool((n_out < max_new_tokens).any()) and not (eos_token_id is not None and bool(finished.all())):
+            for s in cache.physical_slots():  # every Mamba-2 state snapshots each token of the round
+                if hasattr(s, "begin_recording"):
+                    s.begin_recording()
+            # draft: t_0 -> d_1 .. d_k, and d_k through the draft loops too (verification resumes it)
+            tok, drafted, q, states = t0, [], [], []
+            t_draft = clock() if timed else 0.0
+            for i in range(k + 1):
+                mask[:, L + i] = 1
+                lg, st = dec.draft(tok[:, None], mask[:, : L + i + 1], r_d, readout=i < k)  # d_k: no coda, no head
+                states.append(st)
+                if i == k:
+                    break
                 if greedy:
-                    best = p_logits.max(-1).indices  # [B, k + 1]
-                    ok = best[:, :k] == d
-                    a = ok.long().cumprod(1).sum(1)  # accepted drafts per row
-                    nxt = best.gather(1, a[:, None])[:, 0]
+                    tok = lg[:, -1].max(-1).indices
                 else:
-                    p = sampling_probs(p_logits.reshape(B * (k + 1), -1), temperature, top_k, top_p).view(B, k + 1, -1)
-                    qs = torch.stack(q, 1)  # [B, k, V]
-                    pd = p[:, :k].gather(-1, d[..., None])[..., 0]
-                    qd = qs.gather(-1, d[..., None])[..., 0]
-                    u = torch.rand(B, k, generator=generator, device=dev)
-                    ok = u < (pd / qd).clamp(max=1.0)  # accept d_i with probability min(1, p/q)
-                    a = ok.long().cumprod(1).sum(1)
-                    p_a = p[rows, a]  # [B, V]
-                    q_a = torch.cat([qs, torch.zeros_like(qs[:, :1])], 1)[rows, a]  # q_k := 0: the bonus samples p_k
-                    resid = (p_a - q_a).clamp(min=0.0)
-                    resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_a)
-                    nxt = torch.multinomial(resid / resid.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
-                stats.accepted.append(a)
-                emitted = torch.cat([d, d[:, :1]], 1)  # [B, k + 1]: d_1 .. d_a, then the verified token
-                emitted[rows, a] = nxt
-                emit(emitted, a + 1)
-                # rollback: columns of rejected drafts become holes; Mamba-2 states return to their row's length
-                cols_round = torch.arange(k + 1, device=dev)[None]  # [1, k + 1]
-                mask[:, L : L + k + 1] = (cols_round <= a[:, None]).long()
-                _rollback_mamba(cache, a + 1)
-                L += k + 1
-                t0 = nxt
-    finally:
-        model.train(was_training)
+                    qi = sampling_probs(lg[:, -1], temperature, top_k, top_p)  # [B, V]
+                    tok = torch.multinomial(qi, 1, generator=generator)[:, 0]
+                    q.append(qi)
+                drafted.append(tok)
+            d = torch.stack(drafted, 1)  # [B, k]
+            if timed:
+                t_verify = clock()
+                stats.draft_s += t_verify - t_draft
+            # verify: roll the coda back to the round's start, resume loops r_d+1..K for all k + 1 tokens
+            for layer in (b.layer_idx for b in model.coda.blocks):
+                s = cache.slots.get((0, layer))
+                if s is None:
+                    continue
+                if hasattr(s, "restart_recording"):
+                    s.restart_recording()
+                else:
+                    s.crop(L)
+            block = torch.cat([t0[:, None], d], 1)  # [B, k + 1] at columns L .. L + k
+            with small_row_products(model):  # a few rows per product: the decode kernels where they win
+                p_logits = dec.verify(states, block, mask[:, : L + k + 1], r_d, L)  # [B, k + 1, V]
+            if timed:
+                stats.verify_s += clock() - t_verify
+            if greedy:
+                best = p_logits.max(-1).indices  # [B, k + 1]
+                ok = best[:, :k] == d
+                a = ok.long().cumprod(1).sum(1)  # accepted drafts per row
+                nxt = best.gather(1, a[:, None])[:, 0]
+            else:
+                p = sampling_probs(p_logits.reshape(B * (k + 1), -1), temperature, top_k, top_p).view(B, k + 1, -1)
+                qs = torch.stack(q, 1)  # [B, k, V]
+                pd = p[:, :k].gather(-1, d[..., None])[..., 0]
+                qd = qs.gather(-1, d[..., None])[..., 0]
+                u = torch.rand(B, k, generator=generator, device=dev)
+                ok = u < (pd / qd).clamp(max=1.0)  # accept d_i with probability min(1, p/q)
+                a = ok.long().cumprod(1).sum(1)
+                p_a = p[rows, a]  # [B, V]
+                q_a = torch.cat([qs, torch.zeros_like(qs[:, :1])], 1)[rows, a]  # q_k := 0: the bonus samples p_k
+                resid = (p_a - q_a).clamp(min=0.0)
+                resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_a)
+                nxt = torch.multinomial(resid / resid.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
+            stats.accepted.append(a)
+            emitted = torch.cat([d, d[:, :1]], 1)  # [B, k + 1]: d_1 .. d_a, then the verified token
+            emitted[rows, a] = nxt
+            emit(emitted, a + 1)
+            # rollback: columns of rejected drafts become holes; Mamba-2 states return to their row's length
+            cols_round = torch.arange(k + 1, device=dev)[None]  # [1, k + 1]
+            mask[:, L : L + k + 1] = (cols_round <= a[:, None]).long()
+            _rollback_mamba(cache, a + 1)
+            L += k + 1
+            t0 = nxt
     stats.decoder, stats.mask, stats.tokens, stats.emitted = dec, mask, out, n_out.clone()
     n = T + min(max_new_tokens, int(n_out.max()))
     res = out[:, :n]

@@ -111,15 +111,20 @@ class KVCache:
         """A view that writes and attends for batch rows ``idx`` only (of a ``batch``-row cache), in place."""
         return KVRows(self, idx, batch)
 
-    def write_rows(self, idx: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: int) -> None:
-        """Write ``k, v [n, H_kv, T, hd]`` for rows ``idx [n]`` at columns ``seqlen .. seqlen + T`` (pending)."""
+    def write_rows(self, idx: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, batch: int) -> None:
+        """Write ``k, v [n, H_kv, T, hd]`` for rows ``idx [n]`` (``None``: every row) at columns
+        ``seqlen .. seqlen + T`` (pending)."""
         T = k.shape[2]
         self.allocate(batch, k.shape[1], k.shape[-1], v.shape[-1], k.dtype, k.device)
         if self._len + T > self.capacity:
             raise ValueError(f"KV cache capacity {self.capacity} exceeded ({self._len} + {T} tokens)")
         cols = slice(self._len, self._len + T)
-        self._k[:, :, cols].index_copy_(0, idx, k if k.dtype == self._k.dtype else k.to(self._k.dtype))  # in place: a view
-        self._v[:, :, cols].index_copy_(0, idx, v if v.dtype == self._v.dtype else v.to(self._v.dtype))
+        if idx is None:
+            self._k[:, :, cols] = k
+            self._v[:, :, cols] = v
+        else:
+            self._k[:, :, cols].index_copy_(0, idx, k if k.dtype == self._k.dtype else k.to(self._k.dtype))  # in place: a view
+            self._v[:, :, cols].index_copy_(0, idx, v if v.dtype == self._v.dtype else v.to(self._v.dtype))
         self.pending = max(self.pending, T)
 
     def commit(self) -> None:
@@ -179,10 +184,7 @@ class KVRows:
     def append_buffers(self, batch_size: int):
         """The fused step's write target: ``(k_buf, v_buf, pos)`` of the base (``batch_size`` = the active
         rows; the op writes row ``i`` into buffer row ``idx[i]``), or ``None``."""
-        b = self.base
-        if b._k is None or b.capacity is None or b._len >= b.capacity or b._k.shape[0] != self.batch:
-            return None
-        return b._k, b._v, b._len
+        return self.base.append_buffers(self.batch)
 
     def advance(self, n: int = 1) -> None:
         self.base.pending = max(self.base.pending, n)

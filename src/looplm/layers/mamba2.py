@@ -40,6 +40,7 @@ Shapes (used in every comment): ``b`` batch, ``T``/``t`` time, ``h`` heads (``H`
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn

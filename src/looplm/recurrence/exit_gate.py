@@ -171,7 +171,6 @@ class ExitGate(RecurrenceRule):
         ``Linear_φ(N(h))`` with ``gate_norm`` (Ouro)."""
         return self.gate(lctx.final_norm(h) if self.gate_norm else h).squeeze(-1).float()
 
-
     def step(self, state: dict, h: torch.Tensor, lctx: LoopContext) -> dict:
         B = h.shape[0]
         r = lctx.iteration + 1
@@ -189,12 +188,10 @@ class ExitGate(RecurrenceRule):
         pick = ~state["chosen"] & reaches(log_S, q)  # z_i(q) = min{r : CDF_i(r) >= q}
         new = {
             **state,
+            **_select(state, pick, h, r),
             "h": h,
             "S": S,
             "log_S": log_S,
-            "sel": torch.where(pick.unsqueeze(-1), h, state["sel"]),
-            "chosen": state["chosen"] | pick,
-            "depth": torch.where(pick, torch.full_like(state["depth"], r), state["depth"]),
             "exp_step": state["exp_step"] + r * pi.detach(),
             "entropy": state["entropy"] - (pi * torch.log(pi + self.entropy_eps)).detach(),
         }
@@ -228,14 +225,7 @@ class ExitGate(RecurrenceRule):
     def exit_rows(self, state: dict, exiting: torch.Tensor, lctx: LoopContext) -> dict:
         """Tokens ``exiting [B, T]`` stop after this step (adaptive decoding): those not selected yet select
         it, ``h^(r)`` (what ``num_loops = r`` selects with ``λ^(r) := 1``)."""
-        new = exiting & ~state["chosen"]
-        r = lctx.iteration + 1
-        return {
-            **state,
-            "sel": torch.where(new.unsqueeze(-1), state["h"], state["sel"]),
-            "chosen": state["chosen"] | new,
-            "depth": torch.where(new, torch.full_like(state["depth"], r), state["depth"]),
-        }
+        return {**state, **_select(state, exiting & ~state["chosen"], state["h"], lctx.iteration + 1)}
 
     def finish(self, state: dict, lctx: LoopContext) -> torch.Tensor:
         pad = lctx.fctx.pad_mask if lctx.fctx is not None else None
@@ -292,6 +282,15 @@ class ExitGate(RecurrenceRule):
 
 
 OBJECTIVES = ("expected_loss", "expected_logits")
+
+
+def _select(state: dict, pick: torch.Tensor, h: torch.Tensor, r: int) -> dict:
+    """Tokens ``pick [B, T]`` select step ``r`` (its hidden state ``h``): the fields ``sel``, ``chosen``, ``depth``."""
+    return {
+        "sel": torch.where(pick.unsqueeze(-1), h, state["sel"]),
+        "chosen": state["chosen"] | pick,
+        "depth": torch.where(pick, torch.full_like(state["depth"], r), state["depth"]),
+    }
 
 
 def reaches(log_S: torch.Tensor, q: float) -> torch.Tensor:
