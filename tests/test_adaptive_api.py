@@ -66,6 +66,8 @@ def test_lm_eval_generate_until_takes_exit_and_speculative_options():
         LoopLMEvalModel(model=m, tokenizer=TOK, exit="kl:1e-3", kv_policy="nope")
     with pytest.raises(ValueError, match="not both"):
         LoopLMEvalModel(model=m, tokenizer=TOK, exit="kl:1e-3", speculative="1")
+    with pytest.raises(ValueError, match="are options of --exit"):  # a policy without an exit is not silently dropped
+        LoopLMEvalModel(model=m, tokenizer=TOK, kv_policy="copy")
 
 
 def test_threshold_sweep_decodes_with_the_loops_skipped():

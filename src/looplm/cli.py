@@ -168,21 +168,10 @@ def _cmd_generate(args) -> int:
 
 def _adaptive_args(args, model) -> dict:
     """``exit=`` / ``speculative=`` for ``generate`` from ``looplm generate``'s options."""
-    from .exits import Exit
-    from .speculative import Speculative
+    from .exits import adaptive_options
 
-    policy = {"kv": args.kv_policy, "ssm": args.ssm_policy, "min_loops": args.min_loops, "max_loops": args.max_loops}
-    if args.exit and args.speculative:
-        raise ValueError("--exit and --speculative cannot be combined (the draft takes its own depth)")
-    if args.exit:
-        e = Exit.parse(args.exit).with_policies(**policy)
-        e.resolved(model)
-        return {"exit": e}
-    if any(v is not None for v in policy.values()):
-        raise ValueError("--kv-policy / --ssm-policy / --min-loops / --max-loops are options of --exit")
-    if args.speculative:
-        return {"speculative": Speculative(draft_loops=args.speculative, k=args.draft_k).resolved(model)}
-    return {}
+    return adaptive_options(model, exit=args.exit, speculative=args.speculative, draft_k=args.draft_k, kv=args.kv_policy,
+                            ssm=args.ssm_policy, min_loops=args.min_loops, max_loops=args.max_loops)  # fmt: skip
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

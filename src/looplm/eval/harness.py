@@ -377,24 +377,14 @@ MODEL_ARGS = ("pretrained", "model", "tokenizer", "loops", "exit_threshold", "dt
 def adaptive_options(model, exit=None, kv_policy=None, ssm_policy=None, min_loops=None, max_loops=None, speculative=None,
                      draft_k=None) -> dict:
     """``generate()`` keyword arguments from the lm-eval model's string arguments (checked now, before any
-    request): ``{"exit": Exit}``, ``{"speculative": Speculative}`` or ``{}``."""
-    from ..exits import Exit
-    from ..speculative import Speculative
+    request; :func:`looplm.exits.adaptive_options`): ``{"exit": Exit}``, ``{"speculative": Speculative}`` or ``{}``."""
+    from ..exits import adaptive_options as resolve
 
     none = (None, "", "None")
-    opt = lambda v: None if v in none else int(v)  # noqa: E731
-    if exit not in none and speculative not in none:
-        raise ValueError("LoopLMEvalModel: give exit= or speculative=, not both")
-    if exit not in none:
-        e = Exit.parse(str(exit)).with_policies(kv=None if kv_policy in none else str(kv_policy),
-                                               ssm=None if ssm_policy in none else str(ssm_policy),
-                                               min_loops=opt(min_loops), max_loops=opt(max_loops))  # fmt: skip
-        e.resolved(model)
-        return {"exit": e}
-    if speculative not in none:
-        sp = Speculative(draft_loops=int(speculative), k=opt(draft_k) or 4).resolved(model)
-        return {"speculative": sp}
-    return {}
+    text = lambda v: None if v in none else str(v)  # noqa: E731
+    num = lambda v: None if v in none else int(v)  # noqa: E731
+    return resolve(model, exit=text(exit), speculative=num(speculative), draft_k=num(draft_k), kv=text(kv_policy),
+                   ssm=text(ssm_policy), min_loops=num(min_loops), max_loops=num(max_loops))  # fmt: skip
 
 
 def _until_eot(ids: list[int], eot: int) -> list[int]:
