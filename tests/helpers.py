@@ -24,6 +24,20 @@ def run_under_portable_build(test_file: str) -> str:
     return r.stdout
 
 
+def assert_refused_before_any_work(model, call, match: str) -> None:
+    """``call()`` raises a ``ValueError`` matching ``match`` before ``model`` embeds a single token."""
+    import pytest
+
+    calls = []
+    hook = model.embed.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        with pytest.raises(ValueError, match=match):
+            call()
+    finally:
+        hook.remove()
+    assert not calls
+
+
 # toy sizes of the token mixers a rule owns (StateLoop's attention / Mamba-2 mixers over the state)
 TINY_RULE_OPTIONS = {"mixer_head_dim": 16, "mamba_d_state": 8, "mamba_headdim": 16, "mamba_ngroups": 2, "mamba_chunk_size": 8}
 

@@ -7,6 +7,8 @@ import torch
 import looplm
 from looplm.sampling import sampling_probs
 
+from helpers import assert_refused_before_any_work
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -143,11 +145,5 @@ def test_rollback_restores_row_lengths_and_ssm_states():
 )  # fmt: skip
 def test_bad_speculative_options_are_refused_before_any_work(spec, match):
     m = _model("tiny-llama")
-    calls = []
-    hook = m.embed.register_forward_hook(lambda *a: calls.append(1))
-    with pytest.raises(ValueError, match=match):
-        m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=spec)
-    with pytest.raises(ValueError, match="not both"):
-        m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=1, exit="kl:1e-3")
-    hook.remove()
-    assert not calls
+    assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=spec), match)
+    assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=1, exit="kl:1e-3"), "not both")

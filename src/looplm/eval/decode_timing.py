@@ -28,6 +28,26 @@ def _now(clock: str):
     return time.perf_counter if clock == "wall" else time.process_time
 
 
+def _rotated(names: list, i: int) -> list:
+    """``names`` starting at position ``i`` (mod their count): each step a different contender goes first."""
+    shift = i % len(names)
+    return names[shift:] + names[:shift]
+
+
+def _summary(per_run: dict, last: dict) -> dict:
+    """``{name: {"ms_per_token" (median over runs), "ratio" (median of the per-run ratios to the first
+    contender), "ratios", "stats" (the last run's decoder statistics, if it keeps any)}}``."""
+    names = list(per_run)
+    base = per_run[names[0]]
+    out = {}
+    for k in names:
+        ratios = [a / b for a, b in zip(per_run[k], base)]
+        st = getattr(last[k], "stats", None)
+        out[k] = {"ms_per_token": statistics.median(per_run[k]), "ratio": statistics.median(ratios), "ratios": ratios,
+                  "stats": st.summary() if st is not None else None}  # fmt: skip
+    return out
+
+
 @torch.inference_mode()
 def decode_timing(model, prompts: torch.Tensor, new_tokens: int, contenders: dict, *, runs: int = 3, clock: str = "wall") -> dict:
     """Decode-only time per generated token of each contender (``{name: factory(batch, capacity)}``, the
@@ -49,8 +69,7 @@ def decode_timing(model, prompts: torch.Tensor, new_tokens: int, contenders: dic
             spent = dict.fromkeys(names, 0.0)
             n = new_tokens if run else min(4, new_tokens)
             for t in range(n):
-                shift = (run + t) % len(names)
-                for k in names[shift:] + names[:shift]:
+                for k in _rotated(names, run + t):
                     t0 = now()
                     toks[k] = decs[k](toks[k], validate=False)[:, -1].argmax(-1, keepdim=True)
                     spent[k] += now() - t0
@@ -58,14 +77,7 @@ def decode_timing(model, prompts: torch.Tensor, new_tokens: int, contenders: dic
                 for k in names:
                     per_run[k].append(1000 * spent[k] / n)
             last = decs
-    base = per_run[names[0]]
-    out = {}
-    for k in names:
-        ratios = [a / b for a, b in zip(per_run[k], base)]
-        st = getattr(last[k], "stats", None)
-        out[k] = {"ms_per_token": statistics.median(per_run[k]), "ratio": statistics.median(ratios), "ratios": ratios,
-                  "stats": st.summary() if st is not None else None}  # fmt: skip
-    return out
+    return _summary(per_run, last)
 
 
 @torch.inference_mode()
@@ -73,8 +85,8 @@ def teacher_forced_timing(model, ids: torch.Tensor, contenders: dict, *, prompt_
                           clock: str = "wall") -> dict:
     """Score ``ids [B, T]`` with every contender (``{name: factory(batch, capacity)}``), the first ``prompt_len``
     tokens as a prompt (untimed) and then one token at a time, the contenders interleaved token by token in a
-    rotating order. Returns ``{name: {"ms_per_token", "ratio" (median over runs vs the first), "logits"
-    [B, T, V] from prompt_len − 1 on, "stats"}}``."""
+    rotating order. Returns ``{name: {"ms_per_token", "ratio" (median over runs vs the first), "ratios",
+    "logits" [B, T, V] from prompt_len − 1 on, "stats"}}``."""
     from ..sampling import decode_context
 
     B, T = ids.shape
@@ -90,8 +102,7 @@ def teacher_forced_timing(model, ids: torch.Tensor, contenders: dict, *, prompt_
                 out[k][:, :prompt_len] = decs[k](ids[:, :prompt_len], logits_to_keep=prompt_len).float()
             spent = dict.fromkeys(names, 0.0)
             for t in range(prompt_len, T):
-                shift = (run + t) % len(names)
-                for k in names[shift:] + names[:shift]:
+                for k in _rotated(names, run + t):
                     t0 = now()
                     lg = decs[k](ids[:, t : t + 1], validate=False)
                     spent[k] += now() - t0
@@ -99,10 +110,7 @@ def teacher_forced_timing(model, ids: torch.Tensor, contenders: dict, *, prompt_
             for k in names:
                 per_run[k].append(1000 * spent[k] / max(1, T - prompt_len))
             logits, last = out, decs
-    base = per_run[names[0]]
-    res = {}
+    res = _summary(per_run, last)
     for k in names:
-        st = getattr(last[k], "stats", None)
-        res[k] = {"ms_per_token": statistics.median(per_run[k]), "ratio": statistics.median([a / b for a, b in zip(per_run[k], base)]),
-                  "logits": logits[k], "stats": st.summary() if st is not None else None}  # fmt: skip
+        res[k]["logits"] = logits[k]
     return res
