@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .eval.decode_timing import FullDepth, _now, decode_timing, teacher_forced_timing  # noqa: F401
+from .eval.decode_timing import FullDepth, _now, decode_timing, decoded_nll, teacher_forced_timing  # noqa: F401
 
 __all__ = ["FullDepth", "decode_timing", "register", "teacher_forced_quality", "teacher_forced_timing"]
 
@@ -209,11 +209,9 @@ def section_frontier(model, ids, settings, kv: str, runs: int, clock: str, promp
         spec = {"criterion": crit, "threshold": eps, "kv": kv}
         cont[(crit, eps)] = lambda b, c, spec=spec: AdaptiveDecoder(model, b, c, spec)
     res = teacher_forced_timing(model, ids, cont, prompt_len=prompt_len, runs=runs, clock=clock)
-    tgt = ids[:, prompt_len + 1 :]
     rows = []
     for key, r in res.items():
-        lp = r["logits"][:, prompt_len:-1]
-        nll = float(F.cross_entropy(lp.reshape(-1, lp.shape[-1]), tgt.reshape(-1)))
+        nll = decoded_nll(r["logits"], ids, prompt_len)
         st = r["stats"] or {"executed_depth": model.config.n_loops, "selected_depth": model.config.n_loops}
         crit, eps = ("full", None) if key == "full" else key
         rows.append({"criterion": crit, "threshold": eps, "kv": kv if key != "full" else "-", "ppl": math.exp(nll),

@@ -7,8 +7,9 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["FullDepth", "decode_timing", "teacher_forced_timing"]
+__all__ = ["FullDepth", "decode_timing", "decoded_nll", "teacher_forced_timing"]
 
 
 class FullDepth:
@@ -114,3 +115,10 @@ def teacher_forced_timing(model, ids: torch.Tensor, contenders: dict, *, prompt_
     for k in names:
         res[k]["logits"] = logits[k]
     return res
+
+
+def decoded_nll(logits: torch.Tensor, ids: torch.Tensor, prompt_len: int) -> float:
+    """Mean next-token NLL of the positions :func:`teacher_forced_timing` decoded one at a time: ``logits
+    [B, T, V]`` at ``prompt_len .. T − 2`` against ``ids [B, T]`` at ``prompt_len + 1 .. T − 1``."""
+    lp = logits[:, prompt_len:-1].float()
+    return float(F.cross_entropy(lp.reshape(-1, lp.shape[-1]), ids[:, prompt_len + 1 :].reshape(-1)))

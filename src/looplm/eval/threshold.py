@@ -117,7 +117,7 @@ def decode_sweep(model, batch: torch.Tensor, rows: list[dict], *, kv: str = "cop
     setting and full depth interleaved token by token. Adds ``decode_executed_depth``, ``decode_ppl``,
     ``decode_ms_per_token`` and ``decode_time_ratio`` (vs full depth in the same run) to each row."""
     from ..adaptive import AdaptiveDecoder
-    from .decode_timing import FullDepth, teacher_forced_timing
+    from .decode_timing import FullDepth, decoded_nll, teacher_forced_timing
 
     m = model.to(torch.bfloat16) if precision == "bf16" else model
     specs = {}
@@ -129,11 +129,9 @@ def decode_sweep(model, batch: torch.Tensor, rows: list[dict], *, kv: str = "cop
     cont = {"full": lambda b, c: FullDepth(m, b, c)}
     cont.update({key: (lambda b, c, e=e: AdaptiveDecoder(m, b, c, e)) for key, e in specs.items()})
     res = teacher_forced_timing(m, batch, cont, prompt_len=prompt_len, clock=clock)
-    tgt = batch[:, prompt_len + 1 :]
     for r in rows:
         got = res[("threshold", r["q"]) if r["setting"] == "threshold" else ("fixed", r["r"])]
-        lp = got["logits"][:, prompt_len:-1]
-        nll = float(F.cross_entropy(lp.reshape(-1, lp.shape[-1]), tgt.reshape(-1)))
+        nll = decoded_nll(got["logits"], batch, prompt_len)
         r.update(decode_executed_depth=got["stats"]["executed_depth"], decode_ppl=math.exp(min(nll, 700.0)),
                  decode_ms_per_token=got["ms_per_token"], decode_time_ratio=got["ratio"], decode_kv=kv, decode_ssm=ssm)
     if precision == "bf16":
