@@ -227,17 +227,23 @@ def branch_plan(norm: nn.RMSNorm, mixer: nn.Module) -> BranchPlan:
     return BranchPlan("attention", op_args(torch.ops.looplm_cpu.decode_attention, named, 1, "qk_eps"), dt, a.n_heads, a.rotary_dim)
 
 
-def _step_tables(fctx, B: int, pos: int, rot: int | None):
-    """``(cos, sin, attn_mask)`` of a one-token attention step at ``pos`` as the fused ops take them, or
-    ``None`` where they cannot (a causal call without a mask after the first token, a mask of another
-    kind or shape)."""
+def _step_tables(fctx, B: int, T: int, pos: int, rot: int | None):
+    """``(cos, sin, attn_mask)`` of ``T`` new tokens per row at ``pos .. pos + T − 1`` as the fused ops take
+    them, or ``None`` where they cannot: a prompt of several tokens, a causal call without a mask after the
+    first token, a mask of another kind or shape. The op is causal inside a call of several tokens (a
+    speculative verification's, inside :func:`looplm.dispatch.few_token_steps`); a mask ``[1 or B, 1, T,
+    pos + T]`` adds left padding and the holes of rejected drafts."""
     mask = fctx.attn_mask
-    if mask is None and fctx.is_causal and pos > 0:
+    if (T > 1 and pos == 0) or (mask is None and fctx.is_causal and pos > 0):
         return None
-    if mask is not None and (mask.dtype != torch.bool or tuple(mask.shape) != (B, 1, 1, pos + 1)):
-        return None
-    cos, sin = fctx.rope_for(rot) if rot is not None else (None, None)  # [B, 1, rot] fp32
-    return cos, sin, None if mask is None else mask.contiguous()
+    if mask is not None:
+        if mask.dtype != torch.bool or mask.dim() != 4 or tuple(mask.shape[1:]) != (1, T, pos + T) or mask.shape[0] not in (1, B):
+            return None
+        mask = mask.expand(B, 1, T, pos + T).contiguous()
+    cos, sin = fctx.rope_for(rot) if rot is not None else (None, None)  # [B, T, rot] fp32
+    if cos is not None:
+        cos, sin = cos.expand(B, T, -1).contiguous(), sin.expand(B, T, -1).contiguous()
+    return cos, sin, mask
 
 
 _KV_SLOTS = (KVCache, KVRows, SharedKV)  # a layer's own slot; some rows of one (per-token exit); a loop-shared one
@@ -256,7 +262,7 @@ def _attention_step(plan: BranchPlan, x, fctx, cache):
     if bufs is None:  # a growing cache, buffers not allocated yet, full, another batch size
         return None
     k_buf, v_buf, pos = bufs
-    tables = _step_tables(fctx, x.shape[0], pos, plan.rotary_dim)
+    tables = _step_tables(fctx, x.shape[0], 1, pos, plan.rotary_dim)
     if tables is None:
         return None
     y = torch.ops.looplm_cpu.decode_attention(
@@ -400,24 +406,6 @@ def _prepare_stack(stack: Stack, batch_size: int | None) -> StackPlan | None:
 _MAX_TOKENS = 64  # csrc/decode.cpp's kMaxTokens: new tokens per row one decode_stack call takes
 
 
-def _few_token_tables(fctx, B: int, T: int, pos: int, rot: int | None):
-    """``(cos, sin, attn_mask)`` of ``T`` new tokens per row at ``pos .. pos + T − 1`` (a speculative
-    verification inside :func:`looplm.dispatch.few_token_steps`), or ``None`` where the op cannot take them
-    (a first call, a mask of another kind or shape). The op is causal inside the call by itself; a mask
-    ``[1 or B, 1, T, pos + T]`` adds left padding and the holes of rejected drafts."""
-    mask = fctx.attn_mask
-    if pos == 0 or fctx.is_causal:
-        return None  # the prompt: the reference
-    if mask is not None:
-        if mask.dtype != torch.bool or mask.dim() != 4 or tuple(mask.shape[1:]) != (1, T, pos + T) or mask.shape[0] not in (1, B):
-            return None
-        mask = mask.expand(B, 1, T, pos + T).contiguous()
-    cos, sin = fctx.rope_for(rot) if rot is not None else (None, None)  # [B, T, rot] fp32
-    if cos is not None:
-        cos, sin = cos.expand(B, T, -1).contiguous(), sin.expand(B, T, -1).contiguous()
-    return cos, sin, mask
-
-
 def _stack_call(stack: Stack, plan: StackPlan, x, fctx, caches=None, mods=None):
     if caches is None or x.dim() != 3 or x.dtype != plan.dtype or torch.is_grad_enabled():
         return None
@@ -435,7 +423,7 @@ def _stack_call(stack: Stack, plan: StackPlan, x, fctx, caches=None, mods=None):
         ks.append(bufs[0])
         vs.append(bufs[1])
         pos = bufs[2]
-    tables = _step_tables(fctx, B, pos, plan.rotary_dim) if T == 1 else _few_token_tables(fctx, B, T, pos, plan.rotary_dim)
+    tables = _step_tables(fctx, B, T, pos, plan.rotary_dim)
     if tables is None:
         return None
     # [B, T, d]; each block's keys and values written at pos .. pos + T − 1 (in rows `rows` of the buffers
