@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["CRITERIA", "Exit", "KV_POLICIES", "SSM_POLICIES", "adaptive_options", "make_criterion"]
+__all__ = ["CRITERIA", "Exit", "KV_POLICIES", "SSM_POLICIES", "make_criterion"]
 
 CRITERIA = ("gate", "kl", "convergence", "replay")
 KV_POLICIES = ("copy", "propagate", "shared", "full")
@@ -168,30 +168,6 @@ class Exit:
         e = self.resolved(model)
         off = {"gate": e.threshold == 1.0, "kl": e.threshold == 0.0, "convergence": e.threshold == 0.0}.get(e.criterion, False)
         return off and e.max_loops == model.config.n_loops and e.kv != "shared"
-
-
-def adaptive_options(model, exit=None, speculative=None, draft_k: int | None = None, kv: str | None = None, ssm: str | None = None,
-                     min_loops: int | None = None, max_loops: int | None = None) -> dict:
-    """``generate()``'s adaptive-depth keyword arguments from a front end's options (``looplm generate``'s
-    flags, the lm-eval model's arguments), checked against ``model`` before any decoding: ``{"exit": Exit}``
-    (``exit`` with the policies and loop bounds), ``{"speculative": Speculative}`` (``speculative`` draft
-    loops, ``draft_k`` tokens per round, default 4) or ``{}``. A ``ValueError`` names a bad option."""
-    from .speculative import Speculative
-
-    policy = {"kv": kv, "ssm": ssm, "min_loops": min_loops, "max_loops": max_loops}
-    if exit is not None and speculative is not None:
-        raise ValueError("exit (--exit / exit=) and speculative decoding (--speculative / speculative=) cannot be combined "
-                         "(the draft takes its own depth): give one, not both")  # fmt: skip
-    if exit is not None:
-        e = Exit.parse(exit).with_policies(**policy)
-        e.resolved(model)
-        return {"exit": e}
-    if any(v is not None for v in policy.values()):
-        raise ValueError("--kv-policy / --ssm-policy / --min-loops / --max-loops (kv_policy= ... max_loops=) are options of "
-                         "--exit (exit=): give an exit criterion too")  # fmt: skip
-    if speculative is not None:
-        return {"speculative": Speculative(draft_loops=speculative, k=4 if draft_k is None else draft_k).resolved(model)}
-    return {}
 
 
 def _base_exit_log_survival():

@@ -177,3 +177,28 @@ def _generate_adaptive(model, input_ids, max_new_tokens, exit, do_sample, temper
         ids = _decode(model, input_ids, max_new_tokens, attention_mask, lambda i, ids, m: dec(ids if i == 0 else ids[:, -1:], m, validate=i == 0),
                       do_sample, temperature, top_k, top_p, generator, eos_token_id, pad_token_id)  # fmt: skip
     return (ids, dec.stats) if return_stats else ids
+
+
+def adaptive_options(model, exit=None, speculative=None, draft_k: int | None = None, kv: str | None = None, ssm: str | None = None,
+                     min_loops: int | None = None, max_loops: int | None = None) -> dict:
+    """``generate()``'s adaptive-depth keyword arguments from a front end's options (``looplm generate``'s
+    flags, the lm-eval model's arguments), checked against ``model`` before any decoding: ``{"exit": Exit}``
+    (``exit`` with the policies and loop bounds), ``{"speculative": Speculative}`` (``speculative`` draft
+    loops, ``draft_k`` tokens per round, default 4) or ``{}``. A ``ValueError`` names a bad option."""
+    from .exits import Exit
+    from .speculative import Speculative
+
+    policy = {"kv": kv, "ssm": ssm, "min_loops": min_loops, "max_loops": max_loops}
+    if exit is not None and speculative is not None:
+        raise ValueError("exit (--exit / exit=) and speculative decoding (--speculative / speculative=) cannot be combined "
+                         "(the draft takes its own depth): give one, not both")  # fmt: skip
+    if exit is not None:
+        e = Exit.parse(exit).with_policies(**policy)
+        e.resolved(model)
+        return {"exit": e}
+    if any(v is not None for v in policy.values()):
+        raise ValueError("--kv-policy / --ssm-policy / --min-loops / --max-loops (kv_policy= ... max_loops=) are options of "
+                         "--exit (exit=): give an exit criterion too")  # fmt: skip
+    if speculative is not None:
+        return {"speculative": Speculative(draft_loops=speculative, k=4 if draft_k is None else draft_k).resolved(model)}
+    return {}

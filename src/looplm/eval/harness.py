@@ -377,8 +377,8 @@ MODEL_ARGS = ("pretrained", "model", "tokenizer", "loops", "exit_threshold", "dt
 def adaptive_options(model, exit=None, kv_policy=None, ssm_policy=None, min_loops=None, max_loops=None, speculative=None,
                      draft_k=None) -> dict:
     """``generate()`` keyword arguments from the lm-eval model's string arguments (checked now, before any
-    request; :func:`looplm.exits.adaptive_options`): ``{"exit": Exit}``, ``{"speculative": Speculative}`` or ``{}``."""
-    from ..exits import adaptive_options as resolve
+    request; :func:`looplm.generate.adaptive_options`): ``{"exit": Exit}``, ``{"speculative": Speculative}`` or ``{}``."""
+    from ..generate import adaptive_options as resolve
 
     none = (None, "", "None")
     text = lambda v: None if v in none else str(v)  # noqa: E731
