@@ -61,21 +61,29 @@ class DepthStats:
     check_flops: float = 0.0  # the criterion: readouts (kl), norms (convergence), the gate's linear
     other_flops: float = 0.0  # prelude, coda, final norm, head
     full_core_flops: float = 0.0  # the core passes full depth would run on the same tokens
+    # continuous depth batching (looplm.depth_batch): selected / executed then hold [n] tensors of the rows
+    # whose token exited at one core pass, and the passes are counted here instead of batch_loops
+    core_calls: int = 0  # core passes (each runs every row still decoding, at its own loop)
+    batch_size: int = 0
 
     def summary(self) -> dict:
-        """Means per decoded token and row, next to full depth ``max_loops``."""
+        """Means per decoded token and row, next to full depth ``max_loops``. ``batch_depth``: core passes
+        per decoded token of the batch (token schedule: the loops the batch ran; depth schedule: passes ×
+        rows / tokens)."""
         if not self.selected:
             return {"tokens": 0}
-        sel = torch.stack(self.selected).float()
-        ex = torch.stack(self.executed).float()
+        sel = torch.cat([t.reshape(-1) for t in self.selected]).float()
+        ex = torch.cat([t.reshape(-1) for t in self.executed]).float()
         n = sel.numel()
+        batch_depth = (self.core_calls * self.batch_size / n if self.core_calls
+                       else float(sum(self.batch_loops)) / len(self.batch_loops))  # fmt: skip
         total = self.core_flops + self.fill_flops + self.check_flops + self.other_flops
         full = self.full_core_flops + self.other_flops
         return {
             "tokens": n,
             "selected_depth": float(sel.mean()),
             "executed_depth": float(ex.mean()),
-            "batch_depth": float(sum(self.batch_loops)) / len(self.batch_loops),
+            "batch_depth": batch_depth,
             "max_loops": self.max_loops,
             "executed_ratio": float(ex.mean()) / self.max_loops,
             "flops_per_token": total / n,
@@ -254,8 +262,11 @@ class AdaptiveDecoder:
         return y, depth, executed, loops
 
     # ------------------------------------------------------------------------------------------
-    def _fill(self, g: torch.Tensor, k_exit: int, state: dict, lctx: LoopContext, h_exit: torch.Tensor) -> None:
-        """The slots of loops ``k_exit + 1 .. R − 1`` for rows ``g`` that exited after loop ``k_exit``."""
+    def _fill(self, g: torch.Tensor, k_exit: int, state: dict, lctx: LoopContext, h_exit: torch.Tensor,
+              cols: torch.Tensor | None = None, skip_core: bool = False) -> None:
+        """The slots of loops ``k_exit + 1 .. R − 1`` for rows ``g`` that exited after loop ``k_exit`` (their
+        token at column ``seqlen``, or at each row's own column ``cols [n]``: :mod:`looplm.depth_batch`, which
+        copies the core's own slots itself: ``skip_core``)."""
         m, e, cache = self.model, self.exit, self.cache
         skipped = range(k_exit + 1, self.R)
         B, pos = cache.batch_size, cache.seqlen
@@ -266,6 +277,8 @@ class AdaptiveDecoder:
         st = self.stats
         n = g.shape[0]
         for family, by_loop in cache.loop_slots.items():
+            if skip_core and family[0] == "core":
+                continue
             src = by_loop.get(k_exit)
             src_kv = None  # the exit loop's entry of rows g, read once for every skipped loop
             for k in skipped:
@@ -281,8 +294,11 @@ class AdaptiveDecoder:
                 if kv_slot and e.kv == "copy":
                     if src_kv is None:
                         s = getattr(src, "base", src)
-                        src_kv = (s._k[:, :, pos : pos + 1].index_select(0, g), s._v[:, :, pos : pos + 1].index_select(0, g))  # [n, H_kv, 1, hd]
-                    getattr(dst, "base", dst).write_rows(g, *src_kv, B)
+                        if cols is None:
+                            src_kv = (s._k[:, :, pos : pos + 1].index_select(0, g), s._v[:, :, pos : pos + 1].index_select(0, g))  # [n, H_kv, 1, hd]
+                        else:  # each row's own column: [n, H_kv, hd] -> [n, H_kv, 1, hd]
+                            src_kv = (s._k[g, :, cols].unsqueeze(2), s._v[g, :, cols].unsqueeze(2))
+                    getattr(dst, "base", dst).write_rows(g, *src_kv, B, cols)
                     st.fill_bytes += 2 * src_kv[0].numel() * src_kv[0].element_size()
                     continue
                 # propagate (KV or SSM) / decay (SSM): the stand-in through the skipped layer
@@ -317,7 +333,7 @@ class AdaptiveDecoder:
                         st.fill_flops += n * 2.0 * rows_w.numel()
                     per_layer[key] = u
                 if kv_slot:
-                    getattr(dst, "base", dst).write_rows(g, u[0], u[1], B)
+                    getattr(dst, "base", dst).write_rows(g, u[0], u[1], B, cols)
                 else:
                     mix = blk.mixer
                     mix.absorb(u[0], dst.rows(g, B), e.ssm, zxbcdt=u[1])

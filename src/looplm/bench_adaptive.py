@@ -14,9 +14,11 @@ Tables (``--sections``, each a list of dicts in the JSON written to ``--out``):
 * ``quality`` — teacher-forced decoding of held-out text with exits: selected and executed depth, fill
   and check FLOPs, greedy agreement with full depth and ``KL(full ‖ adaptive)`` of the next-token
   distributions, per criterion threshold and KV policy; PPL;
-* ``timing`` — decode-only wall (and CPU) time per generated token, adaptive vs full depth, the contenders
-  interleaved token by token on the same prompts, at batch 1 and 8, fp32 and bf16, on the fused CPU path:
-  the wall-time ratio beside the executed-depth ratio and the target ``ratio <= 1.1 × executed / K``;
+* ``timing`` — decode-only wall (and CPU) time per generated token, adaptive vs full depth, on the same
+  prompts, at batch 1 and 8, fp32 and bf16, on the fused CPU path: the wall-time ratio beside the
+  executed-depth ratio and the target ``ratio <= 1.1 × executed / K``; at batch 8 under both schedules
+  (``token``: rows wait for the batch's deepest; ``depth``: continuous depth batching, :mod:`looplm.depth_batch`),
+  the contenders then interleaved generation by generation (rows are at different tokens), else token by token;
 * ``kv_bytes`` — KV-cache bytes per token per policy;
 * ``speculative`` — the draft's agreement with full depth, accepted tokens per round, speed-up of
   greedy self-speculative decoding over full depth at batch 1 and 8;
@@ -220,23 +222,46 @@ def section_frontier(model, ids, settings, kv: str, runs: int, clock: str, promp
     return rows
 
 
-def section_timing(model, prompts_by_batch: dict, settings, new_tokens: int, runs: int, clock: str, dtypes) -> list[dict]:
+def _contenders(m, B: int, specs: dict) -> dict:
+    """``{"full": ..., name: decoder factory}`` for :func:`decode_timing` / :func:`generation_timing`: each spec
+    (an exit) under the token schedule, and at batch > 1 also under the depth schedule (continuous depth
+    batching; at batch 1 the two are one schedule)."""
     from .adaptive import AdaptiveDecoder
+    from .depth_batch import DepthBatchedDecoder
 
+    cont = {"full": lambda b, c: FullDepth(m, b, c)}
+    for name, spec in specs.items():
+        cont[f"{name}/token"] = lambda b, c, spec=spec: AdaptiveDecoder(m, b, c, spec)
+        if B > 1 and spec["kv"] != "full":
+            cont[f"{name}/depth"] = lambda b, c, spec=spec: DepthBatchedDecoder(m, b, c, {**spec, "schedule": "depth"})
+    return cont
+
+
+def _timed(m, prompts, new_tokens, cont, runs, clock) -> dict:
+    """Batch 1 and token schedules only: step by step, interleaved token by token (:func:`decode_timing`);
+    with a depth-schedule contender (rows at their own tokens): whole generations, interleaved run by run
+    (:func:`generation_timing`)."""
+    from .eval.decode_timing import generation_timing
+
+    if any(k.endswith("/depth") for k in cont):
+        return generation_timing(m, prompts, new_tokens, cont, runs=runs, clock=clock)
+    return decode_timing(m, prompts, new_tokens, cont, runs=runs, clock=clock)
+
+
+def section_timing(model, prompts_by_batch: dict, settings, new_tokens: int, runs: int, clock: str, dtypes) -> list[dict]:
     rows = []
     for dt in dtypes:
         m = model.to(dt)
         for B, prompts in prompts_by_batch.items():
-            cont = {"full": lambda b, c: FullDepth(m, b, c)}
-            for crit, eps, kv in settings:
-                spec = {"criterion": crit, "threshold": eps, "kv": kv}
-                cont[f"{crit}:{eps}/{kv}"] = lambda b, c, spec=spec: AdaptiveDecoder(m, b, c, spec)
-            res = decode_timing(m, prompts, new_tokens, cont, runs=runs, clock=clock)
+            specs = {f"{crit}:{eps}/{kv}": {"criterion": crit, "threshold": eps, "kv": kv} for crit, eps, kv in settings}
+            res = _timed(m, prompts, new_tokens, _contenders(m, B, specs), runs, clock)
             full_ms = res["full"]["ms_per_token"]
-            for (crit, eps, kv), name in zip(settings, list(res)[1:]):
+            for name in list(res)[1:]:
                 r = res[name]
+                crit, eps, kv = next(st for st in settings if name.startswith(f"{st[0]}:{st[1]}/{st[2]}/"))
                 ex = r["stats"]["executed_ratio"]
                 rows.append({"dtype": str(dt).replace("torch.", ""), "batch": B, "criterion": crit, "threshold": eps, "kv": kv,
+                             "schedule": name.rsplit("/", 1)[1],
                              "full_ms_per_token": full_ms, "ms_per_token": r["ms_per_token"], "time_ratio": r["ratio"],
                              "executed_ratio": ex, "selected_depth": r["stats"]["selected_depth"],
                              "executed_depth": r["stats"]["executed_depth"], "batch_depth": r["stats"]["batch_depth"],
@@ -350,7 +375,6 @@ def section_scale(depth_pool: torch.Tensor, widths, batches, new_tokens, runs, c
     """The timing protocol on larger random-weight backbones (2 blocks × K = 4 like the LM, wider), every
     token's depth drawn from the LM's measured exit depths (``depth_pool``): timing does not depend on the
     weights' values, only on how many loops run."""
-    from .adaptive import AdaptiveDecoder
     from .factory import build
 
     rows = []
@@ -365,13 +389,13 @@ def section_scale(depth_pool: torch.Tensor, widths, batches, new_tokens, runs, c
                 prompts = torch.randint(0, 260, (B, 32), generator=g)
                 depths = depth_pool[torch.randint(0, depth_pool.numel(), (B, new_tokens + 8), generator=g)]
                 spec = {"criterion": "replay", "depths": depths, "kv": "copy"}
-                res = decode_timing(m, prompts, new_tokens, {"full": lambda b, c: FullDepth(m, b, c),
-                                                             "replay": lambda b, c: AdaptiveDecoder(m, b, c, spec)}, runs=runs, clock=clock)
-                r = res["replay"]
-                ex = r["stats"]["executed_ratio"]
-                rows.append({"d_model": d, "dtype": str(dt).replace("torch.", ""), "batch": B, "executed_ratio": ex,
-                             "batch_depth": r["stats"]["batch_depth"], "time_ratio": r["ratio"],
-                             "full_ms_per_token": res["full"]["ms_per_token"], "target_met": r["ratio"] <= 1.1 * ex, "clock": clock})  # fmt: skip
+                res = _timed(m, prompts, new_tokens, _contenders(m, B, {"replay": spec}), runs, clock)
+                for name in list(res)[1:]:
+                    r = res[name]
+                    ex = r["stats"]["executed_ratio"]
+                    rows.append({"d_model": d, "dtype": str(dt).replace("torch.", ""), "batch": B, "schedule": name.rsplit("/", 1)[1],
+                                 "executed_ratio": ex, "batch_depth": r["stats"]["batch_depth"], "time_ratio": r["ratio"],
+                                 "full_ms_per_token": res["full"]["ms_per_token"], "target_met": r["ratio"] <= 1.1 * ex, "clock": clock})  # fmt: skip
     return rows
 
 
@@ -398,7 +422,8 @@ TABLES = {
                 ("executed_depth", "executed", ".2f"), ("flops_ratio", "FLOPs / full", ".3f"), ("agreement", "greedy agree", ".3f"),
                 ("kl_to_full", "KL(full‖exit)", ".4f"), ("ppl", "PPL", ".3f"), ("ppl_full", "PPL full", ".3f")],
     "timing": [("dtype", "dtype", ""), ("batch", "B", "d"), ("criterion", "criterion", ""), ("threshold", "ε / q", "g"), ("kv", "kv", ""),
-               ("selected_depth", "selected", ".2f"), ("executed_depth", "executed", ".2f"), ("batch_depth", "batch loops", ".2f"),
+               ("schedule", "schedule", ""),
+               ("selected_depth", "selected", ".2f"), ("executed_depth", "executed", ".2f"), ("batch_depth", "core passes / step", ".2f"),
                ("executed_ratio", "executed / K", ".3f"), ("time_ratio", "time / full", ".3f"), ("full_ms_per_token", "full ms/tok", ".2f"),
                ("target_met", "≤ 1.1 × executed", "")],
     "frontier": [("criterion", "criterion", ""), ("threshold", "ε", "g"), ("kv", "kv", ""), ("executed_depth", "executed", ".2f"),
@@ -413,8 +438,8 @@ TABLES = {
     "task": [("setting", "setting", ""), ("value", "q / r", ""), ("kv", "kv", ""), ("accuracy", "accuracy", ".4f"),
              ("selected_depth", "selected", ".2f"), ("executed_depth", "executed", ".2f"), ("executed_depth_ans", "executed @ans", ".2f"),
              ("time_ratio", "time / full", ".3f")],
-    "scale": [("d_model", "d", "d"), ("dtype", "dtype", ""), ("batch", "B", "d"), ("executed_ratio", "executed / K", ".3f"),
-              ("batch_depth", "batch loops", ".2f"), ("time_ratio", "time / full", ".3f"), ("full_ms_per_token", "full ms/tok", ".2f"),
+    "scale": [("d_model", "d", "d"), ("dtype", "dtype", ""), ("batch", "B", "d"), ("schedule", "schedule", ""), ("executed_ratio", "executed / K", ".3f"),
+              ("batch_depth", "core passes / step", ".2f"), ("time_ratio", "time / full", ".3f"), ("full_ms_per_token", "full ms/tok", ".2f"),
               ("target_met", "≤ 1.1 × executed", "")],
 }
 

@@ -116,8 +116,8 @@ class SharedKV:
         L = b.seqlen + k.shape[2]
         return b._k[:, :, :L], b._v[:, :, :L]
 
-    def rows(self, idx: torch.Tensor, batch: int):
-        return self.base.rows(idx, batch)
+    def rows(self, idx: torch.Tensor, batch: int, cols: torch.Tensor | None = None):
+        return self.base.rows(idx, batch, cols)
 
     def append_buffers(self, batch_size: int):
         return self.base.append_buffers(batch_size)
@@ -182,9 +182,10 @@ class LoopCache:
         out = [s for s in self.slots.values() if not isinstance(s, SharedKV)]
         return out + list(self.shared.values())
 
-    def rows(self, idx: torch.Tensor) -> "RowsCache":
-        """The cache as rows ``idx`` of the batch see it for one loop iteration (per-token exit)."""
-        return RowsCache(self, idx)
+    def rows(self, idx: torch.Tensor, cols: torch.Tensor | None = None) -> "RowsCache":
+        """The cache as rows ``idx`` of the batch see it for one loop iteration (per-token exit); ``cols
+        [n]``: each row's token at its own column (rows at different tokens, :mod:`looplm.depth_batch`)."""
+        return RowsCache(self, idx, cols)
 
     def commit(self, n: int) -> None:
         """``n`` new tokens absorbed: count the columns row views and fills wrote (every slot)."""
@@ -217,8 +218,8 @@ class RowsCache:
     of the full batch's slot (``slot.rows(idx, batch)``), so a loop over the active rows writes and reads
     those rows' entries in place."""
 
-    def __init__(self, cache: LoopCache, idx: torch.Tensor):
-        self.cache, self.idx = cache, idx
+    def __init__(self, cache: LoopCache, idx: torch.Tensor, cols: torch.Tensor | None = None):
+        self.cache, self.idx, self.cols = cache, idx, cols
         self.num_loops, self.capacity, self.seqlen = cache.num_loops, cache.capacity, cache.seqlen
         self.batch_size = cache.batch_size  # slots are made for the whole batch (their rows are viewed)
         self.device, self.dtype = cache.device, cache.dtype
@@ -228,4 +229,6 @@ class RowsCache:
         view = getattr(s, "rows", None)
         if view is None:
             raise TypeError(f"cache slot {key!r}: {type(s).__name__} has no row view; per-token exit cannot run its rows")
-        return view(self.idx, self.cache.batch_size)
+        if self.cols is None:
+            return view(self.idx, self.cache.batch_size)
+        return view(self.idx, self.cache.batch_size, cols=self.cols)

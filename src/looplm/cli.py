@@ -171,7 +171,8 @@ def _adaptive_args(args, model) -> dict:
     from .generate import adaptive_options
 
     return adaptive_options(model, exit=args.exit, speculative=args.speculative, draft_k=args.draft_k, kv=args.kv_policy,
-                            ssm=args.ssm_policy, min_loops=args.min_loops, max_loops=args.max_loops)  # fmt: skip
+                            ssm=args.ssm_policy, min_loops=args.min_loops, max_loops=args.max_loops,
+                            schedule=args.exit_schedule)  # fmt: skip
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -225,6 +226,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="what a Mamba-2 state does in the loops a token skipped (default freeze)")
     a.add_argument("--min-loops", type=int, default=None, help="no exit before this many loops (default 1)")
     a.add_argument("--max-loops", type=int, default=None, help="every token exits here (default the trained K)")
+    a.add_argument("--exit-schedule", choices=["token", "depth"], default=None,
+                   help="how a batch's rows share the core passes: token (rows that exited wait for the deepest, the "
+                        "default) or depth (continuous depth batching: each pass runs every row at its own loop)")
     a.add_argument("--speculative", type=int, default=None, metavar="R_D",
                    help="lossless self-speculative decoding: draft with R_D < K loops, verify with all K")
     a.add_argument("--draft-k", type=int, default=4, help="tokens drafted per speculative round")

@@ -41,6 +41,16 @@ SSM policies (Mamba-2 slots of skipped loops; attention-free layers hold a state
 * ``propagate`` — the stand-in through the layer's norm, ``in_proj``, the conv window and the state
   update ``S ← exp(Δ·A)·S + Δ·x ⊗ B`` (``out_proj`` and everything after it skipped);
 * ``decay`` — ``S ← exp(Δ·A)·S`` only (``Δ`` from the stand-in's dt projection), conv window untouched.
+
+Schedules (how a batch's rows share the core passes):
+
+* ``token`` — the rows decode one token together: at each loop only the rows still looping run the core,
+  rows that exited wait at the coda for the slowest row (:mod:`looplm.adaptive`). Wall time follows the
+  loops the *batch* runs (the deepest row), not each row's depth;
+* ``depth`` — continuous depth batching (:mod:`looplm.depth_batch`): each core pass runs every row at its
+  own loop of its own token; a row that exits goes through the coda and starts its next token at the next
+  pass, so the passes a batch needs follow the mean depth. Attention cores only (no Mamba-2 layer, no
+  sliding window, no rule-owned per-loop slots), and not with ``kv='full'``.
 """
 
 from __future__ import annotations
@@ -50,11 +60,12 @@ from dataclasses import dataclass, replace
 
 import torch
 
-__all__ = ["CRITERIA", "Exit", "KV_POLICIES", "SSM_POLICIES", "make_criterion"]
+__all__ = ["CRITERIA", "Exit", "KV_POLICIES", "SCHEDULES", "SSM_POLICIES", "make_criterion"]
 
 CRITERIA = ("gate", "kl", "convergence", "replay")
 KV_POLICIES = ("copy", "propagate", "shared", "full")
 SSM_POLICIES = ("freeze", "propagate", "decay")
+SCHEDULES = ("token", "depth")
 _DEFAULT_THRESHOLD = {"gate": 1.0, "kl": 0.0, "convergence": 0.0}
 
 
@@ -69,6 +80,7 @@ class Exit:
     max_loops: int | None = None  # default: the trained K
     kv: str = "copy"
     ssm: str = "freeze"
+    schedule: str = "token"  # token | depth (continuous depth batching, looplm.depth_batch)
 
     # --- construction ------------------------------------------------------------------------------
     @classmethod
@@ -101,9 +113,10 @@ class Exit:
         raise TypeError(f"exit must be an Exit, a dict or a string like 'gate:0.8', got {type(spec).__name__}")
 
     def with_policies(self, kv: str | None = None, ssm: str | None = None, min_loops: int | None = None,
-                      max_loops: int | None = None) -> "Exit":
+                      max_loops: int | None = None, schedule: str | None = None) -> "Exit":
         """A copy with the given fields replaced (``None`` keeps them)."""
-        kw = {k: v for k, v in dict(kv=kv, ssm=ssm, min_loops=min_loops, max_loops=max_loops).items() if v is not None}
+        kw = dict(kv=kv, ssm=ssm, min_loops=min_loops, max_loops=max_loops, schedule=schedule)
+        kw = {k: v for k, v in kw.items() if v is not None}
         return replace(self, **kw)
 
     # --- checks ------------------------------------------------------------------------------------
@@ -153,10 +166,14 @@ class Exit:
             errs.append(f"exit kv policy {self.kv!r} is unknown; use one of {list(KV_POLICIES)}")
         if self.ssm not in SSM_POLICIES:
             errs.append(f"exit ssm policy {self.ssm!r} is unknown; use one of {list(SSM_POLICIES)}")
+        if self.schedule not in SCHEDULES:
+            errs.append(f"exit schedule {self.schedule!r} is unknown; use one of {list(SCHEDULES)}")
         if getattr(model, "n_pause", 0):
             errs.append("per-token exit does not run pause-token models (PauseLM inserts pause positions in its own forward)")
         if not errs:
             errs += _policy_support(model, self.kv, self.ssm)
+        if not errs and self.schedule == "depth":
+            errs += _depth_schedule_support(model, self.kv)
         if errs:
             raise ValueError("exit: " + "; ".join(errs))
         th = _DEFAULT_THRESHOLD.get(self.criterion) if t is None else float(t)
@@ -200,6 +217,27 @@ def _policy_support(model, kv: str, ssm: str) -> list[str]:
             f"kv policy 'propagate' needs plain block inputs; the rule {model.config.rule.name!r} replaces a block's "
             "residual stream (read / write hooks); use kv='copy' or 'full'"
         )
+    return errs
+
+
+def _depth_schedule_support(model, kv: str) -> list[str]:
+    """Why ``model`` cannot decode under ``schedule='depth'`` with policy ``kv`` (empty: it can)."""
+    cfg, errs = model.config, []
+    if kv == "full":
+        errs.append("schedule 'depth' batches rows by the loops they skip; kv='full' runs every loop (nothing to skip): "
+                    "use kv='copy', 'propagate' or 'shared', or schedule='token'")  # fmt: skip
+    ssm = [i for i in range(cfg.n_physical) if cfg.mixer_of(i) != "attention"]
+    if ssm:
+        errs.append(f"schedule 'depth' runs attention layers only (rows at different tokens keep their own KV columns); "
+                    f"layers {ssm} are Mamba-2: use schedule='token'")  # fmt: skip
+    windowed = [i for i in range(cfg.n_physical) if cfg.mixer_of(i) == "attention" and cfg.sliding_window_of(i) is not None]
+    if windowed:
+        errs.append(f"schedule 'depth' has no sliding-window band for rows at different tokens (layers {windowed}): use schedule='token'")
+    if model.rule.loop_slot_mixers():
+        errs.append(f"schedule 'depth' cannot run the rule {cfg.rule.name!r}'s own per-loop slots (its state mixers): use schedule='token'")
+    if _modulation_owns_carrier(model):
+        errs.append(f"schedule 'depth' needs plain block inputs; the rule {cfg.rule.name!r} replaces a block's residual "
+                    "stream (read / write hooks): use schedule='token'")  # fmt: skip
     return errs
 
 
@@ -271,8 +309,11 @@ class _SuccessiveCriterion(Criterion):
     def distance(self, prev: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
-    def check(self, k, h, state, lctx, rows, model):
-        cur = self.value(k, h, lctx, model)
+    def check(self, k, h, state, lctx, rows, model, cur=None):
+        """``cur``: :meth:`value` of these rows, computed by the caller with other rows' (one readout for a
+        depth-batched pass, :mod:`looplm.depth_batch`)."""
+        if cur is None:
+            cur = self.value(k, h, lctx, model)
         if self.prev is None:
             out = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
         else:
@@ -318,18 +359,26 @@ class ReplayCriterion(Criterion):
         self.depths = depths
 
     def depth_of(self, rows: torch.Tensor) -> torch.Tensor:
+        """Depth of the rows' current tokens (``self.token``: one index for all rows, or one per row ``[n]``
+        under continuous depth batching, where rows are at different tokens)."""
         d = self.depths
         if isinstance(d, int):
             return torch.full_like(rows, d)
         d = d.to(rows.device)
         if d.dim() == 1:
             return d[rows]
-        if self.token >= d.shape[1]:
-            raise ValueError(f"exit depths give {d.shape[1]} tokens per row; decoding reached token {self.token}")
-        return d[rows, self.token]
+        t = self.token
+        last = int(t.max()) if isinstance(t, torch.Tensor) else t
+        if last >= d.shape[1]:
+            raise ValueError(f"exit depths give {d.shape[1]} tokens per row; decoding reached token {last}")
+        return d[rows, t]
 
     def check(self, k, h, state, lctx, rows, model):
         return self.depth_of(rows) <= k + 1
+
+    def take(self, keep):
+        if isinstance(self.token, torch.Tensor):
+            self.token = self.token.index_select(0, keep)
 
 
 def make_criterion(e: Exit) -> Criterion:

@@ -112,6 +112,11 @@ def generate(
         if num_loops is not None and e.max_loops is None:
             e = e.with_policies(max_loops=num_loops)
         e = e.resolved(model, input_ids.shape[0])  # every bad option refused here, before any work
+        if e.schedule == "depth" and not e.is_off(model):
+            from .depth_batch import depth_batched_generate
+
+            return depth_batched_generate(model, input_ids, max_new_tokens, e, do_sample, temperature, top_k, top_p, eos_token_id,
+                                          pad_token_id, attention_mask, generator, loop_options, return_stats)  # fmt: skip
         if not e.is_off(model) or return_stats:
             return _generate_adaptive(model, input_ids, max_new_tokens, e, do_sample, temperature, top_k, top_p, eos_token_id,
                                       pad_token_id, attention_mask, generator, loop_options, return_stats)  # fmt: skip
@@ -180,7 +185,7 @@ def _generate_adaptive(model, input_ids, max_new_tokens, exit, do_sample, temper
 
 
 def adaptive_options(model, exit=None, speculative=None, draft_k: int | None = None, kv: str | None = None, ssm: str | None = None,
-                     min_loops: int | None = None, max_loops: int | None = None) -> dict:
+                     min_loops: int | None = None, max_loops: int | None = None, schedule: str | None = None) -> dict:
     """``generate()``'s adaptive-depth keyword arguments from a front end's options (``looplm generate``'s
     flags, the lm-eval model's arguments), checked against ``model`` before any decoding: ``{"exit": Exit}``
     (``exit`` with the policies and loop bounds), ``{"speculative": Speculative}`` (``speculative`` draft
@@ -188,7 +193,7 @@ def adaptive_options(model, exit=None, speculative=None, draft_k: int | None = N
     from .exits import Exit
     from .speculative import Speculative
 
-    policy = {"kv": kv, "ssm": ssm, "min_loops": min_loops, "max_loops": max_loops}
+    policy = {"kv": kv, "ssm": ssm, "min_loops": min_loops, "max_loops": max_loops, "schedule": schedule}
     if exit is not None and speculative is not None:
         raise ValueError("exit (--exit / exit=) and speculative decoding (--speculative / speculative=) cannot be combined "
                          "(the draft takes its own depth): give one, not both")  # fmt: skip
@@ -197,8 +202,8 @@ def adaptive_options(model, exit=None, speculative=None, draft_k: int | None = N
         e.resolved(model)
         return {"exit": e}
     if any(v is not None for v in policy.values()):
-        raise ValueError("--kv-policy / --ssm-policy / --min-loops / --max-loops (kv_policy= ... max_loops=) are options of "
-                         "--exit (exit=): give an exit criterion too")  # fmt: skip
+        raise ValueError("--kv-policy / --ssm-policy / --min-loops / --max-loops / --exit-schedule (kv_policy= ... exit_schedule=) "
+                         "are options of --exit (exit=): give an exit criterion too")  # fmt: skip
     if speculative is not None:
         return {"speculative": Speculative(draft_loops=speculative, k=4 if draft_k is None else draft_k).resolved(model)}
     return {}

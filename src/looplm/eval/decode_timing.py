@@ -9,7 +9,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FullDepth", "decode_timing", "decoded_nll", "teacher_forced_timing"]
+__all__ = ["FullDepth", "decode_timing", "decoded_nll", "generation_timing", "teacher_forced_timing"]
 
 
 class FullDepth:
@@ -78,6 +78,44 @@ def decode_timing(model, prompts: torch.Tensor, new_tokens: int, contenders: dic
                 for k in names:
                     per_run[k].append(1000 * spent[k] / n)
             last = decs
+    return _summary(per_run, last)
+
+
+@torch.inference_mode()
+def generation_timing(model, prompts: torch.Tensor, new_tokens: int, contenders: dict, *, runs: int = 3, clock: str = "wall") -> dict:
+    """As :func:`decode_timing`, for contenders that decode a whole generation at their own pace (continuous
+    depth batching, :class:`looplm.depth_batch.DepthBatchedDecoder`: rows are at different tokens, so no
+    step is the batch's). Each run decodes ``new_tokens`` greedy tokens per row with every contender in a
+    rotating order, the prompt untimed; a contender is either a one-step decoder (as for
+    :func:`decode_timing`: timed step by step) or has ``run(prompts, new_tokens, mask, pick, eos, pad,
+    now=clock)`` and reports ``decode_seconds``. Time per token: the decode after the prompt over the
+    ``new_tokens − 1`` tokens it produced. Returns what :func:`decode_timing` does."""
+    from ..sampling import decode_context
+
+    B, P = prompts.shape
+    now = _now(clock)
+    names = list(contenders)
+    per_run = {k: [] for k in names}
+    last = {}
+    greedy = lambda logits: logits.max(-1).indices  # noqa: E731
+    n = max(1, new_tokens - 1)
+    for run in range(runs + 1):  # the first run warms up
+        decs = {k: contenders[k](B, P + new_tokens + 1) for k in names}
+        for k in _rotated(names, run):
+            dec = decs[k]
+            if hasattr(dec, "run"):
+                dec.run(prompts, new_tokens, None, greedy, None, 0, now=now)
+                spent = dec.decode_seconds
+            else:
+                with decode_context(model, B):
+                    tok = greedy(dec(prompts)[:, -1])[:, None]
+                    t0 = now()
+                    for _ in range(n):
+                        tok = greedy(dec(tok, validate=False)[:, -1])[:, None]
+                    spent = now() - t0
+            if run:
+                per_run[k].append(1000 * spent / n)
+        last = decs
     return _summary(per_run, last)
 
 

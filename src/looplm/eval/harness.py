@@ -27,7 +27,8 @@ Model arguments: ``pretrained`` (path), ``loops`` (r, default the trained K), ``
 (q, passed as ``loop_options={"exit_threshold": q}``), ``dtype`` (``float32`` | ``bfloat16``),
 ``device``, ``batch_size``, ``max_length``, ``max_gen_toks``, ``prefix_token_id``; for ``generate_until``
 also adaptive depth (``docs/adaptive-depth.md``): ``exit`` (``gate:0.8``, ``kl:5e-4``, ...), ``kv_policy``,
-``ssm_policy``, ``min_loops``, ``max_loops``, or ``speculative`` (draft loops) with ``draft_k``. Any other
+``ssm_policy``, ``min_loops``, ``max_loops``, ``exit_schedule`` (``token`` | ``depth``: continuous depth
+batching of a request batch), or ``speculative`` (draft loops) with ``draft_k``. Any other
 argument is refused, naming the close matches (``loop=6`` is not silently ignored).
 
 Suites (task groups written by :func:`write_task_configs`, scored with each task's headline metric,
@@ -91,7 +92,7 @@ class LoopLMEvalModel(TemplateLM):
                  prefix_token_id: int | str | None = None, max_batch_size: int | str | None = None,
                  exit: str | None = None, kv_policy: str | None = None, ssm_policy: str | None = None,
                  min_loops: int | str | None = None, max_loops: int | str | None = None, speculative: int | str | None = None,
-                 draft_k: int | str | None = None, **kwargs):
+                 draft_k: int | str | None = None, exit_schedule: str | None = None, **kwargs):
         if TemplateLM is object:
             raise ImportError("the lm-eval harness needs lm-eval: pip install 'looplm[eval]' (or pip install lm-eval)")
         if kwargs:  # before any loading: a misspelt argument (loop=6) must not be silently ignored
@@ -145,7 +146,8 @@ class LoopLMEvalModel(TemplateLM):
         if prefix_id is not None and prefix_id >= self.model.config.vocab_size:
             raise ValueError(f"prefix_token_id must be a token id in [0, {self.model.config.vocab_size}), got {prefix_token_id}")
         self.custom_prefix_token_id = prefix_id
-        self.decode_options = adaptive_options(self.model, exit, kv_policy, ssm_policy, min_loops, max_loops, speculative, draft_k)
+        self.decode_options = adaptive_options(self.model, exit, kv_policy, ssm_policy, min_loops, max_loops, speculative, draft_k,
+                                               exit_schedule)
 
     # --- what lm-eval asks of a TemplateLM ---
     @property
@@ -371,11 +373,11 @@ def check_harness_args(*, loops=None, exit_threshold=None, num_fewshot=None, lim
 # the model arguments LoopLMEvalModel takes (lm-eval adds batch_size, max_batch_size and device itself)
 MODEL_ARGS = ("pretrained", "model", "tokenizer", "loops", "exit_threshold", "dtype", "device", "batch_size",
               "max_length", "max_gen_toks", "prefix_token_id", "max_batch_size", "exit", "kv_policy", "ssm_policy",
-              "min_loops", "max_loops", "speculative", "draft_k")
+              "min_loops", "max_loops", "exit_schedule", "speculative", "draft_k")
 
 
 def adaptive_options(model, exit=None, kv_policy=None, ssm_policy=None, min_loops=None, max_loops=None, speculative=None,
-                     draft_k=None) -> dict:
+                     draft_k=None, exit_schedule=None) -> dict:
     """``generate()`` keyword arguments from the lm-eval model's string arguments (checked now, before any
     request; :func:`looplm.generate.adaptive_options`): ``{"exit": Exit}``, ``{"speculative": Speculative}`` or ``{}``."""
     from ..generate import adaptive_options as resolve
@@ -384,7 +386,7 @@ def adaptive_options(model, exit=None, kv_policy=None, ssm_policy=None, min_loop
     text = lambda v: None if v in none else str(v)  # noqa: E731
     num = lambda v: None if v in none else int(v)  # noqa: E731
     return resolve(model, exit=text(exit), speculative=num(speculative), draft_k=num(draft_k), kv=text(kv_policy),
-                   ssm=text(ssm_policy), min_loops=num(min_loops), max_loops=num(max_loops))  # fmt: skip
+                   ssm=text(ssm_policy), min_loops=num(min_loops), max_loops=num(max_loops), schedule=text(exit_schedule))  # fmt: skip
 
 
 def _until_eot(ids: list[int], eot: int) -> list[int]:

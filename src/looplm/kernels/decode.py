@@ -254,6 +254,22 @@ def _rows_of(cache) -> torch.Tensor | None:
     return cache.idx if type(cache) in (KVRows, Mamba2Rows) else None
 
 
+def _cols_of(cache) -> torch.Tensor | None:
+    """The per-row columns a row view writes at (rows at different tokens, :mod:`looplm.depth_batch`), or ``None``."""
+    return cache.cols if type(cache) is KVRows else None
+
+
+def _write_pos(fctx, bufs, cols, T: int) -> int | None:
+    """The op's ``pos``: the slot's length, or with per-row ``cols`` the mask's ``[.., pos + T]`` (``None``:
+    no mask to read the rows' keys from, or it does not fit the buffers)."""
+    if cols is None:
+        return bufs[2]
+    mask = fctx.attn_mask
+    if mask is None or mask.shape[-1] - T < 0 or mask.shape[-1] > bufs[0].shape[2]:
+        return None
+    return mask.shape[-1] - T
+
+
 def _attention_step(plan: BranchPlan, x, fctx, cache):
     """``x + attention(RMSNorm(x))`` for one new token as ``decode_attention``, or ``None`` where the op does
     not apply to this call. A row view (:class:`~looplm.layers.attention.KVRows`) writes and reads its rows
@@ -261,12 +277,14 @@ def _attention_step(plan: BranchPlan, x, fctx, cache):
     bufs = cache.append_buffers(x.shape[0])
     if bufs is None:  # a growing cache, buffers not allocated yet, full, another batch size
         return None
-    k_buf, v_buf, pos = bufs
-    tables = _step_tables(fctx, x.shape[0], 1, pos, plan.rotary_dim)
+    k_buf, v_buf = bufs[:2]
+    cols = _cols_of(cache)
+    pos = _write_pos(fctx, bufs, cols, 1)
+    tables = None if pos is None else _step_tables(fctx, x.shape[0], 1, pos, plan.rotary_dim)
     if tables is None:
         return None
     y = torch.ops.looplm_cpu.decode_attention(
-        x, *plan.weights, *tables[:2], k_buf, v_buf, pos, tables[2], plan.n_heads, rows=_rows_of(cache)
+        x, *plan.weights, *tables[:2], k_buf, v_buf, pos, tables[2], plan.n_heads, rows=_rows_of(cache), cols=cols
     )  # [B, 1, d]; the new token's key and value written into k_buf / v_buf at pos
     cache.advance(1)
     return y
@@ -416,19 +434,21 @@ def _stack_call(stack: Stack, plan: StackPlan, x, fctx, caches=None, mods=None):
         return None
     ks, vs, pos = [], [], None
     rows = _rows_of(caches[0]) if caches else None
+    cols = _cols_of(caches[0]) if caches else None
     for c in caches:
         bufs = c.append_buffers(B) if type(c) in _KV_SLOTS else None
-        if bufs is None or (pos is not None and bufs[2] != pos) or _rows_of(c) is not rows or bufs[2] + T > bufs[0].shape[2]:
+        p = None if bufs is None else _write_pos(fctx, bufs, cols, T)
+        if p is None or (pos is not None and p != pos) or _rows_of(c) is not rows or _cols_of(c) is not cols or p + T > bufs[0].shape[2]:
             return None
         ks.append(bufs[0])
         vs.append(bufs[1])
-        pos = bufs[2]
+        pos = p
     tables = _step_tables(fctx, B, T, pos, plan.rotary_dim)
     if tables is None:
         return None
     # [B, T, d]; each block's keys and values written at pos .. pos + T − 1 (in rows `rows` of the buffers
-    # under per-token exit)
-    y = torch.ops.looplm_cpu.decode_stack(x.contiguous(), plan.plan, ks, vs, pos, *tables, rows=rows)
+    # under per-token exit; at each row's own column `cols` under continuous depth batching)
+    y = torch.ops.looplm_cpu.decode_stack(x.contiguous(), plan.plan, ks, vs, pos, *tables, rows=rows, cols=cols)
     for c in caches:
         c.advance(T)
     return y

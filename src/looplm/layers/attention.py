@@ -107,15 +107,26 @@ class KVCache:
         self._len += n
 
     # --- row subsets (per-token exit) ------------------------------------------------------------
-    def rows(self, idx: torch.Tensor, batch: int) -> "KVRows":
-        """A view that writes and attends for batch rows ``idx`` only (of a ``batch``-row cache), in place."""
-        return KVRows(self, idx, batch)
+    def rows(self, idx: torch.Tensor, batch: int, cols: torch.Tensor | None = None) -> "KVRows":
+        """A view that writes and attends for batch rows ``idx`` only (of a ``batch``-row cache), in place;
+        ``cols [n]``: each row's own column (rows at different tokens, :mod:`looplm.depth_batch`)."""
+        return KVRows(self, idx, batch, cols)
 
-    def write_rows(self, idx: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, batch: int) -> None:
+    def write_rows(self, idx: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, batch: int,
+                   cols: torch.Tensor | None = None) -> None:
         """Write ``k, v [n, H_kv, T, hd]`` for rows ``idx [n]`` (``None``: every row) at columns
-        ``seqlen .. seqlen + T`` (pending)."""
+        ``seqlen .. seqlen + T`` (pending), or one token per row at its own column ``cols [n]`` (not counted:
+        a caller that places rows at their own columns keeps their lengths itself)."""
         T = k.shape[2]
         self.allocate(batch, k.shape[1], k.shape[-1], v.shape[-1], k.dtype, k.device)
+        if cols is not None:
+            if T != 1 or idx is None:
+                raise ValueError(f"per-row columns take one token for given rows; got {T} tokens, rows {idx}")
+            if int(cols.max()) >= self.capacity:
+                raise ValueError(f"KV cache capacity {self.capacity} exceeded (column {int(cols.max())})")
+            self._k[idx, :, cols] = k[:, :, 0].to(self._k.dtype)  # [n, H_kv, hd] at (row idx_i, column cols_i)
+            self._v[idx, :, cols] = v[:, :, 0].to(self._v.dtype)
+            return
         if self._len + T > self.capacity:
             raise ValueError(f"KV cache capacity {self.capacity} exceeded ({self._len} + {T} tokens)")
         cols = slice(self._len, self._len + T)
@@ -158,8 +169,8 @@ class KVRows:
     active rows only, :mod:`looplm.kernels.decode`).
     """
 
-    def __init__(self, base: KVCache, idx: torch.Tensor, batch: int):
-        self.base, self.idx, self.batch = base, idx, batch
+    def __init__(self, base: KVCache, idx: torch.Tensor, batch: int, cols: torch.Tensor | None = None):
+        self.base, self.idx, self.batch, self.cols = base, idx, batch, cols
 
     @property
     def seqlen(self) -> int:
@@ -167,10 +178,13 @@ class KVRows:
 
     def attend(self, q, k, v, attn_mask, enable_gqa: bool) -> torch.Tensor:
         """``q [n, H, T, hd]``, ``k, v [n, H_kv, T, hd]`` of rows ``idx``; ``attn_mask`` ``None`` or bool
-        ``[n, 1, T, seqlen + T]`` -> ``[n, H, T, hd]``."""
+        ``[n, 1, T, seqlen + T]`` -> ``[n, H, T, hd]``. With per-row columns (``cols``) one token per row is
+        written at its own column and the mask ``[n, 1, 1, L]`` says which of the first ``L`` each row reads."""
         base, n, T = self.base, q.shape[0], q.shape[2]
-        base.write_rows(self.idx, k, v, self.batch)
-        L = base.seqlen + T
+        base.write_rows(self.idx, k, v, self.batch, self.cols)
+        if self.cols is not None and attn_mask is None:
+            raise ValueError("a row view with per-row columns needs the mask of each row's keys")
+        L = base.seqlen + T if self.cols is None else attn_mask.shape[-1]
         K, V = base._k[:, :, :L], base._v[:, :, :L]  # [B, H_kv, L, hd]: views, every row's own keys
         q_all = q.new_zeros(self.batch, *q.shape[1:]).index_copy_(0, self.idx, q)  # [B, H, T, hd]
         mask = None
@@ -183,11 +197,13 @@ class KVRows:
 
     def append_buffers(self, batch_size: int):
         """The fused step's write target: ``(k_buf, v_buf, pos)`` of the base (``batch_size`` = the active
-        rows; the op writes row ``i`` into buffer row ``idx[i]``), or ``None``."""
+        rows; the op writes row ``i`` into buffer row ``idx[i]``), or ``None``. With per-row columns the
+        caller passes ``cols`` and ``pos`` is the mask's (the op's ``cols`` argument, :mod:`looplm.kernels.decode`)."""
         return self.base.append_buffers(self.batch)
 
     def advance(self, n: int = 1) -> None:
-        self.base.pending = max(self.base.pending, n)
+        if self.cols is None:  # per-row columns are counted by their caller
+            self.base.pending = max(self.base.pending, n)
 
     def index_select(self, idx):  # pragma: no cover - views live for one loop iteration
         raise TypeError("a row view of a KV slot cannot be reordered; reorder the cache")

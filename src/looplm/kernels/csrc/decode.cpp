@@ -31,6 +31,10 @@
 //   rows: absent (row b of x is row b of the caches) or int64 [B]: row b of x reads and writes row rows[b]
 //         of caches with more rows, in place — the rows still looping at one iteration under per-token
 //         exit (looplm/adaptive.py); x, cos, sin and attn_mask are the active rows' own.
+//   cols: absent (every row's new tokens at columns pos ..) or int64 [B]: row b's new tokens at columns
+//         cols[b] .. cols[b] + T − 1, 0 <= cols[b] <= pos, reading the first cols[b] + t + 1 entries of its
+//         mask row (the mask stays [B, 1, T, pos + T]) — rows at different tokens in one call: continuous
+//         depth batching (looplm/depth_batch.py), where each row runs its own token at its own loop.
 // The Mamba-2 op's shapes are with it, below.
 #include "gemv.h"
 #include "simd.h"
@@ -461,10 +465,23 @@ struct StepArgs {
   int64_t pos;
   const std::optional<at::Tensor>& attn_mask;
   const std::optional<at::Tensor>& rows;
-  int64_t T = 1;  // new tokens per row, at columns pos .. pos + T − 1
+  int64_t T = 1;  // new tokens per row, at columns pos .. pos + T − 1 (or cols[b] .., below)
+  const std::optional<at::Tensor>& cols;
   // the cache row of x's row b
   int64_t row(int64_t b) const { return rows.has_value() && rows->defined() ? rows->data_ptr<int64_t>()[b] : b; }
+  // the column of x's row b's first new token
+  int64_t col(int64_t b) const { return cols.has_value() && cols->defined() ? cols->data_ptr<int64_t>()[b] : pos; }
 };
+
+// cols (see the top): int64 [B], contiguous, each in [0, pos] (pos + T fits the capacity, checked with it).
+void check_cols(const char* op, const std::optional<at::Tensor>& cols, int64_t B, int64_t pos) {
+  if (!cols.has_value() || !cols->defined()) return;
+  TORCH_CHECK(cols->scalar_type() == at::kLong && cols->is_contiguous() && cols->dim() == 1 && cols->numel() == B,
+              op, ": cols must be a contiguous int64 [B] tensor with B = ", B, ", got ", cols->sizes(), " ", cols->scalar_type());
+  const int64_t* c = cols->data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b)
+    TORCH_CHECK(0 <= c[b] && c[b] <= pos, op, ": cols[", b, "] = ", c[b], " is outside 0..pos = 0..", pos, " (the mask holds pos + T columns)");
+}
 
 // rows (see the top): int64 [B], contiguous, each in [0, cache_rows) and distinct.
 void check_rows(const char* op, const std::optional<at::Tensor>& rows, int64_t B, int64_t cache_rows) {
@@ -515,7 +532,7 @@ void attention_rows(const AttnArgs& a, const StepArgs& st, const T* x, int64_t B
   for (int64_t r = 0; r < R; ++r) {
     const float* cb = rot ? st.cos->data_ptr<float>() + r * rot : nullptr;
     const float* sb = rot ? st.sin->data_ptr<float>() + r * rot : nullptr;
-    const int64_t cr = st.row(r / nt), col = pos + r % nt;  // the cache row and column of this token
+    const int64_t cr = st.row(r / nt), col = st.col(r / nt) + r % nt;  // the cache row and column of this token
     for (int64_t h = 0; h < H + G; ++h) {  // the H query heads, then the G key heads
       T* head = h < H ? qp + (r * H + h) * hd : kp + (r * G + h - H) * hd;
       if (qk_norm) {
@@ -536,7 +553,7 @@ void attention_rows(const AttnArgs& a, const StepArgs& st, const T* x, int64_t B
     std::vector<float> s(stride);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t r = t / H, h = t % H, g = h / (H / G);
-      const int64_t L = pos + r % nt + 1;  // this token's keys: the cache up to and including itself
+      const int64_t L = st.col(r / nt) + r % nt + 1;  // this token's keys: the cache up to and including itself
       const int64_t off = (st.row(r / nt) * G + g) * cap * hd;
       attend(qp + t * hd, kc + off, vc + off, mask ? mask + r * stride : nullptr, L, hd, s.data(), yp + t * hd);
     }
@@ -575,6 +592,7 @@ void check_attention(const char* op, at::ScalarType dt, int64_t B, int64_t d, co
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(),
               op, ": k_cache and v_cache must be [B, G, capacity, hd] tensors of one shape, got ", k_cache.sizes(), " and ", v_cache.sizes());
   check_rows(op, st.rows, B, k_cache.size(0));
+  check_cols(op, st.cols, B, st.pos);
   const int64_t H = a.H, G = k_cache.size(1), cap = k_cache.size(2), hd = k_cache.size(3), pos = st.pos;
   TORCH_CHECK(H >= G && G >= 1 && H % G == 0, op, ": n_heads ", H, " must be a multiple of the caches' ", G, " key/value heads");
   TORCH_CHECK(hd >= 1 && hd <= 256, op, ": head dim ", hd, " outside 1-256");
@@ -638,11 +656,12 @@ at::Tensor decode_attention(const at::Tensor& x, const at::Tensor& norm_w, doubl
                             const std::optional<at::Tensor>& bo, const std::optional<at::Tensor>& q_norm_w,
                             const std::optional<at::Tensor>& k_norm_w, double qk_eps, const std::optional<at::Tensor>& cos,
                             const std::optional<at::Tensor>& sin, at::Tensor& k_cache, at::Tensor& v_cache, int64_t pos,
-                            const std::optional<at::Tensor>& attn_mask, int64_t n_heads, const std::optional<at::Tensor>& rows) {
+                            const std::optional<at::Tensor>& attn_mask, int64_t n_heads, const std::optional<at::Tensor>& rows,
+                            const std::optional<at::Tensor>& cols) {
   const char* op = "decode_attention";
   const at::ScalarType dt = check_x_tokens(op, x);
   const AttnArgs a{norm_w, eps, wq, bq, wk, bk, wv, bv, wo, bo, q_norm_w, k_norm_w, qk_eps, n_heads};
-  const StepArgs st{cos, sin, pos, attn_mask, rows, x.size(1)};
+  const StepArgs st{cos, sin, pos, attn_mask, rows, x.size(1), cols};
   check_attention(op, dt, x.size(0), x.size(2), a, st, k_cache, v_cache);
   return dt == at::kBFloat16 ? attention_op<bf16>(a, st, x, k_cache, v_cache) : attention_op<float>(a, st, x, k_cache, v_cache);
 }
@@ -764,13 +783,14 @@ at::Tensor stack_impl(const at::Tensor& x, const std::vector<AttnArgs>& attn, co
 
 at::Tensor decode_stack(const at::Tensor& x, const c10::intrusive_ptr<StackPlan>& plan, at::TensorList k_caches, at::TensorList v_caches,
                         int64_t pos, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
-                        const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& rows) {
+                        const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& rows,
+                        const std::optional<at::Tensor>& cols) {
   const char* op = "decode_stack";
   const at::ScalarType dt = check_x_tokens(op, x);
   const int64_t n = plan->size();
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == n && static_cast<int64_t>(v_caches.size()) == n,
               op, ": the plan has ", n, " blocks; give one k and one v cache each, got ", k_caches.size(), " and ", v_caches.size());
-  const StepArgs st{cos, sin, pos, attn_mask, rows, x.size(1)};
+  const StepArgs st{cos, sin, pos, attn_mask, rows, x.size(1), cols};
   std::vector<AttnArgs> attn;
   std::vector<std::optional<MlpArgs>> mlp;
   attn.reserve(n);
@@ -1000,7 +1020,7 @@ TORCH_LIBRARY_FRAGMENT(looplm_cpu, m) {
   m.def(
       "decode_attention(Tensor x, Tensor norm_weight, float eps, Tensor wq, Tensor? bq, Tensor wk, Tensor? bk, Tensor wv, "
       "Tensor? bv, Tensor wo, Tensor? bo, Tensor? q_norm_weight, Tensor? k_norm_weight, float qk_eps, Tensor? cos, Tensor? sin, "
-      "Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, Tensor? attn_mask, int n_heads, Tensor? rows=None) -> Tensor");
+      "Tensor(a!) k_cache, Tensor(b!) v_cache, int pos, Tensor? attn_mask, int n_heads, Tensor? rows=None, Tensor? cols=None) -> Tensor");
   m.def(
       "decode_swiglu(Tensor x, Tensor norm_weight, float eps, Tensor w_gate, Tensor? b_gate, Tensor w_up, Tensor? b_up, "
       "Tensor w_down, Tensor? b_down) -> Tensor");
@@ -1019,7 +1039,7 @@ TORCH_LIBRARY_FRAGMENT(looplm_cpu, m) {
       .def("mlp_blocks", &looplm_cpu::StackPlan::mlp_blocks);
   m.def(
       "decode_stack(Tensor x, __torch__.torch.classes.looplm_cpu.StackPlan plan, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int pos, "
-      "Tensor? cos, Tensor? sin, Tensor? attn_mask, Tensor? rows=None) -> Tensor");
+      "Tensor? cos, Tensor? sin, Tensor? attn_mask, Tensor? rows=None, Tensor? cols=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) {
   m.impl("decode_attention", &looplm_cpu::decode_attention);

@@ -1,0 +1,372 @@
+"""Continuous depth batching: every core pass runs each row at its own loop of its own token.
+
+Under per-token exit with the token schedule (:mod:`looplm.adaptive`) the rows of a batch decode one token
+together: a row that exits after loop 2 waits at the coda while the deepest row runs loop 4, so a batch's
+wall time follows the loops its *deepest* row runs (batch 8 on the bench LM: 3.4–4.0 of 4 loops at a mean
+exit depth of 2.3). Here a row that exits goes through the coda and the head, picks its next token, and
+starts that token's loop 0 at the next core pass, beside rows still in loop 3 of theirs; the passes a
+batch needs follow the rows' *mean* depth (ZH-Haoran/continuous-depth-batching's idea, arXiv 2608.09444;
+here for every criterion of :mod:`looplm.exits`, greedy and sampled, on the CPU's fused path).
+
+One pass (a *tick*)::
+
+    start:  rows with no token in flight: E = embed(token); x = prelude(E)      # their own columns
+            rule.begin(x) -> a new cohort at loop 0
+    core:   z_c = rule.next_input(state_c) for every cohort c (rows at loop k_c)  # per cohort: the rule
+            h = core(cat_c z_c)                                                # ONE call, every row
+    step:   state_c = rule.step(state_c, h_c); exit = criterion or k_c + 1 = R  # per cohort
+            exiting rows: y = rule.finish(exit_rows(state)); fill loops k_c+1..R−1 (kv policy)
+            coda, norm, head of the exiting rows -> their next token; cohort c moves on to loop k_c + 1
+
+A *cohort* is the rows that started their token at the same pass, so they are at the same loop: the rule
+is called once per cohort with one loop index (no rule needs a per-row loop index, and a cohort only ever
+loses rows, never merges). Only the core — where the FLOPs are — runs once for every row.
+
+State: each row's token in flight sits at its own column ``col[b]`` of every cache (the prompt, padded to
+``P`` columns, fills columns ``< P``; a row's ``t``-th generated token is at column ``P + t``) and reads the
+columns up to its own (a ``[B, 1, 1, L]`` mask, ``L`` = the furthest row's column + 1, its left padding
+kept). The core's attention slots of all loops of a layer are one buffer ``[R·B, H_kv, capacity, hd]``
+(loop ``k``'s slot is its view ``[k·B : (k+1)·B]``), so the row at loop ``k`` writes and reads its cache
+row ``k·B + b`` in place: one :class:`~looplm.layers.attention.KVRows` view with per-row columns over
+that buffer, which the fused CPU step (``decode_stack``, ``rows`` and ``cols``) runs as one call;
+``kv='shared'`` views the family's one buffer at row ``b``. The reference attention of such a view scores
+every row of the buffer and keeps the active ones (as :class:`KVRows` does): correct, not fast.
+
+Exactness: a row's arithmetic depends only on its own tokens, so greedy decoding equals each row decoded
+alone with the same exits (``tests/test_depth_batch.py``), up to the row count of the products (fp32:
+the same tokens; the logits to 1e-4). Sampled decoding draws each row's token when it is picked, so a
+seed fixes the output, but the draws come in another order than under the token schedule.
+
+What it does not run (refused by :meth:`looplm.exits.Exit.resolved`): Mamba-2 layers (a state per row and
+loop would need the same flat layout, not built), sliding-window attention, rules with their own
+per-loop slots (StateLoop's state mixers), rules that replace a block's residual stream, and
+``kv='full'``. Prefill runs at full depth (as under the token schedule). The host reads the exit flags
+once per pass (CPU; on CUDA that is a synchronisation per pass — not measured, no GPU here).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .adaptive import AdaptiveDecoder, restrict_fctx
+from .context import BlockModulation, BranchModulation, ForwardContext, LoopContext
+from .exits import make_criterion
+from .layers.attention import KVCache, KVRows
+from .sampling import decode_context, eval_mode, sample_next
+
+__all__ = ["DepthBatchedDecoder", "depth_batched_generate"]
+
+
+@dataclass
+class _Cohort:
+    """Rows that started their token at the same pass: all at loop ``k``."""
+
+    rows: torch.Tensor  # [n] global row ids
+    k: int  # the loop they run at the next pass (0-based)
+    state: dict  # the rule's state of these rows
+    lctx: LoopContext  # their loop context: embeddings, the cache at their columns (fctx: each pass's)
+    crit: object  # their criterion (its memory of their previous loop)
+
+
+class DepthBatchedDecoder(AdaptiveDecoder):
+    """:class:`~looplm.adaptive.AdaptiveDecoder` (its cache, criterion, fills, statistics) with the prompt
+    at full depth and then :meth:`run`: the token loop of continuous depth batching (module docstring)."""
+
+    def __init__(self, model, batch_size: int, capacity: int, exit, loop_options: dict | None = None):
+        super().__init__(model, batch_size, capacity, exit, loop_options)
+        if self.exit.schedule != "depth":
+            raise ValueError(f"DepthBatchedDecoder runs exit schedule 'depth', got {self.exit.schedule!r}")
+        self.flat = self._flat_core_slots()  # layer -> (the KVCache over [R·B, ...] or kv='shared''s, rows, offset)
+        self.loop_offset = next(iter(self.flat.values()))[2]  # buffer rows per loop (kv='shared': 0, one buffer)
+        self.copies: list = []  # (rows, exit loop) whose core copies this pass still owes (kv='copy')
+        self.stats.batch_size = batch_size
+
+    def _flat_core_slots(self) -> dict:
+        """Make the core's attention slots of every loop now, as views of one ``[R·B, H_kv, capacity, hd]``
+        buffer per layer; returns layer -> ``(buffer's KVCache, its rows, rows per loop)`` (``kv='shared'``:
+        the family's one buffer, ``(base, B, 0)``)."""
+        m, cache, R, B, cap = self.model, self.cache, self.R, self.cache.batch_size, self.cache.capacity
+        p = next(m.parameters())
+        by_loop = [m._slots(cache, m.core.stack, (k,), B, loop=k, family="core") for k in range(R)]
+        flat = {}
+        for j, blk in enumerate(m.core.stack.blocks):
+            a = blk.mixer
+            if self.exit.kv == "shared":
+                base = by_loop[0][j].base
+                base.allocate(B, a.n_kv_heads, a.head_dim, a.head_dim, p.dtype, p.device)
+                flat[blk.layer_idx] = (base, B, 0)
+                continue
+            big = KVCache(cap)
+            big.allocate(R * B, a.n_kv_heads, a.head_dim, a.head_dim, p.dtype, p.device)  # [R·B, H_kv, cap, hd]
+            for k in range(R):
+                s = by_loop[k][j]
+                s._k, s._v = big._k[k * B : (k + 1) * B], big._v[k * B : (k + 1) * B]  # loop k's slot: a view
+            flat[blk.layer_idx] = (big, R * B, B)
+        return flat
+
+    # ------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None, pick,
+            eos_token_id: int | None, pad_token_id: int, now=time.perf_counter) -> torch.Tensor:
+        """The prompt at full depth, then ``max_new_tokens`` tokens per row, each row at its own pace;
+        ``pick(logits [n, V]) -> [n]`` chooses a token. Returns ``[B, P + n]`` ids (``n``: the most any row
+        generated; a row that emitted ``eos_token_id`` is padded with ``pad_token_id`` after it).
+        ``decode_seconds``: the time after the prompt, on the clock ``now`` (a host clock: CPU time)."""
+        m, cache, B, P = self.model, self.cache, *input_ids.shape
+        dev = input_ids.device
+        out = torch.full((B, P + max_new_tokens), pad_token_id, dtype=input_ids.dtype, device=dev)
+        out[:, :P] = input_ids
+        if max_new_tokens == 0:
+            return out[:, :P]
+        logits = self(input_ids, attention_mask)  # [B, 1, V]: the prompt at full depth, committed at columns < P
+        out[:, P] = pick(logits[:, -1])
+        for base, _, _ in self.flat.values():
+            base._len = P  # the flat buffers' own length (the fused step's bounds check reads it)
+        for slot in cache.physical_slots():  # columns a row has not reached are read under a mask: zeros, not
+            if getattr(slot, "_k", None) is not None:  # uninitialised memory (a masked NaN value is 0 × NaN)
+                slot._k[:, :, P:].zero_()
+                slot._v[:, :, P:].zero_()
+        # every column's visibility: the prompt's mask, then each row's generated tokens
+        self.visible = torch.ones(B, P + max_new_tokens, dtype=torch.bool, device=dev)
+        if attention_mask is not None:
+            self.visible[:, :P] = attention_mask.bool()
+        # the position of column P: the row's real prompt tokens (left padding does not count)
+        self.pos_shift = (self.visible[:, :P].long().sum(-1) if attention_mask is not None else torch.full((B,), P, device=dev)) - P
+        self.rope = {int(r): None for r in m.rotary}  # per row: the rotary tables of its token in flight [B, 1, rot]
+        self.positions = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        self.keys = torch.arange(P + max_new_tokens, device=dev)
+        self.sums = torch.zeros(3, dtype=torch.float64, device=dev)  # Σ keys over core rows, over exits; exits
+        col = torch.full((B,), P, dtype=torch.long, device=dev)  # the column of each row's token in flight
+        made = torch.ones(B, dtype=torch.long, device=dev)  # tokens generated per row
+        done = made >= max_new_tokens
+        if eos_token_id is not None:
+            done |= out[:, P] == eos_token_id
+        waiting = ~done  # rows whose next token has not started its loops yet
+        cohorts: list[_Cohort] = []
+        t0 = now()
+        with decode_context(m, B):
+            while bool(waiting.any()) or cohorts:
+                L = int(col.masked_fill(done, 0).max()) + 1  # keys of the furthest row in flight
+                start = waiting.nonzero()[:, 0]
+                if start.numel():
+                    cohorts.append(self._start(start, out[start, col[start]][:, None], col, made, L))
+                    waiting[start] = False
+                exits = self._pass(cohorts, col, L)  # [(rows, y)] of the tokens that exited
+                cohorts = [c for c in cohorts if c.rows.numel()]
+                if not exits:
+                    continue
+                rows = torch.cat([r for r, _ in exits])
+                y = torch.cat([y for _, y in exits])  # [e, 1, d]
+                nxt = pick(self._head_rows(y, rows, col, L))  # [e]
+                col[rows] += 1
+                made[rows] += 1
+                out[rows, col[rows]] = nxt
+                fin = made[rows] >= max_new_tokens
+                if eos_token_id is not None:
+                    fin |= nxt == eos_token_id
+                done[rows] |= fin
+                waiting[rows] = ~fin
+        self.decode_seconds = now() - t0  # after the prompt
+        st, (core_keys, exit_keys, exits) = self.stats, self.sums.tolist()
+        st.core_flops += self._core_terms[1] * core_keys  # the per-key terms (the per-row terms are counted per pass)
+        st.full_core_flops += self.R * (exits * self._core_terms[0] + self._core_terms[1] * exit_keys)
+        st.other_flops += exits * self._other_terms[0] + self._other_terms[1] * exit_keys
+        cache.seqlen = P + int(made.max()) - 1  # the columns written (rows that stopped early: holes, masked)
+        return out[:, : P + int(made.max())]
+
+    # ------------------------------------------------------------------------------------------
+    def _fctx(self, rows: torch.Tensor, col: torch.Tensor, L: int) -> ForwardContext:
+        """Rows' positions, rotary tables and ``[n, 1, 1, L]`` mask (each reads its columns up to its own)."""
+        mask = self.visible[rows, :L] & (self.keys[None, :L] <= col[rows, None])  # [n, L]
+        rope = {r: (cos.index_select(0, rows), sin.index_select(0, rows)) for r, (cos, sin) in self.rope.items()}
+        return ForwardContext(rope=rope, positions=self.positions.index_select(0, rows), attn_mask=mask[:, None, None, :],
+                              is_causal=False, pad_mask=None)  # fmt: skip
+
+    def _start(self, rows, ids, col, made, L) -> _Cohort:
+        """Rows ``rows`` begin their next token ``ids [n, 1]``: its position's rotary tables, the embedding,
+        the prelude (at their columns), ``rule.begin``: a new cohort at loop 0."""
+        m = self.model
+        pos = (self.pos_shift[rows] + col[rows])[:, None]  # [n, 1]
+        self.positions[rows] = pos
+        for r, rot in m.rotary.items():
+            cos, sin = rot(pos)  # [n, 1, rot]
+            if self.rope[int(r)] is None:
+                B = self.positions.shape[0]
+                self.rope[int(r)] = (cos.new_zeros(B, 1, cos.shape[-1]), sin.new_zeros(B, 1, sin.shape[-1]))
+            self.rope[int(r)][0][rows], self.rope[int(r)][1][rows] = cos, sin
+        f = self._fctx(rows, col, L)
+        E = m._embed(ids, head_in_loss=False) * m.embed_multiplier  # [n, 1, d]
+        view = self.cache.rows(rows, col[rows])
+        x = m.prelude(E, f, m._slots(view, m.prelude, (0,), rows.shape[0]))
+        lctx = self._context(f, E)
+        lctx.cache, lctx.iteration = view, 0
+        crit = make_criterion(self.exit)
+        crit.begin(made[rows] - 1)  # each row's decoded-token index (replay depths are read there)
+        return _Cohort(rows, 0, m.rule.begin(x, lctx), lctx, crit)
+
+    def _pass(self, cohorts: list[_Cohort], col, L: int) -> list:
+        """One core pass over every row in flight; the cohorts step, exit and move on. Returns the exits
+        ``[(rows [e], y [e, 1, d])]``."""
+        m, rule, e, R, st = self.model, self.model.rule, self.exit, self.R, self.stats
+        rows = torch.cat([c.rows for c in cohorts]) if len(cohorts) > 1 else cohorts[0].rows  # [n], cohort order
+        fctx = self._fctx(rows, col, L)
+        zs, mods, off = [], [], 0
+        for c in cohorts:  # each cohort's context: its slice of the pass's (views)
+            n = c.rows.shape[0]
+            c.lctx.fctx = _slice_fctx(fctx, off, off + n) if len(cohorts) > 1 else fctx
+            c.lctx.iteration = c.k
+            off += n
+            zs.append(rule.next_input(c.state, c.lctx))  # Z^k of the cohort  [n_c, 1, d]
+            c.lctx.core_input = zs[-1]
+            mods.append(rule.block_modulation(c.state, c.lctx))
+        idx = torch.cat([c.rows + c.k * self.loop_offset for c in cohorts])  # buffer row of each row: k·B + b
+        cols = col.index_select(0, rows)
+        slots = [KVRows(base, idx, nrows, cols) for base, nrows, _ in (self.flat[b.layer_idx] for b in m.core.stack.blocks)]
+        h_all = m.core(torch.cat(zs) if len(zs) > 1 else zs[0], fctx, slots,
+                       _cat_modulations(mods, [c.rows.shape[0] for c in cohorts], len(m.core.stack.blocks)))  # [n, 1, d]
+        st.core_calls += 1
+        st.core_flops += rows.shape[0] * self._core_terms[0]
+        self.sums[0] += cols.sum() + rows.shape[0]
+        exits, off = [], 0
+        check_before = sum(c.crit.flops for c in cohorts)
+        # a readout criterion without coda layers (no per-loop coda slots): one readout for every row that
+        # checks (the cohorts at their last loop, the oldest, come first and do not check)
+        last = cohorts[0].rows.shape[0] if cohorts[0].k == R - 1 else 0
+        shared = None
+        if cohorts[0].crit.readout and len(m.coda.blocks) == 0 and last < h_all.shape[0]:
+            c0 = cohorts[1] if last else cohorts[0]
+            shared = c0.crit.value(c0.k, h_all[last:], c0.lctx, m)  # [n − last, V]
+        for c in cohorts:
+            n = c.rows.shape[0]
+            h = h_all[off : off + n]
+            off += n
+            c.state = rule.step(c.state, h, c.lctx)
+            if c.k == R - 1:
+                leave = None  # every row leaves
+            else:
+                cur = None if shared is None else shared[off - n - last : off - last]
+                leave = c.crit.check(c.k, h, c.state, c.lctx, c.rows, m, **({} if cur is None else {"cur": cur}))
+                if c.k + 1 < e.min_loops or not bool(leave.any()):
+                    c.k += 1
+                    continue
+            exits.append(self._exit(c, leave, h, col))
+            c.k += 1
+        st.check_flops += sum(c.crit.flops for c in cohorts) - check_before
+        if self.copies:
+            self._copy_core(col)
+        return exits
+
+    def _exit(self, c: _Cohort, leave, h, col):
+        """The rows ``leave`` (``None``: all) of cohort ``c`` stop after loop ``c.k``: their outputs, the fills
+        of the loops they skip; the cohort keeps the rest. Returns ``(rows [e], y [e, 1, d])``."""
+        rule, st = self.model.rule, self.stats
+        n, dev = c.rows.shape[0], h.device
+        every = leave is None or bool(leave.all())
+        if every:
+            g, st_out, ctx_out, h_out = c.rows, c.state, c.lctx, h
+        else:
+            out = leave.nonzero()[:, 0]
+            g = c.rows.index_select(0, out)
+            st_out, h_out = rule.take_rows(c.state, out, n), h.index_select(0, out)
+            ctx_out = self._context(restrict_fctx(c.lctx.fctx, out), c.lctx.embeddings.index_select(0, out))
+            ctx_out.cache, ctx_out.iteration = self.cache.rows(g, col[g]), c.k
+        st_out = rule.exit_rows(st_out, torch.ones(g.shape[0], 1, dtype=torch.bool, device=dev), ctx_out)
+        y = rule.finish(st_out, ctx_out)  # [e, 1, d]
+        copy = self.exit.kv == "copy"  # the core's copies: one gather and scatter per layer for the pass (_copy_core)
+        if copy and c.k < self.R - 1:
+            self.copies.append((g, c.k))
+        if not copy or len(self.cache.loop_slots) > len(self.flat):  # propagate; or other families (readouts)
+            self._fill(g, c.k, st_out, ctx_out, h_out, cols=col[g], skip_core=copy)
+        depth = torch.full((g.shape[0],), c.k + 1, dtype=torch.long, device=dev)
+        st.selected.append(depth)
+        st.executed.append(depth)
+        self.sums[1] += col[g].sum() + g.shape[0]
+        self.sums[2] += g.shape[0]
+        if every:
+            c.rows = c.rows[:0]
+        else:
+            stay = (~leave).nonzero()[:, 0]
+            c.state = rule.take_rows(c.state, stay, n)
+            c.rows = c.rows.index_select(0, stay)
+            c.lctx.embeddings = c.lctx.embeddings.index_select(0, stay)
+            c.lctx.cache = self.cache.rows(c.rows, col[c.rows])
+            c.crit.take(stay)
+        return g, y
+
+    def _copy_core(self, col) -> None:
+        """``kv='copy'`` for the core layers of every row that exited at this pass: the exit loop's key and
+        value (buffer row ``k·B + b``) into the rows of the loops it skipped (``k'·B + b``, ``k' > k``), at
+        the row's column — one gather and one scatter per layer and buffer."""
+        B, R = self.cache.batch_size, self.R
+        src, dst, cc = [], [], []
+        for g, k in self.copies:
+            for kk in range(k + 1, R):
+                src.append(g + k * B)
+                dst.append(g + kk * B)
+                cc.append(col[g])
+        self.copies = []
+        src, dst, cc = torch.cat(src), torch.cat(dst), torch.cat(cc)
+        for base, _, _ in self.flat.values():
+            for buf in (base._k, base._v):
+                buf[dst, :, cc] = buf[src, :, cc]  # [pairs, H_kv, hd]
+                self.stats.fill_bytes += buf[0, :, 0].numel() * buf.element_size() * dst.shape[0]
+
+    def _head_rows(self, y, rows, col, L: int) -> torch.Tensor:
+        """Logits ``[e, V]`` of the exiting rows: the coda at their columns, the final norm, the head."""
+        m = self.model
+        view = self.cache.rows(rows, col[rows])
+        y = m.coda(y, self._fctx(rows, col, L), m._slots(view, m.coda, (0,), rows.shape[0]))
+        return m.lm_head(m.norm(y[:, -1]))
+
+
+def _slice_fctx(f: ForwardContext, a: int, b: int) -> ForwardContext:
+    """Rows ``a .. b − 1`` of ``f`` (views)."""
+    return ForwardContext(rope={r: (cos[a:b], sin[a:b]) for r, (cos, sin) in f.rope.items()}, positions=f.positions[a:b],
+                          attn_mask=f.attn_mask[a:b], is_causal=f.is_causal, pad_mask=None)  # fmt: skip
+
+
+def _cat_modulations(mods: list, sizes: list[int], n_blocks: int):
+    """The cohorts' block modulations as one per-row modulation of the concatenated rows (``None`` when no
+    cohort modulates): each field broadcast to ``[n_c, 1, d or 1]`` (absent: 1 for scale and gate, 0 for
+    shift) and concatenated in cohort order."""
+    if all(x is None for x in mods):
+        return None
+    out = []
+    for j in range(n_blocks):
+        branches = {}
+        for name in ("mixer", "mlp"):
+            fields = {}
+            for f, ident in (("scale", 1.0), ("shift", 0.0), ("gate", 1.0)):
+                vals = [None if ms is None or ms[j] is None or getattr(ms[j], name) is None else getattr(getattr(ms[j], name), f)
+                        for ms in mods]  # fmt: skip
+                if all(v is None for v in vals):
+                    fields[f] = None
+                    continue
+                like = next(v for v in vals if v is not None)
+                width = like.shape[-1] if like.dim() else 1
+                parts = []
+                for v, n in zip(vals, sizes):
+                    v = like.new_full((1, 1, 1), ident) if v is None else v
+                    v = v.reshape((1,) * max(0, 3 - v.dim()) + tuple(v.shape)) if v.dim() < 3 else v
+                    parts.append(v.expand(n, 1, max(width, v.shape[-1])))
+                fields[f] = torch.cat(parts)
+            branches[name] = None if all(v is None for v in fields.values()) else BranchModulation(**fields)
+        out.append(None if all(v is None for v in branches.values()) else BlockModulation(**branches))
+    return out
+
+
+@torch.no_grad()
+def depth_batched_generate(model, input_ids, max_new_tokens, exit, do_sample, temperature, top_k, top_p, eos_token_id,
+                           pad_token_id, attention_mask, generator, loop_options, return_stats):
+    """:func:`looplm.generate.generate` under ``exit`` with ``schedule='depth'`` (module docstring)."""
+    if pad_token_id is None:
+        pad_token_id = eos_token_id if eos_token_id is not None else 0
+    with eval_mode(model):
+        dec = DepthBatchedDecoder(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, exit, loop_options)
+        ids = dec.run(input_ids, max_new_tokens, attention_mask,
+                      lambda logits: sample_next(logits, do_sample, temperature, top_k, top_p, generator), eos_token_id, pad_token_id)  # fmt: skip
+    return (ids, dec.stats) if return_stats else ids
+

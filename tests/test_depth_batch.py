@@ -1,0 +1,254 @@
+"""Continuous depth batching (looplm.depth_batch, exit schedule 'depth'): every core pass runs each row at its
+own loop of its own token. Against the token schedule (looplm.adaptive, itself held to rows decoded alone),
+the caches it leaves at every row's columns, the fused op with per-row columns against the reference, the
+criteria, sampling, eos, statistics, and the refusals."""
+
+import pytest
+import torch
+
+import looplm
+from looplm.adaptive import AdaptiveDecoder
+from looplm.depth_batch import DepthBatchedDecoder
+from looplm.exits import Exit
+from looplm.kernels import decode as kd
+from looplm.sampling import decode_context
+
+from helpers import assert_refused_before_any_work, tiny_variant
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model(name, dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    return looplm.build(name, **kw).eval().to(dtype)
+
+
+def _replay(depths, **kw):
+    return dict(criterion="replay", depths=depths, **kw)
+
+
+def _both(m, ids, n, exit, **kw):
+    """(token schedule, depth schedule) generations of ``n`` tokens under ``exit``."""
+    tok = m.generate(ids, n, exit=exit, **kw)
+    dep = m.generate(ids, n, exit={**exit, "schedule": "depth"}, **kw)
+    return tok, dep
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-coreloop", "tiny-stateloop"])
+@pytest.mark.parametrize("kv", ["copy", "propagate", "shared"])
+def test_depth_schedule_equals_the_token_schedule_with_left_padding(name, kv):
+    """Greedy tokens under replayed per-row, per-token depths: the depth schedule's rows (each at its own
+    token and loop) equal the token schedule's (which equal rows decoded alone: tests/test_adaptive.py)."""
+    m = _model(name)
+    K, B, P, N = m.config.n_loops, 4, 6, 9
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 250, (B, P), generator=g)
+    mask = torch.ones(B, P, dtype=torch.long)
+    mask[1, :3], mask[3, :1] = 0, 0
+    depths = torch.randint(1, K + 1, (B, N), generator=g)
+    tok, dep = _both(m, ids, N, _replay(depths, kv=kv), attention_mask=mask)
+    assert torch.equal(tok, dep)
+    perm = torch.tensor([2, 0, 3, 1])
+    again = m.generate(ids[perm], N, attention_mask=mask[perm], exit=_replay(depths[perm], kv=kv, schedule="depth"))
+    assert torch.equal(again, dep[perm])
+
+
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.kernels)])
+@pytest.mark.parametrize("kv", ["copy", "propagate"])
+def test_every_loops_cache_at_every_rows_column_equals_the_token_schedules(kv, fused):
+    """The state the depth schedule leaves: each core layer's keys and values of every loop, row and
+    written column equal the token schedule's on the same tokens and depths (the copies and propagations
+    of skipped loops included), in the flat ``[R·B, ...]`` buffer the loops' slots view. Fused: the depth
+    schedule's one decode_stack per pass (per-row cache rows and columns) against the token schedule's steps."""
+    m = _model("tiny-llama")
+    K, B, P, N = m.config.n_loops, 3, 5, 8
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 250, (B, P), generator=g)
+    depths = torch.randint(1, K + 1, (B, N), generator=g)
+    dec = DepthBatchedDecoder(m, B, P + N, _replay(depths, kv=kv, schedule="depth"))
+    out = dec.run(ids, N, None, lambda logits: logits.max(-1).indices, None, 0)
+    ref = AdaptiveDecoder(m, B, P + N, _replay(depths, kv=kv))
+    with decode_context(m, B):  # fused: the token schedule's own fused steps
+        ref.score(out[:, : P + N - 1], prompt_len=P)  # the same tokens, one at a time, the same depths
+    cols = P + N - 1
+    for k in range(K):
+        for blk in m.core.stack.blocks:
+            a, b = dec.cache.slots[(k, blk.layer_idx)], ref.cache.slots[(k, blk.layer_idx)]
+            torch.testing.assert_close(a._k[:, :, :cols], b._k[:, :, :cols], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(a._v[:, :, :cols], b._v[:, :, :cols], atol=1e-5, rtol=1e-5)
+            flat = dec.flat[blk.layer_idx][0]._k
+            assert a._k.data_ptr() == flat[k * B].data_ptr()  # loop k's slot is a view of the layer's one buffer
+
+
+@pytest.mark.kernels
+def test_the_fused_pass_equals_the_reference_and_takes_the_calls():
+    """bf16 and fp32: the fused decode_stack with per-row cache rows and columns gives the reference's tokens,
+    and runs one call per core pass."""
+    from torch.profiler import profile
+
+    for dt in (torch.float32, torch.bfloat16):
+        m = _model("tiny-qwen3", dt)  # QK-norm, GQA
+        K, B, P, N = m.config.n_loops, 4, 5, 8
+        g = torch.Generator().manual_seed(3)
+        ids = torch.randint(0, 250, (B, P), generator=g)
+        ex = _replay(torch.randint(1, K + 1, (B, N), generator=g), schedule="depth")
+        with kd.enabled(False):
+            ref = m.generate(ids, N, exit=ex)
+        with profile() as prof:
+            got, st = m.generate(ids, N, exit=ex, return_stats=True)
+        assert torch.equal(got, ref)
+        calls = sum(e.count for e in prof.key_averages() if e.key == "looplm_cpu::decode_stack")
+        assert calls == st.core_calls > 0
+
+
+@pytest.mark.kernels
+def test_decode_stack_checks_per_row_columns():
+    from looplm import kernels
+
+    kernels.load("cpu")
+    m = _model("tiny-llama")
+    if True:
+        plan = kd._prepare_stack(m.core.stack, 2)
+        d = m.config.d_model
+        a = m.core.stack.blocks[0].mixer
+        kc = [torch.zeros(2, a.n_kv_heads, 8, a.head_dim) for _ in m.core.stack.blocks]
+        vc = [torch.zeros_like(t) for t in kc]
+        x = torch.randn(2, 1, d)
+        cos, sin = torch.ones(2, 1, a.rotary_dim), torch.zeros(2, 1, a.rotary_dim)
+        mask = torch.ones(2, 1, 1, 4, dtype=torch.bool)
+        with pytest.raises(RuntimeError, match=r"cols\[1\] = 4 is outside 0..pos = 0..3"):
+            torch.ops.looplm_cpu.decode_stack(x, plan.plan, kc, vc, 3, cos, sin, mask, cols=torch.tensor([1, 4]))
+        with pytest.raises(RuntimeError, match="cols must be a contiguous int64"):
+            torch.ops.looplm_cpu.decode_stack(x, plan.plan, kc, vc, 3, cos, sin, mask, cols=torch.tensor([1, 2], dtype=torch.int32))
+        y = torch.ops.looplm_cpu.decode_stack(x, plan.plan, kc, vc, 3, cos, sin, mask, cols=torch.tensor([1, 3]))
+        assert y.shape == x.shape
+        assert kc[0][0, :, 1].abs().sum() > 0 and kc[0][0, :, 3].abs().sum() == 0  # row 0 wrote column 1 only
+        assert kc[0][1, :, 3].abs().sum() > 0 and kc[0][1, :, 1].abs().sum() == 0
+
+
+@pytest.mark.parametrize("spec", ["kl:0.5", "convergence:0.6", {"criterion": "kl", "threshold": 0.5, "min_loops": 2}])
+def test_zero_shot_criteria_under_the_depth_schedule(spec):
+    m = _model("tiny-llama")
+    ids = torch.randint(0, 250, (4, 5), generator=torch.Generator().manual_seed(4))
+    e = Exit.parse(spec)
+    tok, (dep, st) = m.generate(ids, 8, exit=e), m.generate(ids, 8, exit=e.with_policies(schedule="depth"), return_stats=True)
+    assert torch.equal(tok, dep)
+    s = st.summary()
+    assert s["selected_depth"] == s["executed_depth"] >= e.min_loops  # nobody waits under the depth schedule
+    assert s["check_flops_per_token"] > 0
+
+
+@pytest.mark.parametrize("rule", ["exit_gate", "timestep", "injection", "history"])
+def test_rules_with_loop_dependent_parts_under_the_depth_schedule(rule):
+    """Per cohort the rule sees one loop index: the gate's CDF, timestep conditioning's per-loop block
+    modulation (concatenated per row for the one core pass), injection, a history of iterates."""
+    m = _model("tiny-llama", overrides={"rule": {"name": rule}})
+    if rule == "exit_gate":
+        with torch.no_grad():
+            m.rule.gate.weight.normal_(0, 1.0)
+            m.rule.gate.bias.zero_()
+    K = m.config.n_loops
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 250, (3, 5), generator=g)
+    ex = {"criterion": "gate", "threshold": 0.5} if rule == "exit_gate" else _replay(torch.randint(1, K + 1, (3, 8), generator=g))
+    tok, dep = _both(m, ids, 8, ex)
+    assert torch.equal(tok, dep)
+
+
+@pytest.mark.parametrize("preset", ["huginn-0125"])
+def test_public_model_rule_under_the_depth_schedule(preset):
+    """Huginn at toy width (post-sum blocks: the reference path with per-row columns, 32 loops)."""
+    torch.manual_seed(0)
+    m = looplm.build(tiny_variant(preset)).eval()
+    K = m.config.n_loops
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 128, (3, 4), generator=g)
+    tok, dep = _both(m, ids, 5, _replay(torch.randint(1, K + 1, (3, 5), generator=g)))
+    assert torch.equal(tok, dep)
+
+
+def test_eos_rows_stop_at_their_own_pace_and_pad():
+    m = _model("tiny-llama")
+    K = m.config.n_loops
+    ids = torch.randint(0, 250, (4, 4), generator=torch.Generator().manual_seed(7))
+    ex = _replay(torch.tensor([1, K, 2, 1]).repeat_interleave(10).view(4, 10))
+    free = m.generate(ids, 10, exit=ex)
+    eos = int(free[1, 6])  # a token row 1 emits early
+    tok, dep = _both(m, ids, 10, ex, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(tok, dep)
+    first = int((dep[1, 4:] == eos).nonzero()[0, 0]) + 4
+    assert first <= 6 and (dep[1, first + 1 :] == 0).all()  # row 1 stopped there, padded after
+
+
+def test_sampling_is_deterministic_and_at_batch_one_draws_as_the_token_schedule():
+    m = _model("tiny-llama")
+    x = torch.randint(0, 250, (3, 4))
+    ex = {"criterion": "convergence", "threshold": 0.9, "kv": "propagate", "schedule": "depth"}
+    runs = [m.generate(x, 8, do_sample=True, top_k=20, generator=torch.Generator().manual_seed(3), exit=ex) for _ in range(2)]
+    assert torch.equal(*runs)
+    one = [m.generate(x[:1], 8, do_sample=True, temperature=0.8, generator=torch.Generator().manual_seed(4), exit={**ex, "schedule": s})
+           for s in ("token", "depth")]  # fmt: skip
+    assert torch.equal(*one)  # one row: the same draws in the same order
+
+
+def test_statistics_count_each_rows_own_depths_and_the_passes():
+    m = _model("tiny-llama")
+    K, B, P, N = m.config.n_loops, 4, 3, 7
+    depths = torch.randint(1, K + 1, (B, N), generator=torch.Generator().manual_seed(8))
+    _, st = m.generate(torch.randint(0, 250, (B, P)), N, exit=_replay(depths, schedule="depth"), return_stats=True)
+    used = depths[:, : N - 1]  # the first new token comes from the prompt's forward
+    assert int(torch.cat(st.selected).sum()) == int(used.sum())
+    s = st.summary()
+    assert s["tokens"] == B * (N - 1) and s["executed_depth"] == pytest.approx(float(used.float().mean()))
+    # every pass runs every row in flight; the passes cover every row's own loops, not the deepest row's
+    assert int(used.sum(1).max()) <= st.core_calls <= int(used.sum()) and st.core_calls < int(used.max(0).values.sum()) * 2
+    assert s["batch_depth"] == pytest.approx(st.core_calls * B / s["tokens"])
+    assert 0 < s["flops_ratio"] < 1
+
+
+@pytest.mark.parametrize(
+    "name,overrides,spec,match",
+    [
+        ("tiny-hybrid", {}, {"criterion": "kl", "threshold": 0.1}, "layers \\[0, 2\\] are Mamba-2"),
+        ("tiny-llama", {}, {"criterion": "kl", "threshold": 0.1, "kv": "full"}, "kv='full' runs every loop"),
+        ("tiny-llama", {"attention.sliding_window": 4, "attention.sliding_layer_idx": [1]}, {"criterion": "kl", "threshold": 0.1},
+         "sliding-window band"),
+        ("tiny-stateloop", {"rule.options.mixer": "attention", "rule.options.mixer_head_dim": 16}, {"criterion": "kl", "threshold": 0.1},
+         "own per-loop slots"),
+        ("tiny-llama", {}, {"criterion": "kl", "threshold": 0.1, "schedule": "async"}, "schedule 'async' is unknown"),
+    ],
+)
+def test_what_the_depth_schedule_cannot_run_is_refused_before_any_work(name, overrides, spec, match):
+    m = _model(name, overrides=overrides) if overrides else _model(name)
+    spec = {"schedule": "depth", **spec}
+    assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 128, (2, 3)), 4, exit=spec), match)
+
+
+def test_front_ends_take_the_schedule():
+    from looplm.cli import build_parser
+    from looplm.eval.harness import adaptive_options as harness_options
+    from looplm.generate import adaptive_options
+
+    m = _model("tiny-llama")
+    assert adaptive_options(m, exit="kl:0.1", schedule="depth")["exit"].schedule == "depth"
+    assert harness_options(m, exit="kl:0.1", exit_schedule="depth")["exit"].schedule == "depth"
+    with pytest.raises(ValueError, match="options of --exit"):
+        adaptive_options(m, schedule="depth")
+    from looplm.cli import _adaptive_args
+
+    args = build_parser("generate").parse_args(["generate", "--model", "tiny-llama", "--exit", "kl:0.1", "--exit-schedule", "depth"])
+    assert _adaptive_args(args, m)["exit"].schedule == "depth"
+
+
+def test_generation_timing_times_both_kinds_of_contenders():
+    from looplm.eval.decode_timing import FullDepth, generation_timing
+
+    m = _model("tiny-llama")
+    spec = _replay(2)
+    res = generation_timing(m, torch.randint(0, 250, (2, 4)), 6, {
+        "full": lambda b, c: FullDepth(m, b, c),
+        "token": lambda b, c: AdaptiveDecoder(m, b, c, spec),
+        "depth": lambda b, c: DepthBatchedDecoder(m, b, c, {**spec, "schedule": "depth"}),
+    }, runs=1)  # fmt: skip
+    assert res["full"]["ratio"] == 1.0 and res["depth"]["ms_per_token"] > 0
+    assert res["depth"]["stats"]["executed_depth"] == res["token"]["stats"]["executed_depth"] == 2
