@@ -151,8 +151,9 @@ def test_rules_with_loop_dependent_parts_under_the_depth_schedule(rule):
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 250, (3, 5), generator=g)
     ex = {"criterion": "gate", "threshold": 0.5} if rule == "exit_gate" else _replay(torch.randint(1, K + 1, (3, 8), generator=g))
-    tok, dep = _both(m, ids, 8, ex)
-    assert torch.equal(tok, dep)
+    for kv in ("copy", "propagate"):  # propagate under timestep conditioning: per loop, with its scale (_fill)
+        tok, dep = _both(m, ids, 8, {**ex, "kv": kv})
+        assert torch.equal(tok, dep)
 
 
 @pytest.mark.parametrize("preset", ["huginn-0125"])

@@ -35,6 +35,9 @@ later token reads every earlier token at the last loop it ran (memory ÷ K).
 
 Within one token the active rows of a loop write through row views (``slot.rows(idx, batch)``) at column
 ``seqlen`` without advancing it; :meth:`LoopCache.commit` counts the column once every row has its entry.
+Under continuous depth batching (:mod:`looplm.depth_batch`) rows are at different tokens: a row view with
+per-row columns (``slot.rows(idx, batch, cols)``, :meth:`LoopCache.rows` ``cols=``) writes each row's token
+at its own column, and the driver keeps each row's length itself.
 
 ``seqlen`` is tracked per cache; every slot of a complete cache has the same length.
 """

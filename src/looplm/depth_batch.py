@@ -2,8 +2,8 @@
 
 Under per-token exit with the token schedule (:mod:`looplm.adaptive`) the rows of a batch decode one token
 together: a row that exits after loop 2 waits at the coda while the deepest row runs loop 4, so a batch's
-wall time follows the loops its *deepest* row runs (batch 8 on the bench LM: 3.4–4.0 of 4 loops at a mean
-exit depth of 2.3). Here a row that exits goes through the coda and the head, picks its next token, and
+wall time follows the loops its *deepest* row runs (batch 8 on the d = 1024 bench LM, kl ε = 0.01: 3.5 of
+4 loops at a mean exit depth of 2.4). Here a row that exits goes through the coda and the head, picks its next token, and
 starts that token's loop 0 at the next core pass, beside rows still in loop 3 of theirs; the passes a
 batch needs follow the rows' *mean* depth (ZH-Haoran/continuous-depth-batching's idea, arXiv 2608.09444;
 here for every criterion of :mod:`looplm.exits`, greedy and sampled, on the CPU's fused path).
@@ -32,26 +32,30 @@ that buffer, which the fused CPU step (``decode_stack``, ``rows`` and ``cols``) 
 ``kv='shared'`` views the family's one buffer at row ``b``. The reference attention of such a view scores
 every row of the buffer and keeps the active ones (as :class:`KVRows` does): correct, not fast.
 
-Exactness: a row's arithmetic depends only on its own tokens, so greedy decoding equals each row decoded
-alone with the same exits (``tests/test_depth_batch.py``), up to the row count of the products (fp32:
-the same tokens; the logits to 1e-4). Sampled decoding draws each row's token when it is picked, so a
-seed fixes the output, but the draws come in another order than under the token schedule.
+Exactness: a row's arithmetic depends only on its own tokens, so greedy decoding equals the token
+schedule's (each row decoded alone with the same exits), up to the row count of the products
+(``tests/test_depth_batch.py``: the same tokens, with left padding, for every KV policy and criterion; the
+caches of every loop at every row's columns to 1e-5). Unwritten columns are zeroed first: a row reads the
+buffer up to the furthest row's column under its mask, and a masked NaN of uninitialised memory would
+still reach it (0 × NaN). Sampled decoding draws each row's token when it is picked, so a seed fixes the
+output, but at batch > 1 the draws come in another order than under the token schedule.
 
 What it does not run (refused by :meth:`looplm.exits.Exit.resolved`): Mamba-2 layers (a state per row and
 loop would need the same flat layout, not built), sliding-window attention, rules with their own
 per-loop slots (StateLoop's state mixers), rules that replace a block's residual stream, and
-``kv='full'``. Prefill runs at full depth (as under the token schedule). The host reads the exit flags
-once per pass (CPU; on CUDA that is a synchronisation per pass — not measured, no GPU here).
+``kv='full'``. Prefill runs at full depth (as under the token schedule). The host reads the exit flags and
+the furthest column a few times per pass (on CUDA each is a synchronisation — not built for, not measured:
+no GPU here). Host work per pass, measured: ``docs/adaptive-depth.md``.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from .adaptive import AdaptiveDecoder, restrict_fctx
+from .adaptive import AdaptiveDecoder, _modulates, restrict_fctx
 from .context import BlockModulation, BranchModulation, ForwardContext, LoopContext
 from .exits import make_criterion
 from .layers.attention import KVCache, KVRows
@@ -81,7 +85,9 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             raise ValueError(f"DepthBatchedDecoder runs exit schedule 'depth', got {self.exit.schedule!r}")
         self.flat = self._flat_core_slots()  # layer -> (the KVCache over [R·B, ...] or kv='shared''s, rows, offset)
         self.loop_offset = next(iter(self.flat.values()))[2]  # buffer rows per loop (kv='shared': 0, one buffer)
-        self.copies: list = []  # (rows, exit loop) whose core copies this pass still owes (kv='copy')
+        self.pending: list = []  # (rows, exit loop, stand-in) whose core fills this pass still owes (_fill_core)
+        self.modulated = _modulates(model.rule)  # blocks differ per loop: propagation per loop (_fill)
+        self.copy_bytes = sum(2 * b._k[0, :, 0].numel() * b._k.element_size() for b, _, _ in self.flat.values())  # per (row, loop)
         self.stats.batch_size = batch_size
 
     def _flat_core_slots(self) -> dict:
@@ -138,7 +144,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         self.rope = {int(r): None for r in m.rotary}  # per row: the rotary tables of its token in flight [B, 1, rot]
         self.positions = torch.zeros(B, 1, dtype=torch.long, device=dev)
         self.keys = torch.arange(P + max_new_tokens, device=dev)
-        self.sums = torch.zeros(3, dtype=torch.float64, device=dev)  # Σ keys over core rows, over exits; exits
+        self.exit_keys: list = []  # per exit: the rows' keys (column + 1); FLOPs are summed once, at the end
         col = torch.full((B,), P, dtype=torch.long, device=dev)  # the column of each row's token in flight
         made = torch.ones(B, dtype=torch.long, device=dev)  # tokens generated per row
         done = made >= max_new_tokens
@@ -170,10 +176,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
                 done[rows] |= fin
                 waiting[rows] = ~fin
         self.decode_seconds = now() - t0  # after the prompt
-        st, (core_keys, exit_keys, exits) = self.stats, self.sums.tolist()
-        st.core_flops += self._core_terms[1] * core_keys  # the per-key terms (the per-row terms are counted per pass)
-        st.full_core_flops += self.R * (exits * self._core_terms[0] + self._core_terms[1] * exit_keys)
-        st.other_flops += exits * self._other_terms[0] + self._other_terms[1] * exit_keys
+        self._count_flops()
         cache.seqlen = P + int(made.max()) - 1  # the columns written (rows that stopped early: holes, masked)
         return out[:, : P + int(made.max())]
 
@@ -200,7 +203,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         f = self._fctx(rows, col, L)
         E = m._embed(ids, head_in_loss=False) * m.embed_multiplier  # [n, 1, d]
         view = self.cache.rows(rows, col[rows])
-        x = m.prelude(E, f, m._slots(view, m.prelude, (0,), rows.shape[0]))
+        x = m.prelude(E, f, m._slots(view, m.prelude, (0,), rows.shape[0])) if len(m.prelude.blocks) else E
         lctx = self._context(f, E)
         lctx.cache, lctx.iteration = view, 0
         crit = make_criterion(self.exit)
@@ -228,8 +231,6 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         h_all = m.core(torch.cat(zs) if len(zs) > 1 else zs[0], fctx, slots,
                        _cat_modulations(mods, [c.rows.shape[0] for c in cohorts], len(m.core.stack.blocks)))  # [n, 1, d]
         st.core_calls += 1
-        st.core_flops += rows.shape[0] * self._core_terms[0]
-        self.sums[0] += cols.sum() + rows.shape[0]
         exits, off = [], 0
         check_before = sum(c.crit.flops for c in cohorts)
         # a readout criterion without coda layers (no per-loop coda slots): one readout for every row that
@@ -255,8 +256,8 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             exits.append(self._exit(c, leave, h, col))
             c.k += 1
         st.check_flops += sum(c.crit.flops for c in cohorts) - check_before
-        if self.copies:
-            self._copy_core(col)
+        if self.pending:
+            self._fill_core(col, L)
         return exits
 
     def _exit(self, c: _Cohort, leave, h, col):
@@ -275,16 +276,17 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             ctx_out.cache, ctx_out.iteration = self.cache.rows(g, col[g]), c.k
         st_out = rule.exit_rows(st_out, torch.ones(g.shape[0], 1, dtype=torch.bool, device=dev), ctx_out)
         y = rule.finish(st_out, ctx_out)  # [e, 1, d]
-        copy = self.exit.kv == "copy"  # the core's copies: one gather and scatter per layer for the pass (_copy_core)
-        if copy and c.k < self.R - 1:
-            self.copies.append((g, c.k))
-        if not copy or len(self.cache.loop_slots) > len(self.flat):  # propagate; or other families (readouts)
-            self._fill(g, c.k, st_out, ctx_out, h_out, cols=col[g], skip_core=copy)
+        # the core's fills, once for every exit of the pass (_fill_core): copies; propagation's stand-ins Z^{k+1}
+        mine = self.exit.kv == "copy" or (self.exit.kv == "propagate" and not self.modulated)
+        if mine and c.k < self.R - 1:
+            z = None if self.exit.kv == "copy" else rule.next_input(st_out, replace(ctx_out, iteration=c.k + 1))  # [e, 1, d]
+            self.pending.append((g, c.k, z))
+        if not mine or len(self.cache.loop_slots) > len(self.flat):  # the rest (readouts' coda layers; modulated blocks)
+            self._fill(g, c.k, st_out, ctx_out, h_out, cols=col[g], skip_core=mine)
         depth = torch.full((g.shape[0],), c.k + 1, dtype=torch.long, device=dev)
         st.selected.append(depth)
         st.executed.append(depth)
-        self.sums[1] += col[g].sum() + g.shape[0]
-        self.sums[2] += g.shape[0]
+        self.exit_keys.append(col[g])  # (+ 1 at the end) every pass of this token read as many keys
         if every:
             c.rows = c.rows[:0]
         else:
@@ -296,29 +298,65 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             c.crit.take(stay)
         return g, y
 
-    def _copy_core(self, col) -> None:
-        """``kv='copy'`` for the core layers of every row that exited at this pass: the exit loop's key and
-        value (buffer row ``k·B + b``) into the rows of the loops it skipped (``k'·B + b``, ``k' > k``), at
-        the row's column — one gather and one scatter per layer and buffer."""
-        B, R = self.cache.batch_size, self.R
-        src, dst, cc = [], [], []
-        for g, k in self.copies:
-            for kk in range(k + 1, R):
-                src.append(g + k * B)
-                dst.append(g + kk * B)
-                cc.append(col[g])
-        self.copies = []
+    def _count_flops(self) -> None:
+        """The FLOPs of the decoded tokens, from each exit's depth and keys: a token of depth ``r`` at column
+        ``c`` ran ``r`` core passes of ``c + 1`` keys; full depth would run ``R``; the rest once."""
+        st = self.stats
+        if not self.exit_keys:
+            return
+        keys = torch.cat(self.exit_keys).double() + 1  # [tokens]
+        depth = torch.cat(st.selected[-len(self.exit_keys):]).double()
+        (w, a), (ow, oa) = self._core_terms, self._other_terms
+        n, k_sum = keys.numel(), float(keys.sum())
+        st.core_flops += w * float(depth.sum()) + a * float((depth * keys).sum())
+        st.full_core_flops += self.R * (w * n + a * k_sum)
+        st.other_flops += ow * n + oa * k_sum
+        self.exit_keys = []
+
+    def _fill_core(self, col, L: int) -> None:
+        """The core layers' slots of the loops skipped by every row that exited at this pass (buffer rows
+        ``k'·B + b``, ``k' > k`` its exit loop, at the row's column), one gather / projection and one scatter
+        per layer and buffer for all of them: ``copy`` — the exit loop's key and value (buffer row
+        ``k·B + b``); ``propagate`` — the stand-in ``Z^{k+1}`` through each layer's norm and K/V projections
+        (computed once per layer: the rule does not modulate the blocks, ``_fill``'s per-loop case)."""
+        B, R, m = self.cache.batch_size, self.R, self.model
+        src, dst, cc, stand = [], [], [], []
+        for g, k, z in self.pending:
+            n = R - 1 - k  # skipped loops
+            src.append((g + k * B).repeat(n))
+            dst.append(torch.cat([g + kk * B for kk in range(k + 1, R)]))
+            cc.append(col[g].repeat(n))
+            if z is not None:
+                stand.append((g, z, n))
+        self.pending = []
         src, dst, cc = torch.cat(src), torch.cat(dst), torch.cat(cc)
-        for base, _, _ in self.flat.values():
-            for buf in (base._k, base._v):
-                buf[dst, :, cc] = buf[src, :, cc]  # [pairs, H_kv, hd]
-                self.stats.fill_bytes += buf[0, :, 0].numel() * buf.element_size() * dst.shape[0]
+        if not stand:  # copy
+            for base, _, _ in self.flat.values():
+                for buf in (base._k, base._v):
+                    buf[dst, :, cc] = buf[src, :, cc]  # [pairs, H_kv, hd]
+            self.stats.fill_bytes += self.copy_bytes * dst.shape[0]
+            return
+        G = torch.cat([g for g, _, _ in stand])  # [e] the exiting rows
+        Z = torch.cat([z for _, z, _ in stand])  # [e, 1, d] their stand-ins
+        which, o = [], 0  # each pair's row of Z (the pairs run loop-major per exit, as dst)
+        for g, _, n in stand:
+            which.append((torch.arange(g.shape[0], device=G.device) + o).repeat(n))
+            o += g.shape[0]
+        which = torch.cat(which)
+        f = self._fctx(G, col, L)
+        for blk in m.core.stack.blocks:
+            k, v = blk.mixer.kv_of(blk.mixer_norm(Z), f)  # [e, H_kv, 1, hd]
+            base = self.flat[blk.layer_idx][0]
+            base._k[dst, :, cc] = k[which, :, 0].to(base._k.dtype)
+            base._v[dst, :, cc] = v[which, :, 0].to(base._v.dtype)
+            self.stats.fill_flops += G.shape[0] * 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
 
     def _head_rows(self, y, rows, col, L: int) -> torch.Tensor:
         """Logits ``[e, V]`` of the exiting rows: the coda at their columns, the final norm, the head."""
         m = self.model
-        view = self.cache.rows(rows, col[rows])
-        y = m.coda(y, self._fctx(rows, col, L), m._slots(view, m.coda, (0,), rows.shape[0]))
+        if len(m.coda.blocks):  # (an empty stack is the identity)
+            view = self.cache.rows(rows, col[rows])
+            y = m.coda(y, self._fctx(rows, col, L), m._slots(view, m.coda, (0,), rows.shape[0]))
         return m.lm_head(m.norm(y[:, -1]))
 
 

@@ -53,7 +53,9 @@ up to 64 new tokens per row after the prompt (a speculative verification's ``k +
 then token ``t`` attending to the columns up to its own, the model's mask (left padding, rejected drafts'
 holes) read row by row — so a verification costs one op per loop, not the reference's dozen per block
 (bf16, the bench LM's d = 256 core, 5 tokens: 287 µs vs 883 µs through torch's matmul;
-``tests/test_decode_few_tokens.py`` holds it to the reference).
+``tests/test_decode_few_tokens.py`` holds it to the reference). A row view with per-row columns (continuous
+depth batching, :mod:`looplm.depth_batch`: each row at its own token and loop, its cache row ``k·B + b`` of
+a layer's one ``[R·B, ...]`` buffer) passes them as the op's ``cols``, the mask's length as ``pos + 1``.
 
 A rule's own residual mixers — StateLoop's ``S + mixer(RMSNorm(S))`` over its state (eqs. 8, 9), an
 attention or Mamba-2 mixer — are the same branch and take the same step under the same conditions
