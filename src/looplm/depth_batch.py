@@ -141,8 +141,8 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             self.visible[:, :P] = attention_mask.bool()
         # the position of column P: the row's real prompt tokens (left padding does not count)
         self.pos_shift = (self.visible[:, :P].long().sum(-1) if attention_mask is not None else torch.full((B,), P, device=dev)) - P
-        self.rope = {int(r): None for r in m.rotary}  # per row: the rotary tables of its token in flight [B, 1, rot]
-        self.positions = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(B, 1, dtype=torch.long, device=dev)  # per row: its token in flight's position
+        self.rope = {int(r): rot(self.positions) for r, rot in m.rotary.items()}  # and rotary tables [B, 1, rot]
         self.keys = torch.arange(P + max_new_tokens, device=dev)
         self.exit_keys: list = []  # per exit: the rows' keys (column + 1); FLOPs are summed once, at the end
         col = torch.full((B,), P, dtype=torch.long, device=dev)  # the column of each row's token in flight
@@ -196,9 +196,6 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         self.positions[rows] = pos
         for r, rot in m.rotary.items():
             cos, sin = rot(pos)  # [n, 1, rot]
-            if self.rope[int(r)] is None:
-                B = self.positions.shape[0]
-                self.rope[int(r)] = (cos.new_zeros(B, 1, cos.shape[-1]), sin.new_zeros(B, 1, sin.shape[-1]))
             self.rope[int(r)][0][rows], self.rope[int(r)][1][rows] = cos, sin
         f = self._fctx(rows, col, L)
         E = m._embed(ids, head_in_loss=False) * m.embed_multiplier  # [n, 1, d]
