@@ -145,10 +145,15 @@ for name, case in spec.items():
     # adaptive depth and speculative decoding come with the copied code too (looplm.adaptive, .exits, .speculative)
     gen_exit = m.generate(ids, max_new_tokens=4, do_sample=False, exit="convergence:0.05")
     gen_spec = m.generate(ids, max_new_tokens=4, do_sample=False, speculative={"draft_loops": 1, "k": 2})
+    try:  # continuous depth batching (looplm.depth_batch, carried too): the same exits, rows at their own pace
+        depth = torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False,
+                                       exit={"criterion": "convergence", "threshold": 0.05, "schedule": "depth"}), exp["exit"])
+    except ValueError as e:  # a model the depth schedule does not run (Mamba-2 layers, a rule's own slots)
+        depth = "refused: " + str(e)[:60]
     tok = AutoTokenizer.from_pretrained(case["dir"], trust_remote_code=False)
     res[name] = {"impl": m.looplm_implementation.name, "module": type(m.looplm).__module__,
                  "logits_max_abs": float((logits - exp["logits"]).abs().max()), "tokens": torch.equal(gen, exp["tokens"]),
-                 "exit": torch.equal(gen_exit, exp["exit"]), "speculative": torch.equal(gen_spec, exp["full"]),
+                 "exit": torch.equal(gen_exit, exp["exit"]), "speculative": torch.equal(gen_spec, exp["full"]), "depth": depth,
                  "text": tok.decode(gen[0].tolist())}
 print(json.dumps(res))
 '''
@@ -187,4 +192,6 @@ def test_every_rule_loads_and_generates_without_looplm(tmp_path):
         # (MKL's gemv: the timestep rule's W @ psi differs by ~5e-7 between two copies of the same W)
         assert got["logits_max_abs"] <= 1e-5 and got["tokens"], (rule, got)
         assert got["exit"] and got["speculative"], (rule, got)  # the same per-token exits; lossless drafts
+        assert got["depth"] is True or str(got["depth"]).startswith("refused"), (rule, got)
         assert isinstance(got["text"], str)
+    assert sum(got["depth"] is True for got in res.values()) >= 5  # most rules run under the depth schedule
