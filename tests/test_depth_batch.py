@@ -9,7 +9,9 @@ import torch
 import looplm
 from looplm.adaptive import AdaptiveDecoder
 from looplm.depth_batch import DepthBatchedDecoder
+from looplm.context import ForwardContext
 from looplm.exits import Exit
+from looplm.layers.attention import KVCache, KVRows
 from looplm.kernels import decode as kd
 from looplm.sampling import decode_context
 
@@ -102,28 +104,48 @@ def test_the_fused_pass_equals_the_reference_and_takes_the_calls():
 
 
 @pytest.mark.kernels
-def test_decode_stack_checks_per_row_columns():
+def test_decode_stack_with_per_row_columns_checks_them_and_equals_the_reference():
+    """The op's ``cols``: refused outside ``0..pos`` or as int32; each row writes its own column only; the
+    output and every written key / value equal the reference blocks on a per-row-column row view."""
     from looplm import kernels
 
     kernels.load("cpu")
     m = _model("tiny-llama")
-    if True:
-        plan = kd._prepare_stack(m.core.stack, 2)
-        d = m.config.d_model
-        a = m.core.stack.blocks[0].mixer
-        kc = [torch.zeros(2, a.n_kv_heads, 8, a.head_dim) for _ in m.core.stack.blocks]
-        vc = [torch.zeros_like(t) for t in kc]
-        x = torch.randn(2, 1, d)
-        cos, sin = torch.ones(2, 1, a.rotary_dim), torch.zeros(2, 1, a.rotary_dim)
-        mask = torch.ones(2, 1, 1, 4, dtype=torch.bool)
-        with pytest.raises(RuntimeError, match=r"cols\[1\] = 4 is outside 0..pos = 0..3"):
-            torch.ops.looplm_cpu.decode_stack(x, plan.plan, kc, vc, 3, cos, sin, mask, cols=torch.tensor([1, 4]))
-        with pytest.raises(RuntimeError, match="cols must be a contiguous int64"):
-            torch.ops.looplm_cpu.decode_stack(x, plan.plan, kc, vc, 3, cos, sin, mask, cols=torch.tensor([1, 2], dtype=torch.int32))
-        y = torch.ops.looplm_cpu.decode_stack(x, plan.plan, kc, vc, 3, cos, sin, mask, cols=torch.tensor([1, 3]))
-        assert y.shape == x.shape
-        assert kc[0][0, :, 1].abs().sum() > 0 and kc[0][0, :, 3].abs().sum() == 0  # row 0 wrote column 1 only
-        assert kc[0][1, :, 3].abs().sum() > 0 and kc[0][1, :, 1].abs().sum() == 0
+    plan = kd._prepare_stack(m.core.stack, 2)
+    d = m.config.d_model
+    a = m.core.stack.blocks[0].mixer
+    kc = [torch.zeros(2, a.n_kv_heads, 8, a.head_dim) for _ in m.core.stack.blocks]
+    vc = [torch.zeros_like(t) for t in kc]
+    x = torch.randn(2, 1, d)
+    ang = torch.rand(2, 1, a.rotary_dim // 2).repeat(1, 1, 2) * 3
+    cos, sin = ang.cos(), ang.sin()
+    mask = torch.ones(2, 1, 1, 4, dtype=torch.bool)
+    with pytest.raises(RuntimeError, match=r"cols\[1\] = 4 is outside 0..pos = 0..3"):
+        torch.ops.looplm_cpu.decode_stack(x, plan.plan, kc, vc, 3, cos, sin, mask, cols=torch.tensor([1, 4]))
+    with pytest.raises(RuntimeError, match="cols must be a contiguous int64"):
+        torch.ops.looplm_cpu.decode_stack(x, plan.plan, kc, vc, 3, cos, sin, mask, cols=torch.tensor([1, 2], dtype=torch.int32))
+    cols = torch.tensor([1, 3])
+    y = torch.ops.looplm_cpu.decode_stack(x, plan.plan, kc, vc, 3, cos, sin, mask, cols=cols)
+    assert kc[0][0, :, 1].abs().sum() > 0 and kc[0][0, :, 3].abs().sum() == 0  # row 0 wrote column 1 only
+    assert kc[0][1, :, 3].abs().sum() > 0 and kc[0][1, :, 1].abs().sum() == 0
+    # against the reference blocks on a row view with the same per-row columns, over random earlier keys
+    g = torch.Generator().manual_seed(9)
+    before = [(torch.randn(2, a.n_kv_heads, 8, a.head_dim, generator=g), torch.randn(2, a.n_kv_heads, 8, a.head_dim, generator=g))
+              for _ in m.core.stack.blocks]  # fmt: skip
+    mask[0, 0, 0, 2:] = False  # row 0 reads its columns 0..1 only (what the driver's mask says)
+    fused = [(k.clone(), v.clone()) for k, v in before]
+    y = torch.ops.looplm_cpu.decode_stack(x, plan.plan, [k for k, _ in fused], [v for _, v in fused], 3, cos, sin, mask, cols=cols)
+    views = []
+    for k, v in before:
+        base = KVCache(8)
+        base._k, base._v, base._len = k, v, 3
+        views.append(KVRows(base, torch.arange(2), 2, cols))
+    fctx = ForwardContext(rope={a.rotary_dim: (cos, sin)}, positions=None, attn_mask=mask, is_causal=False)
+    ref = m.core.stack(x, fctx, views)
+    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-4)
+    for (fk, fv), (rk, rv) in zip(fused, before):
+        torch.testing.assert_close(fk, rk, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(fv, rv, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("spec", ["kl:0.5", "convergence:0.6", {"criterion": "kl", "threshold": 0.5, "min_loops": 2}])
@@ -205,6 +227,12 @@ def test_statistics_count_each_rows_own_depths_and_the_passes():
     assert int(used.sum(1).max()) <= st.core_calls <= int(used.sum()) and st.core_calls < int(used.max(0).values.sum()) * 2
     assert s["batch_depth"] == pytest.approx(st.core_calls * B / s["tokens"])
     assert 0 < s["flops_ratio"] < 1
+    ids = torch.randint(0, 250, (B, P))
+    for kv in ("copy", "propagate"):  # the same tokens did the same work: every counter equals the token schedule's
+        _, tok = m.generate(ids, N, exit=_replay(depths, kv=kv), return_stats=True)
+        _, dep = m.generate(ids, N, exit=_replay(depths, kv=kv, schedule="depth"), return_stats=True)
+        for f in ("core_flops", "fill_flops", "fill_bytes", "other_flops", "full_core_flops"):
+            assert getattr(dep, f) == pytest.approx(getattr(tok, f)), (kv, f)
 
 
 @pytest.mark.parametrize(
