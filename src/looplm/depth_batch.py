@@ -317,35 +317,31 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         ``k·B + b``); ``propagate`` — the stand-in ``Z^{k+1}`` through each layer's norm and K/V projections
         (computed once per layer: the rule does not modulate the blocks, ``_fill``'s per-loop case)."""
         B, R, m = self.cache.batch_size, self.R, self.model
-        src, dst, cc, stand = [], [], [], []
+        propagate = self.pending[0][2] is not None
+        src, dst, cc, o = [], [], [], 0  # per (row, skipped loop), loop-major per exit: the source, the target
         for g, k, z in self.pending:
             n = R - 1 - k  # skipped loops
-            src.append((g + k * B).repeat(n))
+            src.append(((torch.arange(g.shape[0], device=g.device) + o) if propagate else g + k * B).repeat(n))  # Z row / buffer row
             dst.append(torch.cat([g + kk * B for kk in range(k + 1, R)]))
             cc.append(col[g].repeat(n))
-            if z is not None:
-                stand.append((g, z, n))
-        self.pending = []
+            o += g.shape[0]
         src, dst, cc = torch.cat(src), torch.cat(dst), torch.cat(cc)
-        if not stand:  # copy
+        if not propagate:  # copy
+            self.pending = []
             for base, _, _ in self.flat.values():
                 for buf in (base._k, base._v):
                     buf[dst, :, cc] = buf[src, :, cc]  # [pairs, H_kv, hd]
             self.stats.fill_bytes += self.copy_bytes * dst.shape[0]
             return
-        G = torch.cat([g for g, _, _ in stand])  # [e] the exiting rows
-        Z = torch.cat([z for _, z, _ in stand])  # [e, 1, d] their stand-ins
-        which, o = [], 0  # each pair's row of Z (the pairs run loop-major per exit, as dst)
-        for g, _, n in stand:
-            which.append((torch.arange(g.shape[0], device=G.device) + o).repeat(n))
-            o += g.shape[0]
-        which = torch.cat(which)
+        G = torch.cat([g for g, _, _ in self.pending])  # [e] the exiting rows
+        Z = torch.cat([z for _, _, z in self.pending])  # [e, 1, d] their stand-ins
+        self.pending = []
         f = self._fctx(G, col, L)
         for blk in m.core.stack.blocks:
             k, v = blk.mixer.kv_of(blk.mixer_norm(Z), f)  # [e, H_kv, 1, hd]
             base = self.flat[blk.layer_idx][0]
-            base._k[dst, :, cc] = k[which, :, 0].to(base._k.dtype)
-            base._v[dst, :, cc] = v[which, :, 0].to(base._v.dtype)
+            base._k[dst, :, cc] = k[src, :, 0].to(base._k.dtype)
+            base._v[dst, :, cc] = v[src, :, 0].to(base._v.dtype)
             self.stats.fill_flops += G.shape[0] * 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
 
     def _head_rows(self, y, rows, col, L: int) -> torch.Tensor:
