@@ -11,11 +11,15 @@ Sections (each guarded: one failing does not stop the others; the report is flus
                   losses as one straight run (exactly, or the largest difference); ``compile: auto`` on.
 4. ``speed``    — ``benchmarks/bench_train.py --device cuda`` (SmolLM2-135M shape, bf16).
 5. ``decode``   — ``benchmarks/bench_decode.py --device cuda`` (bf16, batch 1 and 8; eager and compiled).
+6. ``adaptive`` — per-token exit on the device: the token / depth / static schedules' greedy tokens against
+                  the CPU reference, host synchronisations per core pass (the static schedule under
+                  ``set_sync_debug_mode('error')``), decode time per token of each against full depth.
 
 Measured on an H200 (2026-11-30): parity ~80 s, loss ~5 s, train ~55 s, speed ~75 s per shape,
-decode ~120 s; the default budget (560 s) fits one device call.
+decode ~120 s (adaptive: not run on a GPU yet, ~30 s on the CPU dry run); the default budget (560 s)
+fits one device call.
 
-    PYTHONPATH=src python benchmarks/check_cuda.py --out DIR [--only parity,loss,train,speed,decode]
+    PYTHONPATH=src python benchmarks/check_cuda.py --out DIR [--only parity,loss,train,speed,decode,adaptive]
 """
 
 from __future__ import annotations
@@ -106,6 +110,128 @@ def section_parity(rep: Report) -> None:
             bad += 1
             rep(f"| {name} | error: {type(e).__name__}: {str(e)[:150]} | | | | | FAIL |")
     rep(f"\nparity: {bad} preset(s) outside tolerance (logits 1e-4, loss 1e-5, grads 1e-3, cached 1e-4, bf16 5e-2)")
+
+
+def section_adaptive(rep: Report) -> None:
+    """Adaptive depth on the device: (a) greedy tokens of the three batch schedules against the CPU
+    reference (replayed depths, the kl criterion); (b) host synchronisations per core pass — the static
+    schedule's passes under ``torch.cuda.set_sync_debug_mode('error')`` (any synchronisation raises) and the
+    dispatch-level host-read count of both depth schedules; (c) time per token, bf16, random weights at
+    d = 1024 / 2048 (2 blocks × 4 loops), batch 8 and 32, exit depths drawn from 1..4 (executed / K ≈ 0.62):
+    full depth against the token, depth and static schedules, alternated, medians of 3 runs."""
+    import statistics
+    import warnings
+
+    import looplm
+    from host_reads import HostReads
+    from looplm import dispatch
+    from looplm.depth_batch import DepthBatchedDecoder
+    from looplm.depth_static import StaticDepthDecoder
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    greedy = lambda x: x.max(-1).indices  # noqa: E731
+    rep("(a) greedy tokens on the device == the CPU reference's (token schedule), fp32\n")
+    rep("| model | exit | token | depth | static |")
+    rep("| --- | --- | ---: | ---: | ---: |")
+    for name in ("tiny-llama", "tiny-coreloop", "tiny-qwen3"):
+        torch.manual_seed(0)
+        cpu = looplm.build(name).eval()
+        dev = looplm.build(name, device=DEV).eval()
+        dev.load_state_dict(cpu.state_dict())
+        K = cpu.config.n_loops
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, 250, (4, 6), generator=g)
+        depths = torch.randint(1, K + 1, (4, 12), generator=g)
+        for label, spec in (("replay copy", {"criterion": "replay", "depths": depths, "kv": "copy"}),
+                            ("replay propagate", {"criterion": "replay", "depths": depths, "kv": "propagate"}),
+                            ("kl 0.5 copy", {"criterion": "kl", "threshold": 0.5, "kv": "copy"})):  # fmt: skip
+            with dispatch.reference_only():
+                ref = cpu.generate(ids, 12, exit=spec)
+            agree = []
+            for s in ("token", "depth", "static"):
+                try:
+                    agree.append(f"{float((dev.generate(ids.to(DEV), 12, exit={**spec, 'schedule': s}).cpu() == ref).float().mean()):.3f}")
+                except ValueError as e:  # e.g. kl with coda layers under the static schedule
+                    agree.append("refused: " + str(e).split(";")[0][6:60])
+            rep(f"| {name} | {label} | " + " | ".join(agree) + " |")
+
+    rep("\n(b) host synchronisations per core pass (tiny-llama, batch 4, kl 0.5)\n")
+    torch.manual_seed(0)
+    m = looplm.build("tiny-llama", device=DEV).eval()
+    ids = torch.randint(0, 250, (4, 6), device=DEV)
+    spec = {"criterion": "kl", "threshold": 0.5}
+    st = StaticDepthDecoder(m, 4, 22, {**spec, "schedule": "static"})
+    tick, reads, err = st._tick, [], None
+
+    def strict(*a, **k):
+        with HostReads() as r:
+            if DEV == "cuda":
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                tick(*a, **k)
+            finally:
+                if DEV == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+        reads.extend(r.reads)
+
+    st._tick = strict
+    try:
+        st.run(ids, 16, None, greedy, None, 0)
+    except RuntimeError as e:
+        err = str(e).splitlines()[0][:200]
+    rep(f"- static: {st.stats.core_calls} passes, host reads seen by the dispatch mode: {len(reads)}; "
+        f"set_sync_debug_mode('error'): {'raised: ' + err if err else 'no synchronisation'}")
+    dyn = DepthBatchedDecoder(m, 4, 22, {**spec, "schedule": "depth"})
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        if DEV == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with HostReads() as r:
+                dyn.run(ids, 16, None, greedy, None, 0)
+        finally:
+            if DEV == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+    syncs = sum("synchroniz" in str(x.message) for x in w)
+    rep(f"- depth: {dyn.stats.core_calls} passes, host reads {len(r.reads)} (prompt included), CUDA synchronisation "
+        f"warnings {syncs}: {len(r.reads) / max(dyn.stats.core_calls, 1):.1f} reads per pass")
+
+    rep("\n(c) decode time per token, bf16, random weights, exit depths drawn from 1..4\n")
+    rep("| d_model | batch | full ms/token | token ×full | depth ×full | static ×full | executed / K | static passes / step |")
+    rep("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for d in (1024, 2048):
+        torch.manual_seed(0)
+        m = looplm.build("tiny-llama", overrides={"d_model": d, "n_core": 2, "n_loops": 4, "d_ff": 3 * d, "vocab_size": 32000,
+                                                  "max_seq_len": 1024, "attention.n_heads": d // 64,
+                                                  "attention.n_kv_heads": d // 64, "attention.head_dim": 64},
+                         dtype=torch.bfloat16, device=DEV).eval()  # fmt: skip
+        for B in (8, 32):
+            g = torch.Generator().manual_seed(2)
+            ids = torch.randint(0, 32000, (B, 32), generator=g).to(DEV)
+            new = 64
+            depths = torch.randint(1, 5, (B, new + 8), generator=g)
+            ex = {"criterion": "replay", "depths": depths.to(DEV), "kv": "copy"}
+            runs = {"full": lambda: m.generate(ids, new)}
+            for s in ("token", "depth", "static"):
+                runs[s] = lambda s=s: m.generate(ids, new, exit={**ex, "schedule": s}, return_stats=True)
+            times = {k: [] for k in runs}
+            stats = {}
+            for it in range(4):  # 0 warms up
+                for k in (list(runs) if it % 2 else list(runs)[::-1]):
+                    sync(DEV)
+                    t0 = time.perf_counter()
+                    res = runs[k]()
+                    sync(DEV)
+                    if it:
+                        times[k].append(time.perf_counter() - t0)
+                    if k != "full":
+                        stats[k] = res[1]
+            full = statistics.median(times["full"])
+            ratio = {k: statistics.median(times[k]) / full for k in runs}
+            summ = stats["static"].summary()
+            rep(f"| {d} | {B} | {1e3 * full / new:.2f} | {ratio['token']:.3f} | {ratio['depth']:.3f} | {ratio['static']:.3f} | "
+                f"{summ['executed_ratio']:.3f} | {summ['batch_depth']:.2f} |")
 
 
 def section_loss(rep: Report) -> None:
@@ -232,7 +358,7 @@ def section_bench(rep: Report, args: list[str], timeout: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".")
-    ap.add_argument("--only", default="parity,loss,train,speed,decode")
+    ap.add_argument("--only", default="parity,loss,train,speed,decode,adaptive")
     ap.add_argument("--budget", type=float, default=560, help="seconds for the whole check (benchmarks get the rest)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -261,6 +387,8 @@ def main() -> None:
                 section_loss(rep)
             elif name == "train":
                 section_train(rep)
+            elif name == "adaptive":
+                section_adaptive(rep)
             elif name == "decode":
                 section_bench(rep, [str(HERE / "bench_decode.py"), "--device", DEV, "--dtypes", "bf16",
                                     "--batches", "1,8", "--new", "64", "--rounds", "2"], min(150, left))  # fmt: skip

@@ -150,11 +150,16 @@ for name, case in spec.items():
                                        exit={"criterion": "convergence", "threshold": 0.05, "schedule": "depth"}), exp["exit"])
     except ValueError as e:  # a model the depth schedule does not run (Mamba-2 layers, a rule's own slots)
         depth = "refused: " + str(e)[:60]
+    try:  # the same at fixed shapes (looplm.depth_static, carried too)
+        static = torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False,
+                                        exit={"criterion": "convergence", "threshold": 0.05, "schedule": "static"}), exp["exit"])
+    except ValueError as e:  # what the static schedule does not run (and a growing state, e.g. a history)
+        static = "refused: " + str(e)[:60]
     tok = AutoTokenizer.from_pretrained(case["dir"], trust_remote_code=False)
     res[name] = {"impl": m.looplm_implementation.name, "module": type(m.looplm).__module__,
                  "logits_max_abs": float((logits - exp["logits"]).abs().max()), "tokens": torch.equal(gen, exp["tokens"]),
                  "exit": torch.equal(gen_exit, exp["exit"]), "speculative": torch.equal(gen_spec, exp["full"]), "depth": depth,
-                 "text": tok.decode(gen[0].tolist())}
+                 "static": static, "text": tok.decode(gen[0].tolist())}
 print(json.dumps(res))
 '''
 
@@ -193,5 +198,7 @@ def test_every_rule_loads_and_generates_without_looplm(tmp_path):
         assert got["logits_max_abs"] <= 1e-5 and got["tokens"], (rule, got)
         assert got["exit"] and got["speculative"], (rule, got)  # the same per-token exits; lossless drafts
         assert got["depth"] is True or str(got["depth"]).startswith("refused"), (rule, got)
+        assert got["static"] is True or str(got["static"]).startswith("refused"), (rule, got)
         assert isinstance(got["text"], str)
     assert sum(got["depth"] is True for got in res.values()) >= 5  # most rules run under the depth schedule
+    assert sum(got["static"] is True for got in res.values()) >= 5  # and under its fixed-shape form

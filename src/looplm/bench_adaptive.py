@@ -222,18 +222,22 @@ def section_frontier(model, ids, settings, kv: str, runs: int, clock: str, promp
     return rows
 
 
-def _contenders(m, B: int, specs: dict) -> dict:
+def _contenders(m, B: int, specs: dict, schedules=("token", "depth")) -> dict:
     """``{"full": ..., name: decoder factory}`` for :func:`decode_timing` / :func:`generation_timing`: each spec
     (an exit) under the token schedule, and at batch > 1 also under the depth schedule (continuous depth
-    batching; at batch 1 the two are one schedule)."""
+    batching; at batch 1 the two are one schedule) and, when asked, its fixed-shape form ``static``."""
     from .adaptive import AdaptiveDecoder
     from .depth_batch import DepthBatchedDecoder
+    from .depth_static import StaticDepthDecoder
 
     cont = {"full": lambda b, c: FullDepth(m, b, c)}
     for name, spec in specs.items():
         cont[f"{name}/token"] = lambda b, c, spec=spec: AdaptiveDecoder(m, b, c, spec)
         if B > 1 and spec["kv"] != "full":
-            cont[f"{name}/depth"] = lambda b, c, spec=spec: DepthBatchedDecoder(m, b, c, {**spec, "schedule": "depth"})
+            if "depth" in schedules:
+                cont[f"{name}/depth"] = lambda b, c, spec=spec: DepthBatchedDecoder(m, b, c, {**spec, "schedule": "depth"})
+            if "static" in schedules:
+                cont[f"{name}/static"] = lambda b, c, spec=spec: StaticDepthDecoder(m, b, c, {**spec, "schedule": "static"})
     return cont
 
 
@@ -243,18 +247,19 @@ def _timed(m, prompts, new_tokens, cont, runs, clock) -> dict:
     (:func:`generation_timing`)."""
     from .eval.decode_timing import generation_timing
 
-    if any(k.endswith("/depth") for k in cont):
+    if any(k.endswith(("/depth", "/static")) for k in cont):
         return generation_timing(m, prompts, new_tokens, cont, runs=runs, clock=clock)
     return decode_timing(m, prompts, new_tokens, cont, runs=runs, clock=clock)
 
 
-def section_timing(model, prompts_by_batch: dict, settings, new_tokens: int, runs: int, clock: str, dtypes) -> list[dict]:
+def section_timing(model, prompts_by_batch: dict, settings, new_tokens: int, runs: int, clock: str, dtypes,
+                   schedules=("token", "depth")) -> list[dict]:
     rows = []
     for dt in dtypes:
         m = model.to(dt)
         for B, prompts in prompts_by_batch.items():
             specs = {f"{crit}:{eps}/{kv}": {"criterion": crit, "threshold": eps, "kv": kv} for crit, eps, kv in settings}
-            res = _timed(m, prompts, new_tokens, _contenders(m, B, specs), runs, clock)
+            res = _timed(m, prompts, new_tokens, _contenders(m, B, specs, schedules), runs, clock)
             full_ms = res["full"]["ms_per_token"]
             for name in list(res)[1:]:
                 r = res[name]
@@ -371,7 +376,7 @@ def section_task(model, cfg, qs, policies, fixed, time_batch: int, runs: int, cl
     return rows
 
 
-def section_scale(depth_pool: torch.Tensor, widths, batches, new_tokens, runs, clock, dtypes) -> list[dict]:
+def section_scale(depth_pool: torch.Tensor, widths, batches, new_tokens, runs, clock, dtypes, schedules=("token", "depth")) -> list[dict]:
     """The timing protocol on larger random-weight backbones (2 blocks × K = 4 like the LM, wider), every
     token's depth drawn from the LM's measured exit depths (``depth_pool``): timing does not depend on the
     weights' values, only on how many loops run."""
@@ -389,7 +394,7 @@ def section_scale(depth_pool: torch.Tensor, widths, batches, new_tokens, runs, c
                 prompts = torch.randint(0, 260, (B, 32), generator=g)
                 depths = depth_pool[torch.randint(0, depth_pool.numel(), (B, new_tokens + 8), generator=g)]
                 spec = {"criterion": "replay", "depths": depths, "kv": "copy"}
-                res = _timed(m, prompts, new_tokens, _contenders(m, B, {"replay": spec}), runs, clock)
+                res = _timed(m, prompts, new_tokens, _contenders(m, B, {"replay": spec}, schedules), runs, clock)
                 for name in list(res)[1:]:
                     r = res[name]
                     ex = r["stats"]["executed_ratio"]
@@ -536,6 +541,10 @@ def cmd_bench_adaptive(args) -> int:
         raise ValueError(f"--sections: unknown {bad}; choose from {list(SECTIONS)}")
     runs = Path(args.runs_dir)
     dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in args.dtypes.split(",")]
+    schedules = tuple(x.strip() for x in args.schedules.split(","))
+    bad = [x for x in schedules if x not in ("token", "depth", "static")]
+    if bad:
+        raise ValueError(f"--schedules {args.schedules!r}: unknown {bad}; choose from token, depth, static")
     q = args.quick
     report = {"cpu": cpu_description(), "threads": torch.get_num_threads(), "clock": args.clock, "sections": {}}
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
@@ -582,7 +591,8 @@ def cmd_bench_adaptive(args) -> int:
         settings = [("kl", e, kv) for e in [kl_grid[len(kl_grid) // 2]] for kv in ("copy", "propagate")]
         settings += [("convergence", e, "copy") for e in [conv_grid[len(conv_grid) // 2]]]
         if "timing" in sections:
-            rows = section_timing(lm, prompts, settings, 16 if q else args.new, 2 if q else args.runs, args.clock, dtypes)
+            rows = section_timing(lm, prompts, settings, 16 if q else args.new, 2 if q else args.runs, args.clock, dtypes,
+                                  schedules)
             report["sections"]["timing"] = rows
             log("\n## timing (decode only, interleaved with full depth)\n" + _md(rows, TABLES["timing"]))
         # the LM's own exit depths at the middle kl threshold (the pool the scale section replays)
@@ -593,7 +603,7 @@ def cmd_bench_adaptive(args) -> int:
         depth_pool = torch.stack(dec.stats.selected).flatten()
     if "scale" in sections:
         rows = section_scale(depth_pool, [int(w) for w in args.widths.split(",")], (1, 8), 16 if q else args.new,
-                             2 if q else args.runs, args.clock, dtypes)
+                             2 if q else args.runs, args.clock, dtypes, schedules)
         report["sections"]["scale"] = rows
         log("\n## scale (random weights, the LM's exit depths replayed)\n" + _md(rows, TABLES["scale"]))
     if "speculative" in sections:
@@ -641,6 +651,8 @@ def register(sub) -> None:
     a.add_argument("--drafts", default="1,2,3", help="speculative draft loop counts r_d")
     a.add_argument("--k", default="2,4", help="speculative tokens drafted per round")
     a.add_argument("--widths", default="512,1024", help="backbone widths of the scale section")
+    a.add_argument("--schedules", default="token,depth", help="batch schedules timed at batch 8 beside full depth "
+                   "(token, depth, static: the fixed-shape depth schedule, made for CUDA)")
     a.add_argument("--dtypes", default="fp32,bf16")
     a.add_argument("--new", type=int, default=48, help="decoded tokens per timing run")
     a.add_argument("--timing-runs", dest="runs", type=int, default=5, help="timing runs per setting (medians)")

@@ -226,9 +226,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="what a Mamba-2 state does in the loops a token skipped (default freeze)")
     a.add_argument("--min-loops", type=int, default=None, help="no exit before this many loops (default 1)")
     a.add_argument("--max-loops", type=int, default=None, help="every token exits here (default the trained K)")
-    a.add_argument("--exit-schedule", choices=["token", "depth"], default=None,
+    a.add_argument("--exit-schedule", choices=["token", "depth", "static"], default=None,
                    help="how a batch's rows share the core passes: token (rows that exited wait for the deepest, the "
-                        "default) or depth (continuous depth batching: each pass runs every row at its own loop)")
+                        "default), depth (continuous depth batching: each pass runs every row at its own loop) or "
+                        "static (the same at fixed shapes with no host reads per pass, for CUDA)")
     a.add_argument("--speculative", type=int, default=None, metavar="R_D",
                    help="lossless self-speculative decoding: draft with R_D < K loops, verify with all K")
     a.add_argument("--draft-k", type=int, default=4, help="tokens drafted per speculative round")

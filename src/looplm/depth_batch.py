@@ -79,10 +79,12 @@ class DepthBatchedDecoder(AdaptiveDecoder):
     """:class:`~looplm.adaptive.AdaptiveDecoder` (its cache, criterion, fills, statistics) with the prompt
     at full depth and then :meth:`run`: the token loop of continuous depth batching (module docstring)."""
 
+    schedule = "depth"  # the Exit.schedule it runs (looplm.depth_static's subclass: 'static')
+
     def __init__(self, model, batch_size: int, capacity: int, exit, loop_options: dict | None = None):
         super().__init__(model, batch_size, capacity, exit, loop_options)
-        if self.exit.schedule != "depth":
-            raise ValueError(f"DepthBatchedDecoder runs exit schedule 'depth', got {self.exit.schedule!r}")
+        if self.exit.schedule != self.schedule:
+            raise ValueError(f"{type(self).__name__} runs exit schedule {self.schedule!r}, got {self.exit.schedule!r}")
         self.flat = self._flat_core_slots()  # layer -> (the KVCache over [R·B, ...] or kv='shared''s, rows, offset)
         self.loop_offset = next(iter(self.flat.values()))[2]  # buffer rows per loop (kv='shared': 0, one buffer)
         self.pending: list = []  # (rows, exit loop, stand-in) whose core fills this pass still owes (_fill_core)
@@ -121,35 +123,10 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         ``pick(logits [n, V]) -> [n]`` chooses a token. Returns ``[B, P + n]`` ids (``n``: the most any row
         generated; a row that emitted ``eos_token_id`` is padded with ``pad_token_id`` after it).
         ``decode_seconds``: the time after the prompt, on the clock ``now`` (a host clock: CPU time)."""
-        m, cache, B, P = self.model, self.cache, *input_ids.shape
-        dev = input_ids.device
-        out = torch.full((B, P + max_new_tokens), pad_token_id, dtype=input_ids.dtype, device=dev)
-        out[:, :P] = input_ids
+        out, col, made, done = self._prefill(input_ids, max_new_tokens, attention_mask, pick, eos_token_id, pad_token_id)
         if max_new_tokens == 0:
-            return out[:, :P]
-        logits = self(input_ids, attention_mask)  # [B, 1, V]: the prompt at full depth, committed at columns < P
-        out[:, P] = pick(logits[:, -1])
-        for base, _, _ in self.flat.values():
-            base._len = P  # the flat buffers' own length (the fused step's bounds check reads it)
-        for slot in cache.physical_slots():  # columns a row has not reached are read under a mask: zeros, not
-            if getattr(slot, "_k", None) is not None:  # uninitialised memory (a masked NaN value is 0 × NaN)
-                slot._k[:, :, P:].zero_()
-                slot._v[:, :, P:].zero_()
-        # every column's visibility: the prompt's mask, then each row's generated tokens
-        self.visible = torch.ones(B, P + max_new_tokens, dtype=torch.bool, device=dev)
-        if attention_mask is not None:
-            self.visible[:, :P] = attention_mask.bool()
-        # the position of column P: the row's real prompt tokens (left padding does not count)
-        self.pos_shift = (self.visible[:, :P].long().sum(-1) if attention_mask is not None else torch.full((B,), P, device=dev)) - P
-        self.positions = torch.zeros(B, 1, dtype=torch.long, device=dev)  # per row: its token in flight's position
-        self.rope = {int(r): rot(self.positions) for r, rot in m.rotary.items()}  # and rotary tables [B, 1, rot]
-        self.keys = torch.arange(P + max_new_tokens, device=dev)
-        self.exit_keys: list = []  # per exit: the rows' keys (column + 1); FLOPs are summed once, at the end
-        col = torch.full((B,), P, dtype=torch.long, device=dev)  # the column of each row's token in flight
-        made = torch.ones(B, dtype=torch.long, device=dev)  # tokens generated per row
-        done = made >= max_new_tokens
-        if eos_token_id is not None:
-            done |= out[:, P] == eos_token_id
+            return out
+        m, cache, B, P = self.model, self.cache, *input_ids.shape
         waiting = ~done  # rows whose next token has not started its loops yet
         cohorts: list[_Cohort] = []
         t0 = now()
@@ -181,6 +158,41 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         return out[:, : P + int(made.max())]
 
     # ------------------------------------------------------------------------------------------
+    def _prefill(self, input_ids, max_new_tokens, attention_mask, pick, eos_token_id, pad_token_id):
+        """The prompt at full depth and each row's first token; the per-row decoding state (visible columns,
+        position shifts, rotary tables, keys). Returns ``(out [B, P + n] ids, col [B], made [B], done [B])``
+        (``max_new_tokens = 0``: ``out`` is the prompt)."""
+        m, cache, B, P = self.model, self.cache, *input_ids.shape
+        dev = input_ids.device
+        out = torch.full((B, P + max_new_tokens), pad_token_id, dtype=input_ids.dtype, device=dev)
+        out[:, :P] = input_ids
+        if max_new_tokens == 0:
+            return out[:, :P], None, None, None
+        logits = self(input_ids, attention_mask)  # [B, 1, V]: the prompt at full depth, committed at columns < P
+        out[:, P] = pick(logits[:, -1])
+        for base, _, _ in self.flat.values():
+            base._len = P  # the flat buffers' own length (the fused step's bounds check reads it)
+        for slot in cache.physical_slots():  # columns a row has not reached are read under a mask: zeros, not
+            if getattr(slot, "_k", None) is not None:  # uninitialised memory (a masked NaN value is 0 × NaN)
+                slot._k[:, :, P:].zero_()
+                slot._v[:, :, P:].zero_()
+        # every column's visibility: the prompt's mask, then each row's generated tokens
+        self.visible = torch.ones(B, P + max_new_tokens, dtype=torch.bool, device=dev)
+        if attention_mask is not None:
+            self.visible[:, :P] = attention_mask.bool()
+        # the position of column P: the row's real prompt tokens (left padding does not count)
+        self.pos_shift = (self.visible[:, :P].long().sum(-1) if attention_mask is not None else torch.full((B,), P, device=dev)) - P
+        self.positions = torch.zeros(B, 1, dtype=torch.long, device=dev)  # per row: its token in flight's position
+        self.rope = {int(r): rot(self.positions) for r, rot in m.rotary.items()}  # and rotary tables [B, 1, rot]
+        self.keys = torch.arange(P + max_new_tokens, device=dev)
+        self.exit_keys: list = []  # per exit: the rows' keys (column + 1); FLOPs are summed once, at the end
+        col = torch.full((B,), P, dtype=torch.long, device=dev)  # the column of each row's token in flight
+        made = torch.ones(B, dtype=torch.long, device=dev)  # tokens generated per row
+        done = made >= max_new_tokens
+        if eos_token_id is not None:
+            done |= out[:, P] == eos_token_id
+        return out, col, made, done
+
     def _fctx(self, rows: torch.Tensor, col: torch.Tensor, L: int) -> ForwardContext:
         """Rows' positions, rotary tables and ``[n, 1, 1, L]`` mask (each reads its columns up to its own)."""
         mask = self.visible[rows, :L] & (self.keys[None, :L] <= col[rows, None])  # [n, L]

@@ -50,7 +50,11 @@ Schedules (how a batch's rows share the core passes):
 * ``depth`` — continuous depth batching (:mod:`looplm.depth_batch`): each core pass runs every row at its
   own loop of its own token; a row that exits goes through the coda and starts its next token at the next
   pass, so the passes a batch needs follow the mean depth. Attention cores only (no Mamba-2 layer, no
-  sliding window, no rule-owned per-loop slots), and not with ``kv='full'``.
+  sliding window, no rule-owned per-loop slots), and not with ``kv='full'``;
+* ``static`` — the same at fixed shapes (:mod:`looplm.depth_static`): every pass runs all rows, each at
+  its own loop, with no host read of a device value (for CUDA, where each read is a synchronisation); it
+  also refuses ``propagate`` with per-loop block modulation, ``kl`` with coda layers, and rules whose
+  state changes structure over the loops.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ __all__ = ["CRITERIA", "Exit", "KV_POLICIES", "SCHEDULES", "SSM_POLICIES", "make
 CRITERIA = ("gate", "kl", "convergence", "replay")
 KV_POLICIES = ("copy", "propagate", "shared", "full")
 SSM_POLICIES = ("freeze", "propagate", "decay")
-SCHEDULES = ("token", "depth")
+SCHEDULES = ("token", "depth", "static")
 _DEFAULT_THRESHOLD = {"gate": 1.0, "kl": 0.0, "convergence": 0.0}
 
 
@@ -80,7 +84,7 @@ class Exit:
     max_loops: int | None = None  # default: the trained K
     kv: str = "copy"
     ssm: str = "freeze"
-    schedule: str = "token"  # token | depth (continuous depth batching, looplm.depth_batch)
+    schedule: str = "token"  # token | depth (continuous depth batching, looplm.depth_batch) | static (looplm.depth_static)
 
     # --- construction ------------------------------------------------------------------------------
     @classmethod
@@ -172,8 +176,10 @@ class Exit:
             errs.append("per-token exit does not run pause-token models (PauseLM inserts pause positions in its own forward)")
         if not errs:
             errs += _policy_support(model, self.kv, self.ssm)
-        if not errs and self.schedule == "depth":
-            errs += _depth_schedule_support(model, self.kv)
+        if not errs and self.schedule in ("depth", "static"):
+            errs += _depth_schedule_support(model, self.kv, self.schedule)
+        if not errs and self.schedule == "static":
+            errs += _static_schedule_support(model, self.kv, self.criterion)
         if errs:
             raise ValueError("exit: " + "; ".join(errs))
         th = _DEFAULT_THRESHOLD.get(self.criterion) if t is None else float(t)
@@ -220,25 +226,88 @@ def _policy_support(model, kv: str, ssm: str) -> list[str]:
     return errs
 
 
-def _depth_schedule_support(model, kv: str) -> list[str]:
-    """Why ``model`` cannot decode under ``schedule='depth'`` with policy ``kv`` (empty: it can)."""
+def _depth_schedule_support(model, kv: str, schedule: str = "depth") -> list[str]:
+    """Why ``model`` cannot decode under ``schedule`` (``depth`` or ``static``) with policy ``kv`` (empty: it can)."""
     cfg, errs = model.config, []
     if kv == "full":
-        errs.append("schedule 'depth' batches rows by the loops they skip; kv='full' runs every loop (nothing to skip): "
+        errs.append(f"schedule {schedule!r} batches rows by the loops they skip; kv='full' runs every loop (nothing to skip): "
                     "use kv='copy', 'propagate' or 'shared', or schedule='token'")  # fmt: skip
     ssm = [i for i in range(cfg.n_physical) if cfg.mixer_of(i) != "attention"]
     if ssm:
-        errs.append(f"schedule 'depth' runs attention layers only (rows at different tokens keep their own KV columns); "
+        errs.append(f"schedule {schedule!r} runs attention layers only (rows at different tokens keep their own KV columns); "
                     f"layers {ssm} are Mamba-2: use schedule='token'")  # fmt: skip
     windowed = [i for i in range(cfg.n_physical) if cfg.mixer_of(i) == "attention" and cfg.sliding_window_of(i) is not None]
     if windowed:
-        errs.append(f"schedule 'depth' has no sliding-window band for rows at different tokens (layers {windowed}): use schedule='token'")
+        errs.append(f"schedule {schedule!r} has no sliding-window band for rows at different tokens (layers {windowed}): use schedule='token'")
     if model.rule.loop_slot_mixers():
-        errs.append(f"schedule 'depth' cannot run the rule {cfg.rule.name!r}'s own per-loop slots (its state mixers): use schedule='token'")
+        errs.append(f"schedule {schedule!r} cannot run the rule {cfg.rule.name!r}'s own per-loop slots (its state mixers): use schedule='token'")
     if _modulation_owns_carrier(model):
-        errs.append(f"schedule 'depth' needs plain block inputs; the rule {cfg.rule.name!r} replaces a block's residual "
+        errs.append(f"schedule {schedule!r} needs plain block inputs; the rule {cfg.rule.name!r} replaces a block's residual "
                     "stream (read / write hooks): use schedule='token'")  # fmt: skip
     return errs
+
+
+def _static_schedule_support(model, kv: str, criterion: str) -> list[str]:
+    """Why ``model`` cannot decode under ``schedule='static'`` (beyond :func:`_depth_schedule_support`)."""
+    from .adaptive import _modulates
+
+    cfg, errs = model.config, []
+    if kv == "propagate" and _modulates(model.rule):
+        errs.append(f"schedule 'static' propagates one stand-in per row for every skipped loop; the rule {cfg.rule.name!r} "
+                    "modulates its blocks per loop: use kv='copy' or 'shared', or schedule='depth'")  # fmt: skip
+    if criterion == "kl" and len(model.coda.blocks):
+        errs.append("schedule 'static' reads out every row once per pass; the kl criterion's coda layers keep a readout "
+                    "slot per loop: use criterion 'convergence', or schedule='depth'")  # fmt: skip
+    why = _state_varies_over_loops(model)
+    if why:
+        errs.append(f"schedule 'static' merges each row's own loop's state with the rule's select_rows; the rule "
+                    f"{cfg.rule.name!r}'s state {why}: use schedule='depth'")  # fmt: skip
+    return errs
+
+
+def _state_varies_over_loops(model) -> str:
+    """Why the rule's state cannot be selected row by row across loops (probed on two zero tokens through
+    every loop): a field whose structure or non-tensor value changes from one loop to the next, or a tensor
+    without the batch as its first dim. Empty: it can."""
+    from .context import LoopContext
+
+    p = next(model.parameters())
+    K = model.config.n_loops
+    with torch.no_grad():
+        h0 = torch.zeros(2, 1, model.config.d_model, device=p.device, dtype=p.dtype)
+        fctx = model._forward_context(torch.zeros(2, 1, dtype=torch.long, device=p.device), None, None, 0)
+        lctx = LoopContext(num_loops=K, train_loops=K, fctx=fctx, embeddings=h0, embed_weight=model.embed.weight,
+                           embed_multiplier=model.embed_multiplier, final_norm=model.norm, readout_fn=model._readout)  # fmt: skip
+        state = model.rule.begin(h0, lctx)
+        sigs = []
+        for k in range(K):
+            lctx.iteration = k
+            lctx.core_input = model.rule.next_input(state, lctx)
+            state = model.rule.step(state, h0, lctx)
+            sig, bad = _signature(state)
+            if bad:
+                return f"holds {bad}"
+            sigs.append(sig)
+    for k in range(1, K):
+        if sigs[k] != sigs[0]:
+            return f"changes over the loops (after loop 1: {sigs[0]}; after loop {k + 1}: {sigs[k]})"
+    return ""
+
+
+def _signature(x, path: str = "state"):
+    """``(structure, problem)`` of a rule state: dicts, lists and tuples by their items, tensors by their
+    shape (their first dim must be the probe's batch of 2), anything else by its value."""
+    if isinstance(x, dict):
+        parts = [_signature(v, f"{path}[{k!r}]") for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))]
+        bad = next((b for _, b in parts if b), "")
+        return {str(k): s for k, (s, _) in zip(sorted(x, key=str), parts)}, bad
+    if isinstance(x, (list, tuple)):
+        parts = [_signature(v, f"{path}[{i}]") for i, v in enumerate(x)]
+        return [s for s, _ in parts], next((b for _, b in parts if b), "")
+    if isinstance(x, torch.Tensor):
+        bad = "" if x.dim() and x.shape[0] == 2 else f"{path}, a tensor of shape {tuple(x.shape)} without a batch dim"
+        return ("tensor", tuple(x.shape), str(x.dtype)), bad
+    return repr(x), ""
 
 
 def _modulation_owns_carrier(model) -> bool:

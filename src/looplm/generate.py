@@ -112,6 +112,11 @@ def generate(
         if num_loops is not None and e.max_loops is None:
             e = e.with_policies(max_loops=num_loops)
         e = e.resolved(model, input_ids.shape[0])  # every bad option refused here, before any work
+        if e.schedule == "static" and not e.is_off(model):
+            from .depth_static import static_depth_generate
+
+            return static_depth_generate(model, input_ids, max_new_tokens, e, do_sample, temperature, top_k, top_p, eos_token_id,
+                                         pad_token_id, attention_mask, generator, loop_options, return_stats)  # fmt: skip
         if e.schedule == "depth" and not e.is_off(model):
             from .depth_batch import depth_batched_generate
 

@@ -28,7 +28,7 @@ Model arguments: ``pretrained`` (path), ``loops`` (r, default the trained K), ``
 ``device``, ``batch_size``, ``max_length``, ``max_gen_toks``, ``prefix_token_id``; for ``generate_until``
 also adaptive depth (``docs/adaptive-depth.md``): ``exit`` (``gate:0.8``, ``kl:5e-4``, ...), ``kv_policy``,
 ``ssm_policy``, ``min_loops``, ``max_loops``, ``exit_schedule`` (``token`` | ``depth``: continuous depth
-batching of a request batch), or ``speculative`` (draft loops) with ``draft_k``. Any other
+batching of a request batch | ``static``: the same at fixed shapes, for CUDA), or ``speculative`` (draft loops) with ``draft_k``. Any other
 argument is refused, naming the close matches (``loop=6`` is not silently ignored).
 
 Suites (task groups written by :func:`write_task_configs`, scored with each task's headline metric,

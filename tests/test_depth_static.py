@@ -1,0 +1,276 @@
+"""Continuous depth batching at fixed shapes (looplm.depth_static, exit schedule 'static'): every pass runs
+all rows, each at its own loop, with no host read of a tensor. Against the token schedule (itself held to
+rows decoded alone) and the depth schedule: tokens, caches, statistics; a pass's host reads counted with a
+dispatch mode (what would be a CUDA synchronisation); the late end-of-batch flag; the refusals."""
+
+import collections
+
+import pytest
+import torch
+
+import looplm
+from looplm import dispatch
+from looplm.depth_batch import DepthBatchedDecoder
+from looplm.depth_static import StaticDepthDecoder
+from looplm.exits import Exit
+from looplm.recurrence import RULES
+
+from helpers import assert_refused_before_any_work, tiny_variant
+from host_reads import HostReads
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model(name, dtype=torch.float32, **kw):
+    torch.manual_seed(0)
+    return looplm.build(name, **kw).eval().to(dtype)
+
+
+def _replay(depths, **kw):
+    return dict(criterion="replay", depths=depths, **kw)
+
+
+def _greedy(logits):
+    return logits.max(-1).indices
+
+
+def _counted(dec):
+    """``dec`` with every pass run under :class:`HostReads`; returns the counter of ops that read a value."""
+    reads = collections.Counter()
+    tick = dec._tick
+
+    def counted(*a, **k):
+        with HostReads() as r:
+            tick(*a, **k)
+        reads.update(r.reads)
+
+    dec._tick = counted
+    return reads
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-coreloop"])
+@pytest.mark.parametrize("kv", ["copy", "propagate", "shared"])
+def test_static_schedule_equals_the_token_schedule_with_left_padding(name, kv):
+    """Greedy tokens under replayed per-row, per-token depths equal the token schedule's, with left padding
+    and under a row permutation."""
+    m = _model(name)
+    K, B, P, N = m.config.n_loops, 4, 6, 9
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 250, (B, P), generator=g)
+    mask = torch.ones(B, P, dtype=torch.long)
+    mask[1, :3], mask[3, :1] = 0, 0
+    depths = torch.randint(1, K + 1, (B, N), generator=g)
+    tok = m.generate(ids, N, exit=_replay(depths, kv=kv), attention_mask=mask)
+    st = m.generate(ids, N, exit=_replay(depths, kv=kv, schedule="static"), attention_mask=mask)
+    assert torch.equal(tok, st)
+    perm = torch.tensor([2, 0, 3, 1])
+    again = m.generate(ids[perm], N, attention_mask=mask[perm], exit=_replay(depths[perm], kv=kv, schedule="static"))
+    assert torch.equal(again, st[perm])
+
+
+@pytest.mark.parametrize("kv", ["copy", "propagate"])
+def test_every_loops_cache_equals_the_depth_schedules(kv):
+    """The flat ``[R·B, ...]`` core buffers (every loop, row and written column: the copies and propagations
+    of skipped loops) and the prelude's and coda's slots equal the depth schedule's on the same depths."""
+    m = _model("tiny-llama", overrides={"n_prelude": 1, "n_coda": 1})
+    K, B, P, N = m.config.n_loops, 3, 5, 8
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, 250, (B, P), generator=g)
+    depths = torch.randint(1, K + 1, (B, N), generator=g)
+    dyn = DepthBatchedDecoder(m, B, P + N, _replay(depths, kv=kv, schedule="depth"))
+    out = dyn.run(ids, N, None, _greedy, None, 0)
+    fix = StaticDepthDecoder(m, B, P + N, _replay(depths, kv=kv, schedule="static"))
+    assert torch.equal(fix.run(ids, N, None, _greedy, None, 0), out)
+    cols = P + N - 1  # the last token's column is never run
+    for layer, (base, _, _) in dyn.flat.items():
+        other = fix.flat[layer][0]
+        torch.testing.assert_close(other._k[:, :, :cols], base._k[:, :, :cols], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(other._v[:, :, :cols], base._v[:, :, :cols], atol=1e-5, rtol=1e-5)
+    for key, slot in dyn.cache.slots.items():
+        if getattr(slot, "_k", None) is not None and key[0] not in range(K):  # prelude / coda
+            torch.testing.assert_close(fix.cache.slots[key]._k[:, :, :cols], slot._k[:, :, :cols], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"criterion": "convergence", "threshold": 0.6},
+        {"criterion": "kl", "threshold": 0.5, "kv": "propagate"},
+        {"criterion": "kl", "threshold": 0.5, "min_loops": 2, "kv": "shared"},
+        "replay",
+    ],
+)
+def test_a_pass_reads_no_value_on_the_host(spec):
+    """The reference path (what CUDA runs) of every pass makes no op that reads a tensor's value on the host
+    (``.item()``, ``bool()``, ``nonzero``, a bool-mask index, ...): on CUDA, no synchronisation per pass. The
+    depth schedule, for contrast, reads several per pass."""
+    m = _model("tiny-llama")
+    K, B, P, N = m.config.n_loops, 4, 5, 9
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 250, (B, P), generator=g)
+    if spec == "replay":
+        spec = _replay(torch.randint(1, K + 1, (B, N), generator=g))
+    e = Exit.parse(spec)
+    with dispatch.reference_only():
+        fix = StaticDepthDecoder(m, B, P + N, e.with_policies(schedule="static"))
+        reads = _counted(fix)
+        out = fix.run(ids, N, None, _greedy, None, 0)
+        dyn = DepthBatchedDecoder(m, B, P + N, e.with_policies(schedule="depth"))
+        with HostReads() as dyn_reads:  # the whole decode: its token loop reads the rows to start, the furthest column
+            assert torch.equal(dyn.run(ids, N, None, _greedy, None, 0), out)
+    assert fix.passes > 0 and sum(reads.values()) == 0, dict(reads)
+    assert len(dyn_reads.reads) >= 2 * dyn.stats.core_calls  # the detector sees the depth schedule's reads
+
+
+def test_a_pass_of_the_exit_gate_and_of_sampling_reads_no_value_on_the_host():
+    m = _model("tiny-llama", overrides={"rule": {"name": "exit_gate"}})
+    with torch.no_grad():
+        m.rule.gate.weight.normal_(0, 1.0)
+        m.rule.gate.bias.zero_()
+    ids = torch.randint(0, 250, (3, 5), generator=torch.Generator().manual_seed(4))
+    from looplm.sampling import sample_next
+
+    gen = torch.Generator().manual_seed(5)
+    with dispatch.reference_only():
+        dec = StaticDepthDecoder(m, 3, 13, {"criterion": "gate", "threshold": 0.5, "schedule": "static"})
+        reads = _counted(dec)
+        dec.run(ids, 8, None, lambda x: sample_next(x, True, 0.9, 20, 0.95, gen), eos_token_id=7, pad_token_id=0)
+    assert dec.passes > 0 and sum(reads.values()) == 0, dict(reads)
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_every_rule_under_the_static_schedule(rule):
+    """The rule is called once per loop index on every row and each row keeps its own loop's result (the
+    gate's CDF and selection, timestep conditioning's per-loop modulation, injection, memory slots, ...):
+    the token schedule's tokens for every KV policy, or a refusal that names the reason."""
+    m = _model("tiny-llama", overrides={"rule": {"name": rule}})
+    if rule == "exit_gate":
+        with torch.no_grad():
+            m.rule.gate.weight.normal_(0, 1.0)
+            m.rule.gate.bias.zero_()
+    K = m.config.n_loops
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 250, (3, 5), generator=g)
+    ex = {"criterion": "gate", "threshold": 0.5} if rule == "exit_gate" else _replay(torch.randint(1, K + 1, (3, 8), generator=g))
+    refused = {"history": "state changes over the loops", ("timestep", "propagate"): "modulates its blocks per loop"}
+    for kv in ("copy", "propagate", "shared"):
+        why = refused.get(rule) or refused.get((rule, kv))
+        if why:
+            with pytest.raises(ValueError, match=why):
+                m.generate(ids, 8, exit={**ex, "kv": kv, "schedule": "static"})
+            continue
+        tok = m.generate(ids, 8, exit={**ex, "kv": kv})
+        assert torch.equal(m.generate(ids, 8, exit={**ex, "kv": kv, "schedule": "static"}), tok), kv
+
+
+@pytest.mark.parametrize("spec", ["kl:0.5", "convergence:0.6"])
+def test_zero_shot_criteria_and_statistics_under_the_static_schedule(spec):
+    """Tokens equal the token schedule's; the statistics count each row's own depths, the passes, and the
+    work of every row every pass (so more FLOPs than the depth schedule on the same tokens)."""
+    m = _model("tiny-llama")
+    ids = torch.randint(0, 250, (4, 5), generator=torch.Generator().manual_seed(6))
+    e = Exit.parse(spec)
+    tok, tst = m.generate(ids, 8, exit=e, return_stats=True)
+    dep, dst = m.generate(ids, 8, exit=e.with_policies(schedule="depth"), return_stats=True)
+    fix, fst = m.generate(ids, 8, exit=e.with_policies(schedule="static"), return_stats=True)
+    assert torch.equal(tok, fix) and torch.equal(dep, fix)
+    s, d = fst.summary(), dst.summary()
+    assert s["tokens"] == d["tokens"] == 4 * 7
+    assert s["selected_depth"] == pytest.approx(d["selected_depth"]) and s["executed_depth"] == s["selected_depth"]
+    assert torch.equal(torch.cat(fst.selected).sort().values, torch.cat(dst.selected).sort().values)
+    assert fst.core_calls >= dst.core_calls  # the same passes, or more (rows that finished still run, masked)
+    assert fst.full_core_flops == pytest.approx(dst.full_core_flops)
+    assert fst.other_flops > dst.other_flops and fst.check_flops >= dst.check_flops > 0
+
+
+def test_eos_rows_stop_and_pad_and_the_late_flag_only_adds_masked_passes():
+    """A row that emits eos stops there (padded after); reading the end-of-batch flag ``lag`` passes late
+    runs at most ``lag`` passes more, which change nothing."""
+    m = _model("tiny-llama")
+    K = m.config.n_loops
+    ids = torch.randint(0, 250, (4, 4), generator=torch.Generator().manual_seed(7))
+    ex = _replay(torch.tensor([1, K, 2, 1]).repeat_interleave(10).view(4, 10))
+    free = m.generate(ids, 10, exit=ex)
+    eos = int(free[1, 6])
+    tok = m.generate(ids, 10, exit=ex, eos_token_id=eos, pad_token_id=0)
+    runs = {}
+    for lag in (0, 3, K):
+        dec = StaticDepthDecoder(m, 4, 14, {**ex, "schedule": "static"}, lag=lag)
+        runs[lag] = (dec.run(ids, 10, None, _greedy, eos, 0), dec.passes, dec.stats.summary())
+        assert torch.equal(runs[lag][0], tok), lag
+    base = runs[0][1]
+    for lag in (3, K):
+        assert base <= runs[lag][1] <= base + lag
+        assert runs[lag][2]["selected_depth"] == runs[0][2]["selected_depth"]
+    with pytest.raises(ValueError, match="lag must be >= 0"):
+        StaticDepthDecoder(m, 4, 14, {**ex, "schedule": "static"}, lag=-1)
+
+
+def test_sampling_is_deterministic():
+    m = _model("tiny-llama")
+    x = torch.randint(0, 250, (3, 4))
+    ex = {"criterion": "convergence", "threshold": 0.9, "kv": "propagate", "schedule": "static"}
+    runs = [m.generate(x, 8, do_sample=True, top_k=20, generator=torch.Generator().manual_seed(3), exit=ex) for _ in range(2)]
+    assert torch.equal(*runs) and runs[0].shape == (3, 12)
+
+
+def test_public_model_rule_under_the_static_schedule():
+    """Huginn at toy width (injection with its own norms, 32 loops)."""
+    torch.manual_seed(0)
+    m = looplm.build(tiny_variant("huginn-0125")).eval()
+    K = m.config.n_loops
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(0, 128, (3, 4), generator=g)
+    ex = _replay(torch.randint(1, K + 1, (3, 5), generator=g))
+    assert torch.equal(m.generate(ids, 5, exit={**ex, "schedule": "static"}), m.generate(ids, 5, exit=ex))
+
+
+@pytest.mark.parametrize(
+    "name,overrides,spec,match",
+    [
+        ("tiny-llama", {"rule": {"name": "history"}}, _replay(2), "state changes over the loops"),
+        ("tiny-llama", {"rule": {"name": "timestep"}}, _replay(2, kv="propagate"), "modulates its blocks per loop"),
+        ("tiny-llama", {"n_coda": 1}, {"criterion": "kl", "threshold": 0.1}, "readout slot per loop"),
+        ("tiny-hybrid", {}, {"criterion": "kl", "threshold": 0.1}, "schedule 'static' runs attention layers only"),
+        ("tiny-llama", {}, {"criterion": "kl", "threshold": 0.1, "kv": "full"}, "kv='full' runs every loop"),
+    ],
+)
+def test_what_the_static_schedule_cannot_run_is_refused_before_any_work(name, overrides, spec, match):
+    m = _model(name, overrides=overrides) if overrides else _model(name)
+    spec = {"schedule": "static", **spec}
+    assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 128, (2, 3)), 4, exit=spec), match)
+
+
+def test_too_few_replayed_depths_are_refused_before_any_work():
+    m = _model("tiny-llama")
+    spec = _replay(torch.ones(2, 2, dtype=torch.long), schedule="static")
+    assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 128, (2, 3)), 6, exit=spec), "give at least that many")
+
+
+def test_front_ends_take_the_static_schedule():
+    from looplm.cli import _adaptive_args, build_parser
+    from looplm.eval.harness import adaptive_options as harness_options
+
+    m = _model("tiny-llama")
+    assert harness_options(m, exit="kl:0.1", exit_schedule="static")["exit"].schedule == "static"
+    args = build_parser("generate").parse_args(["generate", "--model", "tiny-llama", "--exit", "kl:0.1", "--exit-schedule", "static"])
+    assert _adaptive_args(args, m)["exit"].schedule == "static"
+
+
+@pytest.mark.kernels
+def test_the_fused_cpu_path_runs_the_static_schedule():
+    """On a CPU the fused decode step takes each pass (rows ``k_b·B + b`` at their own columns): the
+    reference's tokens, in fp32 and bf16."""
+    for dtype in (torch.float32, torch.bfloat16):
+        m = _model("tiny-llama", dtype)
+        K = m.config.n_loops
+        g = torch.Generator().manual_seed(8)
+        ids = torch.randint(0, 250, (4, 5), generator=g)
+        ex = _replay(torch.randint(1, K + 1, (4, 8), generator=g), schedule="static")
+        fused = m.generate(ids, 8, exit=ex)
+        with dispatch.reference_only():
+            ref = m.generate(ids, 8, exit=ex)
+        if dtype == torch.float32:
+            assert torch.equal(fused, ref)
+        else:
+            assert (fused == ref).float().mean() >= 0.9  # bf16: rounding may flip a near tie
