@@ -181,7 +181,7 @@ def section_adaptive(rep: Report) -> None:
     except RuntimeError as e:
         err = str(e).splitlines()[0][:200]
     rep(f"- static: {st.stats.core_calls} passes, host reads seen by the dispatch mode: {len(reads)}; "
-        f"set_sync_debug_mode('error'): {'raised: ' + err if err else 'no synchronisation'}")
+        f"set_sync_debug_mode('error'): {'raised: ' + err if err else 'no synchronisation' if DEV == 'cuda' else '(CUDA only)'}")
     dyn = DepthBatchedDecoder(m, 4, 22, {**spec, "schedule": "depth"})
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -196,10 +196,19 @@ def section_adaptive(rep: Report) -> None:
     syncs = sum("synchroniz" in str(x.message) for x in w)
     rep(f"- depth: {dyn.stats.core_calls} passes, host reads {len(r.reads)} (prompt included), CUDA synchronisation "
         f"warnings {syncs}: {len(r.reads) / max(dyn.stats.core_calls, 1):.1f} reads per pass")
+    if DEV == "cuda":  # one pass captured as a CUDA graph, replayed for the others: the eager passes' tokens
+        for spec_g in (spec, {"criterion": "replay", "depths": torch.randint(1, 4, (4, 20), device=DEV), "kv": "propagate"}):
+            try:
+                eager = StaticDepthDecoder(m, 4, 22, {**spec_g, "schedule": "static"}).run(ids, 16, None, greedy, None, 0)
+                graphed = StaticDepthDecoder(m, 4, 22, {**spec_g, "schedule": "static"}, cuda_graphs=True)
+                same = torch.equal(graphed.run(ids, 16, None, greedy, None, 0), eager)
+                rep(f"- static with cuda_graphs ({spec_g['criterion']}): {graphed.passes} passes, tokens == eager: {same}")
+            except Exception as e:
+                rep(f"- static with cuda_graphs ({spec_g['criterion']}): error {type(e).__name__}: {str(e)[:300]}")
 
     rep("\n(c) decode time per token, bf16, random weights, exit depths drawn from 1..4\n")
-    rep("| d_model | batch | full ms/token | token ×full | depth ×full | static ×full | executed / K | static passes / step |")
-    rep("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rep("| d_model | batch | full ms/token | token ×full | depth ×full | static ×full | static + graphs ×full | executed / K | static passes / step |")
+    rep("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for d in (1024, 2048):
         torch.manual_seed(0)
         m = looplm.build("tiny-llama", overrides={"d_model": d, "n_core": 2, "n_loops": 4, "d_ff": 3 * d, "vocab_size": 32000,
@@ -215,6 +224,13 @@ def section_adaptive(rep: Report) -> None:
             runs = {"full": lambda: m.generate(ids, new)}
             for s in ("token", "depth", "static"):
                 runs[s] = lambda s=s: m.generate(ids, new, exit={**ex, "schedule": s}, return_stats=True)
+
+            def graphed():
+                dec = StaticDepthDecoder(m, B, 32 + new, {**ex, "schedule": "static"}, cuda_graphs=True)
+                return dec.run(ids, new, None, greedy, None, 0), dec.stats
+
+            if DEV == "cuda":
+                runs["graphs"] = graphed
             times = {k: [] for k in runs}
             stats = {}
             for it in range(4):  # 0 warms up
@@ -230,8 +246,9 @@ def section_adaptive(rep: Report) -> None:
             full = statistics.median(times["full"])
             ratio = {k: statistics.median(times[k]) / full for k in runs}
             summ = stats["static"].summary()
+            gr = f"{ratio['graphs']:.3f}" if "graphs" in ratio else "(CUDA only)"
             rep(f"| {d} | {B} | {1e3 * full / new:.2f} | {ratio['token']:.3f} | {ratio['depth']:.3f} | {ratio['static']:.3f} | "
-                f"{summ['executed_ratio']:.3f} | {summ['batch_depth']:.2f} |")
+                f"{gr} | {summ['executed_ratio']:.3f} | {summ['batch_depth']:.2f} |")
 
 
 def section_loss(rep: Report) -> None:

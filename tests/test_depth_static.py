@@ -202,8 +202,46 @@ def test_eos_rows_stop_and_pad_and_the_late_flag_only_adds_masked_passes():
     for lag in (3, K):
         assert base <= runs[lag][1] <= base + lag
         assert runs[lag][2]["selected_depth"] == runs[0][2]["selected_depth"]
-    with pytest.raises(ValueError, match="lag must be >= 0"):
-        StaticDepthDecoder(m, 4, 14, {**ex, "schedule": "static"}, lag=-1)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="lag must be an int >= 0"):
+            StaticDepthDecoder(m, 4, 14, {**ex, "schedule": "static"}, lag=bad)
+    with pytest.raises(ValueError, match="cuda_graphs=True captures the pass as a CUDA graph; the model is on cpu"):
+        StaticDepthDecoder(m, 4, 14, {**ex, "schedule": "static"}, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("spec", [{"criterion": "kl", "threshold": 0.5, "kv": "propagate"}, {"criterion": "gate", "threshold": 0.5}])
+def test_a_pass_touches_only_the_decodes_buffers(spec):
+    """What a captured pass needs: from the second pass on, the rule state, the criterion's memory, the
+    counters and the per-pass records stay the same tensors (written in place), so a replay of one pass's
+    kernels on that memory is the next pass."""
+    rule = "exit_gate" if spec["criterion"] == "gate" else "vanilla"
+    m = _model("tiny-llama", overrides={"rule": {"name": rule}})
+    if rule == "exit_gate":
+        with torch.no_grad():
+            m.rule.gate.weight.normal_(0, 1.0)
+    ids = torch.randint(0, 250, (3, 5), generator=torch.Generator().manual_seed(9))
+    dec = StaticDepthDecoder(m, 3, 13, {**spec, "schedule": "static"})
+    seen = []
+    tick = dec._tick
+
+    def record(*a, **k):
+        tick(*a, **k)
+        mem = a[5]
+        leaves = [t for t in _leaves(mem) if isinstance(t, torch.Tensor)]
+        seen.append([t.data_ptr() for t in leaves + [dec.sel, dec.at_col, dec.key_sum, dec.pairs, dec.pass_idx]])
+
+    dec._tick = record
+    out = dec.run(ids, 8, None, _greedy, None, 0)
+    assert len(seen) == dec.passes >= 3 and all(s == seen[0] for s in seen[1:])
+    assert int(dec.pass_idx) == dec.passes and torch.equal(out, m.generate(ids, 8, exit=spec))
+
+
+def _leaves(x):
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _leaves(v)]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in _leaves(v)]
+    return [x]
 
 
 def test_sampling_is_deterministic():

@@ -16,10 +16,10 @@ waits for the host's next launch). ``schedule='static'`` runs the same computati
   runs them each pass, the others rewrite their in-flight token's prelude keys with the same values).
 
 So a pass is a fixed sequence of kernels over fixed shapes (what a CUDA graph captures). The one host read
-is the batch's end: every ``lag`` passes the host reads whether every row is done *as of ``lag`` passes
-earlier* (on CUDA through pinned memory behind an event: by then the GPU has long finished it), so it
-never waits for the pass it just launched, and at most ``lag`` passes run after the last row finished
-(their rows are masked: nothing changes). ``lag`` is ``R`` on CUDA, 0 on a CPU (no synchronisation to avoid).
+is the batch's end: before each pass the host reads whether every row was done *``lag`` passes earlier*
+(on CUDA through pinned memory behind an event: by then the GPU has long finished it), so it never waits
+for the pass it just launched, and at most ``lag`` passes run after the last row finished (their rows are
+masked: nothing changes). ``lag`` is ``R`` on CUDA, 0 on a CPU (no synchronisation to avoid).
 
 What this costs, against ``schedule='depth'``: the prelude, the coda, the head (and a ``kl`` readout) of
 every row every pass instead of the rows that start or exit, ``R`` rule calls per pass, and attention over
@@ -40,6 +40,7 @@ but the draws differ from the other schedules'.
 
 from __future__ import annotations
 
+import collections
 import time
 
 import torch
@@ -55,16 +56,22 @@ __all__ = ["StaticDepthDecoder", "static_depth_generate"]
 class StaticDepthDecoder(DepthBatchedDecoder):
     """:class:`~looplm.depth_batch.DepthBatchedDecoder`'s cache and prompt, then :meth:`run`'s fixed-shape
     passes (module docstring). ``lag``: passes between a row set's end and the host learning of it (default
-    ``R`` on CUDA, 0 elsewhere)."""
+    ``R`` on CUDA, 0 elsewhere). ``cuda_graphs``: capture one pass as a CUDA graph and replay it for every
+    later pass (greedy picking or the default CUDA generator; not yet run on a GPU)."""
 
     schedule = "static"
 
-    def __init__(self, model, batch_size: int, capacity: int, exit, loop_options: dict | None = None, lag: int | None = None):
-        super().__init__(model, batch_size, capacity, exit, loop_options)
+    def __init__(self, model, batch_size: int, capacity: int, exit, loop_options: dict | None = None, lag: int | None = None,
+                 cuda_graphs: bool = False):
         p = next(model.parameters())
-        self.lag = (self.R if p.device.type == "cuda" else 0) if lag is None else int(lag)
-        if self.lag < 0:
-            raise ValueError(f"lag must be >= 0 passes, got {lag!r}")
+        if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
+            raise ValueError(f"lag must be an int >= 0 passes, got {lag!r}")
+        if cuda_graphs and p.device.type != "cuda":
+            raise ValueError(f"cuda_graphs=True captures the pass as a CUDA graph; the model is on {p.device}: use a CUDA device "
+                             "or cuda_graphs=False")  # fmt: skip
+        super().__init__(model, batch_size, capacity, exit, loop_options)
+        self.lag = (self.R if p.device.type == "cuda" else 0) if lag is None else lag
+        self.cuda_graphs, self.graph = bool(cuda_graphs), None
 
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -84,27 +91,58 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         self.ar = torch.arange(B, device=dev)
         rep = self.ar.repeat(R - 1)  # [(R−1)·B]: the deeper loops' buffer rows j·B + b, j = 1 .. R − 1
         self.deeper = (rep, torch.arange(1, R, device=dev).repeat_interleave(B))
+        if isinstance(d, torch.Tensor):
+            self.depths = d.to(dev)  # once, not per pass (a copy to the device per pass is a host-side op)
+        bound = (max_new_tokens - 1) * R  # every row's tokens fit in this many passes
+        # every tensor a pass reads or writes lives in one buffer for the whole decode (a captured pass replays
+        # on the same memory): the counters, each pass's exits and columns, the rule state, the criterion's value
         self.key_sum = torch.zeros((), dtype=torch.float64, device=dev)  # Σ over passes and rows of keys read
         self.pairs = torch.zeros((), dtype=torch.long, device=dev)  # (row, skipped loop) entries filled
-        self.sel, self.at_col = [], []  # per pass: each row's exit depth (0: no exit), its column
+        self.pass_idx = torch.zeros(1, dtype=torch.long, device=dev)
+        rows_kept = bound + self.lag + 2  # (a late end flag and a graph's warm-up pass run past the bound)
+        self.sel = torch.zeros(rows_kept, B, dtype=torch.long, device=dev)  # per pass: each row's exit depth (0: none)
+        self.at_col = torch.zeros(rows_kept, B, dtype=torch.long, device=dev)  # and its column
         k = torch.zeros(B, dtype=torch.long, device=dev)  # the loop each row runs at the next pass
         mem = {"S": None, "prev": None}  # the rule state after the last step; the criterion's last value
         flags = _DoneFlags(self.lag, dev)
-        bound = (max_new_tokens - 1) * R  # every row's tokens fit in this many passes
+        args = (out, col, made, done, k, mem, pick, max_new_tokens, eos_token_id)
         passes = 0
         t0 = now()
         with decode_context(m, B):
             while passes < bound and not flags.seen_done(passes):
-                self._tick(out, col, made, done, k, mem, pick, max_new_tokens, eos_token_id)
-                passes += 1
-                flags.post(done)
+                passes += self._step(args)
+                flags.post(done, passes)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         self.decode_seconds = now() - t0
-        self.passes = passes
+        self.passes = self.stats.core_calls = passes
         self._count_static(passes)
         cache.seqlen = P + int(made.max()) - 1
         return out[:, : P + int(made.max())]
+
+    def _step(self, args) -> int:
+        """One pass (eager), or with ``cuda_graphs`` a replay of the captured pass: the first call runs a
+        warm-up pass eagerly on a side stream, captures the next and replays it (2 passes). Returns the
+        passes run."""
+        if not self.cuda_graphs:
+            self._tick(*args)
+            return 1
+        if self.graph is not None:
+            self.graph.replay()
+            return 1
+        mem = args[5]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (cuBLAS handles, the allocator) as torch.cuda.graph asks: a real pass
+            self._tick(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        if mem["prev"] is None and self.exit.criterion in ("kl", "convergence"):
+            raise RuntimeError("internal: the criterion's buffer must exist before capture")
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):  # recorded, not run: every tensor it touches is a buffer of the decode
+            self._tick(*args)
+        self.graph.replay()
+        return 2
 
     # ------------------------------------------------------------------------------------------
     def _tick(self, out, col, made, done, k, mem, pick, max_new_tokens, eos_token_id) -> None:
@@ -138,12 +176,11 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         idx = k * self.loop_offset + ar  # buffer row of each row: k_b·B + b
         slots = [KVRows(base, idx, nrows, col) for base, nrows, _ in (self.flat[b.layer_idx] for b in m.core.stack.blocks)]
         h = m.core(z, fctx, slots, mods)  # [B, 1, d]: H^{k_b} of row b
-        self.stats.core_calls += 1
         news = [rule.step(src[j], h, ctxs[j]) for j in range(R)]
         S = news[R - 1]
         for j in range(R - 2, -1, -1):
             S = rule.select_rows(at[j], news[j], S)  # each row keeps its own loop's step
-        mem["S"] = S
+        mem["S"] = _keep(mem["S"], S)
         leave = self._leave(k, at, news, h, ctxs, mem, made)
         leave = ((leave & (k + 1 >= e.min_loops)) | (k == R - 1)) & ~done  # [B]
         outs = [rule.exit_rows(news[j], (leave & at[j])[:, None], ctxs[j]) for j in range(R)]
@@ -152,8 +189,9 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         if len(m.coda.blocks):
             y = m.coda(y, fctx, m._slots(view, m.coda, (0,), B))
         nxt = pick(m.lm_head(m.norm(y[:, -1])))  # [B]: kept where a row exits
-        self.sel.append(torch.where(leave, k + 1, 0))
-        self.at_col.append(col.clone())
+        self.sel.index_copy_(0, self.pass_idx, torch.where(leave, k + 1, 0)[None])
+        self.at_col.index_copy_(0, self.pass_idx, col[None])
+        self.pass_idx += 1
         # commit: the exiting rows' tokens, columns, counts; their next token starts at loop 0
         col += leave
         made += leave
@@ -168,32 +206,27 @@ class StaticDepthDecoder(DepthBatchedDecoder):
     def _leave(self, k, at, news, h, ctxs, mem, made) -> torch.Tensor:
         """``[B]`` bool: the criterion says each row may stop after the loop it just ran."""
         e, m, B = self.exit, self.model, h.shape[0]
-        st = self.stats
         if e.criterion == "gate":
             from .recurrence.exit_gate import reaches
 
             log_S = _by_loop(at, [m.rule.exit_log_survival(news[j], ctxs[j])[:, -1] for j in range(self.R)])  # [B] float64
-            st.check_flops += 2.0 * B * h.shape[-1]  # the gate's linear (in the rule's step)
             return reaches(log_S, e.threshold)
         if e.criterion == "replay":
             d = e.depths
             if isinstance(d, int):
                 return torch.full_like(k, d) <= k + 1
-            d = d.to(k.device)
+            d = self.depths
             depth = d if d.dim() == 1 else d.gather(1, (made - 1).clamp(max=d.shape[1] - 1)[:, None])[:, 0]
             return depth <= k + 1
         crit = self.criterion  # kl / convergence: successive iterates of each row's token
-        before = crit.flops
         cur = crit.value(0, h, ctxs[0], m)  # [B, V] log-probabilities (no coda: the same readout at every loop) or [B, d]
-        if crit.readout:
-            st.check_flops += B * 2.0 * m.lm_head.weight.numel()  # every row's readout, every pass
-        else:
-            st.check_flops += crit.flops - before
         prev = mem["prev"]
-        mem["prev"] = cur
-        if prev is None:
+        if prev is None:  # the first pass: every row is at loop 0
+            mem["prev"] = cur.clone()
             return torch.zeros(B, dtype=torch.bool, device=h.device)
-        return (k > 0) & (crit.distance(prev, cur) < e.threshold)  # a row at loop 0 has no previous iterate
+        leave = (k > 0) & (crit.distance(prev, cur) < e.threshold)  # a row at loop 0 has no previous iterate
+        prev.copy_(cur)
+        return leave
 
     def _fill_static(self, leave, k, col, at, outs, ctxs, fctx) -> None:
         """The core slots of the loops each exiting row skips (``j > k_b``, at its column): one masked gather /
@@ -222,15 +255,14 @@ class StaticDepthDecoder(DepthBatchedDecoder):
             base = self.flat[blk.layer_idx][0]
             base._k[dst, :, c] = torch.where(w3, kk[b, :, 0].to(base._k.dtype), base._k[dst, :, c])
             base._v[dst, :, c] = torch.where(w3, vv[b, :, 0].to(base._v.dtype), base._v[dst, :, c])
-            self.stats.fill_flops += B * 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
 
     def _count_static(self, passes: int) -> None:
         """Statistics from the passes: each exit's depth and column; FLOPs of what ran — every row, every
         pass: the core's weights, and attention over each row's keys (``Σ (col + 1)``); prelude, coda, head."""
-        st = self.stats
-        if not self.sel:
+        st, m, d = self.stats, self.model, self.model.config.d_model
+        if passes == 0:
             return
-        sel, cols = torch.cat(self.sel), torch.cat(self.at_col)
+        sel, cols = self.sel.flatten(), self.at_col.flatten()
         ex = sel > 0
         st.selected.append(sel[ex])
         st.executed.append(sel[ex])
@@ -241,41 +273,75 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         st.other_flops += ow * rows_run + oa * key_sum
         st.full_core_flops += self.R * (w * keys.numel() + a * float(keys.sum()))
         st.fill_bytes += self.copy_bytes * float(self.pairs) if self.exit.kv == "copy" else 0.0
-        self.sel, self.at_col = [], []
+        if self.exit.kv == "propagate":  # one stand-in projection per layer for every row, every pass
+            st.fill_flops += rows_run * sum(2.0 * (b.mixer.k_proj.weight.numel() + b.mixer.v_proj.weight.numel())
+                                            for b in m.core.stack.blocks)  # fmt: skip
+        crit = self.exit.criterion  # the check of every row, every pass
+        per_row = {"gate": 2.0 * d, "kl": 2.0 * m.lm_head.weight.numel(), "convergence": 4.0 * d}.get(crit, 0.0)
+        st.check_flops += rows_run * per_row
+
+
+def _keep(buf, new):
+    """``new`` (a rule state: dicts, lists, tuples of tensors) written into the buffers ``buf`` of the same
+    structure, in place (``buf`` ``None``: copies of ``new`` become the buffers). Returns the buffers."""
+    if buf is None:
+        return _clone(new)
+    if isinstance(new, torch.Tensor):
+        if buf.data_ptr() != new.data_ptr():
+            buf.copy_(new)
+        return buf
+    if isinstance(new, dict):
+        return {k: _keep(buf[k], v) for k, v in new.items()}
+    if isinstance(new, (list, tuple)):
+        return type(new)(_keep(b, v) for b, v in zip(buf, new))
+    return new
+
+
+def _clone(x):
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return {k: _clone(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_clone(v) for v in x)
+    return x
 
 
 class _DoneFlags:
     """Whether every row is done, read on the host ``lag`` passes late (module docstring): :meth:`post` after
-    each pass records the flag (on CUDA: copied to pinned memory behind an event), :meth:`seen_done` before a
-    pass reads the one of ``lag`` passes earlier (0: the latest; on a CPU no synchronisation is involved)."""
+    each step records the flag (on CUDA: copied into a ring of pinned scalars behind events), :meth:`seen_done`
+    reads the newest flag at least ``lag`` passes old (``lag = 0``: the latest; on CUDA it waits only for an
+    event ``lag`` passes behind the host, which the GPU has passed unless it is that far behind — then the
+    host has ``lag`` passes queued and the wait is no bubble)."""
 
     def __init__(self, lag: int, device):
         self.lag, self.cuda = lag, torch.device(device).type == "cuda"
-        self.ring: list = []  # the last lag + 1 passes' flags: device tensors, or (pinned tensor, event)
+        self.posted: collections.deque = collections.deque()  # (passes after the step, flag or ring slot)
+        self.n = 0
+        if self.cuda:  # lag + 2 slots: the lag + 1 flags kept are never overwritten before they are read
+            self.pinned = [torch.empty((), dtype=torch.bool, pin_memory=True) for _ in range(lag + 2)]
+            self.events = [torch.cuda.Event() for _ in range(lag + 2)]
 
-    def post(self, done: torch.Tensor) -> None:
+    def post(self, done: torch.Tensor, passes: int) -> None:
         flag = done.all()
         if self.cuda:
-            host = torch.empty((), dtype=torch.bool, pin_memory=True)
-            host.copy_(flag, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            flag = (host, ev)
-        self.ring.append(flag)
-        if len(self.ring) > self.lag + 1:
-            self.ring.pop(0)
+            i = self.n % len(self.pinned)
+            self.pinned[i].copy_(flag, non_blocking=True)
+            self.events[i].record()
+            flag = i
+        self.posted.append((passes, flag))
+        self.n += 1
+        while len(self.posted) > self.lag + 1:
+            self.posted.popleft()
 
     def seen_done(self, passes: int) -> bool:
-        if passes == 0 or len(self.ring) <= self.lag:
+        old = [f for p, f in self.posted if p <= passes - self.lag]
+        if not old:
             return False
-        if (passes - self.lag) % max(self.lag, 1):  # read once every lag passes
-            return False
-        flag = self.ring[0]
         if self.cuda:
-            host, ev = flag
-            ev.synchronize()  # lag passes old: done on the GPU long ago
-            return bool(host)
-        return bool(flag)
+            self.events[old[-1]].synchronize()  # lag passes old: done on the GPU long ago
+            return bool(self.pinned[old[-1]])
+        return bool(old[-1])
 
 
 def _by_loop(at: list, xs: list) -> torch.Tensor:
