@@ -249,10 +249,10 @@ def _depth_schedule_support(model, kv: str, schedule: str = "depth") -> list[str
 
 def _static_schedule_support(model, kv: str, criterion: str) -> list[str]:
     """Why ``model`` cannot decode under ``schedule='static'`` (beyond :func:`_depth_schedule_support`)."""
-    from .adaptive import _modulates
+    from .recurrence.base import RecurrenceRule
 
     cfg, errs = model.config, []
-    if kv == "propagate" and _modulates(model.rule):
+    if kv == "propagate" and type(model.rule).block_modulation is not RecurrenceRule.block_modulation:  # per-loop blocks
         errs.append(f"schedule 'static' propagates one stand-in per row for every skipped loop; the rule {cfg.rule.name!r} "
                     "modulates its blocks per loop: use kv='copy' or 'shared', or schedule='depth'")  # fmt: skip
     if criterion == "kl" and len(model.coda.blocks):
