@@ -48,7 +48,7 @@ def _counted(dec):
     return reads
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-coreloop"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-coreloop", "tiny-hybrid", "tiny-mamba2"])
 @pytest.mark.parametrize("kv", ["copy", "propagate", "shared"])
 def test_static_schedule_equals_the_token_schedule_with_left_padding(name, kv):
     """Greedy tokens under replayed per-row, per-token depths equal the token schedule's, with left padding
@@ -120,6 +120,20 @@ def test_a_pass_reads_no_value_on_the_host(spec):
             assert torch.equal(dyn.run(ids, N, None, _greedy, None, 0), out)
     assert fix.passes > 0 and sum(reads.values()) == 0, dict(reads)
     assert len(dyn_reads.reads) >= 2 * dyn.stats.core_calls  # the detector sees the depth schedule's reads
+
+
+@pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-mamba2"])
+def test_a_mamba2_pass_reads_no_value_on_the_host(name):
+    """Mamba-2 core layers: each row steps its own loop's state (row k_b·B + b of the flat state) in place."""
+    m = _model(name)
+    K = m.config.n_loops
+    g = torch.Generator().manual_seed(10)
+    ids = torch.randint(0, 250, (3, 5), generator=g)
+    with dispatch.reference_only():
+        dec = StaticDepthDecoder(m, 3, 13, _replay(torch.randint(1, K + 1, (3, 8), generator=g), schedule="static"))
+        reads = _counted(dec)
+        dec.run(ids, 8, None, _greedy, None, 0)
+    assert dec.passes > 0 and sum(reads.values()) == 0, dict(reads)
 
 
 def test_a_pass_of_the_exit_gate_and_of_sampling_reads_no_value_on_the_host():
@@ -269,7 +283,8 @@ def test_public_model_rule_under_the_static_schedule():
         ("tiny-llama", {"rule": {"name": "history"}}, _replay(2), "state changes over the loops"),
         ("tiny-llama", {"rule": {"name": "timestep"}}, _replay(2, kv="propagate"), "modulates its blocks per loop"),
         ("tiny-llama", {"n_coda": 1}, {"criterion": "kl", "threshold": 0.1}, "readout slot per loop"),
-        ("tiny-hybrid", {}, {"criterion": "kl", "threshold": 0.1}, "schedule 'static' runs attention layers only"),
+        ("tiny-hybrid", {}, {"criterion": "kl", "threshold": 0.1, "ssm": "decay"}, "schedule 'static' fills the loops a token "
+         "skipped in Mamba-2 layers \\[0, 2\\] with ssm='freeze' only"),
         ("tiny-llama", {}, {"criterion": "kl", "threshold": 0.1, "kv": "full"}, "kv='full' runs every loop"),
     ],
 )

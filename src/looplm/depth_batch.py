@@ -40,12 +40,17 @@ buffer up to the furthest row's column under its mask, and a masked NaN of unini
 still reach it (0 × NaN). Sampled decoding draws each row's token when it is picked, so a seed fixes the
 output, but at batch > 1 the draws come in another order than under the token schedule.
 
-What it does not run (refused by :meth:`looplm.exits.Exit.resolved`): Mamba-2 layers (a state per row and
-loop would need the same flat layout, not built), sliding-window attention, rules with their own
-per-loop slots (StateLoop's state mixers), rules that replace a block's residual stream, and
-``kv='full'``. Prefill runs at full depth (as under the token schedule). The host reads the exit flags and
-the furthest column a few times per pass (on CUDA each is a synchronisation — not built for, not measured:
-no GPU here). Host work per pass, measured: ``docs/adaptive-depth.md``.
+Mamba-2 layers of the core: a state per row, whatever its column — loop ``k``'s state of row ``b`` is row
+``k·B + b`` of one flat :class:`~looplm.layers.mamba2.Mamba2State` per layer (made from the loops' states
+after the prompt), stepped in place through a row view; the loops a token skips keep their state
+(``ssm='freeze'``, the only policy here).
+
+What it does not run (refused by :meth:`looplm.exits.Exit.resolved`): Mamba-2 layers outside the core or
+with ``ssm`` other than ``'freeze'``, sliding-window attention, rules with their own per-loop slots
+(StateLoop's state mixers), rules that replace a block's residual stream, and ``kv='full'``. Prefill runs
+at full depth (as under the token schedule). The host reads the exit flags and the furthest column a few
+times per pass (on CUDA each is a synchronisation: :mod:`looplm.depth_static` reads none). Host work per
+pass, measured: ``docs/adaptive-depth.md``.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ import torch
 from .adaptive import AdaptiveDecoder, _modulates, restrict_fctx
 from .context import BlockModulation, BranchModulation, ForwardContext, LoopContext
 from .exits import make_criterion
-from .layers.attention import KVCache, KVRows
+from .layers.attention import Attention, KVCache, KVRows
+from .layers.mamba2 import Mamba2Rows, Mamba2State
 from .sampling import decode_context, eval_mode, sample_next
 
 __all__ = ["DepthBatchedDecoder", "depth_batched_generate"]
@@ -86,22 +92,27 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         if self.exit.schedule != self.schedule:
             raise ValueError(f"{type(self).__name__} runs exit schedule {self.schedule!r}, got {self.exit.schedule!r}")
         self.flat = self._flat_core_slots()  # layer -> (the KVCache over [R·B, ...] or kv='shared''s, rows, offset)
-        self.loop_offset = next(iter(self.flat.values()))[2]  # buffer rows per loop (kv='shared': 0, one buffer)
+        self.kv_flat = {j: v for j, v in self.flat.items() if isinstance(v[0], KVCache)}  # the attention layers'
         self.pending: list = []  # (rows, exit loop, stand-in) whose core fills this pass still owes (_fill_core)
         self.modulated = _modulates(model.rule)  # blocks differ per loop: propagation per loop (_fill)
-        self.copy_bytes = sum(2 * b._k[0, :, 0].numel() * b._k.element_size() for b, _, _ in self.flat.values())  # per (row, loop)
+        self.copy_bytes = sum(2 * b._k[0, :, 0].numel() * b._k.element_size() for b, _, _ in self.kv_flat.values())  # per (row, loop)
         self.stats.batch_size = batch_size
 
     def _flat_core_slots(self) -> dict:
         """Make the core's attention slots of every loop now, as views of one ``[R·B, H_kv, capacity, hd]``
         buffer per layer; returns layer -> ``(buffer's KVCache, its rows, rows per loop)`` (``kv='shared'``:
-        the family's one buffer, ``(base, B, 0)``)."""
+        the family's one buffer, ``(base, B, 0)``). A Mamba-2 layer's entry is ``(None, R·B, B)`` until the
+        prompt has run: then its loops' states become one :class:`Mamba2State` over ``[R·B, ...]``
+        (:meth:`_flat_ssm_states`)."""
         m, cache, R, B, cap = self.model, self.cache, self.R, self.cache.batch_size, self.cache.capacity
         p = next(m.parameters())
         by_loop = [m._slots(cache, m.core.stack, (k,), B, loop=k, family="core") for k in range(R)]
         flat = {}
         for j, blk in enumerate(m.core.stack.blocks):
             a = blk.mixer
+            if not isinstance(a, Attention):  # a Mamba-2 layer: a state per row, whatever the column
+                flat[blk.layer_idx] = (None, R * B, B)
+                continue
             if self.exit.kv == "shared":
                 base = by_loop[0][j].base
                 base.allocate(B, a.n_kv_heads, a.head_dim, a.head_dim, p.dtype, p.device)
@@ -170,8 +181,9 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             return out[:, :P], None, None, None
         logits = self(input_ids, attention_mask)  # [B, 1, V]: the prompt at full depth, committed at columns < P
         out[:, P] = pick(logits[:, -1])
-        for base, _, _ in self.flat.values():
+        for base, _, _ in self.kv_flat.values():
             base._len = P  # the flat buffers' own length (the fused step's bounds check reads it)
+        self._flat_ssm_states()
         for slot in cache.physical_slots():  # columns a row has not reached are read under a mask: zeros, not
             if getattr(slot, "_k", None) is not None:  # uninitialised memory (a masked NaN value is 0 × NaN)
                 slot._k[:, :, P:].zero_()
@@ -192,6 +204,30 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         if eos_token_id is not None:
             done |= out[:, P] == eos_token_id
         return out, col, made, done
+
+    def _flat_ssm_states(self) -> None:
+        """After the prompt: each core Mamba-2 layer's per-loop states (what the prompt left in them) as one
+        :class:`Mamba2State` over ``[R·B, ...]`` — row ``k·B + b`` is loop ``k``'s state of row ``b``, read and
+        written in place through a row view; the loops' own slots become views of it."""
+        m, R, B = self.model, self.R, self.cache.batch_size
+        for blk in m.core.stack.blocks:
+            if self.flat[blk.layer_idx][0] is not None:
+                continue
+            loops = [self.cache.slots[(k, blk.layer_idx)] for k in range(R)]
+            big = Mamba2State(torch.cat([s.conv_state for s in loops]), torch.cat([s.ssm_state for s in loops]), loops[0].seqlen_offset)
+            for k, s in enumerate(loops):
+                s.conv_state, s.ssm_state = big.conv_state[k * B : (k + 1) * B], big.ssm_state[k * B : (k + 1) * B]
+            self.flat[blk.layer_idx] = (big, R * B, B)
+
+    def _core_slots(self, idx_loop: torch.Tensor, idx_row: torch.Tensor, cols: torch.Tensor) -> list:
+        """The core blocks' slots of a pass: the flat buffers' row views at buffer rows ``idx_loop`` (``k·B + b``)
+        or, for ``kv='shared'``'s one KV buffer, ``idx_row`` (``b``), each row at its column ``cols``."""
+        out = []
+        for b in self.model.core.stack.blocks:
+            base, nrows, off = self.flat[b.layer_idx]
+            idx = idx_loop if off else idx_row
+            out.append(KVRows(base, idx, nrows, cols) if isinstance(base, KVCache) else Mamba2Rows(base, idx))
+        return out
 
     def _fctx(self, rows: torch.Tensor, col: torch.Tensor, L: int) -> ForwardContext:
         """Rows' positions, rotary tables and ``[n, 1, 1, L]`` mask (each reads its columns up to its own)."""
@@ -234,9 +270,8 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             zs.append(rule.next_input(c.state, c.lctx))  # Z^k of the cohort  [n_c, 1, d]
             c.lctx.core_input = zs[-1]
             mods.append(rule.block_modulation(c.state, c.lctx))
-        idx = torch.cat([c.rows + c.k * self.loop_offset for c in cohorts])  # buffer row of each row: k·B + b
-        cols = col.index_select(0, rows)
-        slots = [KVRows(base, idx, nrows, cols) for base, nrows, _ in (self.flat[b.layer_idx] for b in m.core.stack.blocks)]
+        idx = torch.cat([c.rows + c.k * self.cache.batch_size for c in cohorts])  # buffer row of each row: k·B + b
+        slots = self._core_slots(idx, rows, col.index_select(0, rows))
         h_all = m.core(torch.cat(zs) if len(zs) > 1 else zs[0], fctx, slots,
                        _cat_modulations(mods, [c.rows.shape[0] for c in cohorts], len(m.core.stack.blocks)))  # [n, 1, d]
         st.core_calls += 1
@@ -340,7 +375,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         src, dst, cc = torch.cat(src), torch.cat(dst), torch.cat(cc)
         if not propagate:  # copy
             self.pending = []
-            for base, _, _ in self.flat.values():
+            for base, _, _ in self.kv_flat.values():
                 for buf in (base._k, base._v):
                     buf[dst, :, cc] = buf[src, :, cc]  # [pairs, H_kv, hd]
             self.stats.fill_bytes += self.copy_bytes * dst.shape[0]
@@ -350,6 +385,8 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         self.pending = []
         f = self._fctx(G, col, L)
         for blk in m.core.stack.blocks:
+            if blk.layer_idx not in self.kv_flat:
+                continue  # a Mamba-2 layer: ssm='freeze' leaves the skipped loops' states as they are
             k, v = blk.mixer.kv_of(blk.mixer_norm(Z), f)  # [e, H_kv, 1, hd]
             base = self.flat[blk.layer_idx][0]
             base._k[dst, :, cc] = k[src, :, 0].to(base._k.dtype)

@@ -47,7 +47,6 @@ import torch
 
 from .context import BlockModulation, BranchModulation, ForwardContext
 from .depth_batch import DepthBatchedDecoder
-from .layers.attention import KVRows
 from .sampling import decode_context, eval_mode, sample_next
 
 __all__ = ["StaticDepthDecoder", "static_depth_generate"]
@@ -173,8 +172,7 @@ class StaticDepthDecoder(DepthBatchedDecoder):
             ctxs[j].core_input = zs[j]
         z = _by_loop(at, zs)  # [B, 1, d]: row b's Z^{k_b}
         mods = _by_loop_modulations(at, [rule.block_modulation(src[j], ctxs[j]) for j in range(R)], len(m.core.stack.blocks))
-        idx = k * self.loop_offset + ar  # buffer row of each row: k_b·B + b
-        slots = [KVRows(base, idx, nrows, col) for base, nrows, _ in (self.flat[b.layer_idx] for b in m.core.stack.blocks)]
+        slots = self._core_slots(k * B + ar, ar, col)  # each row's buffer row k_b·B + b (kv='shared': b), its column
         h = m.core(z, fctx, slots, mods)  # [B, 1, d]: H^{k_b} of row b
         news = [rule.step(src[j], h, ctxs[j]) for j in range(R)]
         S = news[R - 1]
@@ -244,13 +242,15 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         w3 = w[:, None, None]
         if kv == "copy":
             src = k[b] * B + b
-            for base, _, _ in self.flat.values():
+            for base, _, _ in self.kv_flat.values():
                 for buf in (base._k, base._v):
                     buf[dst, :, c] = torch.where(w3, buf[src, :, c], buf[dst, :, c])  # [pairs, H_kv, hd]
             return
         # propagate (the rule does not modulate the blocks: one stand-in per row for every deeper loop)
         stand = _by_loop(at[: R - 1], [m.rule.next_input(outs[i], ctxs[i + 1]) for i in range(R - 1)])  # [B, 1, d]
         for blk in m.core.stack.blocks:
+            if blk.layer_idx not in self.kv_flat:
+                continue  # a Mamba-2 layer: ssm='freeze'
             kk, vv = blk.mixer.kv_of(blk.mixer_norm(stand), fctx)  # [B, H_kv, 1, hd]
             base = self.flat[blk.layer_idx][0]
             base._k[dst, :, c] = torch.where(w3, kk[b, :, 0].to(base._k.dtype), base._k[dst, :, c])
@@ -275,7 +275,7 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         st.fill_bytes += self.copy_bytes * float(self.pairs) if self.exit.kv == "copy" else 0.0
         if self.exit.kv == "propagate":  # one stand-in projection per layer for every row, every pass
             st.fill_flops += rows_run * sum(2.0 * (b.mixer.k_proj.weight.numel() + b.mixer.v_proj.weight.numel())
-                                            for b in m.core.stack.blocks)  # fmt: skip
+                                            for b in m.core.stack.blocks if b.layer_idx in self.kv_flat)  # fmt: skip
         crit = self.exit.criterion  # the check of every row, every pass
         per_row = {"gate": 2.0 * d, "kl": 2.0 * m.lm_head.weight.numel(), "convergence": 4.0 * d}.get(crit, 0.0)
         st.check_flops += rows_run * per_row

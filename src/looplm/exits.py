@@ -49,8 +49,8 @@ Schedules (how a batch's rows share the core passes):
   loops the *batch* runs (the deepest row), not each row's depth;
 * ``depth`` — continuous depth batching (:mod:`looplm.depth_batch`): each core pass runs every row at its
   own loop of its own token; a row that exits goes through the coda and starts its next token at the next
-  pass, so the passes a batch needs follow the mean depth. Attention cores only (no Mamba-2 layer, no
-  sliding window, no rule-owned per-loop slots), and not with ``kv='full'``;
+  pass, so the passes a batch needs follow the mean depth. Mamba-2 layers in the core only and with
+  ``ssm='freeze'``; no sliding window, no rule-owned per-loop slots, not with ``kv='full'``;
 * ``static`` — the same at fixed shapes (:mod:`looplm.depth_static`): every pass runs all rows, each at
   its own loop, with no host read of a device value (for CUDA, where each read is a synchronisation); it
   also refuses ``propagate`` with per-loop block modulation, ``kl`` with coda layers, and rules whose
@@ -177,7 +177,7 @@ class Exit:
         if not errs:
             errs += _policy_support(model, self.kv, self.ssm)
         if not errs and self.schedule in ("depth", "static"):
-            errs += _depth_schedule_support(model, self.kv, self.schedule)
+            errs += _depth_schedule_support(model, self.kv, self.schedule, self.ssm)
         if not errs and self.schedule == "static":
             errs += _static_schedule_support(model, self.kv, self.criterion)
         if errs:
@@ -226,16 +226,22 @@ def _policy_support(model, kv: str, ssm: str) -> list[str]:
     return errs
 
 
-def _depth_schedule_support(model, kv: str, schedule: str = "depth") -> list[str]:
-    """Why ``model`` cannot decode under ``schedule`` (``depth`` or ``static``) with policy ``kv`` (empty: it can)."""
+def _depth_schedule_support(model, kv: str, schedule: str = "depth", ssm: str = "freeze") -> list[str]:
+    """Why ``model`` cannot decode under ``schedule`` (``depth`` or ``static``) with policies ``kv`` / ``ssm``
+    (empty: it can)."""
     cfg, errs = model.config, []
     if kv == "full":
         errs.append(f"schedule {schedule!r} batches rows by the loops they skip; kv='full' runs every loop (nothing to skip): "
                     "use kv='copy', 'propagate' or 'shared', or schedule='token'")  # fmt: skip
-    ssm = [i for i in range(cfg.n_physical) if cfg.mixer_of(i) != "attention"]
-    if ssm:
-        errs.append(f"schedule {schedule!r} runs attention layers only (rows at different tokens keep their own KV columns); "
-                    f"layers {ssm} are Mamba-2: use schedule='token'")  # fmt: skip
+    ssm_layers = [i for i in range(cfg.n_physical) if cfg.mixer_of(i) != "attention"]
+    core = range(model.core.stack.first, model.core.stack.first + len(model.core.stack.blocks))
+    outside = [i for i in ssm_layers if i not in core]
+    if outside:
+        errs.append(f"schedule {schedule!r} runs Mamba-2 layers in the core only (a prelude or coda state is one per row, "
+                    f"rewritten as rows start and exit); layers {outside} are Mamba-2: use schedule='token'")  # fmt: skip
+    if ssm_layers and not outside and ssm != "freeze":
+        errs.append(f"schedule {schedule!r} fills the loops a token skipped in Mamba-2 layers {ssm_layers} with ssm='freeze' "
+                    f"only (got {ssm!r}): use ssm='freeze', or schedule='token'")  # fmt: skip
     windowed = [i for i in range(cfg.n_physical) if cfg.mixer_of(i) == "attention" and cfg.sliding_window_of(i) is not None]
     if windowed:
         errs.append(f"schedule {schedule!r} has no sliding-window band for rows at different tokens (layers {windowed}): use schedule='token'")
