@@ -131,3 +131,18 @@ def test_bench_speculative_timing_reports_phases_and_the_free_verification_bound
     assert same and len(ratios) == 2 and t_full > 0
     assert st["draft_ms_per_round"] > 0 and st["verify_ms_per_round"] > 0
     assert bound > sp > 0
+
+
+def test_bench_scale_section_times_the_schedules_on_attention_and_mamba2_backbones():
+    """The scale section's rows: one per mixer, batch and schedule asked for (the static schedule beside the
+    depth schedule at batch > 1), each with its executed depth and time ratio against full depth."""
+    from looplm.bench_adaptive import _contenders, section_scale
+
+    m = looplm.build("tiny-llama").eval()
+    assert set(_contenders(m, 2, {"r": {"kv": "copy"}}, ("depth", "static"))) == {"full", "r/token", "r/depth", "r/static"}
+    assert set(_contenders(m, 1, {"r": {"kv": "copy"}}, ("depth", "static"))) == {"full", "r/token"}  # batch 1: one schedule
+    rows = section_scale(torch.tensor([1, 2, 4]), [64], (2,), 4, 1, "wall", [torch.float32], ("token", "static"),
+                         ("attention", "mamba2"))
+    assert [(r["mixer"], r["schedule"]) for r in rows] == [("attention", "token"), ("attention", "static"),
+                                                          ("mamba2", "token"), ("mamba2", "static")]
+    assert all(0 < r["executed_ratio"] < 1 and r["time_ratio"] > 0 for r in rows)

@@ -35,6 +35,7 @@ out of git). Plots: ``--png-dir`` (accuracy / PPL vs executed depth, annotated w
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -376,20 +377,29 @@ def section_task(model, cfg, qs, policies, fixed, time_batch: int, runs: int, cl
     return rows
 
 
-def section_scale(depth_pool: torch.Tensor, widths, batches, new_tokens, runs, clock, dtypes, schedules=("token", "depth")) -> list[dict]:
-    """The timing protocol on larger random-weight backbones (2 blocks × K = 4 like the LM, wider), every
-    token's depth drawn from the LM's measured exit depths (``depth_pool``): timing does not depend on the
-    weights' values, only on how many loops run."""
+def _scale_model(mixer: str, d: int, dt):
+    """A random-weight backbone of the scale section: 2 blocks × K = 4 loops at width ``d``, byte vocabulary;
+    ``attention`` (Llama blocks, heads of 64) or ``mamba2`` (Mamba-2 blocks, heads of 64, d_state 64)."""
     from .factory import build
 
+    torch.manual_seed(0)
+    common = {"d_model": d, "n_core": 2, "n_loops": 4, "vocab_size": 260, "max_seq_len": 1024}
+    if mixer == "mamba2":
+        return build("tiny-mamba2", overrides={**common, "mamba.headdim": 64, "mamba.d_state": 64, "mamba.ngroups": 1}, dtype=dt).eval()
+    return build("tiny-llama", overrides={**common, "d_ff": 3 * d, "attention.n_heads": d // 64, "attention.n_kv_heads": d // 64,
+                                          "attention.head_dim": 64}, dtype=dt).eval()  # fmt: skip
+
+
+def section_scale(depth_pool: torch.Tensor, widths, batches, new_tokens, runs, clock, dtypes, schedules=("token", "depth"),
+                  mixers=("attention",)) -> list[dict]:
+    """The timing protocol on larger random-weight backbones (2 blocks × K = 4 like the LM, wider; attention
+    or Mamba-2 blocks), every token's depth drawn from the LM's measured exit depths (``depth_pool``): timing
+    does not depend on the weights' values, only on how many loops run."""
     rows = []
     g = torch.Generator().manual_seed(0)
-    for d in widths:
+    for mixer, d in itertools.product(mixers, widths):
         for dt in dtypes:
-            torch.manual_seed(0)
-            m = build("tiny-llama", overrides={"d_model": d, "n_core": 2, "n_loops": 4, "d_ff": 3 * d, "vocab_size": 260,
-                                                 "max_seq_len": 1024, "attention.n_heads": d // 64, "attention.n_kv_heads": d // 64,
-                                                 "attention.head_dim": 64}, dtype=dt).eval()  # fmt: skip
+            m = _scale_model(mixer, d, dt)
             for B in batches:
                 prompts = torch.randint(0, 260, (B, 32), generator=g)
                 depths = depth_pool[torch.randint(0, depth_pool.numel(), (B, new_tokens + 8), generator=g)]
@@ -398,7 +408,7 @@ def section_scale(depth_pool: torch.Tensor, widths, batches, new_tokens, runs, c
                 for name in list(res)[1:]:
                     r = res[name]
                     ex = r["stats"]["executed_ratio"]
-                    rows.append({"d_model": d, "dtype": str(dt).replace("torch.", ""), "batch": B, "schedule": name.rsplit("/", 1)[1],
+                    rows.append({"mixer": mixer, "d_model": d, "dtype": str(dt).replace("torch.", ""), "batch": B, "schedule": name.rsplit("/", 1)[1],
                                  "executed_ratio": ex, "batch_depth": r["stats"]["batch_depth"], "time_ratio": r["ratio"],
                                  "full_ms_per_token": res["full"]["ms_per_token"], "target_met": r["ratio"] <= 1.1 * ex, "clock": clock})  # fmt: skip
     return rows
@@ -443,7 +453,7 @@ TABLES = {
     "task": [("setting", "setting", ""), ("value", "q / r", ""), ("kv", "kv", ""), ("accuracy", "accuracy", ".4f"),
              ("selected_depth", "selected", ".2f"), ("executed_depth", "executed", ".2f"), ("executed_depth_ans", "executed @ans", ".2f"),
              ("time_ratio", "time / full", ".3f")],
-    "scale": [("d_model", "d", "d"), ("dtype", "dtype", ""), ("batch", "B", "d"), ("schedule", "schedule", ""), ("executed_ratio", "executed / K", ".3f"),
+    "scale": [("mixer", "mixer", ""), ("d_model", "d", "d"), ("dtype", "dtype", ""), ("batch", "B", "d"), ("schedule", "schedule", ""), ("executed_ratio", "executed / K", ".3f"),
               ("batch_depth", "core passes / step", ".2f"), ("time_ratio", "time / full", ".3f"), ("full_ms_per_token", "full ms/tok", ".2f"),
               ("target_met", "≤ 1.1 × executed", "")],
 }
@@ -545,6 +555,9 @@ def cmd_bench_adaptive(args) -> int:
     bad = [x for x in schedules if x not in ("token", "depth", "static")]
     if bad:
         raise ValueError(f"--schedules {args.schedules!r}: unknown {bad}; choose from token, depth, static")
+    bad = [x.strip() for x in args.scale_mixers.split(",") if x.strip() not in ("attention", "mamba2")]
+    if bad:
+        raise ValueError(f"--scale-mixers {args.scale_mixers!r}: unknown {bad}; choose from attention, mamba2")
     q = args.quick
     report = {"cpu": cpu_description(), "threads": torch.get_num_threads(), "clock": args.clock, "sections": {}}
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
@@ -603,7 +616,8 @@ def cmd_bench_adaptive(args) -> int:
         depth_pool = torch.stack(dec.stats.selected).flatten()
     if "scale" in sections:
         rows = section_scale(depth_pool, [int(w) for w in args.widths.split(",")], (1, 8), 16 if q else args.new,
-                             2 if q else args.runs, args.clock, dtypes, schedules)
+                             2 if q else args.runs, args.clock, dtypes, schedules,
+                             tuple(x.strip() for x in args.scale_mixers.split(",")))
         report["sections"]["scale"] = rows
         log("\n## scale (random weights, the LM's exit depths replayed)\n" + _md(rows, TABLES["scale"]))
     if "speculative" in sections:
@@ -651,6 +665,7 @@ def register(sub) -> None:
     a.add_argument("--drafts", default="1,2,3", help="speculative draft loop counts r_d")
     a.add_argument("--k", default="2,4", help="speculative tokens drafted per round")
     a.add_argument("--widths", default="512,1024", help="backbone widths of the scale section")
+    a.add_argument("--scale-mixers", default="attention", help="block kinds of the scale section: attention, mamba2")
     a.add_argument("--schedules", default="token,depth", help="batch schedules timed at batch 8 beside full depth "
                    "(token, depth, static: the fixed-shape depth schedule, made for CUDA)")
     a.add_argument("--dtypes", default="fp32,bf16")
