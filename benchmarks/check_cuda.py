@@ -134,7 +134,7 @@ def section_adaptive(rep: Report) -> None:
     rep("(a) greedy tokens on the device == the CPU reference's (token schedule), fp32\n")
     rep("| model | exit | token | depth | static |")
     rep("| --- | --- | ---: | ---: | ---: |")
-    for name in ("tiny-llama", "tiny-coreloop", "tiny-qwen3"):
+    for name in ("tiny-llama", "tiny-coreloop", "tiny-qwen3", "tiny-hybrid"):
         torch.manual_seed(0)
         cpu = looplm.build(name).eval()
         dev = looplm.build(name, device=DEV).eval()
