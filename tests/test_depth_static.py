@@ -17,17 +17,9 @@ from looplm.recurrence import RULES
 
 from helpers import assert_refused_before_any_work, tiny_variant
 from host_reads import HostReads
+from test_depth_batch import _model, _replay
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def _model(name, dtype=torch.float32, **kw):
-    torch.manual_seed(0)
-    return looplm.build(name, **kw).eval().to(dtype)
-
-
-def _replay(depths, **kw):
-    return dict(criterion="replay", depths=depths, **kw)
 
 
 def _greedy(logits):

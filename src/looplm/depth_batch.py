@@ -67,7 +67,7 @@ from .layers.attention import Attention, KVCache, KVRows
 from .layers.mamba2 import Mamba2Rows, Mamba2State
 from .sampling import decode_context, eval_mode, sample_next
 
-__all__ = ["DepthBatchedDecoder", "depth_batched_generate"]
+__all__ = ["DepthBatchedDecoder", "depth_batched_generate", "merge_modulations"]
 
 
 @dataclass
@@ -412,6 +412,15 @@ def _cat_modulations(mods: list, sizes: list[int], n_blocks: int):
     """The cohorts' block modulations as one per-row modulation of the concatenated rows (``None`` when no
     cohort modulates): each field broadcast to ``[n_c, 1, d or 1]`` (absent: 1 for scale and gate, 0 for
     shift) and concatenated in cohort order."""
+    return merge_modulations(mods, sizes, n_blocks, torch.cat)
+
+
+def merge_modulations(mods: list, rows: list[int], n_blocks: int, combine):
+    """Groups' block modulations (``mods[g]``: ``None`` or one per block) as one per-row modulation:
+    each field of group ``g`` broadcast to ``[rows[g], 1, width]`` (absent: 1 for scale and gate, 0 for
+    shift; ``width`` the widest of the groups'), the groups' fields joined by ``combine(list) -> tensor``
+    (``torch.cat`` for cohorts of rows; a per-row choice among same-size groups, :mod:`looplm.depth_static`).
+    ``None`` when no group modulates."""
     if all(x is None for x in mods):
         return None
     out = []
@@ -426,13 +435,13 @@ def _cat_modulations(mods: list, sizes: list[int], n_blocks: int):
                     fields[f] = None
                     continue
                 like = next(v for v in vals if v is not None)
-                width = like.shape[-1] if like.dim() else 1
+                width = max(v.shape[-1] if v.dim() else 1 for v in vals if v is not None)
                 parts = []
-                for v, n in zip(vals, sizes):
+                for v, n in zip(vals, rows):
                     v = like.new_full((1, 1, 1), ident) if v is None else v
                     v = v.reshape((1,) * max(0, 3 - v.dim()) + tuple(v.shape)) if v.dim() < 3 else v
-                    parts.append(v.expand(n, 1, max(width, v.shape[-1])))
-                fields[f] = torch.cat(parts)
+                    parts.append(v.expand(n, 1, width))
+                fields[f] = combine(parts)
             branches[name] = None if all(v is None for v in fields.values()) else BranchModulation(**fields)
         out.append(None if all(v is None for v in branches.values()) else BlockModulation(**branches))
     return out
@@ -440,12 +449,13 @@ def _cat_modulations(mods: list, sizes: list[int], n_blocks: int):
 
 @torch.no_grad()
 def depth_batched_generate(model, input_ids, max_new_tokens, exit, do_sample, temperature, top_k, top_p, eos_token_id,
-                           pad_token_id, attention_mask, generator, loop_options, return_stats):
-    """:func:`looplm.generate.generate` under ``exit`` with ``schedule='depth'`` (module docstring)."""
+                           pad_token_id, attention_mask, generator, loop_options, return_stats, decoder=None):
+    """:func:`looplm.generate.generate` under ``exit`` with ``schedule='depth'`` (module docstring), or with
+    another decoder class of the same ``run`` (``decoder``: :class:`looplm.depth_static.StaticDepthDecoder`)."""
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0
     with eval_mode(model):
-        dec = DepthBatchedDecoder(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, exit, loop_options)
+        dec = (decoder or DepthBatchedDecoder)(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, exit, loop_options)
         ids = dec.run(input_ids, max_new_tokens, attention_mask,
                       lambda logits: sample_next(logits, do_sample, temperature, top_k, top_p, generator), eos_token_id, pad_token_id)  # fmt: skip
     return (ids, dec.stats) if return_stats else ids

@@ -45,11 +45,11 @@ import time
 
 import torch
 
-from .context import BlockModulation, BranchModulation, ForwardContext
-from .depth_batch import DepthBatchedDecoder
-from .sampling import decode_context, eval_mode, sample_next
+from .context import ForwardContext
+from .depth_batch import DepthBatchedDecoder, merge_modulations
+from .sampling import decode_context
 
-__all__ = ["StaticDepthDecoder", "static_depth_generate"]
+__all__ = ["StaticDepthDecoder"]
 
 
 class StaticDepthDecoder(DepthBatchedDecoder):
@@ -354,43 +354,6 @@ def _by_loop(at: list, xs: list) -> torch.Tensor:
 
 def _by_loop_modulations(at: list, mods: list, n_blocks: int):
     """Each row's block modulation of its own loop (``mods[j]``: loop ``j``'s for every row, or ``None``):
-    every field as ``[B, 1, width]`` (absent: 1 for scale and gate, 0 for shift); ``None`` when no loop
-    modulates."""
-    if all(x is None for x in mods):
-        return None
+    every field as ``[B, 1, width]``, row ``b`` from loop ``k_b``; ``None`` when no loop modulates."""
     B = at[0].shape[0]
-    out = []
-    for i in range(n_blocks):
-        branches = {}
-        for name in ("mixer", "mlp"):
-            fields = {}
-            for f, ident in (("scale", 1.0), ("shift", 0.0), ("gate", 1.0)):
-                vals = [None if ms is None or ms[i] is None or getattr(ms[i], name) is None else getattr(getattr(ms[i], name), f)
-                        for ms in mods]  # fmt: skip
-                if all(v is None for v in vals):
-                    fields[f] = None
-                    continue
-                like = next(v for v in vals if v is not None)
-                width = max(v.shape[-1] if v.dim() else 1 for v in vals if v is not None)
-                rows = []
-                for v in vals:
-                    v = like.new_full((1, 1, 1), ident) if v is None else v
-                    v = v.reshape((1,) * max(0, 3 - v.dim()) + tuple(v.shape)) if v.dim() < 3 else v
-                    rows.append(v.expand(B, 1, width))
-                fields[f] = _by_loop(at, rows)
-            branches[name] = None if all(v is None for v in fields.values()) else BranchModulation(**fields)
-        out.append(None if all(v is None for v in branches.values()) else BlockModulation(**branches))
-    return out
-
-
-@torch.no_grad()
-def static_depth_generate(model, input_ids, max_new_tokens, exit, do_sample, temperature, top_k, top_p, eos_token_id,
-                          pad_token_id, attention_mask, generator, loop_options, return_stats):
-    """:func:`looplm.generate.generate` under ``exit`` with ``schedule='static'`` (module docstring)."""
-    if pad_token_id is None:
-        pad_token_id = eos_token_id if eos_token_id is not None else 0
-    with eval_mode(model):
-        dec = StaticDepthDecoder(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, exit, loop_options)
-        ids = dec.run(input_ids, max_new_tokens, attention_mask,
-                      lambda logits: sample_next(logits, do_sample, temperature, top_k, top_p, generator), eos_token_id, pad_token_id)  # fmt: skip
-    return (ids, dec.stats) if return_stats else ids
+    return merge_modulations(mods, [B] * len(mods), n_blocks, lambda parts: _by_loop(at, parts))

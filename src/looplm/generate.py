@@ -112,16 +112,13 @@ def generate(
         if num_loops is not None and e.max_loops is None:
             e = e.with_policies(max_loops=num_loops)
         e = e.resolved(model, input_ids.shape[0])  # every bad option refused here, before any work
-        if e.schedule == "static" and not e.is_off(model):
-            from .depth_static import static_depth_generate
-
-            return static_depth_generate(model, input_ids, max_new_tokens, e, do_sample, temperature, top_k, top_p, eos_token_id,
-                                         pad_token_id, attention_mask, generator, loop_options, return_stats)  # fmt: skip
-        if e.schedule == "depth" and not e.is_off(model):
+        if e.schedule in ("depth", "static") and not e.is_off(model):
             from .depth_batch import depth_batched_generate
+            from .depth_static import StaticDepthDecoder
 
             return depth_batched_generate(model, input_ids, max_new_tokens, e, do_sample, temperature, top_k, top_p, eos_token_id,
-                                          pad_token_id, attention_mask, generator, loop_options, return_stats)  # fmt: skip
+                                          pad_token_id, attention_mask, generator, loop_options, return_stats,
+                                          decoder=StaticDepthDecoder if e.schedule == "static" else None)  # fmt: skip
         if not e.is_off(model) or return_stats:
             return _generate_adaptive(model, input_ids, max_new_tokens, e, do_sample, temperature, top_k, top_p, eos_token_id,
                                       pad_token_id, attention_mask, generator, loop_options, return_stats)  # fmt: skip
