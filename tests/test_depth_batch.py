@@ -56,12 +56,13 @@ def test_depth_schedule_equals_the_token_schedule_with_left_padding(name, kv):
 
 
 @pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-mamba2"])
-@pytest.mark.parametrize("kv", ["copy", "propagate", "shared"])
-def test_mamba2_cores_under_the_depth_schedule_equal_the_token_schedule_and_keep_its_states(name, kv):
-    """Mamba-2 layers in the core (ssm='freeze'): each row's state of loop k is buffer row k·B + b of one
-    flat state per layer, stepped in place by the row's tokens that ran loop k. Greedy tokens (left padding
-    included) and every loop's conv and SSM state after the decode equal the token schedule's on the same
-    tokens and depths."""
+@pytest.mark.parametrize("kv,ssm", [("copy", "freeze"), ("propagate", "freeze"), ("shared", "freeze"), ("copy", "propagate"),
+                                    ("shared", "decay"), ("propagate", "decay")])
+def test_mamba2_cores_under_the_depth_schedule_equal_the_token_schedule_and_keep_its_states(name, kv, ssm):
+    """Mamba-2 layers in the core: each row's state of loop k is buffer row k·B + b of one flat state per
+    layer, stepped in place by the row's tokens that ran loop k; the loops it skipped frozen, or given the
+    stand-in's propagation / decay. Greedy tokens (left padding included) and every loop's conv and SSM
+    state after the decode equal the token schedule's on the same tokens and depths."""
     m = _model(name)
     K, B, P, N = m.config.n_loops, 3, 5, 8
     g = torch.Generator().manual_seed(12)
@@ -69,20 +70,24 @@ def test_mamba2_cores_under_the_depth_schedule_equal_the_token_schedule_and_keep
     mask = torch.ones(B, P, dtype=torch.long)
     mask[2, :2] = 0
     depths = torch.randint(1, K + 1, (B, N), generator=g)
-    tok, dep = _both(m, ids, N, _replay(depths, kv=kv), attention_mask=mask)
+    tok, dep = _both(m, ids, N, _replay(depths, kv=kv, ssm=ssm), attention_mask=mask)
     assert torch.equal(tok, dep)
-    dec = DepthBatchedDecoder(m, B, P + N, _replay(depths, kv=kv, schedule="depth"))
+    dec = DepthBatchedDecoder(m, B, P + N, _replay(depths, kv=kv, ssm=ssm, schedule="depth"))
     out = dec.run(ids, N, None, lambda logits: logits.max(-1).indices, None, 0)
-    ref = AdaptiveDecoder(m, B, P + N, _replay(depths, kv=kv))
+    ref = AdaptiveDecoder(m, B, P + N, _replay(depths, kv=kv, ssm=ssm))
     ref.score(out[:, : P + N - 1], prompt_len=P)
-    ssm = [b.layer_idx for b in m.core.stack.blocks if b.layer_idx not in dec.kv_flat]
-    assert ssm
-    for j in ssm:
+    ssm_layers = [b.layer_idx for b in m.core.stack.blocks if b.layer_idx not in dec.kv_flat]
+    assert ssm_layers
+    for j in ssm_layers:
         big = dec.flat[j][0]
         for k in range(K):
             s = ref.cache.slots[(k, j)]
             torch.testing.assert_close(big.conv_state[k * B : (k + 1) * B], s.conv_state, atol=1e-5, rtol=1e-5)
             torch.testing.assert_close(big.ssm_state[k * B : (k + 1) * B], s.ssm_state, atol=1e-5, rtol=1e-5)
+    if ssm != "freeze":  # the policy took effect: the deeper loops' states differ from a frozen decode's
+        frozen = DepthBatchedDecoder(m, B, P + N, _replay(depths, kv=kv, schedule="depth"))
+        frozen.run(ids, N, None, lambda logits: logits.max(-1).indices, None, 0)
+        assert not torch.allclose(frozen.flat[ssm_layers[0]][0].ssm_state, dec.flat[ssm_layers[0]][0].ssm_state)
 
 
 @pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.kernels)])
@@ -268,7 +273,6 @@ def test_statistics_count_each_rows_own_depths_and_the_passes():
 @pytest.mark.parametrize(
     "name,overrides,spec,match",
     [
-        ("tiny-hybrid", {}, {"criterion": "kl", "threshold": 0.1, "ssm": "propagate"}, "layers \\[0, 2\\] with ssm='freeze' only"),
         ("tiny-hybrid", {"n_prelude": 1, "n_core": 2}, {"criterion": "kl", "threshold": 0.1}, "Mamba-2 layers in the core only"),
         ("tiny-llama", {}, {"criterion": "kl", "threshold": 0.1, "kv": "full"}, "kv='full' runs every loop"),
         ("tiny-llama", {"attention.sliding_window": 4, "attention.sliding_layer_idx": [1]}, {"criterion": "kl", "threshold": 0.1},

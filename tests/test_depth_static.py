@@ -115,17 +115,27 @@ def test_a_pass_reads_no_value_on_the_host(spec):
 
 
 @pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-mamba2"])
-def test_a_mamba2_pass_reads_no_value_on_the_host(name):
-    """Mamba-2 core layers: each row steps its own loop's state (row k_b·B + b of the flat state) in place."""
+@pytest.mark.parametrize("ssm", ["freeze", "propagate", "decay"])
+def test_mamba2_cores_read_no_value_on_the_host_and_keep_the_depth_schedules_states(name, ssm):
+    """Mamba-2 core layers: each row steps its own loop's state (row k_b·B + b of the flat state) in place;
+    the skipped loops' states take the policy where the pair is skipped (masked). No host read per pass; the
+    depth schedule's tokens and every loop's conv and SSM state."""
     m = _model(name)
-    K = m.config.n_loops
+    K, B, P, N = m.config.n_loops, 3, 5, 8
     g = torch.Generator().manual_seed(10)
-    ids = torch.randint(0, 250, (3, 5), generator=g)
+    ids = torch.randint(0, 250, (B, P), generator=g)
+    spec = _replay(torch.randint(1, K + 1, (B, N), generator=g), ssm=ssm)
     with dispatch.reference_only():
-        dec = StaticDepthDecoder(m, 3, 13, _replay(torch.randint(1, K + 1, (3, 8), generator=g), schedule="static"))
+        dec = StaticDepthDecoder(m, B, P + N, {**spec, "schedule": "static"})
         reads = _counted(dec)
-        dec.run(ids, 8, None, _greedy, None, 0)
+        out = dec.run(ids, N, None, _greedy, None, 0)
     assert dec.passes > 0 and sum(reads.values()) == 0, dict(reads)
+    dyn = DepthBatchedDecoder(m, B, P + N, {**spec, "schedule": "depth"})
+    assert torch.equal(dyn.run(ids, N, None, _greedy, None, 0), out)
+    for j, (base, _, _) in dyn.flat.items():
+        if j not in dyn.kv_flat:
+            torch.testing.assert_close(dec.flat[j][0].conv_state, base.conv_state, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(dec.flat[j][0].ssm_state, base.ssm_state, atol=1e-5, rtol=1e-5)
 
 
 def test_a_pass_of_the_exit_gate_and_of_sampling_reads_no_value_on_the_host():
@@ -275,8 +285,7 @@ def test_public_model_rule_under_the_static_schedule():
         ("tiny-llama", {"rule": {"name": "history"}}, _replay(2), "state changes over the loops"),
         ("tiny-llama", {"rule": {"name": "timestep"}}, _replay(2, kv="propagate"), "modulates its blocks per loop"),
         ("tiny-llama", {"n_coda": 1}, {"criterion": "kl", "threshold": 0.1}, "readout slot per loop"),
-        ("tiny-hybrid", {}, {"criterion": "kl", "threshold": 0.1, "ssm": "decay"}, "schedule 'static' fills the loops a token "
-         "skipped in Mamba-2 layers \\[0, 2\\] with ssm='freeze' only"),
+        ("tiny-hybrid", {"rule": {"name": "timestep"}}, _replay(2, ssm="decay"), "modulates its blocks per loop: use ssm='freeze'"),
         ("tiny-llama", {}, {"criterion": "kl", "threshold": 0.1, "kv": "full"}, "kv='full' runs every loop"),
     ],
 )
@@ -303,16 +312,19 @@ def test_front_ends_take_the_static_schedule():
 
 
 @pytest.mark.kernels
-def test_the_fused_cpu_path_runs_the_static_schedule():
-    """On a CPU the fused decode step takes each pass (rows ``k_b·B + b`` at their own columns): the
-    reference's tokens, in fp32 and bf16."""
+@pytest.mark.parametrize("name,ssm", [("tiny-llama", "freeze"), ("tiny-hybrid", "propagate")])
+def test_the_fused_cpu_path_runs_the_static_schedule(name, ssm):
+    """On a CPU the fused decode step takes each pass (rows ``k_b·B + b`` at their own columns; a masked
+    Mamba-2 row view goes to the reference): the reference's tokens, and the depth schedule's, in fp32 and
+    bf16."""
     for dtype in (torch.float32, torch.bfloat16):
-        m = _model("tiny-llama", dtype)
+        m = _model(name, dtype)
         K = m.config.n_loops
         g = torch.Generator().manual_seed(8)
         ids = torch.randint(0, 250, (4, 5), generator=g)
-        ex = _replay(torch.randint(1, K + 1, (4, 8), generator=g), schedule="static")
+        ex = _replay(torch.randint(1, K + 1, (4, 8), generator=g), ssm=ssm, schedule="static")
         fused = m.generate(ids, 8, exit=ex)
+        assert torch.equal(m.generate(ids, 8, exit={**ex, "schedule": "depth"}), fused)
         with dispatch.reference_only():
             ref = m.generate(ids, 8, exit=ex)
         if dtype == torch.float32:

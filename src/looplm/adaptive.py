@@ -266,7 +266,7 @@ class AdaptiveDecoder:
               cols: torch.Tensor | None = None, skip_core: bool = False) -> None:
         """The slots of loops ``k_exit + 1 .. R − 1`` for rows ``g`` that exited after loop ``k_exit`` (their
         token at column ``seqlen``, or at each row's own column ``cols [n]``: :mod:`looplm.depth_batch`, which
-        copies the core's own slots itself: ``skip_core``)."""
+        fills the core's attention slots itself: ``skip_core``)."""
         m, e, cache = self.model, self.exit, self.cache
         skipped = range(k_exit + 1, self.R)
         B, pos = cache.batch_size, cache.seqlen
@@ -277,8 +277,8 @@ class AdaptiveDecoder:
         st = self.stats
         n = g.shape[0]
         for family, by_loop in cache.loop_slots.items():
-            if skip_core and family[0] == "core":
-                continue
+            if skip_core and family[0] == "core" and hasattr(next(iter(by_loop.values())), "update"):
+                continue  # a core attention family (its caller's); a core Mamba-2 family is filled here
             src = by_loop.get(k_exit)
             src_kv = None  # the exit loop's entry of rows g, read once for every skipped loop
             for k in skipped:

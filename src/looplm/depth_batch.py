@@ -42,11 +42,12 @@ output, but at batch > 1 the draws come in another order than under the token sc
 
 Mamba-2 layers of the core: a state per row, whatever its column — loop ``k``'s state of row ``b`` is row
 ``k·B + b`` of one flat :class:`~looplm.layers.mamba2.Mamba2State` per layer (made from the loops' states
-after the prompt), stepped in place through a row view; the loops a token skips keep their state
-(``ssm='freeze'``, the only policy here).
+after the prompt; the loops' own slots are views of it), stepped in place through a row view; the loops a
+token skips keep their state (``ssm='freeze'``) or take the stand-in's propagation / decay
+(:meth:`AdaptiveDecoder._fill`, per exit, through the loops' slots).
 
-What it does not run (refused by :meth:`looplm.exits.Exit.resolved`): Mamba-2 layers outside the core or
-with ``ssm`` other than ``'freeze'``, sliding-window attention, rules with their own per-loop slots
+What it does not run (refused by :meth:`looplm.exits.Exit.resolved`): Mamba-2 layers outside the core,
+sliding-window attention, rules with their own per-loop slots
 (StateLoop's state mixers), rules that replace a block's residual stream, and ``kv='full'``. Prefill runs
 at full depth (as under the token schedule). The host reads the exit flags and the furthest column a few
 times per pass (on CUDA each is a synchronisation: :mod:`looplm.depth_static` reads none). Host work per
@@ -96,6 +97,8 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         self.pending: list = []  # (rows, exit loop, stand-in) whose core fills this pass still owes (_fill_core)
         self.modulated = _modulates(model.rule)  # blocks differ per loop: propagation per loop (_fill)
         self.copy_bytes = sum(2 * b._k[0, :, 0].numel() * b._k.element_size() for b, _, _ in self.kv_flat.values())  # per (row, loop)
+        # Mamba-2 core layers whose skipped loops take ssm='propagate' / 'decay' (AdaptiveDecoder._fill, per exit)
+        self.ssm_fills = self.exit.ssm != "freeze" and len(self.kv_flat) < len(self.flat)
         self.stats.batch_size = batch_size
 
     def _flat_core_slots(self) -> dict:
@@ -214,19 +217,21 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             if self.flat[blk.layer_idx][0] is not None:
                 continue
             loops = [self.cache.slots[(k, blk.layer_idx)] for k in range(R)]
-            big = Mamba2State(torch.cat([s.conv_state for s in loops]), torch.cat([s.ssm_state for s in loops]), loops[0].seqlen_offset)
+            big = Mamba2State(torch.cat([s.conv_state for s in loops]), torch.cat([s.ssm_state for s in loops]).float(),
+                              loops[0].seqlen_offset)  # (contiguous, fp32: a fused step never rebinds them)
             for k, s in enumerate(loops):
                 s.conv_state, s.ssm_state = big.conv_state[k * B : (k + 1) * B], big.ssm_state[k * B : (k + 1) * B]
             self.flat[blk.layer_idx] = (big, R * B, B)
 
-    def _core_slots(self, idx_loop: torch.Tensor, idx_row: torch.Tensor, cols: torch.Tensor) -> list:
+    def _core_slots(self, idx_loop: torch.Tensor, idx_row: torch.Tensor, cols: torch.Tensor, keep: torch.Tensor | None = None) -> list:
         """The core blocks' slots of a pass: the flat buffers' row views at buffer rows ``idx_loop`` (``k·B + b``)
-        or, for ``kv='shared'``'s one KV buffer, ``idx_row`` (``b``), each row at its column ``cols``."""
+        or, for ``kv='shared'``'s one KV buffer, ``idx_row`` (``b``), each row at its column ``cols``; ``keep``:
+        the rows whose Mamba-2 states the pass may change (the others' are written back unchanged)."""
         out = []
         for b in self.model.core.stack.blocks:
             base, nrows, off = self.flat[b.layer_idx]
             idx = idx_loop if off else idx_row
-            out.append(KVRows(base, idx, nrows, cols) if isinstance(base, KVCache) else Mamba2Rows(base, idx))
+            out.append(KVRows(base, idx, nrows, cols) if isinstance(base, KVCache) else Mamba2Rows(base, idx, keep))
         return out
 
     def _fctx(self, rows: torch.Tensor, col: torch.Tensor, L: int) -> ForwardContext:
@@ -325,7 +330,8 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         if mine and c.k < self.R - 1:
             z = None if self.exit.kv == "copy" else rule.next_input(st_out, replace(ctx_out, iteration=c.k + 1))  # [e, 1, d]
             self.pending.append((g, c.k, z))
-        if not mine or len(self.cache.loop_slots) > len(self.flat):  # the rest (readouts' coda layers; modulated blocks)
+        if not mine or self.ssm_fills or len(self.cache.loop_slots) > len(self.flat):  # the rest: readouts' coda layers,
+            # modulated blocks, the Mamba-2 core layers' states
             self._fill(g, c.k, st_out, ctx_out, h_out, cols=col[g], skip_core=mine)
         depth = torch.full((g.shape[0],), c.k + 1, dtype=torch.long, device=dev)
         st.selected.append(depth)
@@ -386,7 +392,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         f = self._fctx(G, col, L)
         for blk in m.core.stack.blocks:
             if blk.layer_idx not in self.kv_flat:
-                continue  # a Mamba-2 layer: ssm='freeze' leaves the skipped loops' states as they are
+                continue  # a Mamba-2 layer: its ssm policy is AdaptiveDecoder._fill's (through the loops' slots)
             k, v = blk.mixer.kv_of(blk.mixer_norm(Z), f)  # [e, H_kv, 1, hd]
             base = self.flat[blk.layer_idx][0]
             base._k[dst, :, cc] = k[src, :, 0].to(base._k.dtype)

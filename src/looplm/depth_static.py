@@ -10,8 +10,10 @@ waits for the host's next launch). ``schedule='static'`` runs the same computati
   own loop (``rule.select_rows``, the hook of per-row loop counts) — so no rule sees a per-row loop index;
   that is ``R`` small calls of the rule per pass, beside one core call;
 * the exit test, the exit states, the fills (``copy``: a masked gather / scatter per layer; ``propagate``:
-  one projection per layer for every row) and the coda, norm and head run for every row each pass, masked
-  by the rows that exit; the picked token is kept only where a row exited (``torch.where``);
+  one projection per layer for every row; a Mamba-2 ``ssm`` policy: the stand-in absorbed for every
+  (row, deeper loop) pair, written back where the pair is skipped) and the coda, norm and head run for
+  every row each pass, masked by the rows that exit; the picked token is kept only where a row exited
+  (``torch.where``); a finished row's Mamba-2 states are written back unchanged;
 * a row that exited starts its next token at loop 0 at the next pass (its embedding and prelude: every row
   runs them each pass, the others rewrite their in-flight token's prelude keys with the same values).
 
@@ -31,8 +33,8 @@ for a few; on a CPU the extra rows are real FLOPs — use ``schedule='depth'`` t
 no host read of a tensor (``aten._local_scalar_dense``, ``nonzero``, ...) and that greedy decoding equals the
 token schedule's.
 
-Refused, beside what ``schedule='depth'`` refuses: ``kv='propagate'`` with a rule that modulates its blocks
-per loop, the ``kl`` criterion with coda layers (its readout slots are per loop), and rules whose state
+Refused, beside what ``schedule='depth'`` refuses: ``kv='propagate'`` (and a Mamba-2 ``ssm`` policy other
+than ``'freeze'``) with a rule that modulates its blocks per loop, the ``kl`` criterion with coda layers (its readout slots are per loop), and rules whose state
 changes structure over the loops (e.g. a history that grows), which no per-row selection can merge.
 Sampled decoding draws a token for every row each pass and keeps the exiting rows': a seed fixes the output,
 but the draws differ from the other schedules'.
@@ -47,6 +49,7 @@ import torch
 
 from .context import ForwardContext
 from .depth_batch import DepthBatchedDecoder, merge_modulations
+from .layers.mamba2 import Mamba2Rows
 from .sampling import decode_context
 
 __all__ = ["StaticDepthDecoder"]
@@ -172,7 +175,8 @@ class StaticDepthDecoder(DepthBatchedDecoder):
             ctxs[j].core_input = zs[j]
         z = _by_loop(at, zs)  # [B, 1, d]: row b's Z^{k_b}
         mods = _by_loop_modulations(at, [rule.block_modulation(src[j], ctxs[j]) for j in range(R)], len(m.core.stack.blocks))
-        slots = self._core_slots(k * B + ar, ar, col)  # each row's buffer row k_b·B + b (kv='shared': b), its column
+        # each row's buffer row k_b·B + b (kv='shared': b), its column; a finished row's Mamba-2 states stay as they are
+        slots = self._core_slots(k * B + ar, ar, col, keep=~done)
         h = m.core(z, fctx, slots, mods)  # [B, 1, d]: H^{k_b} of row b
         news = [rule.step(src[j], h, ctxs[j]) for j in range(R)]
         S = news[R - 1]
@@ -227,12 +231,15 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         return leave
 
     def _fill_static(self, leave, k, col, at, outs, ctxs, fctx) -> None:
-        """The core slots of the loops each exiting row skips (``j > k_b``, at its column): one masked gather /
-        scatter per layer and buffer over every (row, deeper loop) pair — ``copy``: buffer row ``k_b·B + b``;
-        ``propagate``: the stand-in ``Z^{k_b + 1}`` of every row through each layer's norm and K/V
-        projections. ``shared``: nothing (a row's column holds its last loop)."""
-        kv, B, R, m = self.exit.kv, self.cache.batch_size, self.R, self.model
-        if kv == "shared" or R == 1:
+        """The core slots of the loops each exiting row skips (``j > k_b``, at its column), masked over every
+        (row, deeper loop) pair — attention (one gather / scatter per layer and buffer): ``copy``, buffer row
+        ``k_b·B + b``; ``propagate``, the stand-in ``Z^{k_b + 1}`` of every row through each layer's norm and
+        K/V projections; ``shared``, nothing (a row's column holds its last loop). Mamba-2 (``ssm``):
+        ``freeze``, nothing; ``propagate`` / ``decay``, the stand-in absorbed into each pair's state, kept
+        where the pair is skipped (a masked row view)."""
+        kv, ssm, B, R, m = self.exit.kv, self.exit.ssm, self.cache.batch_size, self.R, self.model
+        ssm_blocks = [blk for blk in m.core.stack.blocks if blk.layer_idx not in self.kv_flat] if ssm != "freeze" else []
+        if R == 1 or (kv == "shared" and not ssm_blocks):
             return
         b, j = self.deeper  # [(R−1)·B]
         dst = j * B + b
@@ -240,21 +247,26 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         self.pairs += w.sum()
         c = col[b]
         w3 = w[:, None, None]
+        stand = None  # the rule does not modulate the blocks (else refused): one stand-in per row for every deeper loop
+        if kv == "propagate" or ssm_blocks:
+            stand = _by_loop(at[: R - 1], [m.rule.next_input(outs[i], ctxs[i + 1]) for i in range(R - 1)])  # [B, 1, d]
         if kv == "copy":
             src = k[b] * B + b
             for base, _, _ in self.kv_flat.values():
                 for buf in (base._k, base._v):
                     buf[dst, :, c] = torch.where(w3, buf[src, :, c], buf[dst, :, c])  # [pairs, H_kv, hd]
-            return
-        # propagate (the rule does not modulate the blocks: one stand-in per row for every deeper loop)
-        stand = _by_loop(at[: R - 1], [m.rule.next_input(outs[i], ctxs[i + 1]) for i in range(R - 1)])  # [B, 1, d]
-        for blk in m.core.stack.blocks:
-            if blk.layer_idx not in self.kv_flat:
-                continue  # a Mamba-2 layer: ssm='freeze'
-            kk, vv = blk.mixer.kv_of(blk.mixer_norm(stand), fctx)  # [B, H_kv, 1, hd]
-            base = self.flat[blk.layer_idx][0]
-            base._k[dst, :, c] = torch.where(w3, kk[b, :, 0].to(base._k.dtype), base._k[dst, :, c])
-            base._v[dst, :, c] = torch.where(w3, vv[b, :, 0].to(base._v.dtype), base._v[dst, :, c])
+        elif kv == "propagate":
+            for blk in m.core.stack.blocks:
+                if blk.layer_idx not in self.kv_flat:
+                    continue
+                kk, vv = blk.mixer.kv_of(blk.mixer_norm(stand), fctx)  # [B, H_kv, 1, hd]
+                base = self.flat[blk.layer_idx][0]
+                base._k[dst, :, c] = torch.where(w3, kk[b, :, 0].to(base._k.dtype), base._k[dst, :, c])
+                base._v[dst, :, c] = torch.where(w3, vv[b, :, 0].to(base._v.dtype), base._v[dst, :, c])
+        for blk in ssm_blocks:
+            mix, u = blk.mixer, blk.mixer_norm(stand)  # [B, 1, d]
+            zx = mix.in_proj(u[:, 0]) if ssm == "propagate" else None  # [B, d_in_proj], once per row
+            mix.absorb(u[b], Mamba2Rows(self.flat[blk.layer_idx][0], dst, keep=w), ssm, zxbcdt=None if zx is None else zx[b])
 
     def _count_static(self, passes: int) -> None:
         """Statistics from the passes: each exit's depth and column; FLOPs of what ran — every row, every
@@ -276,6 +288,15 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         if self.exit.kv == "propagate":  # one stand-in projection per layer for every row, every pass
             st.fill_flops += rows_run * sum(2.0 * (b.mixer.k_proj.weight.numel() + b.mixer.v_proj.weight.numel())
                                             for b in m.core.stack.blocks if b.layer_idx in self.kv_flat)  # fmt: skip
+        ssm = self.exit.ssm
+        if ssm != "freeze":  # every row's stand-in through in_proj (or its dt rows), every pair's state update
+            for b in m.core.stack.blocks:
+                if b.layer_idx in self.kv_flat:
+                    continue
+                mix = b.mixer
+                w_rows = mix.in_proj.weight if ssm == "propagate" else mix.in_proj.weight[-mix.nheads :]
+                st.fill_flops += rows_run * 2.0 * w_rows.numel()
+                st.fill_flops += passes * (self.R - 1) * self.cache.batch_size * (2.0 * mix.conv_dim * mix.d_conv + 4.0 * mix.nheads * mix.headdim * mix.d_state)
         crit = self.exit.criterion  # the check of every row, every pass
         per_row = {"gate": 2.0 * d, "kl": 2.0 * m.lm_head.weight.numel(), "convergence": 4.0 * d}.get(crit, 0.0)
         st.check_flops += rows_run * per_row

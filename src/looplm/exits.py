@@ -49,11 +49,11 @@ Schedules (how a batch's rows share the core passes):
   loops the *batch* runs (the deepest row), not each row's depth;
 * ``depth`` — continuous depth batching (:mod:`looplm.depth_batch`): each core pass runs every row at its
   own loop of its own token; a row that exits goes through the coda and starts its next token at the next
-  pass, so the passes a batch needs follow the mean depth. Mamba-2 layers in the core only and with
-  ``ssm='freeze'``; no sliding window, no rule-owned per-loop slots, not with ``kv='full'``;
+  pass, so the passes a batch needs follow the mean depth. Mamba-2 layers in the core only; no sliding
+  window, no rule-owned per-loop slots, not with ``kv='full'``;
 * ``static`` — the same at fixed shapes (:mod:`looplm.depth_static`): every pass runs all rows, each at
   its own loop, with no host read of a device value (for CUDA, where each read is a synchronisation); it
-  also refuses ``propagate`` with per-loop block modulation, ``kl`` with coda layers, and rules whose
+  also refuses ``propagate`` / a Mamba-2 fill with per-loop block modulation, ``kl`` with coda layers, and rules whose
   state changes structure over the loops.
 """
 
@@ -179,7 +179,7 @@ class Exit:
         if not errs and self.schedule in ("depth", "static"):
             errs += _depth_schedule_support(model, self.kv, self.schedule, self.ssm)
         if not errs and self.schedule == "static":
-            errs += _static_schedule_support(model, self.kv, self.criterion)
+            errs += _static_schedule_support(model, self.kv, self.criterion, self.ssm)
         if errs:
             raise ValueError("exit: " + "; ".join(errs))
         th = _DEFAULT_THRESHOLD.get(self.criterion) if t is None else float(t)
@@ -239,9 +239,6 @@ def _depth_schedule_support(model, kv: str, schedule: str = "depth", ssm: str = 
     if outside:
         errs.append(f"schedule {schedule!r} runs Mamba-2 layers in the core only (a prelude or coda state is one per row, "
                     f"rewritten as rows start and exit); layers {outside} are Mamba-2: use schedule='token'")  # fmt: skip
-    if ssm_layers and not outside and ssm != "freeze":
-        errs.append(f"schedule {schedule!r} fills the loops a token skipped in Mamba-2 layers {ssm_layers} with ssm='freeze' "
-                    f"only (got {ssm!r}): use ssm='freeze', or schedule='token'")  # fmt: skip
     windowed = [i for i in range(cfg.n_physical) if cfg.mixer_of(i) == "attention" and cfg.sliding_window_of(i) is not None]
     if windowed:
         errs.append(f"schedule {schedule!r} has no sliding-window band for rows at different tokens (layers {windowed}): use schedule='token'")
@@ -253,14 +250,19 @@ def _depth_schedule_support(model, kv: str, schedule: str = "depth", ssm: str = 
     return errs
 
 
-def _static_schedule_support(model, kv: str, criterion: str) -> list[str]:
+def _static_schedule_support(model, kv: str, criterion: str, ssm: str = "freeze") -> list[str]:
     """Why ``model`` cannot decode under ``schedule='static'`` (beyond :func:`_depth_schedule_support`)."""
     from .recurrence.base import RecurrenceRule
 
     cfg, errs = model.config, []
-    if kv == "propagate" and type(model.rule).block_modulation is not RecurrenceRule.block_modulation:  # per-loop blocks
-        errs.append(f"schedule 'static' propagates one stand-in per row for every skipped loop; the rule {cfg.rule.name!r} "
-                    "modulates its blocks per loop: use kv='copy' or 'shared', or schedule='depth'")  # fmt: skip
+    ssm_layers = [i for i in range(cfg.n_physical) if cfg.mixer_of(i) != "attention"]
+    if type(model.rule).block_modulation is not RecurrenceRule.block_modulation:  # per-loop blocks
+        if kv == "propagate":
+            errs.append(f"schedule 'static' propagates one stand-in per row for every skipped loop; the rule {cfg.rule.name!r} "
+                        "modulates its blocks per loop: use kv='copy' or 'shared', or schedule='depth'")  # fmt: skip
+        if ssm != "freeze" and ssm_layers:
+            errs.append(f"schedule 'static' fills the Mamba-2 layers' skipped loops with one stand-in per row; the rule "
+                        f"{cfg.rule.name!r} modulates its blocks per loop: use ssm='freeze', or schedule='depth'")  # fmt: skip
     if criterion == "kl" and len(model.coda.blocks):
         errs.append("schedule 'static' reads out every row once per pass; the kl criterion's coda layers keep a readout "
                     "slot per loop: use criterion 'convergence', or schedule='depth'")  # fmt: skip

@@ -298,6 +298,8 @@ def _mamba2_step(plan: BranchPlan, x, fctx, state):
     batch's states in place."""
     B = x.shape[0]
     pad = fctx.pad_mask
+    if getattr(state, "keep", None) is not None:
+        return None  # a masked row view (rows that keep their state): the reference writes it back row by row
     rows = _rows_of(state)
     base = state.base if rows is not None else state
     if (base.seqlen_offset == 0 or (rows is None and base.conv_state.shape[0] != B) or base.conv_state.dtype != x.dtype

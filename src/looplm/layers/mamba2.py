@@ -357,10 +357,17 @@ class Mamba2State:
 class Mamba2Rows:
     """Rows ``idx`` of a :class:`Mamba2State` for one single-token step: ``conv_state`` / ``ssm_state``
     read those rows (a gather: the step's own input) and assigning them writes the rows back in place;
-    the token is counted at :meth:`Mamba2State.commit`."""
+    the token is counted at :meth:`Mamba2State.commit`. ``keep [n]`` (bool): write back only those rows,
+    the others keep their state (``torch.where``, at fixed shapes: :mod:`looplm.depth_static`)."""
 
-    def __init__(self, base: Mamba2State, idx: Tensor):
-        self.base, self.idx = base, idx
+    def __init__(self, base: Mamba2State, idx: Tensor, keep: Tensor | None = None):
+        self.base, self.idx, self.keep = base, idx, keep
+
+    def _write(self, buf: Tensor, value: Tensor) -> None:
+        value = value.to(buf.dtype)
+        if self.keep is not None:
+            value = torch.where(self.keep.view(-1, *([1] * (value.dim() - 1))), value, buf.index_select(0, self.idx))
+        buf.index_copy_(0, self.idx, value)
 
     @property
     def conv_state(self) -> Tensor:
@@ -368,7 +375,7 @@ class Mamba2Rows:
 
     @conv_state.setter
     def conv_state(self, value: Tensor) -> None:
-        self.base.conv_state.index_copy_(0, self.idx, value.to(self.base.conv_state.dtype))
+        self._write(self.base.conv_state, value)
 
     @property
     def ssm_state(self) -> Tensor:
@@ -376,7 +383,7 @@ class Mamba2Rows:
 
     @ssm_state.setter
     def ssm_state(self, value: Tensor) -> None:
-        self.base.ssm_state.index_copy_(0, self.idx, value.to(self.base.ssm_state.dtype))
+        self._write(self.base.ssm_state, value)
 
     @property
     def seqlen_offset(self) -> int:
