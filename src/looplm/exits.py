@@ -177,7 +177,7 @@ class Exit:
         if not errs:
             errs += _policy_support(model, self.kv, self.ssm)
         if not errs and self.schedule in ("depth", "static"):
-            errs += _depth_schedule_support(model, self.kv, self.schedule, self.ssm)
+            errs += _depth_schedule_support(model, self.kv, self.schedule)
         if not errs and self.schedule == "static":
             errs += _static_schedule_support(model, self.kv, self.criterion, self.ssm)
         if errs:
@@ -226,9 +226,8 @@ def _policy_support(model, kv: str, ssm: str) -> list[str]:
     return errs
 
 
-def _depth_schedule_support(model, kv: str, schedule: str = "depth", ssm: str = "freeze") -> list[str]:
-    """Why ``model`` cannot decode under ``schedule`` (``depth`` or ``static``) with policies ``kv`` / ``ssm``
-    (empty: it can)."""
+def _depth_schedule_support(model, kv: str, schedule: str = "depth") -> list[str]:
+    """Why ``model`` cannot decode under ``schedule`` (``depth`` or ``static``) with policy ``kv`` (empty: it can)."""
     cfg, errs = model.config, []
     if kv == "full":
         errs.append(f"schedule {schedule!r} batches rows by the loops they skip; kv='full' runs every loop (nothing to skip): "
