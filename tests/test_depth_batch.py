@@ -316,3 +316,29 @@ def test_generation_timing_times_both_kinds_of_contenders():
     }, runs=1)  # fmt: skip
     assert res["full"]["ratio"] == 1.0 and res["depth"]["ms_per_token"] > 0
     assert res["depth"]["stats"]["executed_depth"] == res["token"]["stats"]["executed_depth"] == 2
+
+
+@pytest.mark.parametrize("cols", [False, True])
+def test_a_row_view_attends_the_same_by_gathering_or_in_place(cols):
+    """KVRows' reference attention: a few rows of a large buffer gather their keys (3·n < B), more rows
+    attend in place over the whole buffer; both equal each row's own attention, and write the same keys."""
+    from looplm.layers.attention import KVCache, KVRows
+    from looplm.kernels.training import attention
+
+    g = torch.Generator().manual_seed(13)
+    B, H, L, hd = 12, 2, 7, 8
+    for n in (2, 6):  # gathered (6 < 12), in place (18 >= 12)
+        base = KVCache(9)
+        base.allocate(B, H, hd, hd, torch.float32, "cpu")
+        base._k[:, :, :L] = torch.randn(B, H, L, hd, generator=g)
+        base._v[:, :, :L] = torch.randn(B, H, L, hd, generator=g)
+        base._len = L - 1
+        idx = torch.randperm(B, generator=g)[:n]
+        q, k, v = (torch.randn(n, H, 1, hd, generator=g) for _ in range(3))
+        c = torch.randint(0, L, (n,), generator=g) if cols else None
+        mask = (torch.arange(L)[None] <= (c if cols else torch.full((n,), L - 1))[:, None])[:, None, None, :]
+        y = KVRows(base, idx, B, c).attend(q, k, v, mask, False)
+        K, V = base._k[idx, :, :L], base._v[idx, :, :L]
+        torch.testing.assert_close(y, attention(q, K, V, attn_mask=mask), atol=1e-6, rtol=1e-6)
+        at = c if cols else torch.full((n,), L - 1)
+        torch.testing.assert_close(base._k[idx, :, at], k[:, :, 0])

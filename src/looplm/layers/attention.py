@@ -166,7 +166,9 @@ class KVRows:
     are scattered into a ``[B, H, T, hd]`` tensor (zeros for the rows that wait), one attention runs over
     the whole buffer, and the active rows' outputs are gathered. No key or value is copied; the waiting
     rows' attention is computed and thrown away (on the reference path; the fused CPU step attends the
-    active rows only, :mod:`looplm.kernels.decode`).
+    active rows only, :mod:`looplm.kernels.decode`). When the rows are under a third of the buffer's (a
+    flat ``[R·B, ...]`` buffer of every loop, :mod:`looplm.depth_batch`, at R = 32 for Huginn), their keys
+    and values are gathered instead: ``3·n`` rows of memory traffic (read, write, attend) against ``B``.
     """
 
     def __init__(self, base: KVCache, idx: torch.Tensor, batch: int, cols: torch.Tensor | None = None):
@@ -186,6 +188,11 @@ class KVRows:
             raise ValueError("a row view with per-row columns needs the mask of each row's keys")
         L = base.seqlen + T if self.cols is None else attn_mask.shape[-1]
         K, V = base._k[:, :, :L], base._v[:, :, :L]  # [B, H_kv, L, hd]: views, every row's own keys
+        if 3 * n < self.batch:  # a few rows of a large buffer: their keys gathered, [n, H_kv, L, hd]
+            if attn_mask is None and T > 1:
+                attn_mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)[None, None].expand(n, 1, T, L)
+            return attention(q, K.index_select(0, self.idx), V.index_select(0, self.idx), attn_mask=attn_mask, is_causal=False,
+                             enable_gqa=enable_gqa)  # fmt: skip
         q_all = q.new_zeros(self.batch, *q.shape[1:]).index_copy_(0, self.idx, q)  # [B, H, T, hd]
         mask = None
         if attn_mask is not None or T > 1:
