@@ -29,8 +29,9 @@ kept). The core's attention slots of all loops of a layer are one buffer ``[R·B
 (loop ``k``'s slot is its view ``[k·B : (k+1)·B]``), so the row at loop ``k`` writes and reads its cache
 row ``k·B + b`` in place: one :class:`~looplm.layers.attention.KVRows` view with per-row columns over
 that buffer, which the fused CPU step (``decode_stack``, ``rows`` and ``cols``) runs as one call;
-``kv='shared'`` views the family's one buffer at row ``b``. The reference attention of such a view scores
-every row of the buffer and keeps the active ones (as :class:`KVRows` does): correct, not fast.
+``kv='shared'`` views the family's one buffer at row ``b``. The reference attention of such a view gathers
+the rows' keys and values (they are at most ``B`` of the buffer's ``R·B``; :class:`KVRows`), reading the
+furthest row's columns under each row's mask.
 
 Exactness: a row's arithmetic depends only on its own tokens, so greedy decoding equals the token
 schedule's (each row decoded alone with the same exits), up to the row count of the products
