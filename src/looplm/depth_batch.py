@@ -30,8 +30,9 @@ kept). The core's attention slots of all loops of a layer are one buffer ``[R·B
 row ``k·B + b`` in place: one :class:`~looplm.layers.attention.KVRows` view with per-row columns over
 that buffer, which the fused CPU step (``decode_stack``, ``rows`` and ``cols``) runs as one call;
 ``kv='shared'`` views the family's one buffer at row ``b``. The reference attention of such a view gathers
-the rows' keys and values (they are at most ``B`` of the buffer's ``R·B``; :class:`KVRows`), reading the
-furthest row's columns under each row's mask.
+the rows' keys and values when they are under a third of the buffer's ``R·B`` rows (``R >= 4`` at a full
+batch; :class:`KVRows`), else attends over the buffer in place, up to the furthest row's column under each
+row's mask.
 
 Exactness: a row's arithmetic depends only on its own tokens, so greedy decoding equals the token
 schedule's (each row decoded alone with the same exits), up to the row count of the products
