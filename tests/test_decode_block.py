@@ -37,7 +37,7 @@ needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"GEMV kernels no
 class _CountOps(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.attention = self.swiglu = self.mamba2 = self.stateloop = self.stack = 0
+        self.attention = self.swiglu = self.mamba2 = self.stateloop = self.stack = self.norm = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func)
@@ -50,6 +50,7 @@ class _CountOps(TorchDispatchMode):
             self.swiglu += plan.mlp_blocks()
         self.mamba2 += "looplm_cpu.decode_mamba2" in name
         self.stateloop += "looplm_cpu.decode_stateloop" in name
+        self.norm += "looplm_cpu.decode_norm" in name
         return func(*args, **(kwargs or {}))
 
 
@@ -574,3 +575,36 @@ def test_stateloop_ops_reject_bad_arguments_with_a_message():
         op(h, S[:1], rule.norm_h.weight, 1e-5, rule.W_u.weight, u.W_delta.weight, u.b_delta, u.A_log)
     with pytest.raises(RuntimeError, match="one new token per row"):
         torch.ops.looplm_cpu.decode_stateloop_read(torch.randn(2, 3, 64), S, rule.norm_s.weight, 1e-5, rule.W_sz.weight)
+
+
+@needs_extension
+def test_a_lone_norm_takes_decode_norm_for_one_token_per_row():
+    """The final norm (and any lone ``nn.RMSNorm``) on ``[B, 1, d]`` runs ``decode_norm`` inside the decode
+    steps: torch's ``rms_norm`` bit for bit in bf16, to 1e-6 in fp32 (the mean's additions in another order);
+    other shapes, autograd and a weightless norm keep the reference; bad arguments are refused by name."""
+    torch.manual_seed(0)
+    for dt in (torch.bfloat16, torch.float32):
+        n = nn.RMSNorm(96, eps=1e-6).to(dt)
+        with torch.no_grad():
+            n.weight.normal_()
+        x = torch.randn(5, 1, 96).to(dt)
+        with torch.no_grad():
+            ref = n(x)
+            model = nn.Sequential(n)
+            with dispatch.decode_steps(model, batch_size=5):
+                assert type(n) is _fused(nn.RMSNorm)
+                with _CountOps() as c:
+                    got = n(x)
+                    n(torch.randn(5, 3, 96).to(dt))  # a prompt: the reference
+            assert type(n) is nn.RMSNorm
+        if dt == torch.bfloat16:
+            assert torch.equal(got, ref)
+        else:
+            torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)
+        assert c.norm == 1
+    assert decode._prepare_norm(nn.RMSNorm(8, elementwise_affine=False), 1) is None
+    op = torch.ops.looplm_cpu.decode_norm
+    with pytest.raises(RuntimeError, match="one new token per row"):
+        op(torch.randn(2, 3, 8), torch.ones(8), 1e-5)
+    with pytest.raises(RuntimeError, match="norm_weight"):
+        op(torch.randn(2, 1, 8), torch.ones(7), 1e-5)

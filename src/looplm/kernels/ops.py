@@ -39,6 +39,10 @@ def register_fakes() -> None:
     def _(h, S, *args):
         return torch.empty_like(h)
 
+    @fake("looplm_cpu::decode_norm")
+    def _(x, norm_weight, eps):
+        return torch.empty_like(x)
+
     @fake("looplm_cpu::attention_backward")
     def _(grad_out, q, k, v, out, lse, scale, is_causal):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

@@ -1001,6 +1001,18 @@ at::Tensor decode_stateloop_update(const at::Tensor& h, const at::Tensor& S, con
   return stateloop_update_impl<float>(h, S, norm_w, eps, w_u, w_delta, b_delta, a_log);
 }
 
+// y [B, 1, d] = RMSNorm(x) · w: a lone norm of one token per row (the final norm before the head, an exit
+// criterion's readout), one pass over each row instead of rms_norm's chain of kernels — right after a core
+// pass streamed the weights, that chain runs cold (~180 µs at d = 1024 against ~20 µs warm).
+at::Tensor decode_norm(const at::Tensor& x, const at::Tensor& norm_w, double eps) {
+  const char* op = "decode_norm";
+  const at::ScalarType dt = check_x(op, x);
+  const int64_t B = x.size(0), d = x.size(2);
+  check_weight(op, "norm_weight", norm_w, dt, d, -1);
+  if (dt == at::kBFloat16) return norm_rows<bf16>(x, norm_w, eps, B, d).view({B, 1, d});
+  return norm_rows<float>(x, norm_w, eps, B, d).view({B, 1, d});
+}
+
 at::Tensor decode_stateloop_read(const at::Tensor& h, const at::Tensor& S, const at::Tensor& norm_w, double eps, const at::Tensor& w) {
   const char* op = "decode_stateloop_read";
   const at::ScalarType dt = check_x(op, h);
@@ -1032,6 +1044,7 @@ TORCH_LIBRARY_FRAGMENT(looplm_cpu, m) {
       "decode_stateloop_update(Tensor h, Tensor S, Tensor norm_weight, float eps, Tensor w_u, Tensor w_delta, Tensor b_delta, "
       "Tensor A_log) -> Tensor");
   m.def("decode_stateloop_read(Tensor h, Tensor S, Tensor norm_weight, float eps, Tensor w) -> Tensor");
+  m.def("decode_norm(Tensor x, Tensor norm_weight, float eps) -> Tensor");
   m.class_<looplm_cpu::StackPlan>("StackPlan")
       .def(torch::init<>())
       .def("add_block", &looplm_cpu::StackPlan::add_block)
@@ -1047,5 +1060,6 @@ TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) {
   m.impl("decode_mamba2", &looplm_cpu::decode_mamba2);
   m.impl("decode_stateloop_update", &looplm_cpu::decode_stateloop_update);
   m.impl("decode_stateloop_read", &looplm_cpu::decode_stateloop_read);
+  m.impl("decode_norm", &looplm_cpu::decode_norm);
   m.impl("decode_stack", &looplm_cpu::decode_stack);
 }
