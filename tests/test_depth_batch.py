@@ -195,10 +195,9 @@ def test_zero_shot_criteria_under_the_depth_schedule(spec):
     assert s["check_flops_per_token"] > 0
 
 
-@pytest.mark.parametrize("rule", ["exit_gate", "timestep", "injection", "history"])
-def test_rules_with_loop_dependent_parts_under_the_depth_schedule(rule):
-    """Per cohort the rule sees one loop index: the gate's CDF, timestep conditioning's per-loop block
-    modulation (concatenated per row for the one core pass), injection, a history of iterates."""
+def _rule_case(rule):
+    """tiny-llama with ``rule`` (an exit gate with a spread-out gate), three prompts, and its exit: the gate
+    at q = 0.5, or replayed per-row, per-token depths."""
     m = _model("tiny-llama", overrides={"rule": {"name": rule}})
     if rule == "exit_gate":
         with torch.no_grad():
@@ -208,6 +207,14 @@ def test_rules_with_loop_dependent_parts_under_the_depth_schedule(rule):
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 250, (3, 5), generator=g)
     ex = {"criterion": "gate", "threshold": 0.5} if rule == "exit_gate" else _replay(torch.randint(1, K + 1, (3, 8), generator=g))
+    return m, ids, ex
+
+
+@pytest.mark.parametrize("rule", ["exit_gate", "timestep", "injection", "history"])
+def test_rules_with_loop_dependent_parts_under_the_depth_schedule(rule):
+    """Per cohort the rule sees one loop index: the gate's CDF, timestep conditioning's per-loop block
+    modulation (concatenated per row for the one core pass), injection, a history of iterates."""
+    m, ids, ex = _rule_case(rule)
     for kv in ("copy", "propagate"):  # propagate under timestep conditioning: per loop, with its scale (_fill)
         tok, dep = _both(m, ids, 8, {**ex, "kv": kv})
         assert torch.equal(tok, dep)
@@ -283,8 +290,13 @@ def test_statistics_count_each_rows_own_depths_and_the_passes():
     ],
 )
 def test_what_the_depth_schedule_cannot_run_is_refused_before_any_work(name, overrides, spec, match):
+    _refused(name, overrides, {"schedule": "depth", **spec}, match)
+
+
+def _refused(name, overrides, spec, match):
+    """Generating 4 tokens with ``exit=spec`` on the tiny ``name`` (with ``overrides``) raises ``match``
+    before any work."""
     m = _model(name, overrides=overrides) if overrides else _model(name)
-    spec = {"schedule": "depth", **spec}
     assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 128, (2, 3)), 4, exit=spec), match)
 
 

@@ -17,7 +17,7 @@ from looplm.recurrence import RULES
 
 from helpers import assert_refused_before_any_work, tiny_variant
 from host_reads import HostReads
-from test_depth_batch import _model, _replay
+from test_depth_batch import _model, _refused, _replay, _rule_case
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -159,15 +159,7 @@ def test_every_rule_under_the_static_schedule(rule):
     """The rule is called once per loop index on every row and each row keeps its own loop's result (the
     gate's CDF and selection, timestep conditioning's per-loop modulation, injection, memory slots, ...):
     the token schedule's tokens for every KV policy, or a refusal that names the reason."""
-    m = _model("tiny-llama", overrides={"rule": {"name": rule}})
-    if rule == "exit_gate":
-        with torch.no_grad():
-            m.rule.gate.weight.normal_(0, 1.0)
-            m.rule.gate.bias.zero_()
-    K = m.config.n_loops
-    g = torch.Generator().manual_seed(5)
-    ids = torch.randint(0, 250, (3, 5), generator=g)
-    ex = {"criterion": "gate", "threshold": 0.5} if rule == "exit_gate" else _replay(torch.randint(1, K + 1, (3, 8), generator=g))
+    m, ids, ex = _rule_case(rule)
     refused = {"history": "state changes over the loops", ("timestep", "propagate"): "modulates its blocks per loop"}
     for kv in ("copy", "propagate", "shared"):
         why = refused.get(rule) or refused.get((rule, kv))
@@ -290,9 +282,7 @@ def test_public_model_rule_under_the_static_schedule():
     ],
 )
 def test_what_the_static_schedule_cannot_run_is_refused_before_any_work(name, overrides, spec, match):
-    m = _model(name, overrides=overrides) if overrides else _model(name)
-    spec = {"schedule": "static", **spec}
-    assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 128, (2, 3)), 4, exit=spec), match)
+    _refused(name, overrides, {"schedule": "static", **spec}, match)
 
 
 def test_too_few_replayed_depths_are_refused_before_any_work():

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .context import ForwardContext, LoopContext
-from .exits import Exit, make_criterion, stack_flop_terms
+from .exits import Exit, _modulates, make_criterion, stack_flop_terms
 
 __all__ = ["AdaptiveDecoder", "DepthStats", "restrict_context"]
 
@@ -415,10 +415,3 @@ class AdaptiveDecoder:
         for t in range(prompt_len, T):
             out[:, t] = self(input_ids[:, t : t + 1], validate=False)[:, -1].float()
         return out
-
-
-def _modulates(rule) -> bool:
-    """Whether the rule overrides ``block_modulation`` (its blocks may differ per loop)."""
-    from .recurrence.base import RecurrenceRule
-
-    return type(rule).block_modulation is not RecurrenceRule.block_modulation

@@ -232,7 +232,7 @@ def _depth_schedule_support(model, kv: str, schedule: str = "depth") -> list[str
     if kv == "full":
         errs.append(f"schedule {schedule!r} batches rows by the loops they skip; kv='full' runs every loop (nothing to skip): "
                     "use kv='copy', 'propagate' or 'shared', or schedule='token'")  # fmt: skip
-    ssm_layers = [i for i in range(cfg.n_physical) if cfg.mixer_of(i) != "attention"]
+    ssm_layers = _ssm_layers(cfg)
     core = range(model.core.stack.first, model.core.stack.first + len(model.core.stack.blocks))
     outside = [i for i in ssm_layers if i not in core]
     if outside:
@@ -251,15 +251,12 @@ def _depth_schedule_support(model, kv: str, schedule: str = "depth") -> list[str
 
 def _static_schedule_support(model, kv: str, criterion: str, ssm: str = "freeze") -> list[str]:
     """Why ``model`` cannot decode under ``schedule='static'`` (beyond :func:`_depth_schedule_support`)."""
-    from .recurrence.base import RecurrenceRule
-
     cfg, errs = model.config, []
-    ssm_layers = [i for i in range(cfg.n_physical) if cfg.mixer_of(i) != "attention"]
-    if type(model.rule).block_modulation is not RecurrenceRule.block_modulation:  # per-loop blocks
+    if _modulates(model.rule):  # per-loop blocks
         if kv == "propagate":
             errs.append(f"schedule 'static' propagates one stand-in per row for every skipped loop; the rule {cfg.rule.name!r} "
                         "modulates its blocks per loop: use kv='copy' or 'shared', or schedule='depth'")  # fmt: skip
-        if ssm != "freeze" and ssm_layers:
+        if ssm != "freeze" and _ssm_layers(cfg):
             errs.append(f"schedule 'static' fills the Mamba-2 layers' skipped loops with one stand-in per row; the rule "
                         f"{cfg.rule.name!r} modulates its blocks per loop: use ssm='freeze', or schedule='depth'")  # fmt: skip
     if criterion == "kl" and len(model.coda.blocks):
@@ -276,15 +273,9 @@ def _state_varies_over_loops(model) -> str:
     """Why the rule's state cannot be selected row by row across loops (probed on two zero tokens through
     every loop): a field whose structure or non-tensor value changes from one loop to the next, or a tensor
     without the batch as its first dim. Empty: it can."""
-    from .context import LoopContext
-
-    p = next(model.parameters())
     K = model.config.n_loops
     with torch.no_grad():
-        h0 = torch.zeros(2, 1, model.config.d_model, device=p.device, dtype=p.dtype)
-        fctx = model._forward_context(torch.zeros(2, 1, dtype=torch.long, device=p.device), None, None, 0)
-        lctx = LoopContext(num_loops=K, train_loops=K, fctx=fctx, embeddings=h0, embed_weight=model.embed.weight,
-                           embed_multiplier=model.embed_multiplier, final_norm=model.norm, readout_fn=model._readout)  # fmt: skip
+        h0, lctx = _probe(model, 2)
         state = model.rule.begin(h0, lctx)
         sigs = []
         for k in range(K):
@@ -305,9 +296,8 @@ def _signature(x, path: str = "state"):
     """``(structure, problem)`` of a rule state: dicts, lists and tuples by their items, tensors by their
     shape (their first dim must be the probe's batch of 2), anything else by its value."""
     if isinstance(x, dict):
-        parts = [_signature(v, f"{path}[{k!r}]") for k, v in sorted(x.items(), key=lambda kv: str(kv[0]))]
-        bad = next((b for _, b in parts if b), "")
-        return {str(k): s for k, (s, _) in zip(sorted(x, key=str), parts)}, bad
+        parts = {str(k): _signature(x[k], f"{path}[{k!r}]") for k in sorted(x, key=str)}
+        return {k: s for k, (s, _) in parts.items()}, next((b for _, b in parts.values() if b), "")
     if isinstance(x, (list, tuple)):
         parts = [_signature(v, f"{path}[{i}]") for i, v in enumerate(x)]
         return [s for s, _ in parts], next((b for _, b in parts if b), "")
@@ -317,20 +307,38 @@ def _signature(x, path: str = "state"):
     return repr(x), ""
 
 
-def _modulation_owns_carrier(model) -> bool:
-    """Whether the rule's block modulation reads / writes a carrier of its own (probed on one zero token)."""
+def _modulates(rule) -> bool:
+    """Whether the rule overrides ``block_modulation`` (its blocks may differ per loop)."""
     from .recurrence.base import RecurrenceRule
 
-    if type(model.rule).block_modulation is RecurrenceRule.block_modulation:
-        return False
+    return type(rule).block_modulation is not RecurrenceRule.block_modulation
+
+
+def _probe(model, batch: int):
+    """``(h0, lctx)`` for probing the rule on ``batch`` zero tokens: a zero prelude output ``[batch, 1, d]``
+    and the loop context a decoding call would give it (no cache)."""
     from .context import LoopContext
 
     p = next(model.parameters())
+    K = model.config.n_loops
+    h0 = torch.zeros(batch, 1, model.config.d_model, device=p.device, dtype=p.dtype)
+    fctx = model._forward_context(torch.zeros(batch, 1, dtype=torch.long, device=p.device), None, None, 0)
+    lctx = LoopContext(num_loops=K, train_loops=K, fctx=fctx, embeddings=h0, embed_weight=model.embed.weight,
+                       embed_multiplier=model.embed_multiplier, final_norm=model.norm, readout_fn=model._readout)  # fmt: skip
+    return h0, lctx
+
+
+def _ssm_layers(cfg) -> list[int]:
+    """The model's Mamba-2 layers (physical indices)."""
+    return [i for i in range(cfg.n_physical) if cfg.mixer_of(i) != "attention"]
+
+
+def _modulation_owns_carrier(model) -> bool:
+    """Whether the rule's block modulation reads / writes a carrier of its own (probed on one zero token)."""
+    if not _modulates(model.rule):
+        return False
     with torch.no_grad():
-        h0 = torch.zeros(1, 1, model.config.d_model, device=p.device, dtype=p.dtype)
-        fctx = model._forward_context(torch.zeros(1, 1, dtype=torch.long, device=p.device), None, None, 0)
-        lctx = LoopContext(num_loops=model.config.n_loops, train_loops=model.config.n_loops, fctx=fctx, embeddings=h0,
-                           embed_multiplier=model.embed_multiplier, final_norm=model.norm)  # fmt: skip
+        h0, lctx = _probe(model, 1)
         mods = model.rule.block_modulation(model.rule.begin(h0, lctx), lctx) or []
     return any(m is not None and b is not None and (b.read is not None or b.write is not None) for m in mods for b in (m.mixer, m.mlp))
 

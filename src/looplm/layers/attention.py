@@ -188,16 +188,14 @@ class KVRows:
             raise ValueError("a row view with per-row columns needs the mask of each row's keys")
         L = base.seqlen + T if self.cols is None else attn_mask.shape[-1]
         K, V = base._k[:, :, :L], base._v[:, :, :L]  # [B, H_kv, L, hd]: views, every row's own keys
+        if attn_mask is None and T > 1:  # several new tokens without a mask: causal among themselves
+            attn_mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)[None, None].expand(n, 1, T, L)
         if 3 * n < self.batch:  # a few rows of a large buffer: their keys gathered, [n, H_kv, L, hd]
-            if attn_mask is None and T > 1:
-                attn_mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)[None, None].expand(n, 1, T, L)
             return attention(q, K.index_select(0, self.idx), V.index_select(0, self.idx), attn_mask=attn_mask, is_causal=False,
                              enable_gqa=enable_gqa)  # fmt: skip
         q_all = q.new_zeros(self.batch, *q.shape[1:]).index_copy_(0, self.idx, q)  # [B, H, T, hd]
         mask = None
-        if attn_mask is not None or T > 1:
-            if attn_mask is None:  # several new tokens without a mask: causal among themselves
-                attn_mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)[None, None].expand(n, 1, T, L)
+        if attn_mask is not None:
             mask = torch.ones(self.batch, 1, T, L, dtype=torch.bool, device=q.device).index_copy_(0, self.idx, attn_mask)
         y = attention(q_all, K, V, attn_mask=mask, is_causal=False, enable_gqa=enable_gqa)  # [B, H, T, hd]
         return y.index_select(0, self.idx)
