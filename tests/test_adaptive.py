@@ -213,6 +213,7 @@ def test_executed_counters_equal_the_work_that_ran():
     assert s.fill_flops > 0 and s.check_flops == 0  # propagate fills run; replay checks nothing
     summ = s.summary()
     assert summ["executed_depth"] == pytest.approx(float(depths[:, : T - 1].float().mean()))
+    assert s.reused_flops == 0  # (replay reads nothing out: every exit runs the head)
     assert summ["flops_per_token"] * summ["tokens"] == pytest.approx(s.core_flops + s.fill_flops + s.check_flops + s.other_flops)
 
 

@@ -103,6 +103,89 @@ def test_row_index_is_checked_by_the_op():
     assert y.shape == (2, 1, 64) and k[[1, 3], :, 3].abs().sum() > 0 and k[[0, 2]].abs().sum() == 0  # only rows 3 and 1 written
 
 
+@needs_extension
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_kv_columns_kernel_equals_the_reference(dtype):
+    """The copy fill in one call: every (source, target) pair of ``[B, H_kv, capacity, hd]`` caches — views of one
+    flat buffer, as the depth schedule's loops are — at each row's own column or one column for all, equal to
+    the reference's indexed writes, bit for bit; nothing else written; bad arguments refused by name."""
+    from looplm.layers.attention import copy_kv_columns
+
+    assert copy_kv_columns.provider == "looplm.kernels.decode"
+    torch.manual_seed(0)
+    R, B, H, cap, hd = 4, 3, 2, 9, 16
+    for cols in (torch.tensor([4, 7]), torch.tensor([5])):
+        bufs = [torch.randn(R * B, H, cap, hd).to(dtype) for _ in range(2)]  # K and V of one layer, every loop
+        want = [b.clone() for b in bufs]
+        views = lambda xs, k: [x[k * B : (k + 1) * B] for x in xs]  # noqa: E731  loop k's caches
+        src, dst = views(bufs, 1) * 2, views(bufs, 2) + views(bufs, 3)
+        rows = torch.tensor([2, 0])
+        copy_kv_columns(src, dst, rows, cols)
+        copy_kv_columns.reference(views(want, 1) * 2, views(want, 2) + views(want, 3), rows, cols)
+        for got, ref in zip(bufs, want):
+            assert torch.equal(got, ref)
+        c = cols.expand(2)
+        assert torch.equal(bufs[0][2 * B + rows, :, c], bufs[0][B + rows, :, c])  # the targets hold the sources
+    k = torch.zeros(B, H, cap, hd)
+    op = torch.ops.looplm_cpu.copy_kv_columns
+    with pytest.raises(RuntimeError, match="outside pair 0"):
+        op([k], [k.clone()], torch.tensor([0]), torch.tensor([cap]))
+    with pytest.raises(RuntimeError, match="one dtype"):
+        op([k], [k.double()], torch.tensor([0]), torch.tensor([1]))
+    with pytest.raises(RuntimeError, match="one entry per row"):
+        op([k], [k.clone()], torch.tensor([0, 1]), torch.tensor([1, 2, 3]))
+
+
+@needs_extension
+@pytest.mark.parametrize("schedule", ["token", "depth"])
+def test_an_exit_takes_its_kl_readout_as_its_logits(schedule):
+    """Under kl, a token that exits at a check takes the readout that check computed as its logits (the
+    base rule's output is the core output; no coda): the same tokens as running the final norm and head again
+    (the exit's own head switched off by hand), and the heads not run are counted out of the executed FLOPs;
+    rules whose output is not the core output (the exit gate's selection) or models with a coda run the head."""
+    from looplm.depth_batch import DepthBatchedDecoder
+    from looplm.exits import readout_is_output
+
+    m = _model("tiny-llama", torch.float32)
+    assert readout_is_output(m)
+    gate = looplm.build("tiny-llama", overrides={"rule.name": "exit_gate"}).eval()
+    coda = looplm.build("tiny-llama", overrides={"n_coda": 1}).eval()
+    assert not readout_is_output(gate) and not readout_is_output(coda)
+    B = 1 if schedule == "token" else 4
+    x = torch.randint(0, 260, (B, 6))
+    spec = {"criterion": "kl", "threshold": 0.5, "kv": "copy", "schedule": schedule}
+    cls = AdaptiveDecoder if schedule == "token" else DepthBatchedDecoder
+
+    def decode(reuse: bool):
+        from looplm.depth_batch import depth_batched_generate
+        from looplm.generate import generate
+
+        class D(cls):
+            def __init__(self, *a, **k):
+                super().__init__(*a, **k)
+                self.reuse_readout = self.reuse_readout and reuse
+
+        if schedule == "depth":
+            return depth_batched_generate(m, x, 12, spec, False, 1.0, None, None, None, None, None, None, None, True, decoder=D)
+        dec = D(m, B, 6 + 12, spec)
+        toks, out = x[:, -1:], [x]
+        with dispatch.decode_steps(m, batch_size=B):
+            logits = dec(x)
+            for _ in range(12):
+                toks = logits[:, -1].argmax(-1, keepdim=True)
+                out.append(toks)
+                logits = dec(toks, validate=False)
+        return torch.cat(out, 1), dec.stats
+
+    (a, sa), (b, sb) = decode(True), decode(False)
+    assert torch.equal(a, b)
+    assert sa.reused_flops > 0 and sb.reused_flops == 0
+    assert sa.other_flops == pytest.approx(sb.other_flops)  # every token's head, as full depth runs it; less the reused
+    s = sa.summary()
+    assert s["flops_per_token"] * s["tokens"] == pytest.approx(sa.core_flops + sa.fill_flops + sa.check_flops + sa.other_flops - sa.reused_flops)
+    assert s["flops_per_token"] < sb.summary()["flops_per_token"]
+
+
 def test_portable_build_passes_these_tests():
     """The same tests with LOOPLM_CPU_KERNELS=portable (CPUs without AVX512-BF16), in a fresh process."""
     run_under_portable_build(__file__)

@@ -42,7 +42,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .context import ForwardContext, LoopContext
-from .exits import Exit, _modulates, make_criterion, stack_flop_terms
+from .exits import Exit, _modulates, make_criterion, readout_is_output, stack_flop_terms
+from .layers.attention import copy_kv_columns
 
 __all__ = ["AdaptiveDecoder", "DepthStats", "restrict_context"]
 
@@ -59,7 +60,8 @@ class DepthStats:
     fill_flops: float = 0.0  # propagate fills (copy / freeze / shared: 0)
     fill_bytes: float = 0.0  # bytes a copy fill moved
     check_flops: float = 0.0  # the criterion: readouts (kl), norms (convergence), the gate's linear
-    other_flops: float = 0.0  # prelude, coda, final norm, head
+    other_flops: float = 0.0  # prelude, coda, final norm, head (of every token, as full depth runs them)
+    reused_flops: float = 0.0  # of other_flops, the heads not run: an exit's logits were its kl check's readout
     full_core_flops: float = 0.0  # the core passes full depth would run on the same tokens
     # continuous depth batching (looplm.depth_batch): selected / executed then hold [n] tensors of the rows
     # whose token exited at one core pass, and the passes are counted here instead of batch_loops
@@ -77,7 +79,7 @@ class DepthStats:
         n = sel.numel()
         batch_depth = (self.core_calls * self.batch_size / n if self.core_calls
                        else float(sum(self.batch_loops)) / len(self.batch_loops))  # fmt: skip
-        total = self.core_flops + self.fill_flops + self.check_flops + self.other_flops
+        total = self.core_flops + self.fill_flops + self.check_flops + self.other_flops - self.reused_flops
         full = self.full_core_flops + self.other_flops
         return {
             "tokens": n,
@@ -145,6 +147,10 @@ class AdaptiveDecoder:
         self._core_terms = stack_flop_terms(model.core.stack)
         (pw, pa), (cw, ca) = stack_flop_terms(model.prelude), stack_flop_terms(model.coda)
         self._other_terms = (pw + cw + 2.0 * model.lm_head.weight.numel(), pa + ca)
+        # a kl check's readout of the exit loop is the token's logits (no coda, the rule's Y = H^k): an exit
+        # takes them instead of running the final norm and the head again (exits.readout_is_output)
+        self.reuse_readout = self.criterion.readout and readout_is_output(model)
+        self._head_flops = 2.0 * model.lm_head.weight.numel()
 
     def core_pass(self, ctx: int) -> float:
         """FLOPs of one row's core pass at ``ctx`` keys."""
@@ -163,9 +169,14 @@ class AdaptiveDecoder:
         fctx, lctx = self._enter(input_ids, attention_mask, cache.seqlen)
         x = m.prelude(lctx.embeddings, fctx, m._slots(cache, m.prelude, (0,), B))  # [B, T, d]
         decoding = T == 1 and cache.seqlen > 0  # the prompt (the first call, any length) runs at full depth
+        self._exit_logits = None  # set by _loops when every row exits at a check whose readout is the logits
         y, depth, executed, loops = self._loops(x, lctx, allow_exit=decoding)
-        logits = self._head(y, fctx, logits_to_keep)  # [B, keep, V]
         st = self.stats
+        if self._exit_logits is not None and logits_to_keep == 1:
+            logits = self._exit_logits[:, None]  # [B, 1, V]: the check's readout of the exit loop
+            st.reused_flops += B * self._head_flops
+        else:
+            logits = self._head(y, fctx, logits_to_keep)  # [B, keep, V]
         if decoding:  # the statistics are of decoded tokens (a prompt runs at full depth)
             st.other_flops += B * (self._other_terms[0] + self._other_terms[1] * ctx)
             st.selected.append(depth)
@@ -223,6 +234,8 @@ class AdaptiveDecoder:
             st_out = rule.exit_rows(st_out, torch.ones(out.shape[0], T, dtype=torch.bool, device=dev), ctx_out)
             if every and not full:
                 y = rule.finish(st_out, ctx_out)
+                if self.reuse_readout:
+                    self._exit_logits = crit.logits  # [B, V]: head(norm(H^k)), what _head computes from y
                 depth.fill_(k + 1)
                 fills.append((g, k, st_out, ctx_out, h))
                 rows = rows[:0]
@@ -276,11 +289,11 @@ class AdaptiveDecoder:
         per_layer: dict = {}  # (family, layer, k or None) -> the stand-in's fill (computed once per layer)
         st = self.stats
         n = g.shape[0]
+        copies = ([], [])  # kv='copy': (exit loop's cache, skipped loop's cache) pairs, one copy_kv_columns for all
         for family, by_loop in cache.loop_slots.items():
             if skip_core and family[0] == "core" and hasattr(next(iter(by_loop.values())), "update"):
                 continue  # a core attention family (its caller's); a core Mamba-2 family is filled here
             src = by_loop.get(k_exit)
-            src_kv = None  # the exit loop's entry of rows g, read once for every skipped loop
             for k in skipped:
                 dst = by_loop.get(k)
                 if dst is None:
@@ -291,15 +304,13 @@ class AdaptiveDecoder:
                 if not kv_slot and e.ssm == "freeze":
                     dst.pending = max(dst.pending, 1)  # state and conv window untouched; the token is counted
                     continue
-                if kv_slot and e.kv == "copy":
-                    if src_kv is None:
-                        s = getattr(src, "base", src)
-                        if cols is None:
-                            src_kv = (s._k[:, :, pos : pos + 1].index_select(0, g), s._v[:, :, pos : pos + 1].index_select(0, g))  # [n, H_kv, 1, hd]
-                        else:  # each row's own column: [n, H_kv, hd] -> [n, H_kv, 1, hd]
-                            src_kv = (s._k[g, :, cols].unsqueeze(2), s._v[g, :, cols].unsqueeze(2))
-                    getattr(dst, "base", dst).write_rows(g, *src_kv, B, cols)
-                    st.fill_bytes += 2 * src_kv[0].numel() * src_kv[0].element_size()
+                if kv_slot and e.kv == "copy":  # the exit loop's key and value at the token's column
+                    s, d = getattr(src, "base", src), getattr(dst, "base", dst)  # (every loop's cache holds the prompt)
+                    copies[0].extend((s._k, s._v))
+                    copies[1].extend((d._k, d._v))
+                    if cols is None:
+                        d.pending = max(d.pending, 1)  # written at column seqlen: committed with the token
+                    st.fill_bytes += 2 * n * s._k.shape[1] * s._k.shape[-1] * s._k.element_size()
                     continue
                 # propagate (KV or SSM) / decay (SSM): the stand-in through the skipped layer
                 kind, layer = family
@@ -338,6 +349,8 @@ class AdaptiveDecoder:
                     mix = blk.mixer
                     mix.absorb(u[0], dst.rows(g, B), e.ssm, zxbcdt=u[1])
                     st.fill_flops += n * (2.0 * mix.conv_dim * mix.d_conv + 4.0 * mix.nheads * mix.headdim * mix.d_state)
+        if copies[0]:  # every (layer, skipped loop) pair in one call (a kernel on the CPU: looplm.kernels.decode)
+            copy_kv_columns(*copies, g, cols if cols is not None else torch.full((1,), pos, dtype=torch.long, device=g.device))
 
     # ------------------------------------------------------------------------------------------
     # self-speculative decoding (looplm.speculative): a draft that stops at r_d, a verification that resumes

@@ -66,7 +66,7 @@ import torch
 from .adaptive import AdaptiveDecoder, _modulates, restrict_fctx
 from .context import BlockModulation, BranchModulation, ForwardContext, LoopContext
 from .exits import make_criterion
-from .layers.attention import Attention, KVCache, KVRows
+from .layers.attention import Attention, KVCache, KVRows, copy_kv_columns
 from .layers.mamba2 import Mamba2Rows, Mamba2State
 from .sampling import decode_context, eval_mode, sample_next
 
@@ -96,7 +96,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             raise ValueError(f"{type(self).__name__} runs exit schedule {self.schedule!r}, got {self.exit.schedule!r}")
         self.flat = self._flat_core_slots()  # layer -> (the KVCache over [R·B, ...] or kv='shared''s, rows, offset)
         self.kv_flat = {j: v for j, v in self.flat.items() if isinstance(v[0], KVCache)}  # the attention layers'
-        self.pending: list = []  # (rows, exit loop, stand-in) whose core fills this pass still owes (_fill_core)
+        self.pending: list = []  # (rows, exit loop, stand-in, columns) whose core fills this pass still owes (_fill_core)
         self.modulated = _modulates(model.rule)  # blocks differ per loop: propagation per loop (_fill)
         self.copy_bytes = sum(2 * b._k[0, :, 0].numel() * b._k.element_size() for b, _, _ in self.kv_flat.values())  # per (row, loop)
         # Mamba-2 core layers whose skipped loops take ssm='propagate' / 'decay' (AdaptiveDecoder._fill, per exit)
@@ -113,6 +113,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         p = next(m.parameters())
         by_loop = [m._slots(cache, m.core.stack, (k,), B, loop=k, family="core") for k in range(R)]
         flat = {}
+        self.loop_kv = [[] for _ in range(R)]  # loop k's core attention caches (views of the flat buffers), K and V
         for j, blk in enumerate(m.core.stack.blocks):
             a = blk.mixer
             if not isinstance(a, Attention):  # a Mamba-2 layer: a state per row, whatever the column
@@ -128,6 +129,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             for k in range(R):
                 s = by_loop[k][j]
                 s._k, s._v = big._k[k * B : (k + 1) * B], big._v[k * B : (k + 1) * B]  # loop k's slot: a view
+                self.loop_kv[k] += [s._k, s._v]
             flat[blk.layer_idx] = (big, R * B, B)
         return flat
 
@@ -153,21 +155,23 @@ class DepthBatchedDecoder(AdaptiveDecoder):
                 if start.numel():
                     cohorts.append(self._start(start, out[start, col[start]][:, None], col, made, L))
                     waiting[start] = False
-                exits = self._pass(cohorts, col, L)  # [(rows, y)] of the tokens that exited
+                exits = self._pass(cohorts, col, L)  # [(rows, y, logits or None)] of the tokens that exited
                 cohorts = [c for c in cohorts if c.rows.numel()]
                 if not exits:
                     continue
-                rows = torch.cat([r for r, _ in exits])
-                y = torch.cat([y for _, y in exits])  # [e, 1, d]
-                nxt = pick(self._head_rows(y, rows, col, L))  # [e]
-                col[rows] += 1
-                made[rows] += 1
-                out[rows, col[rows]] = nxt
-                fin = made[rows] >= max_new_tokens
+                rows = torch.cat([r for r, _, _ in exits]) if len(exits) > 1 else exits[0][0]
+                nxt = pick(self._logits_of(exits, col, L))  # [e]
+                c = col.index_select(0, rows) + 1  # their next tokens' columns
+                col.index_copy_(0, rows, c)
+                k = made.index_select(0, rows) + 1
+                made.index_copy_(0, rows, k)
+                out[rows, c] = nxt
+                self.attn_rows.index_put_((rows, c), self.yes)  # a row's next token reads its own column too
+                fin = k >= max_new_tokens
                 if eos_token_id is not None:
                     fin |= nxt == eos_token_id
-                done[rows] |= fin
-                waiting[rows] = ~fin
+                done.index_copy_(0, rows, fin)  # (rows in flight were not done)
+                waiting.index_copy_(0, rows, ~fin)
         self.decode_seconds = now() - t0  # after the prompt
         self._count_flops()
         cache.seqlen = P + int(made.max()) - 1  # the columns written (rows that stopped early: holes, masked)
@@ -202,6 +206,12 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         self.positions = torch.zeros(B, 1, dtype=torch.long, device=dev)  # per row: its token in flight's position
         self.rope = {int(r): rot(self.positions) for r, rot in m.rotary.items()}  # and rotary tables [B, 1, rot]
         self.keys = torch.arange(P + max_new_tokens, device=dev)
+        # every position's rotary tables [P + n, 1, rot] (a row's position is under P + n), read at each start
+        self.rope_at = {int(r): rot(self.keys[:, None]) for r, rot in m.rotary.items()}
+        # what each row's token in flight reads, [B, 1, 1, P + n]: visible columns up to its own (one more per token)
+        self.attn_rows = self.visible & (self.keys[None] <= P)  # [B, P + n]
+        self.attn = self.attn_rows[:, None, None, :]  # (a view)
+        self.yes = torch.ones((), dtype=torch.bool, device=dev)
         self.exit_keys: list = []  # per exit: the rows' keys (column + 1); FLOPs are summed once, at the end
         col = torch.full((B,), P, dtype=torch.long, device=dev)  # the column of each row's token in flight
         made = torch.ones(B, dtype=torch.long, device=dev)  # tokens generated per row
@@ -238,20 +248,20 @@ class DepthBatchedDecoder(AdaptiveDecoder):
 
     def _fctx(self, rows: torch.Tensor, col: torch.Tensor, L: int) -> ForwardContext:
         """Rows' positions, rotary tables and ``[n, 1, 1, L]`` mask (each reads its columns up to its own)."""
-        mask = self.visible[rows, :L] & (self.keys[None, :L] <= col[rows, None])  # [n, L]
+        mask = self.attn[..., :L].index_select(0, rows)  # [n, 1, 1, L]: visible columns up to col[rows] (run keeps it)
         rope = {r: (cos.index_select(0, rows), sin.index_select(0, rows)) for r, (cos, sin) in self.rope.items()}
-        return ForwardContext(rope=rope, positions=self.positions.index_select(0, rows), attn_mask=mask[:, None, None, :],
-                              is_causal=False, pad_mask=None)  # fmt: skip
+        return ForwardContext(rope=rope, positions=self.positions.index_select(0, rows), attn_mask=mask, is_causal=False,
+                              pad_mask=None)  # fmt: skip
 
     def _start(self, rows, ids, col, made, L) -> _Cohort:
         """Rows ``rows`` begin their next token ``ids [n, 1]``: its position's rotary tables, the embedding,
         the prelude (at their columns), ``rule.begin``: a new cohort at loop 0."""
         m = self.model
-        pos = (self.pos_shift[rows] + col[rows])[:, None]  # [n, 1]
-        self.positions[rows] = pos
-        for r, rot in m.rotary.items():
-            cos, sin = rot(pos)  # [n, 1, rot]
-            self.rope[int(r)][0][rows], self.rope[int(r)][1][rows] = cos, sin
+        pos = self.pos_shift.index_select(0, rows) + col.index_select(0, rows)  # [n]
+        self.positions.index_copy_(0, rows, pos[:, None])
+        for r, (cos, sin) in self.rope_at.items():  # [n, 1, rot] each, from the table of every position
+            self.rope[r][0].index_copy_(0, rows, cos.index_select(0, pos))
+            self.rope[r][1].index_copy_(0, rows, sin.index_select(0, pos))
         f = self._fctx(rows, col, L)
         E = m._embed(ids, head_in_loss=False) * m.embed_multiplier  # [n, 1, d]
         view = self.cache.rows(rows, col[rows])
@@ -287,58 +297,64 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         # a readout criterion without coda layers (no per-loop coda slots): one readout for every row that
         # checks (the cohorts at their last loop, the oldest, come first and do not check)
         last = cohorts[0].rows.shape[0] if cohorts[0].k == R - 1 else 0
-        shared = None
+        shared = raw = None
         if cohorts[0].crit.readout and len(m.coda.blocks) == 0 and last < h_all.shape[0]:
             c0 = cohorts[1] if last else cohorts[0]
             shared = c0.crit.value(c0.k, h_all[last:], c0.lctx, m)  # [n − last, V]
+            raw = c0.crit.logits if self.reuse_readout else None  # [n − last, V]: the logits of whoever exits now
         for c in cohorts:
             n = c.rows.shape[0]
             h = h_all[off : off + n]
             off += n
             c.state = rule.step(c.state, h, c.lctx)
             if c.k == R - 1:
-                leave = None  # every row leaves
+                leave = logits = None  # every row leaves (the head makes its logits)
             else:
                 cur = None if shared is None else shared[off - n - last : off - last]
                 leave = c.crit.check(c.k, h, c.state, c.lctx, c.rows, m, **({} if cur is None else {"cur": cur}))
                 if c.k + 1 < e.min_loops or not bool(leave.any()):
                     c.k += 1
                     continue
-            exits.append(self._exit(c, leave, h, col))
+                logits = None if raw is None else raw[off - n - last : off - last]
+            exits.append(self._exit(c, leave, h, col, logits))
             c.k += 1
         st.check_flops += sum(c.crit.flops for c in cohorts) - check_before
         if self.pending:
             self._fill_core(col, L)
         return exits
 
-    def _exit(self, c: _Cohort, leave, h, col):
+    def _exit(self, c: _Cohort, leave, h, col, logits=None):
         """The rows ``leave`` (``None``: all) of cohort ``c`` stop after loop ``c.k``: their outputs, the fills
-        of the loops they skip; the cohort keeps the rest. Returns ``(rows [e], y [e, 1, d])``."""
+        of the loops they skip; the cohort keeps the rest. ``logits [n, V]``: the cohort's check readout, when
+        it is the exit's logits (``reuse_readout``). Returns ``(rows [e], y [e, 1, d], logits [e, V] or None)``."""
         rule, st = self.model.rule, self.stats
         n, dev = c.rows.shape[0], h.device
         every = leave is None or bool(leave.all())
         if every:
             g, st_out, ctx_out, h_out = c.rows, c.state, c.lctx, h
+            cg = col.index_select(0, g)  # their columns
         else:
             out = leave.nonzero()[:, 0]
             g = c.rows.index_select(0, out)
+            cg = col.index_select(0, g)
+            logits = None if logits is None else logits.index_select(0, out)
             st_out, h_out = rule.take_rows(c.state, out, n), h.index_select(0, out)
             ctx_out = self._context(restrict_fctx(c.lctx.fctx, out), c.lctx.embeddings.index_select(0, out))
-            ctx_out.cache, ctx_out.iteration = self.cache.rows(g, col[g]), c.k
+            ctx_out.cache, ctx_out.iteration = self.cache.rows(g, cg), c.k
         st_out = rule.exit_rows(st_out, torch.ones(g.shape[0], 1, dtype=torch.bool, device=dev), ctx_out)
         y = rule.finish(st_out, ctx_out)  # [e, 1, d]
         # the core's fills, once for every exit of the pass (_fill_core): copies; propagation's stand-ins Z^{k+1}
         mine = self.exit.kv == "copy" or (self.exit.kv == "propagate" and not self.modulated)
         if mine and c.k < self.R - 1:
             z = None if self.exit.kv == "copy" else rule.next_input(st_out, replace(ctx_out, iteration=c.k + 1))  # [e, 1, d]
-            self.pending.append((g, c.k, z))
+            self.pending.append((g, c.k, z, cg))
         if not mine or self.ssm_fills or len(self.cache.loop_slots) > len(self.flat):  # the rest: readouts' coda layers,
             # modulated blocks, the Mamba-2 core layers' states
-            self._fill(g, c.k, st_out, ctx_out, h_out, cols=col[g], skip_core=mine)
+            self._fill(g, c.k, st_out, ctx_out, h_out, cols=cg, skip_core=mine)
         depth = torch.full((g.shape[0],), c.k + 1, dtype=torch.long, device=dev)
         st.selected.append(depth)
         st.executed.append(depth)
-        self.exit_keys.append(col[g])  # (+ 1 at the end) every pass of this token read as many keys
+        self.exit_keys.append(cg)  # (+ 1 at the end) every pass of this token read as many keys
         if every:
             c.rows = c.rows[:0]
         else:
@@ -348,7 +364,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             c.lctx.embeddings = c.lctx.embeddings.index_select(0, stay)
             c.lctx.cache = self.cache.rows(c.rows, col[c.rows])
             c.crit.take(stay)
-        return g, y
+        return g, y, logits
 
     def _count_flops(self) -> None:
         """The FLOPs of the decoded tokens, from each exit's depth and keys: a token of depth ``r`` at column
@@ -372,24 +388,23 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         ``k·B + b``); ``propagate`` — the stand-in ``Z^{k+1}`` through each layer's norm and K/V projections
         (computed once per layer: the rule does not modulate the blocks, ``_fill``'s per-loop case)."""
         B, R, m = self.cache.batch_size, self.R, self.model
-        propagate = self.pending[0][2] is not None
-        src, dst, cc, o = [], [], [], 0  # per (row, skipped loop), loop-major per exit: the source, the target
-        for g, k, z in self.pending:
+        if self.pending[0][2] is None:  # copy: per exit, loop k's caches of every layer into each skipped loop's
+            for g, k, _, cg in self.pending:
+                n = R - 1 - k  # skipped loops
+                copy_kv_columns(self.loop_kv[k] * n, [t for kk in range(k + 1, R) for t in self.loop_kv[kk]], g, cg)
+                self.stats.fill_bytes += self.copy_bytes * g.shape[0] * n
+            self.pending = []
+            return
+        src, dst, cc, o = [], [], [], 0  # per (row, skipped loop), loop-major per exit: the stand-in's row, the target
+        for g, k, _, cg in self.pending:
             n = R - 1 - k  # skipped loops
-            src.append(((torch.arange(g.shape[0], device=g.device) + o) if propagate else g + k * B).repeat(n))  # Z row / buffer row
+            src.append((torch.arange(g.shape[0], device=g.device) + o).repeat(n))
             dst.append(torch.cat([g + kk * B for kk in range(k + 1, R)]))
-            cc.append(col[g].repeat(n))
+            cc.append(cg.repeat(n))
             o += g.shape[0]
         src, dst, cc = torch.cat(src), torch.cat(dst), torch.cat(cc)
-        if not propagate:  # copy
-            self.pending = []
-            for base, _, _ in self.kv_flat.values():
-                for buf in (base._k, base._v):
-                    buf[dst, :, cc] = buf[src, :, cc]  # [pairs, H_kv, hd]
-            self.stats.fill_bytes += self.copy_bytes * dst.shape[0]
-            return
-        G = torch.cat([g for g, _, _ in self.pending])  # [e] the exiting rows
-        Z = torch.cat([z for _, _, z in self.pending])  # [e, 1, d] their stand-ins
+        G = torch.cat([p[0] for p in self.pending])  # [e] the exiting rows
+        Z = torch.cat([p[2] for p in self.pending])  # [e, 1, d] their stand-ins
         self.pending = []
         f = self._fctx(G, col, L)
         for blk in m.core.stack.blocks:
@@ -401,13 +416,33 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             base._v[dst, :, cc] = v[src, :, 0].to(base._v.dtype)
             self.stats.fill_flops += G.shape[0] * 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
 
+    def _logits_of(self, exits: list, col, L: int) -> torch.Tensor:
+        """Logits ``[e, V]`` of a pass's exits ``[(rows, y, logits or None)]``, in their order: a check's readout
+        where it is the token's logits, else (:meth:`_head_rows`) the coda, the final norm and the head."""
+        need = [(r, y) for r, y, lg in exits if lg is None]
+        head = None
+        if need:
+            head = self._head_rows(torch.cat([y for _, y in need]) if len(need) > 1 else need[0][1],
+                                   torch.cat([r for r, _ in need]) if len(need) > 1 else need[0][0], col, L)  # fmt: skip
+            if len(need) == len(exits):
+                return head
+        parts, o = [], 0
+        for r, _, lg in exits:
+            if lg is None:
+                parts.append(head[o : o + r.shape[0]])
+                o += r.shape[0]
+            else:
+                parts.append(lg)
+                self.stats.reused_flops += r.shape[0] * self._head_flops
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
     def _head_rows(self, y, rows, col, L: int) -> torch.Tensor:
         """Logits ``[e, V]`` of the exiting rows: the coda at their columns, the final norm, the head."""
         m = self.model
         if len(m.coda.blocks):  # (an empty stack is the identity)
             view = self.cache.rows(rows, col[rows])
             y = m.coda(y, self._fctx(rows, col, L), m._slots(view, m.coda, (0,), rows.shape[0]))
-        return m.lm_head(m.norm(y[:, -1]))
+        return m.lm_head(m.norm(y)[:, -1])  # (the norm of [e, 1, d]: one new token per row, a decode step's shape)
 
 
 def _slice_fctx(f: ForwardContext, a: int, b: int) -> ForwardContext:

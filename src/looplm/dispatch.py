@@ -8,6 +8,7 @@ its registered implementation, which is the plain-PyTorch reference until a prov
     linear_group   layers/mlp.py, layers/attention.py  q/k/v and gate/up: linears that read one input
     attention      layers/attention.py                 softmax(q kᵀ/√d + mask) v (SDPA)
     loss_chunk     layers/loss.py                      one chunk of the chunked head + cross-entropy
+    copy_kv_columns layers/attention.py                per-token exit's copy fill: keys / values between caches
 
 An implementation takes the op's arguments and decides per call whether it applies; where it does not,
 it calls ``op.reference`` (so a provider never needs to copy the reference). ``looplm kernels status``

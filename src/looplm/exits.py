@@ -314,6 +314,25 @@ def _modulates(rule) -> bool:
     return type(rule).block_modulation is not RecurrenceRule.block_modulation
 
 
+def readout_is_output(model) -> bool:
+    """Whether a token that exits after loop ``k`` hands the core output ``H^k`` itself to the final norm (the
+    base rule's ``step`` / ``exit_rows`` / ``finish``, ``Y = H^k``, probed on one zero token; no coda): then a
+    ``kl`` check's readout of ``H^k`` is the token's logits, and the exit need not run the head again. Rules
+    with their own ``finish`` or ``exit_rows`` (the exit gate's selection, a final norm, StateLoop's read) are
+    not probed: they run the head."""
+    from .recurrence.base import RecurrenceRule
+
+    rule = model.rule
+    if len(model.coda.blocks) or type(rule).finish is not RecurrenceRule.finish or type(rule).exit_rows is not RecurrenceRule.exit_rows:
+        return False
+    with torch.no_grad():
+        h0, lctx = _probe(model, 1)
+        state = rule.begin(h0, lctx)
+        lctx.core_input = rule.next_input(state, lctx)
+        h = lctx.core_input.clone()  # a core output: a tensor of its own
+        return rule.step(state, h, lctx).get("h") is h
+
+
 def _probe(model, batch: int):
     """``(h0, lctx)`` for probing the rule on ``batch`` zero tokens: a zero prelude output ``[batch, 1, d]``
     and the loop context a decoding call would give it (no cache)."""
@@ -416,7 +435,8 @@ class KLCriterion(_SuccessiveCriterion):
 
     def value(self, k, h, lctx, model):  # log p^r [n, V]
         # every position reads out (a prompt's readout slots need each token); the last one is compared
-        logp = torch.log_softmax(model._readout(h, lctx, family="exit-check")[:, -1].float(), -1)  # [n, V]
+        self.logits = model._readout(h, lctx, family="exit-check")[:, -1]  # [n, V] (an exit's own: readout_is_output)
+        logp = torch.log_softmax(self.logits.float(), -1)  # [n, V]
         if self.terms is None:
             self.terms = stack_flop_terms(model.coda), 2.0 * model.lm_head.weight.numel()
         (w, a), head = self.terms

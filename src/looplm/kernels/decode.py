@@ -77,6 +77,7 @@ from torch import nn
 from .. import dispatch
 from ..blocks import Block, Stack
 from ..cache import SharedKV
+from ..layers import attention as attention_mod
 from ..layers.attention import Attention, KVCache, KVRows
 from ..layers.mamba2 import Mamba2Mixer, Mamba2Rows, Mamba2State, RMSNormGated
 from ..layers.mlp import SwiGLU
@@ -488,10 +489,19 @@ def _norm_step(norm: nn.Module, eps: float, x: torch.Tensor):
     return torch.ops.looplm_cpu.decode_norm(x.contiguous(), norm.weight, eps)
 
 
+def _copy_kv_columns(src: list, dst: list, rows: torch.Tensor, cols: torch.Tensor) -> None:
+    """``copy_kv_columns`` as one call (every layer and skipped loop of an exit) for CPU caches of one dtype per
+    pair; else the reference (an indexed read and write per pair: ~20 small ops per exit at two layers)."""
+    if rows.device.type != "cpu" or any(a.dtype != b.dtype for a, b in zip(src, dst)):
+        return attention_mod.copy_kv_columns.reference(src, dst, rows, cols)
+    torch.ops.looplm_cpu.copy_kv_columns(src, dst, rows, cols)
+
+
 def register() -> None:
     """Register the fused steps of :class:`Block`, :class:`Stack`, :class:`ResidualMixer` and a lone
-    ``nn.RMSNorm``."""
+    ``nn.RMSNorm``, and the copy fill of per-token exit (``copy_kv_columns``)."""
     src = "looplm.kernels.decode"
+    dispatch.register("copy_kv_columns", _copy_kv_columns, src)
     dispatch.register_decode_step(dispatch.DecodeStep("fused norm", nn.RMSNorm, _prepare_norm, {"forward": _norm_step}, src))
     dispatch.register_decode_step(dispatch.DecodeStep("fused block", Block, _prepare_block, {"__call__": _block_call}, src))
     dispatch.register_decode_step(dispatch.DecodeStep("decode_stack", Stack, _prepare_stack, {"__call__": _stack_call}, src))

@@ -43,6 +43,10 @@ def register_fakes() -> None:
     def _(x, norm_weight, eps):
         return torch.empty_like(x)
 
+    @fake("looplm_cpu::copy_kv_columns")
+    def _(src, dst, rows, cols):  # writes dst in place (declared in the schema)
+        return None
+
     @fake("looplm_cpu::attention_backward")
     def _(grad_out, q, k, v, out, lse, scale, is_causal):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)

@@ -36,6 +36,18 @@ def _attention_reference(q, k, v, attn_mask=None, is_causal: bool = False, enabl
 attention = dispatch.Op("attention", _attention_reference, "softmax(q kᵀ/√d + mask) v")
 
 
+def _copy_kv_columns_reference(src: list, dst: list, rows: torch.Tensor, cols: torch.Tensor) -> None:
+    """``dst[j][rows_i, :, cols_i] = src[j][rows_i, :, cols_i]`` for every pair ``j`` of ``[B, H_kv, capacity,
+    hd]`` caches and row ``i`` (``cols [n]``, or ``[1]`` for every row): per-token exit's ``copy`` fill, the
+    exit loop's keys and values written into the slots of the loops a token skipped."""
+    for a, b in zip(src, dst):
+        b[rows, :, cols] = a[rows, :, cols]  # [n, H_kv, hd]
+
+
+copy_kv_columns = dispatch.Op("copy_kv_columns", _copy_kv_columns_reference,
+                              "keys and values copied between caches at per-row columns (per-token exit's copy fill)")
+
+
 class KVCache:
     """Keys and values of one (loop iteration, physical layer) slot: ``[B, H_kv, T_past, head_dim]``.
 

@@ -1013,6 +1013,43 @@ at::Tensor decode_norm(const at::Tensor& x, const at::Tensor& norm_w, double eps
   return norm_rows<float>(x, norm_w, eps, B, d).view({B, 1, d});
 }
 
+// dst[j][rows[i], :, cols[i], :] = src[j][rows[i], :, cols[i], :] for every pair j and row i (cols: [n], or [1] for
+// every row): the copy fill of per-token exit (a token's exit-loop keys and values into the slots of the loops
+// it skipped), one call for every layer and skipped loop instead of an indexed read and write per pair
+// (looplm.layers.attention.copy_kv_columns is the reference; its slots are [B, H_kv, capacity, hd] views).
+void copy_kv_columns(at::TensorList src, at::TensorList dst, const at::Tensor& rows, const at::Tensor& cols) {
+  const char* op = "copy_kv_columns";
+  TORCH_CHECK(src.size() == dst.size(), op, ": src and dst must pair up, got ", src.size(), " and ", dst.size(), " tensors");
+  TORCH_CHECK(rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.device().is_cpu(), op, ": rows must be a 1-D int64 CPU tensor");
+  const int64_t n = rows.size(0);
+  TORCH_CHECK(cols.dim() == 1 && cols.scalar_type() == at::kLong && cols.device().is_cpu() && (cols.size(0) == n || cols.size(0) == 1),
+              op, ": cols must be a 1-D int64 CPU tensor of one entry per row or one for all, got ", cols.sizes());
+  const at::Tensor r = rows.contiguous(), c = cols.contiguous();
+  const int64_t* rp = r.data_ptr<int64_t>();
+  const int64_t* cp = c.data_ptr<int64_t>();
+  const int64_t cstep = c.size(0) == n ? 1 : 0;
+  for (size_t j = 0; j < src.size(); ++j) {
+    const at::Tensor& a = src[j];
+    const at::Tensor& b = dst[j];
+    TORCH_CHECK(a.dim() == 4 && b.dim() == 4 && a.scalar_type() == b.scalar_type() && a.device().is_cpu() && b.device().is_cpu(), op,
+                ": pair ", j, " must be 4-D CPU tensors of one dtype, got ", a.sizes(), " ", a.scalar_type(), " and ", b.sizes(), " ",
+                b.scalar_type());
+    TORCH_CHECK(a.size(1) == b.size(1) && a.size(3) == b.size(3) && a.stride(3) == 1 && b.stride(3) == 1, op, ": pair ", j,
+                " must agree in heads and head size, rows of unit stride, got ", a.sizes(), " and ", b.sizes());
+    const int64_t H = a.size(1), hd = a.size(3), es = a.element_size();
+    const char* ap = static_cast<const char*>(a.data_ptr());
+    char* bp = static_cast<char*>(b.data_ptr());
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t row = rp[i], col = cp[i * cstep];
+      TORCH_CHECK(row >= 0 && row < a.size(0) && row < b.size(0) && col >= 0 && col < a.size(2) && col < b.size(2), op, ": row ", row,
+                  ", column ", col, " is outside pair ", j, "'s ", a.sizes(), " / ", b.sizes());
+      for (int64_t h = 0; h < H; ++h)
+        std::memcpy(bp + (row * b.stride(0) + h * b.stride(1) + col * b.stride(2)) * es,
+                    ap + (row * a.stride(0) + h * a.stride(1) + col * a.stride(2)) * es, hd * es);
+    }
+  }
+}
+
 at::Tensor decode_stateloop_read(const at::Tensor& h, const at::Tensor& S, const at::Tensor& norm_w, double eps, const at::Tensor& w) {
   const char* op = "decode_stateloop_read";
   const at::ScalarType dt = check_x(op, h);
@@ -1045,6 +1082,7 @@ TORCH_LIBRARY_FRAGMENT(looplm_cpu, m) {
       "Tensor A_log) -> Tensor");
   m.def("decode_stateloop_read(Tensor h, Tensor S, Tensor norm_weight, float eps, Tensor w) -> Tensor");
   m.def("decode_norm(Tensor x, Tensor norm_weight, float eps) -> Tensor");
+  m.def("copy_kv_columns(Tensor[] src, Tensor(a!)[] dst, Tensor rows, Tensor cols) -> ()");
   m.class_<looplm_cpu::StackPlan>("StackPlan")
       .def(torch::init<>())
       .def("add_block", &looplm_cpu::StackPlan::add_block)
@@ -1061,5 +1099,6 @@ TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) {
   m.impl("decode_stateloop_update", &looplm_cpu::decode_stateloop_update);
   m.impl("decode_stateloop_read", &looplm_cpu::decode_stateloop_read);
   m.impl("decode_norm", &looplm_cpu::decode_norm);
+  m.impl("copy_kv_columns", &looplm_cpu::copy_kv_columns);
   m.impl("decode_stack", &looplm_cpu::decode_stack);
 }
