@@ -111,7 +111,7 @@ def test_a_pass_reads_no_value_on_the_host(spec):
         with HostReads() as dyn_reads:  # the whole decode: its token loop reads the rows to start, the furthest column
             assert torch.equal(dyn.run(ids, N, None, _greedy, None, 0), out)
     assert fix.passes > 0 and sum(reads.values()) == 0, dict(reads)
-    assert len(dyn_reads.reads) >= 2 * dyn.stats.core_calls  # the detector sees the depth schedule's reads
+    assert len(dyn_reads.reads) >= dyn.stats.core_calls // 2  # the detector sees the depth schedule's reads
 
 
 @pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-mamba2"])

@@ -65,7 +65,7 @@ import torch
 
 from .adaptive import AdaptiveDecoder, _modulates, restrict_fctx
 from .context import BlockModulation, BranchModulation, ForwardContext, LoopContext
-from .exits import make_criterion
+from .exits import make_criterion, output_is_core
 from .layers.attention import Attention, KVCache, KVRows, copy_kv_columns
 from .layers.mamba2 import Mamba2Rows, Mamba2State
 from .sampling import decode_context, eval_mode, sample_next
@@ -101,6 +101,10 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         self.copy_bytes = sum(2 * b._k[0, :, 0].numel() * b._k.element_size() for b, _, _ in self.kv_flat.values())  # per (row, loop)
         # Mamba-2 core layers whose skipped loops take ssm='propagate' / 'decay' (AdaptiveDecoder._fill, per exit)
         self.ssm_fills = self.exit.ssm != "freeze" and len(self.kv_flat) < len(self.flat)
+        # an exit whose output is its core output H^k and whose fills are the core's copies needs no rule state
+        # or loop context of its rows (the base rule under kv='copy', attention cores, no readout coda)
+        self.lean_exit = (self.exit.kv == "copy" and not self.ssm_fills and len(self.cache.loop_slots) == len(self.flat)
+                          and output_is_core(model))  # fmt: skip
         self.stats.batch_size = batch_size
 
     def _flat_core_slots(self) -> dict:
@@ -145,16 +149,23 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         if max_new_tokens == 0:
             return out
         m, cache, B, P = self.model, self.cache, *input_ids.shape
-        waiting = ~done  # rows whose next token has not started its loops yet
+        dev = input_ids.device
+        # per row, on the host (a pass reads the exits' rows and tokens once): its column, tokens made, whether
+        # it is done, whether its next token waits to start (the device keeps col for the pass's gathers)
+        col_h, made_h, done_h = [P] * B, made.tolist(), done.tolist()
+        waiting_h = [not d for d in done_h]
         cohorts: list[_Cohort] = []
         t0 = now()
         with decode_context(m, B):
-            while bool(waiting.any()) or cohorts:
-                L = int(col.masked_fill(done, 0).max()) + 1  # keys of the furthest row in flight
-                start = waiting.nonzero()[:, 0]
-                if start.numel():
-                    cohorts.append(self._start(start, out[start, col[start]][:, None], col, made, L))
-                    waiting[start] = False
+            while any(waiting_h) or cohorts:
+                L = max(c for c, d in zip(col_h, done_h) if not d) + 1  # keys of the furthest row in flight
+                start_h = [b for b in range(B) if waiting_h[b]]
+                if start_h:
+                    start = torch.tensor(start_h, device=dev)
+                    token = torch.tensor([made_h[b] - 1 for b in start_h], device=dev)  # each row's decoded-token index
+                    cohorts.append(self._start(start, out[start, col.index_select(0, start)][:, None], col, token, L))
+                    for b in start_h:
+                        waiting_h[b] = False
                 exits = self._pass(cohorts, col, L)  # [(rows, y, logits or None)] of the tokens that exited
                 cohorts = [c for c in cohorts if c.rows.numel()]
                 if not exits:
@@ -163,19 +174,17 @@ class DepthBatchedDecoder(AdaptiveDecoder):
                 nxt = pick(self._logits_of(exits, col, L))  # [e]
                 c = col.index_select(0, rows) + 1  # their next tokens' columns
                 col.index_copy_(0, rows, c)
-                k = made.index_select(0, rows) + 1
-                made.index_copy_(0, rows, k)
                 out[rows, c] = nxt
                 self.attn_rows.index_put_((rows, c), self.yes)  # a row's next token reads its own column too
-                fin = k >= max_new_tokens
-                if eos_token_id is not None:
-                    fin |= nxt == eos_token_id
-                done.index_copy_(0, rows, fin)  # (rows in flight were not done)
-                waiting.index_copy_(0, rows, ~fin)
+                for b, t in zip(*torch.stack((rows, nxt.to(rows.dtype))).tolist()):
+                    col_h[b] += 1
+                    made_h[b] += 1
+                    done_h[b] = made_h[b] >= max_new_tokens or t == eos_token_id
+                    waiting_h[b] = not done_h[b]
         self.decode_seconds = now() - t0  # after the prompt
         self._count_flops()
-        cache.seqlen = P + int(made.max()) - 1  # the columns written (rows that stopped early: holes, masked)
-        return out[:, : P + int(made.max())]
+        cache.seqlen = P + max(made_h) - 1  # the columns written (rows that stopped early: holes, masked)
+        return out[:, : P + max(made_h)]
 
     # ------------------------------------------------------------------------------------------
     def _prefill(self, input_ids, max_new_tokens, attention_mask, pick, eos_token_id, pad_token_id):
@@ -253,7 +262,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         return ForwardContext(rope=rope, positions=self.positions.index_select(0, rows), attn_mask=mask, is_causal=False,
                               pad_mask=None)  # fmt: skip
 
-    def _start(self, rows, ids, col, made, L) -> _Cohort:
+    def _start(self, rows, ids, col, token, L) -> _Cohort:
         """Rows ``rows`` begin their next token ``ids [n, 1]``: its position's rotary tables, the embedding,
         the prelude (at their columns), ``rule.begin``: a new cohort at loop 0."""
         m = self.model
@@ -269,7 +278,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         lctx = self._context(f, E)
         lctx.cache, lctx.iteration = view, 0
         crit = make_criterion(self.exit)
-        crit.begin(made[rows] - 1)  # each row's decoded-token index (replay depths are read there)
+        crit.begin(token)  # each row's decoded-token index [n] (replay depths are read there)
         return _Cohort(rows, 0, m.rule.begin(x, lctx), lctx, crit)
 
     def _pass(self, cohorts: list[_Cohort], col, L: int) -> list:
@@ -338,11 +347,16 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             g = c.rows.index_select(0, out)
             cg = col.index_select(0, g)
             logits = None if logits is None else logits.index_select(0, out)
-            st_out, h_out = rule.take_rows(c.state, out, n), h.index_select(0, out)
-            ctx_out = self._context(restrict_fctx(c.lctx.fctx, out), c.lctx.embeddings.index_select(0, out))
-            ctx_out.cache, ctx_out.iteration = self.cache.rows(g, cg), c.k
-        st_out = rule.exit_rows(st_out, torch.ones(g.shape[0], 1, dtype=torch.bool, device=dev), ctx_out)
-        y = rule.finish(st_out, ctx_out)  # [e, 1, d]
+            h_out = h.index_select(0, out)
+            if not self.lean_exit:
+                st_out = rule.take_rows(c.state, out, n)
+                ctx_out = self._context(restrict_fctx(c.lctx.fctx, out), c.lctx.embeddings.index_select(0, out))
+                ctx_out.cache, ctx_out.iteration = self.cache.rows(g, cg), c.k
+        if self.lean_exit:  # (exits.output_is_core: what exit_rows and finish would return)
+            y = h_out
+        else:
+            st_out = rule.exit_rows(st_out, torch.ones(g.shape[0], 1, dtype=torch.bool, device=dev), ctx_out)
+            y = rule.finish(st_out, ctx_out)  # [e, 1, d]
         # the core's fills, once for every exit of the pass (_fill_core): copies; propagation's stand-ins Z^{k+1}
         mine = self.exit.kv == "copy" or (self.exit.kv == "propagate" and not self.modulated)
         if mine and c.k < self.R - 1:

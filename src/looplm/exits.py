@@ -314,16 +314,15 @@ def _modulates(rule) -> bool:
     return type(rule).block_modulation is not RecurrenceRule.block_modulation
 
 
-def readout_is_output(model) -> bool:
-    """Whether a token that exits after loop ``k`` hands the core output ``H^k`` itself to the final norm (the
-    base rule's ``step`` / ``exit_rows`` / ``finish``, ``Y = H^k``, probed on one zero token; no coda): then a
-    ``kl`` check's readout of ``H^k`` is the token's logits, and the exit need not run the head again. Rules
-    with their own ``finish`` or ``exit_rows`` (the exit gate's selection, a final norm, StateLoop's read) are
-    not probed: they run the head."""
+def output_is_core(model) -> bool:
+    """Whether a token that exits after loop ``k`` hands the core output ``H^k`` itself to the coda: the base
+    rule's ``step`` / ``exit_rows`` / ``finish`` (``Y = H^k``; the step probed on one zero token). Rules with
+    their own ``finish`` or ``exit_rows`` (the exit gate's selection, a final norm, StateLoop's read) are not
+    probed: their output is theirs to make."""
     from .recurrence.base import RecurrenceRule
 
     rule = model.rule
-    if len(model.coda.blocks) or type(rule).finish is not RecurrenceRule.finish or type(rule).exit_rows is not RecurrenceRule.exit_rows:
+    if type(rule).finish is not RecurrenceRule.finish or type(rule).exit_rows is not RecurrenceRule.exit_rows:
         return False
     with torch.no_grad():
         h0, lctx = _probe(model, 1)
@@ -331,6 +330,13 @@ def readout_is_output(model) -> bool:
         lctx.core_input = rule.next_input(state, lctx)
         h = lctx.core_input.clone()  # a core output: a tensor of its own
         return rule.step(state, h, lctx).get("h") is h
+
+
+def readout_is_output(model) -> bool:
+    """Whether a ``kl`` check's readout of ``H^k`` (final norm, head) is the logits of a token that exits after
+    loop ``k``: no coda, and the rule's output is the core output (:func:`output_is_core`); then the exit need
+    not run the head again."""
+    return len(model.coda.blocks) == 0 and output_is_core(model)
 
 
 def _probe(model, batch: int):
