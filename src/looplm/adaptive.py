@@ -201,7 +201,7 @@ class AdaptiveDecoder:
         sub = lctx  # their loop context (the whole batch until the first exit)
         y = None  # [B, T, d]: rows' outputs as they exit
         depth = torch.full((B,), R, dtype=torch.long, device=dev)
-        exited = torch.zeros(B, dtype=torch.bool, device=dev)  # kv='full': exited, still looping
+        exited = torch.zeros(B, dtype=torch.bool, device=dev) if full else None  # kv='full': exited, still looping
         fills = []
         check_before = crit.flops
         loops = 0
@@ -225,7 +225,7 @@ class AdaptiveDecoder:
                 leave = leave & ~exited[rows]
             if not bool(leave.any()):  # the host reads one flag per loop (the row count of the next loop)
                 continue
-            every = sub is lctx and bool(leave.all())  # the whole batch leaves together (batch 1): no gather
+            every = sub is lctx and (B == 1 or bool(leave.all()))  # the whole batch leaves together (batch 1): no gather
             out = rows if every else leave.nonzero()[:, 0]  # local ids of the rows leaving now
             g = rows if every else rows.index_select(0, out)
             st_out = state if every else rule.take_rows(state, out, n)
@@ -262,9 +262,9 @@ class AdaptiveDecoder:
             if y is None:  # nobody exited: the forward's own last step
                 y = rule.finish(state, sub)
             else:
-                keep = ~exited.index_select(0, rows)  # kv='full': rows that exited keep their output
-                y_rest = rule.finish(state, sub)
-                if bool(keep.all()):
+                keep = None if exited is None else ~exited.index_select(0, rows)  # kv='full': rows that exited keep
+                y_rest = rule.finish(state, sub)  # their output
+                if keep is None or bool(keep.all()):
                     y.index_copy_(0, rows, y_rest)
                 else:
                     sel = keep.nonzero()[:, 0]

@@ -63,6 +63,7 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["CRITERIA", "Exit", "KV_POLICIES", "SCHEDULES", "SSM_POLICIES", "make_criterion"]
 
@@ -450,7 +451,7 @@ class KLCriterion(_SuccessiveCriterion):
         return logp
 
     def distance(self, prev, cur):  # KL(p^{r−1} ‖ p^r) = Σ p^{r−1} (log p^{r−1} − log p^r)
-        return (prev.exp() * (prev - cur)).sum(-1)
+        return F.kl_div(cur, prev, reduction="none", log_target=True).sum(-1)  # (exp(prev) · (prev − cur), one call)
 
 
 class ConvergenceCriterion(_SuccessiveCriterion):
