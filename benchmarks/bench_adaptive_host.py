@@ -1,0 +1,66 @@
+"""Per-token exit against full depth on a trained LM where the host work around the core shows: the depth
+schedule at batch 8 and the token schedule at batch 1, kl ε = 0.01, kv = copy, each interleaved with full
+depth in the same process (``looplm.eval.decode_timing``), time per token as a ratio to full depth beside
+the target 1.1 × executed / K. Run it on two checkouts to compare host-side changes (ratios, not times: the
+machine is shared).
+
+    python benchmarks/bench_adaptive_host.py --runs-dir RUNS    # RUNS/lm: `looplm bench adaptive --lm-config
+                                                               # configs/bench/adaptive-lm-1024.yaml` trains it
+    python benchmarks/bench_adaptive_host.py --runs-dir RUNS --dtypes bf16 --runs 6 --clock cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from _machine import cpu_info
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "tinyshakespeare.txt"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs-dir", required=True, help="the folder whose lm/ holds the trained LM")
+    ap.add_argument("--data", default=str(DATA), help="the LM's corpus (held-out prompts are read from it)")
+    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--runs", type=int, default=6)
+    ap.add_argument("--new", type=int, default=32, help="tokens per row")
+    ap.add_argument("--clock", default="cpu", choices=["cpu", "wall"], help="cpu: process time (a shared machine's steal left out)")
+    a = ap.parse_args(argv)
+    from looplm import kernels
+    from looplm.adaptive import AdaptiveDecoder
+    from looplm.bench_adaptive import _held_out, load_lm
+    from looplm.depth_batch import DepthBatchedDecoder
+    from looplm.eval.decode_timing import FullDepth, decode_timing, generation_timing
+
+    kernels.load("cpu")
+    torch.set_num_threads(1)
+    lm, tok = load_lm(Path(a.runs_dir))
+    print(f"# {cpu_info(1)}; LM d = {lm.config.d_model}, K = {lm.config.n_loops}; {a.clock} clock, {a.runs} runs, medians")
+    print("| dtype | batch | schedule | time / full | executed / K | target | per-run ratios |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | --- |")
+    spec = {"criterion": "kl", "threshold": 0.01, "kv": "copy"}
+    for name in a.dtypes.split(","):
+        m = lm.to({"bf16": torch.bfloat16, "fp32": torch.float32}[name])
+        for B, sched in ((8, "depth"), (1, "token")):
+            prompts = _held_out(tok, a.data, B, 32, seed=1)
+            full = lambda b, c: FullDepth(m, b, c)  # noqa: E731
+            if sched == "depth":
+                cont = {"full": full, "depth": lambda b, c: DepthBatchedDecoder(m, b, c, {**spec, "schedule": "depth"})}
+                res = generation_timing(m, prompts, a.new, cont, runs=a.runs, clock=a.clock)
+            else:
+                cont = {"full": full, "token": lambda b, c: AdaptiveDecoder(m, b, c, spec)}
+                res = decode_timing(m, prompts, a.new, cont, runs=a.runs, clock=a.clock)
+            r = res[sched]
+            ex = r["stats"]["executed_ratio"]
+            ratios = ", ".join(f"{x:.3f}" for x in r["ratios"])
+            print(f"| {name} | {B} | {sched} | {r['ratio']:.3f} | {ex:.3f} | {1.1 * ex:.3f} | {ratios} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
