@@ -158,7 +158,6 @@ def test_an_exit_takes_its_kl_readout_as_its_logits(schedule):
 
     def decode(reuse: bool):
         from looplm.depth_batch import depth_batched_generate
-        from looplm.generate import generate
 
         class D(cls):
             def __init__(self, *a, **k):
