@@ -169,11 +169,10 @@ class AdaptiveDecoder:
         fctx, lctx = self._enter(input_ids, attention_mask, cache.seqlen)
         x = m.prelude(lctx.embeddings, fctx, m._slots(cache, m.prelude, (0,), B))  # [B, T, d]
         decoding = T == 1 and cache.seqlen > 0  # the prompt (the first call, any length) runs at full depth
-        self._exit_logits = None  # set by _loops when every row exits at a check whose readout is the logits
-        y, depth, executed, loops = self._loops(x, lctx, allow_exit=decoding)
+        y, depth, executed, loops, exit_logits = self._loops(x, lctx, allow_exit=decoding)
         st = self.stats
-        if self._exit_logits is not None and logits_to_keep == 1:
-            logits = self._exit_logits[:, None]  # [B, 1, V]: the check's readout of the exit loop
+        if exit_logits is not None and logits_to_keep == 1:
+            logits = exit_logits[:, None]  # [B, 1, V]: the check's readout of the exit loop
             st.reused_flops += B * self._head_flops
         else:
             logits = self._head(y, fctx, logits_to_keep)  # [B, keep, V]
@@ -189,7 +188,8 @@ class AdaptiveDecoder:
 
     # ------------------------------------------------------------------------------------------
     def _loops(self, x: torch.Tensor, lctx: LoopContext, allow_exit: bool):
-        """The loops of one call: ``(y [B, T, d] for the coda, depth [B], executed [B], loops the batch ran)``."""
+        """The loops of one call: ``(y [B, T, d] for the coda, depth [B], executed [B], loops the batch ran, the
+        logits [B, V] when every row left at a check whose readout is its logits (``reuse_readout``) or None)``."""
         m, rule, e, crit, cache = self.model, self.model.rule, self.exit, self.criterion, self.cache
         B, T = x.shape[:2]
         R, full = self.R, e.kv == "full"
@@ -203,6 +203,7 @@ class AdaptiveDecoder:
         depth = torch.full((B,), R, dtype=torch.long, device=dev)
         exited = torch.zeros(B, dtype=torch.bool, device=dev) if full else None  # kv='full': exited, still looping
         fills = []
+        exit_logits = None
         check_before = crit.flops
         loops = 0
         for k in range(R):
@@ -235,7 +236,7 @@ class AdaptiveDecoder:
             if every and not full:
                 y = rule.finish(st_out, ctx_out)
                 if self.reuse_readout:
-                    self._exit_logits = crit.logits  # [B, V]: head(norm(H^k)), what _head computes from y
+                    exit_logits = crit.logits  # [B, V]: head(norm(H^k)), what _head computes from y
                 depth.fill_(k + 1)
                 fills.append((g, k, st_out, ctx_out, h))
                 rows = rows[:0]
@@ -272,7 +273,7 @@ class AdaptiveDecoder:
         for f in fills:
             self._fill(*f)
         executed = torch.full_like(depth, loops) if full else depth  # core passes per row (kv='full': every loop)
-        return y, depth, executed, loops
+        return y, depth, executed, loops, exit_logits
 
     # ------------------------------------------------------------------------------------------
     def _fill(self, g: torch.Tensor, k_exit: int, state: dict, lctx: LoopContext, h_exit: torch.Tensor,

@@ -214,9 +214,8 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         # the position of column P: the row's real prompt tokens (left padding does not count)
         self.pos_shift = (self.visible[:, :P].long().sum(-1) if attention_mask is not None else torch.full((B,), P, device=dev)) - P
         self.positions = torch.zeros(B, 1, dtype=torch.long, device=dev)  # per row: its token in flight's position
-        self.rope = {int(r): rot(self.positions) for r, rot in m.rotary.items()}  # and rotary tables [B, 1, rot]
         self.keys = torch.arange(P + max_new_tokens, device=dev)
-        # every position's rotary tables [P + n, 1, rot] (a row's position is under P + n), read at each start
+        # every position's rotary tables [P + n, 1, rot] (a row's position is under P + n), read at the rows' positions
         self.rope_at = {int(r): rot(self.keys[:, None]) for r, rot in m.rotary.items()}
         # what each row's token in flight reads, [B, 1, 1, P + n]: visible columns up to its own (one more per token)
         self.attn_rows = self.visible & (self.keys[None] <= P)  # [B, P + n]
@@ -259,19 +258,17 @@ class DepthBatchedDecoder(AdaptiveDecoder):
     def _fctx(self, rows: torch.Tensor, col: torch.Tensor, L: int) -> ForwardContext:
         """Rows' positions, rotary tables and ``[n, 1, 1, L]`` mask (each reads its columns up to its own)."""
         mask = self.attn[..., :L].index_select(0, rows)  # [n, 1, 1, L]: visible columns up to col[rows] (run keeps it)
-        rope = {r: (cos.index_select(0, rows), sin.index_select(0, rows)) for r, (cos, sin) in self.rope.items()}
-        return ForwardContext(rope=rope, positions=self.positions.index_select(0, rows), attn_mask=mask, is_causal=False,
-                              pad_mask=None)  # fmt: skip
+        pos = self.positions.index_select(0, rows)  # [n, 1]
+        at = pos[:, 0]
+        rope = {r: (cos.index_select(0, at), sin.index_select(0, at)) for r, (cos, sin) in self.rope_at.items()}  # [n, 1, rot]
+        return ForwardContext(rope=rope, positions=pos, attn_mask=mask, is_causal=False, pad_mask=None)
 
     def _start(self, rows, ids, col, token, L) -> _Cohort:
-        """Rows ``rows`` begin their next token ``ids [n, 1]``: its position's rotary tables, the embedding,
-        the prelude (at their columns), ``rule.begin``: a new cohort at loop 0."""
+        """Rows ``rows`` begin their next token ``ids [n, 1]``: its position, the embedding, the prelude (at their
+        columns), ``rule.begin``: a new cohort at loop 0."""
         m = self.model
         pos = self.pos_shift.index_select(0, rows) + col.index_select(0, rows)  # [n]
         self.positions.index_copy_(0, rows, pos[:, None])
-        for r, (cos, sin) in self.rope_at.items():  # [n, 1, rot] each, from the table of every position
-            self.rope[r][0].index_copy_(0, rows, cos.index_select(0, pos))
-            self.rope[r][1].index_copy_(0, rows, sin.index_select(0, pos))
         f = self._fctx(rows, col, L)
         E = m._embed(ids, head_in_loss=False) * m.embed_multiplier  # [n, 1, d]
         view = self.cache.rows(rows, col[rows])

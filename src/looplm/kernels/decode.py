@@ -77,8 +77,7 @@ from torch import nn
 from .. import dispatch
 from ..blocks import Block, Stack
 from ..cache import SharedKV
-from ..layers import attention as attention_mod
-from ..layers.attention import Attention, KVCache, KVRows
+from ..layers.attention import Attention, KVCache, KVRows, copy_kv_columns
 from ..layers.mamba2 import Mamba2Mixer, Mamba2Rows, Mamba2State, RMSNormGated
 from ..layers.mlp import SwiGLU
 from ..layers.residual import ResidualMixer
@@ -493,7 +492,7 @@ def _copy_kv_columns(src: list, dst: list, rows: torch.Tensor, cols: torch.Tenso
     """``copy_kv_columns`` as one call (every layer and skipped loop of an exit) for CPU caches of one dtype per
     pair; else the reference (an indexed read and write per pair: ~20 small ops per exit at two layers)."""
     if rows.device.type != "cpu" or any(a.dtype != b.dtype for a, b in zip(src, dst)):
-        return attention_mod.copy_kv_columns.reference(src, dst, rows, cols)
+        return copy_kv_columns.reference(src, dst, rows, cols)
     torch.ops.looplm_cpu.copy_kv_columns(src, dst, rows, cols)
 
 
