@@ -1,6 +1,7 @@
 """Per-token exit against full depth on a trained LM where the host work around the core shows: the depth
 schedule at batch 8 and the token schedule at batch 1, kl ε = 0.01, kv = copy, each interleaved with full
-depth in the same process (``looplm.eval.decode_timing``), time per token as a ratio to full depth beside
+depth in the same process, and (``--queue Q``) the depth schedule with request refill over 8·Q prompts through 8
+rows against full depth in Q batches of 8 (``looplm.eval.decode_timing``), time per token as a ratio to full depth beside
 the target 1.1 × executed / K. Run it on two checkouts to compare host-side changes (ratios, not times: the
 machine is shared).
 
@@ -30,12 +31,13 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--new", type=int, default=32, help="tokens per row")
     ap.add_argument("--clock", default="cpu", choices=["cpu", "wall"], help="cpu: process time (a shared machine's steal left out)")
+    ap.add_argument("--queue", type=int, default=4, help="request refill: batches of 8 prompts queued (0: skip that row)")
     a = ap.parse_args(argv)
     from looplm import kernels
     from looplm.adaptive import AdaptiveDecoder
     from looplm.bench_adaptive import _held_out, load_lm
     from looplm.depth_batch import DepthBatchedDecoder
-    from looplm.eval.decode_timing import FullDepth, decode_timing, generation_timing
+    from looplm.eval.decode_timing import FullDepth, decode_timing, generation_timing, queue_timing
 
     kernels.load("cpu")
     torch.set_num_threads(1)
@@ -46,10 +48,14 @@ def main(argv=None) -> int:
     spec = {"criterion": "kl", "threshold": 0.01, "kv": "copy"}
     for name in a.dtypes.split(","):
         m = lm.to({"bf16": torch.bfloat16, "fp32": torch.float32}[name])
-        for B, sched in ((8, "depth"), (1, "token")):
-            prompts = _held_out(tok, a.data, B, 32, seed=1)
+        rows = ((8, "depth"), (1, "token")) + (((8, "refill"),) if a.queue else ())
+        for B, sched in rows:
+            prompts = _held_out(tok, a.data, B * (a.queue if sched == "refill" else 1), 32, seed=1)
             full = lambda b, c: FullDepth(m, b, c)  # noqa: E731
-            if sched == "depth":
+            if sched == "refill":  # the queue through 8 rows against full depth in batches of 8
+                mk = lambda b, c, n: DepthBatchedDecoder(m, b, c, {**spec, "schedule": "depth", "max_batch": b}, prompts=n)  # noqa: E731
+                res = queue_timing(m, prompts, B, a.new, mk, runs=a.runs, clock=a.clock)
+            elif sched == "depth":
                 cont = {"full": full, "depth": lambda b, c: DepthBatchedDecoder(m, b, c, {**spec, "schedule": "depth"})}
                 res = generation_timing(m, prompts, a.new, cont, runs=a.runs, clock=a.clock)
             else:

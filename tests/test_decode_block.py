@@ -482,6 +482,11 @@ def test_cpp_dispatch_rule_is_the_python_one():
     if gemv.available() and not torch.ops.looplm_cpu.amx_ready():  # bf16 without AMX: up to 8 rows, rows x K <= 4608
         wins = {(5, 256): True, (8, 576): True, (4, 1024): True, (6, 768): True, (5, 1024): False, (9, 256): False, (2, 4096): False}
         assert {rk: torch.ops.looplm_cpu.kernel_wins(*rk, torch.bfloat16) for rk in wins} == wins
+        # and up to 8 rows of any K for a weight of N x K <= 2^19 entries (a small vocabulary's head)
+        small = {(8, 1024, 260): True, (8, 1024, 512): True, (8, 1024, 513): False, (8, 4096, 128): True, (9, 1024, 260): False,
+                 (8, 1024, 0): False}
+        assert {rkn: torch.ops.looplm_cpu.kernel_wins(rkn[0], rkn[1], torch.bfloat16, rkn[2]) for rkn in small} == small
+        assert {rkn: gemv.kernel_wins(rkn[0], rkn[1], torch.bfloat16, rkn[2]) for rkn in small} == small
 
 
 @needs_extension

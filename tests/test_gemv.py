@@ -86,8 +86,12 @@ def test_dispatch_takes_the_kernel_only_where_it_wins():
     assert gemv.uses_kernel(torch.randn(16, 64, dtype=torch.bfloat16), w) == gemv.amx()
     w_long = torch.randn(32, 2048, dtype=torch.bfloat16)
     assert gemv.uses_kernel(torch.randn(1, 2048, dtype=torch.bfloat16), w_long)  # one row: always
-    # several long rows: AMX where the CPU has it, else torch's matmul (the per-row path loses there)
-    assert gemv.uses_kernel(torch.randn(4, 2048, dtype=torch.bfloat16), w_long) == gemv.amx()
+    # several long rows of a large weight: AMX where the CPU has it, else torch's matmul (the per-row path
+    # loses there); of a small weight (N x K <= 2^19): the kernel
+    w_big = torch.randn(512, 2048, dtype=torch.bfloat16)
+    assert gemv.uses_kernel(torch.randn(4, 2048, dtype=torch.bfloat16), w_big) == gemv.amx()
+    assert gemv.uses_kernel(torch.randn(4, 2048, dtype=torch.bfloat16), w_long)
+    assert gemv.uses_kernel(torch.randn(9, 2048, dtype=torch.bfloat16), w_long) == gemv.amx()
     assert not gemv.uses_kernel(row.float(), w.float())  # fp32: torch's GEMV is at the bandwidth already
     assert not gemv.uses_kernel(row, w.t().contiguous().t())  # strided weight
     wg = w.clone().requires_grad_()

@@ -123,9 +123,11 @@ class AdaptiveDecoder:
     ``attention_mask`` ``[B, past + T]`` as for :meth:`LoopedLM.forward` (left padding).
     """
 
-    def __init__(self, model, batch_size: int, capacity: int, exit, loop_options: dict | None = None):
+    def __init__(self, model, batch_size: int, capacity: int, exit, loop_options: dict | None = None,
+                 prompts: int | None = None):
         self.model = model
-        self.exit = e = Exit.parse(exit).resolved(model, batch_size)
+        # prompts: how many the decoder will see (request refill, looplm.depth_batch: more than its rows)
+        self.exit = e = Exit.parse(exit).resolved(model, batch_size if prompts is None else prompts)
         self.R = e.max_loops
         self.cache = model.new_cache(batch_size, self.R, capacity=capacity, kv_shared=e.kv == "shared")
         self.criterion = make_criterion(e)

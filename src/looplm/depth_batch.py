@@ -66,8 +66,9 @@ import torch
 
 from .adaptive import AdaptiveDecoder, _modulates, restrict_fctx
 from .context import BlockModulation, BranchModulation, ForwardContext, LoopContext
-from .exits import make_criterion, output_is_core
+from .exits import Exit, make_criterion, output_is_core
 from .layers.attention import Attention, KVCache, KVRows, copy_kv_columns
+from .cache import SharedKV
 from .layers.mamba2 import Mamba2Rows, Mamba2State
 from .sampling import decode_context, eval_mode, sample_next
 
@@ -83,6 +84,7 @@ class _Cohort:
     state: dict  # the rule's state of these rows
     lctx: LoopContext  # their loop context: embeddings, the cache at their columns (fctx: each pass's)
     crit: object  # their criterion (its memory of their previous loop)
+    req: torch.Tensor  # [n] their prompts' indices (request refill; else rows itself): a replay criterion's rows
 
 
 class DepthBatchedDecoder(AdaptiveDecoder):
@@ -91,8 +93,9 @@ class DepthBatchedDecoder(AdaptiveDecoder):
 
     schedule = "depth"  # the Exit.schedule it runs (looplm.depth_static's subclass: 'static')
 
-    def __init__(self, model, batch_size: int, capacity: int, exit, loop_options: dict | None = None):
-        super().__init__(model, batch_size, capacity, exit, loop_options)
+    def __init__(self, model, batch_size: int, capacity: int, exit, loop_options: dict | None = None,
+                 prompts: int | None = None):
+        super().__init__(model, batch_size, capacity, exit, loop_options, prompts)
         if self.exit.schedule != self.schedule:
             raise ValueError(f"{type(self).__name__} runs exit schedule {self.schedule!r}, got {self.exit.schedule!r}")
         self.flat = self._flat_core_slots()  # layer -> (the KVCache over [R·B, ...] or kv='shared''s, rows, offset)
@@ -143,28 +146,61 @@ class DepthBatchedDecoder(AdaptiveDecoder):
     def run(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None, pick,
             eos_token_id: int | None, pad_token_id: int, now=time.perf_counter) -> torch.Tensor:
         """The prompt at full depth, then ``max_new_tokens`` tokens per row, each row at its own pace;
-        ``pick(logits [n, V]) -> [n]`` chooses a token. Returns ``[B, P + n]`` ids (``n``: the most any row
+        ``pick(logits [n, V]) -> [n]`` chooses a token. Returns ``[N, P + n]`` ids (``n``: the most any row
         generated; a row that emitted ``eos_token_id`` is padded with ``pad_token_id`` after it).
-        ``decode_seconds``: the time after the prompt, on the clock ``now`` (a host clock: CPU time)."""
+
+        ``input_ids [N, P]`` may hold more prompts than the decoder's ``B`` rows (request refill): the first
+        ``B`` start together, and whenever rows finish the next prompts take them — their prompts at full
+        depth into those rows (:meth:`_refill`), their tokens beside the other rows' at the next pass.
+        ``decode_seconds``: the time after the prompts, on the clock ``now`` (a host clock: CPU time); the
+        refills' prompts are left out of it as the first prompts are (``prompt_seconds``)."""
+        N, P = input_ids.shape
+        B = self.cache.batch_size
+        if N < B:
+            raise ValueError(f"{type(self).__name__} decodes {B} rows; input_ids has {N} (give at least {B} prompts, "
+                             f"or build the decoder for {N} rows)")  # fmt: skip
+        self.prompt_seconds = 0.0
         out, col, made, done = self._prefill(input_ids, max_new_tokens, attention_mask, pick, eos_token_id, pad_token_id)
         if max_new_tokens == 0:
             return out
-        m, cache, B, P = self.model, self.cache, *input_ids.shape
+        m, cache = self.model, self.cache
         dev = input_ids.device
         # per row, on the host (a pass reads the exits' rows and tokens once): its column, tokens made, whether
         # it is done, whether its next token waits to start (the device keeps col for the pass's gathers)
         col_h, made_h, done_h = [P] * B, made.tolist(), done.tolist()
         waiting_h = [not d for d in done_h]
+        # request refill: row b decodes prompt req_h[b] (its output row); the prompts from queue_h on wait
+        req_h, queue_h, most = list(range(B)), B, max(made_h)
+        req = torch.arange(B, device=dev) if N > B else None  # the rows' output rows (None: row b is out[b])
+        if N > B:
+            self._check_refill()
+        refill = [b for b in range(B) if done_h[b]]
         cohorts: list[_Cohort] = []
         t0 = now()
         with decode_context(m, B):
-            while any(waiting_h) or cohorts:
+            while True:
+                while refill and queue_h < N:  # finished rows take the next prompts (a first token may end them)
+                    n = min(len(refill), N - queue_h)
+                    rows_h, refill = refill[:n], refill[n:]
+                    first = self._refill(rows_h, input_ids, attention_mask, queue_h, out, col, pick, now)
+                    for i, (b, t) in enumerate(zip(rows_h, first)):
+                        req_h[b], col_h[b], made_h[b] = queue_h + i, P, 1
+                        done_h[b] = max_new_tokens <= 1 or t == eos_token_id
+                        waiting_h[b] = not done_h[b]
+                        if done_h[b]:
+                            refill.append(b)
+                    req.index_copy_(0, torch.tensor(rows_h, device=dev), torch.arange(queue_h, queue_h + n, device=dev))
+                    queue_h += n
+                if not (any(waiting_h) or cohorts):
+                    break
                 L = max(c for c, d in zip(col_h, done_h) if not d) + 1  # keys of the furthest row in flight
                 start_h = [b for b in range(B) if waiting_h[b]]
                 if start_h:
                     start = torch.tensor(start_h, device=dev)
                     token = torch.tensor([made_h[b] - 1 for b in start_h], device=dev)  # each row's decoded-token index
-                    cohorts.append(self._start(start, out[start, col.index_select(0, start)][:, None], col, token, L))
+                    orow = start if req is None else req.index_select(0, start)
+                    cohorts.append(self._start(start, out[orow, col.index_select(0, start)][:, None], col, token, L,
+                                               None if req is None else orow))  # fmt: skip
                     for b in start_h:
                         waiting_h[b] = False
                 exits = self._pass(cohorts, col, L)  # [(rows, y, logits or None)] of the tokens that exited
@@ -175,31 +211,80 @@ class DepthBatchedDecoder(AdaptiveDecoder):
                 nxt = pick(self._logits_of(exits, col, L))  # [e]
                 c = col.index_select(0, rows) + 1  # their next tokens' columns
                 col.index_copy_(0, rows, c)
-                out[rows, c] = nxt
+                out[rows if req is None else req.index_select(0, rows), c] = nxt
                 self.attn_rows.index_put_((rows, c), self.yes)  # a row's next token reads its own column too
                 for b, t in zip(*torch.stack((rows, nxt.to(rows.dtype))).tolist()):
                     col_h[b] += 1
                     made_h[b] += 1
                     done_h[b] = made_h[b] >= max_new_tokens or t == eos_token_id
                     waiting_h[b] = not done_h[b]
-        self.decode_seconds = now() - t0  # after the prompt
+                    if done_h[b]:
+                        most = max(most, made_h[b])
+                        if queue_h < N:
+                            refill.append(b)
+        self.decode_seconds = now() - t0 - self.prompt_seconds  # after the prompts
         self._count_flops()
-        cache.seqlen = P + max(made_h) - 1  # the columns written (rows that stopped early: holes, masked)
-        return out[:, : P + max(made_h)]
+        cache.seqlen = P + most - 1  # the columns written (rows that stopped early: holes, masked)
+        return out[:, : P + most]
+
+    def _check_refill(self) -> None:
+        """Request refill copies a prompt's slots into a row of each of this cache's: attention KV (per loop or
+        ``kv='shared'``'s one buffer) and Mamba-2 states; another kind of slot is refused here, before decoding."""
+        for key, s in self.cache.slots.items():
+            if not isinstance(s, (KVCache, SharedKV, Mamba2State)):
+                raise TypeError(f"request refill (exit max_batch) cannot copy a prompt into cache slot {key!r} "
+                                f"({type(s).__name__}); give max_batch=None (the whole batch at once)")  # fmt: skip
+
+    def _refill(self, rows_h: list, input_ids, attention_mask, q: int, out, col, pick, now) -> list:
+        """Rows ``rows_h`` (finished) take prompts ``q, q + 1, ...``: those prompts at full depth in a cache of
+        their own (:meth:`AdaptiveDecoder.__call__`, the first prompts' path), its slots copied into the rows'
+        columns ``< P`` of every slot (every loop), the rows' visible columns, position shift and mask reset,
+        each first token picked into ``out``. Returns the first tokens (a host list)."""
+        m, main, n, P = self.model, self.cache, len(rows_h), input_ids.shape[1]
+        dev = input_ids.device
+        rows = torch.tensor(rows_h, device=dev)
+        ids = input_ids[q : q + n]
+        mask = None if attention_mask is None else attention_mask[q : q + n]
+        t = now()
+        self.cache = m.new_cache(n, self.R, capacity=P, kv_shared=main.kv_shared)
+        try:
+            logits = self(ids, mask, validate=False)  # [n, 1, V]: full depth (a first call), no statistics
+            part = self.cache
+        finally:
+            self.cache = main
+        for key, src in part.slots.items():
+            if not isinstance(src, SharedKV):
+                _copy_rows(src, main.slots[key], rows, P)
+        for fam, src in part.shared.items():
+            _copy_rows(src, main.shared[fam], rows, P)
+        first = pick(logits[:, -1])  # [n]
+        out[q : q + n, P] = first
+        col.index_fill_(0, rows, P)
+        vis = self.visible.index_select(0, rows)
+        vis[:, :P] = True if mask is None else mask.bool()
+        vis[:, P:] = True
+        self.visible.index_copy_(0, rows, vis)
+        self.pos_shift.index_copy_(0, rows, vis[:, :P].long().sum(-1) - P)
+        self.attn_rows.index_copy_(0, rows, vis & (self.keys[None] <= P))
+        self.prompt_seconds += now() - t
+        return first.tolist()
 
     # ------------------------------------------------------------------------------------------
     def _prefill(self, input_ids, max_new_tokens, attention_mask, pick, eos_token_id, pad_token_id):
-        """The prompt at full depth and each row's first token; the per-row decoding state (visible columns,
-        position shifts, rotary tables, keys). Returns ``(out [B, P + n] ids, col [B], made [B], done [B])``
-        (``max_new_tokens = 0``: ``out`` is the prompt)."""
-        m, cache, B, P = self.model, self.cache, *input_ids.shape
+        """The first ``B`` prompts at full depth and each row's first token; the per-row decoding state (visible
+        columns, position shifts, rotary tables, keys). Returns ``(out [N, P + n] ids, col [B], made [B], done
+        [B])`` (``max_new_tokens = 0``: ``out`` is the prompts; the rows past ``B`` are filled by :meth:`run`)."""
+        m, cache, (N, P), B = self.model, self.cache, input_ids.shape, self.cache.batch_size
         dev = input_ids.device
-        out = torch.full((B, P + max_new_tokens), pad_token_id, dtype=input_ids.dtype, device=dev)
+        out = torch.full((N, P + max_new_tokens), pad_token_id, dtype=input_ids.dtype, device=dev)
         out[:, :P] = input_ids
         if max_new_tokens == 0:
             return out[:, :P], None, None, None
+        if N > B:
+            input_ids = input_ids[:B]
+            attention_mask = None if attention_mask is None else attention_mask[:B]
         logits = self(input_ids, attention_mask)  # [B, 1, V]: the prompt at full depth, committed at columns < P
-        out[:, P] = pick(logits[:, -1])
+        out[:B, P] = pick(logits[:, -1])
         for base, _, _ in self.kv_flat.values():
             base._len = P  # the flat buffers' own length (the fused step's bounds check reads it)
         self._flat_ssm_states()
@@ -226,7 +311,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         made = torch.ones(B, dtype=torch.long, device=dev)  # tokens generated per row
         done = made >= max_new_tokens
         if eos_token_id is not None:
-            done |= out[:, P] == eos_token_id
+            done |= out[:B, P] == eos_token_id
         return out, col, made, done
 
     def _flat_ssm_states(self) -> None:
@@ -263,9 +348,10 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         rope = {r: (cos.index_select(0, at), sin.index_select(0, at)) for r, (cos, sin) in self.rope_at.items()}  # [n, 1, rot]
         return ForwardContext(rope=rope, positions=pos, attn_mask=mask, is_causal=False, pad_mask=None)
 
-    def _start(self, rows, ids, col, token, L) -> _Cohort:
+    def _start(self, rows, ids, col, token, L, req=None) -> _Cohort:
         """Rows ``rows`` begin their next token ``ids [n, 1]``: its position, the embedding, the prelude (at their
-        columns), ``rule.begin``: a new cohort at loop 0."""
+        columns), ``rule.begin``: a new cohort at loop 0. ``req``: their prompts' indices (request refill: what a
+        replay criterion's per-row depths are indexed by; ``None``: the rows')."""
         m = self.model
         pos = self.pos_shift.index_select(0, rows) + col.index_select(0, rows)  # [n]
         self.positions.index_copy_(0, rows, pos[:, None])
@@ -277,7 +363,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         lctx.cache, lctx.iteration = view, 0
         crit = make_criterion(self.exit)
         crit.begin(token)  # each row's decoded-token index [n] (replay depths are read there)
-        return _Cohort(rows, 0, m.rule.begin(x, lctx), lctx, crit)
+        return _Cohort(rows, 0, m.rule.begin(x, lctx), lctx, crit, rows if req is None else req)
 
     def _pass(self, cohorts: list[_Cohort], col, L: int) -> list:
         """One core pass over every row in flight; the cohorts step, exit and move on. Returns the exits
@@ -318,7 +404,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
                 leave = logits = None  # every row leaves (the head makes its logits)
             else:
                 cur = None if shared is None else shared[off - n - last : off - last]
-                leave = c.crit.check(c.k, h, c.state, c.lctx, c.rows, m, **({} if cur is None else {"cur": cur}))
+                leave = c.crit.check(c.k, h, c.state, c.lctx, c.req, m, **({} if cur is None else {"cur": cur}))
                 if c.k + 1 < e.min_loops or not bool(leave.any()):
                     c.k += 1
                     continue
@@ -372,7 +458,9 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         else:
             stay = (~leave).nonzero()[:, 0]
             c.state = rule.take_rows(c.state, stay, n)
+            same = c.req is c.rows
             c.rows = c.rows.index_select(0, stay)
+            c.req = c.rows if same else c.req.index_select(0, stay)
             c.lctx.embeddings = c.lctx.embeddings.index_select(0, stay)
             c.lctx.cache = self.cache.rows(c.rows, col[c.rows])
             c.crit.take(stay)
@@ -457,6 +545,19 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         return m.lm_head(m.norm(y)[:, -1])  # (the norm of [e, 1, d]: one new token per row, a decode step's shape)
 
 
+def _copy_rows(src, dst, rows: torch.Tensor, P: int) -> None:
+    """A prompt's slot ``src`` (its ``n`` rows, ``P`` columns) into rows ``rows`` of the decoder's slot ``dst``
+    (a view of a flat buffer writes the buffer): a KV cache's columns ``< P``, a Mamba-2 state whole."""
+    if isinstance(src, KVCache):
+        if src._k is None:  # (a slot the prompt never wrote)
+            return
+        dst._k[rows, :, :P] = src._k[:, :, :P].to(dst._k.dtype)  # [n, H_kv, P, hd]
+        dst._v[rows, :, :P] = src._v[:, :, :P].to(dst._v.dtype)
+    else:  # Mamba2State
+        dst.conv_state[rows] = src.conv_state.to(dst.conv_state.dtype)
+        dst.ssm_state[rows] = src.ssm_state.to(dst.ssm_state.dtype)
+
+
 def _slice_fctx(f: ForwardContext, a: int, b: int) -> ForwardContext:
     """Rows ``a .. b − 1`` of ``f`` (views)."""
     return ForwardContext(rope={r: (cos[a:b], sin[a:b]) for r, (cos, sin) in f.rope.items()}, positions=f.positions[a:b],
@@ -509,8 +610,11 @@ def depth_batched_generate(model, input_ids, max_new_tokens, exit, do_sample, te
     another decoder class of the same ``run`` (``decoder``: :class:`looplm.depth_static.StaticDepthDecoder`)."""
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0
+    N, P = input_ids.shape
+    mb = Exit.parse(exit).max_batch
+    rows = N if mb is None else min(N, mb)  # request refill: N prompts through `rows` rows
     with eval_mode(model):
-        dec = (decoder or DepthBatchedDecoder)(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, exit, loop_options)
+        dec = (decoder or DepthBatchedDecoder)(model, rows, P + max_new_tokens, exit, loop_options, **({} if rows == N else {"prompts": N}))
         ids = dec.run(input_ids, max_new_tokens, attention_mask,
                       lambda logits: sample_next(logits, do_sample, temperature, top_k, top_p, generator), eos_token_id, pad_token_id)  # fmt: skip
     return (ids, dec.stats) if return_stats else ids

@@ -86,6 +86,9 @@ class Exit:
     kv: str = "copy"
     ssm: str = "freeze"
     schedule: str = "token"  # token | depth (continuous depth batching, looplm.depth_batch) | static (looplm.depth_static)
+    # schedule 'depth': rows decoded at once (None: the whole batch); the batch's other prompts queue and each
+    # takes the row of one that finished (request refill: looplm.depth_batch)
+    max_batch: int | None = None
 
     # --- construction ------------------------------------------------------------------------------
     @classmethod
@@ -173,6 +176,12 @@ class Exit:
             errs.append(f"exit ssm policy {self.ssm!r} is unknown; use one of {list(SSM_POLICIES)}")
         if self.schedule not in SCHEDULES:
             errs.append(f"exit schedule {self.schedule!r} is unknown; use one of {list(SCHEDULES)}")
+        mb = self.max_batch
+        if mb is not None:
+            if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
+                errs.append(f"exit max_batch must be an int >= 1 (rows decoded at once) or None, got {mb!r}")
+            elif self.schedule != "depth":
+                errs.append(f"exit max_batch (request refill) runs under schedule='depth' only, got schedule={self.schedule!r}")
         if getattr(model, "n_pause", 0):
             errs.append("per-token exit does not run pause-token models (PauseLM inserts pause positions in its own forward)")
         if not errs:

@@ -9,7 +9,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-__all__ = ["FullDepth", "decode_timing", "decoded_nll", "generation_timing", "teacher_forced_timing"]
+__all__ = ["FullDepth", "decode_timing", "decoded_nll", "generation_timing", "queue_timing", "teacher_forced_timing"]
 
 
 class FullDepth:
@@ -116,6 +116,46 @@ def generation_timing(model, prompts: torch.Tensor, new_tokens: int, contenders:
             if run:
                 per_run[k].append(1000 * spent / n)
         last = decs
+    return _summary(per_run, last)
+
+
+@torch.inference_mode()
+def queue_timing(model, prompts: torch.Tensor, rows: int, new_tokens: int, refill, *, runs: int = 3, clock: str = "wall") -> dict:
+    """A queue of ``prompts [N, P]`` (``N`` a multiple of ``rows``) through ``rows`` rows: full depth in fixed
+    batches of ``rows`` prompts (:class:`FullDepth`, the batches one after another) against ``refill(rows,
+    capacity, N)``, a decoder whose ``run`` takes all ``N`` prompts and refills a finished row with the next
+    (:class:`looplm.depth_batch.DepthBatchedDecoder`, exit ``max_batch``). Both decode ``new_tokens`` greedy
+    tokens per prompt, prompts untimed, in a rotating order per run. Returns ``{"full", "refill"}`` as
+    :func:`decode_timing` does (time per decoded token; ``ratio``: median of the per-run ratios to full)."""
+    from ..sampling import decode_context
+
+    N, P = prompts.shape
+    if rows < 1 or N % rows:
+        raise ValueError(f"queue_timing: {N} prompts do not split into batches of rows={rows}")
+    now = _now(clock)
+    per_run = {"full": [], "refill": []}
+    last = {}
+    greedy = lambda logits: logits.max(-1).indices  # noqa: E731
+    n = max(1, new_tokens - 1)  # tokens decoded after each prompt's first
+    for run in range(runs + 1):  # the first run warms up
+        for k in _rotated(["full", "refill"], run):
+            if k == "refill":
+                dec = refill(rows, P + new_tokens + 1, N)
+                dec.run(prompts, new_tokens, None, greedy, None, 0, now=now)
+                spent = dec.decode_seconds
+            else:
+                spent = 0.0
+                for a in range(0, N, rows):
+                    dec = FullDepth(model, rows, P + new_tokens + 1)
+                    with decode_context(model, rows):
+                        tok = greedy(dec(prompts[a : a + rows])[:, -1])[:, None]
+                        t0 = now()
+                        for _ in range(n):
+                            tok = greedy(dec(tok, validate=False)[:, -1])[:, None]
+                        spent += now() - t0
+            last[k] = dec
+            if run:
+                per_run[k].append(1000 * spent / (n * N // rows))
     return _summary(per_run, last)
 
 

@@ -39,11 +39,11 @@ from .loader import amx, constant_for_compile, enabled, extension_available, ker
 from .gemm import TunedLinear
 
 MAX_ROWS = 16  # the AMX path's limit (one B tile holds 16 rows of x); above it torch's matmul is the path
-_wins: dict[tuple[int, int, torch.dtype], bool] = {}
+_wins: dict[tuple[int, int, torch.dtype, int], bool] = {}
 
 
 @constant_for_compile
-def kernel_wins(rows: int, k: int, dtype: torch.dtype = torch.bfloat16) -> bool:
+def kernel_wins(rows: int, k: int, dtype: torch.dtype = torch.bfloat16, n: int = 0) -> bool:
     """Where the kernels beat torch's matmul (2-core Xeon with AMX, weights streamed from memory): the
     rule of ``csrc/gemv.h`` (``looplm_cpu::kernel_wins``, asked once per shape), which the fused decode
     steps apply in C++ too. ``False`` where the kernels are not built.
@@ -52,16 +52,19 @@ def kernel_wins(rows: int, k: int, dtype: torch.dtype = torch.bfloat16) -> bool:
     bf16, 2-16 rows: the AMX path where the CPU has it (1.1-2.6x at K 576-8192, N 192-49,152); without
     AMX the one-row path, each weight block read once for all rows, for 2-8 rows while rows x K <= 4608
     (AMD EPYC, one thread, vs torch's matmul at N = K: 3.0x for 4 rows of K 256, 2.6x 5 x 256, 2.1x
-    5 x 768, 1.4x 5 x 576, 1.1x 8 x 576 and 4 x 1024; 1.0x 5 x 1024 and 0.5x at K 4096 stay on torch).
+    5 x 768, 1.4x 5 x 576, 1.1x 8 x 576 and 4 x 1024; 1.0x 5 x 1024 and 0.5x at K 4096 stay on torch),
+    and for 2-8 rows of any K where the weight is small, N x K <= 2^19 (1 MB; ``n``: N, 0 = not known): 8 rows,
+    one thread, AMD EPYC, weights in cache / streamed from memory after a 60 MB pass: N x K = 256 x 256
+    2.2x / -, 704 x 256 1.9x, 260 x 1024 (the byte-level LMs' head) 0.9x / 2.2x, 576 x 576 1.1x.
     fp32: 3-8 rows while they fit in L1 beside the weights (rows x K <= 6144; 1.4-2.7x MKL at K 576,
     0.94x for 8 rows of K 1536); one row stays on MKL (at the bandwidth already).
     """
     if not kernels_available() or dtype not in _KERNEL_DTYPES:
         return False
-    key = (rows, k, dtype)
+    key = (rows, k, dtype, n)
     win = _wins.get(key)
     if win is None:
-        win = _wins[key] = bool(torch.ops.looplm_cpu.kernel_wins(rows, k, dtype))
+        win = _wins[key] = bool(torch.ops.looplm_cpu.kernel_wins(rows, k, dtype, n))
     return win
 
 
@@ -97,7 +100,7 @@ def uses_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         and x.device.type == "cpu"
         and weight.device.type == "cpu"
         and x.numel() > 0
-        and kernel_wins(x.numel() // x.shape[-1], x.shape[-1], dt)
+        and kernel_wins(x.numel() // x.shape[-1], x.shape[-1], dt, weight.shape[0])
         and available()
         and weight.is_contiguous()
         and (bias is None or (bias.dtype == dt and bias.is_contiguous()))
@@ -127,7 +130,7 @@ def _prepare_linear(lin: nn.Module, batch_size: int | None):
     w = lin.weight
     if w.dtype not in _KERNEL_DTYPES or w.device.type != "cpu" or not available():
         return None
-    if batch_size is not None and not kernel_wins(batch_size, lin.in_features, w.dtype):
+    if batch_size is not None and not kernel_wins(batch_size, lin.in_features, w.dtype, lin.out_features):
         return None
     return True
 

@@ -346,16 +346,18 @@ bool amx_ready() {  // the CPU has AMX-BF16 / AMX-TILE and Linux lets this proce
 }
 
 constexpr int64_t kBf16MaxRowEntries = 4608;  // bf16 without AMX: rows x K the one-row path per row wins at
+constexpr int64_t kBf16SmallWeight = 1 << 19;  // bf16 without AMX: N x K of a weight (1 MB) it wins at for <= 8 rows
 
-bool kernel_wins(int64_t rows, int64_t k, at::ScalarType dt) {  // the rule of looplm.layers.gemv.kernel_wins (tested equal)
+bool kernel_wins(int64_t rows, int64_t k, at::ScalarType dt, int64_t n) {  // the rule of looplm.layers.gemv.kernel_wins (tested equal)
   if (!LOOPLM_KERNELS) return false;
   if (dt == at::kFloat) return rows >= 3 && rows <= 8 && rows * k <= kFp32MaxRowEntries;
   if (dt != at::kBFloat16) return false;
   if (rows == 1) return true;
   if (rows > kMaxRows) return false;
   // without AMX: each weight block read once for every row (from L1) while the rows and the block fit beside
-  // it — up to 8 rows of K x rows <= 4608 entries (a speculative verification's k + 1 tokens, small batches)
-  return amx_ready() || (rows <= 8 && rows * k <= kBf16MaxRowEntries);
+  // it — up to 8 rows of K x rows <= 4608 entries (a speculative verification's k + 1 tokens, small batches),
+  // and up to 8 rows of any K for a weight of <= 1 MB (n: its N; 0 = not known), e.g. a small vocabulary's head
+  return amx_ready() || (rows <= 8 && (rows * k <= kBf16MaxRowEntries || (n > 0 && n * k <= kBf16SmallWeight)));
 }
 
 void gemv1_group(const RowGroup& g, const RowGroup* next) {
@@ -394,7 +396,7 @@ void gemv1_group(const RowGroup& g, const RowGroup* next) {
 }
 
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
-  if (kernel_wins(x.size(0), x.size(1), x.scalar_type()) && w.is_contiguous())
+  if (kernel_wins(x.size(0), x.size(1), x.scalar_type(), w.size(0)) && w.is_contiguous())
     return x.scalar_type() == at::kBFloat16 ? gemv_bf16(x, w, bias, true) : gemv_fp32(x, w, bias);
   return at::linear(x, w, bias);
 }
@@ -409,7 +411,7 @@ TORCH_LIBRARY(looplm_cpu, m) {
   m.def("gemv_bf16(Tensor x, Tensor weight, Tensor? bias=None, bool use_amx=True) -> Tensor");
   m.def("gemv_fp32(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("amx_ready() -> bool", &amx_ready);
-  m.def("kernel_wins(int rows, int k, ScalarType dtype) -> bool", &looplm_cpu::kernel_wins);  // for the test that holds it to gemv.py's rule
+  m.def("kernel_wins(int rows, int k, ScalarType dtype, int n=0) -> bool", &looplm_cpu::kernel_wins);  // for the test that holds it to gemv.py's rule
 }
 TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) {
   m.impl("gemv_bf16", &gemv_bf16);

@@ -15,7 +15,8 @@ constexpr int64_t kFp32MaxRowEntries = 6144;    // fp32 kernel: rows x K of x th
 bool amx_ready();
 
 // Where the kernels beat torch's matmul: the rule of looplm.layers.gemv.kernel_wins (a test holds them equal).
-bool kernel_wins(int64_t rows, int64_t k, at::ScalarType dt);
+// n: the weight's N (output features; 0 = not known).
+bool kernel_wins(int64_t rows, int64_t k, at::ScalarType dt, int64_t n = 0);
 
 // y [M, N] = x [M, K] · Wᵀ (+ b): a kernel where kernel_wins says so, else at::linear (torch's matmul).
 // x contiguous; W [N, K]; all of one dtype.
