@@ -71,6 +71,12 @@ def test_refill_leaves_the_prompts_out_of_the_decode_time_and_keeps_the_cache_bo
     out = dec.run(ids, 7, None, lambda lg: lg.max(-1).indices, None, 0)
     assert out.shape == (5, 13) and dec.prompt_seconds > 0 and dec.decode_seconds > 0
     assert dec.cache.seqlen == 6 + 7 - 1
+    bad = ids.clone()
+    bad[4, 2] = m.config.vocab_size  # a queued prompt's token out of range: refused before any prompt runs
+    fresh = DepthBatchedDecoder(m, 2, 13, {"criterion": "replay", "depths": 2, "schedule": "depth", "max_batch": 2}, prompts=5)
+    with pytest.raises(ValueError, match="token id"):
+        fresh.run(bad, 7, None, lambda lg: lg.max(-1).indices, None, 0)
+    assert fresh.cache.seqlen == 0
     with pytest.raises(ValueError, match="decodes 2 rows; input_ids has 1"):
         DepthBatchedDecoder(m, 2, 13, {"criterion": "replay", "depths": 2, "schedule": "depth"}).run(
             ids[:1], 7, None, lambda lg: lg.max(-1).indices, None, 0)

@@ -159,6 +159,8 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         if N < B:
             raise ValueError(f"{type(self).__name__} decodes {B} rows; input_ids has {N} (give at least {B} prompts, "
                              f"or build the decoder for {N} rows)")  # fmt: skip
+        if N > B:  # the queued prompts are checked now too (their rows prefill them later, unchecked)
+            self.model._check_inputs(input_ids, None, attention_mask)
         self.prompt_seconds = 0.0
         out, col, made, done = self._prefill(input_ids, max_new_tokens, attention_mask, pick, eos_token_id, pad_token_id)
         if max_new_tokens == 0:
