@@ -171,9 +171,9 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         # it is done, whether its next token waits to start (the device keeps col for the pass's gathers)
         col_h, made_h, done_h = [P] * B, made.tolist(), done.tolist()
         waiting_h = [not d for d in done_h]
-        # request refill: row b decodes prompt req_h[b] (its output row); the prompts from queue_h on wait
-        req_h, queue_h, most = list(range(B)), B, max(made_h)
-        req = torch.arange(B, device=dev) if N > B else None  # the rows' output rows (None: row b is out[b])
+        # request refill: the prompts from queue_h on wait; most: the most tokens any prompt made so far
+        queue_h, most = B, max(made_h)
+        req = torch.arange(B, device=dev) if N > B else None  # each row's prompt, its output row (None: row b is out[b])
         if N > B:
             self._check_refill()
         refill = [b for b in range(B) if done_h[b]]
@@ -185,8 +185,8 @@ class DepthBatchedDecoder(AdaptiveDecoder):
                     n = min(len(refill), N - queue_h)
                     rows_h, refill = refill[:n], refill[n:]
                     first = self._refill(rows_h, input_ids, attention_mask, queue_h, out, col, pick, now)
-                    for i, (b, t) in enumerate(zip(rows_h, first)):
-                        req_h[b], col_h[b], made_h[b] = queue_h + i, P, 1
+                    for b, t in zip(rows_h, first):
+                        col_h[b], made_h[b] = P, 1
                         done_h[b] = max_new_tokens <= 1 or t == eos_token_id
                         waiting_h[b] = not done_h[b]
                         if done_h[b]:

@@ -81,6 +81,19 @@ def decode_timing(model, prompts: torch.Tensor, new_tokens: int, contenders: dic
     return _summary(per_run, last)
 
 
+def _greedy_steps(model, dec, prompts: torch.Tensor, n: int, now) -> float:
+    """A one-step decoder ``dec``: the prompts (untimed), then ``n`` greedy steps; returns their seconds on ``now``."""
+    from ..sampling import decode_context
+
+    greedy = lambda logits: logits.max(-1).indices  # noqa: E731
+    with decode_context(model, prompts.shape[0]):
+        tok = greedy(dec(prompts)[:, -1])[:, None]
+        t0 = now()
+        for _ in range(n):
+            tok = greedy(dec(tok, validate=False)[:, -1])[:, None]
+        return now() - t0
+
+
 @torch.inference_mode()
 def generation_timing(model, prompts: torch.Tensor, new_tokens: int, contenders: dict, *, runs: int = 3, clock: str = "wall") -> dict:
     """As :func:`decode_timing`, for contenders that decode a whole generation at their own pace (continuous
@@ -90,8 +103,6 @@ def generation_timing(model, prompts: torch.Tensor, new_tokens: int, contenders:
     :func:`decode_timing`: timed step by step) or has ``run(prompts, new_tokens, mask, pick, eos, pad,
     now=clock)`` and reports ``decode_seconds``. Time per token: the decode after the prompt over the
     ``new_tokens − 1`` tokens it produced. Returns what :func:`decode_timing` does."""
-    from ..sampling import decode_context
-
     B, P = prompts.shape
     now = _now(clock)
     names = list(contenders)
@@ -107,12 +118,7 @@ def generation_timing(model, prompts: torch.Tensor, new_tokens: int, contenders:
                 dec.run(prompts, new_tokens, None, greedy, None, 0, now=now)
                 spent = dec.decode_seconds
             else:
-                with decode_context(model, B):
-                    tok = greedy(dec(prompts)[:, -1])[:, None]
-                    t0 = now()
-                    for _ in range(n):
-                        tok = greedy(dec(tok, validate=False)[:, -1])[:, None]
-                    spent = now() - t0
+                spent = _greedy_steps(model, dec, prompts, n, now)
             if run:
                 per_run[k].append(1000 * spent / n)
         last = decs
@@ -127,8 +133,6 @@ def queue_timing(model, prompts: torch.Tensor, rows: int, new_tokens: int, refil
     (:class:`looplm.depth_batch.DepthBatchedDecoder`, exit ``max_batch``). Both decode ``new_tokens`` greedy
     tokens per prompt, prompts untimed, in a rotating order per run. Returns ``{"full", "refill"}`` as
     :func:`decode_timing` does (time per decoded token; ``ratio``: median of the per-run ratios to full)."""
-    from ..sampling import decode_context
-
     N, P = prompts.shape
     if rows < 1 or N % rows:
         raise ValueError(f"queue_timing: {N} prompts do not split into batches of rows={rows}")
@@ -147,12 +151,7 @@ def queue_timing(model, prompts: torch.Tensor, rows: int, new_tokens: int, refil
                 spent = 0.0
                 for a in range(0, N, rows):
                     dec = FullDepth(model, rows, P + new_tokens + 1)
-                    with decode_context(model, rows):
-                        tok = greedy(dec(prompts[a : a + rows])[:, -1])[:, None]
-                        t0 = now()
-                        for _ in range(n):
-                            tok = greedy(dec(tok, validate=False)[:, -1])[:, None]
-                        spent += now() - t0
+                    spent += _greedy_steps(model, dec, prompts[a : a + rows], n, now)
             last[k] = dec
             if run:
                 per_run[k].append(1000 * spent / (n * N // rows))
