@@ -70,6 +70,39 @@ def test_lm_eval_generate_until_takes_exit_and_speculative_options():
         LoopLMEvalModel(model=m, tokenizer=TOK, kv_policy="copy")
 
 
+def test_lm_eval_generate_until_refills_rows_under_the_depth_schedule(monkeypatch):
+    """exit_schedule='depth': a group of requests runs through batch_size rows (request refill), and each
+    text equals the whole group decoded at once (max_batch=None) and the prompt decoded alone."""
+    pytest.importorskip("lm_eval")
+    from looplm.depth_batch import DepthBatchedDecoder
+    from looplm.eval.harness import LoopLMEvalModel
+
+    class Req:
+        def __init__(self, *args):
+            self.args = args
+
+    torch.manual_seed(0)
+    m = looplm.build("tiny-llama", max_seq_len=128).eval()
+    prompts = ["Q: what loops?\nA:", "x", "The model said", "ab", "Once upon a time", "zz top"]
+    gen = {"until": [], "max_gen_toks": 9}
+    reqs = [Req(p, gen) for p in prompts]
+    refills, real = [], DepthBatchedDecoder._refill
+    monkeypatch.setattr(DepthBatchedDecoder, "_refill", lambda self, *a, **k: refills.append(1) or real(self, *a, **k))
+    lm = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=2, exit="replay:2", kv_policy="copy", exit_schedule="depth")
+    assert lm.decode_options["exit"].max_batch == 2
+    got = lm.generate_until(reqs)
+    assert refills  # the queue really went through the rows
+    for p, text in zip(prompts, got):
+        ids = torch.tensor([TOK.encode(p)])
+        ref = m.generate(ids, 9, eos_token_id=TOK.eos_id, exit={"criterion": "replay", "depths": 2, "kv": "copy"})
+        ref = ref[0, ids.shape[1] :].tolist()
+        assert text == TOK.decode(ref[: ref.index(TOK.eos_id)] if TOK.eos_id in ref else ref), p
+    refills.clear()
+    whole = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=len(prompts), exit="replay:2", kv_policy="copy",
+                            exit_schedule="depth").generate_until(reqs)  # fmt: skip
+    assert whole == got and not refills  # one batch of 6 rows: nothing queued
+
+
 def test_threshold_sweep_decodes_with_the_loops_skipped():
     """`eval threshold`'s decoding: q = 1 runs every loop; with kv='full' the decoding's PPL is the output
     selection's (the paper's semantics) on the same positions; with kv='copy' fewer loops run."""

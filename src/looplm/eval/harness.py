@@ -28,7 +28,8 @@ Model arguments: ``pretrained`` (path), ``loops`` (r, default the trained K), ``
 ``device``, ``batch_size``, ``max_length``, ``max_gen_toks``, ``prefix_token_id``; for ``generate_until``
 also adaptive depth (``docs/adaptive-depth.md``): ``exit`` (``gate:0.8``, ``kl:5e-4``, ...), ``kv_policy``,
 ``ssm_policy``, ``min_loops``, ``max_loops``, ``exit_schedule`` (``token`` | ``depth``: continuous depth
-batching of a request batch | ``static``: the same at fixed shapes, for CUDA), or ``speculative`` (draft loops) with ``draft_k``. Any other
+batching, ``batch_size`` rows at once with request refill: a row whose request finished takes the next
+request of the same generation arguments | ``static``: the same at fixed shapes, for CUDA), or ``speculative`` (draft loops) with ``draft_k``. Any other
 argument is refused, naming the close matches (``loop=6`` is not silently ignored).
 
 Suites (task groups written by :func:`write_task_configs`, scored with each task's headline metric,
@@ -58,7 +59,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -148,6 +149,10 @@ class LoopLMEvalModel(TemplateLM):
         self.custom_prefix_token_id = prefix_id
         self.decode_options = adaptive_options(self.model, exit, kv_policy, ssm_policy, min_loops, max_loops, speculative, draft_k,
                                                exit_schedule)
+        e = self.decode_options.get("exit")
+        self._refills = e is not None and e.schedule == "depth" and not e.is_off(self.model)
+        if self._refills:  # rows decoded at once = batch_size; the group's other prompts queue for a free row
+            self.decode_options = {**self.decode_options, "exit": replace(e, max_batch=batch_size)}
 
     # --- what lm-eval asks of a TemplateLM ---
     @property
@@ -258,8 +263,11 @@ class LoopLMEvalModel(TemplateLM):
             do_sample = bool(kw.pop("do_sample", False))
             temperature = float(kw.pop("temperature", 0.0) or 0.0)
             idxs = sorted(idxs, key=lambda i: -len(self.tok_encode(requests[i].args[0])))
-            for b in range(0, len(idxs), self.batch_size):
-                chunk = idxs[b : b + self.batch_size]
+            # continuous depth batching decodes the whole group through batch_size rows (request refill: a
+            # finished row takes the next prompt); every other path decodes it in chunks of batch_size
+            step = len(idxs) if self._refills else self.batch_size
+            for b in range(0, len(idxs), step):
+                chunk = idxs[b : b + step]
                 texts = self._generate([requests[i].args[0] for i in chunk], until, max_new, do_sample, temperature)
                 for i, text in zip(chunk, texts):
                     results[i] = text
