@@ -216,11 +216,13 @@ def mm(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> to
 def mm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a [M, K] @ b [K, N]`` for bf16 CPU operands with an fp32 result, not rounded to bf16 on the way:
     MKL's bf16 GEMM (``looplm_cpu::mm_f32``) where looplm's extension has its AVX-512 build, else
-    ``a @ b`` in at least fp32. The weight gradients of bf16 linear layers, for their fp32 master weights."""
+    the operands widened to at least fp32 and multiplied there (a bf16 ``a @ b`` would round its result to
+    bf16; a bf16 product is exact in fp32). The weight gradients of bf16 linear layers, for their fp32
+    master weights."""
     if a.device.type == "cpu" and a.dtype == b.dtype == torch.bfloat16 and mkl_gemm_ready():
         return torch.ops.looplm_cpu.mm_f32(a, b)
-    c = a @ b
-    return c.to(torch.promote_types(c.dtype, torch.float32))
+    t = torch.promote_types(torch.promote_types(a.dtype, b.dtype), torch.float32)
+    return a.to(t) @ b.to(t)  # [M, K] @ [K, N] -> [M, N] in t
 
 
 _optimizer_steps = [0]  # optimizer steps taken in this process (part of _weight_copy's cache key)
