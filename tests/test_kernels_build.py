@@ -134,4 +134,4 @@ def test_a_build_killed_midway_is_rebuilt_by_the_next_run(tmp_path):
     r = subprocess.run([sys.executable, "-m", "looplm.cli", "kernels", "build"], env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "removed a stale build lock left by a killed build" in r.stderr
-    assert "CPU kernels: built and loaded" in r.stdout
+    assert r.stdout.startswith("CPU kernels: built")  # "built and loaded", or "built (avx2); ..." (the portable build)
