@@ -40,28 +40,33 @@ def test_cli_generate_refuses_bad_adaptive_options(extra, match, capsys):
     assert err.startswith("error:") and __import__("re").search(match, err), err
 
 
+class _Req:  # an lm-eval Instance as generate_until reads it: args = (context, generation kwargs)
+    def __init__(self, *args):
+        self.args = args
+
+
+def _alone(m, prompt: str, n: int, exit: dict) -> str:
+    """``prompt`` decoded alone by looplm's own ``generate`` under ``exit``, cut at eos, as text."""
+    ids = torch.tensor([TOK.encode(prompt)])
+    ref = m.generate(ids, n, eos_token_id=TOK.eos_id, exit=exit)[0, ids.shape[1] :].tolist()
+    return TOK.decode(ref[: ref.index(TOK.eos_id)] if TOK.eos_id in ref else ref)
+
+
 def test_lm_eval_generate_until_takes_exit_and_speculative_options():
     pytest.importorskip("lm_eval")
     from looplm.eval.harness import LoopLMEvalModel
 
-    class Req:
-        def __init__(self, *args):
-            self.args = args
-
     torch.manual_seed(0)
     m = looplm.build("tiny-coreloop", max_seq_len=128).eval()
     prompts = ["Q: what loops?\nA:", "x", "The model said"]
-    reqs = [Req(p, {"until": [], "max_gen_toks": 10}) for p in prompts]
+    reqs = [_Req(p, {"until": [], "max_gen_toks": 10}) for p in prompts]
     plain = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=3).generate_until(reqs)
     spec = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=3, speculative="1", draft_k="3").generate_until(reqs)
     assert spec == plain
     lm = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=1, exit="replay:2", kv_policy="propagate")
     got = lm.generate_until(reqs)
     for p, text in zip(prompts, got):  # exactly looplm's own adaptive decoding
-        ids = torch.tensor([TOK.encode(p)])
-        ref = m.generate(ids, 10, eos_token_id=TOK.eos_id, exit={"criterion": "replay", "depths": 2, "kv": "propagate"})
-        ref = ref[0, ids.shape[1] :].tolist()
-        assert text == TOK.decode(ref[: ref.index(TOK.eos_id)] if TOK.eos_id in ref else ref)
+        assert text == _alone(m, p, 10, {"criterion": "replay", "depths": 2, "kv": "propagate"})
     with pytest.raises(ValueError, match="kv policy 'nope'"):
         LoopLMEvalModel(model=m, tokenizer=TOK, exit="kl:1e-3", kv_policy="nope")
     with pytest.raises(ValueError, match="not both"):
@@ -77,15 +82,11 @@ def test_lm_eval_generate_until_refills_rows_under_the_depth_schedule(monkeypatc
     from looplm.depth_batch import DepthBatchedDecoder
     from looplm.eval.harness import LoopLMEvalModel
 
-    class Req:
-        def __init__(self, *args):
-            self.args = args
-
     torch.manual_seed(0)
     m = looplm.build("tiny-llama", max_seq_len=128).eval()
     prompts = ["Q: what loops?\nA:", "x", "The model said", "ab", "Once upon a time", "zz top"]
     gen = {"until": [], "max_gen_toks": 9}
-    reqs = [Req(p, gen) for p in prompts]
+    reqs = [_Req(p, gen) for p in prompts]
     refills, real = [], DepthBatchedDecoder._refill
     monkeypatch.setattr(DepthBatchedDecoder, "_refill", lambda self, *a, **k: refills.append(1) or real(self, *a, **k))
     lm = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=2, exit="replay:2", kv_policy="copy", exit_schedule="depth")
@@ -93,10 +94,7 @@ def test_lm_eval_generate_until_refills_rows_under_the_depth_schedule(monkeypatc
     got = lm.generate_until(reqs)
     assert refills  # the queue really went through the rows
     for p, text in zip(prompts, got):
-        ids = torch.tensor([TOK.encode(p)])
-        ref = m.generate(ids, 9, eos_token_id=TOK.eos_id, exit={"criterion": "replay", "depths": 2, "kv": "copy"})
-        ref = ref[0, ids.shape[1] :].tolist()
-        assert text == TOK.decode(ref[: ref.index(TOK.eos_id)] if TOK.eos_id in ref else ref), p
+        assert text == _alone(m, p, 9, {"criterion": "replay", "depths": 2, "kv": "copy"}), p
     refills.clear()
     whole = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=len(prompts), exit="replay:2", kv_policy="copy",
                             exit_schedule="depth").generate_until(reqs)  # fmt: skip

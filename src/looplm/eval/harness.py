@@ -150,8 +150,8 @@ class LoopLMEvalModel(TemplateLM):
         self.decode_options = adaptive_options(self.model, exit, kv_policy, ssm_policy, min_loops, max_loops, speculative, draft_k,
                                                exit_schedule)
         e = self.decode_options.get("exit")
-        self._refills = e is not None and e.schedule == "depth" and not e.is_off(self.model)
-        if self._refills:  # rows decoded at once = batch_size; the group's other prompts queue for a free row
+        if e is not None and e.schedule == "depth" and not e.is_off(self.model):
+            # rows decoded at once = batch_size; the group's other prompts queue for a free row
             self.decode_options = {**self.decode_options, "exit": replace(e, max_batch=batch_size)}
 
     # --- what lm-eval asks of a TemplateLM ---
@@ -265,7 +265,8 @@ class LoopLMEvalModel(TemplateLM):
             idxs = sorted(idxs, key=lambda i: -len(self.tok_encode(requests[i].args[0])))
             # continuous depth batching decodes the whole group through batch_size rows (request refill: a
             # finished row takes the next prompt); every other path decodes it in chunks of batch_size
-            step = len(idxs) if self._refills else self.batch_size
+            refills = getattr(self.decode_options.get("exit"), "max_batch", None) is not None
+            step = len(idxs) if refills else self.batch_size
             for b in range(0, len(idxs), step):
                 chunk = idxs[b : b + step]
                 texts = self._generate([requests[i].args[0] for i in chunk], until, max_new, do_sample, temperature)
