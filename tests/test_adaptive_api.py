@@ -22,6 +22,8 @@ def test_cli_generate_with_exit_and_speculative(capsys):
     plain = capsys.readouterr().out
     assert main(base + ["--speculative", "2", "--draft-k", "3"]) == 0
     assert capsys.readouterr().out == plain  # lossless
+    assert main(base + ["--speculative", "2", "--draft-exit", "convergence:0.5"]) == 0
+    assert capsys.readouterr().out == plain  # a draft whose depth an exit criterion picks: lossless too
     assert main(base + ["--exit", "convergence:0.9", "--kv-policy", "propagate", "--min-loops", "2", "--stats"]) == 0
     cap = capsys.readouterr()
     stats = json.loads(cap.err.strip().splitlines()[-1])
@@ -32,7 +34,8 @@ def test_cli_generate_with_exit_and_speculative(capsys):
     "extra,match",
     [(["--exit", "gate:0.5"], "needs a rule with a learned exit gate"), (["--exit", "kl:-1"], "threshold ε"),
      (["--speculative", "3"], r"draft_loops must be an int in \[1, 2\]"), (["--kv-policy", "copy"], "are options of --exit"),
-     (["--exit", "kl:1e-3", "--max-loops", "0"], "max_loops must be an int >= 1")],
+     (["--exit", "kl:1e-3", "--max-loops", "0"], "max_loops must be an int >= 1"),
+     (["--draft-exit", "kl:1e-3"], "give --speculative R_D"), (["--speculative", "2", "--draft-exit", "replay:1"], "as draft_loops")],
 )  # fmt: skip
 def test_cli_generate_refuses_bad_adaptive_options(extra, match, capsys):
     assert main(["generate", "--model", "tiny-llama", "--max-new-tokens", "4", *extra]) == 2
@@ -62,6 +65,8 @@ def test_lm_eval_generate_until_takes_exit_and_speculative_options():
     reqs = [_Req(p, {"until": [], "max_gen_toks": 10}) for p in prompts]
     plain = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=3).generate_until(reqs)
     spec = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=3, speculative="1", draft_k="3").generate_until(reqs)
+    assert spec == plain
+    spec = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=3, speculative="2", draft_exit="kl:0.01").generate_until(reqs)
     assert spec == plain
     lm = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=1, exit="replay:2", kv_policy="propagate")
     got = lm.generate_until(reqs)

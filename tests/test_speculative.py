@@ -147,3 +147,113 @@ def test_bad_speculative_options_are_refused_before_any_work(spec, match):
     m = _model("tiny-llama")
     assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=spec), match)
     assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=1, exit="kl:1e-3"), "not both")
+
+
+# --- a draft whose depth an exit criterion picks (speculative={"exit": ...}) ---------------------------
+# convergence at 0.8 on these random-weight models exits tokens at 2-5 of the 5 draft loops: rounds resume
+# verification below draft_loops, and rows of a batch draft at different depths
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mamba2", "tiny-stateloop", "tiny-hybrid", "tiny-coreloop"])
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_speculative_with_an_exit_draft_equals_greedy_full_depth(name, batch):
+    m = _model(name, n_loops=6)
+    x = torch.randint(0, 260, (batch, 5))
+    ref = m.generate(x, 12)
+    for crit in ("convergence:0.8", "kl:0.01"):
+        out, st = m.generate(x, 12, speculative={"draft_loops": 5, "k": 3, "exit": crit}, return_stats=True)
+        assert torch.equal(out, ref), (crit, out, ref)
+        s = st.summary()
+        assert s["draft_exit"] == crit and 2 <= s["mean_draft_depth"] <= 5  # kl / convergence: nobody leaves at loop 1
+        dep = torch.cat([d.flatten() for d in st.depths])
+        if crit.startswith("convergence"):
+            assert min(st.starts) < 5  # verification resumed below r_d
+            assert batch == 1 or len(set(dep.tolist())) > 1  # rows and tokens drafted at different depths
+        # loop passes: every draft's core passes plus verification's k + 1 tokens from its start to K
+        ran = sum((k + 1) * (6 - s0) for k, s0 in [(3, s0) for s0 in st.starts])
+        assert int(torch.stack(st.passes).sum()) >= batch * ran
+
+
+def test_exit_draft_counts_its_passes_and_resumes_at_the_shallowest_draft():
+    m = _model("tiny-llama", n_loops=6)
+    x = torch.randint(0, 260, (1, 5))
+    out, st = m.generate(x, 10, speculative={"draft_loops": 5, "k": 2, "exit": "convergence:0.8"}, return_stats=True)
+    for dep, s0, passes in zip(st.depths, st.starts, st.passes):
+        assert s0 == int(dep.min())  # the loop verification resumes at: the round's shallowest draft
+        assert int(passes[0]) == int(dep.sum()) + 3 * (6 - s0)  # k + 1 = 3 drafts at their depths, 3 verified tokens
+    assert st.summary()["mean_verify_start"] == sum(st.starts) / len(st.starts) + 1
+
+
+def test_gate_exit_draft_keeps_full_depth_output():
+    """A draft exiting at the learned gate's q: verification's output is still the rule's own at full depth
+    (the decoder does not hand q to the rule's output selection, as exit='gate:q' decoding does)."""
+    m = _model("tiny-mamba2", n_loops=5, rule={"name": "exit_gate"})
+    with torch.no_grad():
+        m.rule.gate.bias.fill_(1.0)  # exits spread over the loops
+    x = torch.randint(0, 260, (4, 5))
+    ref = m.generate(x, 10)
+    out, st = m.generate(x, 10, speculative={"draft_loops": 4, "k": 3, "exit": "gate:0.5"}, return_stats=True)
+    assert torch.equal(out, ref)
+    assert st.summary()["mean_draft_depth"] < 4
+
+
+def test_exit_draft_rejection_sampling_matches_full_depth_distribution():
+    """The accept / resample rule holds for any draft distribution q: drafted at per-token depths, 3 sampled
+    tokens pass the chi-square test against exact full depth."""
+    m = _model("tiny-llama", n_loops=4)
+    samp = dict(temperature=1.5, top_k=4, top_p=None)
+    prompt = torch.randint(0, 260, (4,))
+    N = 6000
+    g = torch.Generator().manual_seed(99)
+    out, st = m.generate(prompt.expand(N, 4), 3, do_sample=True, generator=g,
+                         speculative={"draft_loops": 3, "k": 2, "exit": "convergence:0.8"}, return_stats=True, **samp)  # fmt: skip
+    assert len(set(torch.cat([d.flatten() for d in st.depths]).tolist())) > 1
+    exact = _exact_joint(m, prompt, 3, **samp)
+    counts = {}
+    for row in out[:, 4:].tolist():
+        counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    assert set(counts) <= set(exact)
+    big = [c for c in sorted(exact, key=exact.get, reverse=True) if exact[c] * N >= 5]
+    obs = [counts.get(c, 0) for c in big] + [N - sum(counts.get(c, 0) for c in big)]
+    expd = [exact[c] * N for c in big] + [N - sum(exact[c] * N for c in big)]
+    if expd[-1] < 5:
+        obs[-2] += obs.pop()
+        expd[-2] += expd.pop()
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, expd))
+    p = float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    assert p > 1e-3
+
+
+def test_exit_draft_rollback_restores_row_lengths_and_ssm_states():
+    m = _model("tiny-hybrid", n_loops=5)
+    x = torch.randint(0, 260, (3, 4))
+    out, st = m.generate(x, 9, speculative={"draft_loops": 4, "k": 3, "exit": "convergence:0.8"}, return_stats=True)
+    acc = torch.stack(st.accepted)
+    dec, mask = st.decoder, st.mask
+    committed = 4 + (acc + 1).sum(0)
+    assert mask.sum(1).tolist() == committed.tolist()
+    for b in range(3):
+        ref = m.new_cache(1)
+        with torch.no_grad():
+            m(st.tokens[b : b + 1, : int(committed[b])], cache=ref)
+        for key, s in ref.slots.items():
+            mine = dec.cache.slots[key]
+            if hasattr(s, "ssm_state"):
+                torch.testing.assert_close(mine.ssm_state[b], s.ssm_state[0], atol=2e-5, rtol=1e-4)
+                assert mine.snapshots is None
+            else:
+                valid = mask[b, : mine.seqlen].bool()
+                torch.testing.assert_close(mine.k[b][:, valid], s.k[0], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "exit,match",
+    [("replay:2", "give it as draft_loops"), ({"criterion": "kl", "kv": "shared"}, "kv policy 'shared'"),
+     ({"criterion": "kl", "max_loops": 2}, "leave the exit's max_loops"), ({"criterion": "kl", "min_loops": 3}, "min_loops=3 exceeds"),
+     ("nope:1", "speculative exit: exit criterion 'nope'"), ("kl:-1", "ε must be a finite number"),
+     ("gate:0.5", "needs a rule with a learned exit gate"), ({"criterion": "kl", "schedule": "depth"}, "token schedule")],
+)  # fmt: skip
+def test_bad_exit_drafts_are_refused_before_any_work(exit, match):
+    m = _model("tiny-llama")
+    spec = {"draft_loops": 2, "k": 2, "exit": exit}
+    assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=spec), match)

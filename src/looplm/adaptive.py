@@ -121,10 +121,12 @@ class AdaptiveDecoder:
     ``decoder(ids, attention_mask)`` takes the prompt (several tokens: full depth) or one new token per row
     (``[B, 1]``: exits) and returns the logits of the last position ``[B, 1, V]`` (``logits_to_keep`` more).
     ``attention_mask`` ``[B, past + T]`` as for :meth:`LoopedLM.forward` (left padding).
+    ``rule_selects_at_exit=False``: a gate criterion's q is not handed to the rule's output selection (a
+    speculative draft's gate, :mod:`looplm.speculative`: verification's output must stay full depth's).
     """
 
     def __init__(self, model, batch_size: int, capacity: int, exit, loop_options: dict | None = None,
-                 prompts: int | None = None):
+                 prompts: int | None = None, rule_selects_at_exit: bool = True):
         self.model = model
         # prompts: how many the decoder will see (request refill, looplm.depth_batch: more than its rows)
         self.exit = e = Exit.parse(exit).resolved(model, batch_size if prompts is None else prompts)
@@ -132,7 +134,9 @@ class AdaptiveDecoder:
         self.cache = model.new_cache(batch_size, self.R, capacity=capacity, kv_shared=e.kv == "shared")
         self.criterion = make_criterion(e)
         opts = dict(loop_options or {})
-        if e.criterion == "gate":  # the rule's own selection agrees with the criterion's q
+        # the rule's own selection agrees with the criterion's q (not for a speculative draft's gate: the
+        # verification's output must be full depth's, the rule's own selection under the caller's options)
+        if e.criterion == "gate" and rule_selects_at_exit:
             q = opts.get("exit_threshold")
             if q is not None and float(q) != e.threshold:
                 raise ValueError(
@@ -189,12 +193,15 @@ class AdaptiveDecoder:
         return logits
 
     # ------------------------------------------------------------------------------------------
-    def _loops(self, x: torch.Tensor, lctx: LoopContext, allow_exit: bool):
+    def _loops(self, x: torch.Tensor, lctx: LoopContext, allow_exit: bool, cap: int | None = None,
+               record: list | None = None):
         """The loops of one call: ``(y [B, T, d] for the coda, depth [B], executed [B], loops the batch ran, the
-        logits [B, V] when every row left at a check whose readout is its logits (``reuse_readout``) or None)``."""
+        logits [B, V] when every row left at a check whose readout is its logits (``reuse_readout``) or None)``.
+        ``cap``: at most that many loops (a speculative draft, :meth:`draft_exit`; the skipped loops are filled
+        below ``cap`` only); ``record``: the rule state after each loop is appended while every row still loops."""
         m, rule, e, crit, cache = self.model, self.model.rule, self.exit, self.criterion, self.cache
         B, T = x.shape[:2]
-        R, full = self.R, e.kv == "full"
+        R, full = self.R if cap is None else cap, e.kv == "full"
         dev = x.device
         ctx = cache.seqlen + T
         state = rule.begin(x, lctx)
@@ -213,6 +220,8 @@ class AdaptiveDecoder:
             n = rows.shape[0]
             h, state = m._iteration(state, sub, n)  # H^k [n, T, d] of the rows still looping
             loops += 1
+            if record is not None and sub is lctx:
+                record.append(state)
             if allow_exit:
                 self.stats.core_flops += n * self.core_pass(ctx)
             if k == R - 1:
@@ -273,18 +282,19 @@ class AdaptiveDecoder:
                     sel = keep.nonzero()[:, 0]
                     y.index_copy_(0, rows.index_select(0, sel), y_rest.index_select(0, sel))
         for f in fills:
-            self._fill(*f)
+            self._fill(*f, upto=cap)
         executed = torch.full_like(depth, loops) if full else depth  # core passes per row (kv='full': every loop)
         return y, depth, executed, loops, exit_logits
 
     # ------------------------------------------------------------------------------------------
     def _fill(self, g: torch.Tensor, k_exit: int, state: dict, lctx: LoopContext, h_exit: torch.Tensor,
-              cols: torch.Tensor | None = None, skip_core: bool = False) -> None:
+              cols: torch.Tensor | None = None, skip_core: bool = False, upto: int | None = None) -> None:
         """The slots of loops ``k_exit + 1 .. R − 1`` for rows ``g`` that exited after loop ``k_exit`` (their
         token at column ``seqlen``, or at each row's own column ``cols [n]``: :mod:`looplm.depth_batch`, which
-        fills the core's attention slots itself: ``skip_core``)."""
+        fills the core's attention slots itself: ``skip_core``). ``upto``: a draft capped at ``upto`` loops fills
+        the core's loops below it and the readout's below ``upto − 1`` (the loops it can check), nothing else."""
         m, e, cache = self.model, self.exit, self.cache
-        skipped = range(k_exit + 1, self.R)
+        skipped = range(k_exit + 1, self.R if upto is None else upto)
         B, pos = cache.batch_size, cache.seqlen
         blocks = {b.layer_idx: b for stack in (m.core.stack, m.coda) for b in stack.blocks}
         modulated = _modulates(m.rule)
@@ -299,7 +309,7 @@ class AdaptiveDecoder:
             src = by_loop.get(k_exit)
             for k in skipped:
                 dst = by_loop.get(k)
-                if dst is None:
+                if dst is None or (upto is not None and family[0] != "core" and k >= upto - 1):
                     continue
                 kv_slot = hasattr(dst, "update")
                 if kv_slot and e.kv == "shared":
@@ -377,6 +387,23 @@ class AdaptiveDecoder:
             logits = self._head(rule.finish(out, lctx), fctx)  # [B, 1, V]
         cache.commit(1)
         return logits, state
+
+    @torch.no_grad()
+    def draft_exit(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, cap: int):
+        """One new token per row under this decoder's exit criterion, at most ``cap`` loops: each row stops at its
+        own exit (the batch's rows still looping run on, :meth:`_loops`), the skipped loops below ``cap`` are
+        filled by the exit policy (so a later draft token finds an entry at every loop it runs), and the token
+        is read out at its exit. Returns the logits ``[B, 1, V]``, the exit depth ``[B]``, the core passes each
+        row ran ``[B]`` and the rule states after loops ``1 .. min(depth)`` (what verification resumes from)."""
+        m, cache = self.model, self.cache
+        B = input_ids.shape[0]
+        fctx, lctx = self._enter(input_ids, attention_mask, cache.seqlen)
+        x = m.prelude(lctx.embeddings, fctx, m._slots(cache, m.prelude, (0,), B))  # [B, 1, d]
+        record: list = []
+        y, depth, executed, _, exit_logits = self._loops(x, lctx, allow_exit=True, cap=cap, record=record)
+        logits = exit_logits[:, None] if exit_logits is not None else self._head(y, fctx)  # [B, 1, V]
+        cache.commit(1)
+        return logits, depth, executed, record
 
     @torch.no_grad()
     def verify(self, states: list, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, start: int, past: int):

@@ -306,7 +306,10 @@ def _speculative_times(model, prompts, new_tokens, spec, runs, clock):
     return statistics.median(ratios), ratios, st.summary(), bool(torch.equal(spec_out, outs["full"])), statistics.median(t_full), bound
 
 
-def section_speculative(model, ids, prompts_by_batch, drafts, ks, new_tokens, runs, clock, dtypes) -> list[dict]:
+def section_speculative(model, ids, prompts_by_batch, drafts, ks, new_tokens, runs, clock, dtypes, exits=()) -> list[dict]:
+    """Greedy speculative decoding against full depth: each draft depth ``r_d`` (``drafts``) and tokens per
+    round ``k``; with ``exits`` (``'kl:0.01'``, ...) also drafts whose depth that criterion picks, at most
+    ``r_d`` loops (their mean draft depth and the loop verification resumed at beside)."""
     rows = []
     with torch.no_grad():
         full = model(ids).logits.argmax(-1)
@@ -314,11 +317,14 @@ def section_speculative(model, ids, prompts_by_batch, drafts, ks, new_tokens, ru
     for dt in dtypes:
         m = model.to(dt)
         for B, prompts in prompts_by_batch.items():
-            for r in drafts:
+            for r, e in [(r, None) for r in drafts] + [(max(drafts), e) for e in exits]:
                 for k in ks:
-                    sp, ratios, st, same, t_full, bound = _speculative_times(m, prompts, new_tokens, {"draft_loops": r, "k": k}, runs, clock)
+                    spec = {"draft_loops": r, "k": k, "exit": e}
+                    sp, ratios, st, same, t_full, bound = _speculative_times(m, prompts, new_tokens, spec, runs, clock)
                     rows.append({"dtype": str(dt).replace("torch.", ""), "batch": B, "draft_loops": r, "k": k,
-                                 "draft_agreement": agree[r], "accepted_per_round": st["accepted_per_round"],
+                                 "draft_exit": e or "-", "mean_draft_depth": st.get("mean_draft_depth", float(r)),
+                                 "verify_start": st.get("mean_verify_start", r + 1.0),
+                                 "draft_agreement": agree[r] if e is None else None, "accepted_per_round": st["accepted_per_round"],
                                  "tokens_per_round": st["tokens_per_round"], "acceptance": st["acceptance"], "speedup": sp,
                                  "speedups": ratios, "full_ms_per_token": 1000 * t_full / new_tokens,
                                  "draft_ms_per_round": st["draft_ms_per_round"], "verify_ms_per_round": st["verify_ms_per_round"],
@@ -445,6 +451,8 @@ TABLES = {
                  ("ppl", "PPL", ".3f"), ("ms_per_token", "ms/token", ".2f"), ("time_ratio", "time / full", ".3f")],
     "kv_bytes": [("kv", "policy", ""), ("bytes_per_token", "KV bytes / token", ",.0f"), ("ratio", "vs per-loop", ".3f")],
     "speculative": [("dtype", "dtype", ""), ("batch", "B", "d"), ("draft_loops", "r_d", "d"), ("k", "k", "d"),
+                    ("draft_exit", "draft exit", ""), ("mean_draft_depth", "draft depth", ".2f"),
+                    ("verify_start", "verify from loop", ".2f"),
                     ("draft_agreement", "draft agrees", ".3f"), ("acceptance", "accepted / drafted", ".3f"),
                     ("tokens_per_round", "tokens / round", ".2f"), ("full_ms_per_token", "full ms/tok", ".2f"),
                     ("draft_ms_per_round", "draft ms/round", ".2f"), ("verify_ms_per_round", "verify ms/round", ".2f"),
@@ -623,7 +631,8 @@ def cmd_bench_adaptive(args) -> int:
     if "speculative" in sections:
         prompts = {B: _held_out(tok, args.data, B, 16, seed=2) for B in (1, 8)}
         rows = section_speculative(lm, held, prompts, [int(r) for r in args.drafts.split(",")], [int(k) for k in args.k.split(",")],
-                                   16 if q else args.new, 2 if q else args.runs, args.clock, dtypes)
+                                   16 if q else args.new, 2 if q else args.runs, args.clock, dtypes,
+                                   [e for e in args.draft_exits.split(",") if e])
         report["sections"]["speculative"] = rows
         log("\n## self-speculative decoding (greedy)\n" + _md(rows, TABLES["speculative"]))
     if "task" in sections:
@@ -664,6 +673,8 @@ def register(sub) -> None:
     a.add_argument("--policies", default="copy,propagate,shared,full", help="KV policies compared")
     a.add_argument("--drafts", default="1,2,3", help="speculative draft loop counts r_d")
     a.add_argument("--k", default="2,4", help="speculative tokens drafted per round")
+    a.add_argument("--draft-exits", default="", help="speculative drafts whose depth an exit criterion picks (at most "
+                   "max(--drafts) loops), comma-separated: kl:0.01,convergence:0.3")
     a.add_argument("--widths", default="512,1024", help="backbone widths of the scale section")
     a.add_argument("--scale-mixers", default="attention", help="block kinds of the scale section: attention, mamba2")
     a.add_argument("--schedules", default="token,depth", help="batch schedules timed at batch 8 beside full depth "

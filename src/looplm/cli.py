@@ -172,7 +172,7 @@ def _adaptive_args(args, model) -> dict:
 
     return adaptive_options(model, exit=args.exit, speculative=args.speculative, draft_k=args.draft_k, kv=args.kv_policy,
                             ssm=args.ssm_policy, min_loops=args.min_loops, max_loops=args.max_loops,
-                            schedule=args.exit_schedule)  # fmt: skip
+                            schedule=args.exit_schedule, draft_exit=args.draft_exit)  # fmt: skip
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -233,6 +233,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     a.add_argument("--speculative", type=int, default=None, metavar="R_D",
                    help="lossless self-speculative decoding: draft with R_D < K loops, verify with all K")
     a.add_argument("--draft-k", type=int, default=4, help="tokens drafted per speculative round")
+    a.add_argument("--draft-exit", default=None, metavar="CRIT",
+                   help="speculative draft depth per token by an exit criterion (kl:EPS, convergence:EPS, gate:Q), at most R_D loops")
     a.add_argument("--stats", action="store_true", help="print the selected / executed depth (or acceptance) summary on stderr")
     p.set_defaults(func=_cmd_generate)
 

@@ -187,11 +187,13 @@ def _generate_adaptive(model, input_ids, max_new_tokens, exit, do_sample, temper
 
 
 def adaptive_options(model, exit=None, speculative=None, draft_k: int | None = None, kv: str | None = None, ssm: str | None = None,
-                     min_loops: int | None = None, max_loops: int | None = None, schedule: str | None = None) -> dict:
+                     min_loops: int | None = None, max_loops: int | None = None, schedule: str | None = None,
+                     draft_exit: str | None = None) -> dict:
     """``generate()``'s adaptive-depth keyword arguments from a front end's options (``looplm generate``'s
     flags, the lm-eval model's arguments), checked against ``model`` before any decoding: ``{"exit": Exit}``
     (``exit`` with the policies and loop bounds), ``{"speculative": Speculative}`` (``speculative`` draft
-    loops, ``draft_k`` tokens per round, default 4) or ``{}``. A ``ValueError`` names a bad option."""
+    loops, ``draft_k`` tokens per round, default 4, ``draft_exit`` the draft's exit criterion) or ``{}``. A
+    ``ValueError`` names a bad option."""
     from .exits import Exit
     from .speculative import Speculative
 
@@ -206,6 +208,10 @@ def adaptive_options(model, exit=None, speculative=None, draft_k: int | None = N
     if any(v is not None for v in policy.values()):
         raise ValueError("--kv-policy / --ssm-policy / --min-loops / --max-loops / --exit-schedule (kv_policy= ... exit_schedule=) "
                          "are options of --exit (exit=): give an exit criterion too")  # fmt: skip
+    if draft_exit is not None and speculative is None:
+        raise ValueError("--draft-exit (draft_exit=) is the exit criterion of a speculative draft: give --speculative R_D "
+                         "(speculative=, the draft's most loops) too")  # fmt: skip
     if speculative is not None:
-        return {"speculative": Speculative(draft_loops=speculative, k=4 if draft_k is None else draft_k).resolved(model)}
+        sp = Speculative(draft_loops=speculative, k=4 if draft_k is None else draft_k, exit=draft_exit)
+        return {"speculative": sp.resolved(model)}
     return {}

@@ -21,6 +21,16 @@ snapshot after each token of the round and each row returns to the snapshot of i
 (:meth:`looplm.layers.mamba2.Mamba2State.rollback`). The coda ran on draft states during the draft, so
 its slots are rolled back to the round's start before verification (KV: crop; Mamba-2: snapshot 0).
 
+**A draft with an exit criterion** (``exit=``: ``kl``, ``convergence`` or ``gate``; ``draft_loops`` is then the
+most loops a draft token runs): each draft token stops at its own exit (:meth:`AdaptiveDecoder.draft_exit`:
+the batch's rows still looping run on, the skipped loops below ``r_d`` filled by the exit's ``kv`` / ``ssm``
+policy so that a later draft token reads an entry at every loop it runs), and verification resumes at
+``s = min`` over the round's tokens and rows of the draft depth: loops ``< s`` ran for every token of the
+round, each reading only loop-``< s`` entries of earlier tokens, all computed, so they are exactly full
+depth's; the core's slots of loops ``>= s`` go back to the round's start (KV: crop; Mamba-2: snapshot 0) and
+verification recomputes them for every token. So the output is lossless as with a fixed ``r_d``; what an
+exit buys is fewer draft loops on easy tokens, paid for by verification resuming at the shallowest one.
+
 Where exactness needs care: the draft stops at loop ``r_d`` of a forward planned for ``K`` loops (the rule
 sees ``num_loops = K``), so rules whose early loops depend on the total (a timestep grid) draft the same
 states verification resumes. The ``shared`` KV policy breaks it (a loop's entry is overwritten by later
@@ -32,7 +42,7 @@ additions, so greedy output can differ only where two logits tie to rounding.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -41,19 +51,23 @@ __all__ = ["Speculative", "SpeculativeStats", "speculative_generate"]
 
 @dataclass(frozen=True)
 class Speculative:
-    """``draft_loops`` (``r_d``, ``1 <= r_d < K``) and ``k`` drafted tokens per round."""
+    """``draft_loops`` (``r_d``, ``1 <= r_d < K``) and ``k`` drafted tokens per round; ``exit``: a draft
+    whose depth an exit criterion picks per token and row (``'kl:0.01'``, ``'convergence:0.3'``, ``'gate:0.5'``,
+    an :class:`~looplm.exits.Exit` or its dict, with its ``kv`` / ``ssm`` fill policies and ``min_loops``), at
+    most ``draft_loops`` loops (module docstring, "A draft with an exit criterion")."""
 
     draft_loops: int
     k: int = 4
+    exit: object = None
 
     @classmethod
     def parse(cls, spec) -> "Speculative":
         if isinstance(spec, Speculative):
             return spec
         if isinstance(spec, dict):
-            unknown = sorted(set(spec) - {"draft_loops", "k"})
+            unknown = sorted(set(spec) - {"draft_loops", "k", "exit"})
             if unknown:
-                raise ValueError(f"speculative: unknown option(s) {unknown}; options are ['draft_loops', 'k']")
+                raise ValueError(f"speculative: unknown option(s) {unknown}; options are ['draft_loops', 'exit', 'k']")
             if "draft_loops" not in spec:
                 raise ValueError("speculative: give draft_loops (the draft's loop count r_d < K)")
             return cls(**spec)
@@ -75,9 +89,44 @@ class Speculative:
         if any(getattr(mod, "sliding_window", None) for mod in model.modules()):
             errs.append("speculative decoding does not run sliding-window attention (the masked columns of rejected drafts "
                         "would count in the window)")
+        e = None
+        if self.exit is not None and not errs:
+            e, why = self._draft_exit(model, r)
+            errs += why
         if errs:
             raise ValueError("; ".join(errs))
-        return self
+        return self if e is None else replace(self, exit=e)
+
+    def _draft_exit(self, model, cap: int):
+        """The draft's :class:`~looplm.exits.Exit`, resolved for ``model`` (``max_loops`` = K: the cache holds
+        every loop), and the reasons it cannot draft."""
+        from .exits import Exit
+
+        try:
+            e = Exit.parse(self.exit)
+        except (TypeError, ValueError) as err:
+            return None, [f"speculative exit: {err}"]
+        why = []
+        if e.criterion == "replay":
+            why.append("speculative exit: a replayed depth drafts every token at one depth: give it as draft_loops instead")
+        if e.kv == "shared":
+            why.append("speculative exit: kv policy 'shared' overwrites a loop's entry with later loops' (what verification "
+                       "resumes from): use 'copy', 'propagate' or 'full'")
+        if e.schedule != "token" or e.max_batch is not None:
+            why.append(f"speculative exit: the draft runs under the token schedule; schedule={e.schedule!r} / max_batch are "
+                       "options of exit= decoding")
+        if e.max_loops not in (None, model.config.n_loops):  # (K: the resolved exit's, the cache's every loop)
+            why.append(f"speculative exit: the draft's most loops are draft_loops={cap}; leave the exit's max_loops "
+                       f"(got {e.max_loops!r}) unset")
+        if isinstance(e.min_loops, int) and e.min_loops > cap:
+            why.append(f"speculative exit: min_loops={e.min_loops} exceeds draft_loops={cap}")
+        if why:
+            return None, why
+        try:
+            e = e.resolved(model)
+        except ValueError as err:
+            return None, [f"speculative {err}"]
+        return e, []
 
 
 @dataclass
@@ -88,6 +137,12 @@ class SpeculativeStats:
     k: int
     max_loops: int
     accepted: list = field(default_factory=list)  # [B] long per round
+    # per round: the loop passes each row ran ([B]: its drafts' core passes + verification's), and under a draft
+    # exit the draft depth of each token ([B, k + 1]) and the loop verification resumed at
+    passes: list = field(default_factory=list)
+    depths: list = field(default_factory=list)
+    starts: list = field(default_factory=list)
+    exit: str | None = None  # the draft's exit criterion, 'kl:0.01' (None: every draft token runs draft_loops)
     # wall seconds in the drafts and in the verifications (CPU only: on CUDA the host clock would time the
     # kernel launches, not the kernels; None there)
     draft_s: float | None = 0.0
@@ -101,24 +156,49 @@ class SpeculativeStats:
         if not self.accepted:
             return {"rounds": 0}
         acc = torch.stack(self.accepted).float()  # [rounds, B]
-        return {
+        out = {
             "rounds": acc.shape[0],
             "accepted_per_round": float(acc.mean()),
             "tokens_per_round": float(acc.mean()) + 1.0,
             "acceptance": float(acc.mean()) / self.k,  # share of drafted tokens accepted
             "draft_loops": self.draft_loops,
             "k": self.k,
-            # loop passes per emitted token: (k + 1) drafts of r_d loops + k + 1 verified tokens of K − r_d loops
-            "loops_per_token": (self.k + 1) * self.max_loops / (float(acc.mean()) + 1.0),
+            # loop passes per emitted token: the k + 1 drafts' (r_d loops each without an exit) + verification's
+            # k + 1 tokens from the loop it resumes at (r_d + 1 without an exit) to K
+            "loops_per_token": float(torch.stack(self.passes).float().sum() / (acc + 1).sum()),
             "draft_ms_per_round": None if self.draft_s is None else 1000 * self.draft_s / acc.shape[0],
             "verify_ms_per_round": None if self.verify_s is None else 1000 * self.verify_s / acc.shape[0],
         }
+        if self.exit is not None:
+            out["draft_exit"] = self.exit
+            out["mean_draft_depth"] = float(torch.stack(self.depths).float().mean())
+            out["mean_verify_start"] = sum(self.starts) / len(self.starts) + 1.0  # the first loop verification runs (1-based)
+        return out
 
 
 def _rollback_mamba(cache, keep: torch.Tensor) -> None:
     for s in cache.physical_slots():
         if getattr(s, "snapshots", None) is not None:
-            s.rollback(keep)
+            if len(s.snapshots) == 1:  # absorbed nothing this round (a readout loop a capped draft never checks)
+                s.snapshots = None
+            else:
+                s.rollback(keep)
+
+
+def _restart_core(cache, start: int, past: int) -> None:
+    """The core's slots of loops ``>= start`` back to the round's start (``past`` columns): verification
+    writes them for every token of the round (a draft with an exit ran or filled some of them)."""
+    for family, by_loop in cache.loop_slots.items():
+        if family[0] != "core":
+            continue
+        for k, slot in by_loop.items():
+            if k < start:
+                continue
+            if hasattr(slot, "restart_recording"):
+                if slot.snapshots is not None and len(slot.snapshots) > 1:
+                    slot.restart_recording()
+            elif slot.seqlen > past:
+                slot.crop(past)
 
 
 @torch.no_grad()
@@ -146,7 +226,9 @@ def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=F
         pad_token_id = eos_token_id if eos_token_id is not None else 0
     greedy = not do_sample or temperature == 0
     cols = T + (max_new_tokens + 1) * (k + 1)  # each round writes k + 1 columns and emits at least one token
-    dec = AdaptiveDecoder(model, B, cols, Exit(criterion="replay", depths=K, kv="full"), loop_options)
+    # a draft exit: its criterion and fill policies (the prompt fills a kl check's readout slots at full depth)
+    de = sp.exit if sp.exit is not None else Exit(criterion="replay", depths=K, kv="full")
+    dec = AdaptiveDecoder(model, B, cols, de, loop_options, rule_selects_at_exit=False)
     cache = dec.cache
     mask = torch.zeros(B, cols, dtype=torch.long, device=dev)
     mask[:, :T] = 1 if attention_mask is None else attention_mask.long()
@@ -156,6 +238,8 @@ def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=F
     n_out = torch.zeros(B, dtype=torch.long, device=dev)  # tokens emitted per row
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
     stats = SpeculativeStats(r_d, k, K)
+    if sp.exit is not None:
+        stats.exit = f"{sp.exit.criterion}:{sp.exit.threshold:g}"
     timed = dev.type == "cpu"
     if not timed:
         stats.draft_s = stats.verify_s = None
@@ -187,11 +271,19 @@ def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=F
                     s.begin_recording()
             # draft: t_0 -> d_1 .. d_k, and d_k through the draft loops too (verification resumes it)
             tok, drafted, q, states = t0, [], [], []
+            depths, passes = [], torch.zeros(B, dtype=torch.long, device=dev)
             t_draft = clock() if timed else 0.0
             for i in range(k + 1):
                 mask[:, L + i] = 1
-                lg, st = dec.draft(tok[:, None], mask[:, : L + i + 1], r_d, readout=i < k)  # d_k: no coda, no head
-                states.append(st)
+                if sp.exit is None:
+                    lg, st = dec.draft(tok[:, None], mask[:, : L + i + 1], r_d, readout=i < k)  # d_k: no coda, no head
+                    states.append(st)
+                    passes += r_d
+                else:  # each row stops at its own exit (<= r_d); d_k too: its readout slots stay aligned
+                    lg, dep, ran, rec = dec.draft_exit(tok[:, None], mask[:, : L + i + 1], r_d)
+                    states.append(rec)  # the states after loops 1 .. min(dep)
+                    depths.append(dep)
+                    passes += ran
                 if i == k:
                     break
                 if greedy:
@@ -202,6 +294,16 @@ def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=F
                     q.append(qi)
                 drafted.append(tok)
             d = torch.stack(drafted, 1)  # [B, k]
+            start = r_d
+            if sp.exit is not None:  # resume at the shallowest draft of the round: loops below it ran for every token
+                dep = torch.stack(depths, 1)  # [B, k + 1]
+                start = int(dep.min())  # (one host read per round)
+                states = [rec[start - 1] for rec in states]
+                _restart_core(cache, start, L)
+                stats.depths.append(dep)
+                stats.starts.append(start)
+            passes += (k + 1) * (K - start)
+            stats.passes.append(passes)
             if timed:
                 t_verify = clock()
                 stats.draft_s += t_verify - t_draft
@@ -216,7 +318,7 @@ def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=F
                     s.crop(L)
             block = torch.cat([t0[:, None], d], 1)  # [B, k + 1] at columns L .. L + k
             with small_row_products(model):  # a few rows per product: the decode kernels where they win
-                p_logits = dec.verify(states, block, mask[:, : L + k + 1], r_d, L)  # [B, k + 1, V]
+                p_logits = dec.verify(states, block, mask[:, : L + k + 1], start, L)  # [B, k + 1, V]
             if timed:
                 stats.verify_s += clock() - t_verify
             if greedy:

@@ -29,8 +29,8 @@ Model arguments: ``pretrained`` (path), ``loops`` (r, default the trained K), ``
 also adaptive depth (``docs/adaptive-depth.md``): ``exit`` (``gate:0.8``, ``kl:5e-4``, ...), ``kv_policy``,
 ``ssm_policy``, ``min_loops``, ``max_loops``, ``exit_schedule`` (``token`` | ``depth``: continuous depth
 batching, ``batch_size`` rows at once with request refill: a row whose request finished takes the next
-request of the same generation arguments | ``static``: the same at fixed shapes, for CUDA), or ``speculative`` (draft loops) with ``draft_k``. Any other
-argument is refused, naming the close matches (``loop=6`` is not silently ignored).
+request of the same generation arguments | ``static``: the same at fixed shapes, for CUDA), or
+``speculative`` (draft loops) with ``draft_k`` and ``draft_exit``. Any other argument is refused, naming the close matches (``loop=6`` is not silently ignored).
 
 Suites (task groups written by :func:`write_task_configs`, scored with each task's headline metric,
 unweighted means, printed in the papers' table layouts by :func:`suite_tables`):
@@ -93,7 +93,7 @@ class LoopLMEvalModel(TemplateLM):
                  prefix_token_id: int | str | None = None, max_batch_size: int | str | None = None,
                  exit: str | None = None, kv_policy: str | None = None, ssm_policy: str | None = None,
                  min_loops: int | str | None = None, max_loops: int | str | None = None, speculative: int | str | None = None,
-                 draft_k: int | str | None = None, exit_schedule: str | None = None, **kwargs):
+                 draft_k: int | str | None = None, exit_schedule: str | None = None, draft_exit: str | None = None, **kwargs):
         if TemplateLM is object:
             raise ImportError("the lm-eval harness needs lm-eval: pip install 'looplm[eval]' (or pip install lm-eval)")
         if kwargs:  # before any loading: a misspelt argument (loop=6) must not be silently ignored
@@ -148,7 +148,7 @@ class LoopLMEvalModel(TemplateLM):
             raise ValueError(f"prefix_token_id must be a token id in [0, {self.model.config.vocab_size}), got {prefix_token_id}")
         self.custom_prefix_token_id = prefix_id
         self.decode_options = adaptive_options(self.model, exit, kv_policy, ssm_policy, min_loops, max_loops, speculative, draft_k,
-                                               exit_schedule)
+                                               exit_schedule, draft_exit)
         e = self.decode_options.get("exit")
         if e is not None and e.schedule == "depth" and not e.is_off(self.model):
             # rows decoded at once = batch_size; the group's other prompts queue for a free row
@@ -382,11 +382,11 @@ def check_harness_args(*, loops=None, exit_threshold=None, num_fewshot=None, lim
 # the model arguments LoopLMEvalModel takes (lm-eval adds batch_size, max_batch_size and device itself)
 MODEL_ARGS = ("pretrained", "model", "tokenizer", "loops", "exit_threshold", "dtype", "device", "batch_size",
               "max_length", "max_gen_toks", "prefix_token_id", "max_batch_size", "exit", "kv_policy", "ssm_policy",
-              "min_loops", "max_loops", "exit_schedule", "speculative", "draft_k")
+              "min_loops", "max_loops", "exit_schedule", "speculative", "draft_k", "draft_exit")
 
 
 def adaptive_options(model, exit=None, kv_policy=None, ssm_policy=None, min_loops=None, max_loops=None, speculative=None,
-                     draft_k=None, exit_schedule=None) -> dict:
+                     draft_k=None, exit_schedule=None, draft_exit=None) -> dict:
     """``generate()`` keyword arguments from the lm-eval model's string arguments (checked now, before any
     request; :func:`looplm.generate.adaptive_options`): ``{"exit": Exit}``, ``{"speculative": Speculative}`` or ``{}``."""
     from ..generate import adaptive_options as resolve
@@ -395,7 +395,8 @@ def adaptive_options(model, exit=None, kv_policy=None, ssm_policy=None, min_loop
     text = lambda v: None if v in none else str(v)  # noqa: E731
     num = lambda v: None if v in none else int(v)  # noqa: E731
     return resolve(model, exit=text(exit), speculative=num(speculative), draft_k=num(draft_k), kv=text(kv_policy),
-                   ssm=text(ssm_policy), min_loops=num(min_loops), max_loops=num(max_loops), schedule=text(exit_schedule))  # fmt: skip
+                   ssm=text(ssm_policy), min_loops=num(min_loops), max_loops=num(max_loops), schedule=text(exit_schedule),
+                   draft_exit=text(draft_exit))  # fmt: skip
 
 
 def _until_eot(ids: list[int], eot: int) -> list[int]:
