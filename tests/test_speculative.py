@@ -63,6 +63,26 @@ def _exact_joint(m, prompt, n, **samp):
     return seqs
 
 
+def _chi2_pvalue(samples: torch.Tensor, exact: dict) -> float:
+    """The chi-square p-value of the sampled continuations ``[N, n]`` against the exact joint distribution
+    (cells expected below 5 folded into one); nothing may fall outside its support."""
+    N = samples.shape[0]
+    counts = {}
+    for row in samples.tolist():
+        counts[tuple(row)] = counts.get(tuple(row), 0) + 1
+    assert set(counts) <= set(exact)  # nothing outside full depth's support
+    cells = sorted(exact, key=exact.get, reverse=True)
+    big = [c for c in cells if exact[c] * N >= 5]
+    obs = [counts.get(c, 0) for c in big] + [N - sum(counts.get(c, 0) for c in big)]
+    expd = [exact[c] * N for c in big] + [N - sum(exact[c] * N for c in big)]
+    if expd[-1] < 5:  # fold a too-small remainder into the last cell
+        obs[-2] += obs.pop()
+        expd[-2] += expd.pop()
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, expd))
+    dof = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+
+
 def test_rejection_sampling_matches_full_depth_distribution():
     """6,000 rows sample 3 tokens with a 1-loop draft (k = 2) of a 3-loop model; the joint distribution of
     the tokens passes a chi-square test against the exact full-depth distribution (and the draft alone,
@@ -78,28 +98,12 @@ def test_rejection_sampling_matches_full_depth_distribution():
     assert 0.05 < acc < 0.95  # drafts are accepted, and rejected often enough for the resampling to matter
     exact = _exact_joint(m, prompt, 3, **samp)
 
-    def chi2_pvalue(samples):
-        counts = {}
-        for row in samples.tolist():
-            counts[tuple(row)] = counts.get(tuple(row), 0) + 1
-        assert set(counts) <= set(exact)  # nothing outside full depth's support
-        cells = sorted(exact, key=exact.get, reverse=True)
-        big = [c for c in cells if exact[c] * N >= 5]
-        obs = [counts.get(c, 0) for c in big] + [N - sum(counts.get(c, 0) for c in big)]
-        expd = [exact[c] * N for c in big] + [N - sum(exact[c] * N for c in big)]
-        if expd[-1] < 5:  # fold a too-small remainder into the last cell
-            obs[-2] += obs.pop()
-            expd[-2] += expd.pop()
-        stat = sum((o - e) ** 2 / e for o, e in zip(obs, expd))
-        dof = len(obs) - 1
-        return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
-
-    assert chi2_pvalue(out[:, 4:]) > 1e-3
+    assert _chi2_pvalue(out[:, 4:], exact) > 1e-3
     # the draft's own samples (every token from 1 loop) are far from full depth's
     g = torch.Generator().manual_seed(1234)
     draft = m.generate(prompt.expand(N, 4), 3, do_sample=True, generator=g, num_loops=1, **samp)
     keep = [all(tuple(r[:j]) in {c[:j] for c in exact} for j in range(1, 4)) for r in draft[:, 4:].tolist()]
-    assert not all(keep) or chi2_pvalue(draft[:, 4:]) < 1e-6
+    assert not all(keep) or _chi2_pvalue(draft[:, 4:], exact) < 1e-6
 
 
 def test_sampling_is_deterministic_with_a_seed():
@@ -109,12 +113,15 @@ def test_sampling_is_deterministic_with_a_seed():
     assert torch.equal(*runs)
 
 
-def test_rollback_restores_row_lengths_and_ssm_states():
+@pytest.mark.parametrize("loops,spec", [(3, {"draft_loops": 1, "k": 3}),
+                                        (5, {"draft_loops": 4, "k": 3, "exit": "convergence:0.8"})])  # fmt: skip
+def test_rollback_restores_row_lengths_and_ssm_states(loops, spec):
     """After speculative rounds with different acceptance per row, each row's valid KV columns are its
-    committed tokens and every Mamba-2 state equals decoding that row's tokens alone at full depth."""
-    m = _model("tiny-hybrid")
+    committed tokens and every Mamba-2 state equals decoding that row's tokens alone at full depth (a fixed
+    draft, and a draft at each token's exit: its restarted deeper loops and filled slots)."""
+    m = _model("tiny-hybrid", n_loops=loops)
     x = torch.randint(0, 260, (3, 4))
-    out, st = m.generate(x, 9, speculative={"draft_loops": 1, "k": 3}, return_stats=True)
+    out, st = m.generate(x, 9, speculative=spec, return_stats=True)
     acc = torch.stack(st.accepted)
     assert len(set(acc.flatten().tolist())) > 1  # rows accepted different numbers
     dec, mask = st.decoder, st.mask
@@ -208,42 +215,7 @@ def test_exit_draft_rejection_sampling_matches_full_depth_distribution():
     out, st = m.generate(prompt.expand(N, 4), 3, do_sample=True, generator=g,
                          speculative={"draft_loops": 3, "k": 2, "exit": "convergence:0.8"}, return_stats=True, **samp)  # fmt: skip
     assert len(set(torch.cat([d.flatten() for d in st.depths]).tolist())) > 1
-    exact = _exact_joint(m, prompt, 3, **samp)
-    counts = {}
-    for row in out[:, 4:].tolist():
-        counts[tuple(row)] = counts.get(tuple(row), 0) + 1
-    assert set(counts) <= set(exact)
-    big = [c for c in sorted(exact, key=exact.get, reverse=True) if exact[c] * N >= 5]
-    obs = [counts.get(c, 0) for c in big] + [N - sum(counts.get(c, 0) for c in big)]
-    expd = [exact[c] * N for c in big] + [N - sum(exact[c] * N for c in big)]
-    if expd[-1] < 5:
-        obs[-2] += obs.pop()
-        expd[-2] += expd.pop()
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, expd))
-    p = float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
-    assert p > 1e-3
-
-
-def test_exit_draft_rollback_restores_row_lengths_and_ssm_states():
-    m = _model("tiny-hybrid", n_loops=5)
-    x = torch.randint(0, 260, (3, 4))
-    out, st = m.generate(x, 9, speculative={"draft_loops": 4, "k": 3, "exit": "convergence:0.8"}, return_stats=True)
-    acc = torch.stack(st.accepted)
-    dec, mask = st.decoder, st.mask
-    committed = 4 + (acc + 1).sum(0)
-    assert mask.sum(1).tolist() == committed.tolist()
-    for b in range(3):
-        ref = m.new_cache(1)
-        with torch.no_grad():
-            m(st.tokens[b : b + 1, : int(committed[b])], cache=ref)
-        for key, s in ref.slots.items():
-            mine = dec.cache.slots[key]
-            if hasattr(s, "ssm_state"):
-                torch.testing.assert_close(mine.ssm_state[b], s.ssm_state[0], atol=2e-5, rtol=1e-4)
-                assert mine.snapshots is None
-            else:
-                valid = mask[b, : mine.seqlen].bool()
-                torch.testing.assert_close(mine.k[b][:, valid], s.k[0], atol=2e-5, rtol=1e-4)
+    assert _chi2_pvalue(out[:, 4:], _exact_joint(m, prompt, 3, **samp)) > 1e-3
 
 
 @pytest.mark.parametrize(
