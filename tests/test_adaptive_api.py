@@ -169,6 +169,22 @@ def test_bench_speculative_timing_reports_phases_and_the_free_verification_bound
     assert bound > sp > 0
 
 
+def test_bench_speculative_section_rows_for_fixed_and_exit_drafts():
+    """One row per (r_d, k) and per draft exit (at most the largest r_d loops), each lossless, with its draft
+    depth and the loop verification resumed at."""
+    from looplm.bench_adaptive import section_speculative
+
+    torch.manual_seed(0)
+    m = looplm.build("tiny-llama", n_loops=5).eval()
+    ids, prompts = torch.randint(0, 260, (2, 12)), {1: torch.randint(0, 260, (1, 5))}
+    rows = section_speculative(m, ids, prompts, [1, 4], [2], 6, 1, "wall", [torch.float32], exits=["convergence:0.8"])
+    assert [(r["draft_loops"], r["draft_exit"]) for r in rows] == [(1, "-"), (4, "-"), (4, "convergence:0.8")]
+    assert all(r["greedy_identical"] for r in rows)
+    assert rows[0]["mean_draft_depth"] == 1 and rows[0]["verify_start"] == 2
+    assert 2 <= rows[2]["mean_draft_depth"] <= 4 and rows[2]["verify_start"] <= rows[2]["mean_draft_depth"] + 1
+    assert rows[2]["draft_agreement"] is None  # (teacher-forced agreement is a fixed depth's)
+
+
 def test_bench_scale_section_times_the_schedules_on_attention_and_mamba2_backbones():
     """The scale section's rows: one per mixer, batch and schedule asked for (the static schedule beside the
     depth schedule at batch > 1), each with its executed depth and time ratio against full depth."""
