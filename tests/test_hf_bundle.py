@@ -145,6 +145,8 @@ for name, case in spec.items():
     # adaptive depth and speculative decoding come with the copied code too (looplm.adaptive, .exits, .speculative)
     gen_exit = m.generate(ids, max_new_tokens=4, do_sample=False, exit="convergence:0.05")
     gen_spec = m.generate(ids, max_new_tokens=4, do_sample=False, speculative={"draft_loops": 1, "k": 2})
+    gen_spec_exit = m.generate(ids, max_new_tokens=4, do_sample=False,  # a draft at each token's exit (<= K - 1 loops)
+                               speculative={"draft_loops": case["loops"] - 2, "k": 2, "exit": "convergence:0.05"})
     try:  # continuous depth batching (looplm.depth_batch, carried too): the same exits, rows at their own pace
         depth = torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False,
                                        exit={"criterion": "convergence", "threshold": 0.05, "schedule": "depth"}), exp["exit"])
@@ -158,7 +160,8 @@ for name, case in spec.items():
     tok = AutoTokenizer.from_pretrained(case["dir"], trust_remote_code=False)
     res[name] = {"impl": m.looplm_implementation.name, "module": type(m.looplm).__module__,
                  "logits_max_abs": float((logits - exp["logits"]).abs().max()), "tokens": torch.equal(gen, exp["tokens"]),
-                 "exit": torch.equal(gen_exit, exp["exit"]), "speculative": torch.equal(gen_spec, exp["full"]), "depth": depth,
+                 "exit": torch.equal(gen_exit, exp["exit"]), "speculative": torch.equal(gen_spec, exp["full"]) and torch.equal(gen_spec_exit, exp["full"]),
+                 "depth": depth,
                  "static": static, "text": tok.decode(gen[0].tolist())}
 print(json.dumps(res))
 '''
