@@ -160,8 +160,8 @@ for name, case in spec.items():
     tok = AutoTokenizer.from_pretrained(case["dir"], trust_remote_code=False)
     res[name] = {"impl": m.looplm_implementation.name, "module": type(m.looplm).__module__,
                  "logits_max_abs": float((logits - exp["logits"]).abs().max()), "tokens": torch.equal(gen, exp["tokens"]),
-                 "exit": torch.equal(gen_exit, exp["exit"]), "speculative": torch.equal(gen_spec, exp["full"]) and torch.equal(gen_spec_exit, exp["full"]),
-                 "depth": depth,
+                 "exit": torch.equal(gen_exit, exp["exit"]),
+                 "speculative": torch.equal(gen_spec, exp["full"]) and torch.equal(gen_spec_exit, exp["full"]), "depth": depth,
                  "static": static, "text": tok.decode(gen[0].tolist())}
 print(json.dumps(res))
 '''

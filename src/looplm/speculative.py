@@ -185,20 +185,24 @@ def _rollback_mamba(cache, keep: torch.Tensor) -> None:
                 s.rollback(keep)
 
 
+def _to_round_start(slot, past: int) -> None:
+    """One cache slot back to the round's start: a Mamba-2 state to its snapshot 0, a KV slot to ``past``
+    columns (no-ops where the round wrote nothing)."""
+    if hasattr(slot, "restart_recording"):
+        if slot.snapshots is not None and len(slot.snapshots) > 1:
+            slot.restart_recording()
+    elif slot.seqlen > past:
+        slot.crop(past)
+
+
 def _restart_core(cache, start: int, past: int) -> None:
     """The core's slots of loops ``>= start`` back to the round's start (``past`` columns): verification
     writes them for every token of the round (a draft with an exit ran or filled some of them)."""
     for family, by_loop in cache.loop_slots.items():
-        if family[0] != "core":
-            continue
-        for k, slot in by_loop.items():
-            if k < start:
-                continue
-            if hasattr(slot, "restart_recording"):
-                if slot.snapshots is not None and len(slot.snapshots) > 1:
-                    slot.restart_recording()
-            elif slot.seqlen > past:
-                slot.crop(past)
+        if family[0] == "core":
+            for k, slot in by_loop.items():
+                if k >= start:
+                    _to_round_start(slot, past)
 
 
 @torch.no_grad()
@@ -310,12 +314,8 @@ def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=F
             # verify: roll the coda back to the round's start, resume loops r_d+1..K for all k + 1 tokens
             for layer in (b.layer_idx for b in model.coda.blocks):
                 s = cache.slots.get((0, layer))
-                if s is None:
-                    continue
-                if hasattr(s, "restart_recording"):
-                    s.restart_recording()
-                else:
-                    s.crop(L)
+                if s is not None:
+                    _to_round_start(s, L)
             block = torch.cat([t0[:, None], d], 1)  # [B, k + 1] at columns L .. L + k
             with small_row_products(model):  # a few rows per product: the decode kernels where they win
                 p_logits = dec.verify(states, block, mask[:, : L + k + 1], start, L)  # [B, k + 1, V]

@@ -30,7 +30,8 @@ also adaptive depth (``docs/adaptive-depth.md``): ``exit`` (``gate:0.8``, ``kl:5
 ``ssm_policy``, ``min_loops``, ``max_loops``, ``exit_schedule`` (``token`` | ``depth``: continuous depth
 batching, ``batch_size`` rows at once with request refill: a row whose request finished takes the next
 request of the same generation arguments | ``static``: the same at fixed shapes, for CUDA), or
-``speculative`` (draft loops) with ``draft_k`` and ``draft_exit``. Any other argument is refused, naming the close matches (``loop=6`` is not silently ignored).
+``speculative`` (draft loops) with ``draft_k`` and ``draft_exit``. Any other argument is refused, naming
+the close matches (``loop=6`` is not silently ignored).
 
 Suites (task groups written by :func:`write_task_configs`, scored with each task's headline metric,
 unweighted means, printed in the papers' table layouts by :func:`suite_tables`):
