@@ -125,7 +125,8 @@ def test_rollback_restores_row_lengths_and_ssm_states(loops, spec):
     acc = torch.stack(st.accepted)
     assert len(set(acc.flatten().tolist())) > 1  # rows accepted different numbers
     dec, mask = st.decoder, st.mask
-    committed = 4 + (acc + 1).sum(0)  # per row: the prompt, then t_0 and the accepted drafts of each round
+    live = torch.stack(st.live)  # a row done commits nothing more
+    committed = 4 + ((acc + 1) * live).sum(0)  # per row: the prompt, then t_0 and the accepted drafts of each round
     assert mask.sum(1).tolist() == committed.tolist()  # the rows' own lengths (rejected columns masked)
     assert torch.equal(committed, 4 + st.emitted - 1)  # the last emitted token is pending (not in the cache yet)
     assert torch.equal(st.tokens[:, : out.shape[1]], out)
@@ -229,3 +230,97 @@ def test_bad_exit_drafts_are_refused_before_any_work(exit, match):
     m = _model("tiny-llama")
     spec = {"draft_loops": 2, "k": 2, "exit": exit}
     assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=spec), match)
+
+
+# --- reclaiming rejected drafts' cache columns (Speculative.reclaim) --------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_reclaim_keeps_greedy_output_and_gives_columns_back(batch):
+    """reclaim=True (the default) and reclaim=False both equal full-depth greedy; reclaiming, the cache holds
+    T + max_new + 2(k + 1) columns, batch 1 keeps no hole, and batch 8 compacts (its rows accept differently)."""
+    m = _model("tiny-hybrid", n_loops=3)
+    x = torch.randint(0, 260, (batch, 4))
+    ref = m.generate(x, 24)
+    outs = {}
+    for rc in (True, False):
+        out, st = m.generate(x, 24, speculative={"draft_loops": 1, "k": 4, "reclaim": rc}, return_stats=True)
+        assert torch.equal(out, ref), rc
+        outs[rc] = st
+    on, off = outs[True], outs[False]
+    assert on.capacity == 4 + 24 + 10 and off.capacity == 4 + 25 * 5
+    assert on.peak_columns <= on.capacity and on.peak_columns < off.peak_columns
+    cache, mask = on.decoder.cache, on.mask
+    assert mask[:, : cache.seqlen].sum(1).tolist() == (4 + on.emitted - 1).tolist()  # each row's committed tokens
+    if batch == 1:
+        assert bool(mask[:, : cache.seqlen].all()) and on.compactions == 0
+    else:
+        assert on.compactions >= 1
+        assert cache.seqlen <= int((4 + on.emitted - 1).max()) + 4 * 5  # compacted within a few rounds' holes
+    assert on.summary()["loops_per_token"] == pytest.approx(off.summary()["loops_per_token"])
+
+
+def test_reclaimed_cache_columns_and_states_equal_each_row_decoded_alone():
+    """After compactions, each row's unmasked KV columns are its own tokens' keys at full depth and its
+    Mamba-2 states equal decoding the row alone (the compaction moved columns, never changed them)."""
+    m = _model("tiny-hybrid", n_loops=3)
+    x = torch.randint(0, 260, (8, 4))
+    out, st = m.generate(x, 24, speculative={"draft_loops": 1, "k": 4}, return_stats=True)
+    assert st.compactions >= 1
+    dec, mask = st.decoder, st.mask
+    committed = 4 + st.emitted - 1
+    for b in range(8):
+        ref = m.new_cache(1)
+        with torch.no_grad():
+            m(st.tokens[b : b + 1, : int(committed[b])], cache=ref)
+        for key, s in ref.slots.items():
+            mine = dec.cache.slots[key]
+            if hasattr(s, "ssm_state"):
+                torch.testing.assert_close(mine.ssm_state[b], s.ssm_state[0], atol=2e-5, rtol=1e-4)
+            else:
+                valid = mask[b, : mine.seqlen].bool()
+                torch.testing.assert_close(mine.k[b][:, valid], s.k[0], atol=2e-5, rtol=1e-4)
+
+
+def test_keep_columns_of_each_slot_type():
+    from looplm.cache import LoopCache, TensorSlot
+    from looplm.layers.attention import KVCache
+
+    torch.manual_seed(0)
+    k, v = torch.randn(2, 1, 5, 3), torch.randn(2, 1, 5, 3)
+    idx = torch.tensor([[1, 3, 4], [0, 2, 4]])
+    for cap in (None, 8):
+        kv = KVCache(cap)
+        kv.update(k, v)
+        kv.keep_columns(idx, 3)
+        assert kv.seqlen == 3
+        assert torch.equal(kv.k[0], k[0][:, [1, 3, 4]]) and torch.equal(kv.v[1], v[1][:, [0, 2, 4]])
+    ts = TensorSlot(time_dim=1)
+    ts.append(torch.arange(10.0).view(2, 5))
+    ts.keep_columns(idx, 3)
+    assert ts.value.tolist() == [[1.0, 3.0, 4.0], [5.0, 7.0, 9.0]]
+    cache = LoopCache(1, 2, capacity=8)
+    cache.seqlen = 5
+    with pytest.raises(ValueError, match="idx shape"):
+        cache.keep_columns(idx[:, :2], 3)
+    with pytest.raises(ValueError, match="length 6"):
+        cache.keep_columns(None, 6)
+
+    class NoColumns:
+        seqlen = 5
+
+        def index_select(self, idx):
+            pass
+
+        def crop(self, length):
+            pass
+
+    cache.slot("x", NoColumns)
+    with pytest.raises(TypeError, match="NoColumns"):
+        cache.keep_columns(idx, 3)
+
+
+def test_bad_reclaim_is_refused_before_any_work():
+    m = _model("tiny-llama")
+    assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 260, (1, 3)), 4,
+                                                         speculative={"draft_loops": 1, "reclaim": "yes"}), "reclaim must be True or False")  # fmt: skip

@@ -40,6 +40,16 @@ per-row columns (``slot.rows(idx, batch, cols)``, :meth:`LoopCache.rows` ``cols=
 at its own column, and the driver keeps each row's length itself.
 
 ``seqlen`` is tracked per cache; every slot of a complete cache has the same length.
+
+Reclaiming columns (:mod:`looplm.speculative`)
+----------------------------------------------
+A batched speculative round writes ``k + 1`` columns per row and keeps each row's accepted ones: the rest
+become holes, masked like left padding. :meth:`LoopCache.keep_columns` gives the cache back its holes —
+row ``b`` keeps columns ``idx[b]`` (in order) as its first ``length`` columns — through the slots' optional
+``keep_columns(idx, length)`` (:class:`~looplm.layers.attention.KVCache` gathers its columns per row,
+:class:`~looplm.layers.mamba2.Mamba2State` holds no columns and only recounts, :class:`TensorSlot`
+gathers along its time axis). Positions count a row's unmasked columns, so a row reads the same keys at
+the same positions after it.
 """
 
 from __future__ import annotations
@@ -91,6 +101,21 @@ class TensorSlot:
     def index_select(self, idx: torch.Tensor) -> None:
         if self.value is not None:
             self.value = self.value.index_select(0, idx)
+
+    def keep_columns(self, idx: torch.Tensor | None, length: int) -> None:
+        """Row ``b`` keeps time steps ``idx[b]`` (``[B, length]``, in order; ``None``: the first ``length``)."""
+        if self.time_dim is None or self.value is None:
+            self._len = length
+            return
+        if idx is None:
+            self.value = self.value.narrow(self.time_dim, 0, length)
+            return
+        v, t = self.value, self.time_dim % self.value.dim()
+        shape = [1] * v.dim()
+        shape[0], shape[t] = idx.shape
+        sizes = list(v.shape)
+        sizes[t] = length
+        self.value = v.gather(t, idx.view(shape).expand(sizes))  # [B, .., length, ..]
 
     def crop(self, length: int) -> None:
         if self.time_dim is None:
@@ -210,6 +235,22 @@ class LoopCache:
             raise ValueError(f"cannot crop a cache of {self.seqlen} tokens to {length}")
         for s in self.physical_slots():
             s.crop(length)
+        self.seqlen = length
+
+    def keep_columns(self, idx: torch.Tensor | None, length: int) -> None:
+        """Row ``b`` keeps columns ``idx[b]`` (``[B, length]`` long, increasing) as its columns ``0 .. length − 1``
+        in every slot; ``idx=None``: the first ``length`` columns (a crop of columns every row discards, which a
+        Mamba-2 state allows too: it has absorbed only its rows' kept tokens). See the module docstring."""
+        if not 0 < length <= self.seqlen or (idx is not None and tuple(idx.shape) != (self.batch_size, length)):
+            shape = None if idx is None else tuple(idx.shape)
+            raise ValueError(f"keep_columns: length {length} of a cache of {self.seqlen} tokens, idx shape {shape} "
+                             f"(want [{self.batch_size}, length] or None)")
+        slots = self.physical_slots()
+        missing = sorted({type(s).__name__ for s in slots if not hasattr(s, "keep_columns")})
+        if missing:
+            raise TypeError(f"cache slots of type {missing} cannot drop columns (no keep_columns(idx, length))")
+        for s in slots:
+            s.keep_columns(idx, length)
         self.seqlen = length
 
     def __repr__(self) -> str:

@@ -21,6 +21,19 @@ snapshot after each token of the round and each row returns to the snapshot of i
 (:meth:`looplm.layers.mamba2.Mamba2State.rollback`). The coda ran on draft states during the draft, so
 its slots are rolled back to the round's start before verification (KV: crop; Mamba-2: snapshot 0).
 
+**Reclaiming the holes** (``reclaim=True``, the default): after each round the columns past the longest
+accepted run are holes in every row and are cropped (at batch 1 no hole is ever kept); when compacting
+would free a quarter of the columns (and at least ``k + 1``), or the next round would not fit, the cache is
+compacted: each row's kept columns move, in order, to the right end of ``n = max_b`` (row ``b``'s kept
+columns), its holes to the left
+(:meth:`looplm.cache.LoopCache.keep_columns`: one gather of every KV slot; a Mamba-2 state has no columns).
+A row that has emitted its ``max_new_tokens`` (or ``eos``) keeps running with the batch but commits nothing
+more (its round's columns become holes, its Mamba-2 states return to the round's start). So the cache holds
+``T + max_new_tokens + 2(k + 1)`` columns rather than ``T + (max_new_tokens + 1)(k + 1)`` — at k = 4 the
+KV memory of plain decoding plus 10 columns instead of five times it — and attention reads a row's own
+tokens plus at most a quarter in holes. ``reclaim=False`` keeps every column to the end (the cache a
+caller inspects through ``SpeculativeStats.decoder`` then has every round's columns in place).
+
 **A draft with an exit criterion** (``exit=``: ``kl``, ``convergence`` or ``gate``; ``draft_loops`` is then the
 most loops a draft token runs): each draft token stops at its own exit (:meth:`AdaptiveDecoder.draft_exit`:
 the batch's rows still looping run on, the skipped loops below ``r_d`` filled by the exit's ``kv`` / ``ssm``
@@ -54,20 +67,22 @@ class Speculative:
     """``draft_loops`` (``r_d``, ``1 <= r_d < K``) and ``k`` drafted tokens per round; ``exit``: a draft
     whose depth an exit criterion picks per token and row (``'kl:0.01'``, ``'convergence:0.3'``, ``'gate:0.5'``,
     an :class:`~looplm.exits.Exit` or its dict, with its ``kv`` / ``ssm`` fill policies and ``min_loops``), at
-    most ``draft_loops`` loops (module docstring, "A draft with an exit criterion")."""
+    most ``draft_loops`` loops (module docstring, "A draft with an exit criterion"); ``reclaim``: crop and compact
+the rejected drafts' cache columns (module docstring, "Reclaiming the holes")."""
 
     draft_loops: int
     k: int = 4
     exit: object = None
+    reclaim: bool = True  # give rejected drafts' cache columns back (module docstring, "Reclaiming the holes")
 
     @classmethod
     def parse(cls, spec) -> "Speculative":
         if isinstance(spec, Speculative):
             return spec
         if isinstance(spec, dict):
-            unknown = sorted(set(spec) - {"draft_loops", "k", "exit"})
+            unknown = sorted(set(spec) - {"draft_loops", "k", "exit", "reclaim"})
             if unknown:
-                raise ValueError(f"speculative: unknown option(s) {unknown}; options are ['draft_loops', 'exit', 'k']")
+                raise ValueError(f"speculative: unknown option(s) {unknown}; options are ['draft_loops', 'exit', 'k', 'reclaim']")
             if "draft_loops" not in spec:
                 raise ValueError("speculative: give draft_loops (the draft's loop count r_d < K)")
             return cls(**spec)
@@ -84,6 +99,8 @@ class Speculative:
             errs.append(f"speculative draft_loops must be an int in [1, {K - 1}] (fewer than the model's K = {K} loops), got {r!r}")
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
             errs.append(f"speculative k (tokens drafted per round) must be an int >= 1, got {self.k!r}")
+        if not isinstance(self.reclaim, bool):
+            errs.append(f"speculative reclaim must be True or False, got {self.reclaim!r}")
         if getattr(model, "n_pause", 0):
             errs.append("speculative decoding does not run pause-token models (PauseLM inserts pause positions in its own forward)")
         if any(getattr(mod, "sliding_window", None) for mod in model.modules()):
@@ -137,6 +154,7 @@ class SpeculativeStats:
     k: int
     max_loops: int
     accepted: list = field(default_factory=list)  # [B] long per round
+    live: list = field(default_factory=list)  # [B] bool per round: the row commits its tokens (not yet done)
     # per round: the loop passes each row ran ([B]: its drafts' core passes + verification's), and under a draft
     # exit the draft depth of each token ([B, k + 1]) and the loop verification resumed at
     passes: list = field(default_factory=list)
@@ -147,6 +165,9 @@ class SpeculativeStats:
     # kernel launches, not the kernels; None there)
     draft_s: float | None = 0.0
     verify_s: float | None = 0.0
+    capacity: int = 0  # cache columns allocated per row
+    peak_columns: int = 0  # the most columns in use at a round's end (before a compaction)
+    compactions: int = 0  # cache compactions (reclaim): each a gather of every KV slot
     decoder: object = None  # the AdaptiveDecoder (its cache), the column mask and every emitted token, for inspection
     mask: torch.Tensor | None = None
     tokens: torch.Tensor | None = None  # [B, T + emitted]: a row's last round may run past max_new_tokens
@@ -156,16 +177,21 @@ class SpeculativeStats:
         if not self.accepted:
             return {"rounds": 0}
         acc = torch.stack(self.accepted).float()  # [rounds, B]
+        live = torch.stack(self.live)  # [rounds, B]: a row's rounds once it is done commit nothing
+        mean_acc = float(acc[live].mean())
         out = {
             "rounds": acc.shape[0],
-            "accepted_per_round": float(acc.mean()),
-            "tokens_per_round": float(acc.mean()) + 1.0,
-            "acceptance": float(acc.mean()) / self.k,  # share of drafted tokens accepted
+            "accepted_per_round": mean_acc,
+            "tokens_per_round": mean_acc + 1.0,
+            "acceptance": mean_acc / self.k,  # share of drafted tokens accepted
             "draft_loops": self.draft_loops,
             "k": self.k,
-            # loop passes per emitted token: the k + 1 drafts' (r_d loops each without an exit) + verification's
-            # k + 1 tokens from the loop it resumes at (r_d + 1 without an exit) to K
-            "loops_per_token": float(torch.stack(self.passes).float().sum() / (acc + 1).sum()),
+            # loop passes per committed token: the k + 1 drafts' (r_d loops each without an exit) + verification's
+            # k + 1 tokens from the loop it resumes at (r_d + 1 without an exit) to K (done rows' passes count too)
+            "loops_per_token": float(torch.stack(self.passes).float().sum() / (acc + 1)[live].sum()),
+            "cache_columns": self.capacity,
+            "peak_columns": self.peak_columns,
+            "compactions": self.compactions,
             "draft_ms_per_round": None if self.draft_s is None else 1000 * self.draft_s / acc.shape[0],
             "verify_ms_per_round": None if self.verify_s is None else 1000 * self.verify_s / acc.shape[0],
         }
@@ -205,6 +231,26 @@ def _restart_core(cache, start: int, past: int) -> None:
                     _to_round_start(slot, past)
 
 
+def _drop_stale(cache) -> None:
+    """Slots shorter than the cache stopped absorbing tokens after the prompt (a kl check's readout loops at
+    or past a capped draft's last check, filled by the prompt at full depth): no later token reads them, so
+    they are dropped rather than compacted."""
+    stale = [key for key, s in cache.slots.items() if s.seqlen < cache.seqlen]
+    for key in stale:
+        s = cache.slots.pop(key)
+        for by_loop in cache.loop_slots.values():
+            for k in [k for k, v in by_loop.items() if v is s]:
+                del by_loop[k]
+
+
+def _compaction(mask: torch.Tensor, L: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's unmasked columns of ``mask[:, :L]``, in order, at the right end of ``n`` columns (``n`` = the
+    longest row's): the kept column indices ``[B, n]`` and the new mask ``[B, n]`` (the holes moved left)."""
+    order = torch.sort(mask[:, :L], dim=1, stable=True).indices  # [B, L]: each row's holes, then its tokens, in order
+    idx = order[:, L - n :]
+    return idx, mask[:, :L].gather(1, idx)
+
+
 @torch.no_grad()
 def speculative_generate(model, input_ids, max_new_tokens, spec, **kwargs):
     """:func:`looplm.generate.generate` with ``speculative=spec`` (see the module docstring); keyword
@@ -229,19 +275,23 @@ def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=F
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0
     greedy = not do_sample or temperature == 0
-    cols = T + (max_new_tokens + 1) * (k + 1)  # each round writes k + 1 columns and emits at least one token
+    # each round writes k + 1 columns and emits at least one token; reclaiming, a row holds at most
+    # T + max_new_tokens + k - 1 tokens, compacted when the next round would not fit
+    cols = T + (max_new_tokens + 1) * (k + 1)
+    if sp.reclaim:
+        cols = min(cols, T + max_new_tokens + 2 * (k + 1))
     # a draft exit: its criterion and fill policies (the prompt fills a kl check's readout slots at full depth)
     de = sp.exit if sp.exit is not None else Exit(criterion="replay", depths=K, kv="full")
     dec = AdaptiveDecoder(model, B, cols, de, loop_options, rule_selects_at_exit=False)
     cache = dec.cache
     mask = torch.zeros(B, cols, dtype=torch.long, device=dev)
     mask[:, :T] = 1 if attention_mask is None else attention_mask.long()
-    # every token a row commits (rows that reached max_new_tokens keep decoding while others finish)
-    out = torch.full((B, T + 1 + max_new_tokens * (k + 1)), pad_token_id, dtype=input_ids.dtype, device=dev)
+    # every token a row commits (a row that reached max_new_tokens or eos commits nothing more)
+    out = torch.full((B, T + max_new_tokens + k), pad_token_id, dtype=input_ids.dtype, device=dev)
     out[:, :T] = input_ids
     n_out = torch.zeros(B, dtype=torch.long, device=dev)  # tokens emitted per row
     finished = torch.zeros(B, dtype=torch.bool, device=dev)
-    stats = SpeculativeStats(r_d, k, K)
+    stats = SpeculativeStats(r_d, k, K, capacity=cols)
     if sp.exit is not None:
         stats.exit = f"{sp.exit.criterion}:{sp.exit.threshold:g}"
     timed = dev.type == "cpu"
@@ -256,7 +306,7 @@ def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=F
         for j in range(tokens.shape[1]):
             live = counts > j
             tok = torch.where(finished, torch.full_like(tokens[:, j], pad_token_id), tokens[:, j])
-            pos = T + n_out
+            pos = (T + n_out).clamp(max=out.shape[1] - 1)  # (a row not emitting writes its own value back)
             out[rows, pos] = torch.where(live, tok, out[rows, pos])
             if eos_token_id is not None:
                 finished = finished | (live & (tok == eos_token_id))
@@ -266,10 +316,17 @@ def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=F
         if max_new_tokens == 0:
             return (out[:, :T], stats) if return_stats else out[:, :T]
         logits = dec(input_ids, mask[:, :T])  # the prompt at full depth
+        if sp.reclaim:
+            missing = {str(key): type(s).__name__ for key, s in cache.slots.items() if not hasattr(s, "keep_columns")}
+            if missing:
+                raise ValueError(f"speculative reclaim: cache slots {missing} cannot drop columns (no keep_columns(idx, "
+                                 "length)); give them one, or pass speculative={..., 'reclaim': False}")
+        lens = mask[:, :T].sum(1)  # each row's committed columns
         t0 = sample_next(logits[:, -1], do_sample, temperature, top_k, top_p, generator)  # [B]
         emit(t0[:, None], torch.ones_like(n_out))
         L = T  # committed columns (the pending token t_0 goes to column L)
         while bool((n_out < max_new_tokens).any()) and not (eos_token_id is not None and bool(finished.all())):
+            live = (n_out < max_new_tokens) & ~finished  # rows done run with the batch and commit nothing
             for s in cache.physical_slots():  # every Mamba-2 state snapshots each token of the round
                 if hasattr(s, "begin_recording"):
                     s.begin_recording()
@@ -340,15 +397,35 @@ def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=F
                 resid = torch.where(resid.sum(-1, keepdim=True) > 0, resid, p_a)
                 nxt = torch.multinomial(resid / resid.sum(-1, keepdim=True), 1, generator=generator)[:, 0]
             stats.accepted.append(a)
+            stats.live.append(live)
             emitted = torch.cat([d, d[:, :1]], 1)  # [B, k + 1]: d_1 .. d_a, then the verified token
             emitted[rows, a] = nxt
-            emit(emitted, a + 1)
+            kept = torch.where(live, a + 1, 0)  # [B] columns each row commits
+            emit(emitted, kept)
             # rollback: columns of rejected drafts become holes; Mamba-2 states return to their row's length
             cols_round = torch.arange(k + 1, device=dev)[None]  # [1, k + 1]
-            mask[:, L : L + k + 1] = (cols_round <= a[:, None]).long()
-            _rollback_mamba(cache, a + 1)
-            L += k + 1
-            t0 = nxt
+            mask[:, L : L + k + 1] = (cols_round < kept[:, None]).long()
+            _rollback_mamba(cache, kept)
+            lens += kept
+            t0 = torch.where(live, nxt, t0)
+            if not sp.reclaim:
+                L += k + 1
+                stats.peak_columns = L
+                continue
+            # reclaim: crop the columns every row rejected; compact when that frees a quarter of them, or when
+            # the next round would not fit
+            _drop_stale(cache)
+            m, n = torch.stack([kept.max(), lens.max()]).tolist()  # (one host read per round)
+            L += m
+            stats.peak_columns = max(stats.peak_columns, L)
+            if L < cache.seqlen:
+                cache.keep_columns(None, L)
+            if L + k + 1 > cols or (L - n >= k + 1 and 4 * (L - n) >= L):
+                idx, kept_mask = _compaction(mask, L, n)
+                mask[:, :n], mask[:, n:] = kept_mask, 0
+                cache.keep_columns(idx, n)
+                stats.compactions += 1
+                L = n
     stats.decoder, stats.mask, stats.tokens, stats.emitted = dec, mask, out, n_out.clone()
     n = T + min(max_new_tokens, int(n_out.max()))
     res = out[:, :n]

@@ -159,6 +159,24 @@ class KVCache:
         if self._k is not None:
             self._k, self._v = self._k.index_select(0, idx), self._v.index_select(0, idx)
 
+    def keep_columns(self, idx: torch.Tensor | None, length: int) -> None:
+        """Row ``b`` keeps columns ``idx[b]`` (``[B, length]``, in order) as its first ``length`` (``None``: a crop):
+        speculative decoding reclaiming its rejected drafts' columns (:meth:`looplm.cache.LoopCache.keep_columns`)."""
+        if idx is None or self._k is None:
+            self.crop(length)
+            return
+        if self.pending or length > self._len:
+            raise ValueError(f"keep_columns: {length} of {self._len} columns ({self.pending} pending)")
+        B, H, _, hd = self._k.shape
+        for name in ("_k", "_v"):
+            buf = getattr(self, name)
+            kept = buf[:, :, : self._len].gather(2, idx[:, None, :, None].expand(B, H, length, buf.shape[-1]))  # [B, H_kv, length, hd]
+            if self.capacity is None:
+                setattr(self, name, kept)
+            else:
+                buf[:, :, :length] = kept  # (gathered first: the rows' columns move left within one buffer)
+        self._len = length
+
     def crop(self, length: int) -> None:
         """Keep the first ``length`` tokens."""
         if not 0 <= length <= self._len:

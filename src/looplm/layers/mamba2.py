@@ -321,6 +321,13 @@ class Mamba2State:
                 "back through snapshots: begin_recording / rollback)"
             )
 
+    def keep_columns(self, idx: Tensor | None, length: int) -> None:
+        """The cache dropping columns (rejected speculative drafts, :meth:`looplm.cache.LoopCache.keep_columns`):
+        the state has absorbed only its rows' kept tokens (:meth:`rollback`), so only the count changes."""
+        if self.snapshots is not None or self.pending:
+            raise ValueError("keep_columns in the middle of a speculative round (roll back first)")
+        self._seqlen = length
+
     # --- row subsets (per-token exit) ------------------------------------------------------------
     def rows(self, idx: Tensor, batch: int) -> "Mamba2Rows":
         return Mamba2Rows(self, idx)
