@@ -325,8 +325,10 @@ def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=F
         t0 = sample_next(logits[:, -1], do_sample, temperature, top_k, top_p, generator)  # [B]
         emit(t0[:, None], torch.ones_like(n_out))
         L = T  # committed columns (the pending token t_0 goes to column L)
-        while bool((n_out < max_new_tokens).any()) and not (eos_token_id is not None and bool(finished.all())):
+        while True:
             live = (n_out < max_new_tokens) & ~finished  # rows done run with the batch and commit nothing
+            if not bool(live.any()):
+                break
             for s in cache.physical_slots():  # every Mamba-2 state snapshots each token of the round
                 if hasattr(s, "begin_recording"):
                     s.begin_recording()
