@@ -324,3 +324,14 @@ def test_bad_reclaim_is_refused_before_any_work():
     m = _model("tiny-llama")
     assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 260, (1, 3)), 4,
                                                          speculative={"draft_loops": 1, "reclaim": "yes"}), "reclaim must be True or False")  # fmt: skip
+
+
+def test_stops_when_one_row_ends_at_eos_and_another_at_max_new_tokens():
+    m = _model("tiny-hybrid")
+    ids = torch.randint(0, 260, (2, 5))
+    ref = m.generate(ids, 10)
+    # a token row 0 emits early and row 1 never does (row 1 runs to max_new_tokens)
+    eos = next(t for t in ref[0, 5:10].tolist() if t not in ref[1, 5:].tolist())
+    ref_e = m.generate(ids, 10, eos_token_id=eos)
+    out_e = m.generate(ids, 10, eos_token_id=eos, speculative={"draft_loops": 1, "k": 4})
+    assert torch.equal(out_e, ref_e)
