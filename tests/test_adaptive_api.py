@@ -163,10 +163,28 @@ def test_bench_speculative_timing_reports_phases_and_the_free_verification_bound
     torch.manual_seed(0)
     m = looplm.build("tiny-llama").eval()
     prompts = torch.randint(0, 260, (1, 5))
-    sp, ratios, st, same, t_full, bound = _speculative_times(m, prompts, 8, {"draft_loops": 1, "k": 2}, 2, "wall")
-    assert same and len(ratios) == 2 and t_full > 0
+    res = _speculative_times(m, prompts, 8, {"draft_loops": 1, "k": 2}, 2, "wall")
+    st = res["stats"]
+    assert res["identical"] and len(res["speedups"]) == 2 and res["full_s"] > 0
     assert st["draft_ms_per_round"] > 0 and st["verify_ms_per_round"] > 0
-    assert bound > sp > 0
+    assert res["bound"] > res["speedup"] > 0
+    assert "reclaim_gain" not in res
+
+
+def test_bench_speculative_compares_reclaimed_and_kept_draft_columns():
+    """`--compare-reclaim`: the run keeping rejected drafts' columns is timed in the same alternation, is
+    lossless too, and its cache is the longer one (T + (n + 1)(k + 1) against T + n + 2(k + 1) columns)."""
+    from looplm.bench_adaptive import TABLES, _md, section_speculative
+
+    torch.manual_seed(0)
+    m = looplm.build("tiny-llama").eval()
+    ids, prompts = torch.randint(0, 260, (2, 12)), {2: torch.randint(0, 260, (2, 5))}
+    (row,) = section_speculative(m, ids, prompts, [1], [3], 12, 1, "wall", [torch.float32], compare_reclaim=True)
+    assert row["greedy_identical"]
+    assert row["keep_columns"] == 5 + 13 * 4 and row["cache_columns"] == 5 + 12 + 2 * 4
+    assert row["peak_columns"] <= row["cache_columns"] and row["reclaim_gain"] > 0 and row["speedup_keep"] > 0
+    table = _md([row], TABLES["reclaim"]).splitlines()
+    assert len(table) == 3 and "| 57 | 25 |" in table[2]
 
 
 def test_bench_speculative_section_rows_for_fixed_and_exit_drafts():

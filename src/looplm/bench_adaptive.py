@@ -278,38 +278,56 @@ def section_timing(model, prompts_by_batch: dict, settings, new_tokens: int, run
 
 
 @torch.inference_mode()
-def _speculative_times(model, prompts, new_tokens, spec, runs, clock):
+def _speculative_times(model, prompts, new_tokens, spec, runs, clock, compare_reclaim: bool = False) -> dict:
     """Whole ``generate`` calls, full depth and speculative alternated (their prompts' prefill is the same
-    full-depth step in both); ``(median speed-up, speed-ups, round statistics, identical?, full s, median
-    free-verification bound)``. The bound is the speed-up if verification cost nothing: full time over the
-    speculative run's time less its verifications (the drafts, the prefill, the bookkeeping)."""
+    full-depth step in both; the order turns each run). Returns the median ``speedup`` and each run's
+    (``speedups``), the round statistics (``stats``), whether the output equals full depth's (``identical``),
+    the median full-depth seconds (``full_s``) and the median free-verification ``bound``: the speed-up if
+    verification cost nothing, full time over the speculative run's time less its verifications (the drafts,
+    the prefill, the bookkeeping). With ``compare_reclaim`` a third contender runs the same speculative
+    decoding with ``reclaim=False`` (rejected drafts' columns kept as masked holes) in the same alternation:
+    ``speedup_keep`` (full over it), ``reclaim_gain`` (its time over the reclaiming run's, per run, median),
+    ``identical_keep`` and its cache columns (``keep_columns``)."""
     from .generate import generate
     from .sampling import decode_context
 
     now = _now(clock)
-    t_full, t_spec, t_rest = [], [], []
+    names = ("full", "spec", "keep") if compare_reclaim else ("full", "spec")
+    specs = {"spec": spec, "keep": {**spec, "reclaim": False}}
+    times = {k: [] for k in names}
+    t_rest = []
     with decode_context(model, prompts.shape[0]):
         for run in range(runs + 1):  # run 0 warms up
             outs = {}
-            for k in (("full", "spec") if run % 2 == 0 else ("spec", "full")):
+            for k in (names if run % 2 == 0 else names[::-1]):
                 t0 = now()
                 outs[k] = generate(model, prompts, new_tokens) if k == "full" else \
-                    generate(model, prompts, new_tokens, speculative=spec, return_stats=True)
+                    generate(model, prompts, new_tokens, speculative=specs[k], return_stats=True)
                 dt = now() - t0
                 if run:
-                    (t_full if k == "full" else t_spec).append(dt)
+                    times[k].append(dt)
                     if k == "spec":
                         t_rest.append(dt - outs["spec"][1].verify_s)
     spec_out, st = outs["spec"]
-    ratios = [f / s for f, s in zip(t_full, t_spec)]
-    bound = statistics.median(f / r for f, r in zip(t_full, t_rest))
-    return statistics.median(ratios), ratios, st.summary(), bool(torch.equal(spec_out, outs["full"])), statistics.median(t_full), bound
+    t_full = times["full"]
+    ratios = [f / s for f, s in zip(t_full, times["spec"])]
+    res = {"speedup": statistics.median(ratios), "speedups": ratios, "stats": st.summary(),
+           "identical": bool(torch.equal(spec_out, outs["full"])), "full_s": statistics.median(t_full),
+           "bound": statistics.median(f / r for f, r in zip(t_full, t_rest))}  # fmt: skip
+    if compare_reclaim:
+        keep_out, keep_st = outs["keep"]
+        res.update(speedup_keep=statistics.median(f / s for f, s in zip(t_full, times["keep"])),
+                   reclaim_gain=statistics.median(s_keep / s for s_keep, s in zip(times["keep"], times["spec"])),
+                   identical_keep=bool(torch.equal(keep_out, outs["full"])), keep_columns=keep_st.capacity)  # fmt: skip
+    return res
 
 
-def section_speculative(model, ids, prompts_by_batch, drafts, ks, new_tokens, runs, clock, dtypes, exits=()) -> list[dict]:
+def section_speculative(model, ids, prompts_by_batch, drafts, ks, new_tokens, runs, clock, dtypes, exits=(),
+                        compare_reclaim: bool = False) -> list[dict]:
     """Greedy speculative decoding against full depth: each draft depth ``r_d`` (``drafts``) and tokens per
     round ``k``; with ``exits`` (``'kl:0.01'``, ...) also drafts whose depth that criterion picks, at most
-    ``r_d`` loops (their mean draft depth and the loop verification resumed at beside)."""
+    ``r_d`` loops (their mean draft depth and the loop verification resumed at beside). With
+    ``compare_reclaim`` each row also times the run that keeps rejected drafts' columns (``reclaim=False``)."""
     rows = []
     with torch.no_grad():
         full = model(ids).logits.argmax(-1)
@@ -320,16 +338,20 @@ def section_speculative(model, ids, prompts_by_batch, drafts, ks, new_tokens, ru
             for r, e in [(r, None) for r in drafts] + [(max(drafts), e) for e in exits]:
                 for k in ks:
                     spec = {"draft_loops": r, "k": k, "exit": e}
-                    sp, ratios, st, same, t_full, bound = _speculative_times(m, prompts, new_tokens, spec, runs, clock)
+                    res = _speculative_times(m, prompts, new_tokens, spec, runs, clock, compare_reclaim)
+                    st, t_full = res["stats"], res["full_s"]
                     rows.append({"dtype": str(dt).replace("torch.", ""), "batch": B, "draft_loops": r, "k": k,
                                  "draft_exit": e or "-", "mean_draft_depth": st.get("mean_draft_depth", float(r)),
                                  "verify_start": st.get("mean_verify_start", r + 1.0),
                                  "draft_agreement": agree[r] if e is None else None, "accepted_per_round": st["accepted_per_round"],
-                                 "tokens_per_round": st["tokens_per_round"], "acceptance": st["acceptance"], "speedup": sp,
-                                 "speedups": ratios, "full_ms_per_token": 1000 * t_full / new_tokens,
+                                 "tokens_per_round": st["tokens_per_round"], "acceptance": st["acceptance"], "speedup": res["speedup"],
+                                 "speedups": res["speedups"], "full_ms_per_token": 1000 * t_full / new_tokens,
                                  "draft_ms_per_round": st["draft_ms_per_round"], "verify_ms_per_round": st["verify_ms_per_round"],
-                                 "free_verify_bound": bound,
-                                 "greedy_identical": same, "clock": clock})  # fmt: skip
+                                 "free_verify_bound": res["bound"], "cache_columns": st["cache_columns"],
+                                 "peak_columns": st["peak_columns"], "compactions": st["compactions"],
+                                 "keep_columns": res.get("keep_columns"), "speedup_keep": res.get("speedup_keep"),
+                                 "reclaim_gain": res.get("reclaim_gain"),
+                                 "greedy_identical": res["identical"] and res.get("identical_keep", True), "clock": clock})  # fmt: skip
     model.float()
     return rows
 
@@ -458,6 +480,13 @@ TABLES = {
                     ("draft_ms_per_round", "draft ms/round", ".2f"), ("verify_ms_per_round", "verify ms/round", ".2f"),
                     ("speedup", "speed-up", ".3f"), ("free_verify_bound", "bound (free verify)", ".3f"),
                     ("greedy_identical", "== full greedy", "")],
+    # `--compare-reclaim`: the same rows' cache sizes and the run that keeps rejected drafts' columns
+    "reclaim": [("dtype", "dtype", ""), ("batch", "B", "d"), ("draft_loops", "r_d", "d"), ("k", "k", "d"),
+                ("draft_exit", "draft exit", ""), ("tokens_per_round", "tokens / round", ".2f"),
+                ("keep_columns", "columns kept", "d"), ("cache_columns", "columns reclaimed", "d"),
+                ("peak_columns", "peak used", "d"), ("compactions", "compactions", "d"),
+                ("speedup_keep", "speed-up kept", ".3f"), ("speedup", "speed-up reclaimed", ".3f"),
+                ("reclaim_gain", "reclaimed / kept", ".3f"), ("greedy_identical", "== full greedy", "")],
     "task": [("setting", "setting", ""), ("value", "q / r", ""), ("kv", "kv", ""), ("accuracy", "accuracy", ".4f"),
              ("selected_depth", "selected", ".2f"), ("executed_depth", "executed", ".2f"), ("executed_depth_ans", "executed @ans", ".2f"),
              ("time_ratio", "time / full", ".3f")],
@@ -566,6 +595,12 @@ def cmd_bench_adaptive(args) -> int:
     bad = [x.strip() for x in args.scale_mixers.split(",") if x.strip() not in ("attention", "mamba2")]
     if bad:
         raise ValueError(f"--scale-mixers {args.scale_mixers!r}: unknown {bad}; choose from attention, mamba2")
+    try:
+        batches = [int(b) for b in args.batches.split(",")]
+    except ValueError:
+        batches = []
+    if not batches or min(batches) < 1:
+        raise ValueError(f"--batches {args.batches!r}: give batch sizes ≥ 1, comma-separated (e.g. 1,8)")
     q = args.quick
     report = {"cpu": cpu_description(), "threads": torch.get_num_threads(), "clock": args.clock, "sections": {}}
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
@@ -608,7 +643,7 @@ def cmd_bench_adaptive(args) -> int:
         report["sections"]["kv_bytes"] = rows
         log("\n## KV bytes per token\n" + _md(rows, TABLES["kv_bytes"]))
     if "timing" in sections or "scale" in sections:
-        prompts = {B: _held_out(tok, args.data, B, 32, seed=1) for B in (1, 8)}
+        prompts = {B: _held_out(tok, args.data, B, 32, seed=1) for B in batches}
         settings = [("kl", e, kv) for e in [kl_grid[len(kl_grid) // 2]] for kv in ("copy", "propagate")]
         settings += [("convergence", e, "copy") for e in [conv_grid[len(conv_grid) // 2]]]
         if "timing" in sections:
@@ -629,12 +664,15 @@ def cmd_bench_adaptive(args) -> int:
         report["sections"]["scale"] = rows
         log("\n## scale (random weights, the LM's exit depths replayed)\n" + _md(rows, TABLES["scale"]))
     if "speculative" in sections:
-        prompts = {B: _held_out(tok, args.data, B, 16, seed=2) for B in (1, 8)}
+        prompts = {B: _held_out(tok, args.data, B, 16, seed=2) for B in batches}
         rows = section_speculative(lm, held, prompts, [int(r) for r in args.drafts.split(",")], [int(k) for k in args.k.split(",")],
                                    16 if q else args.new, 2 if q else args.runs, args.clock, dtypes,
-                                   [e for e in args.draft_exits.split(",") if e])
+                                   [e for e in args.draft_exits.split(",") if e], args.compare_reclaim)
         report["sections"]["speculative"] = rows
         log("\n## self-speculative decoding (greedy)\n" + _md(rows, TABLES["speculative"]))
+        if args.compare_reclaim:
+            log("\n## rejected drafts' cache columns: reclaimed (default) vs kept (reclaim=False), cache columns "
+                "per loop and layer\n" + _md(rows, TABLES["reclaim"]))
     if "task" in sections:
         from .tasks.train import load_task_run
 
@@ -675,11 +713,14 @@ def register(sub) -> None:
     a.add_argument("--k", default="2,4", help="speculative tokens drafted per round")
     a.add_argument("--draft-exits", default="", help="speculative drafts whose depth an exit criterion picks (at most "
                    "max(--drafts) loops), comma-separated: kl:0.01,convergence:0.3")
+    a.add_argument("--compare-reclaim", action="store_true", help="also time each speculative setting keeping rejected "
+                   "drafts' cache columns (reclaim=False) in the same alternation, and print their cache sizes")
     a.add_argument("--widths", default="512,1024", help="backbone widths of the scale section")
     a.add_argument("--scale-mixers", default="attention", help="block kinds of the scale section: attention, mamba2")
     a.add_argument("--schedules", default="token,depth", help="batch schedules timed at batch 8 beside full depth "
                    "(token, depth, static: the fixed-shape depth schedule, made for CUDA)")
     a.add_argument("--dtypes", default="fp32,bf16")
+    a.add_argument("--batches", default="1,8", help="batch sizes of the timing and speculative sections")
     a.add_argument("--new", type=int, default=48, help="decoded tokens per timing run")
     a.add_argument("--timing-runs", dest="runs", type=int, default=5, help="timing runs per setting (medians)")
     a.add_argument("--clock", choices=["wall", "cpu"], default="wall")
