@@ -282,14 +282,17 @@ def test_keep_columns_of_each_slot_type():
     from looplm.layers.attention import KVCache
 
     torch.manual_seed(0)
-    k, v = torch.randn(2, 1, 5, 3), torch.randn(2, 1, 5, 3)
+    k, v = torch.randn(2, 2, 6, 3), torch.randn(2, 2, 6, 4)  # (value width ≠ key width, as MLA's)
     idx = torch.tensor([[1, 3, 4], [0, 2, 4]])
-    for cap in (None, 8):
+    for cap, crop in ((None, False), (None, True), (8, False)):
         kv = KVCache(cap)
         kv.update(k, v)
+        if crop:
+            kv.crop(5)  # a growing cache's buffers are now views that skip a column per head
         kv.keep_columns(idx, 3)
         assert kv.seqlen == 3
-        assert torch.equal(kv.k[0], k[0][:, [1, 3, 4]]) and torch.equal(kv.v[1], v[1][:, [0, 2, 4]])
+        for b in range(2):
+            assert torch.equal(kv.k[b], k[b][:, idx[b]]) and torch.equal(kv.v[b], v[b][:, idx[b]])
     ts = TensorSlot(time_dim=1)
     ts.append(torch.arange(10.0).view(2, 5))
     ts.keep_columns(idx, 3)
