@@ -26,7 +26,7 @@ accepted run are holes in every row and are cropped (at batch 1 no hole is ever 
 would free a quarter of the columns (and at least ``k + 1``), or the next round would not fit, the cache is
 compacted: each row's kept columns move, in order, to the right end of ``n = max_b`` (row ``b``'s kept
 columns), its holes to the left
-(:meth:`looplm.cache.LoopCache.keep_columns`: one gather of every KV slot; a Mamba-2 state has no columns).
+(:meth:`looplm.cache.LoopCache.keep_columns`: one row selection per KV slot; a Mamba-2 state has no columns).
 A row that has emitted its ``max_new_tokens`` (or ``eos``) keeps running with the batch but commits nothing
 more (its round's columns become holes, its Mamba-2 states return to the round's start). So the cache holds
 ``T + max_new_tokens + 2(k + 1)`` columns rather than ``T + (max_new_tokens + 1)(k + 1)`` — at k = 4 the
@@ -167,7 +167,7 @@ class SpeculativeStats:
     verify_s: float | None = 0.0
     capacity: int = 0  # cache columns allocated per row
     peak_columns: int = 0  # the most columns in use at a round's end (before a compaction)
-    compactions: int = 0  # cache compactions (reclaim): each a gather of every KV slot
+    compactions: int = 0  # cache compactions (reclaim): each a row selection of every KV slot
     decoder: object = None  # the AdaptiveDecoder (its cache), the column mask and every emitted token, for inspection
     mask: torch.Tensor | None = None
     tokens: torch.Tensor | None = None  # [B, T + emitted]: a row's last round may run past max_new_tokens
