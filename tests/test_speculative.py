@@ -324,6 +324,20 @@ def test_bad_reclaim_is_refused_before_any_work():
                                                          speculative={"draft_loops": 1, "reclaim": "yes"}), "reclaim must be True or False")  # fmt: skip
 
 
+def test_a_cache_that_cannot_drop_columns_is_refused_naming_its_slots(monkeypatch):
+    """Reclaiming needs every slot's keep_columns: without KVCache's, the call names the slots and the way out
+    (reclaim=False), which still decodes like full depth."""
+    from looplm.layers.attention import KVCache
+
+    m = _model("tiny-llama")
+    ids = torch.randint(0, 260, (2, 5))
+    ref = m.generate(ids, 6)
+    monkeypatch.delattr(KVCache, "keep_columns")
+    with pytest.raises(ValueError, match=r"cache slots \{.*'KVCache'.*\} cannot drop columns.*'reclaim': False"):
+        m.generate(ids, 6, speculative={"draft_loops": 1, "k": 2})
+    assert torch.equal(m.generate(ids, 6, speculative={"draft_loops": 1, "k": 2, "reclaim": False}), ref)
+
+
 def test_stops_when_one_row_ends_at_eos_and_another_at_max_new_tokens():
     m = _model("tiny-hybrid")
     ids = torch.randint(0, 260, (2, 5))

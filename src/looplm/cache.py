@@ -210,6 +210,11 @@ class LoopCache:
         out = [s for s in self.slots.values() if not isinstance(s, SharedKV)]
         return out + list(self.shared.values())
 
+    def lacking(self, method: str) -> dict[str, str]:
+        """``{key: type name}`` of the distinct buffers (:meth:`physical_slots`) that have no ``method``."""
+        named = [(k, s) for k, s in self.slots.items() if not isinstance(s, SharedKV)] + list(self.shared.items())
+        return {str(k): type(s).__name__ for k, s in named if not hasattr(s, method)}
+
     def rows(self, idx: torch.Tensor, cols: torch.Tensor | None = None) -> "RowsCache":
         """The cache as rows ``idx`` of the batch see it for one loop iteration (per-token exit); ``cols
         [n]``: each row's token at its own column (rows at different tokens, :mod:`looplm.depth_batch`)."""
@@ -245,11 +250,10 @@ class LoopCache:
             shape = None if idx is None else tuple(idx.shape)
             raise ValueError(f"keep_columns: length {length} of a cache of {self.seqlen} tokens, idx shape {shape} "
                              f"(want [{self.batch_size}, length] or None)")
-        slots = self.physical_slots()
-        missing = sorted({type(s).__name__ for s in slots if not hasattr(s, "keep_columns")})
+        missing = sorted(set(self.lacking("keep_columns").values()))
         if missing:
             raise TypeError(f"cache slots of type {missing} cannot drop columns (no keep_columns(idx, length))")
-        for s in slots:
+        for s in self.physical_slots():
             s.keep_columns(idx, length)
         self.seqlen = length
 

@@ -317,7 +317,7 @@ def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=F
             return (out[:, :T], stats) if return_stats else out[:, :T]
         logits = dec(input_ids, mask[:, :T])  # the prompt at full depth
         if sp.reclaim:
-            missing = {str(key): type(s).__name__ for key, s in cache.slots.items() if not hasattr(s, "keep_columns")}
+            missing = cache.lacking("keep_columns")
             if missing:
                 raise ValueError(f"speculative reclaim: cache slots {missing} cannot drop columns (no keep_columns(idx, "
                                  "length)); give them one, or pass speculative={..., 'reclaim': False}")

@@ -169,7 +169,7 @@ class KVCache:
             raise ValueError(f"keep_columns: {length} of {self._len} columns ({self.pending} pending)")
         for name in ("_k", "_v"):
             buf = getattr(self, name)
-            kept = _take_columns(buf if buf.is_contiguous() else buf.contiguous(), idx)  # [B, H_kv, length, hd]
+            kept = _take_columns(buf.contiguous(), idx)  # [B, H_kv, length, hd] (a cropped growing buffer is copied)
             if self.capacity is None:
                 setattr(self, name, kept)
             else:
