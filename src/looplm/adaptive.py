@@ -42,8 +42,10 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .context import ForwardContext, LoopContext
+from .dispatch import offer_kv_fill
 from .exits import Exit, _modulates, make_criterion, readout_is_output, stack_flop_terms
-from .layers.attention import copy_kv_columns
+from .kv_fill import KVFill
+from .layers.attention import Attention, copy_kv_columns
 
 __all__ = ["AdaptiveDecoder", "DepthStats", "restrict_context"]
 
@@ -59,6 +61,10 @@ class DepthStats:
     core_flops: float = 0.0  # the core passes that ran
     fill_flops: float = 0.0  # propagate fills (copy / freeze / shared: 0)
     fill_bytes: float = 0.0  # bytes a copy fill moved
+    # propagate fills carried into the next core call (looplm.kv_fill), and of them those a fused step wrote
+    # with its own K/V products (the rest: written on their own right after that call, or at a flush)
+    carried_fills: int = 0
+    folded_fills: int = 0
     check_flops: float = 0.0  # the criterion: readouts (kl), norms (convergence), the gate's linear
     other_flops: float = 0.0  # prelude, coda, final norm, head (of every token, as full depth runs them)
     reused_flops: float = 0.0  # of other_flops, the heads not run: an exit's logits were its kl check's readout
@@ -93,6 +99,8 @@ class DepthStats:
             "fill_flops_per_token": self.fill_flops / n,
             "fill_bytes_per_token": self.fill_bytes / n,
             "check_flops_per_token": self.check_flops / n,
+            "folded_fills": self.folded_fills,
+            "carried_fills": self.carried_fills,
         }
 
 
@@ -157,6 +165,10 @@ class AdaptiveDecoder:
         # takes them instead of running the final norm and the head again (exits.readout_is_output)
         self.reuse_readout = self.criterion.readout and readout_is_output(model)
         self._head_flops = 2.0 * model.lm_head.weight.numel()
+        # kv='propagate' without per-loop block modulation: the core's fills of a token are carried into the
+        # next core call (looplm.kv_fill: a fused stack step runs them as extra rows of its own K/V products)
+        self.carry_fills = e.kv == "propagate" and not _modulates(model.rule)
+        self._deferred: KVFill | None = None  # the fill carried into the next core call
 
     def core_pass(self, ctx: int) -> float:
         """FLOPs of one row's core pass at ``ctx`` keys."""
@@ -175,6 +187,8 @@ class AdaptiveDecoder:
         fctx, lctx = self._enter(input_ids, attention_mask, cache.seqlen)
         x = m.prelude(lctx.embeddings, fctx, m._slots(cache, m.prelude, (0,), B))  # [B, T, d]
         decoding = T == 1 and cache.seqlen > 0  # the prompt (the first call, any length) runs at full depth
+        if not decoding:
+            self.flush()
         y, depth, executed, loops, exit_logits = self._loops(x, lctx, allow_exit=decoding)
         st = self.stats
         if exit_logits is not None and logits_to_keep == 1:
@@ -218,7 +232,7 @@ class AdaptiveDecoder:
         for k in range(R):
             sub.iteration = k
             n = rows.shape[0]
-            h, state = m._iteration(state, sub, n)  # H^k [n, T, d] of the rows still looping
+            h, state = self._iterate(state, sub, n)  # H^k [n, T, d] of the rows still looping
             loops += 1
             if record is not None and sub is lctx:
                 record.append(state)
@@ -286,6 +300,41 @@ class AdaptiveDecoder:
         executed = torch.full_like(depth, loops) if full else depth  # core passes per row (kv='full': every loop)
         return y, depth, executed, loops, exit_logits
 
+    def _iterate(self, state, lctx: LoopContext, n: int):
+        """``model._iteration`` of ``n`` rows, offered the fill carried from the last token (:mod:`looplm.kv_fill`):
+        the fused stack step writes it with its own K/V products, else it is written right after."""
+        fill, self._deferred = self._deferred, None
+        if fill is None:
+            return self.model._iteration(state, lctx, n)
+        with offer_kv_fill(fill):
+            out = self.model._iteration(state, lctx, n)
+        self._written(fill)
+        return out
+
+    def _written(self, fill: KVFill) -> None:
+        """``fill`` after the core call it was offered to: counted, and written now where no fused step did."""
+        self.stats.carried_fills += 1
+        self.stats.folded_fills += fill.written
+        fill.write()  # (nothing left to do where the fused step wrote it)
+
+    def flush(self) -> None:
+        """Write the fill still carried (:mod:`looplm.kv_fill`): before the cache is read or changed other than
+        by the next token's core pass (the end of decoding, a prompt, a speculative draft)."""
+        fill, self._deferred = self._deferred, None
+        if fill is not None:
+            self.stats.carried_fills += 1
+            fill.write()
+
+    def _carried(self) -> KVFill:
+        """The fill carried into the next core call (made empty on first use): every core attention block,
+        its loops' slots as the buffers (buffer ``k'`` is loop ``k'``'s)."""
+        if self._deferred is None:
+            m, by_family = self.model, self.cache.loop_slots
+            blocks = [b for b in m.core.stack.blocks if isinstance(b.mixer, Attention)]
+            bufs = [[by_family[("core", b.layer_idx)][k] for k in range(self.R)] for b in blocks]  # KVCache per loop
+            self._deferred = KVFill(m.core.stack, blocks, bufs)
+        return self._deferred
+
     # ------------------------------------------------------------------------------------------
     def _fill(self, g: torch.Tensor, k_exit: int, state: dict, lctx: LoopContext, h_exit: torch.Tensor,
               cols: torch.Tensor | None = None, skip_core: bool = False, upto: int | None = None) -> None:
@@ -303,6 +352,9 @@ class AdaptiveDecoder:
         st = self.stats
         n = g.shape[0]
         copies = ([], [])  # kv='copy': (exit loop's cache, skipped loop's cache) pairs, one copy_kv_columns for all
+        # kv='propagate' in the core, unmodulated, at column seqlen: carried into the next core call (looplm.kv_fill)
+        carry = self.carry_fills and cols is None and upto is None
+        carried = False
         for family, by_loop in cache.loop_slots.items():
             if skip_core and family[0] == "core" and hasattr(next(iter(by_loop.values())), "update"):
                 continue  # a core attention family (its caller's); a core Mamba-2 family is filled here
@@ -333,6 +385,17 @@ class AdaptiveDecoder:
                         nxt = replace(lctx, iteration=k_exit + 1)
                         z_next = m.rule.next_input(state, nxt)  # Z^{k+1}: what the next loop would read
                     stand = z_next
+                    if carry and kv_slot:  # every core attention layer's slots of loops k+1 .. R−1 at once
+                        if not carried:
+                            loc = torch.arange(n, device=g.device)
+                            self._carried().add(z_next, lctx.fctx.rope, [(kk, g, pos, loc) for kk in skipped])
+                            carried = True
+                        d = getattr(dst, "base", dst)
+                        d.pending = max(d.pending, 1)  # the token's column, committed with it (written later)
+                        if (family, None) not in per_layer:  # one projection per layer, as below
+                            per_layer[(family, None)] = None
+                            st.fill_flops += n * 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
+                        continue
                 else:  # a readout's coda layer: the exit iterate H^k
                     stand = h_exit
                 mod_key = k if (kind == "core" and modulated) else None
@@ -373,6 +436,7 @@ class AdaptiveDecoder:
         token behind: verification writes them). Returns the logits ``[B, 1, V]`` of the exit at ``loops``
         (``None`` without ``readout``: a round's last token, whose draft only verification resumes) and the
         rule state after it (what verification resumes from)."""
+        self.flush()
         m, cache, rule = self.model, self.cache, self.model.rule
         B = input_ids.shape[0]
         fctx, lctx = self._enter(input_ids, attention_mask, cache.seqlen)
@@ -395,6 +459,7 @@ class AdaptiveDecoder:
         filled by the exit policy (so a later draft token finds an entry at every loop it runs), and the token
         is read out at its exit. Returns the logits ``[B, 1, V]``, the exit depth ``[B]``, the core passes each
         row ran ``[B]`` and the rule states after loops ``1 .. min(depth)`` (what verification resumes from)."""
+        self.flush()
         m, cache = self.model, self.cache
         B = input_ids.shape[0]
         fctx, lctx = self._enter(input_ids, attention_mask, cache.seqlen)
@@ -411,6 +476,7 @@ class AdaptiveDecoder:
         ``< start`` already run by :meth:`draft`, whose states ``states`` are) at loop ``start``: loops
         ``start .. R − 1`` of all ``n`` tokens in one forward, then finish, coda and head: logits ``[B, n, V]``
         at full depth. The coda's slots must have been rolled back to ``past`` by the caller."""
+        self.flush()
         m, rule = self.model, self.model.rule
         B, n = input_ids.shape
         fctx, lctx = self._enter(input_ids, attention_mask, past)
@@ -457,4 +523,5 @@ class AdaptiveDecoder:
         out[:, :prompt_len] = self(input_ids[:, :prompt_len], logits_to_keep=prompt_len).float()
         for t in range(prompt_len, T):
             out[:, t] = self(input_ids[:, t : t + 1], validate=False)[:, -1].float()
+        self.flush()
         return out

@@ -66,9 +66,11 @@ import torch
 
 from .adaptive import AdaptiveDecoder, _modulates, restrict_fctx
 from .context import BlockModulation, BranchModulation, ForwardContext, LoopContext
+from .dispatch import offer_kv_fill
 from .exits import Exit, make_criterion, output_is_core
 from .layers.attention import Attention, KVCache, KVRows, copy_kv_columns
 from .cache import SharedKV
+from .kv_fill import KVFill
 from .layers.mamba2 import Mamba2Rows, Mamba2State
 from .sampling import decode_context, eval_mode, sample_next
 
@@ -224,6 +226,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
                         most = max(most, made_h[b])
                         if queue_h < N:
                             refill.append(b)
+            self.flush()  # the last pass's fills (looplm.kv_fill)
         self.decode_seconds = now() - t0 - self.prompt_seconds  # after the prompts
         self._count_flops()
         cache.seqlen = P + most - 1  # the columns written (rows that stopped early: holes, masked)
@@ -248,6 +251,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         ids = input_ids[q : q + n]
         mask = None if attention_mask is None else attention_mask[q : q + n]
         t = now()
+        self.flush()  # the fills carried into the next pass, before rows change hands
         self.cache = m.new_cache(n, self.R, capacity=P, kv_shared=main.kv_shared)
         try:
             logits = self(ids, mask, validate=False)  # [n, 1, V]: full depth (a first call), no statistics
@@ -384,8 +388,12 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             mods.append(rule.block_modulation(c.state, c.lctx))
         idx = torch.cat([c.rows + c.k * self.cache.batch_size for c in cohorts])  # buffer row of each row: k·B + b
         slots = self._core_slots(idx, rows, col.index_select(0, rows))
-        h_all = m.core(torch.cat(zs) if len(zs) > 1 else zs[0], fctx, slots,
-                       _cat_modulations(mods, [c.rows.shape[0] for c in cohorts], len(m.core.stack.blocks)))  # [n, 1, d]
+        fill, self._deferred = self._deferred, None  # the last pass's propagate fills (looplm.kv_fill), offered
+        with offer_kv_fill(fill):
+            h_all = m.core(torch.cat(zs) if len(zs) > 1 else zs[0], fctx, slots,
+                           _cat_modulations(mods, [c.rows.shape[0] for c in cohorts], len(m.core.stack.blocks)))  # [n, 1, d]
+        if fill is not None:
+            self._written(fill)
         st.core_calls += 1
         exits, off = [], 0
         check_before = sum(c.crit.flops for c in cohorts)
@@ -488,7 +496,8 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         ``k'·B + b``, ``k' > k`` its exit loop, at the row's column), one gather / projection and one scatter
         per layer and buffer for all of them: ``copy`` — the exit loop's key and value (buffer row
         ``k·B + b``); ``propagate`` — the stand-in ``Z^{k+1}`` through each layer's norm and K/V projections
-        (computed once per layer: the rule does not modulate the blocks, ``_fill``'s per-loop case)."""
+        (once per layer: the rule does not modulate the blocks, ``_fill``'s per-loop case), carried into the
+        next pass's core call as a :class:`~looplm.kv_fill.KVFill` (the fused step's extra K/V rows)."""
         B, R, m = self.cache.batch_size, self.R, self.model
         if self.pending[0][2] is None:  # copy: per exit, loop k's caches of every layer into each skipped loop's
             for g, k, _, cg in self.pending:
@@ -508,14 +517,15 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         G = torch.cat([p[0] for p in self.pending])  # [e] the exiting rows
         Z = torch.cat([p[2] for p in self.pending])  # [e, 1, d] their stand-ins
         self.pending = []
-        f = self._fctx(G, col, L)
-        for blk in m.core.stack.blocks:
-            if blk.layer_idx not in self.kv_flat:
-                continue  # a Mamba-2 layer: its ssm policy is AdaptiveDecoder._fill's (through the loops' slots)
-            k, v = blk.mixer.kv_of(blk.mixer_norm(Z), f)  # [e, H_kv, 1, hd]
-            base = self.flat[blk.layer_idx][0]
-            base._k[dst, :, cc] = k[src, :, 0].to(base._k.dtype)
-            base._v[dst, :, cc] = v[src, :, 0].to(base._v.dtype)
+        # carried into the next pass's core call (looplm.kv_fill): no row reads them before that pass is over
+        blocks = [b for b in m.core.stack.blocks if b.layer_idx in self.kv_flat]  # (Mamba-2 layers: AdaptiveDecoder._fill's)
+        fill = KVFill(m.core.stack, blocks, [[self.flat[b.layer_idx][0]] for b in blocks])
+        fill.add(Z, self._fctx(G, col, L).rope, [(0, dst, cc, src)])
+        if self.carry_fills:
+            self._deferred = fill
+        else:  # (written now: the fill computed on its own)
+            fill.write()
+        for blk in blocks:
             self.stats.fill_flops += G.shape[0] * 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
 
     def _logits_of(self, exits: list, col, L: int) -> torch.Tensor:

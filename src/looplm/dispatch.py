@@ -22,7 +22,9 @@ first and fall back to the class's own method (the reference) whenever the step 
 exit the classes are restored. So a new block or rule gets a fused step by registering one, and no
 rule or block is ever edited to become fast. Inside :func:`few_token_steps` (speculative verification) a
 step may also serve calls of a few positions per sequence; a step that does not read
-:func:`few_token_calls` is unaffected.
+:func:`few_token_calls` is unaffected. Inside :func:`offer_kv_fill` (per-token exit's ``propagate`` fill
+carried into the next core pass, :mod:`looplm.kv_fill`) the fused step of that fill's stack may write it
+with its own K/V products; the decoder writes it itself after the call where no step took it.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ from typing import Any
 from torch import nn
 
 __all__ = [
-    "OPS", "DECODE_STEPS", "DecodeStep", "Op", "decode_steps", "describe", "few_token_calls", "few_token_steps", "plain_class",
-    "register", "register_decode_step", "reference_only", "unregister",
+    "OPS", "DECODE_STEPS", "DecodeStep", "Op", "decode_steps", "describe", "few_token_calls", "few_token_steps",
+    "offer_kv_fill", "offered_kv_fill", "plain_class", "register", "register_decode_step", "reference_only", "unregister",
 ]  # fmt: skip
 
 OPS: dict[str, "Op"] = {}
@@ -220,6 +222,27 @@ def few_token_steps() -> Iterator[None]:
 def few_token_calls() -> bool:
     """Whether :func:`few_token_steps` is active (read by decode steps at each call)."""
     return _few_tokens[0]
+
+
+_kv_fill: list = [None]
+
+
+@contextlib.contextmanager
+def offer_kv_fill(fill) -> Iterator[None]:
+    """Inside the block, a decode step of ``fill.stack`` may write ``fill`` (a :class:`looplm.kv_fill.KVFill`)
+    beside its own step and set ``fill.written``; the caller writes it (``fill.write()``) where none did.
+    ``None`` offers nothing."""
+    prev, _kv_fill[0] = _kv_fill[0], fill
+    try:
+        yield
+    finally:
+        _kv_fill[0] = prev
+
+
+def offered_kv_fill(module: nn.Module):
+    """The fill :func:`offer_kv_fill` offers to ``module`` (its ``stack``), not written yet, or ``None``."""
+    f = _kv_fill[0]
+    return f if f is not None and not f.written and f.stack is module else None
 
 
 def describe() -> list[tuple[str, str]]:

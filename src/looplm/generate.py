@@ -183,6 +183,7 @@ def _generate_adaptive(model, input_ids, max_new_tokens, exit, do_sample, temper
         dec = AdaptiveDecoder(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, exit, loop_options)
         ids = _decode(model, input_ids, max_new_tokens, attention_mask, lambda i, ids, m: dec(ids if i == 0 else ids[:, -1:], m, validate=i == 0),
                       do_sample, temperature, top_k, top_p, generator, eos_token_id, pad_token_id)  # fmt: skip
+        dec.flush()  # the last token's propagate fills, carried for its next token (looplm.kv_fill)
     return (ids, dec.stats) if return_stats else ids
 
 

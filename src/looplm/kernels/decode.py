@@ -450,12 +450,34 @@ def _stack_call(stack: Stack, plan: StackPlan, x, fctx, caches=None, mods=None):
     tables = _step_tables(fctx, B, T, pos, plan.rotary_dim)
     if tables is None:
         return None
+    fill = dispatch.offered_kv_fill(stack)
+    extra = _fill_args(fill, plan, len(caches)) if fill is not None else None
     # [B, T, d]; each block's keys and values written at pos .. pos + T − 1 (in rows `rows` of the buffers
-    # under per-token exit; at each row's own column `cols` under continuous depth batching)
-    y = torch.ops.looplm_cpu.decode_stack(x.contiguous(), plan.plan, ks, vs, pos, *tables, rows=rows, cols=cols)
+    # under per-token exit; at each row's own column `cols` under continuous depth batching); an offered
+    # propagate fill's stand-ins as extra rows of every block's k/v products, written into their buffers
+    y = torch.ops.looplm_cpu.decode_stack(x.contiguous(), plan.plan, ks, vs, pos, *tables, rows=rows, cols=cols, **(extra or {}))
+    if extra is not None:
+        fill.written = True
     for c in caches:
         c.advance(T)
     return y
+
+
+def _fill_args(fill, plan: StackPlan, n_blocks: int) -> dict | None:
+    """``decode_stack``'s fill arguments for ``fill`` (:class:`looplm.kv_fill.KVFill`: stand-ins for every
+    block of the stack, CPU buffers of the plan's dtype), else ``None`` (the caller's reference writes it)."""
+    z = fill.z()
+    if len(fill.blocks) != n_blocks or z.dtype != plan.dtype or z.device.type != "cpu":
+        return None
+    ks = [b._k for bufs in fill.buffers for b in bufs]
+    vs = [b._v for bufs in fill.buffers for b in bufs]
+    if any(t is None or t.dtype != plan.dtype or not t.is_contiguous() for t in ks + vs):
+        return None
+    cos = sin = None
+    if plan.rotary_dim is not None:
+        cos, sin = fill.rope(plan.rotary_dim)  # [F, 1, rot]
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    return dict(fill_z=z.contiguous(), fill_cos=cos, fill_sin=sin, fill_k=ks, fill_v=vs, fill_index=fill.index())
 
 
 PROVIDERS = ("looplm.kernels.decode", "looplm.kernels.stateloop")

@@ -500,6 +500,68 @@ void check_rows(const char* op, const std::optional<at::Tensor>& rows, int64_t B
   }
 }
 
+// Keys and values of extra rows written beside a step, never attended (per-token exit's `propagate` fill
+// folded into the next core pass, looplm/kv_fill.py): F stand-in rows z [F, d] go through the block's
+// RMSNorm and its k/v products together with the step's own rows (one weight stream), then QK-norm and
+// RoPE at their own tables cos, sin [F, rot]; entry e of index [D, 4] = (buffer j, row, column, source
+// row) writes source row's key and value into row `row`, column `column` of the block's j-th buffers.
+struct FillArgs {
+  const at::Tensor* z = nullptr;  // [F, 1, d] or [F, d]
+  int64_t F = 0;
+  const std::optional<at::Tensor>* cos = nullptr;
+  const std::optional<at::Tensor>* sin = nullptr;
+  const at::Tensor* k = nullptr;  // this block's nb destination buffers [rows, G, capacity, hd]
+  const at::Tensor* v = nullptr;
+  int64_t nb = 0;
+  const int64_t* index = nullptr;  // [D, 4]
+  int64_t D = 0;
+};
+
+// The checks of decode_stack's fill arguments (every block's buffers like its cache: G, hd, dtype).
+void check_fill(const char* op, at::ScalarType dt, int64_t d, int64_t n_blocks, const std::optional<at::Tensor>& z,
+                const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin, at::TensorList fk, at::TensorList fv,
+                const std::optional<at::Tensor>& index, at::TensorList k_caches) {
+  const bool has_z = z.has_value() && z->defined();
+  if (!has_z) {
+    TORCH_CHECK(fk.empty() && fv.empty() && !(index.has_value() && index->defined()),
+                op, ": fill_k, fill_v and fill_index need fill_z (the stand-in rows)");
+    return;
+  }
+  TORCH_CHECK(z->scalar_type() == dt && z->is_contiguous() && z->device().is_cpu() && z->numel() == z->size(0) * d && z->size(0) >= 1,
+              op, ": fill_z must be a contiguous CPU ", dtype_name(dt), " [F, 1, d] tensor with d = ", d, ", got ", z->sizes(), " ", z->scalar_type());
+  const int64_t F = z->size(0);
+  TORCH_CHECK(n_blocks >= 1, op, ": a fill needs the plan's blocks");
+  TORCH_CHECK(!fk.empty() && fk.size() == fv.size() && static_cast<int64_t>(fk.size()) % n_blocks == 0,
+              op, ": fill_k and fill_v must hold the same number of buffers for each of the plan's ", n_blocks, " blocks, got ",
+              fk.size(), " and ", fv.size());
+  const int64_t nb = static_cast<int64_t>(fk.size()) / n_blocks;
+  for (size_t i = 0; i < fk.size(); ++i) {
+    const at::Tensor& c = k_caches[i / nb];
+    TORCH_CHECK(fk[i].dim() == 4 && fk[i].sizes() == fv[i].sizes() && fk[i].size(1) == c.size(1) && fk[i].size(3) == c.size(3)
+                    && fk[i].scalar_type() == dt && fv[i].scalar_type() == dt && fk[i].is_contiguous() && fv[i].is_contiguous(),
+                op, ": fill buffer ", i, " must be a contiguous ", dtype_name(dt), " [rows, ", c.size(1), ", capacity, ", c.size(3),
+                "] pair like block ", i / nb, "'s cache, got ", fk[i].sizes(), " and ", fv[i].sizes());
+  }
+  TORCH_CHECK(index.has_value() && index->defined() && index->scalar_type() == at::kLong && index->is_contiguous() && index->dim() == 2
+                  && index->size(1) == 4,
+              op, ": fill_index must be a contiguous int64 [D, 4] tensor of (buffer, row, column, source row)");
+  const int64_t* ix = index->data_ptr<int64_t>();
+  for (int64_t e = 0; e < index->size(0); ++e) {
+    const int64_t j = ix[4 * e], r = ix[4 * e + 1], c = ix[4 * e + 2], s = ix[4 * e + 3];
+    TORCH_CHECK(0 <= j && j < nb, op, ": fill_index[", e, "] names buffer ", j, "; each block has ", nb);
+    TORCH_CHECK(0 <= r && r < fk[j].size(0) && 0 <= c && c < fk[j].size(2), op, ": fill_index[", e, "] = (", j, ", ", r, ", ", c,
+                ") is outside buffer ", j, "'s ", fk[j].size(0), " rows and ", fk[j].size(2), " columns");
+    TORCH_CHECK(0 <= s && s < F, op, ": fill_index[", e, "] reads stand-in row ", s, " of ", F);
+  }
+  const bool hc = cos.has_value() && cos->defined(), hs = sin.has_value() && sin->defined();
+  TORCH_CHECK(hc == hs, op, ": give both fill_cos and fill_sin or neither");
+  if (hc) {
+    TORCH_CHECK(cos->scalar_type() == at::kFloat && sin->scalar_type() == at::kFloat && cos->is_contiguous() && sin->is_contiguous()
+                    && cos->numel() % F == 0 && sin->sizes() == cos->sizes(),
+                op, ": fill_cos and fill_sin must be contiguous float32 [F, 1, rot] tables, got ", cos->sizes());
+  }
+}
+
 template <typename T>
 size_t attention_scratch(const AttnArgs& a, int64_t B, int64_t d, int64_t G, int64_t hd) {
   return 2 * Scratch::bytes<T>(B * d) + 2 * Scratch::bytes<T>(B * a.H * hd) + 2 * Scratch::bytes<T>(B * G * hd) + Scratch::bytes<T>(hd);
@@ -510,25 +572,58 @@ size_t attention_scratch(const AttnArgs& a, int64_t B, int64_t d, int64_t G, int
 // attending to columns 0 .. pos + t. after: the group run next (prefetched during the output product), or null.
 template <typename T>
 void attention_rows(const AttnArgs& a, const StepArgs& st, const T* x, int64_t B, int64_t d, at::Tensor& k_cache, at::Tensor& v_cache,
-                    T* out, Scratch& sc, const RowGroup* after) {
+                    T* out, Scratch& sc, const RowGroup* after, const FillArgs* fill = nullptr) {
   const int64_t H = a.H, G = k_cache.size(1), cap = k_cache.size(2), hd = k_cache.size(3), pos = st.pos, nt = st.T;
   const int64_t R = B * nt;          // product rows: every new token of every row
+  const int64_t F = fill ? fill->F : 0;  // fill rows (keys and values only), after the R rows
   const int64_t stride = pos + nt;   // a mask row's length (keys after writing the new tokens)
-  T* u = sc.take<T>(R * d);
+  T* u = sc.take<T>((R + F) * d);
   T* qp = sc.take<T>(R * H * hd);
-  T* kp = sc.take<T>(R * G * hd);
-  T* vp = sc.take<T>(R * G * hd);
+  T* kp = sc.take<T>((R + F) * G * hd);
+  T* vp = sc.take<T>((R + F) * G * hd);
   T* yp = sc.take<T>(R * H * hd);  // [R, H hd]: heads side by side, as o_proj reads them
   T* o = sc.take<T>(R * d);
   T* tmp = sc.take<T>(hd);
   norm_into(x, a.norm_w, a.eps, R, d, u);
-  const Lin qkv[3] = {{&a.wq, &a.bq, qp}, {&a.wk, &a.bk, kp}, {&a.wv, &a.bv, vp}};
   const Hint o_hint{&a.wo};
-  project(u, R, d, qkv, 3, &o_hint.g);  // q [R, H hd], k and v [R, G hd]
+  if (F == 0) {
+    const Lin qkv[3] = {{&a.wq, &a.bq, qp}, {&a.wk, &a.bk, kp}, {&a.wv, &a.bv, vp}};
+    project(u, R, d, qkv, 3, &o_hint.g);  // q [R, H hd], k and v [R, G hd]
+  } else {  // the fill rows' stand-ins through this block's norm, then k and v of all R + F rows in one product each
+    norm_into(data<T>(*fill->z), a.norm_w, a.eps, F, d, u + R * d);
+    const Lin q[1] = {{&a.wq, &a.bq, qp}};
+    const Lin kv[2] = {{&a.wk, &a.bk, kp}, {&a.wv, &a.bv, vp}};
+    project(u, R, d, q, 1, nullptr);           // q [R, H hd]
+    project(u, R + F, d, kv, 2, &o_hint.g);    // k and v [R + F, G hd]
+  }
   const bool qk_norm = a.q_norm_w.has_value() && a.q_norm_w->defined();
   const int64_t rot = st.cos.has_value() && st.cos->defined() ? st.cos->size(-1) : 0;
   T* kc = mdata<T>(k_cache);
   T* vc = mdata<T>(v_cache);
+  for (int64_t r = R; r < R + F; ++r) {  // the fill rows' keys: QK-norm, RoPE at their own tables
+    const float* cb = rot ? (*fill->cos)->data_ptr<float>() + (r - R) * rot : nullptr;
+    const float* sb = rot ? (*fill->sin)->data_ptr<float>() + (r - R) * rot : nullptr;
+    for (int64_t g = 0; g < G; ++g) {
+      T* head = kp + (r * G + g) * hd;
+      if (qk_norm) {
+        rms_norm(head, data<T>(*a.k_norm_w), static_cast<float>(a.qk_eps), hd, tmp);
+        std::memcpy(head, tmp, hd * sizeof(T));
+      }
+      if (rot) rotary(head, cb, sb, rot);
+    }
+  }
+  for (int64_t e = 0; e < (fill ? fill->D : 0); ++e) {  // ... and their values, into each entry's buffer row and column
+    const int64_t* ix = fill->index + 4 * e;
+    at::Tensor& kb = const_cast<at::Tensor&>(fill->k[ix[0]]);
+    at::Tensor& vb = const_cast<at::Tensor&>(fill->v[ix[0]]);
+    const int64_t bcap = kb.size(2), r = R + ix[3];
+    T* kd = mdata<T>(kb);
+    T* vd = mdata<T>(vb);
+    for (int64_t g = 0; g < G; ++g) {
+      std::memcpy(kd + ((ix[1] * G + g) * bcap + ix[2]) * hd, kp + (r * G + g) * hd, hd * sizeof(T));
+      std::memcpy(vd + ((ix[1] * G + g) * bcap + ix[2]) * hd, vp + (r * G + g) * hd, hd * sizeof(T));
+    }
+  }
   for (int64_t r = 0; r < R; ++r) {
     const float* cb = rot ? st.cos->data_ptr<float>() + r * rot : nullptr;
     const float* sb = rot ? st.sin->data_ptr<float>() + r * rot : nullptr;
@@ -693,7 +788,9 @@ at::Tensor decode_swiglu(const at::Tensor& x, const at::Tensor& norm_w, double e
 // per block, its parameters by their names in the block's state dict (mixer_norm.weight,
 // mixer.q_proj.weight, ..., mlp.down_proj.bias; absent = None) and its three epsilons and head count.
 // pos, cos, sin and attn_mask are the step's (every block's cache holds pos tokens); x may hold a few
-// new tokens per row (see the top).
+// new tokens per row (see the top). fill_z, fill_cos, fill_sin, fill_k, fill_v, fill_index: stand-in rows
+// whose keys and values every block writes beside its step (FillArgs; fill_k / fill_v hold each block's
+// buffers in turn, the same number per block).
 struct PlanBlock {
   at::Tensor norm_w, wq, wk, wv, wo;
   std::optional<at::Tensor> bq, bk, bv, bo, q_norm_w, k_norm_w;
@@ -743,11 +840,12 @@ struct StackPlan : torch::CustomClassHolder {
 };
 
 template <typename T>
-at::Tensor stack_impl(const at::Tensor& x, const std::vector<AttnArgs>& attn, const std::vector<std::optional<MlpArgs>>& mlp, const StepArgs& st, at::TensorList k_caches, at::TensorList v_caches) {
+at::Tensor stack_impl(const at::Tensor& x, const std::vector<AttnArgs>& attn, const std::vector<std::optional<MlpArgs>>& mlp, const StepArgs& st, at::TensorList k_caches, at::TensorList v_caches,
+                      const FillArgs& fill) {
   const int64_t B = x.size(0), R = B * st.T, d = x.size(2), n = static_cast<int64_t>(attn.size());  // R: product rows
   size_t need = 0;
   for (int64_t l = 0; l < n; ++l) {
-    need = std::max(need, attention_scratch<T>(attn[l], R, d, k_caches[l].size(1), k_caches[l].size(3)));
+    need = std::max(need, attention_scratch<T>(attn[l], R + fill.F, d, k_caches[l].size(1), k_caches[l].size(3)));
     if (mlp[l]) need = std::max(need, swiglu_scratch<T>(R, d, mlp[l]->wg.size(0)));
   }
   Scratch& sc = Scratch::reserve(need + 2 * Scratch::bytes<T>(R * d));
@@ -765,7 +863,9 @@ at::Tensor stack_impl(const at::Tensor& x, const std::vector<AttnArgs>& attn, co
     T* mid = last && !mlp[l] ? mdata<T>(out) : buf[next_buf];
     at::Tensor& kc = const_cast<at::Tensor&>(k_caches[l]);
     at::Tensor& vc = const_cast<at::Tensor&>(v_caches[l]);
-    attention_rows<T>(attn[l], st, h, B, d, kc, vc, mid, sc, mlp[l] ? &gate_up.g : after_block);
+    FillArgs fl = fill;  // this block's destination buffers
+    if (fl.F) fl.k += l * fl.nb, fl.v += l * fl.nb;
+    attention_rows<T>(attn[l], st, h, B, d, kc, vc, mid, sc, mlp[l] ? &gate_up.g : after_block, fl.F ? &fl : nullptr);
     sc.release(base);
     h = mid;
     next_buf ^= 1;
@@ -784,7 +884,11 @@ at::Tensor stack_impl(const at::Tensor& x, const std::vector<AttnArgs>& attn, co
 at::Tensor decode_stack(const at::Tensor& x, const c10::intrusive_ptr<StackPlan>& plan, at::TensorList k_caches, at::TensorList v_caches,
                         int64_t pos, const std::optional<at::Tensor>& cos, const std::optional<at::Tensor>& sin,
                         const std::optional<at::Tensor>& attn_mask, const std::optional<at::Tensor>& rows,
-                        const std::optional<at::Tensor>& cols) {
+                        const std::optional<at::Tensor>& cols, const std::optional<at::Tensor>& fill_z,
+                        const std::optional<at::Tensor>& fill_cos, const std::optional<at::Tensor>& fill_sin,
+                        std::optional<at::TensorList> fill_k_opt, std::optional<at::TensorList> fill_v_opt,
+                        const std::optional<at::Tensor>& fill_index) {
+  const at::TensorList fill_k = fill_k_opt.value_or(at::TensorList{}), fill_v = fill_v_opt.value_or(at::TensorList{});
   const char* op = "decode_stack";
   const at::ScalarType dt = check_x_tokens(op, x);
   const int64_t n = plan->size();
@@ -806,7 +910,18 @@ at::Tensor decode_stack(const at::Tensor& x, const c10::intrusive_ptr<StackPlan>
       mlp.emplace_back(std::nullopt);
     }
   }
-  return dt == at::kBFloat16 ? stack_impl<bf16>(x, attn, mlp, st, k_caches, v_caches) : stack_impl<float>(x, attn, mlp, st, k_caches, v_caches);
+  check_fill(op, dt, x.size(2), n, fill_z, fill_cos, fill_sin, fill_k, fill_v, fill_index, k_caches);
+  FillArgs fill;
+  if (fill_z.has_value() && fill_z->defined()) {
+    const bool step_rope = cos.has_value() && cos->defined(), fill_rope = fill_cos.has_value() && fill_cos->defined();
+    TORCH_CHECK(step_rope == fill_rope && (!step_rope || fill_cos->numel() == fill_z->size(0) * cos->size(-1)), op,
+                ": the fill rows need RoPE tables exactly when the step has them, of its rot = ", step_rope ? cos->size(-1) : 0,
+                " channels (fill_cos [F, 1, rot])");
+    fill = FillArgs{&*fill_z, fill_z->size(0), &fill_cos, &fill_sin, fill_k.data(), fill_v.data(),
+                    static_cast<int64_t>(fill_k.size()) / n, fill_index->data_ptr<int64_t>(), fill_index->size(0)};
+  }
+  return dt == at::kBFloat16 ? stack_impl<bf16>(x, attn, mlp, st, k_caches, v_caches, fill)
+                             : stack_impl<float>(x, attn, mlp, st, k_caches, v_caches, fill);
 }
 
 // ---- Mamba-2 ------------------------------------------------------------------------------------
@@ -1090,7 +1205,8 @@ TORCH_LIBRARY_FRAGMENT(looplm_cpu, m) {
       .def("mlp_blocks", &looplm_cpu::StackPlan::mlp_blocks);
   m.def(
       "decode_stack(Tensor x, __torch__.torch.classes.looplm_cpu.StackPlan plan, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, int pos, "
-      "Tensor? cos, Tensor? sin, Tensor? attn_mask, Tensor? rows=None, Tensor? cols=None) -> Tensor");
+      "Tensor? cos, Tensor? sin, Tensor? attn_mask, Tensor? rows=None, Tensor? cols=None, Tensor? fill_z=None, Tensor? fill_cos=None, "
+      "Tensor? fill_sin=None, Tensor(c!)[]? fill_k=None, Tensor(d!)[]? fill_v=None, Tensor? fill_index=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) {
   m.impl("decode_attention", &looplm_cpu::decode_attention);
