@@ -216,3 +216,21 @@ def test_bench_scale_section_times_the_schedules_on_attention_and_mamba2_backbon
     assert [(r["mixer"], r["schedule"]) for r in rows] == [("attention", "token"), ("attention", "static"),
                                                           ("mamba2", "token"), ("mamba2", "static")]
     assert all(0 < r["executed_ratio"] < 1 and r["time_ratio"] > 0 for r in rows)
+
+
+def test_bench_timing_compares_carried_and_at_exit_propagate_fills():
+    """`--compare-carry`: each kv=propagate setting also runs with its fills written at the exit, in the same
+    alternation, under each schedule; the decoders it times carry (or not) and both decode."""
+    from looplm.bench_adaptive import _contenders, section_timing
+
+    torch.manual_seed(0)
+    m = looplm.build("tiny-llama").eval()
+    specs = {"p": {"criterion": "kl", "threshold": 0.5, "kv": "propagate"}, "c": {"criterion": "kl", "threshold": 0.5, "kv": "copy"}}
+    cont = _contenders(m, 2, specs, ("token", "depth"), at_exit=True)
+    assert set(cont) == {"full", "p/token", "p/depth", "p/token-at-exit", "p/depth-at-exit", "c/token", "c/depth"}
+    assert cont["p/token"](2, 8).carry_fills and not cont["p/token-at-exit"](2, 8).carry_fills
+    assert not cont["p/depth-at-exit"](2, 8).carry_fills
+    prompts = {2: torch.randint(0, 260, (2, 5))}
+    rows = section_timing(m, prompts, [("kl", 0.5, "propagate")], 6, 1, "wall", [torch.float32], compare_carry=True)
+    assert [r["schedule"] for r in rows] == ["token", "depth", "token-at-exit", "depth-at-exit"]
+    assert all(r["time_ratio"] > 0 and 0 < r["executed_ratio"] <= 1 for r in rows)

@@ -223,7 +223,14 @@ def section_frontier(model, ids, settings, kv: str, runs: int, clock: str, promp
     return rows
 
 
-def _contenders(m, B: int, specs: dict, schedules=("token", "depth")) -> dict:
+def _at_exit(dec):
+    """``dec`` with its ``kv='propagate'`` fills written at the exit, not carried into the next core pass
+    (:mod:`looplm.kv_fill`): the run ``--compare-carry`` times beside the carrying one."""
+    dec.carry_fills = False
+    return dec
+
+
+def _contenders(m, B: int, specs: dict, schedules=("token", "depth"), at_exit: bool = False) -> dict:
     """``{"full": ..., name: decoder factory}`` for :func:`decode_timing` / :func:`generation_timing`: each spec
     (an exit) under the token schedule, and at batch > 1 also under the depth schedule (continuous depth
     batching; at batch 1 the two are one schedule) and, when asked, its fixed-shape form ``static``."""
@@ -239,6 +246,10 @@ def _contenders(m, B: int, specs: dict, schedules=("token", "depth")) -> dict:
                 cont[f"{name}/depth"] = lambda b, c, spec=spec: DepthBatchedDecoder(m, b, c, {**spec, "schedule": "depth"})
             if "static" in schedules:
                 cont[f"{name}/static"] = lambda b, c, spec=spec: StaticDepthDecoder(m, b, c, {**spec, "schedule": "static"})
+        if at_exit and spec["kv"] == "propagate":  # the same decoders with the fills written at the exit
+            cont[f"{name}/token-at-exit"] = lambda b, c, spec=spec: _at_exit(AdaptiveDecoder(m, b, c, spec))
+            if B > 1 and "depth" in schedules:
+                cont[f"{name}/depth-at-exit"] = lambda b, c, spec=spec: _at_exit(DepthBatchedDecoder(m, b, c, {**spec, "schedule": "depth"}))
     return cont
 
 
@@ -248,19 +259,22 @@ def _timed(m, prompts, new_tokens, cont, runs, clock) -> dict:
     (:func:`generation_timing`)."""
     from .eval.decode_timing import generation_timing
 
-    if any(k.endswith(("/depth", "/static")) for k in cont):
+    if any(k.endswith(("/depth", "/static", "/depth-at-exit")) for k in cont):
         return generation_timing(m, prompts, new_tokens, cont, runs=runs, clock=clock)
     return decode_timing(m, prompts, new_tokens, cont, runs=runs, clock=clock)
 
 
 def section_timing(model, prompts_by_batch: dict, settings, new_tokens: int, runs: int, clock: str, dtypes,
-                   schedules=("token", "depth")) -> list[dict]:
+                   schedules=("token", "depth"), compare_carry: bool = False) -> list[dict]:
+    """Decode time against full depth per setting, batch, dtype and schedule; with ``compare_carry`` each
+    ``kv='propagate'`` setting also runs with its fills written at the exit (schedule ``<name>-at-exit``) in
+    the same alternation."""
     rows = []
     for dt in dtypes:
         m = model.to(dt)
         for B, prompts in prompts_by_batch.items():
             specs = {f"{crit}:{eps}/{kv}": {"criterion": crit, "threshold": eps, "kv": kv} for crit, eps, kv in settings}
-            res = _timed(m, prompts, new_tokens, _contenders(m, B, specs, schedules), runs, clock)
+            res = _timed(m, prompts, new_tokens, _contenders(m, B, specs, schedules, compare_carry), runs, clock)
             full_ms = res["full"]["ms_per_token"]
             for name in list(res)[1:]:
                 r = res[name]
@@ -648,7 +662,7 @@ def cmd_bench_adaptive(args) -> int:
         settings += [("convergence", e, "copy") for e in [conv_grid[len(conv_grid) // 2]]]
         if "timing" in sections:
             rows = section_timing(lm, prompts, settings, 16 if q else args.new, 2 if q else args.runs, args.clock, dtypes,
-                                  schedules)
+                                  schedules, args.compare_carry)
             report["sections"]["timing"] = rows
             log("\n## timing (decode only, interleaved with full depth)\n" + _md(rows, TABLES["timing"]))
         # the LM's own exit depths at the middle kl threshold (the pool the scale section replays)
@@ -715,6 +729,8 @@ def register(sub) -> None:
                    "max(--drafts) loops), comma-separated: kl:0.01,convergence:0.3")
     a.add_argument("--compare-reclaim", action="store_true", help="also time each speculative setting keeping rejected "
                    "drafts' cache columns (reclaim=False) in the same alternation, and print their cache sizes")
+    a.add_argument("--compare-carry", action="store_true", help="also time each kv=propagate setting of the timing "
+                   "section with its fills written at the exit (not carried into the next core pass) in the same alternation")
     a.add_argument("--widths", default="512,1024", help="backbone widths of the scale section")
     a.add_argument("--scale-mixers", default="attention", help="block kinds of the scale section: attention, mamba2")
     a.add_argument("--schedules", default="token,depth", help="batch schedules timed at batch 8 beside full depth "

@@ -56,6 +56,10 @@ holes) read row by row — so a verification costs one op per loop, not the refe
 ``tests/test_decode_few_tokens.py`` holds it to the reference). A row view with per-row columns (continuous
 depth batching, :mod:`looplm.depth_batch`: each row at its own token and loop, its cache row ``k·B + b`` of
 a layer's one ``[R·B, ...]`` buffer) passes them as the op's ``cols``, the mask's length as ``pos + 1``.
+A ``kv='propagate'`` fill offered to the stack's call (:func:`looplm.dispatch.offer_kv_fill`,
+:mod:`looplm.kv_fill`) rides on it: its stand-ins are extra rows of every block's k / v products (the
+weights the step streams anyway), QK-normed and rotated at their own positions, written into the skipped
+loops' slots (the op's ``fill_*`` arguments); the fill is then marked written.
 
 A rule's own residual mixers — StateLoop's ``S + mixer(RMSNorm(S))`` over its state (eqs. 8, 9), an
 attention or Mamba-2 mixer — are the same branch and take the same step under the same conditions

@@ -35,6 +35,8 @@
 //         cols[b] .. cols[b] + T − 1, 0 <= cols[b] <= pos, reading the first cols[b] + t + 1 entries of its
 //         mask row (the mask stays [B, 1, T, pos + T]) — rows at different tokens in one call: continuous
 //         depth batching (looplm/depth_batch.py), where each row runs its own token at its own loop.
+//   fill (decode_stack only): F stand-in rows whose keys and values every block writes beside the step
+//         (FillArgs, below; per-token exit's kv='propagate' fills carried into the next core pass).
 // The Mamba-2 op's shapes are with it, below.
 #include "gemv.h"
 #include "simd.h"
