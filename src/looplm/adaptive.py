@@ -18,6 +18,7 @@ the token is committed to the cache. It calls the rule's hooks and never asks wh
         state = state[staying rows]              # (kv = 'full': every row goes on, only y is taken here)
     y[rows still looping] = rule.finish(state)
     fill the skipped loops' slots of every exited row (policy); cache.commit()
+                                                 # (propagate's core fills: carried into the next core call, looplm.kv_fill)
     logits = head(norm(coda(y)))                 # every row
 
 The prompt (the first call, whatever its length) and any call of several tokens run at full depth (every
