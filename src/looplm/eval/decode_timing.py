@@ -29,6 +29,16 @@ def _now(clock: str):
     return time.perf_counter if clock == "wall" else time.process_time
 
 
+def _flushed(dec, now) -> float:
+    """Seconds ``dec.flush()`` takes (what a decoder still carries, :mod:`looplm.kv_fill`, is part of its
+    decoding); 0 for a decoder without one."""
+    if not hasattr(dec, "flush"):
+        return 0.0
+    t0 = now()
+    dec.flush()
+    return now() - t0
+
+
 def _rotated(names: list, i: int) -> list:
     """``names`` starting at position ``i`` (mod their count): each step a different contender goes first."""
     shift = i % len(names)
@@ -74,11 +84,8 @@ def decode_timing(model, prompts: torch.Tensor, new_tokens: int, contenders: dic
                     t0 = now()
                     toks[k] = decs[k](toks[k], validate=False)[:, -1].argmax(-1, keepdim=True)
                     spent[k] += now() - t0
-            for k in names:  # what a decoder still carries (looplm.kv_fill) is part of its decoding
-                if hasattr(decs[k], "flush"):
-                    t0 = now()
-                    decs[k].flush()
-                    spent[k] += now() - t0
+            for k in names:
+                spent[k] += _flushed(decs[k], now)
             if run:
                 for k in names:
                     per_run[k].append(1000 * spent[k] / n)
@@ -96,9 +103,7 @@ def _greedy_steps(model, dec, prompts: torch.Tensor, n: int, now) -> float:
         t0 = now()
         for _ in range(n):
             tok = greedy(dec(tok, validate=False)[:, -1])[:, None]
-        if hasattr(dec, "flush"):  # what it still carries (looplm.kv_fill) is part of its decoding
-            dec.flush()
-        return now() - t0
+        return now() - t0 + _flushed(dec, now)
 
 
 @torch.inference_mode()
@@ -192,6 +197,8 @@ def teacher_forced_timing(model, ids: torch.Tensor, contenders: dict, *, prompt_
                     lg = decs[k](ids[:, t : t + 1], validate=False)
                     spent[k] += now() - t0
                     out[k][:, t] = lg[:, -1].float()
+            for k in names:
+                spent[k] += _flushed(decs[k], now)
             for k in names:
                 per_run[k].append(1000 * spent[k] / max(1, T - prompt_len))
             logits, last = out, decs
