@@ -302,21 +302,21 @@ class AdaptiveDecoder:
         return y, depth, executed, loops, exit_logits
 
     def _iterate(self, state, lctx: LoopContext, n: int):
-        """``model._iteration`` of ``n`` rows, offered the fill carried from the last token (:mod:`looplm.kv_fill`):
-        the fused stack step writes it with its own K/V products, else it is written right after."""
+        """``model._iteration`` of ``n`` rows, offered the fill carried from the last token (:meth:`_offering`)."""
+        return self._offering(lambda: self.model._iteration(state, lctx, n))
+
+    def _offering(self, core_call):
+        """``core_call()`` (a call that runs the core) with the carried fill offered to it (:mod:`looplm.kv_fill`):
+        the fused stack step writes it with its own K/V products, else it is written right after; counted."""
         fill, self._deferred = self._deferred, None
         if fill is None:
-            return self.model._iteration(state, lctx, n)
+            return core_call()
         with offer_kv_fill(fill):
-            out = self.model._iteration(state, lctx, n)
-        self._written(fill)
-        return out
-
-    def _written(self, fill: KVFill) -> None:
-        """``fill`` after the core call it was offered to: counted, and written now where no fused step did."""
+            out = core_call()
         self.stats.carried_fills += 1
         self.stats.folded_fills += fill.written
         fill.write()  # (nothing left to do where the fused step wrote it)
+        return out
 
     def flush(self) -> None:
         """Write the fill still carried (:mod:`looplm.kv_fill`): before the cache is read or changed other than
@@ -388,14 +388,12 @@ class AdaptiveDecoder:
                     stand = z_next
                     if carry and kv_slot:  # every core attention layer's slots of loops k+1 .. R−1 at once
                         if not carried:
-                            loc = torch.arange(n, device=g.device)
-                            self._carried().add(z_next, lctx.fctx.rope, [(kk, g, pos, loc) for kk in skipped])
+                            fill, loc = self._carried(), torch.arange(n, device=g.device)
+                            fill.add(z_next, lctx.fctx.rope, [(kk, g, pos, loc) for kk in skipped])
+                            st.fill_flops += n * fill.flops_per_row()  # one projection per layer, as below
                             carried = True
                         d = getattr(dst, "base", dst)
                         d.pending = max(d.pending, 1)  # the token's column, committed with it (written later)
-                        if (family, None) not in per_layer:  # one projection per layer, as below
-                            per_layer[(family, None)] = None
-                            st.fill_flops += n * 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
                         continue
                 else:  # a readout's coda layer: the exit iterate H^k
                     stand = h_exit

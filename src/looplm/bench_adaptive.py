@@ -239,17 +239,15 @@ def _contenders(m, B: int, specs: dict, schedules=("token", "depth"), at_exit: b
     from .depth_static import StaticDepthDecoder
 
     cont = {"full": lambda b, c: FullDepth(m, b, c)}
+    classes = {"token": AdaptiveDecoder, "depth": DepthBatchedDecoder, "static": StaticDepthDecoder}
     for name, spec in specs.items():
-        cont[f"{name}/token"] = lambda b, c, spec=spec: AdaptiveDecoder(m, b, c, spec)
-        if B > 1 and spec["kv"] != "full":
-            if "depth" in schedules:
-                cont[f"{name}/depth"] = lambda b, c, spec=spec: DepthBatchedDecoder(m, b, c, {**spec, "schedule": "depth"})
-            if "static" in schedules:
-                cont[f"{name}/static"] = lambda b, c, spec=spec: StaticDepthDecoder(m, b, c, {**spec, "schedule": "static"})
+        batched = [s for s in ("depth", "static") if s in schedules] if B > 1 and spec["kv"] != "full" else []
+        for sched in ["token"] + batched:
+            cont[f"{name}/{sched}"] = lambda b, c, spec=spec, sched=sched: classes[sched](
+                m, b, c, spec if sched == "token" else {**spec, "schedule": sched})
         if at_exit and spec["kv"] == "propagate":  # the same decoders with the fills written at the exit
-            cont[f"{name}/token-at-exit"] = lambda b, c, spec=spec: _at_exit(AdaptiveDecoder(m, b, c, spec))
-            if B > 1 and "depth" in schedules:
-                cont[f"{name}/depth-at-exit"] = lambda b, c, spec=spec: _at_exit(DepthBatchedDecoder(m, b, c, {**spec, "schedule": "depth"}))
+            for sched in ["token"] + [s for s in batched if s == "depth"]:  # (static refuses propagate)
+                cont[f"{name}/{sched}-at-exit"] = lambda b, c, make=cont[f"{name}/{sched}"]: _at_exit(make(b, c))
     return cont
 
 
@@ -259,7 +257,7 @@ def _timed(m, prompts, new_tokens, cont, runs, clock) -> dict:
     (:func:`generation_timing`)."""
     from .eval.decode_timing import generation_timing
 
-    if any(k.endswith(("/depth", "/static", "/depth-at-exit")) for k in cont):
+    if any(k.rsplit("/", 1)[-1].removesuffix("-at-exit") in ("depth", "static") for k in cont):
         return generation_timing(m, prompts, new_tokens, cont, runs=runs, clock=clock)
     return decode_timing(m, prompts, new_tokens, cont, runs=runs, clock=clock)
 

@@ -66,7 +66,6 @@ import torch
 
 from .adaptive import AdaptiveDecoder, _modulates, restrict_fctx
 from .context import BlockModulation, BranchModulation, ForwardContext, LoopContext
-from .dispatch import offer_kv_fill
 from .exits import Exit, make_criterion, output_is_core
 from .layers.attention import Attention, KVCache, KVRows, copy_kv_columns
 from .cache import SharedKV
@@ -388,12 +387,9 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             mods.append(rule.block_modulation(c.state, c.lctx))
         idx = torch.cat([c.rows + c.k * self.cache.batch_size for c in cohorts])  # buffer row of each row: k·B + b
         slots = self._core_slots(idx, rows, col.index_select(0, rows))
-        fill, self._deferred = self._deferred, None  # the last pass's propagate fills (looplm.kv_fill), offered
-        with offer_kv_fill(fill):
-            h_all = m.core(torch.cat(zs) if len(zs) > 1 else zs[0], fctx, slots,
-                           _cat_modulations(mods, [c.rows.shape[0] for c in cohorts], len(m.core.stack.blocks)))  # [n, 1, d]
-        if fill is not None:
-            self._written(fill)
+        mod = _cat_modulations(mods, [c.rows.shape[0] for c in cohorts], len(m.core.stack.blocks))
+        # [n, 1, d]; offered the last pass's propagate fills (looplm.kv_fill)
+        h_all = self._offering(lambda: m.core(torch.cat(zs) if len(zs) > 1 else zs[0], fctx, slots, mod))
         st.core_calls += 1
         exits, off = [], 0
         check_before = sum(c.crit.flops for c in cohorts)
@@ -525,8 +521,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             self._deferred = fill
         else:  # (written now: the fill computed on its own)
             fill.write()
-        for blk in blocks:
-            self.stats.fill_flops += G.shape[0] * 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
+        self.stats.fill_flops += G.shape[0] * fill.flops_per_row()
 
     def _logits_of(self, exits: list, col, L: int) -> torch.Tensor:
         """Logits ``[e, V]`` of a pass's exits ``[(rows, y, logits or None)]``, in their order: a check's readout

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import torch
 
+from .context import ForwardContext
+
 __all__ = ["KVFill"]
 
 
@@ -73,11 +75,13 @@ class KVFill:
         """``[D, 4]`` int64: ``(buffer, row, column, stand-in row)`` per written entry."""
         return torch.cat([torch.stack((torch.full_like(r, j), r, c, s), 1) for j, r, c, s in self._targets])
 
-    def tables(self):
+    def tables(self) -> ForwardContext:
         """The stand-ins' forward context (their rotary tables; one token each) for the reference."""
-        from .context import ForwardContext
-
         return ForwardContext(rope={r: self.rope(r) for r in self._rope[0]}, is_causal=False)
+
+    def flops_per_row(self) -> float:
+        """FLOPs of one stand-in's k / v products over the blocks (what the fill adds, wherever it runs)."""
+        return sum(2.0 * (b.mixer.k_proj.weight.numel() + b.mixer.v_proj.weight.numel()) for b in self.blocks)
 
     # the reference ---------------------------------------------------------------------------------------
     @torch.no_grad()
