@@ -1,6 +1,8 @@
 # looplm — the two Quickstart targets set everything up on a fresh machine.
 PY ?= python3
 TORCH_VERSION ?= 2.13.0
+# test processes (pytest-xdist; one torch thread each): auto = one per core; 0 = one process with two threads
+TEST_WORKERS ?= auto
 
 .PHONY: install demo test bench clean
 
@@ -13,7 +15,7 @@ demo: install
 	$(PY) -m looplm.cli demo
 
 test: install
-	$(PY) -m pytest -x tests --durations=15
+	$(PY) -m pytest -x -n $(TEST_WORKERS) --dist loadfile tests --durations=15   # a file's tests share one worker (module fixtures build once)
 
 bench: install
 	$(PY) benchmarks/bench_vs_hf.py

@@ -3,8 +3,9 @@ import os
 import pytest
 import torch
 
-# keep the suite deterministic and light on the 2-core CI machines
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# keep the suite deterministic and light on the 2-core CI machines: two threads in one process, one per
+# process under pytest-xdist (`-n 2`: two workers share the two cores)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(autouse=True)
