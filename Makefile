@@ -1,8 +1,8 @@
 # looplm — the two Quickstart targets set everything up on a fresh machine.
 PY ?= python3
 TORCH_VERSION ?= 2.13.0
-# test processes (pytest-xdist; one torch thread each): auto = one per core; 0 = one process with two threads
-TEST_WORKERS ?= auto
+# test processes (pytest-xdist; one torch thread each): one per logical CPU, at most 8; 0 = one process with two threads
+TEST_WORKERS ?= $(shell $(PY) -c 'import os; print(min(8, os.cpu_count() or 1))')
 
 .PHONY: install demo test bench clean
 
