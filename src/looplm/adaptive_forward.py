@@ -1,0 +1,326 @@
+"""Per-token exit in one parallel forward: a whole text (a prompt, a scored continuation) at adaptive depth.
+
+:class:`looplm.adaptive.AdaptiveDecoder` takes the exits one decoded token at a time, and its prompt runs
+at full depth. :func:`adaptive_forward` runs a whole ``[B, T]`` text at once with the same exits: after each
+loop the criterion decides, for every position still looping, whether its token stops there; the next
+loop runs only the positions still looping — loop-major instead of token-major. Its logits are what
+decoding the text one token at a time with the same :class:`~looplm.exits.Exit` gives (teacher forcing,
+:meth:`AdaptiveDecoder.score`, with no full-depth prompt), up to the order of floating-point sums: a token's
+arithmetic depends only on the tokens before it, and at loop ``k`` those are either still looping (their
+loop-``k`` keys and values are computed in the same pass, before anyone reads them) or exited (their
+skipped loops hold the policy's fill). What lm-eval's loglikelihood tasks need to score a model at adaptive
+depth (:mod:`looplm.eval.harness`), and a prompt's per-token exit.
+
+One loop ``k`` over the ``n`` positions still looping (tokens as rows of the rule, ``[n, 1, d]``)::
+
+    z = rule.next_input(state)                          # Z^k  [n, 1, d], one row per (row b, position t)
+    Z = pack(z)                                         # [B, T_a, d]: each row's looping positions, in order
+    H = core(Z, rope at their positions, mask)          # attention: queries T_a, keys every position of the row
+    h = unpack(H); state = rule.step(state, h)          # [n, 1, d]
+    leave = criterion(h, state)                         # [n] bool; the leavers' outputs rule.finish(...)
+    fill the leavers' keys and values of the loops they skip (kv policy), drop them from the rows
+
+Each core attention layer keeps one key/value buffer ``[B, H_kv, T + 1, hd]`` for all loops, written in
+place: at loop ``k`` a looping position writes its loop-``k`` key and value at its column before the pass
+attends (every query reads its row's columns up to its own), and an exited position's column keeps what
+the policy left there — ``copy``: its exit loop's key and value (it is simply not overwritten);
+``propagate``: the stand-in ``Z^{r+1}`` through each layer's norm and K/V projections, written once at the
+exit (CALM's propagation, :mod:`looplm.exits`); ``full``: every position keeps running every loop and only
+its output is taken at the exit (the exact caches; no compute saved). Column ``T`` is a scratch column the
+padding of the pack writes to and no real query reads. ``shared`` is refused: with one slot for every loop a
+token reads the earlier tokens at the *last* loop they ran, which exists only once they have finished —
+tokens one after another, not loops (use :meth:`AdaptiveDecoder.score`).
+
+What runs (refused before any work otherwise, naming the option): attention cores (a Mamba-2 layer in the
+core scans positions in order within each loop, and an exited token would have to leave that scan; prelude
+and coda Mamba-2 layers are fine — they run once over the whole text), no sliding window in the core, no kl
+criterion with coda layers (a readout per loop through the coda would need a coda cache per loop), no rule
+with per-loop slots of its own or a rule that replaces the blocks' residual stream, and ``propagate`` only
+for rules that do not modulate the blocks per loop. Padding tokens (``attention_mask`` 0) leave after the
+first loop and are left out of the statistics.
+
+Cost: the core runs ``Σ_k B · T_a(k)`` positions (``T_a(k)``: the most positions any row still loops at
+loop ``k``; a row with fewer computes padding), which :attr:`AdaptiveForward.stats` reports beside the
+executed depth per token; the criterion's readouts (``kl``: the final norm and the head at every loop of
+every looping position) are counted there too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from .adaptive import restrict_context
+from .context import BlockModulation, BranchModulation, ForwardContext, LoopContext
+from .exits import Exit, _modulates, _modulation_owns_carrier, make_criterion, stack_flop_terms
+from .layers.attention import Attention, attention
+
+__all__ = ["AdaptiveForward", "PositionKV", "adaptive_forward", "forward_support"]
+
+
+@dataclass
+class AdaptiveForward:
+    """What :func:`adaptive_forward` returns."""
+
+    logits: torch.Tensor  # [B, T, V] next-token logits of every position
+    depth: torch.Tensor  # [B, T] long: the loop each position's token exited after (1-based)
+    executed: torch.Tensor  # [B, T] long: the core passes each position ran (kv='full': every loop)
+    stats: dict  # means over the real tokens (padding left out): see adaptive_forward
+
+
+class PositionKV:
+    """A core attention layer's key/value buffer ``[B, H_kv, T + 1, hd]`` for one loop pass over some
+    positions of every row: the pass's queries are each row's looping positions packed to ``[B, T_a]``,
+    at columns ``cols [B, T_a]`` (``T``: the scratch column of the pack's padding). :meth:`attend` writes
+    the new keys and values at those columns, then every query attends to its row's columns under the
+    mask (its own and the visible ones before it)."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, cols: torch.Tensor):
+        self.k, self.v, self.cols = k, v, cols
+
+    @property
+    def seqlen(self) -> int:  # (no sliding window runs on this slot: forward_support refuses it)
+        return self.k.shape[2] - 1
+
+    def attend(self, q, k, v, attn_mask, enable_gqa: bool) -> torch.Tensor:
+        """``q [B, H, T_a, hd]``, ``k, v [B, H_kv, T_a, hd]`` at ``cols``; ``attn_mask`` bool
+        ``[B, 1, T_a, T + 1]`` -> ``[B, H, T_a, hd]``."""
+        B, H, Ta, hd = k.shape
+        at = self.cols[:, None, :, None].expand(B, H, Ta, hd)  # [B, H_kv, T_a, hd]: each query's column
+        self.k.scatter_(2, at, k.to(self.k.dtype))  # (padding: the scratch column, several writers, never read)
+        self.v.scatter_(2, at, v.to(self.v.dtype))
+        return attention(q, self.k, self.v, attn_mask=attn_mask, is_causal=False, enable_gqa=enable_gqa)
+
+    def write(self, b: torch.Tensor, t: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Keys and values ``[n, H_kv, hd]`` of positions ``(b [n], t [n])`` (a fill)."""
+        self.k[b, :, t] = k.to(self.k.dtype)
+        self.v[b, :, t] = v.to(self.v.dtype)
+
+
+def forward_support(model, e: Exit) -> list[str]:
+    """Why ``model`` cannot run :func:`adaptive_forward` under the (checked) exit ``e`` (empty: it can)."""
+    cfg, errs = model.config, []
+    if e.kv == "shared":
+        errs.append("kv policy 'shared' gives every loop one slot, so a token reads the earlier tokens at the last loop "
+                    "they ran: tokens one after another, not one loop over all of them; use kv='copy', 'propagate' or "
+                    "'full', or score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+    core = model.core.stack.blocks
+    ssm = [b.layer_idx for b in core if not isinstance(b.mixer, Attention)]
+    if ssm and e.ssm != "freeze" and e.kv != "full":
+        errs.append(f"ssm policy {e.ssm!r} feeds an exited token's stand-in into each skipped loop's scan; in one forward "
+                    f"the core's Mamba-2 layers {ssm} scan the looping tokens only (an exited token leaves the scan: "
+                    "'freeze'): use ssm='freeze' or kv='full', or score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+    windowed = [b.layer_idx for b in core if isinstance(b.mixer, Attention) and b.mixer.sliding_window is not None]
+    if windowed:
+        errs.append(f"a per-token exit in one forward has no sliding-window band for the packed positions (core layers "
+                    f"{windowed}): score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+    if model.rule.loop_slot_mixers():
+        errs.append(f"a per-token exit in one forward cannot run the rule {cfg.rule.name!r}'s own per-loop slots (its state "
+                    "mixers): score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+    if _modulation_owns_carrier(model):
+        errs.append(f"a per-token exit in one forward needs plain block inputs; the rule {cfg.rule.name!r} replaces a "
+                    "block's residual stream (read / write hooks): score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+    if e.criterion == "kl" and len(model.coda.blocks):
+        errs.append("the kl criterion reads every loop out through the coda, whose attention would need a cache per loop: "
+                    "use criterion 'convergence' or 'gate', or score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+    if e.kv == "propagate" and _modulates(model.rule):
+        errs.append(f"kv policy 'propagate' writes one stand-in per exited token for every loop it skips; the rule "
+                    f"{cfg.rule.name!r} modulates its blocks per loop: use kv='copy' or 'full'")  # fmt: skip
+    return errs
+
+
+@torch.no_grad()
+def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: torch.Tensor | None = None,
+                     loop_options: dict | None = None, full_depth_prefix: int = 0) -> AdaptiveForward:
+    """Next-token logits of every position of ``input_ids [B, T]`` with per-token exit (module docstring).
+
+    ``exit``: an :class:`~looplm.exits.Exit` (or its string / dict; its ``schedule`` and ``max_batch`` are
+    for decoding and not read here). ``attention_mask [B, T]``: 1 = real token (left or right padding).
+    ``full_depth_prefix``: the first that many positions run every loop (what :meth:`AdaptiveDecoder.score`'s
+    full-depth prompt does). Replay depths: an int, ``[B]`` per row or ``[B, T]`` per position.
+
+    ``stats``: ``tokens`` (real ones), ``selected_depth`` / ``executed_depth`` (means per token),
+    ``max_loops``, ``executed_ratio`` (executed / max_loops), ``computed_ratio`` (the positions the core ran,
+    padding of the packs included, over ``max_loops`` · B · T), ``core_flops_ratio`` (the core's FLOPs of the
+    executed passes over full depth's), ``check_flops_per_token``, ``fill_flops_per_token``."""
+    m, rule = model, model.rule
+    B, T = input_ids.shape
+    e = Exit.parse(exit)
+    e = replace(e, schedule="token", max_batch=None).resolved(m, B)
+    errs = forward_support(m, e)
+    if isinstance(full_depth_prefix, bool) or not isinstance(full_depth_prefix, int) or not 0 <= full_depth_prefix <= T:
+        errs.append(f"full_depth_prefix must be an int in [0, {T}] (positions run at every loop), got {full_depth_prefix!r}")
+    d = e.depths
+    if isinstance(d, torch.Tensor) and d.dim() == 2 and d.shape[1] < T:
+        errs.append(f"exit depths give {d.shape[1]} positions per row; the text has {T}")
+    if errs:
+        raise ValueError("exit: " + "; ".join(errs))
+    m._check_inputs(input_ids, None, attention_mask)
+    opts = dict(loop_options or {})
+    if e.criterion == "gate":  # the rule's own output selection agrees with the criterion's q (as AdaptiveDecoder)
+        q = opts.get("exit_threshold")
+        if q is not None and float(q) != e.threshold:
+            raise ValueError(f"exit='gate:{e.threshold}' and loop_options exit_threshold={q} disagree: give one of them (or the same q)")
+        opts["exit_threshold"] = e.threshold
+    if opts:
+        rule.check_loop_options(opts)
+    R, full, dev = e.max_loops, e.kv == "full", input_ids.device
+    p = next(m.parameters())
+
+    fctx = m._forward_context(input_ids, attention_mask, None, 0)  # rope [B, T, rot], the mask of the plain forward
+    E = m._embed(input_ids, head_in_loss=False) * m.embed_multiplier  # [B, T, d]
+    x = m.prelude(E, fctx, None)  # [B, T, d]: once over the text (no exit before the core)
+    dm = x.shape[-1]
+    N = B * T
+    tok_b = torch.arange(B, device=dev).repeat_interleave(T)  # [N] the row of token i (row-major: i = b·T + t)
+    tok_t = torch.arange(T, device=dev).repeat(B)  # [N] its position
+    vis = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.bool()
+    real = vis.reshape(N)
+    forced = (tok_t < full_depth_prefix) & real  # never exit
+    flat = lambda t: t.reshape(N, 1, *t.shape[2:])  # noqa: E731  [B, T, ...] -> [N, 1, ...]: tokens as rows
+    lctx = LoopContext(num_loops=R, train_loops=m.config.n_loops, fctx=ForwardContext(
+        rope={r: (flat(c), flat(s)) for r, (c, s) in fctx.rope.items()}, positions=flat(fctx.positions), is_causal=False),
+        loop_options=opts, embeddings=flat(E), embed_weight=m.embed.weight, embed_multiplier=m.embed_multiplier,
+        readout_fn=m._readout, final_norm=m.norm)  # fmt: skip
+
+    # one key/value buffer per core attention layer for every loop; column T: the packs' scratch column
+    bufs = []
+    for blk in m.core.stack.blocks:
+        a = blk.mixer
+        if not isinstance(a, Attention):  # a Mamba-2 layer: no slot, it scans the pack (the looping tokens, in order)
+            bufs.append((None, None))
+            continue
+        shape = (B, a.n_kv_heads, T + 1, a.head_dim)
+        bufs.append((torch.zeros(shape, dtype=p.dtype, device=dev), torch.zeros(shape, dtype=p.dtype, device=dev)))
+    keys = torch.arange(T + 1, device=dev)
+    ssm_layers = any(kb is None for kb, _ in bufs)
+    vis_ext = torch.cat([vis, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)[:, None, None, :]  # [B, 1, 1, T + 1]
+    (cw, ca) = stack_flop_terms(m.core.stack)
+    ctx_keys = (vis.long().cumsum(-1)).reshape(N).double()  # keys a token's attention reads (its visible prefix)
+
+    crit = make_criterion(e)
+    crit.begin(tok_t)  # replay: depths[b, t] (rows passed as each token's row b)
+    state = rule.begin(flat(x), lctx)
+    rows = torch.arange(N, device=dev)  # flat ids of the tokens still looping (increasing: each row's in order)
+    sub = lctx
+    y = x.new_zeros(N, 1, dm)
+    depth = torch.full((N,), R, dtype=torch.long, device=dev)
+    exited = torch.zeros(N, dtype=torch.bool, device=dev) if full else None
+    computed, fill_flops = 0, 0.0
+    core_flops = 0.0
+    for k in range(R):
+        sub.iteration = k
+        n = rows.shape[0]
+        b_of, t_of = tok_b.index_select(0, rows), tok_t.index_select(0, rows)
+        counts = torch.bincount(b_of, minlength=B)  # [B] looping positions per row
+        Ta = int(counts.max())  # (the pack's width: one host read per loop)
+        # each row's looping tokens in order, right-aligned in the pack (its padding first: a Mamba-2 layer's
+        # left padding, which leaves its state and conv window as they were)
+        j_of = torch.arange(n, device=dev) - (counts.cumsum(0) - counts).index_select(0, b_of) + (Ta - counts).index_select(0, b_of)
+        cols = torch.full((B, Ta), T, dtype=torch.long, device=dev)  # [B, T_a]: each query's column (T: padding)
+        cols[b_of, j_of] = t_of
+        z = rule.next_input(state, sub)  # Z^k [n, 1, d]
+        sub.core_input = z
+        mods = rule.block_modulation(state, sub)
+        zp = z.new_zeros(B, Ta, dm)
+        zp[b_of, j_of] = z[:, 0]  # [B, T_a, d]
+        at = cols.clamp(max=T - 1)
+        rope = {r: (c.gather(1, at[..., None].expand(-1, -1, c.shape[-1])), s.gather(1, at[..., None].expand(-1, -1, s.shape[-1])))
+                for r, (c, s) in fctx.rope.items()}  # [B, T_a, rot]: the queries' own positions  # fmt: skip
+        q_col = cols[:, None, :, None]  # [B, 1, T_a, 1]
+        mask = ((keys <= q_col) & vis_ext) | (keys == q_col)  # [B, 1, T_a, T + 1]: visible columns up to its own
+        fk = ForwardContext(rope=rope, positions=fctx.positions.gather(1, at), attn_mask=mask, is_causal=False)
+        if ssm_layers and (attention_mask is not None or B * Ta > n):  # the pack's real tokens (a Mamba-2 layer
+            fk.pad_mask = (cols < T) & vis.gather(1, at)  # zeroes its left padding: the state passes it unchanged)
+        slots = [None if kb is None else PositionKV(kb, vb, cols) for kb, vb in bufs]
+        H = m.core(zp, fk, slots, _pack_modulations(mods, n, b_of, j_of, B, Ta))  # [B, T_a, d]
+        h = H[b_of, j_of][:, None]  # [n, 1, d]
+        state = rule.step(state, h, sub)
+        computed += B * Ta
+        core_flops += float((cw + ca * ctx_keys.index_select(0, rows)).masked_select(real.index_select(0, rows)).sum())
+        if k == R - 1:
+            break
+        leave = crit.check(k, h, state, sub, b_of, m)  # [n] bool
+        if k + 1 < e.min_loops:
+            leave = torch.zeros_like(leave)
+        leave = (leave & ~forced.index_select(0, rows)) | ~real.index_select(0, rows)  # padding: out after one loop
+        if full:
+            leave = leave & ~exited.index_select(0, rows)
+        if not bool(leave.any()):
+            continue
+        out = leave.nonzero()[:, 0]  # local ids of the tokens leaving now
+        g = rows.index_select(0, out)
+        st_out = rule.take_rows(state, out, n)
+        ctx_out = restrict_context(lctx, g)
+        ctx_out.iteration = k
+        st_out = rule.exit_rows(st_out, torch.ones(out.shape[0], 1, dtype=torch.bool, device=dev), ctx_out)
+        y.index_copy_(0, g, rule.finish(st_out, ctx_out))
+        depth[g] = k + 1
+        if full:  # exact caches: the token keeps looping, only its output was taken here
+            exited[g] = True
+            continue
+        if e.kv == "propagate":  # the stand-in Z^{k+1} through each core layer's norm and K/V projections, once
+            zs = rule.next_input(st_out, replace(ctx_out, iteration=k + 1))  # [e, 1, d]
+            gb, gt = b_of.index_select(0, out), t_of.index_select(0, out)
+            for blk, (kb, vb) in zip(m.core.stack.blocks, bufs):
+                if kb is None:
+                    continue
+                kk, vv = blk.mixer.kv_of(blk.mixer_norm(zs), ctx_out.fctx)  # [e, H_kv, 1, hd]
+                PositionKV(kb, vb, cols).write(gb, gt, kk[:, :, 0], vv[:, :, 0])
+                fill_flops += float(real.index_select(0, g).sum()) * 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
+        stay = (~leave).nonzero()[:, 0]
+        if stay.numel() == 0:
+            rows = rows[:0]
+            break
+        state = rule.take_rows(state, stay, n)
+        rows = rows.index_select(0, stay)
+        crit.take(stay)
+        sub = restrict_context(lctx, rows)
+    if rows.numel():
+        y_rest = rule.finish(state, sub)  # [n, 1, d]
+        keep = None if exited is None else ~exited.index_select(0, rows)
+        if keep is None or bool(keep.all()):
+            y.index_copy_(0, rows, y_rest)
+        else:
+            sel = keep.nonzero()[:, 0]
+            y.index_copy_(0, rows.index_select(0, sel), y_rest.index_select(0, sel))
+    Y = y.reshape(B, T, dm)
+    Y = m.coda(Y, fctx, None)  # once over the text: a token's coda reads the earlier tokens' outputs
+    logits = m.lm_head(m.norm(Y))  # [B, T, V]
+    executed = torch.full_like(depth, R) if full else depth
+    sel, ex = depth.masked_select(real).double(), executed.masked_select(real).double()
+    n_real = max(1, int(real.sum()))
+    full_flops = R * float((cw + ca * ctx_keys).masked_select(real).sum())
+    stats = {
+        "tokens": int(real.sum()),
+        "selected_depth": float(sel.mean()) if sel.numel() else float("nan"),
+        "executed_depth": float(ex.mean()) if ex.numel() else float("nan"),
+        "max_loops": R,
+        "executed_ratio": float(ex.mean()) / R if ex.numel() else float("nan"),
+        "computed_ratio": computed / (R * N),
+        "core_flops_ratio": core_flops / full_flops if full_flops else float("nan"),
+        "check_flops_per_token": crit.flops / n_real,
+        "fill_flops_per_token": fill_flops / n_real,
+    }
+    return AdaptiveForward(logits, depth.reshape(B, T), executed.reshape(B, T), stats)
+
+
+def _pack_modulations(mods, n: int, b_of, j_of, B: int, Ta: int):
+    """The rule's block modulation of ``n`` token rows (fields ``[n, 1, ...]`` per token, or broadcasting) as
+    the pack's ``[B, T_a, ...]`` (padding: zeros)."""
+    if mods is None:
+        return None
+
+    def pack(t):
+        if not isinstance(t, torch.Tensor) or t.dim() < 3 or t.shape[0] != n or t.shape[0] == 1 == B * Ta:
+            return t
+        out = t.new_zeros(B, Ta, *t.shape[2:])
+        out[b_of, j_of] = t[:, 0]
+        return out
+
+    def branch(bm):
+        return None if bm is None else BranchModulation(scale=pack(bm.scale), shift=pack(bm.shift), gate=pack(bm.gate),
+                                                        read=bm.read, write=bm.write)  # fmt: skip
+
+    return [None if mo is None else BlockModulation(mixer=branch(mo.mixer), mlp=branch(mo.mlp)) for mo in mods]

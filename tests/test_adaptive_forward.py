@@ -1,0 +1,180 @@
+"""Per-token exit in one parallel forward (looplm.adaptive_forward) against token-by-token teacher forcing
+with the same exits (AdaptiveDecoder.score): every criterion, KV policy, backbone and rule; padding, row
+order, the criteria switched off, uniform depths, the statistics, and refused options."""
+
+import pytest
+import torch
+
+import looplm
+from looplm.adaptive import AdaptiveDecoder
+from looplm.adaptive_forward import adaptive_forward
+from looplm.recurrence.base import RULES
+
+from helpers import assert_refused_before_any_work
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _model(name, loops=5, **kw):
+    torch.manual_seed(0)
+    return looplm.build(name, n_loops=loops, **kw).eval()
+
+
+def _sequential(model, ids, exit):
+    """Teacher forcing with the decoder: position 0 as the prompt (full depth), then one token at a time.
+    Returns ``(logits [B, T, V] from position 0 on, depths [B, T − 1] of positions 1 ..)``."""
+    ex = dict(exit)
+    if isinstance(ex.get("depths"), torch.Tensor) and ex["depths"].dim() == 2:
+        ex["depths"] = ex["depths"][:, 1:]  # the decoder indexes decoded tokens; the forward, positions
+    dec = AdaptiveDecoder(model, ids.shape[0], ids.shape[1], ex)
+    logits = dec.score(ids, 1)
+    return logits, torch.stack(dec.stats.selected, 1)
+
+
+def _assert_matches_sequential(model, ids, exit):
+    out = adaptive_forward(model, ids, exit, full_depth_prefix=1)
+    ref, depths = _sequential(model, ids, exit)
+    assert torch.equal(out.depth[:, 1:], depths)
+    torch.testing.assert_close(out.logits[:, 1:].float(), ref[:, 1:], atol=2e-6, rtol=0)
+    assert torch.all(out.depth[:, 0] == out.stats["max_loops"])  # the full-depth prefix
+    return out
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-hybrid", "tiny-mamba2"])
+@pytest.mark.parametrize("kv", ["copy", "propagate", "full"])
+def test_kl_exit_equals_token_by_token_decoding(name, kv):
+    """Loop-major (every looping position of the text at once) equals token-major (the decoder, teacher
+    forced): the same exits, the same logits — the fills of skipped loops included (GQA / QK-norm, hybrid and
+    Mamba-2 cores, whose scans run over the looping tokens only)."""
+    m = _model(name)
+    ids = torch.randint(0, m.config.vocab_size, (3, 12))
+    out = _assert_matches_sequential(m, ids, {"criterion": "kl", "threshold": 0.003, "kv": kv})
+    assert 1 < len(out.depth.unique()), "the exits must spread over several depths for the fills to matter"
+
+
+def test_the_policies_change_what_later_tokens_read():
+    """copy, propagate and full fill the skipped loops differently, so the logits differ (each matches its own
+    token-by-token reference in the test above)."""
+    m = _model("tiny-qwen3", loops=6)
+    ids = torch.randint(0, m.config.vocab_size, (3, 16))
+    out = {kv: adaptive_forward(m, ids, {"criterion": "kl", "threshold": 0.002, "kv": kv}) for kv in ("copy", "propagate", "full")}
+    for a, b in (("copy", "propagate"), ("copy", "full"), ("propagate", "full")):
+        assert (out[a].logits - out[b].logits).abs().max() > 1e-3, (a, b)
+
+
+@pytest.mark.parametrize("exit", [{"criterion": "convergence", "threshold": 0.5, "kv": "copy"},
+                                  {"criterion": "replay", "depths": "per-position", "kv": "propagate"}])  # fmt: skip
+def test_convergence_and_replay_equal_token_by_token_decoding(exit):
+    m = _model("tiny-coreloop")  # prelude and coda layers: once over the text, around the per-token loops
+    ids = torch.randint(0, m.config.vocab_size, (2, 10))
+    if exit.get("depths") == "per-position":
+        exit = {**exit, "depths": torch.randint(1, 6, (2, 10), generator=torch.Generator().manual_seed(1))}
+    out = _assert_matches_sequential(m, ids, exit)
+    if exit["criterion"] == "replay":
+        assert torch.equal(out.depth[:, 1:], exit["depths"][:, 1:])
+
+
+def test_gate_exit_equals_token_by_token_decoding():
+    m = _model("tiny-llama", overrides={"rule": {"name": "exit_gate"}})
+    with torch.no_grad():
+        m.rule.gate.weight.normal_(0, 1.0)  # a spread exit distribution
+        m.rule.gate.bias.zero_()
+    ids = torch.randint(0, m.config.vocab_size, (3, 10))
+    for kv in ("copy", "full"):
+        _assert_matches_sequential(m, ids, {"criterion": "gate", "threshold": 0.5, "kv": kv})
+
+
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_every_rule_equals_token_by_token_decoding(rule):
+    """The driver calls the rule's hooks on tokens as rows ``[n, 1, d]`` and never asks which rule it holds:
+    every registered rule gives the decoder's exits and logits (kl, copy; per-position replay, propagate where
+    the rule does not modulate its blocks per loop)."""
+    m = _model("tiny-llama", overrides={"rule": {"name": rule}})
+    ids = torch.randint(0, m.config.vocab_size, (2, 9))
+    _assert_matches_sequential(m, ids, {"criterion": "kl", "threshold": 0.003, "kv": "copy"})
+    kv = "copy" if rule == "timestep" else "propagate"
+    _assert_matches_sequential(m, ids, {"criterion": "replay", "depths": torch.randint(1, 6, (2, 9)), "kv": kv})
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_criteria_off_and_uniform_depth_are_the_plain_forward(name, dtype):
+    """ε = 0 (and the gate's q = 1) runs every loop: the plain forward's logits, bit for bit, padded or not;
+    a uniform replay depth r is ``num_loops = r``."""
+    m = _model(name).to(dtype)
+    ids = torch.randint(0, m.config.vocab_size, (3, 11))
+    mask = torch.ones(3, 11, dtype=torch.long)
+    mask[1, :4] = 0  # left padding
+    with torch.no_grad():
+        assert torch.equal(adaptive_forward(m, ids, "kl:0").logits, m(ids).logits)
+        assert torch.equal(adaptive_forward(m, ids, "convergence:0", attention_mask=mask).logits[mask.bool()],
+                           m(ids, attention_mask=mask).logits[mask.bool()])  # fmt: skip
+        for r in (1, 3):
+            out = adaptive_forward(m, ids, f"replay:{r}")
+            torch.testing.assert_close(out.logits, m(ids, num_loops=r).logits, atol=1e-6 if dtype == torch.float32 else 0, rtol=0)
+            assert out.stats["executed_depth"] == r and out.stats["computed_ratio"] == r / 5
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-mamba2"])
+def test_padding_and_row_order_do_not_change_a_row(name):
+    """A left- or right-padded row gives, on its real tokens, the exits and logits of the row alone; permuting
+    the rows permutes the outputs."""
+    m = _model(name)
+    ids = torch.randint(0, m.config.vocab_size, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[1, :5] = 0
+    mask[2, 9:] = 0
+    out = adaptive_forward(m, ids, "kl:0.003", attention_mask=mask)
+    for b, sl in ((1, slice(5, 12)), (2, slice(0, 9))):
+        alone = adaptive_forward(m, ids[b : b + 1, sl], "kl:0.003")
+        assert torch.equal(out.depth[b, sl], alone.depth[0])
+        torch.testing.assert_close(out.logits[b, sl], alone.logits[0], atol=1e-6, rtol=0)
+    assert out.stats["tokens"] == int(mask.sum())
+    perm = torch.tensor([2, 0, 1])
+    a, b = adaptive_forward(m, ids, "kl:0.003"), adaptive_forward(m, ids[perm], "kl:0.003")
+    assert torch.equal(a.depth[perm], b.depth)
+    torch.testing.assert_close(a.logits[perm], b.logits, atol=1e-6, rtol=0)
+
+
+def test_statistics_count_the_exits_and_the_packs():
+    m = _model("tiny-llama")
+    ids = torch.randint(0, m.config.vocab_size, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[0, :3] = 0
+    out = adaptive_forward(m, ids, "kl:0.003", attention_mask=mask)
+    real = mask.bool()
+    d = out.depth[real].double()
+    st = out.stats
+    assert st["tokens"] == int(real.sum()) and st["max_loops"] == 5
+    assert st["selected_depth"] == pytest.approx(float(d.mean())) == pytest.approx(st["executed_depth"])
+    assert st["executed_ratio"] == pytest.approx(float(d.mean()) / 5)
+    # the core ran B · T_a(k) positions at loop k: the deepest row's looping count, padding included
+    per_loop = [max(int(((out.depth[b] > k) & real[b]).sum() if k else 12) for b in range(3)) for k in range(5)]
+    assert st["computed_ratio"] == pytest.approx(3 * sum(per_loop) / (5 * 36))
+    assert st["executed_ratio"] <= st["computed_ratio"] <= 1
+    assert 0 < st["core_flops_ratio"] < 1 and st["check_flops_per_token"] > 0 and st["fill_flops_per_token"] == 0
+    prop = adaptive_forward(m, ids, {"criterion": "kl", "threshold": 0.003, "kv": "propagate"}, attention_mask=mask)
+    assert prop.stats["fill_flops_per_token"] > 0
+    full = adaptive_forward(m, ids, {"criterion": "kl", "threshold": 0.003, "kv": "full"}, attention_mask=mask)
+    assert torch.all(full.executed == 5) and full.stats["executed_ratio"] == 1 and torch.equal(full.depth, out.depth)
+
+
+@pytest.mark.parametrize("name,exit,match", [
+    ("tiny-llama", {"criterion": "kl", "threshold": 0.01, "kv": "shared"}, "kv policy 'shared'"),
+    ("tiny-coreloop", "kl:0.01", "kl criterion reads every loop out through the coda"),
+    ("tiny-mamba2", {"criterion": "kl", "threshold": 0.01, "ssm": "propagate"}, "ssm policy 'propagate'"),
+    ("tiny-llama", {"criterion": "kl", "threshold": -1.0}, "threshold ε must be"),
+    ("tiny-llama", {"criterion": "replay", "depths": torch.ones(3, 4, dtype=torch.long)}, "depths give 4 positions per row"),
+])  # fmt: skip
+def test_bad_options_are_refused_before_any_work(name, exit, match):
+    m = _model(name)
+    ids = torch.randint(0, m.config.vocab_size, (3, 8))
+    assert_refused_before_any_work(m, lambda: adaptive_forward(m, ids, exit), match)
+
+
+def test_propagate_is_refused_for_rules_that_modulate_their_blocks_and_bad_prefix():
+    m = _model("tiny-llama", overrides={"rule": {"name": "timestep"}})
+    ids = torch.randint(0, m.config.vocab_size, (2, 6))
+    assert_refused_before_any_work(m, lambda: adaptive_forward(m, ids, {"criterion": "kl", "threshold": 0.1, "kv": "propagate"}),
+                                   "modulates its blocks per loop")  # fmt: skip
+    assert_refused_before_any_work(m, lambda: adaptive_forward(m, ids, "kl:0.1", full_depth_prefix=7), "full_depth_prefix")
