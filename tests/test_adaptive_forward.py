@@ -8,6 +8,7 @@ import torch
 import looplm
 from looplm.adaptive import AdaptiveDecoder
 from looplm.adaptive_forward import adaptive_forward
+from looplm.exits import Exit
 from looplm.recurrence.base import RULES
 
 from helpers import assert_refused_before_any_work
@@ -178,3 +179,105 @@ def test_propagate_is_refused_for_rules_that_modulate_their_blocks_and_bad_prefi
     assert_refused_before_any_work(m, lambda: adaptive_forward(m, ids, {"criterion": "kl", "threshold": 0.1, "kv": "propagate"}),
                                    "modulates its blocks per loop")  # fmt: skip
     assert_refused_before_any_work(m, lambda: adaptive_forward(m, ids, "kl:0.1", full_depth_prefix=7), "full_depth_prefix")
+
+
+# ------------------------------------------------------------------------------------------------
+# the prompt at adaptive depth: Exit(prefill='exit') in the decoders
+# ------------------------------------------------------------------------------------------------
+
+
+def _decode_prompt_token_by_token(model, ids, new, exit):
+    """The reference: the prompt's first token (full depth), its other tokens one at a time (teacher forcing,
+    their exits as decoding takes them), then ``new`` greedy tokens. Returns ``(tokens [B, new], decoder)``."""
+    B, P = ids.shape
+    dec = AdaptiveDecoder(model, B, P + new, exit)
+    logits = dec(ids[:, :1])
+    for t in range(1, P):
+        logits = dec(ids[:, t : t + 1], validate=False)
+    return _greedy(dec, logits, new), dec
+
+
+def _greedy(dec, logits, new):
+    out, tok = [], logits[:, -1].argmax(-1, keepdim=True)
+    for _ in range(new):
+        out.append(tok)
+        tok = dec(tok, validate=False)[:, -1].argmax(-1, keepdim=True)
+    dec.flush()
+    return torch.cat(out, 1)
+
+
+def _slot_diff(a, b) -> float:
+    """The largest difference between two caches' slots (every loop's keys and values, Mamba-2 states)."""
+    worst = 0.0
+    for key, s in a.slots.items():
+        t = b.slots[key]
+        if getattr(s, "_k", None) is not None:
+            L = s.seqlen
+            worst = max(worst, float((s._k[:, :, :L] - t._k[:, :, :L]).abs().max()), float((s._v[:, :, :L] - t._v[:, :, :L]).abs().max()))
+        elif hasattr(s, "ssm_state"):
+            worst = max(worst, float((s.ssm_state - t.ssm_state).abs().max()), float((s.conv_state - t.conv_state).abs().max()))
+            assert s.seqlen_offset == t.seqlen_offset
+    return worst
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid", "tiny-mamba2"])
+@pytest.mark.parametrize("kv", ["copy", "propagate"])
+def test_prefill_exit_leaves_the_caches_of_decoding_the_prompt_token_by_token(name, kv):
+    """``prefill='exit'``: the prompt in one forward leaves every loop's slots (keys and values with the fills of
+    the loops its tokens skipped, Mamba-2 states that absorbed the tokens that ran each loop) as decoding it
+    token by token after its first token does, so the generation that follows is the same."""
+    m = _model(name)
+    ids = torch.randint(0, m.config.vocab_size, (3, 10))
+    exit = Exit.parse("kl:0.003").with_policies(kv=kv)
+    ref, rdec = _decode_prompt_token_by_token(m, ids, 6, exit)
+    dec = AdaptiveDecoder(m, 3, 16, exit.with_policies(prefill="exit"))
+    got = _greedy(dec, dec(ids), 6)
+    assert torch.equal(got, ref)
+    assert _slot_diff(rdec.cache, dec.cache) < 2e-6
+    pre = dec.stats.summary()["prefill"]
+    assert pre["tokens"] == 30 and 1 < pre["selected_depth"] < 5  # the prompt's own exits
+    rd = torch.stack(rdec.stats.selected[:9], 1).double()  # the reference's exits of prompt tokens 1 ..
+    assert pre["selected_depth"] == pytest.approx(float((rd.sum() + 3 * 5) / 30))  # (+ token 0 at full depth)
+
+
+@pytest.mark.parametrize("schedule", ["token", "depth", "static"])
+def test_generate_with_prefill_exit_in_every_schedule(schedule):
+    """``generate(..., exit=Exit(prefill='exit'))`` under each batch schedule gives the tokens of the prompt
+    decoded token by token, then the generation (the schedules are exact among themselves)."""
+    m = _model("tiny-llama")
+    ids = torch.randint(0, m.config.vocab_size, (3, 10))
+    exit = Exit.parse("kl:0.003")
+    ref, _ = _decode_prompt_token_by_token(m, ids, 6, exit)
+    out, stats = m.generate(ids, 6, exit=exit.with_policies(prefill="exit", schedule=schedule), return_stats=True)
+    assert torch.equal(out[:, 10:], ref)
+    assert stats.summary()["prefill"]["tokens"] == 30
+
+
+def test_prefill_exit_options_are_refused_before_any_work():
+    m = _model("tiny-llama")
+    ids = torch.randint(0, m.config.vocab_size, (2, 6))
+    for exit, match in ((Exit(criterion="kl", threshold=0.1, kv="shared", prefill="exit"), "prefill='exit': kv policy 'shared'"),
+                        (Exit(criterion="replay", depths=torch.ones(2, 4, dtype=torch.long), prefill="exit"), "per-token replay depths"),
+                        (Exit(criterion="kl", threshold=0.1, prefill="all"), "exit prefill 'all' is unknown")):  # fmt: skip
+        assert_refused_before_any_work(m, lambda: m.generate(ids, 4, exit=exit), match)
+
+
+def test_the_front_ends_pass_the_prefill_option(capsys):
+    """``looplm generate --exit-prefill exit`` (its statistics with the prompt's exits on stderr), the lm-eval
+    model's ``exit_prefill``, and ``adaptive_options`` without an exit refusing it."""
+    import json
+
+    from looplm.cli import build_parser, main
+    from looplm.eval.harness import adaptive_options as harness_options
+    from looplm.generate import adaptive_options
+
+    m = _model("tiny-llama")
+    assert harness_options(m, exit="kl:0.1", exit_prefill="exit")["exit"].prefill == "exit"
+    with pytest.raises(ValueError, match="options of --exit"):
+        adaptive_options(m, prefill="exit")
+    args = build_parser("generate").parse_args(["generate", "--model", "tiny-llama", "--exit", "kl:0.1", "--exit-prefill", "exit"])
+    assert args.exit_prefill == "exit"
+    assert main(["generate", "--model", "tiny-llama", "--prompt", "Once upon a time", "--max-new-tokens", "4",
+                 "--exit", "kl:0.003", "--exit-prefill", "exit", "--stats"]) == 0  # fmt: skip
+    stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert stats["prefill"]["tokens"] == len("Once upon a time") and stats["prefill"]["max_loops"] == 3  # (the preset's K)

@@ -98,6 +98,33 @@ def test_loops_and_exit_threshold_reach_the_model(model):
     assert math.isclose(got, want, rel_tol=1e-5)
 
 
+def test_loglikelihood_with_exit_scores_each_token_at_its_own_depth(model):
+    """``exit=`` reaches the scored tokens: each takes the exits as decoding the text token by token would
+    (looplm.adaptive_forward, position 0 at full depth), batched or alone; the depths are counted."""
+    from looplm.adaptive_forward import adaptive_forward
+
+    reqs = [("The cat sat on", " the mat"), ("Once upon a time there was", " a loop"), ("A", "b")]
+    one = LoopLMEvalModel(model=model, tokenizer=TOK, batch_size=1, exit="convergence:1.0")
+    many = LoopLMEvalModel(model=model, tokenizer=TOK, batch_size=3, exit="convergence:1.0")
+    a = one.loglikelihood([_Req(*r) for r in reqs], disable_tqdm=True)
+    b = many.loglikelihood([_Req(*r) for r in reqs], disable_tqdm=True)
+    full = LoopLMEvalModel(model=model, tokenizer=TOK, batch_size=3).loglikelihood([_Req(*r) for r in reqs], disable_tqdm=True)
+    for (c, x), (s1, _), (s2, _), (sf, _) in zip(reqs, a, b, full):
+        ctx, cont = TOK.encode(c), TOK.encode(x)
+        out = adaptive_forward(model, torch.tensor([ctx + cont[:-1]]), "convergence:1.0", full_depth_prefix=1)
+        lp = F.log_softmax(out.logits[0].float(), -1)
+        want = sum(float(lp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont))
+        assert math.isclose(s1, want, rel_tol=1e-5, abs_tol=1e-4) and math.isclose(s2, want, rel_tol=1e-5, abs_tol=1e-4)
+        if len(ctx) > 1:  # (a continuation read at position 0 only: the full-depth prefix)
+            assert not math.isclose(s1, sf, rel_tol=1e-4)  # not the full-depth score
+    st = many.depth_stats
+    assert st["max_loops"] == model.config.n_loops and 1 < st["selected_depth"] < model.config.n_loops
+    assert st["tokens"] == sum(len(TOK.encode(c + x)) - 1 for c, x in reqs)  # the inputs read (the last token is only a target)
+    assert st["executed_ratio"] == pytest.approx(st["executed_depth"] / model.config.n_loops)
+    with pytest.raises(ValueError, match="kl criterion reads every loop out through the coda"):
+        LoopLMEvalModel(model=model, tokenizer=TOK, exit="kl:0.01", exit_prefill="exit")  # refused at construction
+
+
 def test_loglikelihood_rolling_windows(model):
     text = "a rolling perplexity document that is longer than one window of the model"
     lm = LoopLMEvalModel(model=model, tokenizer=TOK, max_length=16)
@@ -215,6 +242,14 @@ def test_cli_eval_harness_offline(ckpt, tmp_path):
     assert cli_main(["eval", "harness", str(tmp_path / "hf"), "--tasks", "local_mc", "--include-path", str(tasks),
                      "--limit", "4", "--loops", "5", "--output-json", str(out2)]) == 0
     assert json.loads(out2.read_text())["results"]["local_mc"]["acc,none"] == res["results"]["local_mc"]["acc,none"]
+    # --exit: the scored and generated requests at adaptive depth, the scored tokens' depths in the results
+    out3 = tmp_path / "res3.json"
+    assert cli_main(["eval", "harness", str(ckpt), "--tasks", "local_mc,local_gen", "--include-path", str(tasks), "--limit", "4",
+                     "--exit", "convergence:1.0", "--output-json", str(out3)]) == 0  # fmt: skip
+    res3 = json.loads(out3.read_text())
+    assert res3["config"]["exit"]["criterion"] == "convergence" and res3["config"]["exit"]["threshold"] == 1.0
+    d = res3["adaptive_depth"]
+    assert d["tokens"] > 0 and 1 <= d["selected_depth"] < d["max_loops"] == 3 and d["executed_ratio"] < 1
 
 
 def _fake_eval_dir(root: Path) -> Path:

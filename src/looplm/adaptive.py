@@ -74,13 +74,14 @@ class DepthStats:
     # whose token exited at one core pass, and the passes are counted here instead of batch_loops
     core_calls: int = 0  # core passes (each runs every row still decoding, at its own loop)
     batch_size: int = 0
+    prefill: dict | None = None  # Exit(prefill='exit'): the prompt's exits (looplm.adaptive_forward's statistics)
 
     def summary(self) -> dict:
         """Means per decoded token and row, next to full depth ``max_loops``. ``batch_depth``: core passes
         per decoded token of the batch (token schedule: the loops the batch ran; depth schedule: passes ×
         rows / tokens)."""
         if not self.selected:
-            return {"tokens": 0}
+            return {"tokens": 0, **({"prefill": self.prefill} if self.prefill is not None else {})}
         sel = torch.cat([t.reshape(-1) for t in self.selected]).float()
         ex = torch.cat([t.reshape(-1) for t in self.executed]).float()
         n = sel.numel()
@@ -102,6 +103,7 @@ class DepthStats:
             "check_flops_per_token": self.check_flops / n,
             "folded_fills": self.folded_fills,
             "carried_fills": self.carried_fills,
+            **({"prefill": self.prefill} if self.prefill is not None else {}),
         }
 
 
@@ -184,12 +186,14 @@ class AdaptiveDecoder:
             m._check_inputs(input_ids, self.cache, attention_mask)
         B, T = input_ids.shape
         cache = self.cache
+        decoding = T == 1 and cache.seqlen > 0  # the prompt (the first call, any length) runs at full depth ...
+        if not decoding:
+            self.flush()
+        if cache.seqlen == 0 and T > 1 and self.exit.prefill == "exit":  # ... or takes the exits (its tokens after the first)
+            return self._prefill_exit(input_ids, attention_mask, logits_to_keep)
         ctx = cache.seqlen + T  # keys each attention layer reads (the last position)
         fctx, lctx = self._enter(input_ids, attention_mask, cache.seqlen)
         x = m.prelude(lctx.embeddings, fctx, m._slots(cache, m.prelude, (0,), B))  # [B, T, d]
-        decoding = T == 1 and cache.seqlen > 0  # the prompt (the first call, any length) runs at full depth
-        if not decoding:
-            self.flush()
         y, depth, executed, loops, exit_logits = self._loops(x, lctx, allow_exit=decoding)
         st = self.stats
         if exit_logits is not None and logits_to_keep == 1:
@@ -206,6 +210,17 @@ class AdaptiveDecoder:
             self.token += 1
         cache.commit(T)
         return logits
+
+    def _prefill_exit(self, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
+        """The prompt with ``Exit(prefill='exit')``: its tokens after the first take the exits, all at once
+        (:func:`looplm.adaptive_forward.adaptive_forward`, which writes and commits the cache as decoding the
+        prompt token by token after its first would); the statistics in ``stats.prefill``."""
+        from .adaptive_forward import adaptive_forward
+
+        out = adaptive_forward(self.model, input_ids, self.exit, attention_mask=attention_mask, loop_options=self.loop_options,
+                               full_depth_prefix=1, cache=self.cache, logits_to_keep=logits_to_keep)  # fmt: skip
+        self.stats.prefill = out.stats
+        return out.logits
 
     # ------------------------------------------------------------------------------------------
     def _loops(self, x: torch.Tensor, lctx: LoopContext, allow_exit: bool, cap: int | None = None,

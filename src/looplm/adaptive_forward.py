@@ -132,13 +132,19 @@ def forward_support(model, e: Exit) -> list[str]:
 
 @torch.no_grad()
 def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: torch.Tensor | None = None,
-                     loop_options: dict | None = None, full_depth_prefix: int = 0) -> AdaptiveForward:
+                     loop_options: dict | None = None, full_depth_prefix: int = 0, cache=None,
+                     logits_to_keep: int | None = None) -> AdaptiveForward:
     """Next-token logits of every position of ``input_ids [B, T]`` with per-token exit (module docstring).
 
     ``exit``: an :class:`~looplm.exits.Exit` (or its string / dict; its ``schedule`` and ``max_batch`` are
     for decoding and not read here). ``attention_mask [B, T]``: 1 = real token (left or right padding).
     ``full_depth_prefix``: the first that many positions run every loop (what :meth:`AdaptiveDecoder.score`'s
     full-depth prompt does). Replay depths: an int, ``[B]`` per row or ``[B, T]`` per position.
+    ``cache``: an empty :class:`~looplm.cache.LoopCache` of ``B`` rows and ``max_loops`` loops (a decoder's,
+    ``Exit(prefill='exit')``): the text's prelude and coda slots and every loop's core slots are written as
+    decoding the text token by token leaves them (an exited token's skipped loops hold the policy's fill; a
+    Mamba-2 layer's state of loop ``k`` has absorbed the tokens that ran loop ``k``), then committed.
+    ``logits_to_keep``: the head on the last that many positions only (``logits [B, keep, V]``).
 
     ``stats``: ``tokens`` (real ones), ``selected_depth`` / ``executed_depth`` (means per token),
     ``max_loops``, ``executed_ratio`` (executed / max_loops), ``computed_ratio`` (the positions the core ran,
@@ -147,16 +153,20 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
     m, rule = model, model.rule
     B, T = input_ids.shape
     e = Exit.parse(exit)
-    e = replace(e, schedule="token", max_batch=None).resolved(m, B)
+    e = replace(e, schedule="token", max_batch=None, prefill="full").resolved(m, B)
     errs = forward_support(m, e)
     if isinstance(full_depth_prefix, bool) or not isinstance(full_depth_prefix, int) or not 0 <= full_depth_prefix <= T:
         errs.append(f"full_depth_prefix must be an int in [0, {T}] (positions run at every loop), got {full_depth_prefix!r}")
     d = e.depths
     if isinstance(d, torch.Tensor) and d.dim() == 2 and d.shape[1] < T:
         errs.append(f"exit depths give {d.shape[1]} positions per row; the text has {T}")
+    if cache is not None and (cache.seqlen != 0 or cache.num_loops != e.max_loops or cache.batch_size != B or cache.kv_shared):
+        errs.append(f"cache: an empty cache of {B} rows and {e.max_loops} loops with a slot per loop is written here; got "
+                    f"{cache.batch_size} rows, {cache.num_loops} loops, {cache.seqlen} tokens"
+                    f"{', kv_shared' if cache.kv_shared else ''}")  # fmt: skip
     if errs:
         raise ValueError("exit: " + "; ".join(errs))
-    m._check_inputs(input_ids, None, attention_mask)
+    m._check_inputs(input_ids, cache, attention_mask)
     opts = dict(loop_options or {})
     if e.criterion == "gate":  # the rule's own output selection agrees with the criterion's q (as AdaptiveDecoder)
         q = opts.get("exit_threshold")
@@ -170,7 +180,7 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
 
     fctx = m._forward_context(input_ids, attention_mask, None, 0)  # rope [B, T, rot], the mask of the plain forward
     E = m._embed(input_ids, head_in_loss=False) * m.embed_multiplier  # [B, T, d]
-    x = m.prelude(E, fctx, None)  # [B, T, d]: once over the text (no exit before the core)
+    x = m.prelude(E, fctx, m._slots(cache, m.prelude, (0,), B))  # [B, T, d]: once over the text (no exit before the core)
     dm = x.shape[-1]
     N = B * T
     tok_b = torch.arange(B, device=dev).repeat_interleave(T)  # [N] the row of token i (row-major: i = b·T + t)
@@ -209,7 +219,9 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
     exited = torch.zeros(N, dtype=torch.bool, device=dev) if full else None
     computed, fill_flops = 0, 0.0
     core_flops = 0.0
+    last = -1  # the last loop that ran
     for k in range(R):
+        last = k
         sub.iteration = k
         n = rows.shape[0]
         b_of, t_of = tok_b.index_select(0, rows), tok_t.index_select(0, rows)
@@ -233,8 +245,12 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
         fk = ForwardContext(rope=rope, positions=fctx.positions.gather(1, at), attn_mask=mask, is_causal=False)
         if ssm_layers and (attention_mask is not None or B * Ta > n):  # the pack's real tokens (a Mamba-2 layer
             fk.pad_mask = (cols < T) & vis.gather(1, at)  # zeroes its left padding: the state passes it unchanged)
-        slots = [None if kb is None else PositionKV(kb, vb, cols) for kb, vb in bufs]
+        # a Mamba-2 layer: no slot (it scans the pack), or the cache's state of loop k (the pack's scan fills it)
+        kept = _loop_slots(m, cache, k, B)
+        slots = [kept[i] if kb is None else PositionKV(kb, vb, cols) for i, (kb, vb) in enumerate(bufs)]
         H = m.core(zp, fk, slots, _pack_modulations(mods, n, b_of, j_of, B, Ta))  # [B, T_a, d]
+        if cache is not None:
+            _keep_loop(kept, bufs, T)
         h = H[b_of, j_of][:, None]  # [n, 1, d]
         state = rule.step(state, h, sub)
         computed += B * Ta
@@ -285,9 +301,15 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
         else:
             sel = keep.nonzero()[:, 0]
             y.index_copy_(0, rows.index_select(0, sel), y_rest.index_select(0, sel))
+    if cache is not None:  # the loops nobody reached: the fills as they stand, the states untouched
+        for kk in range(last + 1, R):
+            _keep_loop(_loop_slots(m, cache, kk, B), bufs, T, ran=False)
     Y = y.reshape(B, T, dm)
-    Y = m.coda(Y, fctx, None)  # once over the text: a token's coda reads the earlier tokens' outputs
-    logits = m.lm_head(m.norm(Y))  # [B, T, V]
+    Y = m.coda(Y, fctx, m._slots(cache, m.coda, (0,), B))  # once over the text: a token's coda reads the earlier tokens' outputs
+    if cache is not None:
+        cache.commit(T)
+    Y = Y if logits_to_keep is None else Y[:, -logits_to_keep:]
+    logits = m.lm_head(m.norm(Y))  # [B, T or keep, V]
     executed = torch.full_like(depth, R) if full else depth
     sel, ex = depth.masked_select(real).double(), executed.masked_select(real).double()
     n_real = max(1, int(real.sum()))
@@ -304,6 +326,23 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
         "fill_flops_per_token": fill_flops / n_real,
     }
     return AdaptiveForward(logits, depth.reshape(B, T), executed.reshape(B, T), stats)
+
+
+def _loop_slots(m, cache, k: int, B: int) -> list:
+    """The cache's core slots of loop ``k`` (``None`` per block without a cache)."""
+    return [None] * len(m.core.stack.blocks) if cache is None else m._slots(cache, m.core.stack, (k,), B, loop=k, family="core")
+
+
+def _keep_loop(slots: list, bufs: list, T: int, ran: bool = True) -> None:
+    """After loop ``k`` (or for a loop no token reached, ``ran=False``): each attention layer's buffer — every
+    position's key and value as loop ``k`` left it, fills included — into the loop's slot; a Mamba-2 state
+    counts the text's ``T`` tokens (a loop no token reached leaves it empty: all zeros)."""
+    for slot, (kb, vb) in zip(slots, bufs):
+        if kb is not None:
+            k, v = kb[:, :, :T], vb[:, :, :T]  # [B, H_kv, T, hd] (a growing slot keeps what it is given: a copy)
+            slot.update(k, v) if slot.capacity else slot.update(k.clone(), v.clone())
+        else:
+            slot.seqlen_offset = T
 
 
 def _pack_modulations(mods, n: int, b_of, j_of, B: int, Ta: int):

@@ -172,7 +172,7 @@ def _adaptive_args(args, model) -> dict:
 
     return adaptive_options(model, exit=args.exit, speculative=args.speculative, draft_k=args.draft_k, kv=args.kv_policy,
                             ssm=args.ssm_policy, min_loops=args.min_loops, max_loops=args.max_loops,
-                            schedule=args.exit_schedule, draft_exit=args.draft_exit)  # fmt: skip
+                            schedule=args.exit_schedule, draft_exit=args.draft_exit, prefill=args.exit_prefill)  # fmt: skip
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -230,6 +230,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                    help="how a batch's rows share the core passes: token (rows that exited wait for the deepest, the "
                         "default), depth (continuous depth batching: each pass runs every row at its own loop) or "
                         "static (the same at fixed shapes with no host reads per pass, for CUDA)")
+    a.add_argument("--exit-prefill", choices=["full", "exit"], default=None,
+                   help="the prompt: full (every loop, the default) or exit (its tokens after the first take the exits "
+                        "too, in one parallel forward)")
     a.add_argument("--speculative", type=int, default=None, metavar="R_D",
                    help="lossless self-speculative decoding: draft with R_D < K loops, verify with all K")
     a.add_argument("--draft-k", type=int, default=4, help="tokens drafted per speculative round")

@@ -42,6 +42,10 @@ SSM policies (Mamba-2 slots of skipped loops; attention-free layers hold a state
   update ``S ← exp(Δ·A)·S + Δ·x ⊗ B`` (``out_proj`` and everything after it skipped);
 * ``decay`` — ``S ← exp(Δ·A)·S`` only (``Δ`` from the stand-in's dt projection), conv window untouched.
 
+The prompt (``prefill``): ``full`` — every loop (the default); ``exit`` — its tokens after the first take the
+exits too, all at once (:func:`looplm.adaptive_forward.adaptive_forward`: one loop at a time over the
+positions still looping), leaving the caches decoding the prompt token by token after its first would leave.
+
 Schedules (how a batch's rows share the core passes):
 
 * ``token`` — the rows decode one token together: at each loop only the rows still looping run the core,
@@ -65,12 +69,13 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CRITERIA", "Exit", "KV_POLICIES", "SCHEDULES", "SSM_POLICIES", "make_criterion"]
+__all__ = ["CRITERIA", "Exit", "KV_POLICIES", "PREFILLS", "SCHEDULES", "SSM_POLICIES", "make_criterion"]
 
 CRITERIA = ("gate", "kl", "convergence", "replay")
 KV_POLICIES = ("copy", "propagate", "shared", "full")
 SSM_POLICIES = ("freeze", "propagate", "decay")
 SCHEDULES = ("token", "depth", "static")
+PREFILLS = ("full", "exit")
 _DEFAULT_THRESHOLD = {"gate": 1.0, "kl": 0.0, "convergence": 0.0}
 
 
@@ -89,6 +94,9 @@ class Exit:
     # schedule 'depth': rows decoded at once (None: the whole batch); the batch's other prompts queue and each
     # takes the row of one that finished (request refill: looplm.depth_batch)
     max_batch: int | None = None
+    # the prompt: 'full' (every loop) | 'exit' (its tokens after the first take the exits, in one parallel
+    # forward: looplm.adaptive_forward; the caches are what decoding the prompt token by token leaves)
+    prefill: str = "full"
 
     # --- construction ------------------------------------------------------------------------------
     @classmethod
@@ -121,9 +129,9 @@ class Exit:
         raise TypeError(f"exit must be an Exit, a dict or a string like 'gate:0.8', got {type(spec).__name__}")
 
     def with_policies(self, kv: str | None = None, ssm: str | None = None, min_loops: int | None = None,
-                      max_loops: int | None = None, schedule: str | None = None) -> "Exit":
+                      max_loops: int | None = None, schedule: str | None = None, prefill: str | None = None) -> "Exit":
         """A copy with the given fields replaced (``None`` keeps them)."""
-        kw = dict(kv=kv, ssm=ssm, min_loops=min_loops, max_loops=max_loops, schedule=schedule)
+        kw = dict(kv=kv, ssm=ssm, min_loops=min_loops, max_loops=max_loops, schedule=schedule, prefill=prefill)
         kw = {k: v for k, v in kw.items() if v is not None}
         return replace(self, **kw)
 
@@ -182,6 +190,12 @@ class Exit:
                 errs.append(f"exit max_batch must be an int >= 1 (rows decoded at once) or None, got {mb!r}")
             elif self.schedule != "depth":
                 errs.append(f"exit max_batch (request refill) runs under schedule='depth' only, got schedule={self.schedule!r}")
+        if self.prefill not in PREFILLS:
+            errs.append(f"exit prefill {self.prefill!r} is unknown; use one of {list(PREFILLS)} ('exit': the prompt's tokens "
+                        "take the exits too)")  # fmt: skip
+        elif self.prefill == "exit" and isinstance(self.depths, torch.Tensor) and self.depths.dim() == 2:
+            errs.append("exit prefill='exit' with per-token replay depths [B, N]: those index decoded tokens, not the "
+                        "prompt's; give an int or [B] depths, or prefill='full'")  # fmt: skip
         if getattr(model, "n_pause", 0):
             errs.append("per-token exit does not run pause-token models (PauseLM inserts pause positions in its own forward)")
         if not errs:
@@ -190,6 +204,10 @@ class Exit:
             errs += _depth_schedule_support(model, self.kv, self.schedule)
         if not errs and self.schedule == "static":
             errs += _static_schedule_support(model, self.kv, self.criterion, self.ssm)
+        if not errs and self.prefill == "exit":
+            from .adaptive_forward import forward_support
+
+            errs += [f"prefill='exit': {m}" for m in forward_support(model, self)]
         if errs:
             raise ValueError("exit: " + "; ".join(errs))
         th = _DEFAULT_THRESHOLD.get(self.criterion) if t is None else float(t)

@@ -25,12 +25,16 @@ SmolLM2's have a BOS; a tokenizer without one — GPT-NeoX's — conditions on E
 
 Model arguments: ``pretrained`` (path), ``loops`` (r, default the trained K), ``exit_threshold``
 (q, passed as ``loop_options={"exit_threshold": q}``), ``dtype`` (``float32`` | ``bfloat16``),
-``device``, ``batch_size``, ``max_length``, ``max_gen_toks``, ``prefix_token_id``; for ``generate_until``
-also adaptive depth (``docs/adaptive-depth.md``): ``exit`` (``gate:0.8``, ``kl:5e-4``, ...), ``kv_policy``,
+``device``, ``batch_size``, ``max_length``, ``max_gen_toks``, ``prefix_token_id``; adaptive depth
+(``docs/adaptive-depth.md``): ``exit`` (``gate:0.8``, ``kl:5e-4``, ...) — for ``loglikelihood`` /
+``loglikelihood_rolling`` every scored token after the first takes the exits in one forward per batch
+(:func:`looplm.adaptive_forward.adaptive_forward`: what decoding the text token by token gives; the depths
+in :attr:`LoopLMEvalModel.depth_stats`), for ``generate_until`` through ``generate`` — with ``kv_policy``,
 ``ssm_policy``, ``min_loops``, ``max_loops``, ``exit_schedule`` (``token`` | ``depth``: continuous depth
 batching, ``batch_size`` rows at once with request refill: a row whose request finished takes the next
 request of the same generation arguments | ``static``: the same at fixed shapes, for CUDA), or
-``speculative`` (draft loops) with ``draft_k`` and ``draft_exit``. Any other argument is refused, naming
+``exit_prefill`` (``exit``: a generation's prompt takes the exits too), or ``speculative`` (draft loops)
+with ``draft_k`` and ``draft_exit`` (generations only: lossless, so scoring stays full depth). Any other argument is refused, naming
 the close matches (``loop=6`` is not silently ignored).
 
 Suites (task groups written by :func:`write_task_configs`, scored with each task's headline metric,
@@ -94,7 +98,8 @@ class LoopLMEvalModel(TemplateLM):
                  prefix_token_id: int | str | None = None, max_batch_size: int | str | None = None,
                  exit: str | None = None, kv_policy: str | None = None, ssm_policy: str | None = None,
                  min_loops: int | str | None = None, max_loops: int | str | None = None, speculative: int | str | None = None,
-                 draft_k: int | str | None = None, exit_schedule: str | None = None, draft_exit: str | None = None, **kwargs):
+                 draft_k: int | str | None = None, exit_schedule: str | None = None, draft_exit: str | None = None,
+                 exit_prefill: str | None = None, **kwargs):
         if TemplateLM is object:
             raise ImportError("the lm-eval harness needs lm-eval: pip install 'looplm[eval]' (or pip install lm-eval)")
         if kwargs:  # before any loading: a misspelt argument (loop=6) must not be silently ignored
@@ -148,8 +153,10 @@ class LoopLMEvalModel(TemplateLM):
         if prefix_id is not None and prefix_id >= self.model.config.vocab_size:
             raise ValueError(f"prefix_token_id must be a token id in [0, {self.model.config.vocab_size}), got {prefix_token_id}")
         self.custom_prefix_token_id = prefix_id
+        # loglikelihood requests scored with exit= (per-token exit in one forward): their depths, token-weighted
+        self.depth_stats: dict = {}
         self.decode_options = adaptive_options(self.model, exit, kv_policy, ssm_policy, min_loops, max_loops, speculative, draft_k,
-                                               exit_schedule, draft_exit)
+                                               exit_schedule, draft_exit, exit_prefill)
         e = self.decode_options.get("exit")
         if e is not None and e.schedule == "depth" and not e.is_off(self.model):
             # rows decoded at once = batch_size; the group's other prompts queue for a free row
@@ -189,10 +196,33 @@ class LoopLMEvalModel(TemplateLM):
 
     # --- scoring ---
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """Log-probabilities ``[B, T, V]`` (float32) of a right-padded batch."""
+        """Log-probabilities ``[B, T, V]`` (float32) of a right-padded batch; with ``exit`` every token after the
+        first takes the exits, as decoding the text token by token would (:func:`looplm.adaptive_forward.
+        adaptive_forward`), and its depths are counted in :attr:`depth_stats`."""
+        e = self.decode_options.get("exit")
         with torch.no_grad():
-            out = self.model(ids, attention_mask=mask, num_loops=self.loops, loop_options=self.loop_options)
-        return F.log_softmax(out.logits.float(), dim=-1)
+            if e is None:
+                out = self.model(ids, attention_mask=mask, num_loops=self.loops, loop_options=self.loop_options).logits
+            else:
+                from ..adaptive_forward import adaptive_forward
+
+                if self.loops is not None and e.max_loops is None:
+                    e = e.with_policies(max_loops=self.loops)
+                res = adaptive_forward(self.model, ids, e, attention_mask=mask, loop_options=self.loop_options, full_depth_prefix=1)
+                out = res.logits
+                self._count_depths(res)
+        return F.log_softmax(out.float(), dim=-1)
+
+    def _count_depths(self, res) -> None:
+        """Add a scored batch's exits to :attr:`depth_stats` (token-weighted means over every scored batch)."""
+        st, n = res.stats, res.stats["tokens"]
+        acc = self.depth_stats
+        if not acc:
+            acc.update(tokens=0, max_loops=st["max_loops"], **{k: 0.0 for k in _DEPTH_MEANS})
+        tot = acc["tokens"] + n
+        for k in _DEPTH_MEANS:
+            acc[k] = (acc[k] * acc["tokens"] + st[k] * n) / tot if tot else 0.0
+        acc["tokens"] = tot
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """``[(key, context_ids, continuation_ids)] -> [(sum log p(continuation), is_greedy)]``.
@@ -348,6 +378,9 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+_DEPTH_MEANS = ("selected_depth", "executed_depth", "executed_ratio", "computed_ratio", "core_flops_ratio")
+
+
 def check_harness_args(*, loops=None, exit_threshold=None, num_fewshot=None, limit=None, batch_size=8, max_length=None,
                        max_gen_toks=256, model_max_length: int | None = None) -> None:
     """One ``ConfigError`` naming every bad ``looplm eval harness`` argument, before any work starts
@@ -383,11 +416,11 @@ def check_harness_args(*, loops=None, exit_threshold=None, num_fewshot=None, lim
 # the model arguments LoopLMEvalModel takes (lm-eval adds batch_size, max_batch_size and device itself)
 MODEL_ARGS = ("pretrained", "model", "tokenizer", "loops", "exit_threshold", "dtype", "device", "batch_size",
               "max_length", "max_gen_toks", "prefix_token_id", "max_batch_size", "exit", "kv_policy", "ssm_policy",
-              "min_loops", "max_loops", "exit_schedule", "speculative", "draft_k", "draft_exit")
+              "min_loops", "max_loops", "exit_schedule", "speculative", "draft_k", "draft_exit", "exit_prefill")
 
 
 def adaptive_options(model, exit=None, kv_policy=None, ssm_policy=None, min_loops=None, max_loops=None, speculative=None,
-                     draft_k=None, exit_schedule=None, draft_exit=None) -> dict:
+                     draft_k=None, exit_schedule=None, draft_exit=None, exit_prefill=None) -> dict:
     """``generate()`` keyword arguments from the lm-eval model's string arguments (checked now, before any
     request; :func:`looplm.generate.adaptive_options`): ``{"exit": Exit}``, ``{"speculative": Speculative}`` or ``{}``."""
     from ..generate import adaptive_options as resolve
@@ -397,7 +430,7 @@ def adaptive_options(model, exit=None, kv_policy=None, ssm_policy=None, min_loop
     num = lambda v: None if v in none else int(v)  # noqa: E731
     return resolve(model, exit=text(exit), speculative=num(speculative), draft_k=num(draft_k), kv=text(kv_policy),
                    ssm=text(ssm_policy), min_loops=num(min_loops), max_loops=num(max_loops), schedule=text(exit_schedule),
-                   draft_exit=text(draft_exit))  # fmt: skip
+                   draft_exit=text(draft_exit), prefill=text(exit_prefill))  # fmt: skip
 
 
 def _until_eot(ids: list[int], eot: int) -> list[int]:
@@ -685,7 +718,9 @@ def suite_tables(results: dict, suites: dict[str, list[tuple[str, SuiteTask]]], 
 def run_harness(checkpoint, tasks: list[str], *, loops=None, exit_threshold=None, num_fewshot=None, limit=None,
                 include_path=None, data_dir=None, output_json=None, batch_size=8, device=None, dtype="float32",
                 max_length=None, seed: int = 1234, task_dir=None, include_defaults: bool | None = None,
-                log_samples: bool = False, prefix_token_id: int | None = None) -> dict:
+                log_samples: bool = False, prefix_token_id: int | None = None, exit: str | None = None,
+                kv_policy: str | None = None, ssm_policy: str | None = None, min_loops: int | None = None,
+                max_loops: int | None = None) -> dict:
     """Evaluate ``checkpoint`` on ``tasks`` (task, group or suite names); returns lm-eval's results dict
     with ``looplm_tables`` (the suites' tables) added, and writes it to ``output_json`` when given.
 
@@ -693,7 +728,10 @@ def run_harness(checkpoint, tasks: list[str], *, loops=None, exit_threshold=None
     ``log_samples``: every scored document, as lm-eval logs them, one JSON line each, into
     ``<output_json without .json>_samples_<task>.jsonl`` (needs ``output_json``; the paths are listed under
     ``samples_files``). ``include_defaults``: index lm-eval's own task folder too (slow: thousands of
-    YAMLs); ``None`` = only when a requested task is neither a suite nor in ``include_path`` / ``data_dir``."""
+    YAMLs); ``None`` = only when a requested task is neither a suite nor in ``include_path`` / ``data_dir``.
+    ``exit`` (with ``kv_policy`` ...): per-token exit for every request — scored texts in one forward per batch
+    (:func:`looplm.adaptive_forward.adaptive_forward`), generations with ``generate``; the scored tokens'
+    depths are in ``adaptive_depth`` (selected / executed depth, their ratio to ``max_loops``)."""
     import tempfile
 
     check_harness_args(loops=loops, exit_threshold=exit_threshold, num_fewshot=num_fewshot, limit=limit,
@@ -720,7 +758,8 @@ def run_harness(checkpoint, tasks: list[str], *, loops=None, exit_threshold=None
     if limit is not None and limit >= 1:
         limit = int(limit)
     lm = LoopLMEvalModel(str(checkpoint), loops=loops, exit_threshold=exit_threshold, dtype=dtype, device=device,
-                         batch_size=batch_size, max_length=max_length, prefix_token_id=prefix_token_id)
+                         batch_size=batch_size, max_length=max_length, prefix_token_id=prefix_token_id, exit=exit,
+                         kv_policy=kv_policy, ssm_policy=ssm_policy, min_loops=min_loops, max_loops=max_loops)  # fmt: skip
     t0 = time.perf_counter()
     results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                                       task_manager=tm, random_seed=seed, numpy_random_seed=seed,
@@ -734,6 +773,11 @@ def run_harness(checkpoint, tasks: list[str], *, loops=None, exit_threshold=None
                      "data_dir": str(data_dir) if data_dir else None, "max_length": lm.max_length,
                      "time_s": time.perf_counter() - t0}
     out["config"]["prefix_token_id"] = lm.prefix_token_id
+    e = lm.decode_options.get("exit")
+    out["config"]["exit"] = None if e is None else {"criterion": e.criterion, "threshold": e.threshold, "kv": e.kv, "ssm": e.ssm,
+                                                    "min_loops": e.min_loops, "max_loops": e.max_loops}  # fmt: skip
+    if lm.depth_stats:
+        out["adaptive_depth"] = dict(lm.depth_stats)
     out["looplm_tables"] = suite_tables(out, ran, model_name=Path(str(checkpoint)).name)
     if log_samples:
         out["samples_files"] = _write_samples(results.get("samples") or {}, Path(output_json))

@@ -25,6 +25,11 @@ def _print_results(out: dict) -> None:
         print(make_table(out, "groups"))
     if out.get("looplm_tables"):
         print(out["looplm_tables"])
+    if out.get("adaptive_depth"):
+        a = out["adaptive_depth"]
+        print(f"adaptive depth of the scored tokens ({a['tokens']:,}): selected {a['selected_depth']:.2f}, executed "
+              f"{a['executed_depth']:.2f} of {a['max_loops']} loops (executed / K {a['executed_ratio']:.3f}; the core ran "
+              f"{a['computed_ratio']:.3f} of full depth's positions, padding of the packs included)")
 
 
 def cmd_eval_harness(args) -> int:
@@ -50,7 +55,8 @@ def cmd_eval_harness(args) -> int:
                       num_fewshot=args.num_fewshot, limit=args.limit, include_path=args.include_path,
                       data_dir=args.data_dir, output_json=args.output_json, batch_size=args.batch_size,
                       device=args.device, dtype=args.dtype, max_length=args.max_length, seed=args.seed,
-                      log_samples=args.log_samples, prefix_token_id=args.prefix_token_id)
+                      log_samples=args.log_samples, prefix_token_id=args.prefix_token_id, exit=args.exit,
+                      kv_policy=args.kv_policy, ssm_policy=args.ssm_policy, min_loops=args.min_loops, max_loops=args.max_loops)
     _print_results(out)
     return 0
 
@@ -67,6 +73,14 @@ def register(subparsers) -> None:
     p.add_argument("--tasks", help="comma-separated lm-eval tasks / groups, or suites: " + ", ".join(SUITE_NAMES))
     p.add_argument("--loops", type=int, default=None, help="loop count r (default: the trained K)")
     p.add_argument("--exit-threshold", type=float, default=None, help="exit threshold q (exit-gate rules)")
+    p.add_argument("--exit", default=None, metavar="CRITERION[:VALUE]",
+                   help="per-token exit for every request (docs/adaptive-depth.md): kl:EPS, convergence:EPS, gate:Q, replay:R; "
+                        "scored texts take it in one forward per batch, generations through generate")
+    p.add_argument("--kv-policy", choices=["copy", "propagate", "shared", "full"], default=None,
+                   help="what later tokens attend to in the loops a token skipped (default copy)")
+    p.add_argument("--ssm-policy", choices=["freeze", "propagate", "decay"], default=None)
+    p.add_argument("--min-loops", type=int, default=None)
+    p.add_argument("--max-loops", type=int, default=None)
     p.add_argument("--num-fewshot", type=int, default=None, help="override every task's shots (default: the suite's)")
     p.add_argument("--limit", type=float, default=None, help="at most N documents per task (a fraction if < 1)")
     p.add_argument("--include-path", action="append", default=None, help="a folder of extra lm-eval task YAMLs (repeatable)")
