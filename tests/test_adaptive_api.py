@@ -234,3 +234,19 @@ def test_bench_timing_compares_carried_and_at_exit_propagate_fills():
     rows = section_timing(m, prompts, [("kl", 0.5, "propagate")], 6, 1, "wall", [torch.float32], compare_carry=True)
     assert [r["schedule"] for r in rows] == ["token", "depth", "token-at-exit", "depth-at-exit"]
     assert all(r["time_ratio"] > 0 and 0 < r["executed_ratio"] <= 1 for r in rows)
+
+
+def test_bench_prefill_section_times_the_forward_against_the_plain_one_and_token_by_token():
+    """`--sections prefill`: each setting's exit forward beside the plain forward (time, executed / computed
+    ratio, PPL) and the same exits scored token by token, whose logits it equals."""
+    from looplm.bench_adaptive import TABLES, _md, section_prefill
+
+    torch.manual_seed(0)
+    m = looplm.build("tiny-llama", n_loops=5).eval()
+    ids = torch.randint(0, 260, (2, 12))
+    rows = section_prefill(m, ids, [("kl", 0.003, "copy"), ("convergence", 0.0, "copy")], 1, "wall", [torch.float32])
+    assert [(r["criterion"], r["kv"]) for r in rows] == [("kl", "copy"), ("convergence", "copy")]
+    assert all(r["max_logit_diff"] < 1e-5 and r["time_ratio"] > 0 and r["sequential_ms"] > 0 for r in rows)
+    assert rows[0]["executed_ratio"] < 1 and rows[1]["executed_ratio"] == 1  # ε = 0: every loop
+    assert rows[1]["ppl"] == pytest.approx(rows[1]["ppl_full"], rel=1e-5)
+    assert "vs token by token" in _md(rows, TABLES["prefill"])

@@ -42,7 +42,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .context import ForwardContext, LoopContext
+from .context import LoopContext, restrict_context
 from .dispatch import offer_kv_fill
 from .exits import Exit, _modulates, make_criterion, readout_is_output, stack_flop_terms
 from .kv_fill import KVFill
@@ -105,24 +105,6 @@ class DepthStats:
             "carried_fills": self.carried_fills,
             **({"prefill": self.prefill} if self.prefill is not None else {}),
         }
-
-
-def restrict_fctx(fctx: ForwardContext, idx: torch.Tensor) -> ForwardContext:
-    """``fctx`` for batch rows ``idx`` (rotary tables, positions, masks)."""
-    pick = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
-    return ForwardContext(
-        rope={r: (cos.index_select(0, idx), sin.index_select(0, idx)) for r, (cos, sin) in fctx.rope.items()},
-        positions=pick(fctx.positions), attn_mask=pick(fctx.attn_mask), is_causal=fctx.is_causal, pad_mask=pick(fctx.pad_mask),
-    )  # fmt: skip
-
-
-def restrict_context(lctx: LoopContext, idx: torch.Tensor) -> LoopContext:
-    """``lctx`` as batch rows ``idx`` see it: their forward context, embeddings, and row views of the cache."""
-    pick = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
-    return replace(
-        lctx, fctx=restrict_fctx(lctx.fctx, idx), cache=None if lctx.cache is None else lctx.cache.rows(idx),
-        embeddings=pick(lctx.embeddings), loops_per_row=pick(lctx.loops_per_row), targets=pick(lctx.targets), core_input=None,
-    )  # fmt: skip
 
 
 class AdaptiveDecoder:

@@ -51,12 +51,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .adaptive import restrict_context
-from .context import BlockModulation, BranchModulation, ForwardContext, LoopContext
-from .exits import Exit, _modulates, _modulation_owns_carrier, make_criterion, stack_flop_terms
+from .context import BlockModulation, BranchModulation, ForwardContext, LoopContext, restrict_context
+from .exits import Exit, forward_support, make_criterion, stack_flop_terms
 from .layers.attention import Attention, attention
 
-__all__ = ["AdaptiveForward", "PositionKV", "adaptive_forward", "forward_support"]
+__all__ = ["AdaptiveForward", "PositionKV", "adaptive_forward"]
 
 
 @dataclass
@@ -96,38 +95,6 @@ class PositionKV:
         """Keys and values ``[n, H_kv, hd]`` of positions ``(b [n], t [n])`` (a fill)."""
         self.k[b, :, t] = k.to(self.k.dtype)
         self.v[b, :, t] = v.to(self.v.dtype)
-
-
-def forward_support(model, e: Exit) -> list[str]:
-    """Why ``model`` cannot run :func:`adaptive_forward` under the (checked) exit ``e`` (empty: it can)."""
-    cfg, errs = model.config, []
-    if e.kv == "shared":
-        errs.append("kv policy 'shared' gives every loop one slot, so a token reads the earlier tokens at the last loop "
-                    "they ran: tokens one after another, not one loop over all of them; use kv='copy', 'propagate' or "
-                    "'full', or score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
-    core = model.core.stack.blocks
-    ssm = [b.layer_idx for b in core if not isinstance(b.mixer, Attention)]
-    if ssm and e.ssm != "freeze" and e.kv != "full":
-        errs.append(f"ssm policy {e.ssm!r} feeds an exited token's stand-in into each skipped loop's scan; in one forward "
-                    f"the core's Mamba-2 layers {ssm} scan the looping tokens only (an exited token leaves the scan: "
-                    "'freeze'): use ssm='freeze' or kv='full', or score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
-    windowed = [b.layer_idx for b in core if isinstance(b.mixer, Attention) and b.mixer.sliding_window is not None]
-    if windowed:
-        errs.append(f"a per-token exit in one forward has no sliding-window band for the packed positions (core layers "
-                    f"{windowed}): score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
-    if model.rule.loop_slot_mixers():
-        errs.append(f"a per-token exit in one forward cannot run the rule {cfg.rule.name!r}'s own per-loop slots (its state "
-                    "mixers): score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
-    if _modulation_owns_carrier(model):
-        errs.append(f"a per-token exit in one forward needs plain block inputs; the rule {cfg.rule.name!r} replaces a "
-                    "block's residual stream (read / write hooks): score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
-    if e.criterion == "kl" and len(model.coda.blocks):
-        errs.append("the kl criterion reads every loop out through the coda, whose attention would need a cache per loop: "
-                    "use criterion 'convergence' or 'gate', or score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
-    if e.kv == "propagate" and _modulates(model.rule):
-        errs.append(f"kv policy 'propagate' writes one stand-in per exited token for every loop it skips; the rule "
-                    f"{cfg.rule.name!r} modulates its blocks per loop: use kv='copy' or 'full'")  # fmt: skip
-    return errs
 
 
 @torch.no_grad()

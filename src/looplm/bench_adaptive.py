@@ -24,7 +24,10 @@ Tables (``--sections``, each a list of dicts in the JSON written to ``--out``):
   greedy self-speculative decoding over full depth at batch 1 and 8;
 * ``task`` — p-hop accuracy vs selected / executed depth vs wall time over the gate's q (and fixed depths);
 * ``scale`` — the timing protocol on larger backbones (random weights, the LM's measured exit depths
-  replayed), showing where fixed per-token costs stop hiding the saving.
+  replayed), showing where fixed per-token costs stop hiding the saving;
+* ``prefill`` — per-token exit in one forward (:mod:`looplm.adaptive_forward`: a prompt, a scored text) on
+  held-out text at batch 8 against the plain forward: wall-time ratio beside the executed and computed
+  ratio, PPL; and against scoring the same exits token by token (its speed-up, the largest logit difference).
 
 ``--train`` (re)trains the models into ``--runs`` (default ``runs/adaptive-bench``; trained weights stay
 out of git). Plots: ``--png-dir`` (accuracy / PPL vs executed depth, annotated with the time ratio).
@@ -48,7 +51,7 @@ from .eval.decode_timing import FullDepth, _now, decode_timing, decoded_nll, tea
 
 __all__ = ["FullDepth", "decode_timing", "register", "teacher_forced_quality", "teacher_forced_timing"]
 
-SECTIONS = ("quality", "frontier", "timing", "kv_bytes", "speculative", "task", "scale")
+SECTIONS = ("quality", "frontier", "timing", "kv_bytes", "speculative", "task", "scale", "prefill")
 
 
 @torch.inference_mode()
@@ -220,6 +223,58 @@ def section_frontier(model, ids, settings, kv: str, runs: int, clock: str, promp
         rows.append({"criterion": crit, "threshold": eps, "kv": kv if key != "full" else "-", "ppl": math.exp(nll),
                      "executed_depth": st["executed_depth"], "selected_depth": st["selected_depth"],
                      "ms_per_token": r["ms_per_token"], "time_ratio": r["ratio"], "clock": clock})  # fmt: skip
+    return rows
+
+
+@torch.inference_mode()
+def section_prefill(model, ids, settings, runs: int, clock: str, dtypes, sequential: bool = True) -> list[dict]:
+    """Per-token exit in one forward (:func:`looplm.adaptive_forward.adaptive_forward`, every token after the
+    first) against the plain forward of the same text, interleaved run by run (rotating order, medians): wall
+    time, executed and computed ratio (the packs' padding included), PPL of every position's next token. With
+    ``sequential`` the same exits are also scored token by token (:meth:`AdaptiveDecoder.score`, the
+    reference; one run): its time and the largest logit difference to the forward's (``max_logit_diff``)."""
+    from .adaptive import AdaptiveDecoder
+    from .adaptive_forward import adaptive_forward
+    from .eval.decode_timing import _rotated
+
+    now = _now(clock)
+    B, T = ids.shape
+    tgt = ids[:, 1:]
+    nll = lambda lg: float(F.cross_entropy(lg[:, :-1].float().reshape(-1, lg.shape[-1]), tgt.reshape(-1)))  # noqa: E731
+    rows = []
+    for dt in dtypes:
+        m = model.to(dt)
+        specs = {(c, e, kv): {"criterion": c, "threshold": e, "kv": kv} for c, e, kv in settings}
+        calls = {"full": lambda: m(ids).logits}
+        calls.update({k: (lambda spec=spec: adaptive_forward(m, ids, spec, full_depth_prefix=1)) for k, spec in specs.items()})
+        per_run = {k: [] for k in calls}
+        last = {}
+        for run in range(runs + 1):  # the first run warms up
+            for k in _rotated(list(calls), run):
+                t0 = now()
+                last[k] = calls[k]()
+                if run:
+                    per_run[k].append(now() - t0)
+        full_s = statistics.median(per_run["full"])
+        ppl_full = math.exp(nll(last["full"]))
+        for k, spec in specs.items():
+            out = last[k]
+            st = out.stats
+            row = {"dtype": str(dt).replace("torch.", ""), "batch": B, "tokens": T, "criterion": k[0], "threshold": k[1], "kv": k[2],
+                   "selected_depth": st["selected_depth"], "executed_ratio": st["executed_ratio"],
+                   "computed_ratio": st["computed_ratio"], "ppl": math.exp(nll(out.logits)), "ppl_full": ppl_full,
+                   "full_ms": 1000 * full_s, "ms": 1000 * statistics.median(per_run[k]),
+                   "time_ratio": statistics.median([a / b for a, b in zip(per_run[k], per_run["full"])]), "clock": clock}  # fmt: skip
+            row["target_met"] = row["time_ratio"] <= 1.1 * row["executed_ratio"]
+            if sequential:
+                dec = AdaptiveDecoder(m, B, T, spec)
+                t0 = now()
+                ref = dec.score(ids, 1)
+                row["sequential_ms"] = 1000 * (now() - t0)
+                row["speedup_vs_sequential"] = row["sequential_ms"] / row["ms"]
+                row["max_logit_diff"] = float((ref[:, 1:] - out.logits[:, 1:].float()).abs().max())
+            rows.append(row)
+    model.float()
     return rows
 
 
@@ -484,6 +539,12 @@ TABLES = {
     "frontier": [("criterion", "criterion", ""), ("threshold", "ε", "g"), ("kv", "kv", ""), ("executed_depth", "executed", ".2f"),
                  ("ppl", "PPL", ".3f"), ("ms_per_token", "ms/token", ".2f"), ("time_ratio", "time / full", ".3f")],
     "kv_bytes": [("kv", "policy", ""), ("bytes_per_token", "KV bytes / token", ",.0f"), ("ratio", "vs per-loop", ".3f")],
+    "prefill": [("dtype", "dtype", ""), ("batch", "B", "d"), ("tokens", "T", "d"), ("criterion", "criterion", ""),
+                ("threshold", "ε", "g"), ("kv", "kv", ""), ("selected_depth", "selected", ".2f"),
+                ("executed_ratio", "executed / K", ".3f"), ("computed_ratio", "computed / K", ".3f"), ("ppl", "PPL", ".3f"),
+                ("ppl_full", "PPL full", ".3f"), ("full_ms", "full ms", ".1f"), ("ms", "exit ms", ".1f"),
+                ("time_ratio", "time / full", ".3f"), ("target_met", "≤ 1.1 × executed", ""),
+                ("speedup_vs_sequential", "vs token by token", ".1f"), ("max_logit_diff", "max |Δ logit|", ".1e")],
     "speculative": [("dtype", "dtype", ""), ("batch", "B", "d"), ("draft_loops", "r_d", "d"), ("k", "k", "d"),
                     ("draft_exit", "draft exit", ""), ("mean_draft_depth", "draft depth", ".2f"),
                     ("verify_start", "verify from loop", ".2f"),
@@ -654,6 +715,11 @@ def cmd_bench_adaptive(args) -> int:
                 for kv in ("copy", "propagate", "full", "shared")]  # fmt: skip
         report["sections"]["kv_bytes"] = rows
         log("\n## KV bytes per token\n" + _md(rows, TABLES["kv_bytes"]))
+    if "prefill" in sections:
+        settings = [("kl", e, kv) for e in kl_grid for kv in ("copy", "propagate")] + [("convergence", e, "copy") for e in conv_grid]
+        rows = section_prefill(lm, held[:8], settings, 2 if q else args.runs, args.clock, dtypes)
+        report["sections"]["prefill"] = rows
+        log("\n## per-token exit in one forward (every token after the first; held-out text, batch 8)\n" + _md(rows, TABLES["prefill"]))
     if "timing" in sections or "scale" in sections:
         prompts = {B: _held_out(tok, args.data, B, 32, seed=1) for B in batches}
         settings = [("kl", e, kv) for e in [kl_grid[len(kl_grid) // 2]] for kv in ("copy", "propagate")]

@@ -4,20 +4,22 @@
 * :class:`BranchModulation` / :class:`BlockModulation`: the hooks a rule may put inside a block's
   residual branches (timestep conditioning, hyper-connections; see :mod:`looplm.blocks`);
 * :class:`LoopContext` (``lctx``): where the loop driver is and what a rule may read
-  (see :mod:`looplm.recurrence.base`).
+  (see :mod:`looplm.recurrence.base`);
+* :func:`restrict_fctx` / :func:`restrict_context`: both as some batch rows see them (per-token exit's rows
+  or tokens still looping: :mod:`looplm.adaptive`, :mod:`looplm.adaptive_forward`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from .cache import LoopCache
 
-__all__ = ["BlockModulation", "BranchModulation", "ForwardContext", "LoopContext"]
+__all__ = ["BlockModulation", "BranchModulation", "ForwardContext", "LoopContext", "restrict_context", "restrict_fctx"]
 
 
 @dataclass
@@ -122,3 +124,22 @@ class LoopContext:
             return None
         k = self.iteration
         return self.cache.slot(("rule", name, k), factory, loop=k, family=("rule", name))
+
+
+# --- row subsets (per-token exit: the rows or tokens still looping) ----------------------------------
+def restrict_fctx(fctx: ForwardContext, idx: torch.Tensor) -> ForwardContext:
+    """``fctx`` for batch rows ``idx`` (rotary tables, positions, masks)."""
+    pick = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
+    return ForwardContext(
+        rope={r: (cos.index_select(0, idx), sin.index_select(0, idx)) for r, (cos, sin) in fctx.rope.items()},
+        positions=pick(fctx.positions), attn_mask=pick(fctx.attn_mask), is_causal=fctx.is_causal, pad_mask=pick(fctx.pad_mask),
+    )  # fmt: skip
+
+
+def restrict_context(lctx: LoopContext, idx: torch.Tensor) -> LoopContext:
+    """``lctx`` as batch rows ``idx`` see it: their forward context, embeddings, and row views of the cache."""
+    pick = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
+    return replace(
+        lctx, fctx=restrict_fctx(lctx.fctx, idx), cache=None if lctx.cache is None else lctx.cache.rows(idx),
+        embeddings=pick(lctx.embeddings), loops_per_row=pick(lctx.loops_per_row), targets=pick(lctx.targets), core_input=None,
+    )  # fmt: skip

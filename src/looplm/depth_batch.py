@@ -64,8 +64,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .adaptive import AdaptiveDecoder, _modulates, restrict_fctx
-from .context import BlockModulation, BranchModulation, ForwardContext, LoopContext
+from .adaptive import AdaptiveDecoder, _modulates
+from .context import BlockModulation, BranchModulation, ForwardContext, LoopContext, restrict_fctx
 from .exits import Exit, make_criterion, output_is_core
 from .layers.attention import Attention, KVCache, KVRows, copy_kv_columns
 from .cache import SharedKV

@@ -69,7 +69,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CRITERIA", "Exit", "KV_POLICIES", "PREFILLS", "SCHEDULES", "SSM_POLICIES", "make_criterion"]
+__all__ = ["CRITERIA", "Exit", "KV_POLICIES", "PREFILLS", "SCHEDULES", "SSM_POLICIES", "forward_support", "make_criterion"]
 
 CRITERIA = ("gate", "kl", "convergence", "replay")
 KV_POLICIES = ("copy", "propagate", "shared", "full")
@@ -205,8 +205,6 @@ class Exit:
         if not errs and self.schedule == "static":
             errs += _static_schedule_support(model, self.kv, self.criterion, self.ssm)
         if not errs and self.prefill == "exit":
-            from .adaptive_forward import forward_support
-
             errs += [f"prefill='exit': {m}" for m in forward_support(model, self)]
         if errs:
             raise ValueError("exit: " + "; ".join(errs))
@@ -274,6 +272,41 @@ def _depth_schedule_support(model, kv: str, schedule: str = "depth") -> list[str
     if _modulation_owns_carrier(model):
         errs.append(f"schedule {schedule!r} needs plain block inputs; the rule {cfg.rule.name!r} replaces a block's residual "
                     "stream (read / write hooks): use schedule='token'")  # fmt: skip
+    return errs
+
+
+def forward_support(model, e: Exit) -> list[str]:
+    """Why ``model`` cannot take the exit ``e`` in one parallel forward (:func:`looplm.adaptive_forward.adaptive_forward`,
+    ``prefill='exit'``; empty: it can)."""
+    from .layers.attention import Attention
+
+    cfg, errs = model.config, []
+    if e.kv == "shared":
+        errs.append("kv policy 'shared' gives every loop one slot, so a token reads the earlier tokens at the last loop "
+                    "they ran: tokens one after another, not one loop over all of them; use kv='copy', 'propagate' or "
+                    "'full', or score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+    core = model.core.stack.blocks
+    ssm = [b.layer_idx for b in core if not isinstance(b.mixer, Attention)]
+    if ssm and e.ssm != "freeze" and e.kv != "full":
+        errs.append(f"ssm policy {e.ssm!r} feeds an exited token's stand-in into each skipped loop's scan; in one forward "
+                    f"the core's Mamba-2 layers {ssm} scan the looping tokens only (an exited token leaves the scan: "
+                    "'freeze'): use ssm='freeze' or kv='full', or score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+    windowed = [b.layer_idx for b in core if isinstance(b.mixer, Attention) and b.mixer.sliding_window is not None]
+    if windowed:
+        errs.append(f"a per-token exit in one forward has no sliding-window band for the packed positions (core layers "
+                    f"{windowed}): score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+    if model.rule.loop_slot_mixers():
+        errs.append(f"a per-token exit in one forward cannot run the rule {cfg.rule.name!r}'s own per-loop slots (its state "
+                    "mixers): score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+    if _modulation_owns_carrier(model):
+        errs.append(f"a per-token exit in one forward needs plain block inputs; the rule {cfg.rule.name!r} replaces a "
+                    "block's residual stream (read / write hooks): score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+    if e.criterion == "kl" and len(model.coda.blocks):
+        errs.append("the kl criterion reads every loop out through the coda, whose attention would need a cache per loop: "
+                    "use criterion 'convergence' or 'gate', or score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+    if e.kv == "propagate" and _modulates(model.rule):
+        errs.append(f"kv policy 'propagate' writes one stand-in per exited token for every loop it skips; the rule "
+                    f"{cfg.rule.name!r} modulates its blocks per loop: use kv='copy' or 'full'")  # fmt: skip
     return errs
 
 
