@@ -86,9 +86,13 @@ class PositionKV:
         """``q [B, H, T_a, hd]``, ``k, v [B, H_kv, T_a, hd]`` at ``cols``; ``attn_mask`` bool
         ``[B, 1, T_a, T + 1]`` -> ``[B, H, T_a, hd]``."""
         B, H, Ta, hd = k.shape
-        at = self.cols[:, None, :, None].expand(B, H, Ta, hd)  # [B, H_kv, T_a, hd]: each query's column
-        self.k.scatter_(2, at, k.to(self.k.dtype))  # (padding: the scratch column, several writers, never read)
-        self.v.scatter_(2, at, v.to(self.v.dtype))
+        C = self.k.shape[2]
+        # row (b, h, cols[b, j]) of the buffer seen as [B·H·C, hd]: one contiguous hd-vector per (head, query)
+        # (2-3x faster than a scatter along dim 2; padding writes the scratch column, several writers, never read)
+        at = ((torch.arange(B, device=k.device)[:, None, None] * H + torch.arange(H, device=k.device)[None, :, None]) * C
+              + self.cols[:, None, :]).reshape(-1)  # [B·H·T_a]  # fmt: skip
+        self.k.view(-1, hd).index_copy_(0, at, k.reshape(-1, hd).to(self.k.dtype))
+        self.v.view(-1, self.v.shape[-1]).index_copy_(0, at, v.reshape(-1, v.shape[-1]).to(self.v.dtype))
         return attention(q, self.k, self.v, attn_mask=attn_mask, is_causal=False, enable_gqa=enable_gqa)
 
     def write(self, b: torch.Tensor, t: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

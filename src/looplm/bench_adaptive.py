@@ -678,7 +678,7 @@ def cmd_bench_adaptive(args) -> int:
     report = {"cpu": cpu_description(), "threads": torch.get_num_threads(), "clock": args.clock, "sections": {}}
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
     log(f"bench adaptive on {report['cpu']}, {report['threads']} threads, {args.clock} clock")
-    need_lm = any(s in sections for s in ("quality", "timing", "kv_bytes", "speculative", "scale"))
+    need_lm = any(s in sections for s in ("quality", "timing", "kv_bytes", "speculative", "scale", "prefill"))
     if need_lm:
         if args.train or not (runs / "lm").exists():
             log(f"training the LM ({args.lm_config}) ...")
