@@ -24,8 +24,10 @@ the token is committed to the cache. It calls the rule's hooks and never asks wh
 The prompt (the first call, whatever its length) and any call of several tokens run at full depth (every
 loop, no exit; a ``kl`` criterion still reads out every loop so that its readout slots hold the prompt);
 a single new token per row takes the exits. So every slot of every loop exists, aligned, before the
-first exit. Teacher
-forcing (scoring a given text token by token with exits) is :meth:`AdaptiveDecoder.score`.
+first exit. With ``Exit(prefill='exit')`` the prompt's tokens after the first take the exits too, in one
+forward (:func:`looplm.adaptive_forward.adaptive_forward`, which leaves the caches decoding the prompt token
+by token would). Teacher forcing (scoring a given text token by token with exits) is
+:meth:`AdaptiveDecoder.score`; the same in one forward, :func:`~looplm.adaptive_forward.adaptive_forward`.
 
 Per decoded token and row :class:`DepthStats` records the selected depth (the exit), the executed depth
 (the core passes the row ran), the loops the batch ran (what a waiting row waits for), and FLOPs where the
@@ -44,7 +46,7 @@ import torch
 
 from .context import LoopContext, restrict_context
 from .dispatch import offer_kv_fill
-from .exits import Exit, _modulates, make_criterion, readout_is_output, stack_flop_terms
+from .exits import Exit, _modulates, finish_rest, keep_staying, make_criterion, readout_is_output, stack_flop_terms
 from .kv_fill import KVFill
 from .layers.attention import Attention, copy_kv_columns
 
@@ -272,27 +274,16 @@ class AdaptiveDecoder:
                 exited[g] = True
                 continue
             fills.append((g, k, st_out, ctx_out, h.index_select(0, out)))
-            stay = (~leave).nonzero()[:, 0]
-            if stay.numel() == 0:
-                rows = rows[:0]
+            state, rows, sub = keep_staying(rule, crit, lctx, state, rows, leave)
+            if rows.numel() == 0:
                 break
-            state = rule.take_rows(state, stay, n)
-            rows = rows.index_select(0, stay)
-            crit.take(stay)
-            sub = restrict_context(lctx, rows)
         if allow_exit:
             self.stats.check_flops += crit.flops - check_before
         if rows.numel():
             if y is None:  # nobody exited: the forward's own last step
                 y = rule.finish(state, sub)
             else:
-                keep = None if exited is None else ~exited.index_select(0, rows)  # kv='full': rows that exited keep
-                y_rest = rule.finish(state, sub)  # their output
-                if keep is None or bool(keep.all()):
-                    y.index_copy_(0, rows, y_rest)
-                else:
-                    sel = keep.nonzero()[:, 0]
-                    y.index_copy_(0, rows.index_select(0, sel), y_rest.index_select(0, sel))
+                finish_rest(rule, y, state, sub, rows, exited)
         for f in fills:
             self._fill(*f, upto=cap)
         executed = torch.full_like(depth, loops) if full else depth  # core passes per row (kv='full': every loop)

@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from .context import BlockModulation, BranchModulation, ForwardContext, LoopContext, restrict_context
-from .exits import Exit, forward_support, make_criterion, stack_flop_terms
+from .exits import Exit, finish_rest, forward_support, keep_staying, make_criterion, stack_flop_terms
 from .layers.attention import Attention, attention
 
 __all__ = ["AdaptiveForward", "PositionKV", "adaptive_forward"]
@@ -256,22 +256,11 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
                 kk, vv = blk.mixer.kv_of(blk.mixer_norm(zs), ctx_out.fctx)  # [e, H_kv, 1, hd]
                 PositionKV(kb, vb, cols).write(gb, gt, kk[:, :, 0], vv[:, :, 0])
                 fill_flops += float(real.index_select(0, g).sum()) * 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
-        stay = (~leave).nonzero()[:, 0]
-        if stay.numel() == 0:
-            rows = rows[:0]
+        state, rows, sub = keep_staying(rule, crit, lctx, state, rows, leave)
+        if rows.numel() == 0:
             break
-        state = rule.take_rows(state, stay, n)
-        rows = rows.index_select(0, stay)
-        crit.take(stay)
-        sub = restrict_context(lctx, rows)
     if rows.numel():
-        y_rest = rule.finish(state, sub)  # [n, 1, d]
-        keep = None if exited is None else ~exited.index_select(0, rows)
-        if keep is None or bool(keep.all()):
-            y.index_copy_(0, rows, y_rest)
-        else:
-            sel = keep.nonzero()[:, 0]
-            y.index_copy_(0, rows.index_select(0, sel), y_rest.index_select(0, sel))
+        finish_rest(rule, y, state, sub, rows, exited)  # [n, 1, d] outputs of the tokens that ran every loop
     if cache is not None:  # the loops nobody reached: the fills as they stand, the states untouched
         for kk in range(last + 1, R):
             _keep_loop(_loop_slots(m, cache, kk, B), bufs, T, ran=False)

@@ -51,7 +51,8 @@ token skips keep their state (``ssm='freeze'``) or take the stand-in's propagati
 What it does not run (refused by :meth:`looplm.exits.Exit.resolved`): Mamba-2 layers outside the core,
 sliding-window attention, rules with their own per-loop slots
 (StateLoop's state mixers), rules that replace a block's residual stream, and ``kv='full'``. Prefill runs
-at full depth (as under the token schedule). The rows' columns, token counts and flags live on the host: a
+at full depth, or takes the exits with ``prefill='exit'`` (as under the token schedule: the decoder's first
+call). The rows' columns, token counts and flags live on the host: a
 pass reads the exits' rows and tokens once, and each checking cohort's exit flags (on CUDA each read is a
 synchronisation: :mod:`looplm.depth_static` reads none). Host work per
 pass, measured: ``docs/adaptive-depth.md``.

@@ -69,7 +69,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CRITERIA", "Exit", "KV_POLICIES", "PREFILLS", "SCHEDULES", "SSM_POLICIES", "forward_support", "make_criterion"]
+__all__ = ["CRITERIA", "Exit", "KV_POLICIES", "PREFILLS", "SCHEDULES", "SSM_POLICIES", "finish_rest", "forward_support", "keep_staying", "make_criterion"]
 
 CRITERIA = ("gate", "kl", "convergence", "replay")
 KV_POLICIES = ("copy", "propagate", "shared", "full")
@@ -550,6 +550,32 @@ class ReplayCriterion(Criterion):
     def take(self, keep):
         if isinstance(self.token, torch.Tensor):
             self.token = self.token.index_select(0, keep)
+
+
+def keep_staying(rule, crit, lctx, state, rows: torch.Tensor, leave: torch.Tensor):
+    """After the exits ``leave [n]`` of the ``n`` rows still looping (global ids ``rows``): ``(state, rows,
+    their loop context)`` of the rows that stay, the criterion's memory kept for them (``rows`` empty when none
+    stays; the state and context are then the old ones)."""
+    from .context import restrict_context
+
+    stay = (~leave).nonzero()[:, 0]
+    if stay.numel() == 0:
+        return state, rows[:0], lctx
+    crit.take(stay)
+    rows = rows.index_select(0, stay)
+    return rule.take_rows(state, stay, leave.shape[0]), rows, restrict_context(lctx, rows)
+
+
+def finish_rest(rule, y: torch.Tensor, state, sub, rows: torch.Tensor, exited: torch.Tensor | None) -> None:
+    """``y[rows] = rule.finish(state)`` for the rows still looping after the last loop; with ``exited``
+    (``kv='full'``: rows that exited and kept looping) those keep the output they exited with."""
+    keep = None if exited is None else ~exited.index_select(0, rows)
+    y_rest = rule.finish(state, sub)  # their output
+    if keep is None or bool(keep.all()):
+        y.index_copy_(0, rows, y_rest)
+    else:
+        sel = keep.nonzero()[:, 0]
+        y.index_copy_(0, rows.index_select(0, sel), y_rest.index_select(0, sel))
 
 
 def make_criterion(e: Exit) -> Criterion:
