@@ -112,3 +112,40 @@ def test_demo_and_plot_end_to_end(tmp_path, capsys):
     assert list((out / "tensorboard").iterdir())  # TensorBoard event file
     (out / "curves.png").unlink()
     assert main(["plot", str(out)]) == 0 and (out / "curves.png").exists()
+
+
+def test_eval_ppl_with_exit_scores_each_window_at_adaptive_depth(tmp_path, capsys):
+    """``evaluate_documents(exit=...)`` / ``looplm eval ppl --exit``: each window's tokens after its first take
+    the exits in one forward (adaptive_forward, right padding masked); ε = 0 is the plain forward's NLL."""
+    import torch.nn.functional as F
+
+    from looplm.adaptive_forward import adaptive_forward
+
+    torch.manual_seed(0)
+    model = looplm.build("tiny-llama", n_loops=5).eval()
+    tok = _ByteTok()
+    docs = ["hello world, a looped model", "foo bar baz qux", "one more document here"]
+    plain = evaluate_documents(model, tok, docs, seq_len=12, batch_size=3)
+    off = evaluate_documents(model, tok, docs, seq_len=12, batch_size=3, exit="kl:0")
+    assert off.nll == pytest.approx(plain.nll, rel=1e-6) and off.depth["executed_ratio"] == 1
+    got = evaluate_documents(model, tok, docs, seq_len=12, batch_size=100, exit="kl:0.003")
+    wins = [w for d in docs for w in document_windows(tok.encode(d), 12, tok.eos_id)]
+    L = max(len(w) for w in wins)
+    x = torch.zeros(len(wins), L, dtype=torch.long)
+    mask = torch.zeros(len(wins), L, dtype=torch.long)
+    nll = 0.0
+    for i, w in enumerate(wins):
+        x[i, : len(w)], mask[i, : len(w)] = torch.tensor(w), 1
+    out = adaptive_forward(model, x, "kl:0.003", attention_mask=mask, full_depth_prefix=1)
+    for i, w in enumerate(wins):
+        nll += float(F.cross_entropy(out.logits[i, : len(w) - 1], torch.tensor(w[1:]), reduction="sum"))
+    assert got.nll == pytest.approx(nll, rel=1e-5) and got.nll != pytest.approx(plain.nll, rel=1e-4)
+    assert got.depth["tokens"] == int(mask.sum()) and got.depth["executed_ratio"] < 1
+    run = tmp_path / "run"
+    save_checkpoint(run / "ckpt", 1, model, None, {"step": 1}, {"model": to_dict(model.config), "tokenizer": "byte"})
+    (tmp_path / "t.txt").write_text("\n\n".join(docs))
+    assert main(["eval", "ppl", str(run), "--data", str(tmp_path / "t.txt"), "--seq-len", "12", "--exit", "kl:0.003", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert 1 < res["adaptive_depth"]["selected_depth"] < 5 and res["adaptive_depth"]["max_loops"] == 5
+    assert main(["eval", "ppl", str(run), "--data", str(tmp_path / "t.txt"), "--exit", "kl:0.01", "--loops", "1..3"]) == 2  # a usage error
+    assert "cannot be combined" in capsys.readouterr().err

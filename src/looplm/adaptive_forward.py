@@ -55,7 +55,7 @@ from .context import BlockModulation, BranchModulation, ForwardContext, LoopCont
 from .exits import Exit, finish_rest, forward_support, keep_staying, make_criterion, stack_flop_terms
 from .layers.attention import Attention, attention
 
-__all__ = ["AdaptiveForward", "PositionKV", "adaptive_forward"]
+__all__ = ["AdaptiveForward", "DEPTH_MEANS", "PositionKV", "adaptive_forward", "add_depth_stats"]
 
 
 @dataclass
@@ -286,6 +286,23 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
         "fill_flops_per_token": fill_flops / n_real,
     }
     return AdaptiveForward(logits, depth.reshape(B, T), executed.reshape(B, T), stats)
+
+
+DEPTH_MEANS = ("selected_depth", "executed_depth", "executed_ratio", "computed_ratio", "core_flops_ratio")
+
+
+def add_depth_stats(acc: dict, st: dict) -> dict:
+    """``st`` (one call's :attr:`AdaptiveForward.stats`) added into ``acc`` (empty at first): ``tokens``,
+    ``max_loops`` and the token-weighted means of :data:`DEPTH_MEANS` over every call so far (an evaluation's
+    batches). Returns ``acc``."""
+    n = st["tokens"]
+    if not acc:
+        acc.update(tokens=0, max_loops=st["max_loops"], **dict.fromkeys(DEPTH_MEANS, 0.0))
+    tot = acc["tokens"] + n
+    for k in DEPTH_MEANS:
+        acc[k] = (acc[k] * acc["tokens"] + st[k] * n) / tot if tot else 0.0
+    acc["tokens"] = tot
+    return acc
 
 
 def _loop_slots(m, cache, k: int, B: int) -> list:

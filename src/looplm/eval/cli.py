@@ -56,12 +56,20 @@ def cmd_eval_ppl(args) -> int:
     from .depth import parse_loops, run_depth_sweep
 
     loops = parse_loops(args.loops, model.config.n_loops) if args.loops is not None else None
+    exit = None
+    if args.exit is not None:  # (checked before any document is scored)
+        if loops is not None and (len(loops) > 1 or args.out or args.grid != "both"):
+            raise ValueError(f"--exit takes each token's depth (at most one --loops R); a depth sweep (--loops {args.loops}, "
+                             "--out, --grid) cannot be combined with it")  # fmt: skip
+        from ..generate import adaptive_options
+
+        exit = adaptive_options(model, exit=args.exit, kv=args.kv_policy, max_loops=loops[0] if loops else None)["exit"]
     if loops is not None and (len(loops) > 1 or args.out or args.grid != "both"):  # a depth sweep (eval/depth.py)
         return run_depth_sweep(args, model, tok, docs, loops, seq_len, device, ckpt)
     num_loops = loops[0] if loops else None
     t0 = time.perf_counter()
     res = evaluate_documents(model, tok, docs, seq_len=seq_len, batch_size=args.batch_size, max_batches=args.batches,
-                             device=device, precision=args.precision, num_loops=num_loops)
+                             device=device, precision=args.precision, num_loops=num_loops, exit=exit)
     if res.documents == 0:
         raise ValueError(f"--data {args.data!r}: no document was evaluated (empty data, or --batches too small for one document)")
     out = {"checkpoint": str(ckpt), "data": args.data, "seq_len": seq_len, "num_loops": num_loops or model.config.n_loops,
@@ -74,6 +82,10 @@ def cmd_eval_ppl(args) -> int:
             f"token PPL {res.token_ppl:.3f} | word PPL {res.word_ppl:.3f} | bits/byte {res.bits_per_byte:.4f} "
             f"| loss {res.loss:.4f} (r = {out['num_loops']} loops)"
         )
+        if res.depth:
+            d = res.depth
+            print(f"  exit {args.exit}: selected {d['selected_depth']:.2f}, executed {d['executed_depth']:.2f} of {d['max_loops']} loops "
+                  f"(executed / K {d['executed_ratio']:.3f}; the core ran {d['computed_ratio']:.3f} of full depth's positions)")
     return 0
 
 
@@ -103,6 +115,11 @@ def register(subparsers) -> None:
     p.add_argument("--grid", choices=["both", "prefix", "rescaled"], default="both",
                    help="timestep-conditioned models: conditioning grid(s) of the depth sweep (prefix needs r <= K)")
     p.add_argument("--out", default=None, help="depth sweep: write depth.json and depth.png to this directory")
+    p.add_argument("--exit", default=None, metavar="CRITERION[:VALUE]",
+                   help="per-token exit (kl:EPS, convergence:EPS, gate:Q, replay:R; docs/adaptive-depth.md): each window's "
+                        "tokens after the first take it in one forward, as decoding would; prints the executed depth")
+    p.add_argument("--kv-policy", choices=["copy", "propagate", "full"], default=None,
+                   help="with --exit: what later tokens read in the loops a token skipped (default copy)")
     p.add_argument("--max-docs", type=int, default=None)
     p.add_argument("--text-field", default="text", help="jsonl/parquet field holding the text")
     p.add_argument("--missing-text", choices=["error", "skip"], default="error",

@@ -204,25 +204,14 @@ class LoopLMEvalModel(TemplateLM):
             if e is None:
                 out = self.model(ids, attention_mask=mask, num_loops=self.loops, loop_options=self.loop_options).logits
             else:
-                from ..adaptive_forward import adaptive_forward
+                from ..adaptive_forward import adaptive_forward, add_depth_stats
 
                 if self.loops is not None and e.max_loops is None:
                     e = e.with_policies(max_loops=self.loops)
                 res = adaptive_forward(self.model, ids, e, attention_mask=mask, loop_options=self.loop_options, full_depth_prefix=1)
                 out = res.logits
-                self._count_depths(res)
+                add_depth_stats(self.depth_stats, res.stats)  # token-weighted over the batches
         return F.log_softmax(out.float(), dim=-1)
-
-    def _count_depths(self, res) -> None:
-        """Add a scored batch's exits to :attr:`depth_stats` (token-weighted means over every scored batch)."""
-        st, n = res.stats, res.stats["tokens"]
-        acc = self.depth_stats
-        if not acc:
-            acc.update(tokens=0, max_loops=st["max_loops"], **{k: 0.0 for k in _DEPTH_MEANS})
-        tot = acc["tokens"] + n
-        for k in _DEPTH_MEANS:
-            acc[k] = (acc[k] * acc["tokens"] + st[k] * n) / tot if tot else 0.0
-        acc["tokens"] = tot
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         """``[(key, context_ids, continuation_ids)] -> [(sum log p(continuation), is_greedy)]``.
@@ -376,9 +365,6 @@ def _number(value, kind):
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-_DEPTH_MEANS = ("selected_depth", "executed_depth", "executed_ratio", "computed_ratio", "core_flops_ratio")
 
 
 def check_harness_args(*, loops=None, exit_threshold=None, num_fewshot=None, limit=None, batch_size=8, max_length=None,

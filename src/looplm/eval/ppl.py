@@ -22,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +44,7 @@ class PPLResult:
     words: int = 0
     bytes: int = 0
     documents: int = 0
+    depth: dict = field(default_factory=dict)  # exit=: the predicted tokens' depths (adaptive_forward's, token-weighted)
 
     @property
     def token_ppl(self) -> float:
@@ -63,8 +64,10 @@ class PPLResult:
         return self.nll / self.tokens if self.tokens else float("nan")
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "loss": self.loss, "token_ppl": self.token_ppl, "word_ppl": self.word_ppl,
-                "bits_per_byte": self.bits_per_byte}
+        d = {k: v for k, v in asdict(self).items() if k != "depth"}
+        if self.depth:
+            d["adaptive_depth"] = dict(self.depth)
+        return {**d, "loss": self.loss, "token_ppl": self.token_ppl, "word_ppl": self.word_ppl, "bits_per_byte": self.bits_per_byte}
 
 
 def _safe_exp(x: float) -> float:
@@ -106,6 +109,7 @@ def evaluate_documents(
     device: torch.device | str | None = None,
     precision: str = "fp32",
     num_loops: int | None = None,
+    exit=None,
 ) -> PPLResult:
     """Token / word PPL and bits per byte of ``model`` on ``documents`` (see the module docstring).
 
@@ -116,7 +120,18 @@ def evaluate_documents(
         max_batches: stop after this many batches of windows (whole documents only: a document
             whose windows do not all fit is not counted).
         precision: ``"bf16"`` autocasts the forward; the log-softmax is always fp32.
+        exit: per-token exit (an :class:`~looplm.exits.Exit` or its string, ``num_loops`` its ``max_loops``):
+            every window's tokens after its first take the exits, in one forward per batch
+            (:func:`looplm.adaptive_forward.adaptive_forward`: what decoding the window token by token gives);
+            the predicted tokens' depths are in ``result.depth`` (token-weighted means).
     """
+    if exit is not None:
+        from ..exits import Exit
+
+        exit = Exit.parse(exit)
+        if num_loops is not None and exit.max_loops is None:
+            exit = exit.with_policies(max_loops=num_loops)
+        exit.resolved(model)  # a bad option is refused before any document is read
     if device is None:
         device = next(model.parameters()).device if hasattr(model, "parameters") else "cpu"
     device = torch.device(device)
@@ -139,7 +154,16 @@ def evaluate_documents(
             y[i, : len(w) - 1] = torch.tensor(w[1:])
         x, y = x.to(device), y.to(device)
         with autocast:
-            logits = _model_logits(model, x, num_loops)
+            if exit is None:
+                logits = _model_logits(model, x, num_loops)
+            else:
+                from ..adaptive_forward import adaptive_forward, add_depth_stats
+
+                lens = torch.tensor([len(w) for w in windows], device=device)
+                mask = torch.arange(L, device=device)[None] < lens[:, None]  # [B, L]: the right-padded windows' own tokens
+                out = adaptive_forward(model, x, exit, attention_mask=None if bool(mask.all()) else mask.long(), full_depth_prefix=1)
+                logits = out.logits
+                add_depth_stats(result.depth, out.stats)
         return float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100, reduction="sum"))
 
     try:
