@@ -14,12 +14,16 @@ Sections (each guarded: one failing does not stop the others; the report is flus
 6. ``adaptive`` — per-token exit on the device: the token / depth / static schedules' greedy tokens against
                   the CPU reference, host synchronisations per core pass (the static schedule under
                   ``set_sync_debug_mode('error')``), decode time per token of each against full depth.
+7. ``forward``  — per-token exit in one forward (``looplm.adaptive_forward``) on the device: its logits and
+                  exits against the CPU reference (fp32, TF32 off) for attention / hybrid / Mamba-2 cores,
+                  ``prefill='exit'`` generation == the CPU's, and its time against the plain forward (bf16,
+                  d = 1024 / 2048, batch 8 × 512 tokens, exit depths replayed from 1..4).
 
 Measured on an H200 (2026-11-30): parity ~80 s, loss ~5 s, train ~55 s, speed ~75 s per shape,
-decode ~120 s (adaptive: not run on a GPU yet, ~30 s on the CPU dry run); the default budget (560 s)
-fits one device call.
+decode ~120 s (adaptive, forward: not run on a GPU yet; ~30 s and ~40 s on the CPU dry run); the default
+budget (560 s) fits one device call.
 
-    PYTHONPATH=src python benchmarks/check_cuda.py --out DIR [--only parity,loss,train,speed,decode,adaptive]
+    PYTHONPATH=src python benchmarks/check_cuda.py --out DIR [--only parity,loss,train,speed,decode,adaptive,forward]
 """
 
 from __future__ import annotations
@@ -251,6 +255,71 @@ def section_adaptive(rep: Report) -> None:
                 f"{gr} | {summ['executed_ratio']:.3f} | {summ['batch_depth']:.2f} |")
 
 
+def section_forward(rep: Report) -> None:
+    """Per-token exit in one forward on the device: (a) logits and exits against the CPU reference (fp32, TF32
+    off; kl, replay per position, copy / propagate), and ``prefill='exit'`` greedy generation == the CPU's;
+    (b) time against the plain forward, bf16, random weights at d = 1024 / 2048 (2 blocks × 4 loops), batch 8
+    × 512 tokens, depths replayed from 1..4 per position (executed / K ≈ 0.62), alternated, medians of 3."""
+    import statistics
+
+    import looplm
+    from looplm import dispatch
+    from looplm.adaptive_forward import adaptive_forward
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    rep("(a) the device against the CPU reference, fp32\n")
+    rep("| model | exit | exits equal | max rel. logit diff | prefill='exit' tokens == CPU |")
+    rep("| --- | --- | ---: | ---: | ---: |")
+    for name in ("tiny-llama", "tiny-qwen3", "tiny-hybrid", "tiny-mamba2"):
+        torch.manual_seed(0)
+        cpu = looplm.build(name, n_loops=5).eval()
+        dev = looplm.build(name, n_loops=5, device=DEV).eval()
+        dev.load_state_dict(cpu.state_dict())
+        g = torch.Generator().manual_seed(1)
+        ids = torch.randint(0, 250, (4, 24), generator=g)
+        for label, spec in (("kl 0.003 copy", {"criterion": "kl", "threshold": 0.003, "kv": "copy"}),
+                            ("kl 0.003 propagate", {"criterion": "kl", "threshold": 0.003, "kv": "propagate"}),
+                            ("replay copy", {"criterion": "replay", "depths": torch.randint(1, 6, (4, 24), generator=g)})):  # fmt: skip
+            with dispatch.reference_only():
+                ref = adaptive_forward(cpu, ids, spec)
+                ref_gen = cpu.generate(ids, 8, exit={**spec, "prefill": "exit"}) if spec["criterion"] != "replay" else None
+            dspec = {**spec, "depths": spec["depths"].to(DEV)} if "depths" in spec else spec
+            got = adaptive_forward(dev, ids.to(DEV), dspec)
+            gen = "-" if ref_gen is None else f"{float((dev.generate(ids.to(DEV), 8, exit={**dspec, 'prefill': 'exit'}).cpu() == ref_gen).float().mean()):.3f}"
+            rep(f"| {name} | {label} | {float((got.depth.cpu() == ref.depth).float().mean()):.3f} | "
+                f"{max_rel(got.logits, ref.logits):.1e} | {gen} |")
+
+    rep("\n(b) time against the plain forward, bf16, batch 8 x 512 tokens, depths replayed from 1..4\n")
+    rep("| d_model | full ms | exit ms | time / full | executed / K | computed / K |")
+    rep("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for d in (1024, 2048):
+        torch.manual_seed(0)
+        m = looplm.build("tiny-llama", overrides={"d_model": d, "n_core": 2, "n_loops": 4, "d_ff": 3 * d, "vocab_size": 32000,
+                                                  "max_seq_len": 1024, "attention.n_heads": d // 64,
+                                                  "attention.n_kv_heads": d // 64, "attention.head_dim": 64},
+                         dtype=torch.bfloat16, device=DEV).eval()  # fmt: skip
+        g = torch.Generator().manual_seed(2)
+        ids = torch.randint(0, 32000, (8, 512), generator=g).to(DEV)
+        spec = {"criterion": "replay", "depths": torch.randint(1, 5, (8, 512), generator=g).to(DEV)}
+        runs = {"full": lambda: m(ids).logits, "exit": lambda: adaptive_forward(m, ids, spec)}
+        times, out = {k: [] for k in runs}, None
+        with torch.inference_mode():
+            for it in range(4):  # 0 warms up
+                for k in (list(runs) if it % 2 else list(runs)[::-1]):
+                    sync(DEV)
+                    t0 = time.perf_counter()
+                    res = runs[k]()
+                    sync(DEV)
+                    if it:
+                        times[k].append(time.perf_counter() - t0)
+                    if k == "exit":
+                        out = res
+        full, ex = statistics.median(times["full"]), statistics.median(times["exit"])
+        rep(f"| {d} | {1e3 * full:.1f} | {1e3 * ex:.1f} | {ex / full:.3f} | {out.stats['executed_ratio']:.3f} | "
+            f"{out.stats['computed_ratio']:.3f} |")
+
+
 def section_loss(rep: Report) -> None:
     from looplm.layers.loss import linear_cross_entropy, linear_cross_entropy_reference
 
@@ -375,7 +444,7 @@ def section_bench(rep: Report, args: list[str], timeout: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=".")
-    ap.add_argument("--only", default="parity,loss,train,speed,decode,adaptive")
+    ap.add_argument("--only", default="parity,loss,train,speed,decode,adaptive,forward")
     ap.add_argument("--budget", type=float, default=560, help="seconds for the whole check (benchmarks get the rest)")
     ap.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -406,6 +475,8 @@ def main() -> None:
                 section_train(rep)
             elif name == "adaptive":
                 section_adaptive(rep)
+            elif name == "forward":
+                section_forward(rep)
             elif name == "decode":
                 section_bench(rep, [str(HERE / "bench_decode.py"), "--device", DEV, "--dtypes", "bf16",
                                     "--batches", "1,8", "--new", "64", "--rounds", "2"], min(150, left))  # fmt: skip
