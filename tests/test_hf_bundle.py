@@ -157,14 +157,27 @@ for name, case in spec.items():
                                         exit={"criterion": "convergence", "threshold": 0.05, "schedule": "static"}), exp["exit"])
     except ValueError as e:  # what the static schedule does not run (and a growing state, e.g. a history)
         static = "refused: " + str(e)[:60]
+    try:  # the prompt at adaptive depth too (looplm.adaptive_forward, carried: imported inside looplm.adaptive)
+        prefill = torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False,
+                                         exit={"criterion": "convergence", "threshold": 0.05, "prefill": "exit"}), exp["prefill"])
+    except ValueError as e:  # what one forward does not run (a rule's own slots, the kl criterion with a coda)
+        prefill = "refused: " + str(e)[:60]
     tok = AutoTokenizer.from_pretrained(case["dir"], trust_remote_code=False)
     res[name] = {"impl": m.looplm_implementation.name, "module": type(m.looplm).__module__,
                  "logits_max_abs": float((logits - exp["logits"]).abs().max()), "tokens": torch.equal(gen, exp["tokens"]),
                  "exit": torch.equal(gen_exit, exp["exit"]),
                  "speculative": torch.equal(gen_spec, exp["full"]) and torch.equal(gen_spec_exit, exp["full"]), "depth": depth,
-                 "static": static, "text": tok.decode(gen[0].tolist())}
+                 "static": static, "prefill": prefill, "text": tok.decode(gen[0].tolist())}
 print(json.dumps(res))
 '''
+
+
+def _or_refused(call):
+    """``call()``, or ``None`` where the model refuses it (the export then refuses it too)."""
+    try:
+        return call()
+    except ValueError:
+        return None
 
 
 def test_every_rule_loads_and_generates_without_looplm(tmp_path):
@@ -180,6 +193,8 @@ def test_every_rule_loads_and_generates_without_looplm(tmp_path):
         with torch.no_grad(), dispatch.reference_only():
             exp = {"ids": ids, "logits": model(ids).logits, "tokens": model.generate(ids, max_new_tokens=4, num_loops=K + 1),
                    "exit": model.generate(ids, max_new_tokens=4, exit="convergence:0.05"),
+                   "prefill": _or_refused(lambda: model.generate(ids, max_new_tokens=4, exit={"criterion": "convergence", "threshold": 0.05,
+                                                                                                "prefill": "exit"})),
                    "full": model.generate(ids, max_new_tokens=4)}  # fmt: skip
         torch.save(exp, tmp_path / f"{rule}.pt")
         spec[rule] = {"dir": str(out), "expected": str(tmp_path / f"{rule}.pt"), "loops": K + 1}
@@ -202,6 +217,8 @@ def test_every_rule_loads_and_generates_without_looplm(tmp_path):
         assert got["exit"] and got["speculative"], (rule, got)  # the same per-token exits; lossless drafts
         assert got["depth"] is True or str(got["depth"]).startswith("refused"), (rule, got)
         assert got["static"] is True or str(got["static"]).startswith("refused"), (rule, got)
+        assert got["prefill"] is True or str(got["prefill"]).startswith("refused"), (rule, got)
         assert isinstance(got["text"], str)
     assert sum(got["depth"] is True for got in res.values()) >= 5  # most rules run under the depth schedule
     assert sum(got["static"] is True for got in res.values()) >= 5  # and under its fixed-shape form
+    assert sum(got["prefill"] is True for got in res.values()) >= 5  # and with the prompt at adaptive depth
