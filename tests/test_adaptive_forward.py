@@ -281,3 +281,16 @@ def test_the_front_ends_pass_the_prefill_option(capsys):
                  "--exit", "kl:0.003", "--exit-prefill", "exit", "--stats"]) == 0  # fmt: skip
     stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
     assert stats["prefill"]["tokens"] == len("Once upon a time") and stats["prefill"]["max_loops"] == 3  # (the preset's K)
+
+
+def test_prefill_exit_with_request_refill_counts_every_prompt():
+    """Under request refill (``max_batch``) each prompt that takes a row is prefilled with the exits; the
+    statistics hold every prompt's tokens, and each row's tokens are those of the prompt decoded alone."""
+    m = _model("tiny-llama")
+    ids = torch.randint(0, m.config.vocab_size, (3, 10))
+    exit = Exit(criterion="kl", threshold=0.003, schedule="depth", prefill="exit", max_batch=2)
+    out, stats = m.generate(ids, 6, exit=exit, return_stats=True)
+    assert stats.summary()["prefill"]["tokens"] == 30
+    for b in range(3):
+        ref, _ = _decode_prompt_token_by_token(m, ids[b : b + 1], 6, Exit.parse("kl:0.003"))
+        assert torch.equal(out[b : b + 1, 10:], ref)

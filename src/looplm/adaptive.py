@@ -199,12 +199,13 @@ class AdaptiveDecoder:
         """The prompt with ``Exit(prefill='exit')``: its tokens after the first take the exits, all at once
         (:func:`looplm.adaptive_forward.adaptive_forward`, which writes and commits the cache as decoding the
         prompt token by token after its first would); the statistics in ``stats.prefill``."""
-        from .adaptive_forward import adaptive_forward
+        from .adaptive_forward import adaptive_forward, add_depth_stats
 
         out = adaptive_forward(self.model, input_ids, self.exit, attention_mask=attention_mask, loop_options=self.loop_options,
                                full_depth_prefix=1, cache=self.cache, logits_to_keep=logits_to_keep)  # fmt: skip
-        self.stats.prefill = out.stats
-        return out.logits
+        st = out.stats
+        self.stats.prefill = st if self.stats.prefill is None else add_depth_stats(self.stats.prefill, st)  # (request refill:
+        return out.logits  # every prompt's exits, token-weighted)
 
     # ------------------------------------------------------------------------------------------
     def _loops(self, x: torch.Tensor, lctx: LoopContext, allow_exit: bool, cap: int | None = None,
