@@ -31,13 +31,18 @@ padding of the pack writes to and no real query reads. ``shared`` is refused: wi
 token reads the earlier tokens at the *last* loop they ran, which exists only once they have finished —
 tokens one after another, not loops (use :meth:`AdaptiveDecoder.score`).
 
-What runs (refused before any work otherwise, naming the option): attention cores (a Mamba-2 layer in the
-core scans positions in order within each loop, and an exited token would have to leave that scan; prelude
-and coda Mamba-2 layers are fine — they run once over the whole text), no sliding window in the core, no kl
-criterion with coda layers (a readout per loop through the coda would need a coda cache per loop), no rule
-with per-loop slots of its own or a rule that replaces the blocks' residual stream, and ``propagate`` only
-for rules that do not modulate the blocks per loop. Padding tokens (``attention_mask`` 0) leave after the
-first loop and are left out of the statistics.
+A Mamba-2 layer of the core has no slot here: it scans the pack, i.e. the tokens still looping at loop ``k``
+in order — an exited token has left that loop's scan, which is ``ssm='freeze'`` (state and conv window
+untouched by it). Each row's pack is right-aligned, its padding first and masked as left padding (which
+leaves the state as it was), so the scan's final state is the loop's state after the text. Prelude and coda
+layers, attention or Mamba-2, run once over the whole text.
+
+What runs (refused before any work otherwise, naming the option, by :func:`looplm.exits.forward_support`):
+no ``ssm='propagate'`` / ``'decay'`` with Mamba-2 core layers (they feed an exited token's stand-in into the
+skipped loops' scans), no sliding window in the core, no kl criterion with coda layers (a readout per loop
+through the coda would need a coda cache per loop), no rule with per-loop slots of its own or a rule that
+replaces the blocks' residual stream, and ``propagate`` only for rules that do not modulate the blocks per
+loop. Padding tokens (``attention_mask`` 0) leave after the first loop and are left out of the statistics.
 
 Cost: the core runs ``Σ_k B · T_a(k)`` positions (``T_a(k)``: the most positions any row still loops at
 loop ``k``; a row with fewer computes padding), which :attr:`AdaptiveForward.stats` reports beside the

@@ -125,13 +125,15 @@ def evaluate_documents(
             (:func:`looplm.adaptive_forward.adaptive_forward`: what decoding the window token by token gives);
             the predicted tokens' depths are in ``result.depth`` (token-weighted means).
     """
-    if exit is not None:
-        from ..exits import Exit
+    if exit is not None:  # a bad option, or one the one-forward exit cannot run, is refused before any document
+        from ..exits import Exit, forward_support
 
         exit = Exit.parse(exit)
         if num_loops is not None and exit.max_loops is None:
             exit = exit.with_policies(max_loops=num_loops)
-        exit.resolved(model)  # a bad option is refused before any document is read
+        errs = forward_support(model, exit.resolved(model))
+        if errs:
+            raise ValueError("exit: " + "; ".join(errs))
     if device is None:
         device = next(model.parameters()).device if hasattr(model, "parameters") else "cpu"
     device = torch.device(device)
