@@ -41,13 +41,18 @@ def _assert_matches_sequential(model, ids, exit):
     return out
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-hybrid", "tiny-mamba2"])
+# a hybrid with Mamba-2 prelude and coda layers (the kl check reads every loop out through a Mamba-2 coda)
+_CODA_HYBRID = ("tiny-hybrid", {"n_prelude": 1, "n_coda": 1})
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-hybrid", "tiny-mamba2", "tiny-coreloop", "hybrid-coda"])
 @pytest.mark.parametrize("kv", ["copy", "propagate", "full"])
 def test_kl_exit_equals_token_by_token_decoding(name, kv):
     """Loop-major (every looping position of the text at once) equals token-major (the decoder, teacher
     forced): the same exits, the same logits — the fills of skipped loops included (GQA / QK-norm, hybrid and
-    Mamba-2 cores, whose scans run over the looping tokens only)."""
-    m = _model(name)
+    Mamba-2 cores, whose scans run over the looping tokens only; attention and Mamba-2 codas, through which
+    the check reads every loop out, packed and filled as the core)."""
+    m = _model(*_CODA_HYBRID[:1], overrides=_CODA_HYBRID[1]) if name == "hybrid-coda" else _model(name)
     ids = torch.randint(0, m.config.vocab_size, (3, 12))
     out = _assert_matches_sequential(m, ids, {"criterion": "kl", "threshold": 0.003, "kv": kv})
     assert 1 < len(out.depth.unique()), "the exits must spread over several depths for the fills to matter"
@@ -162,13 +167,14 @@ def test_statistics_count_the_exits_and_the_packs():
 
 @pytest.mark.parametrize("name,exit,match", [
     ("tiny-llama", {"criterion": "kl", "threshold": 0.01, "kv": "shared"}, "kv policy 'shared'"),
-    ("tiny-coreloop", "kl:0.01", "kl criterion reads every loop out through the coda"),
+    ("tiny-llama", "kl:0.01", "no sliding-window band"),
     ("tiny-mamba2", {"criterion": "kl", "threshold": 0.01, "ssm": "propagate"}, "ssm policy 'propagate'"),
     ("tiny-llama", {"criterion": "kl", "threshold": -1.0}, "threshold ε must be"),
     ("tiny-llama", {"criterion": "replay", "depths": torch.ones(3, 4, dtype=torch.long)}, "depths give 4 positions per row"),
 ])  # fmt: skip
 def test_bad_options_are_refused_before_any_work(name, exit, match):
-    m = _model(name)
+    kw = {"overrides": {"attention.sliding_window": 4, "attention.sliding_layer_idx": [1]}} if match == "no sliding-window band" else {}
+    m = _model(name, **kw)
     ids = torch.randint(0, m.config.vocab_size, (3, 8))
     assert_refused_before_any_work(m, lambda: adaptive_forward(m, ids, exit), match)
 
@@ -220,13 +226,14 @@ def _slot_diff(a, b) -> float:
     return worst
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid", "tiny-mamba2"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid", "tiny-mamba2", "tiny-coreloop", "hybrid-coda"])
 @pytest.mark.parametrize("kv", ["copy", "propagate"])
 def test_prefill_exit_leaves_the_caches_of_decoding_the_prompt_token_by_token(name, kv):
     """``prefill='exit'``: the prompt in one forward leaves every loop's slots (keys and values with the fills of
-    the loops its tokens skipped, Mamba-2 states that absorbed the tokens that ran each loop) as decoding it
-    token by token after its first token does, so the generation that follows is the same."""
-    m = _model(name)
+    the loops its tokens skipped, Mamba-2 states that absorbed the tokens that ran each loop, the kl check's coda
+    slots of every loop) as decoding it token by token after its first token does, so the generation that
+    follows is the same."""
+    m = _model(*_CODA_HYBRID[:1], overrides=_CODA_HYBRID[1]) if name == "hybrid-coda" else _model(name)
     ids = torch.randint(0, m.config.vocab_size, (3, 10))
     exit = Exit.parse("kl:0.003").with_policies(kv=kv)
     ref, rdec = _decode_prompt_token_by_token(m, ids, 6, exit)

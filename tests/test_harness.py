@@ -121,8 +121,15 @@ def test_loglikelihood_with_exit_scores_each_token_at_its_own_depth(model):
     assert st["max_loops"] == model.config.n_loops and 1 < st["selected_depth"] < model.config.n_loops
     assert st["tokens"] == sum(len(TOK.encode(c + x)) - 1 for c, x in reqs)  # the inputs read (the last token is only a target)
     assert st["executed_ratio"] == pytest.approx(st["executed_depth"] / model.config.n_loops)
-    with pytest.raises(ValueError, match="kl criterion reads every loop out through the coda"):
-        LoopLMEvalModel(model=model, tokenizer=TOK, exit="kl:0.01", exit_prefill="exit")  # refused at construction
+    with pytest.raises(ValueError, match="prefill='exit': kv policy 'shared'"):
+        LoopLMEvalModel(model=model, tokenizer=TOK, exit="kl:0.01", kv_policy="shared", exit_prefill="exit")  # at construction
+    # kl through the coda (tiny-coreloop has one): every loop read out over the packed tokens, the scores as decoding's
+    kl = LoopLMEvalModel(model=model, tokenizer=TOK, batch_size=3, exit="kl:0.01")
+    got = kl.loglikelihood([_Req(*r) for r in reqs], disable_tqdm=True)
+    for (c, x), (s, _) in zip(reqs, got):
+        ctx, cont = TOK.encode(c), TOK.encode(x)
+        lp = F.log_softmax(adaptive_forward(model, torch.tensor([ctx + cont[:-1]]), "kl:0.01", full_depth_prefix=1).logits[0].float(), -1)
+        assert math.isclose(s, sum(float(lp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont)), rel_tol=1e-5, abs_tol=1e-4)
 
 
 def test_loglikelihood_rolling_windows(model):

@@ -141,8 +141,9 @@ def test_eval_ppl_with_exit_scores_each_window_at_adaptive_depth(tmp_path, capsy
         nll += float(F.cross_entropy(out.logits[i, : len(w) - 1], torch.tensor(w[1:]), reduction="sum"))
     assert got.nll == pytest.approx(nll, rel=1e-5) and got.nll != pytest.approx(plain.nll, rel=1e-4)
     assert got.depth["tokens"] == int(mask.sum()) and got.depth["executed_ratio"] < 1
-    with pytest.raises(ValueError, match="kl criterion reads every loop out through the coda"):  # before any document
-        evaluate_documents(looplm.build("tiny-coreloop").eval(), tok, docs, seq_len=12, exit="kl:0.1")
+    with pytest.raises(ValueError, match="no sliding-window band"):  # what one forward cannot run: before any document
+        windowed = looplm.build("tiny-llama", overrides={"attention.sliding_window": 4, "attention.sliding_layer_idx": [1]})
+        evaluate_documents(windowed.eval(), tok, docs, seq_len=12, exit="kl:0.1")
     run = tmp_path / "run"
     save_checkpoint(run / "ckpt", 1, model, None, {"step": 1}, {"model": to_dict(model.config), "tokenizer": "byte"})
     (tmp_path / "t.txt").write_text("\n\n".join(docs))

@@ -35,14 +35,18 @@ A Mamba-2 layer of the core has no slot here: it scans the pack, i.e. the tokens
 in order — an exited token has left that loop's scan, which is ``ssm='freeze'`` (state and conv window
 untouched by it). Each row's pack is right-aligned, its padding first and masked as left padding (which
 leaves the state as it was), so the scan's final state is the loop's state after the text. Prelude and coda
-layers, attention or Mamba-2, run once over the whole text.
+layers, attention or Mamba-2, run once over the whole text — except that the ``kl`` check reads every loop
+out through the coda (decoding keeps a coda slot per loop for it, family ``exit-check``): here the coda runs
+over the same pack at each loop with buffers of its own, filled as the core's (``copy``: its exit loop's
+readout keys and values stay; ``propagate``: the exit iterate ``H^k`` through each coda layer's norm and K/V
+projections, as decoding's fill; a Mamba-2 coda layer scans the pack).
 
 What runs (refused before any work otherwise, naming the option, by :func:`looplm.exits.forward_support`):
-no ``ssm='propagate'`` / ``'decay'`` with Mamba-2 core layers (they feed an exited token's stand-in into the
-skipped loops' scans), no sliding window in the core, no kl criterion with coda layers (a readout per loop
-through the coda would need a coda cache per loop), no rule with per-loop slots of its own or a rule that
-replaces the blocks' residual stream, and ``propagate`` only for rules that do not modulate the blocks per
-loop. Padding tokens (``attention_mask`` 0) leave after the first loop and are left out of the statistics.
+no ``ssm='propagate'`` / ``'decay'`` with Mamba-2 layers in the core (or in the coda the ``kl`` check reads
+out through: they feed an exited token's stand-in into the skipped loops' scans), no sliding window there, no
+rule with per-loop slots of its own or a rule that replaces the blocks' residual stream, and ``propagate``
+only for rules that do not modulate the blocks per loop. Padding tokens (``attention_mask`` 0) leave after the
+first loop and are left out of the statistics.
 
 Cost: the core runs ``Σ_k B · T_a(k)`` positions (``T_a(k)``: the most positions any row still loops at
 loop ``k``; a row with fewer computes padding), which :attr:`AdaptiveForward.stats` reports beside the
@@ -171,16 +175,13 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
         readout_fn=m._readout, final_norm=m.norm)  # fmt: skip
 
     # one key/value buffer per core attention layer for every loop; column T: the packs' scratch column
-    bufs = []
-    for blk in m.core.stack.blocks:
-        a = blk.mixer
-        if not isinstance(a, Attention):  # a Mamba-2 layer: no slot, it scans the pack (the looping tokens, in order)
-            bufs.append((None, None))
-            continue
-        shape = (B, a.n_kv_heads, T + 1, a.head_dim)
-        bufs.append((torch.zeros(shape, dtype=p.dtype, device=dev), torch.zeros(shape, dtype=p.dtype, device=dev)))
+    bufs = _kv_buffers(m.core.stack.blocks, B, T, p.dtype, dev)
+    # kl with coda layers: the check reads every loop out through the coda, whose attention layers keep a buffer
+    # of their own per text (the check's per-loop slots in decoding), packed and filled as the core's
+    read_coda = e.criterion == "kl" and len(m.coda.blocks) > 0
+    rbufs = _kv_buffers(m.coda.blocks, B, T, p.dtype, dev) if read_coda else []
     keys = torch.arange(T + 1, device=dev)
-    ssm_layers = any(kb is None for kb, _ in bufs)
+    ssm_layers = any(kb is None for kb, _ in bufs + rbufs)
     vis_ext = torch.cat([vis, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)[:, None, None, :]  # [B, 1, 1, T + 1]
     (cw, ca) = stack_flop_terms(m.core.stack)
     ctx_keys = (vis.long().cumsum(-1)).reshape(N).double()  # keys a token's attention reads (its visible prefix)
@@ -233,7 +234,13 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
         core_flops += float((cw + ca * ctx_keys.index_select(0, rows)).masked_select(real.index_select(0, rows)).sum())
         if k == R - 1:
             break
+        if read_coda:  # the check's readout of this loop: the coda over the same pack, its own buffers (and slots)
+            rkept = _loop_slots(m, cache, k, B, m.coda, "exit-check")
+            sub.check_readout = _pack_readout(m, fk, b_of, j_of, B, Ta,
+                                              [rkept[i] if kb is None else PositionKV(kb, vb, cols) for i, (kb, vb) in enumerate(rbufs)])
         leave = crit.check(k, h, state, sub, b_of, m)  # [n] bool
+        if read_coda and cache is not None:
+            _keep_loop(rkept, rbufs, T)
         if k + 1 < e.min_loops:
             leave = torch.zeros_like(leave)
         leave = (leave & ~forced.index_select(0, rows)) | ~real.index_select(0, rows)  # padding: out after one loop
@@ -261,6 +268,13 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
                 kk, vv = blk.mixer.kv_of(blk.mixer_norm(zs), ctx_out.fctx)  # [e, H_kv, 1, hd]
                 PositionKV(kb, vb, cols).write(gb, gt, kk[:, :, 0], vv[:, :, 0])
                 fill_flops += float(real.index_select(0, g).sum()) * 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
+            h_out = h.index_select(0, out)  # the check's coda layers: the exit iterate H^k (as decoding's fill)
+            for blk, (kb, vb) in zip(m.coda.blocks, rbufs):
+                if kb is None:
+                    continue
+                kk, vv = blk.mixer.kv_of(blk.mixer_norm(h_out), ctx_out.fctx)  # [e, H_kv, 1, hd]
+                PositionKV(kb, vb, cols).write(gb, gt, kk[:, :, 0], vv[:, :, 0])
+                fill_flops += float(real.index_select(0, g).sum()) * 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
         state, rows, sub = keep_staying(rule, crit, lctx, state, rows, leave)
         if rows.numel() == 0:
             break
@@ -269,6 +283,8 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
     if cache is not None:  # the loops nobody reached: the fills as they stand, the states untouched
         for kk in range(last + 1, R):
             _keep_loop(_loop_slots(m, cache, kk, B), bufs, T, ran=False)
+        for kk in range(last + 1, R - 1) if read_coda else ():  # (the check reads out loops 0 .. R − 2)
+            _keep_loop(_loop_slots(m, cache, kk, B, m.coda, "exit-check"), rbufs, T, ran=False)
     Y = y.reshape(B, T, dm)
     Y = m.coda(Y, fctx, m._slots(cache, m.coda, (0,), B))  # once over the text: a token's coda reads the earlier tokens' outputs
     if cache is not None:
@@ -310,9 +326,40 @@ def add_depth_stats(acc: dict, st: dict) -> dict:
     return acc
 
 
-def _loop_slots(m, cache, k: int, B: int) -> list:
-    """The cache's core slots of loop ``k`` (``None`` per block without a cache)."""
-    return [None] * len(m.core.stack.blocks) if cache is None else m._slots(cache, m.core.stack, (k,), B, loop=k, family="core")
+def _kv_buffers(blocks, B: int, T: int, dtype, dev) -> list:
+    """``(k, v)`` zero buffers ``[B, H_kv, T + 1, hd]`` per attention block (column ``T``: the packs' scratch
+    column); ``(None, None)`` for a Mamba-2 block (no slot: it scans the pack, the looping tokens in order)."""
+    out = []
+    for blk in blocks:
+        a = blk.mixer
+        if not isinstance(a, Attention):
+            out.append((None, None))
+            continue
+        shape = (B, a.n_kv_heads, T + 1, a.head_dim)
+        out.append((torch.zeros(shape, dtype=dtype, device=dev), torch.zeros(shape, dtype=dtype, device=dev)))
+    return out
+
+
+def _pack_readout(m, fk, b_of, j_of, B: int, Ta: int, slots: list):
+    """The kl check's readout for one loop's pack: ``(h [n, 1, d], lctx) -> logits [n, 1, V]`` through the
+    coda over each row's looping tokens (its attention layers' buffers in ``slots``), the final norm, the head."""
+
+    def read(h, lctx):
+        hp = h.new_zeros(B, Ta, h.shape[-1])
+        hp[b_of, j_of] = h[:, 0]  # [B, T_a, d]
+        y = m.coda(hp, fk, slots)[b_of, j_of]  # [n, d]
+        return m.lm_head(m.norm(y))[:, None]  # [n, 1, V]
+
+    return read
+
+
+def _loop_slots(m, cache, k: int, B: int, stack=None, family: str = "core") -> list:
+    """The cache's slots of loop ``k`` (the core's, or ``family``'s of ``stack``: the check's coda); ``None`` per
+    block without a cache."""
+    stack = m.core.stack if stack is None else stack
+    if cache is None:
+        return [None] * len(stack.blocks)
+    return m._slots(cache, stack, (k,) if family == "core" else (family, k), B, loop=k, family=family)
 
 
 def _keep_loop(slots: list, bufs: list, T: int, ran: bool = True) -> None:

@@ -83,6 +83,10 @@ class LoopContext:
     # the model's final RMSNorm N (the module itself, shared weights): rules that normalise the state between
     # iterations (Ouro), feed their exit gate a normed state or normalise the loop's output (Huginn) use it
     final_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # the exit check's readout of an iterate, (h [n, T, d], lctx) -> logits [n, T, V]; None = the model's own
+    # (coda with the check's per-loop slots, final norm, head). A driver that packs tokens differently from the
+    # rows it hands the rule gives its own (looplm.adaptive_forward: the coda over each row's looping tokens)
+    check_readout: Callable[[torch.Tensor, "LoopContext"], torch.Tensor] | None = None
 
     @property
     def positions(self) -> torch.Tensor:

@@ -286,12 +286,13 @@ def forward_support(model, e: Exit) -> list[str]:
                     "they ran: tokens one after another, not one loop over all of them; use kv='copy', 'propagate' or "
                     "'full', or score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
     core = model.core.stack.blocks
-    ssm = [b.layer_idx for b in core if not isinstance(b.mixer, Attention)]
+    looped = list(core) + (list(model.coda.blocks) if e.criterion == "kl" else [])  # (kl: the check's coda, per loop)
+    ssm = [b.layer_idx for b in looped if not isinstance(b.mixer, Attention)]
     if ssm and e.ssm != "freeze" and e.kv != "full":
         errs.append(f"ssm policy {e.ssm!r} feeds an exited token's stand-in into each skipped loop's scan; in one forward "
-                    f"the core's Mamba-2 layers {ssm} scan the looping tokens only (an exited token leaves the scan: "
+                    f"the Mamba-2 layers {ssm} of each loop scan the looping tokens only (an exited token leaves the scan: "
                     "'freeze'): use ssm='freeze' or kv='full', or score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
-    windowed = [b.layer_idx for b in core if isinstance(b.mixer, Attention) and b.mixer.sliding_window is not None]
+    windowed = [b.layer_idx for b in looped if isinstance(b.mixer, Attention) and b.mixer.sliding_window is not None]
     if windowed:
         errs.append(f"a per-token exit in one forward has no sliding-window band for the packed positions (core layers "
                     f"{windowed}): score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
@@ -301,9 +302,6 @@ def forward_support(model, e: Exit) -> list[str]:
     if _modulation_owns_carrier(model):
         errs.append(f"a per-token exit in one forward needs plain block inputs; the rule {cfg.rule.name!r} replaces a "
                     "block's residual stream (read / write hooks): score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
-    if e.criterion == "kl" and len(model.coda.blocks):
-        errs.append("the kl criterion reads every loop out through the coda, whose attention would need a cache per loop: "
-                    "use criterion 'convergence' or 'gate', or score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
     if e.kv == "propagate" and _modulates(model.rule):
         errs.append(f"kv policy 'propagate' writes one stand-in per exited token for every loop it skips; the rule "
                     f"{cfg.rule.name!r} modulates its blocks per loop: use kv='copy' or 'full'")  # fmt: skip
@@ -502,7 +500,8 @@ class KLCriterion(_SuccessiveCriterion):
 
     def value(self, k, h, lctx, model):  # log p^r [n, V]
         # every position reads out (a prompt's readout slots need each token); the last one is compared
-        self.logits = model._readout(h, lctx, family="exit-check")[:, -1]  # [n, V] (an exit's own: readout_is_output)
+        read = lctx.check_readout or (lambda x, c: model._readout(x, c, family="exit-check"))
+        self.logits = read(h, lctx)[:, -1]  # [n, V] (an exit's own: readout_is_output)
         logp = torch.log_softmax(self.logits.float(), -1)  # [n, V]
         if self.terms is None:
             self.terms = stack_flop_terms(model.coda), 2.0 * model.lm_head.weight.numel()
