@@ -8,10 +8,11 @@ import torch
 import looplm
 from looplm.adaptive import AdaptiveDecoder
 from looplm.adaptive_forward import adaptive_forward
-from looplm.exits import Exit
+from looplm.config import list_presets
+from looplm.exits import Exit, forward_support
 from looplm.recurrence.base import RULES
 
-from helpers import assert_refused_before_any_work
+from helpers import assert_refused_before_any_work, tiny_variant
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -301,3 +302,32 @@ def test_prefill_exit_with_request_refill_counts_every_prompt():
     for b in range(3):
         ref, _ = _decode_prompt_token_by_token(m, ids[b : b + 1], 6, Exit.parse("kl:0.003"))
         assert torch.equal(out[b : b + 1, 10:], ref)
+
+
+_PRESETS = [n for n in list_presets() if not n.startswith("tiny")]
+
+
+@pytest.mark.parametrize("preset", _PRESETS)
+def test_every_real_preset_equals_token_by_token_decoding_or_is_refused(preset):
+    """Each real preset at toy widths (Huginn's prelude / core / coda, Ouro, CoreLoop, StateLoop, Looped Mamba,
+    hybrids): the kl exit in one forward equals decoding the text token by token, or is refused before any work
+    with the reason (StateLoop's state mixers, pause tokens)."""
+    torch.manual_seed(0)
+    m = looplm.build(tiny_variant(preset)).eval()
+    ids = torch.randint(0, m.config.vocab_size, (2, 8))
+    exit = {"criterion": "kl", "threshold": 0.003}
+    try:
+        refused = forward_support(m, Exit.parse(exit).resolved(m, 2))
+    except ValueError as e:  # what no per-token exit runs (pause-token models)
+        refused = [str(e)]
+    if refused:
+        assert_refused_before_any_work(m, lambda: adaptive_forward(m, ids, exit), "exit: ")
+        assert preset in _REFUSED, (preset, refused)
+        return
+    out = adaptive_forward(m, ids, exit, full_depth_prefix=1)
+    ref, depths = _sequential(m, ids, exit)
+    assert torch.equal(out.depth[:, 1:], depths)
+    torch.testing.assert_close(out.logits[:, 1:].float(), ref[:, 1:], atol=2e-5, rtol=0)  # (Ouro: 6e-6)
+
+
+_REFUSED = {"stateloop-1.4b-attn", "stateloop-1.4b-mamba2", "stateloop-1.4b-pause"}  # state mixers; pause tokens
