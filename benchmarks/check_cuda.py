@@ -271,7 +271,7 @@ def section_forward(rep: Report) -> None:
     rep("(a) the device against the CPU reference, fp32\n")
     rep("| model | exit | exits equal | max rel. logit diff | prefill='exit' tokens == CPU |")
     rep("| --- | --- | ---: | ---: | ---: |")
-    for name in ("tiny-llama", "tiny-qwen3", "tiny-hybrid", "tiny-mamba2"):
+    for name in ("tiny-llama", "tiny-qwen3", "tiny-hybrid", "tiny-mamba2", "tiny-coreloop"):  # (coreloop: kl through a coda)
         torch.manual_seed(0)
         cpu = looplm.build(name, n_loops=5).eval()
         dev = looplm.build(name, n_loops=5, device=DEV).eval()
