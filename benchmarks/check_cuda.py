@@ -20,7 +20,7 @@ Sections (each guarded: one failing does not stop the others; the report is flus
                   d = 1024 / 2048, batch 8 × 512 tokens, exit depths replayed from 1..4).
 
 Measured on an H200 (2026-11-30): parity ~80 s, loss ~5 s, train ~55 s, speed ~75 s per shape,
-decode ~120 s (adaptive, forward: not run on a GPU yet; ~30 s and ~40 s on the CPU dry run); the default
+decode ~120 s (adaptive, forward: not run on a GPU yet; 182 s and 34 s on the 2-core CPU dry run); the default
 budget (560 s) fits one device call.
 
     PYTHONPATH=src python benchmarks/check_cuda.py --out DIR [--only parity,loss,train,speed,decode,adaptive,forward]
@@ -114,6 +114,32 @@ def section_parity(rep: Report) -> None:
             bad += 1
             rep(f"| {name} | error: {type(e).__name__}: {str(e)[:150]} | | | | | FAIL |")
     rep(f"\nparity: {bad} preset(s) outside tolerance (logits 1e-4, loss 1e-5, grads 1e-3, cached 1e-4, bf16 5e-2)")
+
+
+def _wide_lm(d: int):
+    """A random bf16 looped Transformer at width ``d`` on the device: 2 blocks x 4 loops, 32k vocabulary."""
+    import looplm
+
+    torch.manual_seed(0)
+    return looplm.build("tiny-llama", overrides={"d_model": d, "n_core": 2, "n_loops": 4, "d_ff": 3 * d, "vocab_size": 32000,
+                                                 "max_seq_len": 1024, "attention.n_heads": d // 64,
+                                                 "attention.n_kv_heads": d // 64, "attention.head_dim": 64},
+                        dtype=torch.bfloat16, device=DEV).eval()  # fmt: skip
+
+
+def _alternate(runs: dict, rounds: int = 3) -> tuple[dict, dict]:
+    """Each of ``runs`` (name -> call) once per round, the order reversed every other round, after one warm-up
+    round: ``({name: [seconds per round]}, {name: its last result})``."""
+    times, last = {k: [] for k in runs}, {}
+    for it in range(rounds + 1):  # 0 warms up
+        for k in (list(runs) if it % 2 else list(runs)[::-1]):
+            sync(DEV)
+            t0 = time.perf_counter()
+            last[k] = runs[k]()
+            sync(DEV)
+            if it:
+                times[k].append(time.perf_counter() - t0)
+    return times, last
 
 
 def section_adaptive(rep: Report) -> None:
@@ -214,11 +240,7 @@ def section_adaptive(rep: Report) -> None:
     rep("| d_model | batch | full ms/token | token ×full | depth ×full | static ×full | static + graphs ×full | executed / K | static passes / step |")
     rep("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for d in (1024, 2048):
-        torch.manual_seed(0)
-        m = looplm.build("tiny-llama", overrides={"d_model": d, "n_core": 2, "n_loops": 4, "d_ff": 3 * d, "vocab_size": 32000,
-                                                  "max_seq_len": 1024, "attention.n_heads": d // 64,
-                                                  "attention.n_kv_heads": d // 64, "attention.head_dim": 64},
-                         dtype=torch.bfloat16, device=DEV).eval()  # fmt: skip
+        m = _wide_lm(d)
         for B in (8, 32):
             g = torch.Generator().manual_seed(2)
             ids = torch.randint(0, 32000, (B, 32), generator=g).to(DEV)
@@ -235,18 +257,8 @@ def section_adaptive(rep: Report) -> None:
 
             if DEV == "cuda":
                 runs["graphs"] = graphed
-            times = {k: [] for k in runs}
-            stats = {}
-            for it in range(4):  # 0 warms up
-                for k in (list(runs) if it % 2 else list(runs)[::-1]):
-                    sync(DEV)
-                    t0 = time.perf_counter()
-                    res = runs[k]()
-                    sync(DEV)
-                    if it:
-                        times[k].append(time.perf_counter() - t0)
-                    if k != "full":
-                        stats[k] = res[1]
+            times, last = _alternate(runs)
+            stats = {k: r[1] for k, r in last.items() if k != "full"}
             full = statistics.median(times["full"])
             ratio = {k: statistics.median(times[k]) / full for k in runs}
             summ = stats["static"].summary()
@@ -294,27 +306,14 @@ def section_forward(rep: Report) -> None:
     rep("| d_model | full ms | exit ms | time / full | executed / K | computed / K |")
     rep("| ---: | ---: | ---: | ---: | ---: | ---: |")
     for d in (1024, 2048):
-        torch.manual_seed(0)
-        m = looplm.build("tiny-llama", overrides={"d_model": d, "n_core": 2, "n_loops": 4, "d_ff": 3 * d, "vocab_size": 32000,
-                                                  "max_seq_len": 1024, "attention.n_heads": d // 64,
-                                                  "attention.n_kv_heads": d // 64, "attention.head_dim": 64},
-                         dtype=torch.bfloat16, device=DEV).eval()  # fmt: skip
+        m = _wide_lm(d)
         g = torch.Generator().manual_seed(2)
         ids = torch.randint(0, 32000, (8, 512), generator=g).to(DEV)
         spec = {"criterion": "replay", "depths": torch.randint(1, 5, (8, 512), generator=g).to(DEV)}
         runs = {"full": lambda: m(ids).logits, "exit": lambda: adaptive_forward(m, ids, spec)}
-        times, out = {k: [] for k in runs}, None
         with torch.inference_mode():
-            for it in range(4):  # 0 warms up
-                for k in (list(runs) if it % 2 else list(runs)[::-1]):
-                    sync(DEV)
-                    t0 = time.perf_counter()
-                    res = runs[k]()
-                    sync(DEV)
-                    if it:
-                        times[k].append(time.perf_counter() - t0)
-                    if k == "exit":
-                        out = res
+            times, last = _alternate(runs)
+        out = last["exit"]
         full, ex = statistics.median(times["full"]), statistics.median(times["exit"])
         rep(f"| {d} | {1e3 * full:.1f} | {1e3 * ex:.1f} | {ex / full:.3f} | {out.stats['executed_ratio']:.3f} | "
             f"{out.stats['computed_ratio']:.3f} |")
