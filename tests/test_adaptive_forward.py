@@ -42,21 +42,40 @@ def _assert_matches_sequential(model, ids, exit):
     return out
 
 
-# a hybrid with Mamba-2 prelude and coda layers (the kl check reads every loop out through a Mamba-2 coda)
-_CODA_HYBRID = ("tiny-hybrid", {"n_prelude": 1, "n_coda": 1})
+# models with codas that readouts run through at every loop: the kl check's (a Mamba-2 coda; two attention coda
+# layers, so that a propagate fill differs from the readout's own keys and values past the first) and a rule's own
+_VARIANTS = {"hybrid-coda": ("tiny-hybrid", {"n_prelude": 1, "n_coda": 1}),
+             "coreloop-coda2": ("tiny-coreloop", {"n_coda": 2}),
+             "ponder-coda2": ("tiny-coreloop", {"n_coda": 2, "rule": {"name": "ponderlm"}})}  # PonderLM reads out in step
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-hybrid", "tiny-mamba2", "tiny-coreloop", "hybrid-coda"])
+def _build(name):
+    return _model(_VARIANTS[name][0], overrides=_VARIANTS[name][1]) if name in _VARIANTS else _model(name)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-hybrid", "tiny-mamba2", "tiny-coreloop", "hybrid-coda",
+                                  "coreloop-coda2"])
 @pytest.mark.parametrize("kv", ["copy", "propagate", "full"])
 def test_kl_exit_equals_token_by_token_decoding(name, kv):
     """Loop-major (every looping position of the text at once) equals token-major (the decoder, teacher
     forced): the same exits, the same logits — the fills of skipped loops included (GQA / QK-norm, hybrid and
     Mamba-2 cores, whose scans run over the looping tokens only; attention and Mamba-2 codas, through which
     the check reads every loop out, packed and filled as the core)."""
-    m = _model(*_CODA_HYBRID[:1], overrides=_CODA_HYBRID[1]) if name == "hybrid-coda" else _model(name)
+    m = _build(name)
     ids = torch.randint(0, m.config.vocab_size, (3, 12))
     out = _assert_matches_sequential(m, ids, {"criterion": "kl", "threshold": 0.003, "kv": kv})
     assert 1 < len(out.depth.unique()), "the exits must spread over several depths for the fills to matter"
+
+
+@pytest.mark.parametrize("kv", ["copy", "propagate"])
+def test_a_rules_own_readout_through_the_coda_equals_token_by_token_decoding(kv):
+    """PonderLM reads every iterate out in its step (``lctx.readout``: coda, norm, head); with coda layers that
+    readout attends to the earlier tokens' readouts of the same loop — run over the loop's pack with buffers of
+    its own and filled as decoding fills its per-loop ``readout`` slots (per-position depths: exits spread)."""
+    m = _build("ponder-coda2")
+    ids = torch.randint(0, m.config.vocab_size, (3, 10))
+    depths = torch.randint(1, 6, (3, 10), generator=torch.Generator().manual_seed(3))
+    _assert_matches_sequential(m, ids, {"criterion": "replay", "depths": depths, "kv": kv})
 
 
 def test_the_policies_change_what_later_tokens_read():
@@ -227,14 +246,15 @@ def _slot_diff(a, b) -> float:
     return worst
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid", "tiny-mamba2", "tiny-coreloop", "hybrid-coda"])
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid", "tiny-mamba2", "tiny-coreloop", "hybrid-coda", "coreloop-coda2",
+                                  "ponder-coda2"])
 @pytest.mark.parametrize("kv", ["copy", "propagate"])
 def test_prefill_exit_leaves_the_caches_of_decoding_the_prompt_token_by_token(name, kv):
     """``prefill='exit'``: the prompt in one forward leaves every loop's slots (keys and values with the fills of
     the loops its tokens skipped, Mamba-2 states that absorbed the tokens that ran each loop, the kl check's coda
     slots of every loop) as decoding it token by token after its first token does, so the generation that
     follows is the same."""
-    m = _model(*_CODA_HYBRID[:1], overrides=_CODA_HYBRID[1]) if name == "hybrid-coda" else _model(name)
+    m = _build(name)
     ids = torch.randint(0, m.config.vocab_size, (3, 10))
     exit = Exit.parse("kl:0.003").with_policies(kv=kv)
     ref, rdec = _decode_prompt_token_by_token(m, ids, 6, exit)

@@ -35,15 +35,16 @@ A Mamba-2 layer of the core has no slot here: it scans the pack, i.e. the tokens
 in order — an exited token has left that loop's scan, which is ``ssm='freeze'`` (state and conv window
 untouched by it). Each row's pack is right-aligned, its padding first and masked as left padding (which
 leaves the state as it was), so the scan's final state is the loop's state after the text. Prelude and coda
-layers, attention or Mamba-2, run once over the whole text — except that the ``kl`` check reads every loop
-out through the coda (decoding keeps a coda slot per loop for it, family ``exit-check``): here the coda runs
-over the same pack at each loop with buffers of its own, filled as the core's (``copy``: its exit loop's
-readout keys and values stay; ``propagate``: the exit iterate ``H^k`` through each coda layer's norm and K/V
-projections, as decoding's fill; a Mamba-2 coda layer scans the pack).
+layers, attention or Mamba-2, run once over the whole text — except where a readout of each loop goes through
+the coda, the ``kl`` check's and a rule's own (PonderLM's feedback, ``lctx.readout``), for which decoding keeps
+coda slots per loop (families ``exit-check`` and ``readout``): here the coda runs over the same pack at each
+loop with buffers of its own per family, filled as the core's (``copy``: an exited token's last readout keys
+and values stay; ``propagate``: its exit iterate ``H^k`` through each coda layer's norm and K/V projections, as
+decoding's fill; a Mamba-2 coda layer scans the pack).
 
 What runs (refused before any work otherwise, naming the option, by :func:`looplm.exits.forward_support`):
-no ``ssm='propagate'`` / ``'decay'`` with Mamba-2 layers in the core (or in the coda the ``kl`` check reads
-out through: they feed an exited token's stand-in into the skipped loops' scans), no sliding window there, no
+no ``ssm='propagate'`` / ``'decay'`` with Mamba-2 layers in the core (or in a coda a readout goes through per
+loop: they feed an exited token's stand-in into the skipped loops' scans), no sliding window there, no
 rule with per-loop slots of its own or a rule that replaces the blocks' residual stream, and ``propagate``
 only for rules that do not modulate the blocks per loop. Padding tokens (``attention_mask`` 0) leave after the
 first loop and are left out of the statistics.
@@ -178,10 +179,11 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
     bufs = _kv_buffers(m.core.stack.blocks, B, T, p.dtype, dev)
     # kl with coda layers: the check reads every loop out through the coda, whose attention layers keep a buffer
     # of their own per text (the check's per-loop slots in decoding), packed and filled as the core's
-    read_coda = e.criterion == "kl" and len(m.coda.blocks) > 0
-    rbufs = _kv_buffers(m.coda.blocks, B, T, p.dtype, dev) if read_coda else []
+    # with coda layers, a readout of an iterate (the kl check's, a rule's own: PonderLM's feedback) runs the coda
+    # over the loop's pack with buffers of its own per family, as decoding keeps coda slots per loop and family
+    codas = {f: _CodaReadout(m, f, B, T, p.dtype, dev) for f in ("exit-check", "readout")} if len(m.coda.blocks) else {}
     keys = torch.arange(T + 1, device=dev)
-    ssm_layers = any(kb is None for kb, _ in bufs + rbufs)
+    ssm_layers = any(kb is None for kb, _ in bufs) or any(not isinstance(b.mixer, Attention) for b in m.coda.blocks)
     vis_ext = torch.cat([vis, torch.ones(B, 1, dtype=torch.bool, device=dev)], 1)[:, None, None, :]  # [B, 1, 1, T + 1]
     (cw, ca) = stack_flop_terms(m.core.stack)
     ctx_keys = (vis.long().cumsum(-1)).reshape(N).double()  # keys a token's attention reads (its visible prefix)
@@ -209,11 +211,6 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
         j_of = torch.arange(n, device=dev) - (counts.cumsum(0) - counts).index_select(0, b_of) + (Ta - counts).index_select(0, b_of)
         cols = torch.full((B, Ta), T, dtype=torch.long, device=dev)  # [B, T_a]: each query's column (T: padding)
         cols[b_of, j_of] = t_of
-        z = rule.next_input(state, sub)  # Z^k [n, 1, d]
-        sub.core_input = z
-        mods = rule.block_modulation(state, sub)
-        zp = z.new_zeros(B, Ta, dm)
-        zp[b_of, j_of] = z[:, 0]  # [B, T_a, d]
         at = cols.clamp(max=T - 1)
         rope = {r: (c.gather(1, at[..., None].expand(-1, -1, c.shape[-1])), s.gather(1, at[..., None].expand(-1, -1, s.shape[-1])))
                 for r, (c, s) in fctx.rope.items()}  # [B, T_a, rot]: the queries' own positions  # fmt: skip
@@ -222,6 +219,14 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
         fk = ForwardContext(rope=rope, positions=fctx.positions.gather(1, at), attn_mask=mask, is_causal=False)
         if ssm_layers and (attention_mask is not None or B * Ta > n):  # the pack's real tokens (a Mamba-2 layer
             fk.pad_mask = (cols < T) & vis.gather(1, at)  # zeroes its left padding: the state passes it unchanged)
+        if codas:  # the loop's readouts (the check's, the rule's own) over this pack
+            sub.check_readout = codas["exit-check"].reader(fk, b_of, j_of, Ta, cols, cache, k)
+            sub.readout_fn = codas["readout"].reader(fk, b_of, j_of, Ta, cols, cache, k)
+        z = rule.next_input(state, sub)  # Z^k [n, 1, d]
+        sub.core_input = z
+        mods = rule.block_modulation(state, sub)
+        zp = z.new_zeros(B, Ta, dm)
+        zp[b_of, j_of] = z[:, 0]  # [B, T_a, d]
         # a Mamba-2 layer: no slot (it scans the pack), or the cache's state of loop k (the pack's scan fills it)
         kept = _loop_slots(m, cache, k, B)
         slots = [kept[i] if kb is None else PositionKV(kb, vb, cols) for i, (kb, vb) in enumerate(bufs)]
@@ -230,17 +235,15 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
             _keep_loop(kept, bufs, T)
         h = H[b_of, j_of][:, None]  # [n, 1, d]
         state = rule.step(state, h, sub)
+        if "readout" in codas:  # (a rule's own readout of this loop, e.g. PonderLM's: its slots, before any fill)
+            codas["readout"].keep_loop(k)
         computed += B * Ta
         core_flops += float((cw + ca * ctx_keys.index_select(0, rows)).masked_select(real.index_select(0, rows)).sum())
         if k == R - 1:
             break
-        if read_coda:  # the check's readout of this loop: the coda over the same pack, its own buffers (and slots)
-            rkept = _loop_slots(m, cache, k, B, m.coda, "exit-check")
-            sub.check_readout = _pack_readout(m, fk, b_of, j_of, B, Ta,
-                                              [rkept[i] if kb is None else PositionKV(kb, vb, cols) for i, (kb, vb) in enumerate(rbufs)])
         leave = crit.check(k, h, state, sub, b_of, m)  # [n] bool
-        if read_coda and cache is not None:
-            _keep_loop(rkept, rbufs, T)
+        if "exit-check" in codas:  # (the kl check's readout of this loop: its slots, before the exits' fills)
+            codas["exit-check"].keep_loop(k)
         if k + 1 < e.min_loops:
             leave = torch.zeros_like(leave)
         leave = (leave & ~forced.index_select(0, rows)) | ~real.index_select(0, rows)  # padding: out after one loop
@@ -268,13 +271,8 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
                 kk, vv = blk.mixer.kv_of(blk.mixer_norm(zs), ctx_out.fctx)  # [e, H_kv, 1, hd]
                 PositionKV(kb, vb, cols).write(gb, gt, kk[:, :, 0], vv[:, :, 0])
                 fill_flops += float(real.index_select(0, g).sum()) * 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
-            h_out = h.index_select(0, out)  # the check's coda layers: the exit iterate H^k (as decoding's fill)
-            for blk, (kb, vb) in zip(m.coda.blocks, rbufs):
-                if kb is None:
-                    continue
-                kk, vv = blk.mixer.kv_of(blk.mixer_norm(h_out), ctx_out.fctx)  # [e, H_kv, 1, hd]
-                PositionKV(kb, vb, cols).write(gb, gt, kk[:, :, 0], vv[:, :, 0])
-                fill_flops += float(real.index_select(0, g).sum()) * 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
+            for cr in codas.values():  # the readouts' coda layers: the exit iterate H^k (as decoding's fill)
+                fill_flops += float(real.index_select(0, g).sum()) * cr.propagate(h.index_select(0, out), ctx_out.fctx, gb, gt)
         state, rows, sub = keep_staying(rule, crit, lctx, state, rows, leave)
         if rows.numel() == 0:
             break
@@ -283,8 +281,8 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
     if cache is not None:  # the loops nobody reached: the fills as they stand, the states untouched
         for kk in range(last + 1, R):
             _keep_loop(_loop_slots(m, cache, kk, B), bufs, T, ran=False)
-        for kk in range(last + 1, R - 1) if read_coda else ():  # (the check reads out loops 0 .. R − 2)
-            _keep_loop(_loop_slots(m, cache, kk, B, m.coda, "exit-check"), rbufs, T, ran=False)
+        for cr in codas.values():  # the loops a readout reached, then those after the last that ran (as they stand)
+            cr.keep(cache, last, R)
     Y = y.reshape(B, T, dm)
     Y = m.coda(Y, fctx, m._slots(cache, m.coda, (0,), B))  # once over the text: a token's coda reads the earlier tokens' outputs
     if cache is not None:
@@ -340,17 +338,61 @@ def _kv_buffers(blocks, B: int, T: int, dtype, dev) -> list:
     return out
 
 
-def _pack_readout(m, fk, b_of, j_of, B: int, Ta: int, slots: list):
-    """The kl check's readout for one loop's pack: ``(h [n, 1, d], lctx) -> logits [n, 1, V]`` through the
-    coda over each row's looping tokens (its attention layers' buffers in ``slots``), the final norm, the head."""
+class _CodaReadout:
+    """The readouts of one family (``exit-check``: the kl check's; ``readout``: a rule's own, ``lctx.readout``)
+    through the coda, loop by loop over each loop's pack: key/value buffers ``[B, H_kv, T + 1, hd]`` per coda
+    attention layer (made at the first readout; a Mamba-2 coda layer scans the pack), filled as the core's —
+    ``copy``: an exited token's last readout stays; ``propagate``: :meth:`propagate` writes its exit iterate's —
+    and, for a decoder's cache, written into the family's slot of each loop a readout ran (:meth:`keep`)."""
 
-    def read(h, lctx):
-        hp = h.new_zeros(B, Ta, h.shape[-1])
-        hp[b_of, j_of] = h[:, 0]  # [B, T_a, d]
-        y = m.coda(hp, fk, slots)[b_of, j_of]  # [n, d]
-        return m.lm_head(m.norm(y))[:, None]  # [n, 1, V]
+    def __init__(self, m, family: str, B: int, T: int, dtype, dev):
+        self.m, self.family, self.B, self.T, self.dtype, self.dev = m, family, B, T, dtype, dev
+        self.bufs: list | None = None  # made at the first readout
+        self.read_at: dict = {}  # loop -> the cache's slots it wrote through (to keep once the loop is over)
 
-    return read
+    def reader(self, fk, b_of, j_of, Ta: int, cols, cache, k: int):
+        """``(h [n, 1, d], lctx) -> logits [n, 1, V]`` for loop ``k``'s pack: the coda, the final norm, the head."""
+        m = self.m
+
+        def read(h, lctx):
+            if self.bufs is None:
+                self.bufs = _kv_buffers(m.coda.blocks, self.B, self.T, self.dtype, self.dev)
+            kept = _loop_slots(m, cache, k, self.B, m.coda, self.family)
+            self.read_at[k] = kept
+            slots = [kept[i] if kb is None else PositionKV(kb, vb, cols) for i, (kb, vb) in enumerate(self.bufs)]
+            hp = h.new_zeros(self.B, Ta, h.shape[-1])
+            hp[b_of, j_of] = h[:, 0]  # [B, T_a, d]
+            y = m.coda(hp, fk, slots)[b_of, j_of]  # [n, d]
+            return m.lm_head(m.norm(y))[:, None]  # [n, 1, V]
+
+        return read
+
+    def propagate(self, h_exit, fctx, b, t) -> float:
+        """``kv='propagate'``: exited tokens' keys and values of every coda attention layer from their exit iterate
+        ``h_exit [e, 1, d]`` (decoding's fill of a readout's coda slots); returns the FLOPs per token."""
+        flops = 0.0
+        for blk, (kb, vb) in zip(self.m.coda.blocks, self.bufs or []):
+            if kb is None:
+                continue
+            kk, vv = blk.mixer.kv_of(blk.mixer_norm(h_exit), fctx)  # [e, H_kv, 1, hd]
+            PositionKV(kb, vb, None).write(b, t, kk[:, :, 0], vv[:, :, 0])
+            flops += 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
+        return flops
+
+    def keep_loop(self, k: int) -> None:
+        """After loop ``k``'s readout (before the exits' fills): the buffers into a decoder's slots of this family
+        and loop, if a readout ran (a Mamba-2 coda slot was written by the pack's scan itself)."""
+        kept = self.read_at.pop(k, None)
+        if kept is not None and kept[0] is not None:
+            _keep_loop(kept, self.bufs, self.T)
+
+    def keep(self, cache, last: int, R: int) -> None:
+        """Into a decoder's cache, the loops after ``last`` (the last that ran) a readout reads (0 .. R − 2): the
+        buffers as they stand (every token had exited: the fills), Mamba-2 states untouched."""
+        if self.bufs is None:
+            return
+        for kk in range(last + 1, R - 1):
+            _keep_loop(_loop_slots(self.m, cache, kk, self.B, self.m.coda, self.family), self.bufs, self.T, ran=False)
 
 
 def _loop_slots(m, cache, k: int, B: int, stack=None, family: str = "core") -> list:

@@ -286,7 +286,9 @@ def forward_support(model, e: Exit) -> list[str]:
                     "they ran: tokens one after another, not one loop over all of them; use kv='copy', 'propagate' or "
                     "'full', or score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
     core = model.core.stack.blocks
-    looped = list(core) + (list(model.coda.blocks) if e.criterion == "kl" else [])  # (kl: the check's coda, per loop)
+    # the coda runs per loop too when a readout goes through it: the kl check's, or the rule's own (PonderLM)
+    read = len(model.coda.blocks) > 0 and (e.criterion == "kl" or _rule_reads_out(model))
+    looped = list(core) + (list(model.coda.blocks) if read else [])
     ssm = [b.layer_idx for b in looped if not isinstance(b.mixer, Attention)]
     if ssm and e.ssm != "freeze" and e.kv != "full":
         errs.append(f"ssm policy {e.ssm!r} feeds an exited token's stand-in into each skipped loop's scan; in one forward "
@@ -549,6 +551,20 @@ class ReplayCriterion(Criterion):
     def take(self, keep):
         if isinstance(self.token, torch.Tensor):
             self.token = self.token.index_select(0, keep)
+
+
+def _rule_reads_out(model) -> bool:
+    """Whether the rule reads an iterate out at inference (``lctx.readout`` in its hooks, e.g. PonderLM's
+    feedback): probed on one zero token at loop 0 of the trained ``K``, with a readout that records its call."""
+    calls = []
+    with torch.no_grad():
+        h0, lctx = _probe(model, 1)
+        lctx.readout_fn = lambda h, c: calls.append(1) or model._readout(h, replace(c, cache=None))
+        state = model.rule.begin(h0, lctx)
+        lctx.core_input = model.rule.next_input(state, lctx)
+        model.rule.block_modulation(state, lctx)
+        model.rule.step(state, lctx.core_input.clone(), lctx)
+    return bool(calls)
 
 
 def keep_staying(rule, crit, lctx, state, rows: torch.Tensor, leave: torch.Tensor):
