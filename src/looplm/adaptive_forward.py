@@ -177,8 +177,6 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
 
     # one key/value buffer per core attention layer for every loop; column T: the packs' scratch column
     bufs = _kv_buffers(m.core.stack.blocks, B, T, p.dtype, dev)
-    # kl with coda layers: the check reads every loop out through the coda, whose attention layers keep a buffer
-    # of their own per text (the check's per-loop slots in decoding), packed and filled as the core's
     # with coda layers, a readout of an iterate (the kl check's, a rule's own: PonderLM's feedback) runs the coda
     # over the loop's pack with buffers of its own per family, as decoding keeps coda slots per loop and family
     codas = {f: _CodaReadout(m, f, B, T, p.dtype, dev) for f in ("exit-check", "readout")} if len(m.coda.blocks) else {}
@@ -265,14 +263,10 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
         if e.kv == "propagate":  # the stand-in Z^{k+1} through each core layer's norm and K/V projections, once
             zs = rule.next_input(st_out, replace(ctx_out, iteration=k + 1))  # [e, 1, d]
             gb, gt = b_of.index_select(0, out), t_of.index_select(0, out)
-            for blk, (kb, vb) in zip(m.core.stack.blocks, bufs):
-                if kb is None:
-                    continue
-                kk, vv = blk.mixer.kv_of(blk.mixer_norm(zs), ctx_out.fctx)  # [e, H_kv, 1, hd]
-                PositionKV(kb, vb, cols).write(gb, gt, kk[:, :, 0], vv[:, :, 0])
-                fill_flops += float(real.index_select(0, g).sum()) * 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
+            per_token = _propagate(m.core.stack.blocks, bufs, zs, ctx_out.fctx, gb, gt)
             for cr in codas.values():  # the readouts' coda layers: the exit iterate H^k (as decoding's fill)
-                fill_flops += float(real.index_select(0, g).sum()) * cr.propagate(h.index_select(0, out), ctx_out.fctx, gb, gt)
+                per_token += _propagate(m.coda.blocks, cr.bufs or [], h.index_select(0, out), ctx_out.fctx, gb, gt)
+            fill_flops += float(real.index_select(0, g).sum()) * per_token
         state, rows, sub = keep_staying(rule, crit, lctx, state, rows, leave)
         if rows.numel() == 0:
             break
@@ -342,7 +336,7 @@ class _CodaReadout:
     """The readouts of one family (``exit-check``: the kl check's; ``readout``: a rule's own, ``lctx.readout``)
     through the coda, loop by loop over each loop's pack: key/value buffers ``[B, H_kv, T + 1, hd]`` per coda
     attention layer (made at the first readout; a Mamba-2 coda layer scans the pack), filled as the core's —
-    ``copy``: an exited token's last readout stays; ``propagate``: :meth:`propagate` writes its exit iterate's —
+    ``copy``: an exited token's last readout stays; ``propagate``: :func:`_propagate` writes its exit iterate's —
     and, for a decoder's cache, written into the family's slot of each loop a readout ran (:meth:`keep`)."""
 
     def __init__(self, m, family: str, B: int, T: int, dtype, dev):
@@ -367,18 +361,6 @@ class _CodaReadout:
 
         return read
 
-    def propagate(self, h_exit, fctx, b, t) -> float:
-        """``kv='propagate'``: exited tokens' keys and values of every coda attention layer from their exit iterate
-        ``h_exit [e, 1, d]`` (decoding's fill of a readout's coda slots); returns the FLOPs per token."""
-        flops = 0.0
-        for blk, (kb, vb) in zip(self.m.coda.blocks, self.bufs or []):
-            if kb is None:
-                continue
-            kk, vv = blk.mixer.kv_of(blk.mixer_norm(h_exit), fctx)  # [e, H_kv, 1, hd]
-            PositionKV(kb, vb, None).write(b, t, kk[:, :, 0], vv[:, :, 0])
-            flops += 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
-        return flops
-
     def keep_loop(self, k: int) -> None:
         """After loop ``k``'s readout (before the exits' fills): the buffers into a decoder's slots of this family
         and loop, if a readout ran (a Mamba-2 coda slot was written by the pack's scan itself)."""
@@ -393,6 +375,20 @@ class _CodaReadout:
             return
         for kk in range(last + 1, R - 1):
             _keep_loop(_loop_slots(self.m, cache, kk, self.B, self.m.coda, self.family), self.bufs, self.T, ran=False)
+
+
+def _propagate(blocks, bufs: list, z: torch.Tensor, fctx, b: torch.Tensor, t: torch.Tensor) -> float:
+    """``kv='propagate'``: the stand-ins ``z [e, 1, d]`` of exited tokens at positions ``(b [e], t [e])`` through
+    each attention block's norm and K/V projections into its buffer (``bufs``, one per block; once: the loops they
+    skip read it). Returns the FLOPs per token."""
+    flops = 0.0
+    for blk, (kb, vb) in zip(blocks, bufs):
+        if kb is None:
+            continue
+        kk, vv = blk.mixer.kv_of(blk.mixer_norm(z), fctx)  # [e, H_kv, 1, hd]
+        PositionKV(kb, vb, None).write(b, t, kk[:, :, 0], vv[:, :, 0])
+        flops += 2.0 * (blk.mixer.k_proj.weight.numel() + blk.mixer.v_proj.weight.numel())
+    return flops
 
 
 def _loop_slots(m, cache, k: int, B: int, stack=None, family: str = "core") -> list:

@@ -296,7 +296,7 @@ def forward_support(model, e: Exit) -> list[str]:
                     "'freeze'): use ssm='freeze' or kv='full', or score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
     windowed = [b.layer_idx for b in looped if isinstance(b.mixer, Attention) and b.mixer.sliding_window is not None]
     if windowed:
-        errs.append(f"a per-token exit in one forward has no sliding-window band for the packed positions (core layers "
+        errs.append(f"a per-token exit in one forward has no sliding-window band for the packed positions (layers "
                     f"{windowed}): score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
     if model.rule.loop_slot_mixers():
         errs.append(f"a per-token exit in one forward cannot run the rule {cfg.rule.name!r}'s own per-loop slots (its state "
