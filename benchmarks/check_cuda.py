@@ -20,7 +20,7 @@ Sections (each guarded: one failing does not stop the others; the report is flus
                   d = 1024 / 2048, batch 8 × 512 tokens, exit depths replayed from 1..4).
 
 Measured on an H200 (2026-11-30): parity ~80 s, loss ~5 s, train ~55 s, speed ~75 s per shape,
-decode ~120 s (adaptive, forward: not run on a GPU yet; 182 s and 34 s on the 2-core CPU dry run); the default
+decode ~120 s (adaptive, forward: not run on a GPU yet; 296 s and 34 s on the 2-core CPU dry run); the default
 budget (560 s) fits one device call.
 
     PYTHONPATH=src python benchmarks/check_cuda.py --out DIR [--only parity,loss,train,speed,decode,adaptive,forward]
@@ -235,10 +235,18 @@ def section_adaptive(rep: Report) -> None:
                 rep(f"- static with cuda_graphs ({spec_g['criterion']}): {graphed.passes} passes, tokens == eager: {same}")
             except Exception as e:
                 rep(f"- static with cuda_graphs ({spec_g['criterion']}): error {type(e).__name__}: {str(e)[:300]}")
+    try:  # the pass through torch.compile (exit compile=True): the eager passes' tokens
+        eager = StaticDepthDecoder(m, 4, 22, {**spec, "schedule": "static"}).run(ids, 16, None, greedy, None, 0)
+        t0 = time.perf_counter()
+        comp = StaticDepthDecoder(m, 4, 22, {**spec, "schedule": "static", "compile": True})
+        same = torch.equal(comp.run(ids, 16, None, greedy, None, 0), eager)
+        rep(f"- static with compile=True ({spec['criterion']}): tokens == eager: {same}, first run (compiling) {time.perf_counter() - t0:.1f} s")
+    except Exception as e:
+        rep(f"- static with compile=True: error {type(e).__name__}: {str(e)[:300]}")
 
     rep("\n(c) decode time per token, bf16, random weights, exit depths drawn from 1..4\n")
-    rep("| d_model | batch | full ms/token | token ×full | depth ×full | static ×full | static + graphs ×full | executed / K | static passes / step |")
-    rep("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    rep("| d_model | batch | full ms/token | token ×full | depth ×full | static ×full | static + graphs ×full | static compiled ×full | executed / K | static passes / step |")
+    rep("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for d in (1024, 2048):
         m = _wide_lm(d)
         for B in (8, 32):
@@ -257,14 +265,17 @@ def section_adaptive(rep: Report) -> None:
 
             if DEV == "cuda":
                 runs["graphs"] = graphed
+            if d == 1024:  # (a compilation per model and batch: d = 1024 only, to keep the script short)
+                runs["compiled"] = lambda: m.generate(ids, new, exit={**ex, "schedule": "static", "compile": True}, return_stats=True)
             times, last = _alternate(runs)
             stats = {k: r[1] for k, r in last.items() if k != "full"}
             full = statistics.median(times["full"])
             ratio = {k: statistics.median(times[k]) / full for k in runs}
             summ = stats["static"].summary()
             gr = f"{ratio['graphs']:.3f}" if "graphs" in ratio else "(CUDA only)"
+            co = f"{ratio['compiled']:.3f}" if "compiled" in ratio else "(d = 1024 only)"
             rep(f"| {d} | {B} | {1e3 * full / new:.2f} | {ratio['token']:.3f} | {ratio['depth']:.3f} | {ratio['static']:.3f} | "
-                f"{gr} | {summ['executed_ratio']:.3f} | {summ['batch_depth']:.2f} |")
+                f"{gr} | {co} | {summ['executed_ratio']:.3f} | {summ['batch_depth']:.2f} |")
 
 
 def section_forward(rep: Report) -> None:

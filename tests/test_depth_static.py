@@ -291,6 +291,34 @@ def test_too_few_replayed_depths_are_refused_before_any_work():
     assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 128, (2, 3)), 6, exit=spec), "give at least that many")
 
 
+@pytest.mark.slow
+def test_a_compiled_pass_decodes_the_eager_passes_tokens_and_statistics():
+    """``compile=True`` (the pass through torch.compile): the eager pass's tokens, depths and counters; a
+    second decode of the same shapes reuses the graphs (no new compilation)."""
+    from torch._dynamo.utils import counters
+
+    m = _model("tiny-llama")
+    ids = torch.randint(0, 250, (4, 5), generator=torch.Generator().manual_seed(6))
+    e = Exit.parse("convergence:0.6").with_policies(schedule="static")
+    eager, est = m.generate(ids, 8, exit=e, return_stats=True)
+    comp, cst = m.generate(ids, 8, exit=e.with_policies(compile=True), return_stats=True)
+    assert torch.equal(eager, comp)
+    assert cst.summary() == est.summary() and cst.core_calls == est.core_calls
+    assert torch.equal(torch.cat(cst.selected), torch.cat(est.selected))
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs > 0  # it did compile
+    assert torch.equal(m.generate(ids.flip(0), 8, exit=e.with_policies(compile=True)), m.generate(ids.flip(0), 8, exit=e))
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
+def test_compile_is_refused_outside_the_static_schedule_and_with_cuda_graphs():
+    _refused("tiny-llama", {}, {"criterion": "kl", "threshold": 0.1, "schedule": "depth", "compile": True}, "use schedule='static'")
+    _refused("tiny-llama", {}, {"criterion": "kl", "threshold": 0.1, "schedule": "static", "compile": "yes"}, "compile must be True or False")
+    m = _model("tiny-llama")
+    with pytest.raises(ValueError, match="cuda_graphs=True and exit compile=True"):
+        StaticDepthDecoder(m, 2, 8, {"criterion": "kl", "threshold": 0.1, "schedule": "static", "compile": True}, cuda_graphs=True)
+
+
 def test_front_ends_take_the_static_schedule():
     from looplm.cli import _adaptive_args, build_parser
     from looplm.eval.harness import adaptive_options as harness_options
@@ -298,7 +326,14 @@ def test_front_ends_take_the_static_schedule():
     m = _model("tiny-llama")
     assert harness_options(m, exit="kl:0.1", exit_schedule="static")["exit"].schedule == "static"
     args = build_parser("generate").parse_args(["generate", "--model", "tiny-llama", "--exit", "kl:0.1", "--exit-schedule", "static"])
-    assert _adaptive_args(args, m)["exit"].schedule == "static"
+    assert _adaptive_args(args, m)["exit"].schedule == "static" and not _adaptive_args(args, m)["exit"].compile
+    # --compile under the static schedule compiles its pass (not each block)
+    args = build_parser("generate").parse_args(["generate", "--model", "tiny-llama", "--exit", "kl:0.1", "--exit-schedule", "static", "--compile"])
+    assert _adaptive_args(args, m)["exit"].compile
+    assert harness_options(m, exit="kl:0.1", exit_schedule="static", exit_compile="true")["exit"].compile
+    assert not harness_options(m, exit="kl:0.1", exit_schedule="static", exit_compile="False")["exit"].compile
+    with pytest.raises(ValueError, match="exit_compile must be true or false, got 'maybe'"):
+        harness_options(m, exit="kl:0.1", exit_schedule="static", exit_compile="maybe")
 
 
 @pytest.mark.kernels

@@ -285,10 +285,14 @@ def _at_exit(dec):
     return dec
 
 
+BATCH_SCHEDULES = ("depth", "static", "static-compiled")  # beside 'token', at batch > 1
+
+
 def _contenders(m, B: int, specs: dict, schedules=("token", "depth"), at_exit: bool = False) -> dict:
     """``{"full": ..., name: decoder factory}`` for :func:`decode_timing` / :func:`generation_timing`: each spec
     (an exit) under the token schedule, and at batch > 1 also under the depth schedule (continuous depth
-    batching; at batch 1 the two are one schedule) and, when asked, its fixed-shape form ``static``."""
+    batching; at batch 1 the two are one schedule) and, when asked, its fixed-shape form ``static`` (and that
+    form with its pass through torch.compile, ``static-compiled``)."""
     from .adaptive import AdaptiveDecoder
     from .depth_batch import DepthBatchedDecoder
     from .depth_static import StaticDepthDecoder
@@ -296,10 +300,11 @@ def _contenders(m, B: int, specs: dict, schedules=("token", "depth"), at_exit: b
     cont = {"full": lambda b, c: FullDepth(m, b, c)}
     classes = {"token": AdaptiveDecoder, "depth": DepthBatchedDecoder, "static": StaticDepthDecoder}
     for name, spec in specs.items():
-        batched = [s for s in ("depth", "static") if s in schedules] if B > 1 and spec["kv"] != "full" else []
+        batched = [s for s in BATCH_SCHEDULES if s in schedules] if B > 1 and spec["kv"] != "full" else []
         for sched in ["token"] + batched:
-            cont[f"{name}/{sched}"] = lambda b, c, spec=spec, sched=sched: classes[sched](
-                m, b, c, spec if sched == "token" else {**spec, "schedule": sched})
+            opts = {"schedule": sched.removesuffix("-compiled"), **({"compile": True} if sched == "static-compiled" else {})}
+            cont[f"{name}/{sched}"] = lambda b, c, spec=spec, opts=opts: classes[opts["schedule"]](
+                m, b, c, spec if opts["schedule"] == "token" else {**spec, **opts})
         if at_exit and spec["kv"] == "propagate":  # the same decoders with the fills written at the exit
             for sched in ["token"] + [s for s in batched if s == "depth"]:  # (static refuses propagate)
                 cont[f"{name}/{sched}-at-exit"] = lambda b, c, make=cont[f"{name}/{sched}"]: _at_exit(make(b, c))
@@ -312,7 +317,7 @@ def _timed(m, prompts, new_tokens, cont, runs, clock) -> dict:
     (:func:`generation_timing`)."""
     from .eval.decode_timing import generation_timing
 
-    if any(k.rsplit("/", 1)[-1].removesuffix("-at-exit") in ("depth", "static") for k in cont):
+    if any(k.rsplit("/", 1)[-1].removesuffix("-at-exit") in BATCH_SCHEDULES for k in cont):
         return generation_timing(m, prompts, new_tokens, cont, runs=runs, clock=clock)
     return decode_timing(m, prompts, new_tokens, cont, runs=runs, clock=clock)
 
@@ -662,9 +667,9 @@ def cmd_bench_adaptive(args) -> int:
     runs = Path(args.runs_dir)
     dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in args.dtypes.split(",")]
     schedules = tuple(x.strip() for x in args.schedules.split(","))
-    bad = [x for x in schedules if x not in ("token", "depth", "static")]
+    bad = [x for x in schedules if x not in ("token",) + BATCH_SCHEDULES]
     if bad:
-        raise ValueError(f"--schedules {args.schedules!r}: unknown {bad}; choose from token, depth, static")
+        raise ValueError(f"--schedules {args.schedules!r}: unknown {bad}; choose from token, {', '.join(BATCH_SCHEDULES)}")
     bad = [x.strip() for x in args.scale_mixers.split(",") if x.strip() not in ("attention", "mamba2")]
     if bad:
         raise ValueError(f"--scale-mixers {args.scale_mixers!r}: unknown {bad}; choose from attention, mamba2")
@@ -798,7 +803,8 @@ def register(sub) -> None:
     a.add_argument("--widths", default="512,1024", help="backbone widths of the scale section")
     a.add_argument("--scale-mixers", default="attention", help="block kinds of the scale section: attention, mamba2")
     a.add_argument("--schedules", default="token,depth", help="batch schedules timed at batch 8 beside full depth "
-                   "(token, depth, static: the fixed-shape depth schedule, made for CUDA)")
+                   "(token, depth, static: the fixed-shape depth schedule, made for CUDA, static-compiled: its pass "
+                   "through torch.compile)")
     a.add_argument("--dtypes", default="fp32,bf16")
     a.add_argument("--batches", default="1,8", help="batch sizes of the timing and speculative sections")
     a.add_argument("--new", type=int, default=48, help="decoded tokens per timing run")

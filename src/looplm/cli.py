@@ -148,7 +148,7 @@ def _cmd_generate(args) -> int:
 
         precision = resolve_precision(args.dtype, next(model.parameters()).device)
         model = model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
-    if args.compile:
+    if args.compile and not _compiles_the_static_pass(args):
         from .parallel import compile_blocks
 
         compile_blocks(model)  # per block, ~10 s; where looplm's CPU kernels run, the fused one-token step of plain attention blocks bypasses it
@@ -172,7 +172,14 @@ def _adaptive_args(args, model) -> dict:
 
     return adaptive_options(model, exit=args.exit, speculative=args.speculative, draft_k=args.draft_k, kv=args.kv_policy,
                             ssm=args.ssm_policy, min_loops=args.min_loops, max_loops=args.max_loops,
-                            schedule=args.exit_schedule, draft_exit=args.draft_exit, prefill=args.exit_prefill)  # fmt: skip
+                            schedule=args.exit_schedule, draft_exit=args.draft_exit, prefill=args.exit_prefill,
+                            compile=True if _compiles_the_static_pass(args) else None)  # fmt: skip
+
+
+def _compiles_the_static_pass(args) -> bool:
+    """``--compile`` with ``--exit ... --exit-schedule static``: the static schedule's whole pass is compiled
+    (exit ``compile=True``), not each block."""
+    return bool(args.compile and args.exit is not None and args.exit_schedule == "static")
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
@@ -210,7 +217,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seeds a random preset's weights (no --checkpoint) and the sampling")
     p.add_argument("--compile", action="store_true",
                    help="compile every block first (torch.compile); pays for long generations where the fused CPU "
-                        "decode step does not run (GPUs, modulated blocks, CPUs without a C++ compiler)")
+                        "decode step does not run (GPUs, modulated blocks, CPUs without a C++ compiler); with "
+                        "--exit-schedule static, the static schedule's whole pass is compiled instead")
     p.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default="fp32",
                    help="weights' dtype for decoding: fp32 (as trained; the default), bf16, or auto = bf16 on CUDA "
                         "and on CPUs with native bf16 (where bf16 decodes 1.5-2x faster than fp32), else fp32")

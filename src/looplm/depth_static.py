@@ -49,6 +49,7 @@ import torch
 
 from .context import ForwardContext
 from .depth_batch import DepthBatchedDecoder, merge_modulations
+from .exits import Exit
 from .layers.mamba2 import Mamba2Rows
 from .sampling import decode_context
 
@@ -59,7 +60,9 @@ class StaticDepthDecoder(DepthBatchedDecoder):
     """:class:`~looplm.depth_batch.DepthBatchedDecoder`'s cache and prompt, then :meth:`run`'s fixed-shape
     passes (module docstring). ``lag``: passes between a row set's end and the host learning of it (default
     ``R`` on CUDA, 0 elsewhere). ``cuda_graphs``: capture one pass as a CUDA graph and replay it for every
-    later pass (greedy picking or the default CUDA generator; not yet run on a GPU)."""
+    later pass (greedy picking or the default CUDA generator; not yet run on a GPU). ``exit.compile``: run each pass
+    through ``torch.compile`` (:func:`_compiled_tick`; the fused CPU decode kernel stays one opaque call between
+    graphs); it cannot be combined with ``cuda_graphs``."""
 
     schedule = "static"
 
@@ -68,6 +71,9 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         p = next(model.parameters())
         if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
             raise ValueError(f"lag must be an int >= 0 passes, got {lag!r}")
+        if cuda_graphs and Exit.parse(exit).compile is True:  # before the cache is allocated
+            raise ValueError("cuda_graphs=True and exit compile=True both take the pass out of eager mode: give one "
+                             "(cuda_graphs replays one captured pass; compile fuses its kernels)")  # fmt: skip
         if cuda_graphs and p.device.type != "cuda":
             raise ValueError(f"cuda_graphs=True captures the pass as a CUDA graph; the model is on {p.device}: use a CUDA device "
                              "or cuda_graphs=False")  # fmt: skip
@@ -127,7 +133,10 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         warm-up pass eagerly on a side stream, captures the next and replays it (2 passes). Returns the
         passes run."""
         if not self.cuda_graphs:
-            self._tick(*args)
+            if self.exit.compile:
+                _compiled_tick()(self, *args)
+            else:
+                self._tick(*args)
             return 1
         if self.graph is not None:
             self.graph.replay()
@@ -221,7 +230,7 @@ class StaticDepthDecoder(DepthBatchedDecoder):
             depth = d if d.dim() == 1 else d.gather(1, (made - 1).clamp(max=d.shape[1] - 1)[:, None])[:, 0]
             return depth <= k + 1
         crit = self.criterion  # kl / convergence: successive iterates of each row's token
-        cur = crit.value(0, h, ctxs[0], m)  # [B, V] log-probabilities (no coda: the same readout at every loop) or [B, d]
+        cur = crit.measure(h, ctxs[0], m)  # [B, V] log-probabilities (no coda: the same readout at every loop) or [B, d]
         prev = mem["prev"]
         if prev is None:  # the first pass: every row is at loop 0
             mem["prev"] = cur.clone()
@@ -302,15 +311,28 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         st.check_flops += rows_run * per_row
 
 
+_COMPILED = None
+
+
+def _compiled_tick():
+    """:meth:`StaticDepthDecoder._tick` through ``torch.compile`` (built on first use, shared by every decoder:
+    dynamo's guards on the decoder's shapes and attributes pick, or trace, the graph for each). ``dynamic=False``:
+    a pass has fixed shapes by construction, so each (model, batch, capacity) gets its own specialised graph. The
+    fused CPU decode call (``looplm_cpu::decode_stack``, whose plan argument dynamo cannot trace) splits a pass
+    into graphs around it; on CUDA there is no such call. Measured in ``docs/adaptive-depth.md``."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(StaticDepthDecoder._tick, dynamic=False)
+    return _COMPILED
+
+
 def _keep(buf, new):
     """``new`` (a rule state: dicts, lists, tuples of tensors) written into the buffers ``buf`` of the same
     structure, in place (``buf`` ``None``: copies of ``new`` become the buffers). Returns the buffers."""
     if buf is None:
         return _clone(new)
     if isinstance(new, torch.Tensor):
-        if buf.data_ptr() != new.data_ptr():
-            buf.copy_(new)
-        return buf
+        return buf.copy_(new)  # (a no-op when ``new`` is ``buf``: copy_ of a tensor onto itself returns at once)
     if isinstance(new, dict):
         return {k: _keep(buf[k], v) for k, v in new.items()}
     if isinstance(new, (list, tuple)):

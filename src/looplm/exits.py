@@ -97,6 +97,9 @@ class Exit:
     # the prompt: 'full' (every loop) | 'exit' (its tokens after the first take the exits, in one parallel
     # forward: looplm.adaptive_forward; the caches are what decoding the prompt token by token leaves)
     prefill: str = "full"
+    # schedule 'static': run each fixed-shape pass through torch.compile (looplm.depth_static; the first decode
+    # of a model and batch shape compiles, seconds to tens of seconds)
+    compile: bool = False
 
     # --- construction ------------------------------------------------------------------------------
     @classmethod
@@ -129,9 +132,10 @@ class Exit:
         raise TypeError(f"exit must be an Exit, a dict or a string like 'gate:0.8', got {type(spec).__name__}")
 
     def with_policies(self, kv: str | None = None, ssm: str | None = None, min_loops: int | None = None,
-                      max_loops: int | None = None, schedule: str | None = None, prefill: str | None = None) -> "Exit":
+                      max_loops: int | None = None, schedule: str | None = None, prefill: str | None = None,
+                      compile: bool | None = None) -> "Exit":
         """A copy with the given fields replaced (``None`` keeps them)."""
-        kw = dict(kv=kv, ssm=ssm, min_loops=min_loops, max_loops=max_loops, schedule=schedule, prefill=prefill)
+        kw = dict(kv=kv, ssm=ssm, min_loops=min_loops, max_loops=max_loops, schedule=schedule, prefill=prefill, compile=compile)
         kw = {k: v for k, v in kw.items() if v is not None}
         return replace(self, **kw)
 
@@ -190,6 +194,11 @@ class Exit:
                 errs.append(f"exit max_batch must be an int >= 1 (rows decoded at once) or None, got {mb!r}")
             elif self.schedule != "depth":
                 errs.append(f"exit max_batch (request refill) runs under schedule='depth' only, got schedule={self.schedule!r}")
+        if not isinstance(self.compile, bool):
+            errs.append(f"exit compile must be True or False, got {self.compile!r}")
+        elif self.compile and self.schedule != "static":
+            errs.append(f"exit compile=True compiles the fixed-shape pass of schedule 'static'; the schedule is {self.schedule!r}: use "
+                        "schedule='static', or compile=False (looplm generate --compile compiles the blocks instead)")  # fmt: skip
         if self.prefill not in PREFILLS:
             errs.append(f"exit prefill {self.prefill!r} is unknown; use one of {list(PREFILLS)} ('exit': the prompt's tokens "
                         "take the exits too)")  # fmt: skip
@@ -473,7 +482,12 @@ class _SuccessiveCriterion(Criterion):
         super().begin(token)
         self.prev = None  # the previous loop's value of each row still looping
 
+    def measure(self, h, lctx, model) -> torch.Tensor:  # pragma: no cover - interface
+        """The compared value of the rows' iterate ``h [n, T, d]``, its cost not counted."""
+        raise NotImplementedError
+
     def value(self, k, h, lctx, model) -> torch.Tensor:  # pragma: no cover - interface
+        """:meth:`measure`, its cost counted in ``flops``."""
         raise NotImplementedError
 
     def distance(self, prev: torch.Tensor, cur: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
@@ -500,11 +514,14 @@ class KLCriterion(_SuccessiveCriterion):
     readout = True
     terms = None  # the readout's FLOP terms (coda, head), computed once
 
-    def value(self, k, h, lctx, model):  # log p^r [n, V]
+    def measure(self, h, lctx, model):  # log p^r [n, V], uncounted (the static schedule counts per pass)
         # every position reads out (a prompt's readout slots need each token); the last one is compared
         read = lctx.check_readout or (lambda x, c: model._readout(x, c, family="exit-check"))
         self.logits = read(h, lctx)[:, -1]  # [n, V] (an exit's own: readout_is_output)
-        logp = torch.log_softmax(self.logits.float(), -1)  # [n, V]
+        return torch.log_softmax(self.logits.float(), -1)  # [n, V]
+
+    def value(self, k, h, lctx, model):  # log p^r [n, V]
+        logp = self.measure(h, lctx, model)
         if self.terms is None:
             self.terms = stack_flop_terms(model.coda), 2.0 * model.lm_head.weight.numel()
         (w, a), head = self.terms
@@ -516,8 +533,11 @@ class KLCriterion(_SuccessiveCriterion):
 
 
 class ConvergenceCriterion(_SuccessiveCriterion):
+    def measure(self, h, lctx, model):  # H^r at the last position [n, d], uncounted
+        return h[:, -1].float()
+
     def value(self, k, h, lctx, model):  # H^r at the last position [n, d]
-        cur = h[:, -1].float()
+        cur = self.measure(h, lctx, model)
         self.flops += 4 * cur.shape[0] * cur.shape[1]
         return cur
 

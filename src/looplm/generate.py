@@ -189,7 +189,7 @@ def _generate_adaptive(model, input_ids, max_new_tokens, exit, do_sample, temper
 
 def adaptive_options(model, exit=None, speculative=None, draft_k: int | None = None, kv: str | None = None, ssm: str | None = None,
                      min_loops: int | None = None, max_loops: int | None = None, schedule: str | None = None,
-                     draft_exit: str | None = None, prefill: str | None = None) -> dict:
+                     draft_exit: str | None = None, prefill: str | None = None, compile: bool | None = None) -> dict:
     """``generate()``'s adaptive-depth keyword arguments from a front end's options (``looplm generate``'s
     flags, the lm-eval model's arguments), checked against ``model`` before any decoding: ``{"exit": Exit}``
     (``exit`` with the policies and loop bounds), ``{"speculative": Speculative}`` (``speculative`` draft
@@ -198,7 +198,8 @@ def adaptive_options(model, exit=None, speculative=None, draft_k: int | None = N
     from .exits import Exit
     from .speculative import Speculative
 
-    policy = {"kv": kv, "ssm": ssm, "min_loops": min_loops, "max_loops": max_loops, "schedule": schedule, "prefill": prefill}
+    policy = {"kv": kv, "ssm": ssm, "min_loops": min_loops, "max_loops": max_loops, "schedule": schedule, "prefill": prefill,
+              "compile": compile}  # fmt: skip
     if exit is not None and speculative is not None:
         raise ValueError("exit (--exit / exit=) and speculative decoding (--speculative / speculative=) cannot be combined "
                          "(the draft takes its own depth): give one, not both")  # fmt: skip
@@ -207,7 +208,7 @@ def adaptive_options(model, exit=None, speculative=None, draft_k: int | None = N
         e.resolved(model)
         return {"exit": e}
     if any(v is not None for v in policy.values()):
-        raise ValueError("--kv-policy / --ssm-policy / --min-loops / --max-loops / --exit-schedule / --exit-prefill (kv_policy= ... exit_prefill=) "
+        raise ValueError("--kv-policy / --ssm-policy / --min-loops / --max-loops / --exit-schedule / --exit-prefill (kv_policy= ... exit_compile=) "
                          "are options of --exit (exit=): give an exit criterion too")  # fmt: skip
     if draft_exit is not None and speculative is None:
         raise ValueError("--draft-exit (draft_exit=) is the exit criterion of a speculative draft: give --speculative R_D "

@@ -33,7 +33,8 @@ in :attr:`LoopLMEvalModel.depth_stats`), for ``generate_until`` through ``genera
 ``ssm_policy``, ``min_loops``, ``max_loops``, ``exit_schedule`` (``token`` | ``depth``: continuous depth
 batching, ``batch_size`` rows at once with request refill: a row whose request finished takes the next
 request of the same generation arguments | ``static``: the same at fixed shapes, for CUDA), or
-``exit_prefill`` (``exit``: a generation's prompt takes the exits too), or ``speculative`` (draft loops)
+``exit_prefill`` (``exit``: a generation's prompt takes the exits too), ``exit_compile`` (``true``: the static
+schedule's pass through torch.compile), or ``speculative`` (draft loops)
 with ``draft_k`` and ``draft_exit`` (generations only: lossless, so scoring stays full depth). Any other argument is refused, naming
 the close matches (``loop=6`` is not silently ignored).
 
@@ -99,7 +100,7 @@ class LoopLMEvalModel(TemplateLM):
                  exit: str | None = None, kv_policy: str | None = None, ssm_policy: str | None = None,
                  min_loops: int | str | None = None, max_loops: int | str | None = None, speculative: int | str | None = None,
                  draft_k: int | str | None = None, exit_schedule: str | None = None, draft_exit: str | None = None,
-                 exit_prefill: str | None = None, **kwargs):
+                 exit_prefill: str | None = None, exit_compile: bool | str | None = None, **kwargs):
         if TemplateLM is object:
             raise ImportError("the lm-eval harness needs lm-eval: pip install 'looplm[eval]' (or pip install lm-eval)")
         if kwargs:  # before any loading: a misspelt argument (loop=6) must not be silently ignored
@@ -156,7 +157,7 @@ class LoopLMEvalModel(TemplateLM):
         # loglikelihood requests scored with exit= (per-token exit in one forward): their depths, token-weighted
         self.depth_stats: dict = {}
         self.decode_options = adaptive_options(self.model, exit, kv_policy, ssm_policy, min_loops, max_loops, speculative, draft_k,
-                                               exit_schedule, draft_exit, exit_prefill)
+                                               exit_schedule, draft_exit, exit_prefill, exit_compile)
         e = self.decode_options.get("exit")
         if e is not None and e.schedule == "depth" and not e.is_off(self.model):
             # rows decoded at once = batch_size; the group's other prompts queue for a free row
@@ -402,11 +403,11 @@ def check_harness_args(*, loops=None, exit_threshold=None, num_fewshot=None, lim
 # the model arguments LoopLMEvalModel takes (lm-eval adds batch_size, max_batch_size and device itself)
 MODEL_ARGS = ("pretrained", "model", "tokenizer", "loops", "exit_threshold", "dtype", "device", "batch_size",
               "max_length", "max_gen_toks", "prefix_token_id", "max_batch_size", "exit", "kv_policy", "ssm_policy",
-              "min_loops", "max_loops", "exit_schedule", "speculative", "draft_k", "draft_exit", "exit_prefill")
+              "min_loops", "max_loops", "exit_schedule", "speculative", "draft_k", "draft_exit", "exit_prefill", "exit_compile")
 
 
 def adaptive_options(model, exit=None, kv_policy=None, ssm_policy=None, min_loops=None, max_loops=None, speculative=None,
-                     draft_k=None, exit_schedule=None, draft_exit=None, exit_prefill=None) -> dict:
+                     draft_k=None, exit_schedule=None, draft_exit=None, exit_prefill=None, exit_compile=None) -> dict:
     """``generate()`` keyword arguments from the lm-eval model's string arguments (checked now, before any
     request; :func:`looplm.generate.adaptive_options`): ``{"exit": Exit}``, ``{"speculative": Speculative}`` or ``{}``."""
     from ..generate import adaptive_options as resolve
@@ -414,9 +415,13 @@ def adaptive_options(model, exit=None, kv_policy=None, ssm_policy=None, min_loop
     none = (None, "", "None")
     text = lambda v: None if v in none else str(v)  # noqa: E731
     num = lambda v: None if v in none else int(v)  # noqa: E731
+    flags = {"true": True, "1": True, "false": False, "0": False, "": False, "none": False}
+    on = flags.get(exit_compile.lower()) if isinstance(exit_compile, str) else exit_compile or False
+    if not isinstance(on, bool):
+        raise ValueError(f"exit_compile must be true or false, got {exit_compile!r}")
     return resolve(model, exit=text(exit), speculative=num(speculative), draft_k=num(draft_k), kv=text(kv_policy),
                    ssm=text(ssm_policy), min_loops=num(min_loops), max_loops=num(max_loops), schedule=text(exit_schedule),
-                   draft_exit=text(draft_exit), prefill=text(exit_prefill))  # fmt: skip
+                   draft_exit=text(draft_exit), prefill=text(exit_prefill), compile=on or None)  # fmt: skip
 
 
 def _until_eot(ids: list[int], eot: int) -> list[int]:
