@@ -34,9 +34,9 @@ def main(argv=None) -> int:
     ap.add_argument("--queue", type=int, default=4, help="request refill: batches of 8 prompts queued (0: skip that row)")
     a = ap.parse_args(argv)
     from looplm import kernels
-    from looplm.adaptive import AdaptiveDecoder
+    from looplm.decode.token_schedule import AdaptiveDecoder
     from looplm.bench_adaptive import _held_out, load_lm
-    from looplm.depth_batch import DepthBatchedDecoder
+    from looplm.decode.depth_schedule import DepthBatchedDecoder
     from looplm.eval.decode_timing import FullDepth, decode_timing, generation_timing, queue_timing
 
     kernels.load("cpu")

@@ -4,7 +4,7 @@
 
 Contenders, each in its own process (the code under test differs), run in alternation round by round:
 
-* ``looplm``               — ``looplm.generate`` on the checkpoint (looplm's lean path and CPU kernels);
+* ``looplm``               — ``looplm.decode.generate`` on the checkpoint (looplm's lean path and CPU kernels);
 * ``hf->installed``        — ``AutoModelForCausalLM.from_pretrained(EXPORT, trust_remote_code=True)`` with
                              this checkout's looplm importable (its source = the export's): ``generate()``
                              routed to looplm's ``generate``;

@@ -14,7 +14,7 @@ Sections (each guarded: one failing does not stop the others; the report is flus
 6. ``adaptive`` — per-token exit on the device: the token / depth / static schedules' greedy tokens against
                   the CPU reference, host synchronisations per core pass (the static schedule under
                   ``set_sync_debug_mode('error')``), decode time per token of each against full depth.
-7. ``forward``  — per-token exit in one forward (``looplm.adaptive_forward``) on the device: its logits and
+7. ``forward``  — per-token exit in one forward (``looplm.decode.exit_forward``) on the device: its logits and
                   exits against the CPU reference (fp32, TF32 off) for attention / hybrid / Mamba-2 cores,
                   ``prefill='exit'`` generation == the CPU's, and its time against the plain forward (bf16,
                   d = 1024 / 2048, batch 8 × 512 tokens, exit depths replayed from 1..4).
@@ -155,8 +155,8 @@ def section_adaptive(rep: Report) -> None:
     import looplm
     from host_reads import HostReads
     from looplm import dispatch
-    from looplm.depth_batch import DepthBatchedDecoder
-    from looplm.depth_static import StaticDepthDecoder
+    from looplm.decode.depth_schedule import DepthBatchedDecoder
+    from looplm.decode.static_schedule import StaticDepthDecoder
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
@@ -287,7 +287,7 @@ def section_forward(rep: Report) -> None:
 
     import looplm
     from looplm import dispatch
-    from looplm.adaptive_forward import adaptive_forward
+    from looplm.decode.exit_forward import adaptive_forward
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -1,4 +1,4 @@
-"""Per-token early exit that skips the work (looplm.adaptive, looplm.exits): criteria, row subsets, the
+"""Per-token early exit that skips the work (looplm.decode.token_schedule, looplm.decode.exits): criteria, row subsets, the
 KV and SSM policies of skipped loops against hand-written references, counters, and refused options."""
 
 import math
@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 import looplm
-from looplm.adaptive import AdaptiveDecoder
-from looplm.exits import Exit
+from looplm.decode.token_schedule import AdaptiveDecoder
+from looplm.decode.exits import Exit
 from looplm.layers.mamba2 import Mamba2Mixer
 
 from helpers import assert_refused_before_any_work
@@ -194,7 +194,7 @@ def test_kl_and_convergence_criteria_exit_and_count_their_checks():
 
 def test_executed_counters_equal_the_work_that_ran():
     """Rows through the core == Σ executed depths; FLOPs = per-token depths × one core pass + fills + checks."""
-    from looplm.exits import stack_flops
+    from looplm.decode.exits import stack_flops
 
     m = _model("tiny-hybrid")
     B, T = 3, 7

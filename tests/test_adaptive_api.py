@@ -84,7 +84,7 @@ def test_lm_eval_generate_until_refills_rows_under_the_depth_schedule(monkeypatc
     """exit_schedule='depth': a group of requests runs through batch_size rows (request refill), and each
     text equals the whole group decoded at once (max_batch=None) and the prompt decoded alone."""
     pytest.importorskip("lm_eval")
-    from looplm.depth_batch import DepthBatchedDecoder
+    from looplm.decode.depth_schedule import DepthBatchedDecoder
     from looplm.eval.harness import LoopLMEvalModel
 
     torch.manual_seed(0)
@@ -135,7 +135,7 @@ def test_threshold_sweep_decodes_with_the_loops_skipped():
 def test_bench_helpers_measure_what_they_say():
     """`looplm bench adaptive`'s pieces on a tiny model: KV bytes per policy (shared = per-loop ÷ K), the
     interleaved decode timing, and teacher-forced quality (kv='full' agrees with full depth exactly)."""
-    from looplm.adaptive import AdaptiveDecoder
+    from looplm.decode.token_schedule import AdaptiveDecoder
     from looplm.bench_adaptive import FullDepth, decode_timing, kv_bytes_per_token, teacher_forced_quality
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""Per-token exit in one parallel forward (looplm.adaptive_forward) against token-by-token teacher forcing
+"""Per-token exit in one parallel forward (looplm.decode.exit_forward) against token-by-token teacher forcing
 with the same exits (AdaptiveDecoder.score): every criterion, KV policy, backbone and rule; padding, row
 order, the criteria switched off, uniform depths, the statistics, and refused options."""
 
@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import looplm
-from looplm.adaptive import AdaptiveDecoder
-from looplm.adaptive_forward import adaptive_forward
+from looplm.decode.token_schedule import AdaptiveDecoder
+from looplm.decode.exit_forward import adaptive_forward
 from looplm.config import list_presets
-from looplm.exits import Exit, forward_support
+from looplm.decode.exits import Exit, forward_support
 from looplm.recurrence.base import RULES
 
 from helpers import assert_refused_before_any_work, tiny_variant
@@ -297,7 +297,7 @@ def test_the_front_ends_pass_the_prefill_option(capsys):
 
     from looplm.cli import build_parser, main
     from looplm.eval.harness import adaptive_options as harness_options
-    from looplm.generate import adaptive_options
+    from looplm.decode.generate import adaptive_options
 
     m = _model("tiny-llama")
     assert harness_options(m, exit="kl:0.1", exit_prefill="exit")["exit"].prefill == "exit"

@@ -8,7 +8,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import looplm
 from looplm import dispatch
-from looplm.adaptive import AdaptiveDecoder
+from looplm.decode.token_schedule import AdaptiveDecoder
 from looplm.kernels import gemv
 
 from helpers import run_under_portable_build
@@ -143,8 +143,8 @@ def test_an_exit_takes_its_kl_readout_as_its_logits(schedule):
     base rule's output is the core output; no coda): the same tokens as running the final norm and head again
     (the exit's own head switched off by hand), and the heads not run are counted out of the executed FLOPs;
     rules whose output is not the core output (the exit gate's selection) or models with a coda run the head."""
-    from looplm.depth_batch import DepthBatchedDecoder
-    from looplm.exits import readout_is_output
+    from looplm.decode.depth_schedule import DepthBatchedDecoder
+    from looplm.decode.exits import readout_is_output
 
     m = _model("tiny-llama", torch.float32)
     assert readout_is_output(m)
@@ -157,7 +157,7 @@ def test_an_exit_takes_its_kl_readout_as_its_logits(schedule):
     cls = AdaptiveDecoder if schedule == "token" else DepthBatchedDecoder
 
     def decode(reuse: bool):
-        from looplm.depth_batch import depth_batched_generate
+        from looplm.decode.depth_schedule import depth_batched_generate
 
         class D(cls):
             def __init__(self, *a, **k):

@@ -222,7 +222,7 @@ def test_a_model_switched_for_training_still_decodes_on_the_fast_path():
     """After tuned_linears (what looplm train does on a bf16 CPU), generate still takes the fused decode
     blocks and the GEMV kernels, gives the same tokens as the plain model, and leaves the layers
     TunedLinear."""
-    from looplm.generate import generate
+    from looplm.decode.generate import generate
     from looplm.kernels import decode, gemv
 
     torch.manual_seed(0)

@@ -1,5 +1,5 @@
-"""Continuous depth batching (looplm.depth_batch, exit schedule 'depth'): every core pass runs each row at its
-own loop of its own token. Against the token schedule (looplm.adaptive, itself held to rows decoded alone),
+"""Continuous depth batching (looplm.decode.depth_schedule, exit schedule 'depth'): every core pass runs each row at its
+own loop of its own token. Against the token schedule (looplm.decode.token_schedule, itself held to rows decoded alone),
 the caches it leaves at every row's columns, the fused op with per-row columns against the reference, the
 criteria, sampling, eos, statistics, and the refusals."""
 
@@ -7,13 +7,13 @@ import pytest
 import torch
 
 import looplm
-from looplm.adaptive import AdaptiveDecoder
-from looplm.depth_batch import DepthBatchedDecoder
+from looplm.decode.token_schedule import AdaptiveDecoder
+from looplm.decode.depth_schedule import DepthBatchedDecoder
 from looplm.context import ForwardContext
-from looplm.exits import Exit
+from looplm.decode.exits import Exit
 from looplm.layers.attention import KVCache, KVRows
 from looplm.kernels import decode as kd
-from looplm.sampling import decode_context
+from looplm.decode.sampling import decode_context
 
 from helpers import assert_refused_before_any_work, tiny_variant
 
@@ -303,7 +303,7 @@ def _refused(name, overrides, spec, match):
 def test_front_ends_take_the_schedule():
     from looplm.cli import build_parser
     from looplm.eval.harness import adaptive_options as harness_options
-    from looplm.generate import adaptive_options
+    from looplm.decode.generate import adaptive_options
 
     m = _model("tiny-llama")
     assert adaptive_options(m, exit="kl:0.1", schedule="depth")["exit"].schedule == "depth"

@@ -1,4 +1,4 @@
-"""Request refill under continuous depth batching (exit ``max_batch``, looplm.depth_batch): a batch of N
+"""Request refill under continuous depth batching (exit ``max_batch``, looplm.decode.depth_schedule): a batch of N
 prompts through fewer rows, a finished row taking the next prompt (its prompt at full depth in a cache of its
 own, copied into the row's columns of every loop's slots). Each prompt's tokens equal the whole batch decoded
 at once (itself held to the token schedule and to rows decoded alone: tests/test_depth_batch.py)."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import looplm
-from looplm.depth_batch import DepthBatchedDecoder
+from looplm.decode.depth_schedule import DepthBatchedDecoder
 from looplm.eval.decode_timing import queue_timing
 
 from helpers import assert_refused_before_any_work
@@ -50,7 +50,7 @@ def test_refilled_rows_decode_each_prompt_as_the_whole_batch_does(name, kv):
 def test_a_mamba2_core_takes_the_refilled_prompts_state_and_a_broken_copy_is_caught(monkeypatch):
     """The prompt's per-loop Mamba-2 states and KV are copied into the row: without the copy of the attention
     slots the tokens differ (the test can fail), with it they equal the whole batch's (kl criterion, eos)."""
-    import looplm.depth_batch as db
+    import looplm.decode.depth_schedule as db
 
     m = _model("tiny-hybrid")
     ids, mask, _ = _batch(seed=3)

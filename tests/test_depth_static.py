@@ -1,4 +1,4 @@
-"""Continuous depth batching at fixed shapes (looplm.depth_static, exit schedule 'static'): every pass runs
+"""Continuous depth batching at fixed shapes (looplm.decode.static_schedule, exit schedule 'static'): every pass runs
 all rows, each at its own loop, with no host read of a tensor. Against the token schedule (itself held to
 rows decoded alone) and the depth schedule: tokens, caches, statistics; a pass's host reads counted with a
 dispatch mode (what would be a CUDA synchronisation); the late end-of-batch flag; the refusals."""
@@ -10,9 +10,9 @@ import torch
 
 import looplm
 from looplm import dispatch
-from looplm.depth_batch import DepthBatchedDecoder
-from looplm.depth_static import StaticDepthDecoder
-from looplm.exits import Exit
+from looplm.decode.depth_schedule import DepthBatchedDecoder
+from looplm.decode.static_schedule import StaticDepthDecoder
+from looplm.decode.exits import Exit
 from looplm.recurrence import RULES
 
 from helpers import assert_refused_before_any_work, tiny_variant
@@ -144,7 +144,7 @@ def test_a_pass_of_the_exit_gate_and_of_sampling_reads_no_value_on_the_host():
         m.rule.gate.weight.normal_(0, 1.0)
         m.rule.gate.bias.zero_()
     ids = torch.randint(0, 250, (3, 5), generator=torch.Generator().manual_seed(4))
-    from looplm.sampling import sample_next
+    from looplm.decode.sampling import sample_next
 
     gen = torch.Generator().manual_seed(5)
     with dispatch.reference_only():

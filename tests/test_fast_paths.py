@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import looplm
-from looplm.generate import generate
+from looplm.decode.generate import generate
 from looplm.layers.attention import KVCache
 from looplm.layers.loss import linear_cross_entropy, linear_cross_entropy_reference
 

@@ -100,8 +100,8 @@ def test_loops_and_exit_threshold_reach_the_model(model):
 
 def test_loglikelihood_with_exit_scores_each_token_at_its_own_depth(model):
     """``exit=`` reaches the scored tokens: each takes the exits as decoding the text token by token would
-    (looplm.adaptive_forward, position 0 at full depth), batched or alone; the depths are counted."""
-    from looplm.adaptive_forward import adaptive_forward
+    (looplm.decode.exit_forward, position 0 at full depth), batched or alone; the depths are counted."""
+    from looplm.decode.exit_forward import adaptive_forward
 
     reqs = [("The cat sat on", " the mat"), ("Once upon a time there was", " a loop"), ("A", "b")]
     one = LoopLMEvalModel(model=model, tokenizer=TOK, batch_size=1, exit="convergence:1.0")

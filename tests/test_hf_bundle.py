@@ -36,7 +36,7 @@ def test_bundle_carries_the_model_code_and_nothing_else():
     mods = set(b.modules)
     # the model: config, helpers, caches, dispatch, layers, blocks, every rule, driver, pause, factory, generate
     for m in ("looplm.config", "looplm.dataclass_util", "looplm.context", "looplm.cache", "looplm.dispatch",
-              "looplm.blocks", "looplm.model", "looplm.pause", "looplm.factory", "looplm.generate",
+              "looplm.blocks", "looplm.model", "looplm.pause", "looplm.factory", "looplm.decode.generate",
               "looplm.layers.attention", "looplm.layers.mamba2", "looplm.recurrence", "looplm.recurrence.base"):
         assert m in mods, m
     rule_modules = {RULES[r].__module__ for r in RULES if not r.startswith("test-")}
@@ -142,22 +142,22 @@ for name, case in spec.items():
     with torch.no_grad():
         logits = m(ids).logits
     gen = m.generate(ids, max_new_tokens=4, do_sample=False, num_loops=case["loops"])
-    # adaptive depth and speculative decoding come with the copied code too (looplm.adaptive, .exits, .speculative)
+    # adaptive depth and speculative decoding come with the copied code too (looplm.decode.token_schedule, .exits, .speculative)
     gen_exit = m.generate(ids, max_new_tokens=4, do_sample=False, exit="convergence:0.05")
     gen_spec = m.generate(ids, max_new_tokens=4, do_sample=False, speculative={"draft_loops": 1, "k": 2})
     gen_spec_exit = m.generate(ids, max_new_tokens=4, do_sample=False,  # a draft at each token's exit (<= K - 1 loops)
                                speculative={"draft_loops": case["loops"] - 2, "k": 2, "exit": "convergence:0.05"})
-    try:  # continuous depth batching (looplm.depth_batch, carried too): the same exits, rows at their own pace
+    try:  # continuous depth batching (looplm.decode.depth_schedule, carried too): the same exits, rows at their own pace
         depth = torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False,
                                        exit={"criterion": "convergence", "threshold": 0.05, "schedule": "depth"}), exp["exit"])
     except ValueError as e:  # a model the depth schedule does not run (Mamba-2 layers, a rule's own slots)
         depth = "refused: " + str(e)[:60]
-    try:  # the same at fixed shapes (looplm.depth_static, carried too)
+    try:  # the same at fixed shapes (looplm.decode.static_schedule, carried too)
         static = torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False,
                                         exit={"criterion": "convergence", "threshold": 0.05, "schedule": "static"}), exp["exit"])
     except ValueError as e:  # what the static schedule does not run (and a growing state, e.g. a history)
         static = "refused: " + str(e)[:60]
-    try:  # the prompt at adaptive depth too (looplm.adaptive_forward, carried: imported inside looplm.adaptive)
+    try:  # the prompt at adaptive depth too (looplm.decode.exit_forward, carried: imported inside looplm.decode.token_schedule)
         prefill = torch.equal(m.generate(ids, max_new_tokens=4, do_sample=False,
                                          exit={"criterion": "convergence", "threshold": 0.05, "prefill": "exit"}), exp["prefill"])
     except ValueError as e:  # what one forward does not run (a rule's own slots, the kl criterion with a coda)

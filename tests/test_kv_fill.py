@@ -1,4 +1,4 @@
-"""``kv='propagate'`` fills carried into the next core pass (looplm.kv_fill): written by the fused stack step as
+"""``kv='propagate'`` fills carried into the next core pass (looplm.decode.kv_fill): written by the fused stack step as
 extra rows of its own K/V products, or by the reference right after the call; the entries equal the fill
 computed on its own, nothing is left unwritten when decoding stops, and the op's fill arguments are checked
 before anything is written."""
@@ -8,14 +8,14 @@ import torch
 
 import looplm
 from looplm import dispatch
-from looplm.adaptive import AdaptiveDecoder
+from looplm.decode.token_schedule import AdaptiveDecoder
 from looplm.context import ForwardContext
-from looplm.depth_batch import DepthBatchedDecoder
+from looplm.decode.depth_schedule import DepthBatchedDecoder
 from looplm.kernels import decode as kd
 from looplm.kernels import gemv
-from looplm.kv_fill import KVFill
+from looplm.decode.kv_fill import KVFill
 from looplm.layers.attention import KVCache
-from looplm.sampling import decode_context
+from looplm.decode.sampling import decode_context
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 needs_extension = pytest.mark.skipif(not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}")

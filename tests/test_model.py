@@ -148,12 +148,12 @@ def test_generate_with_cache_equals_without(name):
     model = looplm.build(name).eval()
     x = torch.randint(0, 260, (2, 6))
     a = model.generate(x, max_new_tokens=8)
-    b = looplm.generate.generate(model, x, max_new_tokens=8, use_cache=False)
+    b = looplm.decode.generate.generate(model, x, max_new_tokens=8, use_cache=False)
     assert a.shape == (2, 14) and torch.equal(a[:, :6], x)
     assert torch.equal(a, b)
     # r != K at decode time
     c = model.generate(x, max_new_tokens=4, num_loops=5)
-    d = looplm.generate.generate(model, x, max_new_tokens=4, num_loops=5, use_cache=False)
+    d = looplm.decode.generate.generate(model, x, max_new_tokens=4, num_loops=5, use_cache=False)
     assert torch.equal(c, d)
 
 
@@ -172,7 +172,7 @@ def test_generate_sampling_and_eos():
 
 
 def test_top_k_and_top_p_restrict_the_sampled_tokens():
-    from looplm.generate import sample_next
+    from looplm.decode.generate import sample_next
 
     probs = torch.tensor([0.05, 0.5, 0.15, 0.3])
     logits = probs.log().expand(4000, 4)

@@ -1,11 +1,11 @@
-"""Lossless self-speculative decoding (looplm.speculative): greedy == full depth, the rejection sampler's
+"""Lossless self-speculative decoding (looplm.decode.speculative): greedy == full depth, the rejection sampler's
 distribution == full depth's (chi-square), per-row rollback of KV columns and Mamba-2 states."""
 
 import pytest
 import torch
 
 import looplm
-from looplm.sampling import sampling_probs
+from looplm.decode.sampling import sampling_probs
 
 from helpers import assert_refused_before_any_work
 

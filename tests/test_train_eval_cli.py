@@ -119,7 +119,7 @@ def test_eval_ppl_with_exit_scores_each_window_at_adaptive_depth(tmp_path, capsy
     the exits in one forward (adaptive_forward, right padding masked); ε = 0 is the plain forward's NLL."""
     import torch.nn.functional as F
 
-    from looplm.adaptive_forward import adaptive_forward
+    from looplm.decode.exit_forward import adaptive_forward
 
     torch.manual_seed(0)
     model = looplm.build("tiny-llama", n_loops=5).eval()

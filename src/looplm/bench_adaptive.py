@@ -17,7 +17,7 @@ Tables (``--sections``, each a list of dicts in the JSON written to ``--out``):
 * ``timing`` — decode-only wall (and CPU) time per generated token, adaptive vs full depth, on the same
   prompts, at batch 1 and 8, fp32 and bf16, on the fused CPU path: the wall-time ratio beside the
   executed-depth ratio and the target ``ratio <= 1.1 × executed / K``; at batch 8 under both schedules
-  (``token``: rows wait for the batch's deepest; ``depth``: continuous depth batching, :mod:`looplm.depth_batch`),
+  (``token``: rows wait for the batch's deepest; ``depth``: continuous depth batching, :mod:`looplm.decode.depth_schedule`),
   the contenders then interleaved generation by generation (rows are at different tokens), else token by token;
 * ``kv_bytes`` — KV-cache bytes per token per policy;
 * ``speculative`` — the draft's agreement with full depth, accepted tokens per round, speed-up of
@@ -25,7 +25,7 @@ Tables (``--sections``, each a list of dicts in the JSON written to ``--out``):
 * ``task`` — p-hop accuracy vs selected / executed depth vs wall time over the gate's q (and fixed depths);
 * ``scale`` — the timing protocol on larger backbones (random weights, the LM's measured exit depths
   replayed), showing where fixed per-token costs stop hiding the saving;
-* ``prefill`` — per-token exit in one forward (:mod:`looplm.adaptive_forward`: a prompt, a scored text) on
+* ``prefill`` — per-token exit in one forward (:mod:`looplm.decode.exit_forward`: a prompt, a scored text) on
   held-out text at batch 8 against the plain forward: wall-time ratio beside the executed and computed
   ratio, PPL; and against scoring the same exits token by token (its speed-up, the largest logit difference).
 
@@ -58,7 +58,7 @@ SECTIONS = ("quality", "frontier", "timing", "kv_bytes", "speculative", "task", 
 def teacher_forced_quality(model, ids: torch.Tensor, exit, prompt_len: int = 8, ref_logits: torch.Tensor | None = None) -> dict:
     """Score ``ids [B, T]`` token by token with exits (:meth:`AdaptiveDecoder.score`) against full depth:
     greedy agreement and ``KL(full ‖ adaptive)`` of every decoded position, PPL of both, the depth summary."""
-    from .adaptive import AdaptiveDecoder
+    from .decode.token_schedule import AdaptiveDecoder
 
     if ref_logits is None:
         ref_logits = model(ids).logits.float()
@@ -78,7 +78,7 @@ def teacher_forced_quality(model, ids: torch.Tensor, exit, prompt_len: int = 8, 
 
 def kv_bytes_per_token(model, kv: str, batch: int = 1) -> float:
     """KV-cache bytes one token occupies (every attention slot of every loop; ``shared``: one per layer)."""
-    from .adaptive import AdaptiveDecoder
+    from .decode.token_schedule import AdaptiveDecoder
 
     dec = AdaptiveDecoder(model, batch, 4, {"criterion": "replay", "depths": 1, "kv": kv})
     with torch.no_grad():
@@ -208,7 +208,7 @@ def section_quality(model, ids, settings, policies, prompt_len: int = 8) -> list
 def section_frontier(model, ids, settings, kv: str, runs: int, clock: str, prompt_len: int = 8) -> list[dict]:
     """PPL vs executed depth vs time: every setting decodes the held-out rows token by token (teacher forcing)
     interleaved with full depth on the same tokens; PPL of the decoded positions, executed depth, time ratio."""
-    from .adaptive import AdaptiveDecoder
+    from .decode.token_schedule import AdaptiveDecoder
 
     cont = {"full": lambda b, c: FullDepth(model, b, c)}
     for crit, eps in settings:
@@ -228,13 +228,13 @@ def section_frontier(model, ids, settings, kv: str, runs: int, clock: str, promp
 
 @torch.inference_mode()
 def section_prefill(model, ids, settings, runs: int, clock: str, dtypes, sequential: bool = True) -> list[dict]:
-    """Per-token exit in one forward (:func:`looplm.adaptive_forward.adaptive_forward`, every token after the
+    """Per-token exit in one forward (:func:`looplm.decode.exit_forward.adaptive_forward`, every token after the
     first) against the plain forward of the same text, interleaved run by run (rotating order, medians): wall
     time, executed and computed ratio (the packs' padding included), PPL of every position's next token. With
     ``sequential`` the same exits are also scored token by token (:meth:`AdaptiveDecoder.score`, the
     reference; one run): its time and the largest logit difference to the forward's (``max_logit_diff``)."""
-    from .adaptive import AdaptiveDecoder
-    from .adaptive_forward import adaptive_forward
+    from .decode.token_schedule import AdaptiveDecoder
+    from .decode.exit_forward import adaptive_forward
     from .eval.decode_timing import _rotated
 
     now = _now(clock)
@@ -280,7 +280,7 @@ def section_prefill(model, ids, settings, runs: int, clock: str, dtypes, sequent
 
 def _at_exit(dec):
     """``dec`` with its ``kv='propagate'`` fills written at the exit, not carried into the next core pass
-    (:mod:`looplm.kv_fill`): the run ``--compare-carry`` times beside the carrying one."""
+    (:mod:`looplm.decode.kv_fill`): the run ``--compare-carry`` times beside the carrying one."""
     dec.carry_fills = False
     return dec
 
@@ -293,9 +293,9 @@ def _contenders(m, B: int, specs: dict, schedules=("token", "depth"), at_exit: b
     (an exit) under the token schedule, and at batch > 1 also under the depth schedule (continuous depth
     batching; at batch 1 the two are one schedule) and, when asked, its fixed-shape form ``static`` (and that
     form with its pass through torch.compile, ``static-compiled``)."""
-    from .adaptive import AdaptiveDecoder
-    from .depth_batch import DepthBatchedDecoder
-    from .depth_static import StaticDepthDecoder
+    from .decode.token_schedule import AdaptiveDecoder
+    from .decode.depth_schedule import DepthBatchedDecoder
+    from .decode.static_schedule import StaticDepthDecoder
 
     cont = {"full": lambda b, c: FullDepth(m, b, c)}
     classes = {"token": AdaptiveDecoder, "depth": DepthBatchedDecoder, "static": StaticDepthDecoder}
@@ -360,8 +360,8 @@ def _speculative_times(model, prompts, new_tokens, spec, runs, clock, compare_re
     decoding with ``reclaim=False`` (rejected drafts' columns kept as masked holes) in the same alternation:
     ``speedup_keep`` (full over it), ``reclaim_gain`` (its time over the reclaiming run's, per run, median),
     ``identical_keep`` and its cache columns (``keep_columns``)."""
-    from .generate import generate
-    from .sampling import decode_context
+    from .decode.generate import generate
+    from .decode.sampling import decode_context
 
     now = _now(clock)
     names = ("full", "spec", "keep") if compare_reclaim else ("full", "spec")
@@ -432,7 +432,7 @@ def section_speculative(model, ids, prompts_by_batch, drafts, ks, new_tokens, ru
 def section_task(model, cfg, qs, policies, fixed, time_batch: int, runs: int, clock: str, count: int | None = None) -> list[dict]:
     """p-hop accuracy at <ans> under teacher-forced decoding with exits (every token of the sequence decoded
     one at a time, its own exit), next to the full forward; wall time per token at ``time_batch``."""
-    from .adaptive import AdaptiveDecoder
+    from .decode.token_schedule import AdaptiveDecoder
 
     ids, pos, answers = cfg.task.eval_set()
     if count:
@@ -735,7 +735,7 @@ def cmd_bench_adaptive(args) -> int:
             report["sections"]["timing"] = rows
             log("\n## timing (decode only, interleaved with full depth)\n" + _md(rows, TABLES["timing"]))
         # the LM's own exit depths at the middle kl threshold (the pool the scale section replays)
-        from .adaptive import AdaptiveDecoder
+        from .decode.token_schedule import AdaptiveDecoder
 
         dec = AdaptiveDecoder(lm, held.shape[0], held.shape[1], {"criterion": "kl", "threshold": kl_grid[len(kl_grid) // 2]})
         dec.score(held, 8)

@@ -22,7 +22,7 @@ tokens; a recurrent state can only "crop" to its own length and says so). :meth:
 checks this when a slot is created, so a rule cannot hand in a bare tensor that would silently keep all
 its rows when the batch is reordered: wrap such a tensor in :class:`TensorSlot`.
 
-Per-token early exit (:mod:`looplm.adaptive`)
+Per-token early exit (:mod:`looplm.decode.token_schedule`)
 --------------------------------------------
 A token that exits after iteration ``k*`` must still leave an entry in every later iteration's slots,
 because later tokens attend to it (attention) or carry a state through it (Mamba-2). So slots of one
@@ -35,13 +35,13 @@ later token reads every earlier token at the last loop it ran (memory ÷ K).
 
 Within one token the active rows of a loop write through row views (``slot.rows(idx, batch)``) at column
 ``seqlen`` without advancing it; :meth:`LoopCache.commit` counts the column once every row has its entry.
-Under continuous depth batching (:mod:`looplm.depth_batch`) rows are at different tokens: a row view with
+Under continuous depth batching (:mod:`looplm.decode.depth_schedule`) rows are at different tokens: a row view with
 per-row columns (``slot.rows(idx, batch, cols)``, :meth:`LoopCache.rows` ``cols=``) writes each row's token
 at its own column, and the driver keeps each row's length itself.
 
 ``seqlen`` is tracked per cache; every slot of a complete cache has the same length.
 
-Reclaiming columns (:mod:`looplm.speculative`)
+Reclaiming columns (:mod:`looplm.decode.speculative`)
 ----------------------------------------------
 A batched speculative round writes ``k + 1`` columns per row and keeps each row's accepted ones: the rest
 become holes, masked like left padding. :meth:`LoopCache.keep_columns` gives the cache back its holes —
@@ -217,7 +217,7 @@ class LoopCache:
 
     def rows(self, idx: torch.Tensor, cols: torch.Tensor | None = None) -> "RowsCache":
         """The cache as rows ``idx`` of the batch see it for one loop iteration (per-token exit); ``cols
-        [n]``: each row's token at its own column (rows at different tokens, :mod:`looplm.depth_batch`)."""
+        [n]``: each row's token at its own column (rows at different tokens, :mod:`looplm.decode.depth_schedule`)."""
         return RowsCache(self, idx, cols)
 
     def commit(self, n: int) -> None:

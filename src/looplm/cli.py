@@ -168,7 +168,7 @@ def _cmd_generate(args) -> int:
 
 def _adaptive_args(args, model) -> dict:
     """``exit=`` / ``speculative=`` for ``generate`` from ``looplm generate``'s options."""
-    from .generate import adaptive_options
+    from .decode.generate import adaptive_options
 
     return adaptive_options(model, exit=args.exit, speculative=args.speculative, draft_k=args.draft_k, kv=args.kv_policy,
                             ssm=args.ssm_policy, min_loops=args.min_loops, max_loops=args.max_loops,

@@ -6,7 +6,7 @@
 * :class:`LoopContext` (``lctx``): where the loop driver is and what a rule may read
   (see :mod:`looplm.recurrence.base`);
 * :func:`restrict_fctx` / :func:`restrict_context`: both as some batch rows see them (per-token exit's rows
-  or tokens still looping: :mod:`looplm.adaptive`, :mod:`looplm.adaptive_forward`).
+  or tokens still looping: :mod:`looplm.decode.token_schedule`, :mod:`looplm.decode.exit_forward`).
 """
 
 from __future__ import annotations
@@ -85,7 +85,7 @@ class LoopContext:
     final_norm: Callable[[torch.Tensor], torch.Tensor] | None = None
     # the exit check's readout of an iterate, (h [n, T, d], lctx) -> logits [n, T, V]; None = the model's own
     # (coda with the check's per-loop slots, final norm, head). A driver that packs tokens differently from the
-    # rows it hands the rule gives its own (looplm.adaptive_forward: the coda over each row's looping tokens)
+    # rows it hands the rule gives its own (looplm.decode.exit_forward: the coda over each row's looping tokens)
     check_readout: Callable[[torch.Tensor, "LoopContext"], torch.Tensor] | None = None
 
     @property
@@ -122,7 +122,7 @@ class LoopContext:
     def loop_slot(self, name: str, factory: Callable[[], Any]):
         """The rule's slot ``name`` of this iteration, ``("rule", name, k)`` (``None`` when not decoding):
         one slot per iteration, registered as loop ``k`` of the family ``("rule", name)`` so that per-token
-        exit fills the loops a token skipped (:mod:`looplm.adaptive`). ``factory`` makes a slot for
+        exit fills the loops a token skipped (:mod:`looplm.decode.token_schedule`). ``factory`` makes a slot for
         ``cache.batch_size`` rows."""
         if self.cache is None:
             return None

@@ -16,14 +16,14 @@ lists every op and who serves it.
 
 A module's **one-token decode step** is the other seam: a provider registers a :class:`DecodeStep` per
 module type (a block, a stack of blocks, a rule, a linear layer), with its eligibility test and its
-argument packing. Inside :func:`decode_steps` — entered by :func:`looplm.generate.generate` — every
+argument packing. Inside :func:`decode_steps` — entered by :func:`looplm.decode.generate.generate` — every
 eligible module of the model runs as a subclass of its own class whose methods try the fused step
 first and fall back to the class's own method (the reference) whenever the step returns ``None``; on
 exit the classes are restored. So a new block or rule gets a fused step by registering one, and no
 rule or block is ever edited to become fast. Inside :func:`few_token_steps` (speculative verification) a
 step may also serve calls of a few positions per sequence; a step that does not read
 :func:`few_token_calls` is unaffected. Inside :func:`offer_kv_fill` (per-token exit's ``propagate`` fill
-carried into the next core pass, :mod:`looplm.kv_fill`) the fused step of that fill's stack may write it
+carried into the next core pass, :mod:`looplm.decode.kv_fill`) the fused step of that fill's stack may write it
 with its own K/V products; the decoder writes it itself after the call where no step took it.
 """
 
@@ -210,7 +210,7 @@ _few_tokens = [False]
 def few_token_steps() -> Iterator[None]:
     """Inside the block (and inside :func:`decode_steps`), a decode step may also take calls of a few
     positions per sequence, not only one: a speculative verification's ``k + 1`` drafted tokens
-    (:mod:`looplm.speculative`), where a step that wins at a few rows (a GEMV kernel) beats the
+    (:mod:`looplm.decode.speculative`), where a step that wins at a few rows (a GEMV kernel) beats the
     reference's matmul. A step reads :func:`few_token_calls`; one that ignores it is unaffected."""
     prev, _few_tokens[0] = _few_tokens[0], True
     try:
@@ -229,7 +229,7 @@ _kv_fill: list = [None]
 
 @contextlib.contextmanager
 def offer_kv_fill(fill) -> Iterator[None]:
-    """Inside the block, a decode step of ``fill.stack`` may write ``fill`` (a :class:`looplm.kv_fill.KVFill`)
+    """Inside the block, a decode step of ``fill.stack`` may write ``fill`` (a :class:`looplm.decode.kv_fill.KVFill`)
     beside its own step and set ``fill.written``; the caller writes it (``fill.write()``) where none did.
     ``None`` offers nothing."""
     prev, _kv_fill[0] = _kv_fill[0], fill

@@ -258,7 +258,7 @@ class LoopedLM(nn.Module):
         """Loop iteration ``k = lctx.iteration`` of ``batch`` rows: the core's input ``Z^k`` from the rule
         (kept as ``lctx.core_input``), ``H^k = core(Z^k)`` with the rule's block modulation and the cache
         slots of loop ``k``, then the rule's step. Returns ``(H^k, state)``. One place for the body of every
-        loop driver (this forward, :mod:`looplm.adaptive`'s exits, drafts and verifications)."""
+        loop driver (this forward, :mod:`looplm.decode.token_schedule`'s exits, drafts and verifications)."""
         k = lctx.iteration
         z = lctx.core_input = self.rule.next_input(state, lctx)  # Z^k  [batch, T, d]
         mods = self.rule.block_modulation(state, lctx)
@@ -373,7 +373,7 @@ class LoopedLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, **kwargs) -> torch.Tensor:
-        """Decode ``max_new_tokens`` tokens (see :func:`looplm.generate.generate` for all options)."""
-        from .generate import generate
+        """Decode ``max_new_tokens`` tokens (see :func:`looplm.decode.generate.generate` for all options)."""
+        from .decode.generate import generate
 
         return generate(self, input_ids, max_new_tokens=max_new_tokens, **kwargs)

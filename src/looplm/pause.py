@@ -17,7 +17,7 @@ rows has unused rows, so the model keeps Vanilla Looped's 1420.92M parameters, T
 :class:`PauseLM` is a :class:`~looplm.model.LoopedLM` whose ``forward`` takes and returns *real*
 tokens: it inserts the pauses itself (:func:`insert_pauses`, which a data pipeline can also call),
 returns the logits at the prediction positions ``[B, T, V]`` with the pause logit masked (so
-``looplm.generate`` — greedy or sampled — never returns a pause, and feeds the ``n`` pauses of every
+``looplm.decode.generate`` — greedy or sampled — never returns a pause, and feeds the ``n`` pauses of every
 sampled token through the cache with it), and computes the loss on real tokens only. So the trainer,
 ``eval ppl`` and ``generate`` need no pause-specific code, and training budgets count real tokens
 (as StateLoop's do). ``max_seq_len`` is the backbone's length: a row holds ``max_seq_len // (1+n)``

@@ -61,7 +61,7 @@ def cmd_eval_ppl(args) -> int:
         if loops is not None and (len(loops) > 1 or args.out or args.grid != "both"):
             raise ValueError(f"--exit takes each token's depth (at most one --loops R); a depth sweep (--loops {args.loops}, "
                              "--out, --grid) cannot be combined with it")  # fmt: skip
-        from ..generate import adaptive_options
+        from ..decode.generate import adaptive_options
 
         exit = adaptive_options(model, exit=args.exit, kv=args.kv_policy, max_loops=loops[0] if loops else None)["exit"]
     if loops is not None and (len(loops) > 1 or args.out or args.grid != "both"):  # a depth sweep (eval/depth.py)

@@ -13,7 +13,7 @@ __all__ = ["FullDepth", "decode_timing", "decoded_nll", "generation_timing", "qu
 
 
 class FullDepth:
-    """Full-depth decoding as :func:`looplm.generate.generate` does it (the plain path): the prompt, then one
+    """Full-depth decoding as :func:`looplm.decode.generate.generate` does it (the plain path): the prompt, then one
     ``model(token, cache=...)`` per step with preallocated KV slots, the head on the last position."""
 
     def __init__(self, model, batch_size: int, capacity: int):
@@ -30,7 +30,7 @@ def _now(clock: str):
 
 
 def _flushed(dec, now) -> float:
-    """Seconds ``dec.flush()`` takes (what a decoder still carries, :mod:`looplm.kv_fill`, is part of its
+    """Seconds ``dec.flush()`` takes (what a decoder still carries, :mod:`looplm.decode.kv_fill`, is part of its
     decoding); 0 for a decoder without one."""
     if not hasattr(dec, "flush"):
         return 0.0
@@ -66,7 +66,7 @@ def decode_timing(model, prompts: torch.Tensor, new_tokens: int, contenders: dic
     decodes ``new_tokens`` greedy tokens, one step of every contender in a rotating order before any
     takes the next (a burst of load hits all alike). Returns ``{name: {"ms_per_token", "ratio",
     "ratios", "stats"}}`` (``ratio``: median over runs of the time relative to the first contender)."""
-    from ..sampling import decode_context
+    from ..decode.sampling import decode_context
 
     B, P = prompts.shape
     now = _now(clock)
@@ -95,7 +95,7 @@ def decode_timing(model, prompts: torch.Tensor, new_tokens: int, contenders: dic
 
 def _greedy_steps(model, dec, prompts: torch.Tensor, n: int, now) -> float:
     """A one-step decoder ``dec``: the prompts (untimed), then ``n`` greedy steps; returns their seconds on ``now``."""
-    from ..sampling import decode_context
+    from ..decode.sampling import decode_context
 
     greedy = lambda logits: logits.max(-1).indices  # noqa: E731
     with decode_context(model, prompts.shape[0]):
@@ -109,7 +109,7 @@ def _greedy_steps(model, dec, prompts: torch.Tensor, n: int, now) -> float:
 @torch.inference_mode()
 def generation_timing(model, prompts: torch.Tensor, new_tokens: int, contenders: dict, *, runs: int = 3, clock: str = "wall") -> dict:
     """As :func:`decode_timing`, for contenders that decode a whole generation at their own pace (continuous
-    depth batching, :class:`looplm.depth_batch.DepthBatchedDecoder`: rows are at different tokens, so no
+    depth batching, :class:`looplm.decode.depth_schedule.DepthBatchedDecoder`: rows are at different tokens, so no
     step is the batch's). Each run decodes ``new_tokens`` greedy tokens per row with every contender in a
     rotating order, the prompt untimed; a contender is either a one-step decoder (as for
     :func:`decode_timing`: timed step by step) or has ``run(prompts, new_tokens, mask, pick, eos, pad,
@@ -142,7 +142,7 @@ def queue_timing(model, prompts: torch.Tensor, rows: int, new_tokens: int, refil
     """A queue of ``prompts [N, P]`` (``N`` a multiple of ``rows``) through ``rows`` rows: full depth in fixed
     batches of ``rows`` prompts (:class:`FullDepth`, the batches one after another) against ``refill(rows,
     capacity, N)``, a decoder whose ``run`` takes all ``N`` prompts and refills a finished row with the next
-    (:class:`looplm.depth_batch.DepthBatchedDecoder`, exit ``max_batch``). Both decode ``new_tokens`` greedy
+    (:class:`looplm.decode.depth_schedule.DepthBatchedDecoder`, exit ``max_batch``). Both decode ``new_tokens`` greedy
     tokens per prompt, prompts untimed, in a rotating order per run. Returns ``{"full", "refill"}`` as
     :func:`decode_timing` does (time per decoded token; ``ratio``: median of the per-run ratios to full)."""
     N, P = prompts.shape
@@ -177,7 +177,7 @@ def teacher_forced_timing(model, ids: torch.Tensor, contenders: dict, *, prompt_
     tokens as a prompt (untimed) and then one token at a time, the contenders interleaved token by token in a
     rotating order. Returns ``{name: {"ms_per_token", "ratio" (median over runs vs the first), "ratios",
     "logits" [B, T, V] from prompt_len − 1 on, "stats"}}``."""
-    from ..sampling import decode_context
+    from ..decode.sampling import decode_context
 
     B, T = ids.shape
     now = _now(clock)

@@ -28,7 +28,7 @@ Model arguments: ``pretrained`` (path), ``loops`` (r, default the trained K), ``
 ``device``, ``batch_size``, ``max_length``, ``max_gen_toks``, ``prefix_token_id``; adaptive depth
 (``docs/adaptive-depth.md``): ``exit`` (``gate:0.8``, ``kl:5e-4``, ...) — for ``loglikelihood`` /
 ``loglikelihood_rolling`` every scored token after the first takes the exits in one forward per batch
-(:func:`looplm.adaptive_forward.adaptive_forward`: what decoding the text token by token gives; the depths
+(:func:`looplm.decode.exit_forward.adaptive_forward`: what decoding the text token by token gives; the depths
 in :attr:`LoopLMEvalModel.depth_stats`), for ``generate_until`` through ``generate`` — with ``kv_policy``,
 ``ssm_policy``, ``min_loops``, ``max_loops``, ``exit_schedule`` (``token`` | ``depth``: continuous depth
 batching, ``batch_size`` rows at once with request refill: a row whose request finished takes the next
@@ -198,14 +198,14 @@ class LoopLMEvalModel(TemplateLM):
     # --- scoring ---
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         """Log-probabilities ``[B, T, V]`` (float32) of a right-padded batch; with ``exit`` every token after the
-        first takes the exits, as decoding the text token by token would (:func:`looplm.adaptive_forward.
+        first takes the exits, as decoding the text token by token would (:func:`looplm.decode.exit_forward.
         adaptive_forward`), and its depths are counted in :attr:`depth_stats`."""
         e = self.decode_options.get("exit")
         with torch.no_grad():
             if e is None:
                 out = self.model(ids, attention_mask=mask, num_loops=self.loops, loop_options=self.loop_options).logits
             else:
-                from ..adaptive_forward import adaptive_forward, add_depth_stats
+                from ..decode.exit_forward import adaptive_forward, add_depth_stats
 
                 if self.loops is not None and e.max_loops is None:
                     e = e.with_policies(max_loops=self.loops)
@@ -299,7 +299,7 @@ class LoopLMEvalModel(TemplateLM):
     @torch.no_grad()
     def _generate(self, contexts: list[str], until: list[str], max_new: int, do_sample: bool, temperature: float) -> list[str]:
         """Decode a left-padded batch with the per-(loop, layer) cache; cut each text at its first stop string."""
-        from ..generate import sample_next
+        from ..decode.generate import sample_next
 
         max_new = max(0, min(max_new, self.max_length - 1))
         prompts = [self.tok_encode(c)[-(self.max_length - max_new):] or [self.eot_token_id] for c in contexts]
@@ -409,8 +409,8 @@ MODEL_ARGS = ("pretrained", "model", "tokenizer", "loops", "exit_threshold", "dt
 def adaptive_options(model, exit=None, kv_policy=None, ssm_policy=None, min_loops=None, max_loops=None, speculative=None,
                      draft_k=None, exit_schedule=None, draft_exit=None, exit_prefill=None, exit_compile=None) -> dict:
     """``generate()`` keyword arguments from the lm-eval model's string arguments (checked now, before any
-    request; :func:`looplm.generate.adaptive_options`): ``{"exit": Exit}``, ``{"speculative": Speculative}`` or ``{}``."""
-    from ..generate import adaptive_options as resolve
+    request; :func:`looplm.decode.generate.adaptive_options`): ``{"exit": Exit}``, ``{"speculative": Speculative}`` or ``{}``."""
+    from ..decode.generate import adaptive_options as resolve
 
     none = (None, "", "None")
     text = lambda v: None if v in none else str(v)  # noqa: E731
@@ -721,7 +721,7 @@ def run_harness(checkpoint, tasks: list[str], *, loops=None, exit_threshold=None
     ``samples_files``). ``include_defaults``: index lm-eval's own task folder too (slow: thousands of
     YAMLs); ``None`` = only when a requested task is neither a suite nor in ``include_path`` / ``data_dir``.
     ``exit`` (with ``kv_policy`` ...): per-token exit for every request — scored texts in one forward per batch
-    (:func:`looplm.adaptive_forward.adaptive_forward`), generations with ``generate``; the scored tokens'
+    (:func:`looplm.decode.exit_forward.adaptive_forward`), generations with ``generate``; the scored tokens'
     depths are in ``adaptive_depth`` (selected / executed depth, their ratio to ``max_loops``)."""
     import tempfile
 

@@ -120,13 +120,13 @@ def evaluate_documents(
         max_batches: stop after this many batches of windows (whole documents only: a document
             whose windows do not all fit is not counted).
         precision: ``"bf16"`` autocasts the forward; the log-softmax is always fp32.
-        exit: per-token exit (an :class:`~looplm.exits.Exit` or its string, ``num_loops`` its ``max_loops``):
+        exit: per-token exit (an :class:`~looplm.decode.exits.Exit` or its string, ``num_loops`` its ``max_loops``):
             every window's tokens after its first take the exits, in one forward per batch
-            (:func:`looplm.adaptive_forward.adaptive_forward`: what decoding the window token by token gives);
+            (:func:`looplm.decode.exit_forward.adaptive_forward`: what decoding the window token by token gives);
             the predicted tokens' depths are in ``result.depth`` (token-weighted means).
     """
     if exit is not None:  # a bad option, or one the one-forward exit cannot run, is refused before any document
-        from ..exits import Exit, forward_support
+        from ..decode.exits import Exit, forward_support
 
         exit = Exit.parse(exit)
         if num_loops is not None and exit.max_loops is None:
@@ -159,7 +159,7 @@ def evaluate_documents(
             if exit is None:
                 logits = _model_logits(model, x, num_loops)
             else:
-                from ..adaptive_forward import adaptive_forward, add_depth_stats
+                from ..decode.exit_forward import adaptive_forward, add_depth_stats
 
                 lens = torch.tensor([len(w) for w in windows], device=device)
                 mask = torch.arange(L, device=device)[None] < lens[:, None]  # [B, L]: the right-padded windows' own tokens

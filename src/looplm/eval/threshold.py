@@ -9,7 +9,7 @@
 * **Plot** (Figure 1 style): metric against selected depth — the threshold sweep as a line, the
   fixed depths as separate markers.
 * **Real wall-clock** (:func:`decode_sweep`, on by default: ``--decode-batches``): the same ``q`` (and
-  forced ``r``) decoded token by token with per-token exit that *skips* the loops (:mod:`looplm.adaptive`,
+  forced ``r``) decoded token by token with per-token exit that *skips* the loops (:mod:`looplm.decode.token_schedule`,
   the ``gate`` criterion, ``--kv-policy`` / ``--ssm-policy`` for the skipped loops), interleaved with
   full-depth decoding on the same tokens: the executed depth, the PPL of that decoding and the time per
   token relative to full depth (columns ``executed (decode)``, ``ms/token``, ``time / full``).
@@ -116,7 +116,7 @@ def decode_sweep(model, batch: torch.Tensor, rows: list[dict], *, kv: str = "cop
     (``replay``) decoded token by token over ``batch [B, T]`` with per-token exit (the loops skipped), every
     setting and full depth interleaved token by token. Adds ``decode_executed_depth``, ``decode_ppl``,
     ``decode_ms_per_token`` and ``decode_time_ratio`` (vs full depth in the same run) to each row."""
-    from ..adaptive import AdaptiveDecoder
+    from ..decode.token_schedule import AdaptiveDecoder
     from .decode_timing import FullDepth, decoded_nll, teacher_forced_timing
 
     m = model.to(torch.bfloat16) if precision == "bf16" else model

@@ -36,28 +36,28 @@ reference's tokens, in both builds.
 
 When it runs: these steps are registered with :mod:`looplm.dispatch` (:func:`register`) for
 :class:`~looplm.blocks.Block`, :class:`~looplm.blocks.Stack` and :class:`~looplm.layers.residual.ResidualMixer`;
-inside :func:`looplm.dispatch.decode_steps` (entered by :func:`looplm.generate.generate`) every eligible module
+inside :func:`looplm.dispatch.decode_steps` (entered by :func:`looplm.decode.generate.generate`) every eligible module
 runs them. A block is eligible when it is a plain pre-norm :class:`Block` (``norm_placement: pre``; a
 sandwich or post-sum block keeps the reference) with an :class:`~looplm.layers.attention.Attention` mixer
 (GQA, optional QK-norm, optional biases, full or partial RoPE, no sliding window) or a :class:`~looplm.layers.mamba2.Mamba2Mixer`, and a SwiGLU MLP or none, all of one dtype (bf16 or
 fp32) on the CPU, with no hooks on it or its submodules; a stack when all its blocks are eligible attention
 blocks of one dtype and one rotary dim (:func:`stack_eligible`). A call takes the fused op only for one new
 token per row with a preallocated KV slot (attention) or a non-empty state (Mamba-2) — or some rows of the
-batch's slots (per-token exit, :mod:`looplm.adaptive`: an int64 ``rows`` index, each active row reading and
+batch's slots (per-token exit, :mod:`looplm.decode.token_schedule`: an int64 ``rows`` index, each active row reading and
 writing its own cache row in place), or a loop-shared KV slot — no block modulation
 (timestep conditioning, hyper-connections: those blocks keep the reference) and no autograd; every other
 call — the prompt step, a rule's modulated blocks — is the reference ``forward`` (compiled, if the block was
 compiled). One exception to "one new token": inside :func:`looplm.dispatch.few_token_steps` a stack's call of
 up to 64 new tokens per row after the prompt (a speculative verification's ``k + 1`` drafted tokens,
-:mod:`looplm.speculative`) is one ``decode_stack`` call too — every token's key and value written first,
+:mod:`looplm.decode.speculative`) is one ``decode_stack`` call too — every token's key and value written first,
 then token ``t`` attending to the columns up to its own, the model's mask (left padding, rejected drafts'
 holes) read row by row — so a verification costs one op per loop, not the reference's dozen per block
 (bf16, the bench LM's d = 256 core, 5 tokens: 287 µs vs 883 µs through torch's matmul;
 ``tests/test_decode_few_tokens.py`` holds it to the reference). A row view with per-row columns (continuous
-depth batching, :mod:`looplm.depth_batch`: each row at its own token and loop, its cache row ``k·B + b`` of
+depth batching, :mod:`looplm.decode.depth_schedule`: each row at its own token and loop, its cache row ``k·B + b`` of
 a layer's one ``[R·B, ...]`` buffer) passes them as the op's ``cols``, the mask's length as ``pos + 1``.
 A ``kv='propagate'`` fill offered to the stack's call (:func:`looplm.dispatch.offer_kv_fill`,
-:mod:`looplm.kv_fill`) rides on it: its stand-ins are extra rows of every block's k / v products (the
+:mod:`looplm.decode.kv_fill`) rides on it: its stand-ins are extra rows of every block's k / v products (the
 weights the step streams anyway), QK-normed and rotated at their own positions, written into the skipped
 loops' slots (the op's ``fill_*`` arguments); the fill is then marked written.
 
@@ -261,7 +261,7 @@ def _rows_of(cache) -> torch.Tensor | None:
 
 
 def _cols_of(cache) -> torch.Tensor | None:
-    """The per-row columns a row view writes at (rows at different tokens, :mod:`looplm.depth_batch`), or ``None``."""
+    """The per-row columns a row view writes at (rows at different tokens, :mod:`looplm.decode.depth_schedule`), or ``None``."""
     return cache.cols if type(cache) is KVRows else None
 
 
@@ -468,7 +468,7 @@ def _stack_call(stack: Stack, plan: StackPlan, x, fctx, caches=None, mods=None):
 
 
 def _fill_args(fill, plan: StackPlan, n_blocks: int) -> dict | None:
-    """``decode_stack``'s fill arguments for ``fill`` (:class:`looplm.kv_fill.KVFill`: stand-ins for every
+    """``decode_stack``'s fill arguments for ``fill`` (:class:`looplm.decode.kv_fill.KVFill`: stand-ins for every
     block of the stack, CPU buffers of the plan's dtype), else ``None`` (the caller's reference writes it)."""
     z = fill.z()
     if len(fill.blocks) != n_blocks or z.dtype != plan.dtype or z.device.type != "cpu":

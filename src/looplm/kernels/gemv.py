@@ -21,7 +21,7 @@ measured on). Where the CPU lacks AVX512-BF16, :func:`available` is ``False`` an
 ``F.linear``; the fused decode steps of ``csrc/decode.cpp`` (:mod:`looplm.kernels.decode`) call the kernels
 from C++ where they exist and torch's matmul where not.
 
-Inside :func:`looplm.generate.generate` (:func:`looplm.dispatch.decode_steps`) every plain ``nn.Linear``
+Inside :func:`looplm.decode.generate.generate` (:func:`looplm.dispatch.decode_steps`) every plain ``nn.Linear``
 with bf16 or fp32 CPU weights that a kernel serves at the call's batch size runs its one-token steps
 through :func:`linear` (the decode step registered by :func:`register`).
 """

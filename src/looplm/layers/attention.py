@@ -56,7 +56,7 @@ class KVCache:
     Implements the cache-slot protocol of :mod:`looplm.cache`: ``seqlen``, ``index_select`` (keep /
     reorder batch rows: beam search, dropping finished rows) and ``crop`` (drop the newest tokens).
 
-    Per-token early exit (:mod:`looplm.adaptive`) writes one column for *some* rows at a time: a
+    Per-token early exit (:mod:`looplm.decode.token_schedule`) writes one column for *some* rows at a time: a
     :meth:`rows` view writes its rows' keys at column ``seqlen`` without advancing it (``pending``), the
     exit policy fills the other rows' entries there, and :meth:`commit` (called once per token by
     :meth:`looplm.cache.LoopCache.commit`) counts the column.
@@ -121,7 +121,7 @@ class KVCache:
     # --- row subsets (per-token exit) ------------------------------------------------------------
     def rows(self, idx: torch.Tensor, batch: int, cols: torch.Tensor | None = None) -> "KVRows":
         """A view that writes and attends for batch rows ``idx`` only (of a ``batch``-row cache), in place;
-        ``cols [n]``: each row's own column (rows at different tokens, :mod:`looplm.depth_batch`)."""
+        ``cols [n]``: each row's own column (rows at different tokens, :mod:`looplm.decode.depth_schedule`)."""
         return KVRows(self, idx, batch, cols)
 
     def write_rows(self, idx: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, batch: int,
@@ -206,7 +206,7 @@ class KVRows:
     the whole buffer, and the active rows' outputs are gathered. No key or value is copied; the waiting
     rows' attention is computed and thrown away (on the reference path; the fused CPU step attends the
     active rows only, :mod:`looplm.kernels.decode`). When the rows are under a third of the buffer's (a
-    flat ``[R·B, ...]`` buffer of every loop, :mod:`looplm.depth_batch`, at R = 32 for Huginn), their keys
+    flat ``[R·B, ...]`` buffer of every loop, :mod:`looplm.decode.depth_schedule`, at R = 32 for Huginn), their keys
     and values are gathered instead: ``3·n`` rows of memory traffic (read, write, attend) against ``B``.
     """
 
@@ -298,7 +298,7 @@ class Attention(nn.Module):
     def kv_of(self, x: torch.Tensor, fctx) -> tuple[torch.Tensor, torch.Tensor]:
         """The keys and values ``[B, H_kv, T, hd]`` that :meth:`forward` would cache for ``x [B, T, d_model]``
         (projections, QK-norm, RoPE at ``fctx``'s positions), without the query side (per-token exit's
-        ``propagate`` fill, :mod:`looplm.exits`)."""
+        ``propagate`` fill, :mod:`looplm.decode.exits`)."""
         B, T, _ = x.shape
         k, v = linear_group(x, (self.k_proj, self.v_proj))
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [B, H_kv, T, hd]

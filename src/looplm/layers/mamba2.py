@@ -274,7 +274,7 @@ class Mamba2State:
     ``ssm_state`` [B, nheads, headdim, d_state]: the SSM state ``H``, float32.
     ``seqlen_offset``: tokens already absorbed (0 = empty; contents are then ignored).
 
-    Two additions serve adaptive decoding (:mod:`looplm.adaptive`, :mod:`looplm.speculative`):
+    Two additions serve adaptive decoding (:mod:`looplm.decode.token_schedule`, :mod:`looplm.decode.speculative`):
 
     * :meth:`rows` — a view of some batch rows whose one-token step reads and writes those rows' states
       only (per-token exit: the rows still looping at this iteration); the token is counted once, at
@@ -365,7 +365,7 @@ class Mamba2Rows:
     """Rows ``idx`` of a :class:`Mamba2State` for one single-token step: ``conv_state`` / ``ssm_state``
     read those rows (a gather: the step's own input) and assigning them writes the rows back in place;
     the token is counted at :meth:`Mamba2State.commit`. ``keep [n]`` (bool): write back only those rows,
-    the others keep their state (``torch.where``, at fixed shapes: :mod:`looplm.depth_static`)."""
+    the others keep their state (``torch.where``, at fixed shapes: :mod:`looplm.decode.static_schedule`)."""
 
     def __init__(self, base: Mamba2State, idx: Tensor, keep: Tensor | None = None):
         self.base, self.idx, self.keep = base, idx, keep
@@ -661,7 +661,7 @@ class Mamba2Mixer(nn.Module):
         return self.out_proj(y.to(x.dtype))
 
     def absorb(self, x: Tensor, state, mode: str = "propagate", zxbcdt: Tensor | None = None) -> None:
-        """The state of a token that skips this layer (per-token exit, :mod:`looplm.exits`): ``x [b,1,d_model]``
+        """The state of a token that skips this layer (per-token exit, :mod:`looplm.decode.exits`): ``x [b,1,d_model]``
         is the stand-in mixer input (the normed block input), ``state`` the slot (or its rows).
 
         * ``propagate``: the step's state half: the conv window slid by ``in_proj(x)``'s conv input, then

@@ -43,7 +43,7 @@ Hooks with defaults that do nothing: ``block_modulation`` (shifts, scales, gates
 token — and read/write hooks that let a rule own a block's residual streams, see
 :mod:`looplm.blocks`), ``aux_loss``, ``halted`` and ``select_rows``.
 
-Hooks of adaptive decoding (:mod:`looplm.adaptive`, per-token exit; defaults serve every rule whose
+Hooks of adaptive decoding (:mod:`looplm.decode.token_schedule`, per-token exit; defaults serve every rule whose
 state is a dict of ``[B, T, ...]`` tensors): ``exit_log_survival`` (a learned exit distribution, read by
 the ``gate`` criterion), ``exit_rows`` (tokens that stop after this iteration), ``take_rows`` (the rows
 still looping), ``cat_tokens`` (draft states joined for speculative verification) and
@@ -172,7 +172,7 @@ class RecurrenceRule(nn.Module):
         holds tensors whose first dim is not the batch or lists that grow per iteration."""
         return where_rows(keep_new, new, old)
 
-    # --- adaptive decoding (looplm.adaptive) -----------------------------------------------------
+    # --- adaptive decoding (looplm.decode.token_schedule) -----------------------------------------------------
     def exit_log_survival(self, state: dict, lctx: LoopContext) -> torch.Tensor | None:
         """``[B, T]`` float64 ``log(1 − CDF(r))`` of a learned per-token exit distribution after the step just
         taken (the ``gate`` criterion exits at the first ``r`` with ``CDF(r) >= q``); ``None`` = no gate."""

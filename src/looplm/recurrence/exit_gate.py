@@ -48,8 +48,8 @@ the head still reads ``N(h^(z))`` through the model's own final norm, so every s
 Output-selection semantics (§3.1): in a forward **all R steps run** (every SSM / KV state chain stays
 complete), the gate only picks whose hidden state reaches the head. The selected depth ("Iter") is
 therefore no compute saving; the executed depth is the forward's loop count. Decoding that stops a
-token's loop at its exit (and fills the state of the loops it skips) is :mod:`looplm.adaptive`; it
-reads the gate through :meth:`ExitGate.exit_log_survival` (the ``gate`` criterion of :mod:`looplm.exits`)
+token's loop at its exit (and fills the state of the loops it skips) is :mod:`looplm.decode.token_schedule`; it
+reads the gate through :meth:`ExitGate.exit_log_survival` (the ``gate`` criterion of :mod:`looplm.decode.exits`)
 and ends a token's selection with :meth:`ExitGate.exit_rows`. After every forward
 :attr:`ExitGate.last_exit` holds the per-token selected depth, expected exit step
 ``s_i = Σ_r r π_i^(r)`` and exit entropy ``H_i`` (detached), and :meth:`ExitGate.exit_summary` their

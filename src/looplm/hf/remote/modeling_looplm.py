@@ -18,7 +18,7 @@ looplm's exactly, for every registered rule. Around it this file adds what trans
 * the exit threshold ``q`` — ``generate(..., exit_threshold=q)`` / ``config.exit_threshold``, passed
   to the rule as ``loop_options={"exit_threshold": q}`` (rules without an exit gate ignore it);
 * ``generate()`` on looplm's lean decode path: whenever the request is one looplm's
-  :func:`~looplm.generate.generate` decodes the same way transformers would — greedy or sampling with
+  :func:`~looplm.decode.generate.generate` decodes the same way transformers would — greedy or sampling with
   temperature / top-k / top-p, one EOS id, left padding, no beams, no logits processors, streamers or
   ``return_dict_in_generate`` — it runs that function (preallocated KV, the head on the last position
   only, no host synchronisation per token but the all-finished check; on an installed looplm its fused
@@ -29,7 +29,7 @@ looplm's exactly, for every registered rule. Around it this file adds what trans
   ``generate`` accepts (``num_loops``, ``loop_options``, ``generator``, ...) pass straight through.
   Both paths refuse a request longer than the model's context before decoding anything;
 * adaptive depth (``docs/adaptive-depth.md``): ``generate(..., exit="gate:0.8")`` (or ``"kl:5e-4"``,
-  ``"convergence:0.05"``, an :class:`~looplm.exits.Exit`) decodes each token until its exit, skipping the
+  ``"convergence:0.05"``, an :class:`~looplm.decode.exits.Exit`) decodes each token until its exit, skipping the
   loops after it; ``generate(..., speculative={"draft_loops": 1, "k": 4})`` is lossless self-speculative
   decoding. Both run on the lean path only (a request that leaves it is refused, naming why); with
   ``exit="gate:q"`` the gate's ``q`` is also the output selection (``config.exit_threshold`` is not applied);
@@ -64,7 +64,7 @@ from transformers.utils import ModelOutput
 
 from ...config import ModelConfig
 from ...factory import model_class
-from ...generate import generate as looplm_generate
+from ...decode.generate import generate as looplm_generate
 from .configuration_looplm import LOOPLM_CODE_CHOICES, LoopLMConfig
 from .looplm_source import installed_package_dir, sources_digest
 
@@ -92,7 +92,11 @@ _HERE = Implementation("bundled" if MANIFEST is not None else "looplm", ModelCon
 
 
 def _installed(note: str) -> Implementation:
-    cfg, fac, gen = (importlib.import_module(f"looplm.{m}") for m in ("config", "factory", "generate"))
+    cfg, fac = (importlib.import_module(f"looplm.{m}") for m in ("config", "factory"))
+    try:  # looplm.decode.generate since looplm's decode package; looplm.generate in the looplm before it
+        gen = importlib.import_module("looplm.decode.generate")
+    except ModuleNotFoundError:
+        gen = importlib.import_module("looplm.generate")
     return Implementation("installed", cfg.ModelConfig, fac.model_class, gen.generate, note)
 
 

@@ -1,10 +1,10 @@
 """Per-token exit in one parallel forward: a whole text (a prompt, a scored continuation) at adaptive depth.
 
-:class:`looplm.adaptive.AdaptiveDecoder` takes the exits one decoded token at a time, and its prompt runs
+:class:`looplm.decode.token_schedule.AdaptiveDecoder` takes the exits one decoded token at a time, and its prompt runs
 at full depth. :func:`adaptive_forward` runs a whole ``[B, T]`` text at once with the same exits: after each
 loop the criterion decides, for every position still looping, whether its token stops there; the next
 loop runs only the positions still looping — loop-major instead of token-major. Its logits are what
-decoding the text one token at a time with the same :class:`~looplm.exits.Exit` gives (teacher forcing,
+decoding the text one token at a time with the same :class:`~looplm.decode.exits.Exit` gives (teacher forcing,
 :meth:`AdaptiveDecoder.score`, with no full-depth prompt), up to the order of floating-point sums: a token's
 arithmetic depends only on the tokens before it, and at loop ``k`` those are either still looping (their
 loop-``k`` keys and values are computed in the same pass, before anyone reads them) or exited (their
@@ -25,7 +25,7 @@ place: at loop ``k`` a looping position writes its loop-``k`` key and value at i
 attends (every query reads its row's columns up to its own), and an exited position's column keeps what
 the policy left there — ``copy``: its exit loop's key and value (it is simply not overwritten);
 ``propagate``: the stand-in ``Z^{r+1}`` through each layer's norm and K/V projections, written once at the
-exit (CALM's propagation, :mod:`looplm.exits`); ``full``: every position keeps running every loop and only
+exit (CALM's propagation, :mod:`looplm.decode.exits`); ``full``: every position keeps running every loop and only
 its output is taken at the exit (the exact caches; no compute saved). Column ``T`` is a scratch column the
 padding of the pack writes to and no real query reads. ``shared`` is refused: with one slot for every loop a
 token reads the earlier tokens at the *last* loop they ran, which exists only once they have finished —
@@ -42,7 +42,7 @@ loop with buffers of its own per family, filled as the core's (``copy``: an exit
 and values stay; ``propagate``: its exit iterate ``H^k`` through each coda layer's norm and K/V projections, as
 decoding's fill; a Mamba-2 coda layer scans the pack).
 
-What runs (refused before any work otherwise, naming the option, by :func:`looplm.exits.forward_support`):
+What runs (refused before any work otherwise, naming the option, by :func:`looplm.decode.exits.forward_support`):
 no ``ssm='propagate'`` / ``'decay'`` with Mamba-2 layers in the core (or in a coda a readout goes through per
 loop: they feed an exited token's stand-in into the skipped loops' scans), no sliding window there, no
 rule with per-loop slots of its own or a rule that replaces the blocks' residual stream, and ``propagate``
@@ -61,9 +61,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .context import BlockModulation, BranchModulation, ForwardContext, LoopContext, restrict_context
+from ..context import BlockModulation, BranchModulation, ForwardContext, LoopContext, restrict_context
 from .exits import Exit, finish_rest, forward_support, keep_staying, make_criterion, stack_flop_terms
-from .layers.attention import Attention, attention
+from ..layers.attention import Attention, attention
 
 __all__ = ["AdaptiveForward", "DEPTH_MEANS", "PositionKV", "adaptive_forward", "add_depth_stats"]
 
@@ -117,7 +117,7 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
                      logits_to_keep: int | None = None) -> AdaptiveForward:
     """Next-token logits of every position of ``input_ids [B, T]`` with per-token exit (module docstring).
 
-    ``exit``: an :class:`~looplm.exits.Exit` (or its string / dict; its ``schedule`` and ``max_batch`` are
+    ``exit``: an :class:`~looplm.decode.exits.Exit` (or its string / dict; its ``schedule`` and ``max_batch`` are
     for decoding and not read here). ``attention_mask [B, T]``: 1 = real token (left or right padding).
     ``full_depth_prefix``: the first that many positions run every loop (what :meth:`AdaptiveDecoder.score`'s
     full-depth prompt does). Replay depths: an int, ``[B]`` per row or ``[B, T]`` per position.

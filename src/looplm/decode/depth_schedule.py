@@ -1,12 +1,12 @@
 """Continuous depth batching: every core pass runs each row at its own loop of its own token.
 
-Under per-token exit with the token schedule (:mod:`looplm.adaptive`) the rows of a batch decode one token
+Under per-token exit with the token schedule (:mod:`looplm.decode.token_schedule`) the rows of a batch decode one token
 together: a row that exits after loop 2 waits at the coda while the deepest row runs loop 4, so a batch's
 wall time follows the loops its *deepest* row runs (batch 8 on the d = 1024 bench LM, kl ε = 0.01: 3.5 of
 4 loops at a mean exit depth of 2.4). Here a row that exits goes through the coda and the head, picks its next token, and
 starts that token's loop 0 at the next core pass, beside rows still in loop 3 of theirs; the passes a
 batch needs follow the rows' *mean* depth (ZH-Haoran/continuous-depth-batching's idea, arXiv 2608.09444;
-here for every criterion of :mod:`looplm.exits`, greedy and sampled, on the CPU's fused path).
+here for every criterion of :mod:`looplm.decode.exits`, greedy and sampled, on the CPU's fused path).
 
 One pass (a *tick*)::
 
@@ -48,13 +48,13 @@ after the prompt; the loops' own slots are views of it), stepped in place throug
 token skips keep their state (``ssm='freeze'``) or take the stand-in's propagation / decay
 (:meth:`AdaptiveDecoder._fill`, per exit, through the loops' slots).
 
-What it does not run (refused by :meth:`looplm.exits.Exit.resolved`): Mamba-2 layers outside the core,
+What it does not run (refused by :meth:`looplm.decode.exits.Exit.resolved`): Mamba-2 layers outside the core,
 sliding-window attention, rules with their own per-loop slots
 (StateLoop's state mixers), rules that replace a block's residual stream, and ``kv='full'``. Prefill runs
 at full depth, or takes the exits with ``prefill='exit'`` (as under the token schedule: the decoder's first
 call). The rows' columns, token counts and flags live on the host: a
 pass reads the exits' rows and tokens once, and each checking cohort's exit flags (on CUDA each read is a
-synchronisation: :mod:`looplm.depth_static` reads none). Host work per
+synchronisation: :mod:`looplm.decode.static_schedule` reads none). Host work per
 pass, measured: ``docs/adaptive-depth.md``.
 """
 
@@ -65,13 +65,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .adaptive import AdaptiveDecoder, _modulates
-from .context import BlockModulation, BranchModulation, ForwardContext, LoopContext, restrict_fctx
+from .token_schedule import AdaptiveDecoder, _modulates
+from ..context import BlockModulation, BranchModulation, ForwardContext, LoopContext, restrict_fctx
 from .exits import Exit, make_criterion, output_is_core
-from .layers.attention import Attention, KVCache, KVRows, copy_kv_columns
-from .cache import SharedKV
+from ..layers.attention import Attention, KVCache, KVRows, copy_kv_columns
+from ..cache import SharedKV
 from .kv_fill import KVFill
-from .layers.mamba2 import Mamba2Rows, Mamba2State
+from ..layers.mamba2 import Mamba2Rows, Mamba2State
 from .sampling import decode_context, eval_mode, sample_next
 
 __all__ = ["DepthBatchedDecoder", "depth_batched_generate", "merge_modulations"]
@@ -90,10 +90,10 @@ class _Cohort:
 
 
 class DepthBatchedDecoder(AdaptiveDecoder):
-    """:class:`~looplm.adaptive.AdaptiveDecoder` (its cache, criterion, fills, statistics) with the prompt
+    """:class:`~looplm.decode.token_schedule.AdaptiveDecoder` (its cache, criterion, fills, statistics) with the prompt
     at full depth and then :meth:`run`: the token loop of continuous depth batching (module docstring)."""
 
-    schedule = "depth"  # the Exit.schedule it runs (looplm.depth_static's subclass: 'static')
+    schedule = "depth"  # the Exit.schedule it runs (looplm.decode.static_schedule's subclass: 'static')
 
     def __init__(self, model, batch_size: int, capacity: int, exit, loop_options: dict | None = None,
                  prompts: int | None = None):
@@ -226,7 +226,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
                         most = max(most, made_h[b])
                         if queue_h < N:
                             refill.append(b)
-            self.flush()  # the last pass's fills (looplm.kv_fill)
+            self.flush()  # the last pass's fills (looplm.decode.kv_fill)
         self.decode_seconds = now() - t0 - self.prompt_seconds  # after the prompts
         self._count_flops()
         cache.seqlen = P + most - 1  # the columns written (rows that stopped early: holes, masked)
@@ -389,7 +389,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         idx = torch.cat([c.rows + c.k * self.cache.batch_size for c in cohorts])  # buffer row of each row: k·B + b
         slots = self._core_slots(idx, rows, col.index_select(0, rows))
         mod = _cat_modulations(mods, [c.rows.shape[0] for c in cohorts], len(m.core.stack.blocks))
-        # [n, 1, d]; offered the last pass's propagate fills (looplm.kv_fill)
+        # [n, 1, d]; offered the last pass's propagate fills (looplm.decode.kv_fill)
         h_all = self._offering(lambda: m.core(torch.cat(zs) if len(zs) > 1 else zs[0], fctx, slots, mod))
         st.core_calls += 1
         exits, off = [], 0
@@ -494,7 +494,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         per layer and buffer for all of them: ``copy`` — the exit loop's key and value (buffer row
         ``k·B + b``); ``propagate`` — the stand-in ``Z^{k+1}`` through each layer's norm and K/V projections
         (once per layer: the rule does not modulate the blocks, ``_fill``'s per-loop case), carried into the
-        next pass's core call as a :class:`~looplm.kv_fill.KVFill` (the fused step's extra K/V rows)."""
+        next pass's core call as a :class:`~looplm.decode.kv_fill.KVFill` (the fused step's extra K/V rows)."""
         B, R, m = self.cache.batch_size, self.R, self.model
         if self.pending[0][2] is None:  # copy: per exit, loop k's caches of every layer into each skipped loop's
             for g, k, _, cg in self.pending:
@@ -514,7 +514,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         G = torch.cat([p[0] for p in self.pending])  # [e] the exiting rows
         Z = torch.cat([p[2] for p in self.pending])  # [e, 1, d] their stand-ins
         self.pending = []
-        # carried into the next pass's core call (looplm.kv_fill): no row reads them before that pass is over
+        # carried into the next pass's core call (looplm.decode.kv_fill): no row reads them before that pass is over
         blocks = [b for b in m.core.stack.blocks if b.layer_idx in self.kv_flat]  # (Mamba-2 layers: AdaptiveDecoder._fill's)
         fill = KVFill(m.core.stack, blocks, [[self.flat[b.layer_idx][0]] for b in blocks])
         fill.add(Z, self._fctx(G, col, L).rope, [(0, dst, cc, src)])
@@ -583,7 +583,7 @@ def merge_modulations(mods: list, rows: list[int], n_blocks: int, combine):
     """Groups' block modulations (``mods[g]``: ``None`` or one per block) as one per-row modulation:
     each field of group ``g`` broadcast to ``[rows[g], 1, width]`` (absent: 1 for scale and gate, 0 for
     shift; ``width`` the widest of the groups'), the groups' fields joined by ``combine(list) -> tensor``
-    (``torch.cat`` for cohorts of rows; a per-row choice among same-size groups, :mod:`looplm.depth_static`).
+    (``torch.cat`` for cohorts of rows; a per-row choice among same-size groups, :mod:`looplm.decode.static_schedule`).
     ``None`` when no group modulates."""
     if all(x is None for x in mods):
         return None
@@ -614,8 +614,8 @@ def merge_modulations(mods: list, rows: list[int], n_blocks: int, combine):
 @torch.no_grad()
 def depth_batched_generate(model, input_ids, max_new_tokens, exit, do_sample, temperature, top_k, top_p, eos_token_id,
                            pad_token_id, attention_mask, generator, loop_options, return_stats, decoder=None):
-    """:func:`looplm.generate.generate` under ``exit`` with ``schedule='depth'`` (module docstring), or with
-    another decoder class of the same ``run`` (``decoder``: :class:`looplm.depth_static.StaticDepthDecoder`)."""
+    """:func:`looplm.decode.generate.generate` under ``exit`` with ``schedule='depth'`` (module docstring), or with
+    another decoder class of the same ``run`` (``decoder``: :class:`looplm.decode.static_schedule.StaticDepthDecoder`)."""
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0
     N, P = input_ids.shape

@@ -1,6 +1,6 @@
 """Continuous depth batching at fixed shapes: every core pass runs all ``B`` rows, with no host reads.
 
-:mod:`looplm.depth_batch` (``schedule='depth'``) keeps its cohorts on the host: which rows exit, which start,
+:mod:`looplm.decode.depth_schedule` (``schedule='depth'``) keeps its cohorts on the host: which rows exit, which start,
 how many run — a few reads of device values per pass, each a synchronisation on CUDA (the GPU drains and
 waits for the host's next launch). ``schedule='static'`` runs the same computation with every shape fixed:
 
@@ -47,17 +47,17 @@ import time
 
 import torch
 
-from .context import ForwardContext
-from .depth_batch import DepthBatchedDecoder, merge_modulations
+from ..context import ForwardContext
+from .depth_schedule import DepthBatchedDecoder, merge_modulations
 from .exits import Exit
-from .layers.mamba2 import Mamba2Rows
+from ..layers.mamba2 import Mamba2Rows
 from .sampling import decode_context
 
 __all__ = ["StaticDepthDecoder"]
 
 
 class StaticDepthDecoder(DepthBatchedDecoder):
-    """:class:`~looplm.depth_batch.DepthBatchedDecoder`'s cache and prompt, then :meth:`run`'s fixed-shape
+    """:class:`~looplm.decode.depth_schedule.DepthBatchedDecoder`'s cache and prompt, then :meth:`run`'s fixed-shape
     passes (module docstring). ``lag``: passes between a row set's end and the host learning of it (default
     ``R`` on CUDA, 0 elsewhere). ``cuda_graphs``: capture one pass as a CUDA graph and replay it for every
     later pass (greedy picking or the default CUDA generator; not yet run on a GPU). ``exit.compile``: run each pass
@@ -218,7 +218,7 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         """``[B]`` bool: the criterion says each row may stop after the loop it just ran."""
         e, m, B = self.exit, self.model, h.shape[0]
         if e.criterion == "gate":
-            from .recurrence.exit_gate import reaches
+            from ..recurrence.exit_gate import reaches
 
             log_S = _by_loop(at, [m.rule.exit_log_survival(news[j], ctxs[j])[:, -1] for j in range(self.R)])  # [B] float64
             return reaches(log_S, e.threshold)

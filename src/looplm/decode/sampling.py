@@ -1,5 +1,5 @@
 """Picking the next token (greedy, temperature / top-k / top-p) and the decode-time context that switches
-looplm's CPU fast paths in; shared by :mod:`looplm.generate` and :mod:`looplm.speculative`."""
+looplm's CPU fast paths in; shared by :mod:`looplm.decode.generate` and :mod:`looplm.decode.speculative`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 
-from . import dispatch
+from .. import dispatch
 
 __all__ = ["decode_context", "eval_mode", "sample_next", "sampling_probs", "small_row_products"]
 
@@ -57,7 +57,7 @@ def decode_context(model, B: int):
     kernels where they beat torch's matmul at this batch size; everywhere else the reference forward."""
     p = next(model.parameters())
     if p.device.type == "cpu" and p.dtype in (torch.bfloat16, torch.float32):
-        from . import kernels
+        from .. import kernels
 
         kernels.load("cpu")
     return dispatch.decode_steps(model, batch_size=B)

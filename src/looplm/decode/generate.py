@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from .sampling import decode_context, eval_mode, sample_next, sampling_probs  # noqa: F401  (re-exported: looplm.generate.sample_next)
+from .sampling import decode_context, eval_mode, sample_next, sampling_probs  # noqa: F401  (re-exported: looplm.decode.generate.sample_next)
 
 
 def _check_generate_args(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, attention_mask) -> None:
@@ -70,15 +70,15 @@ def generate(
 
     Adaptive depth (``docs/adaptive-depth.md``):
 
-    * ``exit`` — per-token early exit that skips the work (:class:`looplm.exits.Exit`, a dict of its fields
+    * ``exit`` — per-token early exit that skips the work (:class:`looplm.decode.exits.Exit`, a dict of its fields
       or a string such as ``"gate:0.8"``, ``"kl:5e-4"``, ``"convergence:0.03"``, ``"replay:2"``): each
       token stops looping at its exit and the loops it skipped are filled by the ``kv`` / ``ssm`` policies.
       A criterion that is off (``q = 1``, ``ε = 0``) with the ordinary caches runs exactly today's path;
-    * ``speculative`` — lossless self-speculative decoding (:class:`looplm.speculative.Speculative`, a dict,
+    * ``speculative`` — lossless self-speculative decoding (:class:`looplm.decode.speculative.Speculative`, a dict,
       or an int: the draft's loop count ``r_d``): ``k`` tokens drafted with ``r_d`` loops, verified with
       every loop in one forward that resumes at loop ``r_d + 1``; greedy output equals full-depth greedy,
       sampled output has full depth's distribution;
-    * ``return_stats`` — also return what ran: ``(ids, stats)`` with :meth:`looplm.adaptive.DepthStats.summary`
+    * ``return_stats`` — also return what ran: ``(ids, stats)`` with :meth:`looplm.decode.token_schedule.DepthStats.summary`
       (selected / executed depth, FLOPs) or the speculative round statistics.
     """
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
@@ -113,8 +113,8 @@ def generate(
             e = e.with_policies(max_loops=num_loops)
         e = e.resolved(model, input_ids.shape[0])  # every bad option refused here, before any work
         if e.schedule in ("depth", "static") and not e.is_off(model):
-            from .depth_batch import depth_batched_generate
-            from .depth_static import StaticDepthDecoder
+            from .depth_schedule import depth_batched_generate
+            from .static_schedule import StaticDepthDecoder
 
             return depth_batched_generate(model, input_ids, max_new_tokens, e, do_sample, temperature, top_k, top_p, eos_token_id,
                                           pad_token_id, attention_mask, generator, loop_options, return_stats,
@@ -175,15 +175,15 @@ def _decode(model, input_ids, max_new_tokens, attention_mask, step, do_sample, t
 @torch.no_grad()
 def _generate_adaptive(model, input_ids, max_new_tokens, exit, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
                        attention_mask, generator, loop_options, return_stats):
-    """:func:`generate` with per-token exit (:class:`looplm.adaptive.AdaptiveDecoder`): the prompt at full
+    """:func:`generate` with per-token exit (:class:`looplm.decode.token_schedule.AdaptiveDecoder`): the prompt at full
     depth, every new token with its own exit."""
-    from .adaptive import AdaptiveDecoder
+    from .token_schedule import AdaptiveDecoder
 
     with eval_mode(model):
         dec = AdaptiveDecoder(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, exit, loop_options)
         ids = _decode(model, input_ids, max_new_tokens, attention_mask, lambda i, ids, m: dec(ids if i == 0 else ids[:, -1:], m, validate=i == 0),
                       do_sample, temperature, top_k, top_p, generator, eos_token_id, pad_token_id)  # fmt: skip
-        dec.flush()  # the last token's propagate fills, carried for its next token (looplm.kv_fill)
+        dec.flush()  # the last token's propagate fills, carried for its next token (looplm.decode.kv_fill)
     return (ids, dec.stats) if return_stats else ids
 
 

@@ -3,7 +3,7 @@
 :class:`Exit` is the option of a call (``generate(..., exit=...)``, ``looplm generate --exit ...``):
 *when* a token stops looping (the criterion, ``min_loops`` / ``max_loops``) and *what later tokens see*
 in the loops it skipped (``kv`` for attention slots, ``ssm`` for Mamba-2 slots). The decode-time driver
-that acts on it is :mod:`looplm.adaptive`; ``docs/adaptive-depth.md`` is the user's guide.
+that acts on it is :mod:`looplm.decode.token_schedule`; ``docs/adaptive-depth.md`` is the user's guide.
 
 Criteria (``r`` = the loop just run, 1-based; a token may exit after loop ``r >= min_loops``, and every
 token exits at ``max_loops``, default the trained ``K``):
@@ -43,19 +43,19 @@ SSM policies (Mamba-2 slots of skipped loops; attention-free layers hold a state
 * ``decay`` — ``S ← exp(Δ·A)·S`` only (``Δ`` from the stand-in's dt projection), conv window untouched.
 
 The prompt (``prefill``): ``full`` — every loop (the default); ``exit`` — its tokens after the first take the
-exits too, all at once (:func:`looplm.adaptive_forward.adaptive_forward`: one loop at a time over the
+exits too, all at once (:func:`looplm.decode.exit_forward.adaptive_forward`: one loop at a time over the
 positions still looping), leaving the caches decoding the prompt token by token after its first would leave.
 
 Schedules (how a batch's rows share the core passes):
 
 * ``token`` — the rows decode one token together: at each loop only the rows still looping run the core,
-  rows that exited wait at the coda for the slowest row (:mod:`looplm.adaptive`). Wall time follows the
+  rows that exited wait at the coda for the slowest row (:mod:`looplm.decode.token_schedule`). Wall time follows the
   loops the *batch* runs (the deepest row), not each row's depth;
-* ``depth`` — continuous depth batching (:mod:`looplm.depth_batch`): each core pass runs every row at its
+* ``depth`` — continuous depth batching (:mod:`looplm.decode.depth_schedule`): each core pass runs every row at its
   own loop of its own token; a row that exits goes through the coda and starts its next token at the next
   pass, so the passes a batch needs follow the mean depth. Mamba-2 layers in the core only; no sliding
   window, no rule-owned per-loop slots, not with ``kv='full'``;
-* ``static`` — the same at fixed shapes (:mod:`looplm.depth_static`): every pass runs all rows, each at
+* ``static`` — the same at fixed shapes (:mod:`looplm.decode.static_schedule`): every pass runs all rows, each at
   its own loop, with no host read of a device value (for CUDA, where each read is a synchronisation); it
   also refuses ``propagate`` / a Mamba-2 fill with per-loop block modulation, ``kl`` with coda layers, and rules whose
   state changes structure over the loops.
@@ -90,14 +90,14 @@ class Exit:
     max_loops: int | None = None  # default: the trained K
     kv: str = "copy"
     ssm: str = "freeze"
-    schedule: str = "token"  # token | depth (continuous depth batching, looplm.depth_batch) | static (looplm.depth_static)
+    schedule: str = "token"  # token | depth (continuous depth batching, looplm.decode.depth_schedule) | static (looplm.decode.static_schedule)
     # schedule 'depth': rows decoded at once (None: the whole batch); the batch's other prompts queue and each
-    # takes the row of one that finished (request refill: looplm.depth_batch)
+    # takes the row of one that finished (request refill: looplm.decode.depth_schedule)
     max_batch: int | None = None
     # the prompt: 'full' (every loop) | 'exit' (its tokens after the first take the exits, in one parallel
-    # forward: looplm.adaptive_forward; the caches are what decoding the prompt token by token leaves)
+    # forward: looplm.decode.exit_forward; the caches are what decoding the prompt token by token leaves)
     prefill: str = "full"
-    # schedule 'static': run each fixed-shape pass through torch.compile (looplm.depth_static; the first decode
+    # schedule 'static': run each fixed-shape pass through torch.compile (looplm.decode.static_schedule; the first decode
     # of a model and batch shape compiles, seconds to tens of seconds)
     compile: bool = False
 
@@ -229,15 +229,15 @@ class Exit:
 
 
 def _base_exit_log_survival():
-    from .recurrence.base import RecurrenceRule
+    from ..recurrence.base import RecurrenceRule
 
     return RecurrenceRule.exit_log_survival
 
 
 def _policy_support(model, kv: str, ssm: str) -> list[str]:
     """Why ``model`` cannot run the policies ``kv`` / ``ssm`` (empty: it can)."""
-    from .layers.attention import Attention
-    from .layers.mamba2 import Mamba2Mixer
+    from ..layers.attention import Attention
+    from ..layers.mamba2 import Mamba2Mixer
 
     errs = []
     for mixer in model.rule.loop_slot_mixers():
@@ -285,9 +285,9 @@ def _depth_schedule_support(model, kv: str, schedule: str = "depth") -> list[str
 
 
 def forward_support(model, e: Exit) -> list[str]:
-    """Why ``model`` cannot take the exit ``e`` in one parallel forward (:func:`looplm.adaptive_forward.adaptive_forward`,
+    """Why ``model`` cannot take the exit ``e`` in one parallel forward (:func:`looplm.decode.exit_forward.adaptive_forward`,
     ``prefill='exit'``; empty: it can)."""
-    from .layers.attention import Attention
+    from ..layers.attention import Attention
 
     cfg, errs = model.config, []
     if e.kv == "shared":
@@ -379,7 +379,7 @@ def _signature(x, path: str = "state"):
 
 def _modulates(rule) -> bool:
     """Whether the rule overrides ``block_modulation`` (its blocks may differ per loop)."""
-    from .recurrence.base import RecurrenceRule
+    from ..recurrence.base import RecurrenceRule
 
     return type(rule).block_modulation is not RecurrenceRule.block_modulation
 
@@ -389,7 +389,7 @@ def output_is_core(model) -> bool:
     rule's ``step`` / ``exit_rows`` / ``finish`` (``Y = H^k``; the step probed on one zero token). Rules with
     their own ``finish`` or ``exit_rows`` (the exit gate's selection, a final norm, StateLoop's read) are not
     probed: their output is theirs to make."""
-    from .recurrence.base import RecurrenceRule
+    from ..recurrence.base import RecurrenceRule
 
     rule = model.rule
     if type(rule).finish is not RecurrenceRule.finish or type(rule).exit_rows is not RecurrenceRule.exit_rows:
@@ -412,7 +412,7 @@ def readout_is_output(model) -> bool:
 def _probe(model, batch: int):
     """``(h0, lctx)`` for probing the rule on ``batch`` zero tokens: a zero prelude output ``[batch, 1, d]``
     and the loop context a decoding call would give it (no cache)."""
-    from .context import LoopContext
+    from ..context import LoopContext
 
     p = next(model.parameters())
     K = model.config.n_loops
@@ -467,7 +467,7 @@ class Criterion:
 
 class GateCriterion(Criterion):
     def check(self, k, h, state, lctx, rows, model):
-        from .recurrence.exit_gate import reaches
+        from ..recurrence.exit_gate import reaches
 
         log_S = model.rule.exit_log_survival(state, lctx)  # [n, T]
         self.flops += 2 * h.shape[0] * h.shape[-1]  # the gate's linear d -> 1 (computed in the rule's step)
@@ -495,7 +495,7 @@ class _SuccessiveCriterion(Criterion):
 
     def check(self, k, h, state, lctx, rows, model, cur=None):
         """``cur``: :meth:`value` of these rows, computed by the caller with other rows' (one readout for a
-        depth-batched pass, :mod:`looplm.depth_batch`)."""
+        depth-batched pass, :mod:`looplm.decode.depth_schedule`)."""
         if cur is None:
             cur = self.value(k, h, lctx, model)
         if self.prev is None:
@@ -591,7 +591,7 @@ def keep_staying(rule, crit, lctx, state, rows: torch.Tensor, leave: torch.Tenso
     """After the exits ``leave [n]`` of the ``n`` rows still looping (global ids ``rows``): ``(state, rows,
     their loop context)`` of the rows that stay, the criterion's memory kept for them (``rows`` empty when none
     stays; the state and context are then the old ones)."""
-    from .context import restrict_context
+    from ..context import restrict_context
 
     stay = (~leave).nonzero()[:, 0]
     if stay.numel() == 0:
@@ -634,7 +634,7 @@ def stack_flops(stack, context: int) -> float:
 def stack_flop_terms(stack) -> tuple[float, float]:
     """``(weights, per key)``: one token through ``stack`` costs ``weights + per_key · context`` FLOPs
     (2 per weight of every product; 4·H·hd per attention layer and key)."""
-    from .layers.attention import Attention
+    from ..layers.attention import Attention
 
     w = a = 0.0
     for blk in stack.blocks:

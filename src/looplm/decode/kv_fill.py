@@ -1,6 +1,6 @@
 """``kv='propagate'`` fills carried into the next core pass: one weight stream for the pass and the fill.
 
-Under per-token exit with the ``propagate`` policy (:mod:`looplm.exits`, CALM's propagation) a token that
+Under per-token exit with the ``propagate`` policy (:mod:`looplm.decode.exits`, CALM's propagation) a token that
 exits after loop ``k`` needs, for every loop ``k' > k`` it skipped and every attention layer ``j`` of the
 core, the key and value its stand-in ``Z^{k+1}`` (what loop ``k + 1`` would have read) gets from that layer::
 
@@ -13,7 +13,7 @@ target where ``copy`` met it.
 
 Nobody reads those entries before the next core pass is over: a later token of the row reads loop
 ``k' ≥ 1`` of this token's column only after its own loop 0 ran (the token schedule: the next token's first
-core pass; continuous depth batching, :mod:`looplm.depth_batch`: the row's next token starts at loop 0 at the
+core pass; continuous depth batching, :mod:`looplm.decode.depth_schedule`: the row's next token starts at loop 0 at the
 next pass). So a decoder keeps the fill as a :class:`KVFill` and offers it to its next core call
 (:func:`looplm.dispatch.offer_kv_fill`). A fused stack step (:mod:`looplm.kernels.decode`'s
 ``decode_stack``) takes the stand-ins as extra rows of each layer's own K/V product — the weights it streams
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .context import ForwardContext
+from ..context import ForwardContext
 
 __all__ = ["KVFill"]
 

@@ -1,11 +1,11 @@
 """The decode-time loop driver with per-token exit: each token's loop stops at its own exit.
 
 :meth:`LoopedLM.forward` runs every loop for every token. :class:`AdaptiveDecoder` runs the same
-computation one decoding call at a time, with an :class:`~looplm.exits.Exit`: after each loop ``k`` the
+computation one decoding call at a time, with an :class:`~looplm.decode.exits.Exit`: after each loop ``k`` the
 criterion decides which of the rows still looping may stop; only the rows still active run the next loop
 (their hidden states gathered, every cache slot read and written through a row view of the whole batch's
 slot, in place: :mod:`looplm.cache`); rows that exited wait at the coda, which runs once for the whole batch.
-Then the exit policy fills the loops each exited token skipped (``kv`` / ``ssm``, :mod:`looplm.exits`) and
+Then the exit policy fills the loops each exited token skipped (``kv`` / ``ssm``, :mod:`looplm.decode.exits`) and
 the token is committed to the cache. It calls the rule's hooks and never asks which rule it holds::
 
     x = prelude(embed(ids))                      # every row
@@ -18,16 +18,16 @@ the token is committed to the cache. It calls the rule's hooks and never asks wh
         state = state[staying rows]              # (kv = 'full': every row goes on, only y is taken here)
     y[rows still looping] = rule.finish(state)
     fill the skipped loops' slots of every exited row (policy); cache.commit()
-                                                 # (propagate's core fills: carried into the next core call, looplm.kv_fill)
+                                                 # (propagate's core fills: carried into the next core call, looplm.decode.kv_fill)
     logits = head(norm(coda(y)))                 # every row
 
 The prompt (the first call, whatever its length) and any call of several tokens run at full depth (every
 loop, no exit; a ``kl`` criterion still reads out every loop so that its readout slots hold the prompt);
 a single new token per row takes the exits. So every slot of every loop exists, aligned, before the
 first exit. With ``Exit(prefill='exit')`` the prompt's tokens after the first take the exits too, in one
-forward (:func:`looplm.adaptive_forward.adaptive_forward`, which leaves the caches decoding the prompt token
+forward (:func:`looplm.decode.exit_forward.adaptive_forward`, which leaves the caches decoding the prompt token
 by token would). Teacher forcing (scoring a given text token by token with exits) is
-:meth:`AdaptiveDecoder.score`; the same in one forward, :func:`~looplm.adaptive_forward.adaptive_forward`.
+:meth:`AdaptiveDecoder.score`; the same in one forward, :func:`~looplm.decode.exit_forward.adaptive_forward`.
 
 Per decoded token and row :class:`DepthStats` records the selected depth (the exit), the executed depth
 (the core passes the row ran), the loops the batch ran (what a waiting row waits for), and FLOPs where the
@@ -44,11 +44,11 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from .context import LoopContext, restrict_context
-from .dispatch import offer_kv_fill
+from ..context import LoopContext, restrict_context
+from ..dispatch import offer_kv_fill
 from .exits import Exit, _modulates, finish_rest, keep_staying, make_criterion, readout_is_output, stack_flop_terms
 from .kv_fill import KVFill
-from .layers.attention import Attention, copy_kv_columns
+from ..layers.attention import Attention, copy_kv_columns
 
 __all__ = ["AdaptiveDecoder", "DepthStats", "restrict_context"]
 
@@ -64,7 +64,7 @@ class DepthStats:
     core_flops: float = 0.0  # the core passes that ran
     fill_flops: float = 0.0  # propagate fills (copy / freeze / shared: 0)
     fill_bytes: float = 0.0  # bytes a copy fill moved
-    # propagate fills carried into the next core call (looplm.kv_fill), and of them those a fused step wrote
+    # propagate fills carried into the next core call (looplm.decode.kv_fill), and of them those a fused step wrote
     # with its own K/V products (the rest: written on their own right after that call, or at a flush)
     carried_fills: int = 0
     folded_fills: int = 0
@@ -72,11 +72,11 @@ class DepthStats:
     other_flops: float = 0.0  # prelude, coda, final norm, head (of every token, as full depth runs them)
     reused_flops: float = 0.0  # of other_flops, the heads not run: an exit's logits were its kl check's readout
     full_core_flops: float = 0.0  # the core passes full depth would run on the same tokens
-    # continuous depth batching (looplm.depth_batch): selected / executed then hold [n] tensors of the rows
+    # continuous depth batching (looplm.decode.depth_schedule): selected / executed then hold [n] tensors of the rows
     # whose token exited at one core pass, and the passes are counted here instead of batch_loops
     core_calls: int = 0  # core passes (each runs every row still decoding, at its own loop)
     batch_size: int = 0
-    prefill: dict | None = None  # Exit(prefill='exit'): the prompt's exits (looplm.adaptive_forward's statistics)
+    prefill: dict | None = None  # Exit(prefill='exit'): the prompt's exits (looplm.decode.exit_forward's statistics)
 
     def summary(self) -> dict:
         """Means per decoded token and row, next to full depth ``max_loops``. ``batch_depth``: core passes
@@ -117,13 +117,13 @@ class AdaptiveDecoder:
     (``[B, 1]``: exits) and returns the logits of the last position ``[B, 1, V]`` (``logits_to_keep`` more).
     ``attention_mask`` ``[B, past + T]`` as for :meth:`LoopedLM.forward` (left padding).
     ``rule_selects_at_exit=False``: a gate criterion's q is not handed to the rule's output selection (a
-    speculative draft's gate, :mod:`looplm.speculative`: verification's output must stay full depth's).
+    speculative draft's gate, :mod:`looplm.decode.speculative`: verification's output must stay full depth's).
     """
 
     def __init__(self, model, batch_size: int, capacity: int, exit, loop_options: dict | None = None,
                  prompts: int | None = None, rule_selects_at_exit: bool = True):
         self.model = model
-        # prompts: how many the decoder will see (request refill, looplm.depth_batch: more than its rows)
+        # prompts: how many the decoder will see (request refill, looplm.decode.depth_schedule: more than its rows)
         self.exit = e = Exit.parse(exit).resolved(model, batch_size if prompts is None else prompts)
         self.R = e.max_loops
         self.cache = model.new_cache(batch_size, self.R, capacity=capacity, kv_shared=e.kv == "shared")
@@ -153,7 +153,7 @@ class AdaptiveDecoder:
         self.reuse_readout = self.criterion.readout and readout_is_output(model)
         self._head_flops = 2.0 * model.lm_head.weight.numel()
         # kv='propagate' without per-loop block modulation: the core's fills of a token are carried into the
-        # next core call (looplm.kv_fill: a fused stack step runs them as extra rows of its own K/V products)
+        # next core call (looplm.decode.kv_fill: a fused stack step runs them as extra rows of its own K/V products)
         self.carry_fills = e.kv == "propagate" and not _modulates(model.rule)
         self._deferred: KVFill | None = None  # the fill carried into the next core call
 
@@ -197,9 +197,9 @@ class AdaptiveDecoder:
 
     def _prefill_exit(self, input_ids, attention_mask, logits_to_keep: int) -> torch.Tensor:
         """The prompt with ``Exit(prefill='exit')``: its tokens after the first take the exits, all at once
-        (:func:`looplm.adaptive_forward.adaptive_forward`, which writes and commits the cache as decoding the
+        (:func:`looplm.decode.exit_forward.adaptive_forward`, which writes and commits the cache as decoding the
         prompt token by token after its first would); the statistics in ``stats.prefill``."""
-        from .adaptive_forward import adaptive_forward, add_depth_stats
+        from .exit_forward import adaptive_forward, add_depth_stats
 
         out = adaptive_forward(self.model, input_ids, self.exit, attention_mask=attention_mask, loop_options=self.loop_options,
                                full_depth_prefix=1, cache=self.cache, logits_to_keep=logits_to_keep)  # fmt: skip
@@ -295,7 +295,7 @@ class AdaptiveDecoder:
         return self._offering(lambda: self.model._iteration(state, lctx, n))
 
     def _offering(self, core_call):
-        """``core_call()`` (a call that runs the core) with the carried fill offered to it (:mod:`looplm.kv_fill`):
+        """``core_call()`` (a call that runs the core) with the carried fill offered to it (:mod:`looplm.decode.kv_fill`):
         the fused stack step writes it with its own K/V products, else it is written right after; counted."""
         fill, self._deferred = self._deferred, None
         if fill is None:
@@ -308,7 +308,7 @@ class AdaptiveDecoder:
         return out
 
     def flush(self) -> None:
-        """Write the fill still carried (:mod:`looplm.kv_fill`): before the cache is read or changed other than
+        """Write the fill still carried (:mod:`looplm.decode.kv_fill`): before the cache is read or changed other than
         by the next token's core pass (the end of decoding, a prompt, a speculative draft)."""
         fill, self._deferred = self._deferred, None
         if fill is not None:
@@ -329,7 +329,7 @@ class AdaptiveDecoder:
     def _fill(self, g: torch.Tensor, k_exit: int, state: dict, lctx: LoopContext, h_exit: torch.Tensor,
               cols: torch.Tensor | None = None, skip_core: bool = False, upto: int | None = None) -> None:
         """The slots of loops ``k_exit + 1 .. R − 1`` for rows ``g`` that exited after loop ``k_exit`` (their
-        token at column ``seqlen``, or at each row's own column ``cols [n]``: :mod:`looplm.depth_batch`, which
+        token at column ``seqlen``, or at each row's own column ``cols [n]``: :mod:`looplm.decode.depth_schedule`, which
         fills the core's attention slots itself: ``skip_core``). ``upto``: a draft capped at ``upto`` loops fills
         the core's loops below it and the readout's below ``upto − 1`` (the loops it can check), nothing else."""
         m, e, cache = self.model, self.exit, self.cache
@@ -342,7 +342,7 @@ class AdaptiveDecoder:
         st = self.stats
         n = g.shape[0]
         copies = ([], [])  # kv='copy': (exit loop's cache, skipped loop's cache) pairs, one copy_kv_columns for all
-        # kv='propagate' in the core, unmodulated, at column seqlen: carried into the next core call (looplm.kv_fill)
+        # kv='propagate' in the core, unmodulated, at column seqlen: carried into the next core call (looplm.decode.kv_fill)
         carry = self.carry_fills and cols is None and upto is None
         carried = False
         for family, by_loop in cache.loop_slots.items():
@@ -417,7 +417,7 @@ class AdaptiveDecoder:
             copy_kv_columns(*copies, g, cols if cols is not None else torch.full((1,), pos, dtype=torch.long, device=g.device))
 
     # ------------------------------------------------------------------------------------------
-    # self-speculative decoding (looplm.speculative): a draft that stops at r_d, a verification that resumes
+    # self-speculative decoding (looplm.decode.speculative): a draft that stops at r_d, a verification that resumes
     @torch.no_grad()
     def draft(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, loops: int, readout: bool = True):
         """One new token per row through ``loops`` loops only, with no fill (the deeper loops' slots stay one

@@ -66,7 +66,7 @@ __all__ = ["Speculative", "SpeculativeStats", "speculative_generate"]
 class Speculative:
     """``draft_loops`` (``r_d``, ``1 <= r_d < K``) and ``k`` drafted tokens per round; ``exit``: a draft
     whose depth an exit criterion picks per token and row (``'kl:0.01'``, ``'convergence:0.3'``, ``'gate:0.5'``,
-    an :class:`~looplm.exits.Exit` or its dict, with its ``kv`` / ``ssm`` fill policies and ``min_loops``), at
+    an :class:`~looplm.decode.exits.Exit` or its dict, with its ``kv`` / ``ssm`` fill policies and ``min_loops``), at
     most ``draft_loops`` loops (module docstring, "A draft with an exit criterion"); ``reclaim``: crop and compact
 the rejected drafts' cache columns (module docstring, "Reclaiming the holes")."""
 
@@ -115,7 +115,7 @@ the rejected drafts' cache columns (module docstring, "Reclaiming the holes").""
         return self if e is None else replace(self, exit=e)
 
     def _draft_exit(self, model, cap: int):
-        """The draft's :class:`~looplm.exits.Exit`, resolved for ``model`` (``max_loops`` = K: the cache holds
+        """The draft's :class:`~looplm.decode.exits.Exit`, resolved for ``model`` (``max_loops`` = K: the cache holds
         every loop), and the reasons it cannot draft."""
         from .exits import Exit
 
@@ -253,7 +253,7 @@ def _compaction(mask: torch.Tensor, L: int, n: int) -> tuple[torch.Tensor, torch
 
 @torch.no_grad()
 def speculative_generate(model, input_ids, max_new_tokens, spec, **kwargs):
-    """:func:`looplm.generate.generate` with ``speculative=spec`` (see the module docstring); keyword
+    """:func:`looplm.decode.generate.generate` with ``speculative=spec`` (see the module docstring); keyword
     arguments as :func:`_speculative_generate`'s. The model runs in eval mode, its own mode restored after."""
     from .sampling import eval_mode
 
@@ -264,7 +264,7 @@ def speculative_generate(model, input_ids, max_new_tokens, spec, **kwargs):
 def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=False, temperature=1.0, top_k=None, top_p=None,
                           eos_token_id=None, pad_token_id=None, attention_mask=None, generator=None, loop_options=None,
                           return_stats=False):
-    from .adaptive import AdaptiveDecoder
+    from .token_schedule import AdaptiveDecoder
     from .exits import Exit
     from .sampling import decode_context, sample_next, sampling_probs, small_row_products
 

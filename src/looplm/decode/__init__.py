@@ -1,0 +1,1 @@
+"""Decoding (placeholder docstring; written below)."""
