@@ -9,7 +9,7 @@ import looplm
 from looplm.decode.token_schedule import AdaptiveDecoder
 from looplm.decode.exit_forward import adaptive_forward
 from looplm.config import list_presets
-from looplm.decode.exits import Exit, forward_support
+from looplm.decode.exits import ConvergenceCriterion, Exit, KLCriterion, forward_support
 from looplm.recurrence.base import RULES
 
 from helpers import assert_refused_before_any_work, tiny_variant
@@ -33,10 +33,47 @@ def _sequential(model, ids, exit):
     return logits, torch.stack(dec.stats.selected, 1)
 
 
-def _assert_matches_sequential(model, ids, exit):
+class _Margins:
+    """The closest any criterion distance came to its threshold, relative to it (``distance`` of the
+    successive criteria wrapped): a value within float noise of ε can fall on either side in two drivers whose
+    products have other shapes (seen on an AMD EPYC: KL 3e-5·ε from ε, an exit one loop apart)."""
+
+    def __init__(self, monkeypatch):
+        self.closest = float("inf")
+        for cls in (KLCriterion, ConvergenceCriterion):
+            monkeypatch.setattr(cls, "distance", self._wrap(cls.distance))
+
+    def _wrap(self, fn):
+        def distance(crit, prev, cur):
+            d = fn(crit, prev, cur)
+            if d.numel() and crit.threshold:
+                self.closest = min(self.closest, float(((d.double() - crit.threshold).abs() / crit.threshold).min()))
+            return d
+
+        return distance
+
+
+@pytest.fixture
+def margins(monkeypatch):
+    return _Margins(monkeypatch)
+
+
+TIE = 1e-3  # |distance − ε| <= TIE · ε: a tie (fp32 KL of distributions 1e-3 apart carries ~1e-7 absolute noise)
+
+
+def _assert_matches_sequential(model, ids, exit, margins: _Margins | None = None):
+    """The same exits and logits as token-by-token teacher forcing. With ``margins``, a row whose exits differ
+    is accepted only where some distance lay within :data:`TIE` of ε (a float tie), and the rows whose exits
+    agree are still compared."""
     out = adaptive_forward(model, ids, exit, full_depth_prefix=1)
     ref, depths = _sequential(model, ids, exit)
-    assert torch.equal(out.depth[:, 1:], depths)
+    same = (out.depth[:, 1:] == depths).all(1)  # [B]
+    if margins is None or bool(same.all()):
+        assert torch.equal(out.depth[:, 1:], depths)
+    else:
+        assert margins.closest <= TIE, f"exits differ in rows {(~same).nonzero().flatten().tolist()} without a tie (closest {margins.closest:.2e} ε)"
+        assert bool(same.any()), "every row's exits differ"
+        out.logits, ref = out.logits[same], ref[same]
     torch.testing.assert_close(out.logits[:, 1:].float(), ref[:, 1:], atol=2e-6, rtol=0)
     assert torch.all(out.depth[:, 0] == out.stats["max_loops"])  # the full-depth prefix
     return out
@@ -56,14 +93,14 @@ def _build(name):
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-hybrid", "tiny-mamba2", "tiny-coreloop", "hybrid-coda",
                                   "coreloop-coda2"])
 @pytest.mark.parametrize("kv", ["copy", "propagate", "full"])
-def test_kl_exit_equals_token_by_token_decoding(name, kv):
+def test_kl_exit_equals_token_by_token_decoding(name, kv, margins):
     """Loop-major (every looping position of the text at once) equals token-major (the decoder, teacher
     forced): the same exits, the same logits — the fills of skipped loops included (GQA / QK-norm, hybrid and
     Mamba-2 cores, whose scans run over the looping tokens only; attention and Mamba-2 codas, through which
     the check reads every loop out, packed and filled as the core)."""
     m = _build(name)
     ids = torch.randint(0, m.config.vocab_size, (3, 12))
-    out = _assert_matches_sequential(m, ids, {"criterion": "kl", "threshold": 0.003, "kv": kv})
+    out = _assert_matches_sequential(m, ids, {"criterion": "kl", "threshold": 0.003, "kv": kv}, margins)
     assert 1 < len(out.depth.unique()), "the exits must spread over several depths for the fills to matter"
 
 
@@ -90,12 +127,12 @@ def test_the_policies_change_what_later_tokens_read():
 
 @pytest.mark.parametrize("exit", [{"criterion": "convergence", "threshold": 0.5, "kv": "copy"},
                                   {"criterion": "replay", "depths": "per-position", "kv": "propagate"}])  # fmt: skip
-def test_convergence_and_replay_equal_token_by_token_decoding(exit):
+def test_convergence_and_replay_equal_token_by_token_decoding(exit, margins):
     m = _model("tiny-coreloop")  # prelude and coda layers: once over the text, around the per-token loops
     ids = torch.randint(0, m.config.vocab_size, (2, 10))
     if exit.get("depths") == "per-position":
         exit = {**exit, "depths": torch.randint(1, 6, (2, 10), generator=torch.Generator().manual_seed(1))}
-    out = _assert_matches_sequential(m, ids, exit)
+    out = _assert_matches_sequential(m, ids, exit, margins)
     if exit["criterion"] == "replay":
         assert torch.equal(out.depth[:, 1:], exit["depths"][:, 1:])
 
@@ -111,13 +148,13 @@ def test_gate_exit_equals_token_by_token_decoding():
 
 
 @pytest.mark.parametrize("rule", sorted(RULES))
-def test_every_rule_equals_token_by_token_decoding(rule):
+def test_every_rule_equals_token_by_token_decoding(rule, margins):
     """The driver calls the rule's hooks on tokens as rows ``[n, 1, d]`` and never asks which rule it holds:
     every registered rule gives the decoder's exits and logits (kl, copy; per-position replay, propagate where
     the rule does not modulate its blocks per loop)."""
     m = _model("tiny-llama", overrides={"rule": {"name": rule}})
     ids = torch.randint(0, m.config.vocab_size, (2, 9))
-    _assert_matches_sequential(m, ids, {"criterion": "kl", "threshold": 0.003, "kv": "copy"})
+    _assert_matches_sequential(m, ids, {"criterion": "kl", "threshold": 0.003, "kv": "copy"}, margins)
     kv = "copy" if rule == "timestep" else "propagate"
     _assert_matches_sequential(m, ids, {"criterion": "replay", "depths": torch.randint(1, 6, (2, 9)), "kv": kv})
 
@@ -125,16 +162,18 @@ def test_every_rule_equals_token_by_token_decoding(rule):
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_criteria_off_and_uniform_depth_are_the_plain_forward(name, dtype):
-    """ε = 0 (and the gate's q = 1) runs every loop: the plain forward's logits, bit for bit, padded or not;
-    a uniform replay depth r is ``num_loops = r``."""
+    """ε = 0 (and the gate's q = 1) runs every loop: the plain forward's logits, padded or not (bf16 bit for
+    bit; fp32 to its rounding — the packed products have other shapes, and on some CPUs, e.g. an AMD EPYC,
+    other summation orders: 1.5e-7 apart); a uniform replay depth r is ``num_loops = r``."""
+    same = torch.testing.assert_close if dtype == torch.float32 else lambda a, b, **_: torch.equal(a, b) or pytest.fail("not bit-equal")
     m = _model(name).to(dtype)
     ids = torch.randint(0, m.config.vocab_size, (3, 11))
     mask = torch.ones(3, 11, dtype=torch.long)
     mask[1, :4] = 0  # left padding
     with torch.no_grad():
-        assert torch.equal(adaptive_forward(m, ids, "kl:0").logits, m(ids).logits)
-        assert torch.equal(adaptive_forward(m, ids, "convergence:0", attention_mask=mask).logits[mask.bool()],
-                           m(ids, attention_mask=mask).logits[mask.bool()])  # fmt: skip
+        same(adaptive_forward(m, ids, "kl:0").logits, m(ids).logits, atol=1e-6, rtol=0)
+        same(adaptive_forward(m, ids, "convergence:0", attention_mask=mask).logits[mask.bool()],
+             m(ids, attention_mask=mask).logits[mask.bool()], atol=1e-6, rtol=0)  # fmt: skip
         for r in (1, 3):
             out = adaptive_forward(m, ids, f"replay:{r}")
             torch.testing.assert_close(out.logits, m(ids, num_loops=r).logits, atol=1e-6 if dtype == torch.float32 else 0, rtol=0)
