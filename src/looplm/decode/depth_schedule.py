@@ -619,7 +619,8 @@ def depth_batched_generate(model, input_ids, max_new_tokens, exit, do_sample, te
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0
     N, P = input_ids.shape
-    mb = Exit.parse(exit).max_batch
+    exit = Exit.parse(exit)  # (generate's: the Exit it resolved, returned as it is; the decoder does not check it again)
+    mb = exit.max_batch
     rows = N if mb is None else min(N, mb)  # request refill: N prompts through `rows` rows
     with eval_mode(model):
         dec = (decoder or DepthBatchedDecoder)(model, rows, P + max_new_tokens, exit, loop_options, **({} if rows == N else {"prompts": N}))

@@ -133,8 +133,7 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
     executed passes over full depth's), ``check_flops_per_token``, ``fill_flops_per_token``."""
     m, rule = model, model.rule
     B, T = input_ids.shape
-    e = Exit.parse(exit)
-    e = replace(e, schedule="token", max_batch=None, prefill="full").resolved(m, B)
+    e = Exit.parse(exit).for_one_forward().resolved(m, B)  # (a decoder's prefill: resolved at its entry, not again)
     errs = forward_support(m, e)
     if isinstance(full_depth_prefix, bool) or not isinstance(full_depth_prefix, int) or not 0 <= full_depth_prefix <= T:
         errs.append(f"full_depth_prefix must be an int in [0, {T}] (positions run at every loop), got {full_depth_prefix!r}")

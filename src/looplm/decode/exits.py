@@ -64,7 +64,8 @@ Schedules (how a batch's rows share the core passes):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+import weakref
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -100,6 +101,9 @@ class Exit:
     # schedule 'static': run each fixed-shape pass through torch.compile (looplm.decode.static_schedule; the first decode
     # of a model and batch shape compiles, seconds to tens of seconds)
     compile: bool = False
+    # the model (a weak reference) and batch this exit was checked for (:meth:`resolved`); not a field of the spec:
+    # ``replace`` / :meth:`with_policies` give an exit that is checked again
+    _checked: tuple | None = field(default=None, init=False, compare=False, repr=False)
 
     # --- construction ------------------------------------------------------------------------------
     @classmethod
@@ -109,9 +113,10 @@ class Exit:
         if isinstance(spec, Exit):
             return spec
         if isinstance(spec, dict):
-            unknown = sorted(set(spec) - set(cls.__dataclass_fields__))
+            options = sorted(n for n, f in cls.__dataclass_fields__.items() if f.init)
+            unknown = sorted(set(spec) - set(options))
             if unknown:
-                raise ValueError(f"exit: unknown option(s) {unknown}; options are {sorted(cls.__dataclass_fields__)}")
+                raise ValueError(f"exit: unknown option(s) {unknown}; options are {options}")
             return cls(**spec)
         if isinstance(spec, str):
             name, _, value = spec.partition(":")
@@ -141,8 +146,42 @@ class Exit:
 
     # --- checks ------------------------------------------------------------------------------------
     def resolved(self, model, batch_size: int | None = None) -> "Exit":
-        """This exit checked against ``model`` (and the batch), ``max_loops`` filled in; a
-        ``ValueError`` naming the option and what to do otherwise — before any decoding work."""
+        """This exit checked against ``model`` (and the batch), ``max_loops`` and the threshold filled in; a
+        ``ValueError`` naming the option and what to do otherwise — before any decoding work.
+
+        The checks run once per decoding call, at its entry (:func:`looplm.decode.generate.generate`, a front
+        end's :func:`~looplm.decode.generate.adaptive_options`, a decoder or :func:`adaptive_forward` called on
+        its own): an exit already resolved for this model — and, where its replay depths are a tensor, for
+        this batch — is returned as it is, so the floors below hand the one :class:`Exit` down unchanged."""
+        if self.is_resolved_for(model, batch_size):
+            return self
+        e = self._check(model, batch_size)
+        object.__setattr__(e, "_checked", (weakref.ref(model), batch_size, self.max_loops is None))
+        return e
+
+    def is_resolved_for(self, model, batch_size: int | None = None) -> bool:
+        """:meth:`resolved` checked this exit for ``model`` (and ``batch_size``, where that matters)."""
+        c = self._checked
+        if c is None or c[0]() is not model:
+            return False
+        return batch_size is None or c[1] == batch_size or not isinstance(self.depths, torch.Tensor)
+
+    @property
+    def default_depth(self) -> bool:
+        """``max_loops`` is the model's trained K because none was given (unresolved: ``max_loops is None``); a
+        caller's ``num_loops`` may then set it (:func:`looplm.decode.generate.generate`)."""
+        return self.max_loops is None or (self._checked is not None and self._checked[2])
+
+    def for_one_forward(self) -> "Exit":
+        """This exit as one parallel forward reads it (:func:`looplm.decode.exit_forward.adaptive_forward`):
+        ``schedule='token'``, no refill, ``prefill='full'``, no compiled pass — options of decoding, not of
+        a forward. Each of them only adds refusals, so a resolved exit stays resolved without them."""
+        e = replace(self, schedule="token", max_batch=None, prefill="full", compile=False)
+        object.__setattr__(e, "_checked", self._checked)
+        return e
+
+    def _check(self, model, batch_size: int | None) -> "Exit":
+        """:meth:`resolved`'s checks (every one, each error named)."""
         errs = []
         K = model.config.n_loops
         if self.criterion not in CRITERIA:

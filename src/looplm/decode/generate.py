@@ -108,10 +108,10 @@ def generate(
 
         if isinstance(num_loops, torch.Tensor):
             raise ValueError("generate: exit= decides each token's depth; per-sequence num_loops cannot be combined with it")
-        e = Exit.parse(exit)
-        if num_loops is not None and e.max_loops is None:
-            e = e.with_policies(max_loops=num_loops)
-        e = e.resolved(model, input_ids.shape[0])  # every bad option refused here, before any work
+        e = Exit.parse(exit)  # (an Exit a front end resolved comes back as it is: checked once, not here again)
+        if num_loops is not None and e.default_depth and num_loops != e.max_loops:
+            e = e.with_policies(max_loops=num_loops)  # another depth: checked anew
+        e = e.resolved(model, input_ids.shape[0])  # every bad option refused here, before any work; handed down as is
         if e.schedule in ("depth", "static") and not e.is_off(model):
             from .depth_schedule import depth_batched_generate
             from .static_schedule import StaticDepthDecoder
@@ -204,9 +204,7 @@ def adaptive_options(model, exit=None, speculative=None, draft_k: int | None = N
         raise ValueError("exit (--exit / exit=) and speculative decoding (--speculative / speculative=) cannot be combined "
                          "(the draft takes its own depth): give one, not both")  # fmt: skip
     if exit is not None:
-        e = Exit.parse(exit).with_policies(**policy)
-        e.resolved(model)
-        return {"exit": e}
+        return {"exit": Exit.parse(exit).with_policies(**policy).resolved(model)}  # generate() does not check it again
     if any(v is not None for v in policy.values()):
         raise ValueError("--kv-policy / --ssm-policy / --min-loops / --max-loops / --exit-schedule / --exit-prefill (kv_policy= ... exit_compile=) "
                          "are options of --exit (exit=): give an exit criterion too")  # fmt: skip

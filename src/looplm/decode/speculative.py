@@ -55,6 +55,7 @@ additions, so greedy output can differ only where two logits tie to rounding.
 from __future__ import annotations
 
 import time
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -74,6 +75,8 @@ the rejected drafts' cache columns (module docstring, "Reclaiming the holes").""
     k: int = 4
     exit: object = None
     reclaim: bool = True  # give rejected drafts' cache columns back (module docstring, "Reclaiming the holes")
+    # the model (a weak reference) it was checked for: resolved once, at the entry (as Exit.resolved)
+    _checked: object = field(default=None, init=False, compare=False, repr=False)
 
     @classmethod
     def parse(cls, spec) -> "Speculative":
@@ -91,7 +94,15 @@ the rejected drafts' cache columns (module docstring, "Reclaiming the holes").""
         raise TypeError(f"speculative must be a Speculative, a dict or an int (draft loops), got {type(spec).__name__}")
 
     def resolved(self, model) -> "Speculative":
-        """Checked against ``model``; a ``ValueError`` naming the option otherwise (before any work)."""
+        """Checked against ``model``; a ``ValueError`` naming the option otherwise (before any work). Once: a
+        spec already resolved for ``model`` (by a front end, then handed to ``generate``) is returned as it is."""
+        if self._checked is not None and self._checked() is model:
+            return self
+        sp = self._check(model)
+        object.__setattr__(sp, "_checked", weakref.ref(model))
+        return sp
+
+    def _check(self, model) -> "Speculative":
         K = model.config.n_loops
         errs = []
         r = self.draft_loops

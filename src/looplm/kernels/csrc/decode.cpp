@@ -24,17 +24,17 @@
 //   cos, sin [B, 1, rot] fp32 (rot ≤ hd, even; RoPE on the first rot channels, half-split pairs);
 //   attn_mask: absent (every cached token is visible) or bool [B, 1, 1, pos + 1] (left padding).
 // A few new tokens per row (decode_attention, decode_swiglu, decode_stack; a speculative verification's
-// k + 1 drafted tokens, looplm/speculative.py): x [B, T, d], written at columns pos .. pos + T − 1, token t
+// k + 1 drafted tokens, looplm/decode/speculative.py): x [B, T, d], written at columns pos .. pos + T − 1, token t
 // attending to columns 0 .. pos + t (causal inside the call: every token's key and value is written before
 // any token attends); cos, sin [B, T, rot]; attn_mask bool [B, 1, T, pos + T] (token t reads the first
 // pos + t + 1 entries of its row). The products then take B·T rows.
 //   rows: absent (row b of x is row b of the caches) or int64 [B]: row b of x reads and writes row rows[b]
 //         of caches with more rows, in place — the rows still looping at one iteration under per-token
-//         exit (looplm/adaptive.py); x, cos, sin and attn_mask are the active rows' own.
+//         exit (looplm/decode/token_schedule.py); x, cos, sin and attn_mask are the active rows' own.
 //   cols: absent (every row's new tokens at columns pos ..) or int64 [B]: row b's new tokens at columns
 //         cols[b] .. cols[b] + T − 1, 0 <= cols[b] <= pos, reading the first cols[b] + t + 1 entries of its
 //         mask row (the mask stays [B, 1, T, pos + T]) — rows at different tokens in one call: continuous
-//         depth batching (looplm/depth_batch.py), where each row runs its own token at its own loop.
+//         depth batching (looplm/decode/depth_schedule.py), where each row runs its own token at its own loop.
 //   fill (decode_stack only): F stand-in rows whose keys and values every block writes beside the step
 //         (FillArgs, below; per-token exit's kv='propagate' fills carried into the next core pass).
 // The Mamba-2 op's shapes are with it, below.
@@ -503,7 +503,7 @@ void check_rows(const char* op, const std::optional<at::Tensor>& rows, int64_t B
 }
 
 // Keys and values of extra rows written beside a step, never attended (per-token exit's `propagate` fill
-// folded into the next core pass, looplm/kv_fill.py): F stand-in rows z [F, d] go through the block's
+// folded into the next core pass, looplm/decode/kv_fill.py): F stand-in rows z [F, d] go through the block's
 // RMSNorm and its k/v products together with the step's own rows (one weight stream), then QK-norm and
 // RoPE at their own tables cos, sin [F, rot]; entry e of index [D, 4] = (buffer j, row, column, source
 // row) writes source row's key and value into row `row`, column `column` of the block's j-th buffers.
