@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     from looplm import kernels
     from looplm.decode.token_schedule import AdaptiveDecoder
-    from looplm.bench_adaptive import _held_out, load_lm
+    from looplm.bench.adaptive import _held_out, load_lm
     from looplm.decode.depth_schedule import DepthBatchedDecoder
     from looplm.eval.decode_timing import FullDepth, decode_timing, generation_timing, queue_timing
 

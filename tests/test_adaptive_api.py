@@ -136,7 +136,7 @@ def test_bench_helpers_measure_what_they_say():
     """`looplm bench adaptive`'s pieces on a tiny model: KV bytes per policy (shared = per-loop ÷ K), the
     interleaved decode timing, and teacher-forced quality (kv='full' agrees with full depth exactly)."""
     from looplm.decode.token_schedule import AdaptiveDecoder
-    from looplm.bench_adaptive import FullDepth, decode_timing, kv_bytes_per_token, teacher_forced_quality
+    from looplm.bench.adaptive import FullDepth, decode_timing, kv_bytes_per_token, teacher_forced_quality
 
     torch.manual_seed(0)
     m = looplm.build("tiny-llama").eval()
@@ -158,7 +158,7 @@ def test_bench_speculative_timing_reports_phases_and_the_free_verification_bound
     """The speculative row's timing: full and speculative whole generate calls alternated; the draft and
     verification seconds come from the run's statistics, and the free-verification bound (full time over
     the speculative time less its verifications) is above the measured speed-up."""
-    from looplm.bench_adaptive import _speculative_times
+    from looplm.bench.adaptive import _speculative_times
 
     torch.manual_seed(0)
     m = looplm.build("tiny-llama").eval()
@@ -174,7 +174,7 @@ def test_bench_speculative_timing_reports_phases_and_the_free_verification_bound
 def test_bench_speculative_compares_reclaimed_and_kept_draft_columns():
     """`--compare-reclaim`: the run keeping rejected drafts' columns is timed in the same alternation, is
     lossless too, and its cache is the longer one (T + (n + 1)(k + 1) against T + n + 2(k + 1) columns)."""
-    from looplm.bench_adaptive import TABLES, _md, section_speculative
+    from looplm.bench.adaptive import TABLES, _md, section_speculative
 
     torch.manual_seed(0)
     m = looplm.build("tiny-llama").eval()
@@ -190,7 +190,7 @@ def test_bench_speculative_compares_reclaimed_and_kept_draft_columns():
 def test_bench_speculative_section_rows_for_fixed_and_exit_drafts():
     """One row per (r_d, k) and per draft exit (at most the largest r_d loops), each lossless, with its draft
     depth and the loop verification resumed at."""
-    from looplm.bench_adaptive import section_speculative
+    from looplm.bench.adaptive import section_speculative
 
     torch.manual_seed(0)
     m = looplm.build("tiny-llama", n_loops=5).eval()
@@ -206,7 +206,7 @@ def test_bench_speculative_section_rows_for_fixed_and_exit_drafts():
 def test_bench_scale_section_times_the_schedules_on_attention_and_mamba2_backbones():
     """The scale section's rows: one per mixer, batch and schedule asked for (the static schedule beside the
     depth schedule at batch > 1), each with its executed depth and time ratio against full depth."""
-    from looplm.bench_adaptive import _contenders, section_scale
+    from looplm.bench.adaptive import _contenders, section_scale
 
     m = looplm.build("tiny-llama").eval()
     assert set(_contenders(m, 2, {"r": {"kv": "copy"}}, ("depth", "static"))) == {"full", "r/token", "r/depth", "r/static"}
@@ -221,7 +221,7 @@ def test_bench_scale_section_times_the_schedules_on_attention_and_mamba2_backbon
 def test_bench_timing_compares_carried_and_at_exit_propagate_fills():
     """`--compare-carry`: each kv=propagate setting also runs with its fills written at the exit, in the same
     alternation, under each schedule; the decoders it times carry (or not) and both decode."""
-    from looplm.bench_adaptive import _contenders, section_timing
+    from looplm.bench.adaptive import _contenders, section_timing
 
     torch.manual_seed(0)
     m = looplm.build("tiny-llama").eval()
@@ -239,7 +239,7 @@ def test_bench_timing_compares_carried_and_at_exit_propagate_fills():
 def test_bench_prefill_section_times_the_forward_against_the_plain_one_and_token_by_token():
     """`--sections prefill`: each setting's exit forward beside the plain forward (time, executed / computed
     ratio, PPL) and the same exits scored token by token, whose logits it equals."""
-    from looplm.bench_adaptive import TABLES, _md, section_prefill
+    from looplm.bench.adaptive import TABLES, _md, section_prefill
 
     torch.manual_seed(0)
     m = looplm.build("tiny-llama", n_loops=5).eval()

@@ -50,7 +50,7 @@ DECODE_MODELS = {
 
 def cpu_description() -> str:
     """CPU model name and whether it has native bf16 matrix instructions (AVX512-BF16 / AMX)."""
-    from .utils import cpuinfo
+    from ..utils import cpuinfo
 
     name, flags = cpuinfo.model_name() or "unknown CPU", cpuinfo.flags()
     extra = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
@@ -58,7 +58,7 @@ def cpu_description() -> str:
 
 
 def _overrides(name: str, d: int, layers: int, vocab: int, max_len: int) -> dict:
-    from .config import preset_dict, swiglu_hidden
+    from ..config import preset_dict, swiglu_hidden
 
     ov = {"d_model": d, "n_core": layers, "vocab_size": vocab, "max_seq_len": max_len, "d_ff": swiglu_hidden(d),
           "attention.n_heads": max(1, d // 64), "attention.head_dim": 64 if d >= 64 else d}
@@ -79,7 +79,7 @@ def build_decode_models(names, *, d_model: int = 512, layers: int = 8, vocab: in
     """``{key: model}`` of the Tab. 3 rows ``names`` (keys of :data:`DECODE_MODELS`) at the given size."""
     import torch
 
-    from .factory import build
+    from ..factory import build
 
     def make(key, extra=None):
         torch.manual_seed(seed)
@@ -138,7 +138,7 @@ def decode_latency(models: dict, *, prefill: int = 256, new_tokens: int = 128, r
     prefills = {k: [] for k in keys}
     with torch.inference_mode(), contextlib.ExitStack() as lean_paths:
         if lean:
-            from . import dispatch, kernels
+            from .. import dispatch, kernels
 
             kernels.load(device)
             for m in models.values():
@@ -201,7 +201,7 @@ def _check_bench_args(args) -> None:
     """One error naming every bad ``bench decode`` argument (counts, threads, device, models)."""
     import torch
 
-    from .dataclass_util import ConfigError
+    from ..dataclass_util import ConfigError
 
     errs = [f"{flag}: must be >= 1, got {v}" for flag, v in (
         ("--prefill", args.prefill), ("--new", args.new), ("--runs", args.runs), ("--d-model", args.d_model),
@@ -278,10 +278,8 @@ def cmd_bench_decode(args) -> int:
     return 0
 
 
-def register(subparsers) -> None:
-    """Add ``bench decode`` to the ``looplm`` command line."""
-    p = subparsers.add_parser("bench", help="benchmarks (decode: the StateLoop decoding-latency study, Tab. 3; adaptive: per-token exit and self-speculative decoding)")
-    sub = p.add_subparsers(dest="bench_command", required=True)
+def register(sub) -> None:
+    """``bench decode`` under ``looplm bench`` (called by :func:`looplm.bench.register`)."""
     d = sub.add_parser("decode", help="batch-1 decoding latency of Vanilla Looped K=4/5, +FFN and StateLoop (identity / attention / Mamba-2)")
     d.add_argument("--d-model", type=int, default=512)
     d.add_argument("--layers", type=int, default=8)
@@ -302,6 +300,3 @@ def register(subparsers) -> None:
     d.add_argument("--same-process", action="store_true",
                    help="on a Linux CPU, do not re-run in a child process with THP_MEM_ALLOC_ENABLE=1")
     d.set_defaults(func=cmd_bench_decode)
-    from .bench_adaptive import register as register_adaptive
-
-    register_adaptive(sub)
