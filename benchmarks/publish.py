@@ -9,7 +9,10 @@ list, its markdown tables as they are::
     python benchmarks/publish.py decode "Decoding vs transformers" -- python benchmarks/bench_decode.py --rounds 3
     python benchmarks/publish.py tab3 "StateLoop Tab. 3 on the lean path" -- looplm bench decode --lean --dtype bf16
 
-A command that fails leaves the document as it was.
+A command that fails leaves the document as it was. No absolute path of this machine reaches the document:
+the command and the output are written with ``portable`` (paths relative to the checkout, ``../shared/`` for
+the shared folder beside it, ``RUNS/`` for a ``runs`` folder outside it, ``~/`` for the home folder, ``DIR/``
+for any other folder).
 """
 
 from __future__ import annotations
@@ -21,9 +24,50 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "performance.md"
+
+# an absolute path of two or more parts, not inside a word, a relative path, a URL (``x://``) or ``~/``
+_ABSOLUTE = re.compile(r"(?<![\w.~/:-])/(?:[\w.+@%=-]+/)+[\w.+@%=-]*")
+_SYSTEM = ("/dev/", "/proc/", "/sys/")  # the same on every Linux machine: kept as they are
+
+
+def portable(text: str, root: Path | str = ROOT, home: Path | str | None = None) -> str:
+    """``text`` with each absolute path written without this machine's folders: inside the checkout ``root``
+    relative to it (``runs/lm``); inside the ``shared`` folder beside the checkout as ``../shared/...``; below a
+    folder named ``runs`` elsewhere as ``RUNS/...`` (what follows the last ``runs``); inside ``home`` (by
+    default this user's) as ``~/...``; anything else as ``DIR/`` and its last part. ``/dev/``, ``/proc/`` and
+    ``/sys/`` stay. Pure string work: nothing on disk is read."""
+    root = PurePosixPath(os.path.normpath(str(root)))
+    home = PurePosixPath(os.path.normpath(str(Path.home() if home is None else home)))
+
+    def under(path: PurePosixPath, base: PurePosixPath, name: str) -> str | None:
+        if path == base:
+            return name
+        return f"{name}/{path.relative_to(base).as_posix()}" if base in path.parents else None
+
+    def one(m: re.Match) -> str:
+        raw = m.group(0)
+        stop = raw[len(raw.rstrip(".")) :] if not raw.endswith("/.") else ""  # a sentence's full stop
+        raw = raw[: len(raw) - len(stop)]
+        if raw.startswith(_SYSTEM):
+            return raw + stop
+        path = PurePosixPath(os.path.normpath(raw))
+        parts = path.parts
+        runs = len(parts) - parts[::-1].index("runs") if "runs" in parts else 0
+        out = (
+            under(path, root, ".")
+            or under(path, root.parent / "shared", "../shared")
+            or (under(path, PurePosixPath(*parts[:runs]), "RUNS") if runs else None)
+            or under(path, home, "~")
+            or f"DIR/{path.name}"
+        )
+        out = out[2:] if out.startswith("./") else out
+        return (out + "/" if raw.endswith("/") and not out.endswith("/") else out) + stop
+
+    return _ABSOLUTE.sub(one, text)
 
 
 def machine() -> str:
@@ -41,9 +85,9 @@ def machine() -> str:
 
 def render(name: str, title: str, command: list[str], output: str, when: str, where: str) -> str:
     """The section: heading, provenance, then the output (comment lines as a list, ``## `` headings bold,
-    tables verbatim)."""
-    lines = [f"<!-- bench:{name} -->", f"## {title}", "", f"`{shlex.join(command)}` — {where} — {when}", ""]
-    for raw in output.rstrip().splitlines():
+    tables verbatim), the command and the output with ``portable`` paths."""
+    lines = [f"<!-- bench:{name} -->", f"## {title}", "", f"`{portable(shlex.join(command))}` — {where} — {when}", ""]
+    for raw in portable(output).rstrip().splitlines():
         if raw.startswith("# "):
             lines.append(f"- {raw[2:]}")
         elif raw.startswith("## "):  # a table's own heading (looplm bench adaptive): bold, under the section's
