@@ -354,3 +354,16 @@ def test_a_row_view_attends_the_same_by_gathering_or_in_place(cols):
         torch.testing.assert_close(y, attention(q, K, V, attn_mask=mask), atol=1e-6, rtol=1e-6)
         at = c if cols else torch.full((n,), L - 1)
         torch.testing.assert_close(base._k[idx, :, at], k[:, :, 0])
+
+
+def test_a_kl_readout_through_coda_layers_under_the_depth_schedule():
+    """tiny-coreloop (a coda: the kl readout makes its own per-loop coda slots at its first check, after the
+    decoder was built): rows that leave early take the full exit path (rule state, fills of the readout's slots);
+    greedy tokens equal the token schedule's. Failed with an UnboundLocalError before."""
+    m = _model("tiny-coreloop")
+    ids = torch.randint(0, 250, (3, 5), generator=torch.Generator().manual_seed(1))
+    tok, (dep, st) = m.generate(ids, 10, exit="kl:0.004"), m.generate(ids, 10, exit={"criterion": "kl", "threshold": 0.004,
+                                                                                       "schedule": "depth"}, return_stats=True)  # fmt: skip
+    assert torch.equal(tok, dep)
+    depths = torch.cat([s.reshape(-1) for s in st.selected])
+    assert depths.min() < m.config.n_loops == depths.max()  # some rows left early, beside others

@@ -34,6 +34,8 @@ COMMAND_MODULES = {
     "export": "looplm.hf.cli",
     "import": "looplm.hf.cli",
     "kernels": "looplm.kernels.cli",
+    "serve": "looplm.serve.cli",
+    "chat": "looplm.serve.cli",
 }
 
 

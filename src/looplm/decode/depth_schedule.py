@@ -429,6 +429,9 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         it is the exit's logits (``reuse_readout``). Returns ``(rows [e], y [e, 1, d], logits [e, V] or None)``."""
         rule, st = self.model.rule, self.stats
         n, dev = c.rows.shape[0], h.device
+        # (a kl readout through coda layers makes its own per-loop slots at the first check, after __init__
+        # decided lean_exit: their fills need the rule state and the loop context)
+        lean = self.lean_exit and len(self.cache.loop_slots) == len(self.flat)
         every = leave is None or bool(leave.all())
         if every:
             g, st_out, ctx_out, h_out = c.rows, c.state, c.lctx, h
@@ -439,11 +442,11 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             cg = col.index_select(0, g)
             logits = None if logits is None else logits.index_select(0, out)
             h_out = h.index_select(0, out)
-            if not self.lean_exit:
+            if not lean:
                 st_out = rule.take_rows(c.state, out, n)
                 ctx_out = self._context(restrict_fctx(c.lctx.fctx, out), c.lctx.embeddings.index_select(0, out))
                 ctx_out.cache, ctx_out.iteration = self.cache.rows(g, cg), c.k
-        if self.lean_exit:  # (exits.output_is_core: what exit_rows and finish would return)
+        if lean:  # (exits.output_is_core: what exit_rows and finish would return)
             y = h_out
         else:
             st_out = rule.exit_rows(st_out, torch.ones(g.shape[0], 1, dtype=torch.bool, device=dev), ctx_out)

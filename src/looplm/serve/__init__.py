@@ -1,0 +1,23 @@
+"""Serving a looped model: an engine that batches requests continuously, each at its own depth
+(:mod:`.engine`), and an OpenAI-compatible HTTP server over it (:mod:`.api`, ``looplm serve``).
+
+Importing ``looplm.serve`` loads neither FastAPI nor uvicorn: the engine is plain PyTorch and threads; the
+server's modules import them when a server is built. ``docs/serving.md`` is the user's guide.
+"""
+
+from .engine import (  # noqa: F401
+    Engine,
+    EngineClosed,
+    EngineConfig,
+    FieldError,
+    FinishEvent,
+    PromptEvent,
+    QueueFull,
+    RequestError,
+    RequestHandle,
+    SamplingParams,
+    TokenEvent,
+)
+
+__all__ = ["Engine", "EngineClosed", "EngineConfig", "FieldError", "FinishEvent", "PromptEvent", "QueueFull",
+           "RequestError", "RequestHandle", "SamplingParams", "TokenEvent"]

@@ -1,0 +1,236 @@
+"""``looplm serve`` (an OpenAI-compatible HTTP server over the engine) and ``looplm chat`` (a terminal client).
+
+FastAPI, uvicorn and the openai client are imported when the command runs, not with this module.
+``docs/serving.md`` is the guide.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["register", "load_served_model"]
+
+
+def _positive_float(s: str) -> float:
+    v = float(s)
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {s!r}")
+    return v
+
+
+def _non_negative_float(s: str) -> float:
+    v = float(s)
+    if not v >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {s!r}")
+    return v
+
+
+def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
+    p.add_argument("model", nargs=None if required else "?", metavar="RUN|PRESET",
+                   help="a run or checkpoint directory written by `looplm train`, or a preset name / model YAML "
+                        "(random weights, seeded by --seed)")  # fmt: skip
+    p.add_argument("--tokenizer", default=None, metavar="SPEC",
+                   help="'byte' (the default for a preset), a tokenizer path or hub name; with a RUN it replaces the "
+                        "tokenizer the run recorded. The chat endpoint needs a Hugging Face tokenizer with a chat template")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "auto"], default="fp32",
+                   help="weights' dtype: fp32 (the default), bf16, or auto (bf16 where the CPU / GPU multiplies it natively)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
+    p.add_argument("--seed", type=int, default=0, help="seeds a random preset's weights")
+    p.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="override a model config field; with a RUN only max_seq_len and n_loops")
+    e = p.add_argument_group("engine (docs/serving.md)")
+    e.add_argument("--max-batch", type=int, default=8, help="rows decoded at once (default 8)")
+    e.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + generated tokens of one request (default and upper bound: the model's max_seq_len)")
+    e.add_argument("--exit", default=None, metavar="CRITERION[:VALUE]",
+                   help="the exit criterion every row runs (kl:0.01, convergence:0.05, gate:0.8; default full depth); "
+                        "requests may set their own threshold with looplm.exit")
+    e.add_argument("--exit-schedule", choices=["depth", "token"], default="depth",
+                   help="depth: each row at its own loop (default); token: rows that exited wait for the deepest")
+    e.add_argument("--kv-policy", choices=["copy", "propagate", "shared", "full"], default=None,
+                   help="what later tokens attend to in the loops a token skipped (with --exit)")
+    e.add_argument("--max-waiting", type=int, default=64, help="requests queued for a row before 429 (default 64)")
+    e.add_argument("--prefill-chunk", type=int, default=256, help="most prompt tokens prefilled per engine tick (default 256)")
+
+
+def register(subparsers) -> None:
+    """Add ``serve`` and ``chat`` to the ``looplm`` command line."""
+    if "serve" not in subparsers.choices:
+        p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server (completions, chat, metrics)",
+                                  description="Serve a looped model over HTTP with the OpenAI API (docs/serving.md).")
+        _add_model_args(p)
+        s = p.add_argument_group("server")
+        s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+        s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one, printed at the start)")
+        s.add_argument("--api-key", default=None, metavar="KEY",
+                       help="require 'Authorization: Bearer KEY' on /v1/* (default: the LOOPLM_API_KEY environment "
+                            "variable, else no key)")
+        s.add_argument("--served-model-name", default=None, metavar="NAME",
+                       help="the model id clients name (default: the run directory's name or the preset)")
+        s.add_argument("--grace-s", type=_non_negative_float, default=30.0,
+                       help="on SIGTERM / Ctrl-C, how long requests in flight may finish (default 30)")
+        s.add_argument("--request-timeout-s", type=_positive_float, default=600.0,
+                       help="a request still running after this long is aborted with an error (default 600)")
+        s.add_argument("--log-level", choices=["critical", "error", "warning", "info", "debug"], default="info")
+        p.set_defaults(func=cmd_serve)
+    if "chat" not in subparsers.choices:
+        p = subparsers.add_parser("chat", help="chat in the terminal with a server (--url) or a model run in-process",
+                                  description="A terminal chat client with streamed output: against a running "
+                                              "`looplm serve` (--url), or a model served in this process.")
+        _add_model_args(p, required=False)
+        p.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
+        p.add_argument("--api-key", default=None, help="the server's key (default: LOOPLM_API_KEY, else none)")
+        p.add_argument("--max-tokens", type=int, default=256)
+        p.add_argument("--temperature", type=float, default=0.7)
+        p.add_argument("--system", default=None, help="a system message to start the conversation with")
+        p.add_argument("--completion", action="store_true",
+                       help="plain text continuation (/v1/completions) instead of chat: for models without a chat template")
+        p.set_defaults(func=cmd_chat)
+
+
+# ------------------------------------------------------------------------------------------------ loading
+def load_served_model(args):
+    """``(model, tokenizer, default_name)`` for ``serve`` / ``chat``, as ``looplm generate`` loads RUN or PRESET."""
+    import torch
+
+    from ..checkpoint_io import load_model_for_inference
+    from ..data.tokenizers import check_vocab, load_tokenizer
+    from ..dataclass_util import refuse_empty_yaml
+    from ..factory import build
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
+    spec = args.model
+    path = Path(spec)
+    if path.is_dir():
+        model, tok = load_model_for_inference(path, tokenizer=args.tokenizer, overrides=args.set)
+        name = path.resolve().name
+    else:
+        refuse_empty_yaml(spec, "model config")
+        torch.manual_seed(args.seed)  # a random preset's weights, reproducible
+        model = build(spec, overrides=args.set or None)
+        tok = load_tokenizer(args.tokenizer or "byte")
+        check_vocab(tok, model.config.vocab_size)
+        name = path.stem if spec.endswith((".yaml", ".yml")) else spec
+    if args.dtype != "fp32":
+        from ..train.trainer import resolve_precision
+
+        precision = resolve_precision(args.dtype, next(model.parameters()).device)
+        model = model.to(torch.bfloat16 if precision == "bf16" else torch.float32)
+    return model.eval(), tok, name
+
+
+def _engine(args, model):
+    from .engine import Engine, EngineConfig
+
+    cfg = EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, exit=args.exit,
+                       exit_schedule=args.exit_schedule, kv_policy=args.kv_policy, max_waiting=args.max_waiting,
+                       prefill_chunk=args.prefill_chunk)  # fmt: skip
+    return Engine(model, cfg)
+
+
+def _need(module: str, what: str):
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ValueError(f"{what} needs the '{module}' package: pip install 'looplm[serve]'") from e
+
+
+def cmd_serve(args) -> int:
+    _need("fastapi", "looplm serve")
+    _need("uvicorn", "looplm serve")
+    from .api import build_app, run_server
+
+    if args.port < 0 or args.port > 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    model, tok, name = load_served_model(args)
+    engine = _engine(args, model)
+    api_key = args.api_key or os.environ.get("LOOPLM_API_KEY") or None
+    app = build_app(engine, tok, args.served_model_name or name, api_key=api_key, request_timeout_s=args.request_timeout_s)
+    print(f"looplm serve: {args.served_model_name or name}: {engine.describe()}{' (API key required)' if api_key else ''}",
+          file=sys.stderr, flush=True)  # fmt: skip
+    run_server(app, host=args.host, port=args.port, grace_s=args.grace_s, log_level=args.log_level)
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ chat
+def cmd_chat(args) -> int:
+    openai = _need("openai", "looplm chat")
+    server = None
+    if args.url:
+        base = args.url.rstrip("/")
+    else:
+        if not args.model:
+            raise ValueError("looplm chat needs a RUN or PRESET to serve in this process, or --url of a running server")
+        from .api import Server, build_app
+
+        model, tok, name = load_served_model(args)
+        engine = _engine(args, model)
+        server = Server(build_app(engine, tok, name), grace_s=1.0).start()
+        base = server.url
+    key = args.api_key or os.environ.get("LOOPLM_API_KEY") or "none"
+    client = openai.OpenAI(base_url=base + ("" if base.endswith("/v1") else "/v1"), api_key=key)
+    try:
+        model_id = client.models.list().data[0].id
+        _chat_loop(client, model_id, args)
+    finally:
+        if server is not None:
+            server.stop()
+    return 0
+
+
+def _chat_loop(client, model_id: str, args) -> None:
+    import openai
+
+    history = [{"role": "system", "content": args.system}] if args.system else []
+    completion = args.completion
+    print(f"chatting with {model_id} ({'completion' if completion else 'chat'} mode); /reset clears, /quit or Ctrl-D ends",
+          file=sys.stderr)  # fmt: skip
+    while True:
+        try:
+            line = input("> ")
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return
+        if line.strip() in ("/quit", "/exit"):
+            return
+        if line.strip() == "/reset":
+            history = history[:1] if args.system else []
+            continue
+        try:
+            if not completion:
+                history.append({"role": "user", "content": line})
+                stream = client.chat.completions.create(model=model_id, messages=history, stream=True,
+                                                        max_tokens=args.max_tokens, temperature=args.temperature)  # fmt: skip
+                reply = "".join(_print_stream(stream, lambda ch: ch.choices[0].delta.content if ch.choices else None))
+                history.append({"role": "assistant", "content": reply})
+            else:
+                stream = client.completions.create(model=model_id, prompt=line, stream=True, max_tokens=args.max_tokens,
+                                                   temperature=args.temperature)  # fmt: skip
+                _print_stream(stream, lambda ch: ch.choices[0].text if ch.choices else None)
+        except openai.BadRequestError as e:
+            if not completion and "chat template" in str(e):
+                print("the model has no chat template: switching to completion mode (plain continuation)", file=sys.stderr)
+                completion, history = True, []
+                continue
+            print(f"error: {e}", file=sys.stderr)
+        except openai.APIError as e:
+            print(f"error: {e}", file=sys.stderr)
+
+
+def _print_stream(stream, piece) -> list[str]:
+    parts = []
+    for chunk in stream:
+        text = piece(chunk)
+        if text:
+            parts.append(text)
+            print(text, end="", flush=True)
+    print()
+    return parts

@@ -1,0 +1,394 @@
+"""The serving engine (looplm.serve.engine): continuous batching of requests that arrive at any time, each row at
+its own depth. Every request's greedy output equals ``model.generate`` of its prompt alone (fp32), at full depth and
+under each exit criterion, under the depth and the token schedule; requests that join mid-batch, chunked prefill,
+per-request thresholds, seeds, logprobs and echo, aborts, the bounded queue, shutdown, an engine error, and the
+refusals (each field named). Every wait is bounded."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+import looplm
+from looplm.serve import (Engine, EngineClosed, EngineConfig, FinishEvent, PromptEvent, QueueFull, RequestError,
+                          SamplingParams, TokenEvent)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+WAIT_S = 60.0  # the most any test waits for an engine event
+
+
+def _model(name="tiny-coreloop", **kw):
+    torch.manual_seed(0)
+    return looplm.build(name, **kw).eval()
+
+
+def _prompts(n=5, lens=(5, 9, 3, 12, 7), seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 250, (int(lens[i % len(lens)]),), generator=g).tolist() for i in range(n)]
+
+
+class Collect:
+    """One request's events (called from the engine thread)."""
+
+    def __init__(self, then=None):
+        self.tokens, self.depths, self.logprobs, self.tops, self.stops = [], [], [], [], []
+        self.prompt = self.finish = None
+        self.done = threading.Event()
+        self.then = then  # called after each token event (a test's hook)
+
+    def __call__(self, ev):
+        if isinstance(ev, TokenEvent):
+            self.tokens.append(ev.token_id)
+            self.depths.append(ev.depth)
+            self.logprobs.append(ev.logprob)
+            self.tops.append(ev.top_logprobs)
+            self.stops.append(ev.stop)
+            if self.then is not None:
+                self.then(self)
+        elif isinstance(ev, PromptEvent):
+            self.prompt = ev
+        elif isinstance(ev, FinishEvent):
+            assert self.finish is None, "two finish events"
+            self.finish = ev
+            self.done.set()
+
+    def wait(self):
+        assert self.done.wait(WAIT_S), "the request did not finish in time"
+        return self
+
+
+def _run(engine, prompts, params):
+    """Submit every prompt at once; wait for all."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    cs = [Collect() for _ in prompts]
+    for p, sp, c in zip(prompts, params, cs):
+        engine.submit(p, sp, c)
+    return [c.wait() for c in cs]
+
+
+def _alone(m, prompt, n, exit=None, **kw):
+    """``model.generate`` of one prompt alone: its new tokens and (under an exit) each decoded token's depth."""
+    ids = torch.tensor([prompt])
+    if exit is None:
+        return m.generate(ids, n, **kw)[0, len(prompt):].tolist(), None
+    out, st = m.generate(ids, n, exit=exit, return_stats=True, **kw)
+    return out[0, len(prompt):].tolist(), [int(d) for d in torch.cat([s.reshape(-1) for s in st.selected])]
+
+
+@pytest.fixture
+def engine_of():
+    """Make started engines; every one is shut down at the end of the test."""
+    made = []
+
+    def make(model, **cfg):
+        e = Engine(model, EngineConfig(**cfg)).start()
+        made.append(e)
+        return e
+
+    yield make
+    for e in made:
+        e.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------ exactness
+@pytest.mark.parametrize("schedule", ["depth", "token"])
+@pytest.mark.parametrize("exit", [None, "kl:0.004", "convergence:0.9"])
+def test_greedy_output_equals_generate_alone(engine_of, exit, schedule):
+    """Five prompts of different lengths through three rows (two wait and take the rows of the first to finish):
+    each request's tokens equal ``model.generate`` of its prompt alone, and so does every token's depth (its first
+    token, from the prompt, ran every loop); the thresholds give a mix of depths."""
+    m = _model()
+    K, N = m.config.n_loops, 10
+    prompts = _prompts()
+    refs = [_alone(m, p, N, exit) for p in prompts]
+    eng = engine_of(m, max_batch=3, exit=exit, exit_schedule=schedule, prefill_chunk=4)
+    outs = _run(eng, prompts, SamplingParams(max_tokens=N, temperature=0))
+    for (toks, depths), c in zip(refs, outs):
+        assert c.tokens == toks
+        assert c.finish.reason == "length" and c.finish.completion_tokens == N and c.finish.prompt_tokens > 0
+        assert c.depths[0] == K
+        if exit is None:
+            assert c.depths == [K] * N
+        else:
+            assert c.depths[1:] == depths
+    if exit is not None:  # the thresholds are chosen to exit some tokens early, not all
+        every = [d for c in outs for d in c.depths[1:]]
+        assert min(every) < K and max(every) == K
+    s = eng.stats()
+    assert s["generation_tokens_total"] == 5 * N and s["prompt_tokens_total"] == sum(map(len, prompts))
+    assert sum(s["exits_by_depth"]) == 5 * (N - 1)  # decoded tokens (the first of each came from its prompt)
+
+
+def test_exit_gate_and_kv_policies_equal_generate_alone(engine_of):
+    """The gate criterion (its q is the rule's output selection too) and the propagate / shared KV policies."""
+    m = _model("tiny-llama", overrides={"rule": {"name": "exit_gate"}})
+    with torch.no_grad():
+        m.rule.gate.weight.normal_(0, 1.0)
+        m.rule.gate.bias.zero_()
+    prompts, N = _prompts(4), 8
+    for exit, kv in (("gate:0.5", "copy"), ("kl:0.004", "propagate"), ("kl:0.004", "shared")):
+        spec = {"criterion": exit.split(":")[0], "threshold": float(exit.split(":")[1]), "kv": kv}
+        refs = [_alone(m, p, N, spec) for p in prompts]
+        eng = engine_of(m, max_batch=2, exit=exit, kv_policy=kv)
+        outs = _run(eng, prompts, SamplingParams(max_tokens=N, temperature=0))
+        for (toks, depths), c in zip(refs, outs):
+            assert c.tokens == toks, (exit, kv)
+            assert c.depths[1:] == depths, (exit, kv)
+        eng.shutdown()
+
+
+@pytest.mark.parametrize("name,exit", [("tiny-hybrid", None), ("tiny-stateloop", "kl:0.01")])
+def test_state_carrying_cores_equal_generate_alone(engine_of, name, exit):
+    """Mamba-2 layers in the core, and StateLoop's per-loop state mixers: a row's state is copied from its
+    prompt's own prefill into the batch."""
+    m = _model(name)
+    prompts, N = _prompts(4), 8
+    refs = [_alone(m, p, N, exit)[0] for p in prompts]
+    outs = _run(engine_of(m, max_batch=2, prefill_chunk=4, exit=exit), prompts,
+                SamplingParams(max_tokens=N, temperature=0))
+    assert [c.tokens for c in outs] == refs
+
+
+def test_per_request_thresholds_share_a_batch(engine_of):
+    """Under kl every request may carry its own ε, or ask for full depth (``'none'``): each equals
+    ``generate`` alone with its own exit, in one batch."""
+    m = _model()
+    K, N = m.config.n_loops, 10
+    prompts = _prompts(3)
+    exits = ["kl:0.002", "none", None]  # None: the engine's kl:0.006
+    refs = [_alone(m, prompts[0], N, "kl:0.002"), _alone(m, prompts[1], N), _alone(m, prompts[2], N, "kl:0.006")]
+    eng = engine_of(m, max_batch=3, exit="kl:0.006")
+    outs = _run(eng, prompts, [SamplingParams(max_tokens=N, temperature=0, exit=e) for e in exits])
+    assert [c.tokens for c in outs] == [r[0] for r in refs]
+    assert outs[0].depths[1:] == refs[0][1] and outs[2].depths[1:] == refs[2][1]
+    assert outs[1].depths == [K] * N
+    assert outs[0].finish.loops > outs[2].finish.loops  # a tighter ε runs more loops
+
+
+def test_a_request_joining_mid_batch_leaves_the_others_tokens_alone(engine_of):
+    """Requests submitted while others decode (from the engine's own callback, so at a known token) join at the
+    next pass; every request's tokens equal its alone-decoded reference."""
+    m = _model()
+    N = 12
+    prompts = _prompts(4)
+    refs = [_alone(m, p, N, "kl:0.004")[0] for p in prompts]
+    eng = engine_of(m, max_batch=4, exit="kl:0.004", prefill_chunk=2)
+    sp = SamplingParams(max_tokens=N, temperature=0)
+    late = [Collect(), Collect(), Collect()]
+
+    def join(c):
+        if len(c.tokens) in (3, 5, 6):  # a new request at the first's 3rd, 5th and 6th token
+            i = {3: 0, 5: 1, 6: 2}[len(c.tokens)]
+            eng.submit(prompts[i + 1], sp, late[i])
+
+    first = Collect(then=join)
+    eng.submit(prompts[0], sp, first)
+    assert first.wait().tokens == refs[0]
+    assert [c.wait().tokens for c in late] == refs[1:]
+
+
+def test_chunked_prefill_equals_the_whole_prompt(engine_of):
+    """A 23-token prompt prefilled 2, 5 or all tokens per tick: the same tokens, and its echoed prompt logprobs
+    and generated tokens' logprobs equal the model's full forward to 1e-5."""
+    m = _model()
+    prompt = _prompts(1, lens=(23,))[0]
+    N = 6
+    ref = _alone(m, prompt, N)[0]
+    seq = torch.tensor([prompt + ref])
+    with torch.no_grad():
+        lp = torch.log_softmax(m(seq).logits.float(), -1)[0]  # [T, V]
+    want_prompt = [lp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    want_gen = [lp[len(prompt) - 1 + i, t].item() for i, t in enumerate(ref)]
+    for chunk in (2, 5, None):
+        eng = engine_of(m, max_batch=2, prefill_chunk=chunk)
+        c = _run(eng, [prompt], SamplingParams(max_tokens=N, temperature=0, logprobs=3, prompt_logprobs=True))[0]
+        assert c.tokens == ref
+        assert c.prompt.token_logprobs[0] is None and len(c.prompt.token_logprobs) == len(prompt)
+        assert c.prompt.token_logprobs[1:] == pytest.approx(want_prompt, abs=1e-5)
+        assert c.logprobs == pytest.approx(want_gen, abs=1e-5)
+        assert all(len(t) == 3 and t[0][0] == tok for t, tok in zip(c.tops, c.tokens))  # greedy: the top token is chosen
+        eng.shutdown()
+
+
+def test_echo_without_generation_needs_no_row(engine_of):
+    """``max_tokens = 0`` with prompt logprobs (lm-eval's loglikelihood request): the prompt's logprobs, no token,
+    finish 'length' — even while every row is busy."""
+    m = _model()
+    prompts = _prompts(2)
+    eng = engine_of(m, max_batch=1)
+    busy = Collect()
+    eng.submit(prompts[0], SamplingParams(max_tokens=40, temperature=0), busy)
+    c = _run(eng, [prompts[1]], SamplingParams(max_tokens=0, logprobs=0, prompt_logprobs=True))[0]
+    assert c.tokens == [] and c.finish.reason == "length" and c.finish.completion_tokens == 0
+    assert len(c.prompt.token_logprobs) == len(prompts[1]) and all(x <= 0 for x in c.prompt.token_logprobs[1:])
+    busy.wait()
+
+
+# ------------------------------------------------------------------------------------------------ sampling
+def test_a_seed_fixes_a_sample_whatever_the_batch(engine_of):
+    """A sampled request with a seed draws from its own generator: its tokens equal ``model.generate`` alone with a
+    generator of that seed, with or without other requests beside it; another seed gives another sample."""
+    m = _model()
+    N = 16
+    prompts = _prompts(4)
+    sp = SamplingParams(max_tokens=N, temperature=1.0, top_k=50, top_p=0.95, seed=7)
+    ref = m.generate(torch.tensor([prompts[0]]), N, do_sample=True, temperature=1.0, top_k=50, top_p=0.95,
+                     generator=torch.Generator().manual_seed(7))[0, len(prompts[0]):].tolist()  # fmt: skip
+    eng = engine_of(m, max_batch=4, exit="kl:0.004")
+    m2 = _model()  # (the reference under the exit, on a model the engine does not hold)
+    ref_exit = m2.generate(torch.tensor([prompts[0]]), N, do_sample=True, temperature=1.0, top_k=50, top_p=0.95, exit="kl:0.004",
+                           generator=torch.Generator().manual_seed(7))[0, len(prompts[0]):].tolist()  # fmt: skip
+    alone = _run(eng, prompts[:1], sp)[0].tokens
+    others = [SamplingParams(max_tokens=N, temperature=0.8, seed=s) for s in (1, 2, 3)]
+    together = _run(eng, prompts, [sp] + others)
+    assert alone == together[0].tokens == ref_exit
+    assert together[1].tokens != _run(eng, prompts[1:2], SamplingParams(max_tokens=N, temperature=0.8, seed=99))[0].tokens
+    full = engine_of(_model(), max_batch=2)
+    assert _run(full, prompts[:1], sp)[0].tokens == ref
+
+
+def test_stop_tokens_and_eos_end_a_request():
+    m = _model()
+    prompt = _prompts(1)[0]
+    ref = _alone(m, prompt, 10)[0]
+    i = next(i for i in range(1, 10) if ref[i] not in ref[:i])  # a token that first appears at i > 0
+    eng = Engine(m, EngineConfig(max_batch=2), eos_token_id=ref[i]).start()
+    try:
+        c = _run(eng, [prompt], SamplingParams(max_tokens=10, temperature=0))[0]
+        assert c.tokens == ref[: i + 1] and c.stops == [False] * i + [True] and c.finish.reason == "stop"
+        c = _run(eng, [prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
+        assert c.tokens == ref and not any(c.stops) and c.finish.reason == "length"
+        c = _run(eng, [prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=(ref[0],)))[0]
+        assert c.tokens == ref[:1] and c.stops == [True] and c.finish.reason == "stop"
+    finally:
+        eng.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------ rows, queue, end
+def test_an_abort_frees_its_row_at_once(engine_of):
+    """One row: a long request aborted after 3 tokens finishes 'abort', and the waiting request takes the row and
+    decodes exactly."""
+    m = _model()
+    prompts = _prompts(2)
+    ref = _alone(m, prompts[1], 8, "kl:0.004")[0]
+    eng = engine_of(m, max_batch=1, exit="kl:0.004")
+    handle = {}
+
+    def stop_at_3(c):
+        if len(c.tokens) == 3:
+            handle["h"].abort()
+
+    long = Collect(then=stop_at_3)
+    handle["h"] = eng.submit(prompts[0], SamplingParams(max_tokens=50, temperature=0), long)
+    nxt = Collect()
+    eng.submit(prompts[1], SamplingParams(max_tokens=8, temperature=0), nxt)
+    assert long.wait().finish.reason == "abort" and 3 <= len(long.tokens) <= 4  # (a token in flight may still land)
+    assert nxt.wait().tokens == ref
+    deadline = time.monotonic() + WAIT_S
+    while eng.stats()["running"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert eng.stats()["running"] == 0 and eng.stats()["kv_tokens_used"] == 0
+
+
+def test_the_bounded_queue_refuses_with_queue_full(engine_of):
+    """One row, one waiting place: while the engine is held inside a callback, a second request waits and a third
+    is refused with QueueFull; after the release both finish."""
+    m = _model()
+    eng = engine_of(m, max_batch=1, max_waiting=1)
+    hold, held = threading.Event(), threading.Event()
+
+    def block(c):
+        if len(c.tokens) == 1:
+            held.set()
+            hold.wait(WAIT_S)
+
+    first = Collect(then=block)
+    sp = SamplingParams(max_tokens=4, temperature=0)
+    eng.submit([1, 2, 3], sp, first)
+    assert held.wait(WAIT_S)
+    second = Collect()
+    eng.submit([4, 5], sp, second)
+    with pytest.raises(QueueFull, match="max_waiting=1"):
+        eng.submit([6, 7], sp, Collect())
+    hold.set()
+    assert first.wait().finish.reason == "length" and second.wait().finish.reason == "length"
+
+
+def test_shutdown_finishes_in_grace_and_ends_the_rest(engine_of):
+    """A short request finishes within the grace period; a long one is ended with an abort that says why; the
+    engine then takes no request."""
+    m = _model()
+    prompts = _prompts(2)
+    eng = engine_of(m, max_batch=2)
+    short, long = Collect(), Collect()
+    eng.submit(prompts[0], SamplingParams(max_tokens=3, temperature=0), short)
+    eng.submit(prompts[1], SamplingParams(max_tokens=400, temperature=0, ignore_eos=True), long)
+    t0 = time.monotonic()
+    eng.shutdown(grace_s=0.5)
+    assert time.monotonic() - t0 < WAIT_S
+    assert short.wait().finish.reason == "length" and len(short.tokens) == 3
+    assert long.wait().finish.reason == "abort" and "shutting down" in long.finish.error
+    with pytest.raises(EngineClosed):
+        eng.submit(prompts[0], SamplingParams(), Collect())
+
+
+def test_an_engine_error_fails_the_running_requests_and_the_next_one_runs(engine_of, monkeypatch):
+    m = _model()
+    prompts = _prompts(2)
+    eng = engine_of(m, max_batch=2)
+    boom = {"n": 0}
+    real = eng._dec._pass
+
+    def failing(*a, **kw):
+        boom["n"] += 1
+        if boom["n"] == 3:
+            raise RuntimeError("injected")
+        return real(*a, **kw)
+
+    eng._dec._pass = failing
+    c = _run(eng, prompts[:1], SamplingParams(max_tokens=8, temperature=0))[0]
+    assert c.finish.reason == "error" and "injected" in c.finish.error
+    ref = _alone(m, prompts[1], 5)[0]
+    assert _run(eng, prompts[1:], SamplingParams(max_tokens=5, temperature=0))[0].tokens == ref  # (a fresh decoder)
+
+
+# ------------------------------------------------------------------------------------------------ refusals
+def test_check_names_every_bad_field_before_any_work(engine_of):
+    m = _model()
+    eng = engine_of(m, max_batch=1, exit="kl:0.01")
+    sp = SamplingParams(max_tokens=-1, temperature=-0.5, top_p=1.5, top_k=-3, seed=-1, logprobs=21, stop_token_ids=(10**6,),
+                        exit="gate:0.5", loops=7, kv_policy="shared", speculative=2)  # fmt: skip
+    names = {e.field for e in eng.check([1, 2], sp)}
+    assert names == {"max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop_token_ids", "looplm.exit",
+                     "looplm.loops", "looplm.kv_policy", "looplm.speculative"}  # fmt: skip
+    with pytest.raises(RequestError) as e:
+        eng.submit([1, 2], sp, Collect())
+    assert len(e.value.errors) == 11 and "max_tokens" in str(e.value)
+    ctx = eng.max_model_len
+    assert [e.field for e in eng.check(list(range(ctx + 1)), SamplingParams(max_tokens=1))] == ["prompt"]
+    assert [e.field for e in eng.check([1] * (ctx - 2), SamplingParams(max_tokens=5))] == ["max_tokens"]
+    assert [e.field for e in eng.check([], SamplingParams())] == ["prompt"]
+    assert [e.field for e in eng.check([1], SamplingParams(exit="kl:abc"))] == ["looplm.exit"]
+    assert eng.check([1], SamplingParams(exit="kl:0.5", loops=m.config.n_loops, kv_policy="copy")) == []
+    assert eng.stats()["prompt_tokens_total"] == 0  # nothing ran
+    full = engine_of(_model(), max_batch=1)
+    assert "full depth" in full.check([1], SamplingParams(exit="kl:0.1"))[0].message
+    assert full.check([1], SamplingParams(exit="none")) == []
+
+
+def test_engine_config_and_unservable_models_are_refused_before_any_work():
+    with pytest.raises(ValueError) as e:
+        EngineConfig(max_batch=0, exit_schedule="static", prefill_chunk=1, max_waiting=-1)
+    for name in ("max_batch", "exit_schedule", "prefill_chunk", "max_waiting"):
+        assert name in str(e.value)
+    m = _model()
+    with pytest.raises(ValueError, match="max_model_len=100000"):
+        Engine(m, EngineConfig(max_model_len=100000))
+    with pytest.raises(ValueError, match="replay"):
+        Engine(m, EngineConfig(exit="replay:2"))
+    with pytest.raises(ValueError, match="cannot run this model.*learned exit gate"):  # a gate the model lacks
+        Engine(m, EngineConfig(exit="gate:0.5"))
+    with pytest.raises(EngineClosed):  # not started
+        Engine(m).submit([1], SamplingParams(), Collect())
