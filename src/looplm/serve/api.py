@@ -79,6 +79,7 @@ __all__ = ["APIError", "IncrementalText", "Server", "build_app", "run_server"]
 log = logging.getLogger("looplm.serve")
 
 _CONTEXT_TOKENS = 6  # prompt tokens a choice's detokenizer starts from (a leading space decodes right)
+_UTF8_MAX = 4  # bytes of the longest UTF-8 character
 _POLL_S = 0.25  # how often a request waiting for tokens checks its client and its deadline
 
 
@@ -120,8 +121,9 @@ class IncrementalText:
 
     :meth:`add` takes a token and returns the offset where its text begins; ``text`` is what was decoded so far,
     without a trailing partial UTF-8 character (a ``'\\ufffd'`` tail: held back until the next token completes
-    it, or until :meth:`finish`). Decoding uses a window of the last tokens (the prompt's last few at first, so
-    that a tokenizer's leading space is right): each token costs one short decode, not one of the whole text.
+    it, for at most three tokens, or until :meth:`finish`). Decoding uses a window of the last tokens (the prompt's
+    last few at first, so that a tokenizer's leading space is right): each token costs one short decode, not one of
+    the whole text.
 
     Stop strings: the first one found (it may span tokens) ends the text before it (``stopped``); until then
     :meth:`shown` holds back the longest end of ``text`` that begins a stop string."""
@@ -142,7 +144,9 @@ class IncrementalText:
         self.ids.append(int(token_id))
         prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
         new_text = self.tok.decode(self.ids[self.prefix:])
-        if new_text.endswith("\ufffd"):  # a character not complete yet (or an invalid byte): hold it back
+        if new_text.endswith("\ufffd") and len(self.ids) - self.read < _UTF8_MAX:
+            # a character not complete yet: hold it back (at most 3 tokens: a UTF-8 character has at most 4 bytes,
+            # so a longer run ending in U+FFFD is invalid bytes, shown as they decode)
             self.tail = new_text[len(prefix_text):]
         elif len(new_text) > len(prefix_text):
             self.text += new_text[len(prefix_text):]
@@ -370,7 +374,6 @@ class _Run:
         elif isinstance(ev, FinishEvent):
             c.finish = ev
             c.text.finish()
-            m.choices.labels("stop" if c.text.stopped else ev.reason).inc()
             m.duration.observe(time.monotonic() - self.t0)
 
     def check_finished(self, c: _Choice) -> None:
@@ -890,6 +893,7 @@ def _bind(host: str, port: int) -> socket.socket:
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
+        sock.listen(2048)  # connections wait in the backlog until uvicorn accepts them
     except OSError as e:
         sock.close()
         raise OSError(f"cannot listen on {host}:{port} ({e.strerror or e}): choose another --port or --host") from e

@@ -125,13 +125,13 @@ def load_served_model(args):
     return model.eval(), tok, name
 
 
-def _engine(args, model):
+def _engine(args, model, tok):
     from .engine import Engine, EngineConfig
 
     cfg = EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, exit=args.exit,
                        exit_schedule=args.exit_schedule, kv_policy=args.kv_policy, max_waiting=args.max_waiting,
                        prefill_chunk=args.prefill_chunk)  # fmt: skip
-    return Engine(model, cfg)
+    return Engine(model, cfg, eos_token_id=getattr(tok, "eos_id", None))
 
 
 def _need(module: str, what: str):
@@ -151,7 +151,7 @@ def cmd_serve(args) -> int:
     if args.port < 0 or args.port > 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     model, tok, name = load_served_model(args)
-    engine = _engine(args, model)
+    engine = _engine(args, model, tok)
     api_key = args.api_key or os.environ.get("LOOPLM_API_KEY") or None
     app = build_app(engine, tok, args.served_model_name or name, api_key=api_key, request_timeout_s=args.request_timeout_s)
     print(f"looplm serve: {args.served_model_name or name}: {engine.describe()}{' (API key required)' if api_key else ''}",
@@ -172,7 +172,7 @@ def cmd_chat(args) -> int:
         from .api import Server, build_app
 
         model, tok, name = load_served_model(args)
-        engine = _engine(args, model)
+        engine = _engine(args, model, tok)
         server = Server(build_app(engine, tok, name), grace_s=1.0).start()
         base = server.url
     key = args.api_key or os.environ.get("LOOPLM_API_KEY") or "none"

@@ -388,6 +388,7 @@ class Engine:
         self._totals = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished": 0,
                         "preempted": 0}  # fmt: skip
         self._exits = [0] * self.K  # generated tokens by the loops they ran
+        self._finished: dict[str, int] = {}  # requests finished, by reason (stop, length, abort, error)
         self._gauges = {"running": 0, "waiting": 0, "kv_tokens_used": 0}
         self.last_error: str | None = None
         self._dec = None
@@ -505,7 +506,7 @@ class Engine:
         per = self._kv_bytes_per_column
         return {**g, "max_batch": self.config.max_batch, "K": self.K, "kv_tokens_capacity": cap,
                 "kv_bytes_used": g["kv_tokens_used"] * per, "kv_bytes_capacity": cap * per,
-                **self._totals, "exits_by_depth": list(self._exits)}  # fmt: skip
+                **self._totals, "exits_by_depth": list(self._exits), "finished_by_reason": dict(self._finished)}  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ requests
     def _threshold(self, spec) -> tuple[float, bool]:
@@ -552,6 +553,7 @@ class Engine:
             return
         req.finished = True
         self._totals["requests_finished"] += 1
+        self._finished[reason] = self._finished.get(reason, 0) + 1
         loops = req.depth_sum / req.made if req.made else None
         self._emit(req, FinishEvent(reason, len(req.prompt), req.made, error, loops))
         if req.row is not None and not req.in_flight:

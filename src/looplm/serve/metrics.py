@@ -25,7 +25,7 @@ metric                                     type       what
 ``looplm_inter_token_latency_seconds``     histogram  between a request's successive tokens
 ``looplm_request_duration_seconds``        histogram  request arrival to its last event
 ``looplm_requests_total{endpoint,outcome}``  counter  HTTP requests: ok, bad_request, rejected, timeout, ...
-``looplm_choices_finished_total{reason}``  counter    choices by finish reason (stop, length, abort, error)
+``looplm_choices_finished_total{reason}``  counter    engine requests by finish reason (stop, length, abort, error)
 ``looplm_model_info{model}``               gauge      1, labelled with the served model's name
 =========================================  =========  ===================================================
 
@@ -74,6 +74,10 @@ class _EngineCollector:
         for i, count in enumerate(s.get("exits_by_depth") or []):
             exits.add_metric([str(i + 1)], float(count))
         yield exits
+        done = CounterMetricFamily("looplm_choices_finished", "engine requests (choices) by finish reason", labels=["reason"])
+        for reason, count in sorted((s.get("finished_by_reason") or {}).items()):
+            done.add_metric([reason], float(count))
+        yield done
 
 
 class ServerMetrics:
@@ -93,7 +97,6 @@ class ServerMetrics:
         self.duration = Histogram("looplm_request_duration_seconds", "request arrival to its last event",
                                   buckets=_DURATION_BUCKETS, registry=r)
         self.requests = Counter("looplm_requests", "HTTP requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
-        self.choices = Counter("looplm_choices_finished", "engine requests (choices) by finish reason", ["reason"], registry=r)
         info = Gauge("looplm_model_info", "the served model (value 1)", ["model"], registry=r)
         info.labels(model=model_name).set(1)
 
