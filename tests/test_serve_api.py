@@ -388,7 +388,7 @@ def test_stop_drains_new_requests_get_503_and_the_rest_an_error_event():
     assert "shutting down" in json.loads(events["long"][-2][6:])["error"]["message"]
 
 
-def test_looplm_serve_on_sigterm_finishes_in_flight_and_exits_0(tmp_path):
+def test_looplm_serve_on_sigterm_finishes_in_flight_and_exits_0():
     """The command: ``looplm serve PRESET --port 0`` (127.0.0.1), a streamed request in flight when SIGTERM comes
     finishes whole, the process exits 0 within the grace period."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
