@@ -19,7 +19,8 @@ FILES = sorted(p for p in (ROOT / "docs").rglob("*") if p.is_file() and p.suffix
 # an absolute path of two or more parts, not inside a word, a relative path (../shared/x), a URL or ~/x
 ABSOLUTE = re.compile(r"(?<![\w.~/:-])/(?:[\w.+@%=$-]+/)+[\w.+@%=$-]*|\b[A-Za-z]:\\(?:Users|Documents and Settings)\\\S*")
 # what is the same on every machine, each allowed on its own
-ALLOWED_PREFIXES = ("/proc/", "/dev/", "/sys/")  # Linux's own: /proc/cpuinfo, /dev/shm
+ALLOWED_PREFIXES = ("/proc/", "/dev/", "/sys/",  # Linux's own: /proc/cpuinfo, /dev/shm
+                    "/v1/")  # the OpenAI routes of looplm serve (docs/serving.md), not files
 ALLOWED = {
     "/tmp/torchinductor_$USER",  # torch inductor's default cache folder, named as torch names it (docs/training.md)
     "/shared/runs/x",  # the two-node example's output on a file system both nodes mount (docs/training.md)
@@ -36,7 +37,7 @@ def test_the_matcher_finds_machine_paths_and_only_those():
     assert offending(bad) == ["/work/runs/lm1024", "/root/.cache/x", "/home/alice/data.txt", "/Users/bob/x", "/tmp/a/b",
                               "/mnt/d/e", "C:\\Users\\bob\\x"]
     fine = ("../shared/data/x.txt RUNS/lm1024 runs/lm ~/.cache/looplm/plans.json https://huggingface.co/a/b "
-            "file:///x/y /proc/cpuinfo /dev/shm/x ms/tok | ε / q | 1/2 <!-- /bench:name --> /tmp/torchinductor_$USER")
+            "file:///x/y /proc/cpuinfo /dev/shm/x /v1/chat/completions ms/tok | ε / q | 1/2 <!-- /bench:name --> /tmp/torchinductor_$USER")
     assert offending(fine) == []
 
 
