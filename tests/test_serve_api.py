@@ -359,7 +359,7 @@ def test_a_full_queue_is_429_a_timeout_504_and_a_disconnect_frees_its_row():
 def test_stop_drains_new_requests_get_503_and_the_rest_an_error_event():
     """The drain (what SIGTERM runs): a request in flight that fits the grace period finishes whole; a new one gets
     503; one that does not fit ends with an error event and ``[DONE]`` (no hanging connection)."""
-    server = _serve(_model(), ByteTokenizer(), slow_s=0.01, max_batch=2, grace_s=0.6)
+    server = _serve(_model(), ByteTokenizer(), slow_s=0.01, max_batch=2, grace_s=2.0)
     events: dict[str, list] = {"short": [], "long": []}
 
     def stream(name, n):
