@@ -297,7 +297,6 @@ class _Run:
         self.state, self.request, self.choices, self.t0 = state, request, choices, t0
         self.deadline = t0 + state.request_timeout_s
         self.channel = _Channel(asyncio.get_running_loop())
-        self.first_token_seen: set[int] = set()
 
     def submit(self) -> None:
         eng = self.state.engine

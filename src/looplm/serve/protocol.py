@@ -371,23 +371,33 @@ class CompletionLogprobs(_Out):
     text_offset: list[int] = []
 
 
-class CompletionChoice(_Out):
+class _ChoiceBase(_Out):
+    """What every choice carries: its index, why it ended (None while streaming) and the looplm extension."""
+
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     looplm: ChoiceStats | None = None
 
 
-class Completion(_Out):
-    """A ``text_completion`` (also each streamed chunk, with one choice and ``usage`` None)."""
+class _ResponseBase(_Out):
+    """What every response (and streamed chunk) carries; ``usage`` None in a chunk unless it is the last."""
 
     id: str
-    object: str = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
     usage: Usage | None = None
+
+
+class CompletionChoice(_ChoiceBase):
+    text: str
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(_ResponseBase):
+    """A ``text_completion`` (also each streamed chunk, with one choice and ``usage`` None)."""
+
+    object: str = "text_completion"
+    choices: list[CompletionChoice]
 
 
 class TopLogprob(_Out):
@@ -412,38 +422,24 @@ class AssistantMessage(_Out):
     content: str
 
 
-class ChatChoice(_Out):
-    index: int
+class ChatChoice(_ChoiceBase):
     message: AssistantMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    looplm: ChoiceStats | None = None
 
 
-class ChatCompletion(_Out):
-    id: str
+class ChatCompletion(_ResponseBase):
     object: str = "chat.completion"
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
 
 
-class ChatChunkChoice(_Out):
-    index: int
+class ChatChunkChoice(_ChoiceBase):
     delta: dict[str, str]  # {"role": "assistant"} first, then {"content": ...}; {} with the finish_reason
     logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    looplm: ChoiceStats | None = None
 
 
-class ChatCompletionChunk(_Out):
-    id: str
+class ChatCompletionChunk(_ResponseBase):
     object: str = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(_Out):
