@@ -349,7 +349,8 @@ def test_a_full_queue_is_429_a_timeout_504_and_a_disconnect_frees_its_row():
         assert _until(lambda: _metric(server, "looplm_requests_running") == 0, 5.0)
         text = httpx.get(server.url + "/metrics", timeout=10).text
         for name in ("looplm_time_to_first_token_seconds_bucket", "looplm_inter_token_latency_seconds_bucket",
-                     "looplm_kv_tokens_used", "looplm_exits_total", "looplm_generation_tokens_total"):  # fmt: skip
+                     "looplm_kv_tokens_used", "looplm_kv_budget_tokens", "looplm_kv_usage_ratio", "looplm_preemptions_total",
+                     "looplm_exits_total", "looplm_generation_tokens_total"):  # fmt: skip
             assert name in text, name
     finally:
         server.stop()

@@ -249,6 +249,85 @@ def test_a_seed_fixes_a_sample_whatever_the_batch(engine_of):
     assert _run(full, prompts[:1], sp)[0].tokens == ref
 
 
+# ------------------------------------------------------------------------------------------------ the KV budget
+@pytest.mark.parametrize("exit,schedule", [(None, "depth"), ("kl:0.004", "depth"), ("kl:0.004", "token")])
+def test_preemption_under_a_tiny_budget_keeps_every_output_exact(engine_of, exit, schedule):
+    """Six requests through four rows under a budget that admits two or three of them: the running ones outgrow
+    it, the youngest are preempted, prefilled again and replay the tokens they had made at the depths they ran;
+    every request's greedy tokens and depths still equal ``model.generate`` alone, a seeded sample equals its
+    sample alone, and the cache tokens held never pass the budget (checked at every token, in the engine's
+    thread)."""
+    m = _model()
+    K, N = m.config.n_loops, 12
+    prompts = _prompts(6)
+    refs = [_alone(m, p, N, exit) for p in prompts]
+    sp = SamplingParams(max_tokens=N, temperature=1.0, top_k=50, seed=5)
+    ref_s = _model().generate(torch.tensor([prompts[1]]), N, do_sample=True, temperature=1.0, top_k=50, exit=exit,
+                              generator=torch.Generator().manual_seed(5))[0, len(prompts[1]):].tolist()  # fmt: skip
+    budget = (max(map(len, prompts)) + N + 10) * K  # cache tokens (kv='copy' keeps K loop slots per token)
+    eng = engine_of(m, max_batch=4, exit=exit, exit_schedule=schedule, prefill_chunk=4, kv_budget=budget)
+    assert eng.stats()["kv_budget_tokens"] == budget and eng.stats()["kv_slots"] == K
+    held = []
+    cs = [Collect(then=lambda c: held.append(eng._used())) for _ in prompts]
+    for i, (p, c) in enumerate(zip(prompts, cs)):
+        eng.submit(p, sp if i == 1 else SamplingParams(max_tokens=N, temperature=0), c)
+    for c in cs:
+        c.wait()
+    for i, ((toks, depths), c) in enumerate(zip(refs, cs)):
+        assert c.finish.reason == "length" and c.finish.completion_tokens == N
+        if i == 1:
+            assert c.tokens == ref_s
+            continue
+        assert c.tokens == toks, i
+        if exit is not None:
+            assert c.depths[1:] == depths, i
+    s = eng.stats()
+    assert s["preempted"] > 0, "the budget was meant to preempt"
+    assert max(held) <= budget
+    assert s["generation_tokens_total"] == 6 * N  # replayed tokens are not counted again
+    assert s["prompt_tokens_total"] == sum(map(len, prompts))
+    deadline = time.monotonic() + WAIT_S  # (the gauges follow at the end of the engine's tick)
+    while eng.stats()["kv_tokens_used"] and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert eng.stats()["kv_tokens_used"] == 0 and eng.stats()["running"] == 0
+
+
+def test_the_budget_refuses_what_it_cannot_hold_and_reads_memory_sizes(engine_of):
+    """A request whose prompt + max_tokens need more cache tokens than the budget is refused, naming the field;
+    a budget in memory is what is left after the rows' Mamba-2 states, in cache tokens (at most the block);
+    bad budgets are named before any work."""
+    m = _model()
+    K = m.config.n_loops
+    eng = engine_of(m, max_batch=2, kv_budget=40 * K)
+    errs = eng.check([1] * 10, SamplingParams(max_tokens=31))
+    assert [e.field for e in errs] == ["max_tokens"] and "at most 30 tokens" in errs[0].message
+    assert eng.check([1] * 10, SamplingParams(max_tokens=30)) == []
+    assert [e.field for e in eng.check([1] * 41, SamplingParams(max_tokens=0))] == ["prompt"]
+    full = engine_of(m, max_batch=2)
+    per = full.stats()["kv_bytes_capacity"] / full.stats()["kv_tokens_capacity"]  # bytes per cache token
+    assert full.stats()["kv_budget_tokens"] == full.stats()["kv_tokens_capacity"] == 2 * m.config.max_seq_len * K
+    small = engine_of(m, max_batch=2, kv_budget="64KiB")
+    assert small.stats()["kv_budget_tokens"] == int(65536 // per)
+    big = engine_of(m, max_batch=2, kv_budget="64GiB")  # more than the block: the block
+    assert big.stats()["kv_budget_tokens"] == big.stats()["kv_tokens_capacity"]
+    hyb = _model("tiny-hybrid")  # Mamba-2 layers: their states come off a memory budget first
+    h = engine_of(hyb, max_batch=2)
+    ssm = h._ssm_bytes
+    assert ssm > 0
+    hb = engine_of(hyb, max_batch=2, kv_budget=f"{ssm + 8192}B")
+    assert hb.stats()["kv_budget_tokens"] == int(8192 // (h.stats()["kv_bytes_capacity"] / h.stats()["kv_tokens_capacity"]))
+    with pytest.raises(ValueError, match="Mamba-2 states"):
+        Engine(hyb, EngineConfig(max_batch=2, kv_budget=f"{ssm}B")).start()
+    with pytest.raises(ValueError, match="fewer than one request"):
+        Engine(m, EngineConfig(kv_budget=1)).start()
+    with pytest.raises(ValueError) as e:
+        EngineConfig(kv_budget="2 parsecs", max_batch=0)
+    assert "kv_budget" in str(e.value) and "parsecs" in str(e.value) and "max_batch" in str(e.value)
+    for bad in (0, -5, True, 1.5, "0GiB", "lots"):
+        with pytest.raises(ValueError, match="kv_budget"):
+            EngineConfig(kv_budget=bad)
+
+
 def test_stop_tokens_and_eos_end_a_request():
     m = _model()
     prompt = _prompts(1)[0]

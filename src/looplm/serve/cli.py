@@ -54,6 +54,10 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
                    help="what later tokens attend to in the loops a token skipped (with --exit)")
     e.add_argument("--max-waiting", type=int, default=64, help="requests queued for a row before 429 (default 64)")
     e.add_argument("--prefill-chunk", type=int, default=256, help="most prompt tokens prefilled per engine tick (default 256)")
+    e.add_argument("--kv-budget", default=None, metavar="TOKENS|SIZE",
+                   help="KV cache requests may hold: cache tokens (4096) or memory (2GiB, 512MiB); a request counts "
+                        "(prompt + max_tokens) x its loop slots to be admitted; the youngest is preempted (and recomputed) "
+                        "when the running ones outgrow it (default: the whole cache block)")  # fmt: skip
 
 
 def register(subparsers) -> None:
@@ -130,7 +134,8 @@ def _engine(args, model, tok):
 
     cfg = EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, exit=args.exit,
                        exit_schedule=args.exit_schedule, kv_policy=args.kv_policy, max_waiting=args.max_waiting,
-                       prefill_chunk=args.prefill_chunk)  # fmt: skip
+                       prefill_chunk=args.prefill_chunk,
+                       kv_budget=None if args.kv_budget is None else (int(args.kv_budget) if args.kv_budget.strip().isdigit() else args.kv_budget))  # fmt: skip
     return Engine(model, cfg, eos_token_id=getattr(tok, "eos_id", None))
 
 

@@ -39,7 +39,6 @@ prompt alone, at full depth and under each criterion, up to the row count of the
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 import queue
@@ -52,7 +51,7 @@ from typing import Callable
 import torch
 
 __all__ = ["Engine", "EngineClosed", "EngineConfig", "FieldError", "FinishEvent", "PromptEvent", "QueueFull",
-           "RequestError", "RequestHandle", "SamplingParams", "TokenEvent"]
+           "RequestError", "RequestHandle", "SamplingParams", "TokenEvent", "parse_kv_budget"]
 
 MAX_LOGPROBS = 20  # the most top log-probabilities a token may ask for (OpenAI's limit)
 
@@ -150,7 +149,11 @@ class EngineConfig:
     ``exit``: the criterion every row is checked with (``'kl:0.01'``, an :class:`~looplm.decode.exits.Exit` or
     its dict; None = full depth); ``exit_schedule``: ``'depth'`` (each row at its own loop) or ``'token'``;
     ``max_waiting``: the bounded queue (a request beyond it gets :class:`QueueFull`); ``prefill_chunk``: the
-    most prompt tokens prefilled per tick (None: a whole prompt)."""
+    most prompt tokens prefilled per tick (None: a whole prompt); ``kv_budget``: the cache tokens requests may
+    hold (:func:`parse_kv_budget`: an int or ``'4096'`` in cache tokens — one token's keys and values at one loop
+    slot of every layer — or ``'2GiB'`` / ``'512MiB'`` / ``'1.5GB'`` of memory; None: the whole cache block).
+    A request counts ``(prompt + max_tokens) × S`` cache tokens at its admission, ``S`` the loop slots its
+    policy keeps per layer (K, or 1 under ``kv_policy='shared'``), and ``(columns written) × S`` while it runs."""
 
     max_batch: int = 8
     max_model_len: int | None = None
@@ -160,9 +163,15 @@ class EngineConfig:
     ssm_policy: str | None = None
     max_waiting: int = 64
     prefill_chunk: int | None = 256
+    kv_budget: int | str | None = None
 
     def __post_init__(self):
         errs = []
+        if self.kv_budget is not None:
+            try:
+                parse_kv_budget(self.kv_budget)
+            except ValueError as e:
+                errs.append(str(e))
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
             errs.append(f"max_batch must be an int >= 1 (rows decoded at once), got {self.max_batch!r}")
         if self.max_model_len is not None and (isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int)
@@ -177,6 +186,41 @@ class EngineConfig:
             errs.append(f"prefill_chunk must be an int >= 2 (prompt tokens per tick) or None (whole prompts), got {self.prefill_chunk!r}")
         if errs:
             raise ValueError("EngineConfig: " + "; ".join(errs))
+
+
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
+          "tib": 2**40}  # fmt: skip
+
+
+def parse_kv_budget(value) -> tuple[str, float]:
+    """``--kv-budget``: ``('tokens', n)`` for an int or a number of cache tokens (``'4096'``, ``'4096 tokens'``),
+    ``('bytes', n)`` for a memory size (``'2GiB'``, ``'512 MiB'``, ``'1.5GB'``). Raises ValueError naming it."""
+    what = (f"kv_budget must be a number of cache tokens (an int >= 1, e.g. 4096) or a memory size such as '2GiB' "
+            f"or '512MiB', got {value!r}")  # fmt: skip
+    if isinstance(value, bool):
+        raise ValueError(what)
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(what)
+        return "tokens", float(value)
+    if not isinstance(value, str):
+        raise ValueError(what)
+    text = value.strip().lower().replace("_", "")
+    num = text.rstrip("abcdefghijklmnopqrstuvwxyz ").strip()
+    unit = text[len(num):].strip() or "tokens"  # fmt: skip
+    try:
+        n = float(num)
+    except ValueError:
+        raise ValueError(what) from None
+    if not math.isfinite(n) or n <= 0:
+        raise ValueError(what)
+    if unit in ("tokens", "token", "tok"):
+        if n != int(n) or n < 1:
+            raise ValueError(what)
+        return "tokens", n
+    if unit not in _UNITS:
+        raise ValueError(what + f" (unknown unit {unit!r}: use tokens, KiB, MiB, GiB, KB, MB or GB)")
+    return "bytes", n * _UNITS[unit]
 
 
 class RequestHandle:
@@ -198,10 +242,12 @@ class RequestHandle:
 class _RowCriterion:
     """A cohort's criterion with a threshold per row: ``check`` compares each row with its own ε (a tensor in
     the criterion's place), and a row whose request runs full depth (ε = 0 under ``kl`` / ``convergence``)
-    never leaves. A cohort of full-depth rows only skips the check (its rows run every loop)."""
+    never leaves. A cohort of full-depth rows only skips the check (its rows run every loop). ``forced [n]``
+    (None: none): a row's depth fixed in advance (0: its criterion's) — a preempted request replaying the
+    tokens it had generated leaves at the loop each of them left at the first time."""
 
-    def __init__(self, crit, thr: torch.Tensor, check: bool):
-        self.crit, self.thr, self.checks = crit, thr, check  # thr [n]
+    def __init__(self, crit, thr: torch.Tensor, check: bool, forced: torch.Tensor | None = None):
+        self.crit, self.thr, self.checks, self.forced = crit, thr, check, forced  # thr, forced [n]
 
     def __getattr__(self, name):  # readout, logits, flops, value, ...: the criterion's own
         return getattr(self.crit, name)
@@ -216,15 +262,21 @@ class _RowCriterion:
 
     def check(self, k, h, state, lctx, rows, model, **kw):
         if not self.checks:
-            return torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
-        if self.thr is not None:  # (the gate keeps the server's q: the rule selects its output with it too)
-            self.crit.threshold = self.thr if self.thr.numel() != 1 else float(self.thr)  # [n] against [n] distances
-        return self.crit.check(k, h, state, lctx, rows, model, **kw)
+            leave = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
+        else:
+            if self.thr is not None:  # (the gate keeps the server's q: the rule selects its output with it too)
+                self.crit.threshold = self.thr if self.thr.numel() != 1 else float(self.thr)  # [n] against [n] distances
+            leave = self.crit.check(k, h, state, lctx, rows, model, **kw)
+        if self.forced is not None:  # [n]: a replayed token leaves where it left before, whatever its criterion says
+            leave = torch.where(self.forced > 0, self.forced == k + 1, leave)
+        return leave
 
     def take(self, keep):
         self.crit.take(keep)
         if self.thr is not None:
             self.thr = self.thr.index_select(0, keep)
+        if self.forced is not None:
+            self.forced = self.forced.index_select(0, keep)
 
 
 def _serve_decoder_class():
@@ -295,13 +347,15 @@ def _serve_decoder_class():
             self.row_thr[b] = thr
             self.row_checks[b] = checks
 
-        def start(self, rows_h: list, ids: torch.Tensor, L: int):
-            """Rows ``rows_h`` begin tokens ``ids [n]``: a new cohort at loop 0, its criterion per row."""
+        def start(self, rows_h: list, ids: torch.Tensor, L: int, forced: list | None = None):
+            """Rows ``rows_h`` begin tokens ``ids [n]``: a new cohort at loop 0, its criterion per row; ``forced``:
+            each row's fixed depth (0: its criterion's; None: none fixed)."""
             rows = torch.tensor(rows_h, device=self.col.device)
             c = self._start(rows, ids[:, None], self.col, torch.zeros_like(rows), L)
             checks = [self.row_checks[b] for b in rows_h]
             thr = None if self.exit.criterion == "gate" else self.row_thr.index_select(0, rows)
-            c.crit = _RowCriterion(c.crit, thr, any(checks))
+            f = None if forced is None else torch.tensor(forced, device=rows.device)
+            c.crit = _RowCriterion(c.crit, thr, any(checks), f)
             return c
 
         def advance(self, rows: torch.Tensor) -> None:
@@ -335,6 +389,13 @@ class _Request:
     next_token: int | None = None  # the token its row feeds at its next start (None: in flight)
     finished: bool = False
     in_flight: bool = False  # its row has a token looping (the row frees when it exits)
+    placed: bool = False  # its prompt is in its row (it counts its columns; before: its prompt + max_tokens)
+    tokens: list = field(default_factory=list)  # generated token ids
+    depths: list = field(default_factory=list)  # the loops each ran
+    feed: deque = field(default_factory=deque)  # (after a preemption) generated tokens still to replay
+    forced: deque = field(default_factory=deque)  # their depths (the loops the token each produced ran)
+    preempt: bool = False  # to be preempted when its token in flight exits
+    prompt_sent: bool = False  # its prompt was counted (and its PromptEvent sent): not again after a preemption
 
 
 class Engine:
@@ -392,12 +453,21 @@ class Engine:
         self._gauges = {"running": 0, "waiting": 0, "kv_tokens_used": 0}
         self.last_error: str | None = None
         self._dec = None
+        self._budget: int | None = None  # cache tokens requests may hold (start(): from config.kv_budget)
+        self._S = 1  # loop slots a token keeps per layer (K, or 1 under kv='shared'): its cache tokens
 
     # ------------------------------------------------------------------------------------------ public
     def describe(self) -> str:
         crit = "full depth" if self.criterion is None else f"exit {self.criterion}:{self.threshold:g}"
-        return (f"K={self.K}, {crit}, {self.config.exit_schedule} schedule, kv={self.exit.kv}, max_batch={self.config.max_batch}, "
-                f"max_model_len={self.max_model_len}")  # fmt: skip
+        out = (f"K={self.K}, {crit}, {self.config.exit_schedule} schedule, kv={self.exit.kv}, max_batch={self.config.max_batch}, "
+               f"max_model_len={self.max_model_len}")  # fmt: skip
+        if self._dec is not None:
+            cap = self.config.max_batch * self.max_model_len * self._S
+            out += (f", KV cache {cap * self._bytes_per_token / 2**20:.1f} MiB ({cap} cache tokens = {self.config.max_batch} rows "
+                    f"× {self.max_model_len} × {self._S} loop slots)")  # fmt: skip
+            if self._budget is not None:
+                out += f", KV budget {self._budget} cache tokens ({self._budget * self._bytes_per_token / 2**20:.1f} MiB)"
+        return out
 
     def start(self) -> "Engine":
         """Build the batch's decoder (its caches: ``max_batch`` rows × ``max_model_len`` columns per loop slot)
@@ -406,6 +476,7 @@ class Engine:
             raise RuntimeError("the engine is already started")
         self.model.eval()
         self._build()
+        self._size_budget()
         ready = threading.Event()
         self._thread = threading.Thread(target=self._main, args=(ready,), name="looplm-engine", daemon=True)
         self._thread.start()
@@ -448,6 +519,14 @@ class Engine:
             bad("prompt" if room <= 0 else "max_tokens",
                 f"the prompt's {len(ids)} tokens + max_tokens {p.max_tokens} exceed the model's context of {self.max_model_len} "
                 f"tokens; " + ("shorten the prompt" if room <= 0 else f"ask for at most {room} tokens or shorten the prompt"))
+        elif (self._budget is not None and is_int(p.max_tokens) and p.max_tokens >= 0
+              and (len(ids) + p.max_tokens) * self._S > self._budget):  # fmt: skip
+            room = self._budget // self._S - len(ids)
+            bad("prompt" if room <= 0 else "max_tokens",
+                f"the prompt's {len(ids)} tokens + max_tokens {p.max_tokens} need {(len(ids) + p.max_tokens) * self._S} cache "
+                f"tokens ({self._S} loop slots per token), more than this server's KV budget of {self._budget}; "
+                + ("shorten the prompt" if room <= 0 else f"ask for at most {room} tokens or shorten the prompt")
+                + " (or start the server with a larger --kv-budget)")  # fmt: skip
         if p.exit is not None:
             try:
                 self._threshold(p.exit)
@@ -500,13 +579,18 @@ class Engine:
         self._thread.join()
 
     def stats(self) -> dict:
-        """Gauges (rows running, requests waiting, KV columns in use) and running totals, for ``/metrics``."""
+        """Gauges (rows running, requests waiting, cache tokens in use) and running totals, for ``/metrics``.
+        Cache tokens: one token's keys and values at one loop slot of every layer (a token position holds
+        ``kv_slots`` of them); ``kv_tokens_capacity``: the cache block allocated; ``kv_budget_tokens``: what
+        requests may hold of it (the capacity without ``--kv-budget``)."""
         g = dict(self._gauges)
-        cap = self.config.max_batch * self.max_model_len
-        per = self._kv_bytes_per_column
-        return {**g, "max_batch": self.config.max_batch, "K": self.K, "kv_tokens_capacity": cap,
-                "kv_bytes_used": g["kv_tokens_used"] * per, "kv_bytes_capacity": cap * per,
-                **self._totals, "exits_by_depth": list(self._exits), "finished_by_reason": dict(self._finished)}  # fmt: skip
+        cap = self.config.max_batch * self.max_model_len * self._S
+        per = self._bytes_per_token if self._dec is not None else 0.0
+        budget = cap if self._budget is None else self._budget
+        return {**g, "max_batch": self.config.max_batch, "K": self.K, "kv_slots": self._S, "kv_tokens_capacity": cap,
+                "kv_budget_tokens": budget, "kv_bytes_used": int(g["kv_tokens_used"] * per), "kv_bytes_capacity": int(cap * per),
+                "kv_budget_bytes": int(budget * per), **self._totals, "exits_by_depth": list(self._exits),
+                "finished_by_reason": dict(self._finished)}  # fmt: skip
 
     # ------------------------------------------------------------------------------------------ requests
     def _threshold(self, spec) -> tuple[float, bool]:
@@ -579,7 +663,38 @@ class Engine:
                 if t is not None and t.untyped_storage().data_ptr() not in seen:
                     seen.add(t.untyped_storage().data_ptr())
                     total += t.untyped_storage().nbytes()
-        self._kv_bytes_per_column = total // (B * self.max_model_len)
+        self._S = self._dec.R if any(off for _, _, off in self._dec.kv_flat.values()) else 1
+        self._bytes_per_token = total / (B * self.max_model_len * self._S)  # one column's bytes / S
+        ssm = [e[0] for e in self._dec.flat.values() if hasattr(e[0], "ssm_state")]  # the core's flat Mamba-2 states
+        ssm += [s for s in self._dec.cache.physical_slots() if hasattr(s, "ssm_state")]  # (views of those, and the rest)
+        seen, self._ssm_bytes = set(), 0
+        for st in ssm:
+            for t in (st.conv_state, st.ssm_state):
+                if t is not None and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    self._ssm_bytes += t.untyped_storage().nbytes()
+
+    def _size_budget(self) -> None:
+        """``config.kv_budget`` in cache tokens (a memory size: what is left after the rows' fixed Mamba-2
+        states, in cache tokens), at most the cache block; raises ValueError when it holds no request."""
+        if self.config.kv_budget is None:
+            self._budget = None
+            return
+        kind, v = parse_kv_budget(self.config.kv_budget)
+        cap = self.config.max_batch * self.max_model_len * self._S
+        if kind == "bytes":
+            room = v - self._ssm_bytes
+            if room <= 0:
+                raise ValueError(f"EngineConfig: kv_budget={self.config.kv_budget!r} is {v:.0f} bytes, not more than the "
+                                 f"{self._ssm_bytes} bytes of the {self.config.max_batch} rows' Mamba-2 states; give more "
+                                 "than that, or fewer rows (--max-batch)")  # fmt: skip
+            tokens = int(room // self._bytes_per_token) if self._bytes_per_token > 0 else cap
+        else:
+            tokens = int(v)
+        if tokens < 2 * self._S:
+            raise ValueError(f"EngineConfig: kv_budget={self.config.kv_budget!r} holds {tokens} cache tokens, fewer than one "
+                             f"request of two tokens needs ({2 * self._S}: {self._S} loop slots per token); give more")  # fmt: skip
+        self._budget = min(tokens, cap)
 
     def _main(self, ready: threading.Event) -> None:
         from ..decode.sampling import decode_context
@@ -653,15 +768,17 @@ class Engine:
         dec, B = self._dec, len(self._rows)
         start = [] if (self.config.exit_schedule == "token" and self._cohorts) else [
             b for b in range(B) if self._rows[b] is not None and self._rows[b].next_token is not None]
+        start = self._fit(start)
         live = [b for b in range(B) if self._rows[b] is not None and (self._rows[b].in_flight or self._rows[b].next_token is not None)]
         self._gauges.update(running=sum(r is not None for r in self._rows), waiting=len(self._waiting),
-                            kv_tokens_used=sum(self._col[b] + 1 for b in live))  # fmt: skip
+                            kv_tokens_used=self._used() + self._S * len(start))  # fmt: skip
         if not start and not self._cohorts:
             return worked
         L = max(self._col[b] for b in live) + 1
         if start:
             ids = torch.tensor([self._rows[b].next_token for b in start], device=dec.col.device)
-            self._cohorts.append(dec.start(start, ids, L))
+            forced = [self._rows[b].forced.popleft() if self._rows[b].forced else 0 for b in start]
+            self._cohorts.append(dec.start(start, ids, L, forced if any(forced) else None))
             for b in start:
                 self._rows[b].next_token, self._rows[b].in_flight = None, True
         st = dec.stats
@@ -674,19 +791,27 @@ class Engine:
             dec.advance(rows)
             depth = torch.cat(st.selected[n0:]).tolist()
             rows_h = rows.tolist()
-            picks = self._pick([self._rows[b] for b in rows_h], logits)
-            for b, d, pk in zip(rows_h, depth, picks):
+            # the rows whose token is a new one (not aborted, preempted or replayed): only they sample
+            new = [i for i, b in enumerate(rows_h) if not (self._rows[b].finished or self._rows[b].preempt or self._rows[b].feed)]
+            picks = dict(zip(new, self._pick([self._rows[rows_h[i]] for i in new],
+                                             logits if len(new) == len(rows_h) else logits[new]))) if new else {}  # fmt: skip
+            for i, (b, d) in enumerate(zip(rows_h, depth)):
                 req = self._rows[b]
                 self._col[b] += 1
                 req.in_flight = False
                 if req.finished:  # aborted while its token looped: the row frees now, the token is dropped
                     self._rows[b], req.row = None, None
-                    continue
-                self._exits[d - 1] += 1
-                self._token(req, pk, d)
+                elif req.preempt:  # preempted while its token looped: the token is dropped (recomputed later)
+                    self._preempt(req)
+                elif req.feed:  # replaying after a preemption: the next token is the one it had made
+                    req.next_token = req.feed.popleft()
+                else:
+                    self._exits[d - 1] += 1
+                    self._token(req, picks[i], d)
         dec._count_flops()
         st.selected.clear()
         st.executed.clear()
+        self._gauges.update(running=sum(r is not None for r in self._rows), waiting=len(self._waiting), kv_tokens_used=self._used())
         return True
 
     def _admit(self) -> bool:
@@ -699,18 +824,20 @@ class Engine:
             free = [b for b in range(len(self._rows)) if self._rows[b] is None]
             if not free:
                 return False
+            if self._budget is not None and self._used() + (len(req.prompt) + req.params.max_tokens) * self._S > self._budget:
+                return False  # the budget is full: it waits (the oldest first) until rows end or are preempted
             req.row = free[0]
             self._rows[req.row] = req
         dec, P = self._dec, len(req.prompt)
+        echo = req.params.prompt_logprobs and not req.prompt_sent
         if req.part is None:
             req.part = dec.new_part(P)
-            if req.params.prompt_logprobs:
+            if echo:
                 req.prompt_lp, req.prompt_top = [None], [None]
         a = req.done_prompt
         n = P - a if self.config.prefill_chunk is None else min(self.config.prefill_chunk, P - a)
         if P - a - n == 1:  # a 1-token call on a filled cache would decode (with exits): take it now
             n += 1
-        echo = req.params.prompt_logprobs
         ids = torch.tensor([req.prompt[a : a + n]], device=dec.col.device)
         logits = dec.prefill(req.part, ids, n if echo else 1)[0]  # [keep, V]
         req.done_prompt = a + n
@@ -727,9 +854,11 @@ class Engine:
         self._waiting.popleft()
         with self._lock:
             self._queued -= 1
-        self._totals["prompt_tokens_total"] += P
-        if echo:
-            self._emit(req, PromptEvent(req.prompt_lp, req.prompt_top))
+        if not req.prompt_sent:
+            req.prompt_sent = True
+            self._totals["prompt_tokens_total"] += P
+            if echo:
+                self._emit(req, PromptEvent(req.prompt_lp, req.prompt_top))
         if req.finished:  # aborted during its prefill
             return True
         if req.params.max_tokens == 0:
@@ -737,10 +866,66 @@ class Engine:
             return True
         b = req.row
         dec.place(b, req.part, P, req.thr, req.checks)
-        req.part = None
+        req.part, req.placed = None, True
         self._col[b] = P
-        self._token(req, self._pick([req], logits[-1:])[0], self.K)
+        if req.tokens:  # preempted before: it replays the tokens it had made (_preempt), from the first
+            req.next_token = req.tokens[0]
+        else:
+            self._token(req, self._pick([req], logits[-1:])[0], self.K)
         return True
+
+    # ------------------------------------------------------------------------------------------ the budget
+    def _occupied(self, req: _Request) -> int:
+        """The cache tokens a request with a row holds: its columns × S once placed, its prompt's while it
+        prefills (its own prefill cache)."""
+        if not req.placed:
+            return len(req.prompt) * self._S
+        return (self._col[req.row] + req.in_flight) * self._S
+
+    def _used(self) -> int:
+        return sum(self._occupied(r) for r in self._rows if r is not None)
+
+    def _fit(self, start: list) -> list:
+        """The rows of ``start`` (each about to write one more column) that the budget holds. Where they
+        would outgrow it, the youngest requests are preempted (never the oldest: it always fits, by
+        :meth:`check`) — at once when their row is idle, when their token exits when it is in flight (the rows
+        that do not fit meanwhile wait, the youngest first)."""
+        if self._budget is None or not start:
+            return start
+        S, T = self._S, self._budget
+        reqs = sorted((r for r in self._rows if r is not None), key=lambda r: r.id)  # oldest first
+        used = sum(self._occupied(r) for r in reqs)
+        pending = sum(self._occupied(r) for r in reqs if r.preempt)  # frees when their token exits
+        for r in reversed(reqs[1:]):  # the youngest first
+            if used - pending + S * len(start) <= T:
+                break
+            if r.preempt or r.finished:
+                continue
+            if r.in_flight:
+                r.preempt, pending = True, pending + self._occupied(r)
+            else:
+                used -= self._occupied(r)
+                if r.row in start:
+                    start.remove(r.row)
+                self._preempt(r)
+        while start and used + S * len(start) > T:  # (rows preempted in flight still hold their columns)
+            start.remove(max(start, key=lambda b: self._rows[b].id))
+        return start
+
+    def _preempt(self, req: _Request) -> None:
+        """Free ``req``'s row and queue it first: it is prefilled again later and replays the tokens it had
+        made at the depths they ran (no event, no sampling: its generator is where it was), so it goes on
+        exactly as it would have."""
+        if req.row is not None:
+            self._rows[req.row] = None
+        req.row, req.part, req.done_prompt, req.next_token = None, None, 0, None
+        req.in_flight = req.preempt = req.placed = False
+        req.feed, req.forced = deque(req.tokens[1:]), deque(req.depths[1:])
+        self._totals["preempted"] += 1
+        if req not in self._waiting:  # (one still prefilling is the queue's first already)
+            self._waiting.appendleft(req)
+            with self._lock:
+                self._queued += 1
 
     def _pick(self, reqs: list, logits: torch.Tensor) -> list:
         """Each request's next token from its row of ``logits [n, V]``: ``(id, logprob, top)``."""
@@ -774,6 +959,8 @@ class Engine:
         p = req.params
         req.made += 1
         req.depth_sum += depth
+        req.tokens.append(tok)
+        req.depths.append(depth)
         self._totals["generation_tokens_total"] += 1
         stop = (tok == self.eos_token_id and not p.ignore_eos) or tok in p.stop_token_ids
         self._emit(req, TokenEvent(tok, lp, top, depth, stop))

@@ -14,9 +14,12 @@ metric                                     type       what
 ``looplm_requests_running``                gauge      engine requests in a batch row (prefilling or decoding)
 ``looplm_requests_waiting``                gauge      engine requests queued for a row
 ``looplm_max_batch``                       gauge      rows decoded at once
-``looplm_kv_tokens_used`` / ``_capacity``  gauge      KV-cache token slots in use / in total
-``looplm_kv_bytes_used`` / ``_capacity``   gauge      the same in bytes
-``looplm_kv_usage_ratio``                  gauge      tokens used / capacity (0..1)
+``looplm_kv_tokens_used`` / ``_capacity``  gauge      cache tokens in use / allocated (a token position holds
+                                                      ``looplm_kv_slots`` of them: its loop slots per layer)
+``looplm_kv_budget_tokens``                gauge      cache tokens requests may hold (``--kv-budget``)
+``looplm_kv_bytes_used`` / ``_capacity``   gauge      the same in bytes (and ``looplm_kv_budget_bytes``)
+``looplm_kv_usage_ratio``                  gauge      tokens used / budget (0..1): the KV budget used
+``looplm_preemptions_total``               counter    requests preempted (their rows freed; recomputed later)
 ``looplm_prompt_tokens_total``             counter    prompt tokens prefilled
 ``looplm_generation_tokens_total``         counter    tokens generated
 ``looplm_exits_total{loops="r"}``          counter    generated tokens that ran r loops (r = 1..K)
@@ -59,15 +62,19 @@ class _EngineCollector:
         for name, key, doc in (("looplm_requests_running", "running", "engine requests in a batch row"),
                                ("looplm_requests_waiting", "waiting", "engine requests queued for a row"),
                                ("looplm_max_batch", "max_batch", "rows decoded at once"),
-                               ("looplm_kv_tokens_used", "kv_tokens_used", "KV-cache token slots in use"),
-                               ("looplm_kv_tokens_capacity", "kv_tokens_capacity", "KV-cache token slots in total"),
+                               ("looplm_kv_slots", "kv_slots", "loop slots a token keeps per layer (its cache tokens)"),
+                               ("looplm_kv_tokens_used", "kv_tokens_used", "KV cache tokens in use"),
+                               ("looplm_kv_tokens_capacity", "kv_tokens_capacity", "KV cache tokens allocated"),
+                               ("looplm_kv_budget_tokens", "kv_budget_tokens", "KV cache tokens requests may hold"),
                                ("looplm_kv_bytes_used", "kv_bytes_used", "KV-cache bytes in use"),
-                               ("looplm_kv_bytes_capacity", "kv_bytes_capacity", "KV-cache bytes in total")):  # fmt: skip
+                               ("looplm_kv_bytes_capacity", "kv_bytes_capacity", "KV-cache bytes allocated"),
+                               ("looplm_kv_budget_bytes", "kv_budget_bytes", "KV-cache bytes requests may hold")):  # fmt: skip
             if key in s and s[key] is not None:
                 yield GaugeMetricFamily(name, doc, value=float(s[key]))
-        cap = s.get("kv_tokens_capacity") or 0
-        yield GaugeMetricFamily("looplm_kv_usage_ratio", "KV-cache token slots used / capacity",
+        cap = s.get("kv_budget_tokens") or s.get("kv_tokens_capacity") or 0
+        yield GaugeMetricFamily("looplm_kv_usage_ratio", "KV cache tokens used / budget (the KV budget used)",
                                 value=float(s.get("kv_tokens_used", 0)) / cap if cap else 0.0)
+        yield CounterMetricFamily("looplm_preemptions", "requests preempted (recomputed later)", value=float(s.get("preempted", 0)))
         yield CounterMetricFamily("looplm_prompt_tokens", "prompt tokens prefilled", value=float(s.get("prompt_tokens_total", 0)))
         yield CounterMetricFamily("looplm_generation_tokens", "tokens generated", value=float(s.get("generation_tokens_total", 0)))
         exits = CounterMetricFamily("looplm_exits", "generated tokens by the loops they ran", labels=["loops"])
