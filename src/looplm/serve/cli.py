@@ -156,7 +156,7 @@ def cmd_serve(args) -> int:
     if args.port < 0 or args.port > 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     model, tok, name = load_served_model(args)
-    engine = _engine(args, model, tok)
+    engine = _engine(args, model, tok).start()  # (its cache allocated and the budget sized before the port opens)
     api_key = args.api_key or os.environ.get("LOOPLM_API_KEY") or None
     app = build_app(engine, tok, args.served_model_name or name, api_key=api_key, request_timeout_s=args.request_timeout_s)
     print(f"looplm serve: {args.served_model_name or name}: {engine.describe()}{' (API key required)' if api_key else ''}",
