@@ -163,6 +163,36 @@ def test_streaming_completions_end_with_done_and_equal_the_whole_answer(served):
     assert all("choices" in json.loads(ln[6:]) for ln in lines[:-1])
 
 
+def test_streamed_connections_send_each_chunk_at_once():
+    """TCP_NODELAY on every accepted connection: asyncio sets it only where the listening socket's proto is
+    IPPROTO_TCP. Without it (proto 0) Nagle held each chunk of a stream on a reused keep-alive connection
+    until the client's delayed ACK, ~40 ms, and a whole stream arrived at its end."""
+    import asyncio
+    import socket
+
+    from looplm.serve.api import _bind
+
+    async def accepted_nodelay():
+        sock = _bind("127.0.0.1", 0)
+        got = asyncio.get_running_loop().create_future()
+
+        class P(asyncio.Protocol):
+            def connection_made(self, transport):
+                s = transport.get_extra_info("socket")
+                got.set_result(s.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+
+        server = await asyncio.get_running_loop().create_server(P, sock=sock)
+        try:
+            _, w = await asyncio.open_connection("127.0.0.1", sock.getsockname()[1])
+            value = await asyncio.wait_for(got, 10)
+            w.close()
+            return value
+        finally:
+            server.close()
+
+    assert asyncio.run(accepted_nodelay()) != 0
+
+
 def test_n_samples_and_seeds_are_each_generate_alone_with_their_seed(served):
     server, client, ref, tok = served
     p = PROMPTS[1]

@@ -888,7 +888,10 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, grace_s:
 def _bind(host: str, port: int) -> socket.socket:
     """A listening socket on ``host:port`` (port 0: a free one), bound before uvicorn starts."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on an accepted connection only when its socket says
+    # so (the accepted socket inherits this one's proto). Without it Nagle holds each streamed chunk until the
+    # client's delayed ACK (~40 ms on Linux): on a reused keep-alive connection a whole stream then arrived at once
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
