@@ -81,7 +81,7 @@ def test_targets_and_table_from_rows():
 
     rows = [row("full", "c=1", 30.0, 4.0, e2e=210.0), row("full", "c=8", 150.0, 4.0), row("exit", "c=8", 200.0, 2.5),
             row("one", "c=8", 30.0, 4.0), row("generate", "c=1", 32.0, e2e=200.0, paired_server_e2e_ms_p50=212.0),
-            row("looplm-hf", "c=8", 90.0), row("transformers", "c=8", 100.0)]  # fmt: skip
+            row("transformers", "c=8", 100.0)]  # fmt: skip
     batching = next(t for t in targets(rows, K=4) if "one-at-a-time" in t["target"])
     assert batching["target"].startswith("c=8 streams") and batching["met"] and batching["value"] == "5.00x"
     exit_t = next(t for t in targets(rows, 4) if "exit" in t["target"])
@@ -89,7 +89,7 @@ def test_targets_and_table_from_rows():
     over = next(t for t in targets(rows, 4) if "overhead" in t["target"])
     assert over["value"] == "+6.0%" and over["met"]  # the paired medians, not the loads'
     ahead = next(t for t in targets(rows, 4) if "transformers" in t["target"])
-    assert ahead["value"] == "0.90x" and not ahead["met"]
+    assert ahead["value"] == "1.50x" and ahead["met"]
     table = markdown(rows)
     assert table.count("\n") == len(rows) + 1 and "| exit | c=8 | 4/4 | 200.0 | 1.33 |" in table
 
@@ -110,13 +110,15 @@ def test_prompts_are_held_out_documents_cut_to_their_length(tmp_path):
 def test_bad_arguments_are_one_error_naming_each():
     from argparse import Namespace
 
-    a = Namespace(concurrency="1,x", rates="", contenders="full,fast", hf_dir=None, hf_run=None, requests=0, max_tokens=4,
+    a = Namespace(concurrency="1,x", rates="", contenders="full,fast", hf_dir=None, requests=0, max_tokens=4,
                   prompt_len=8, max_batch=4, threads=1, duration_s=-1.0)  # fmt: skip
     with pytest.raises(ValueError) as e:
         _check(a)
     msg = str(e.value)
     for part in ("--concurrency '1,x'", "--contenders 'full,fast'", "--requests 0", "--duration-s -1.0"):
         assert part in msg
+    with pytest.raises(ValueError, match="the transformers contender needs --hf-dir"):
+        _check(Namespace(**{**vars(a), "concurrency": "1", "contenders": "full,transformers", "requests": 2, "duration_s": 5.0}))
     with pytest.raises(ValueError, match="whole number"):
         Load("concurrency", 1.5)
     assert RequestRecord().ok is False

@@ -28,10 +28,10 @@ Contenders (``--contenders``, all measured in the same run, one after another on
 * ``generate`` — ``model.generate`` of each prompt alone in this process (only at concurrency 1), timed
   alternately with one request of the same prompt to the idle ``full`` server: the server's overhead (HTTP +
   scheduling) is the paired medians' ratio of end-to-end times;
-* with ``--hf-dir DIR`` (a transformers model directory, e.g. SmolLM2-135M written by
-  ``benchmarks/bench_serve_smollm2.py``), two more on that plain model: ``looplm-hf`` (``looplm serve`` of
-  its ``looplm import hf`` run, ``--hf-run``) and ``transformers`` (``transformers serve
-  --continuous-batching``), at the concurrency levels only.
+* ``transformers`` — ``transformers serve --continuous-batching`` (transformers' own OpenAI-compatible
+  server) on ``--hf-dir``, a transformers model directory holding the weights ``--model`` was imported from
+  (``looplm import hf``; ``benchmarks/bench_serve_smollm2.py`` prepares SmolLM2-135M both ways). With it
+  in the run no request sets ``ignore_eos`` (transformers serve has no such field): greedy, both stop alike.
 
 The targets of issue 47 are printed under the table (pass / miss, with the measured values). Output: a
 markdown table on stdout, ``--out`` JSON (every record summary and the machine), ``--png`` a plot.
@@ -60,8 +60,7 @@ from pathlib import Path
 
 __all__ = ["Load", "RequestRecord", "ServerProcess", "held_out_prompts", "register", "run_load", "summarize"]
 
-CONTENDERS = ("full", "exit", "one", "generate")
-HF_CONTENDERS = ("looplm-hf", "transformers")
+CONTENDERS = ("full", "exit", "one", "generate", "transformers")
 
 
 # ------------------------------------------------------------------------------------------------ loads
@@ -393,7 +392,9 @@ def targets(rows: list[dict], K: int | None) -> list[dict]:
     if f and o and top != "c=1":
         ratio = f["tokens_per_s"] / o["tokens_per_s"]
         out.append({"target": f"{top} streams: throughput >= 4x one-at-a-time", "value": f"{ratio:.2f}x", "met": ratio >= 4})
-    for load in [r["load"] for r in rows if r["contender"] == "exit"]:
+    # capacity against capacity: at the concurrency loads (closed loop, the server always busy); under Poisson
+    # arrivals below capacity both serve what arrives, and their throughputs are the arrival rate's
+    for load in [r["load"] for r in rows if r["contender"] == "exit" and r["load"].startswith("c=")]:
         f, e = at.get(("full", load)), at[("exit", load)]
         if f and K and e.get("loops_per_token"):
             need = f["tokens_per_s"] / (1.1 * e["loops_per_token"] / K)
@@ -405,7 +406,7 @@ def targets(rows: list[dict], K: int | None) -> list[dict]:
         # paired (generate and one server request alternating) where measured, else the two loads' medians
         over = g.get("paired_server_e2e_ms_p50", f["e2e_ms_p50"]) / g["e2e_ms_p50"] - 1
         out.append({"target": "1 stream: server overhead <= 10% of model.generate", "value": f"{100 * over:+.1f}%", "met": over <= 0.10})
-    a, b = at.get(("looplm-hf", top)), at.get(("transformers", top))
+    a, b = at.get(("full", top)), at.get(("transformers", top))
     if a and b:
         ratio = a["tokens_per_s"] / b["tokens_per_s"]
         out.append({"target": f"{top} streams: looplm serve ahead of transformers serve (same plain model)",
@@ -481,8 +482,8 @@ def _check(args) -> tuple[list[Load], list[str]]:
     unknown = [c for c in names if c not in CONTENDERS]
     if unknown or not names:
         bad.append(f"--contenders {args.contenders!r}: choose from {', '.join(CONTENDERS)}")
-    if args.hf_dir and not args.hf_run:
-        bad.append("--hf-dir needs --hf-run (the `looplm import hf` run of the same weights, served by looplm-hf)")
+    if "transformers" in names and not args.hf_dir:
+        bad.append("the transformers contender needs --hf-dir (a transformers model directory of --model's weights)")
     for k in ("requests", "max_tokens", "prompt_len", "max_batch", "threads"):
         if getattr(args, k) < 1:
             bad.append(f"--{k.replace('_', '-')} {getattr(args, k)}: give an int >= 1")
@@ -490,9 +491,8 @@ def _check(args) -> tuple[list[Load], list[str]]:
         bad.append(f"--duration-s {args.duration_s}: give seconds > 0")
     if not loads and not bad:
         bad.append("no load: give --concurrency and / or --rates")
-    for p in (args.hf_dir, args.hf_run):
-        if p and not Path(p).is_dir():
-            bad.append(f"{p!r} is not a directory")
+    if args.hf_dir and not Path(args.hf_dir).is_dir():
+        bad.append(f"--hf-dir {args.hf_dir!r} is not a directory")
     if bad:
         raise ValueError("looplm bench serve: " + "; ".join(bad))
     return loads, names
@@ -559,7 +559,7 @@ def cmd_bench_serve(args) -> int:
             if after is not None:
                 after(server)
 
-    serve_extra = {"ignore_eos": True}
+    serve_extra = None if "transformers" in names else {"ignore_eos": True}
     one_stream = any(ld.kind == "concurrency" and ld.value == 1 for ld in loads)
     for name in names:
         if name == "generate":
@@ -568,22 +568,14 @@ def cmd_bench_serve(args) -> int:
                 s = _generate_alone(model, tok, prompts[: args.requests], args.max_tokens)
                 rows.append({"contender": "generate", "load": "c=1", **s})
             continue
+        if name == "transformers":
+            measure(name, ServerProcess(_transformers_argv(args.hf_dir, args.dtype), name, env), loads, serve_extra)
+            continue
         flags = {"full": [], "exit": ["--exit", args.exit, "--exit-schedule", "depth"], "one": []}[name]
         mb = 1 if name == "one" else args.max_batch
         after = paired_generate if name == "full" and "generate" in names and one_stream else None
         measure(name, ServerProcess(_looplm_argv(args.model, args.threads, mb, flags, args.dtype, max_len), name, env), loads,
                 serve_extra, after)  # fmt: skip
-    if args.hf_dir:
-        conc = [ld for ld in loads if ld.kind == "concurrency"]
-        hf_tok_len = args.prompt_len
-        from ..data.tokenizers import load_tokenizer
-
-        hf_prompts_tok = load_tokenizer(args.hf_dir)
-        prompts[:] = held_out_prompts(hf_prompts_tok, args.data, args.requests, hf_tok_len)
-        # the same request to both (no ignore_eos: transformers serve has none; greedy, so both stop alike)
-        measure("looplm-hf", ServerProcess(_looplm_argv(args.hf_run, args.threads, args.max_batch, [], args.dtype, max_len),
-                                           "looplm-hf", env), conc, None)  # fmt: skip
-        measure("transformers", ServerProcess(_transformers_argv(args.hf_dir, args.dtype), "transformers", env), conc, None)
     table = markdown(rows)
     tg = targets(rows, K)
     print(header + "\n\n" + table + "\n")
@@ -616,8 +608,7 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of every server and of generate")
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--seed", type=int, default=0, help="seeds the Poisson arrivals")
-    p.add_argument("--hf-dir", default=None, help="a transformers model directory: adds transformers serve --continuous-batching")
-    p.add_argument("--hf-run", default=None, help="the `looplm import hf` run of --hf-dir's weights (looplm-hf)")
+    p.add_argument("--hf-dir", default=None, help="the transformers contender's model directory (--model's weights before `looplm import hf`)")
     p.add_argument("--out", default=None, help="write the rows, targets and machine as JSON here")
     p.add_argument("--png", default=None, help="write the plot here")
     p.set_defaults(func=cmd_bench_serve)
