@@ -23,8 +23,15 @@ def smollm2_dirs(work: str | Path, gguf: str | None = None) -> tuple[Path, Path]
     hf_dir, run = work / "hf", work / "looplm"
     if not (hf_dir / "config.json").is_file():
         path = find_gguf(gguf)
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        gg = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        # transformers marks a GGUF-loaded model quantized and will not save it: the same fp32 weights in a
+        # plain model of its config (its quantization record dropped), which saves as an ordinary directory
+        cfg = gg.config
+        if hasattr(cfg, "quantization_config"):
+            del cfg.quantization_config
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        model.load_state_dict(gg.state_dict())
         model.save_pretrained(str(hf_dir))
         tok.save_pretrained(str(hf_dir))
     if not (run / "COMPLETE").is_file():

@@ -107,6 +107,7 @@ async def _one_request(session, url: str, body: dict, headers: dict, rec: Reques
             if resp.status != 200:
                 rec.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
                 return
+            finished = None
             async for raw in resp.content:
                 line = raw.decode("utf-8", "replace").strip()
                 if not line.startswith("data:"):
@@ -121,6 +122,8 @@ async def _one_request(session, url: str, body: dict, headers: dict, rec: Reques
                     return
                 now = time.perf_counter()
                 for ch in obj.get("choices") or []:
+                    if ch.get("finish_reason"):
+                        finished = now
                     if ch.get("text"):
                         rec.chunk_times.append(now)
                         if rec.t_first is None:
@@ -131,7 +134,10 @@ async def _one_request(session, url: str, body: dict, headers: dict, rec: Reques
                 if obj.get("usage"):
                     rec.prompt_tokens = int(obj["usage"].get("prompt_tokens") or 0)
                     rec.completion_tokens = int(obj["usage"].get("completion_tokens") or 0)
-            rec.error = "the stream ended without [DONE]"
+            if finished is not None:  # transformers serve ends its streams without [DONE]
+                rec.t_end = time.perf_counter()
+                return
+            rec.error = "the stream ended without [DONE] or a finish_reason"
     except asyncio.CancelledError:
         rec.error = "cancelled at the load's time bound"
         raise
