@@ -37,8 +37,9 @@ def main(argv=None) -> int:
     ap.add_argument("--data-dir", required=True, help="the local task copies (../shared/data/eval)")
     ap.add_argument("--task", default="arc_easy")
     ap.add_argument("--limit", type=int, default=40)
-    ap.add_argument("--exit", default="kl:0.01", help="the served engine's exit criterion (default kl:0.01)")
+    ap.add_argument("--exit", default="kl:0.01", help="the served engine's exit criterion (default kl:0.01; none: full depth)")
     ap.add_argument("--tol", type=float, default=1e-4)
+    ap.add_argument("--concurrent", type=int, default=4, help="lm-eval's num_concurrent (default 4)")
     a = ap.parse_args(argv)
     if a.limit < 1:
         ap.error(f"--limit {a.limit}: give an int >= 1")
@@ -62,11 +63,11 @@ def main(argv=None) -> int:
     ref = lm_eval.simple_evaluate(model=LoopLMEvalModel(model=model.eval(), tokenizer=tok, batch_size=4), tasks=[a.task],
                                   task_manager=tm, log_samples=True, limit=a.limit)  # fmt: skip
     t_ref = time.perf_counter() - t0
-    engine = Engine(model, EngineConfig(max_batch=4, exit=a.exit), eos_token_id=tok.eos_id)
+    engine = Engine(model, EngineConfig(max_batch=4, exit=None if a.exit == "none" else a.exit), eos_token_id=tok.eos_id)
     t0 = time.perf_counter()
     with Server(build_app(engine, tok, "smollm2"), host="127.0.0.1", port=0) as server:
         margs = (f"base_url={server.url}/v1/completions,model=smollm2,tokenizer_backend=huggingface,tokenizer={hf_dir},"
-                 "tokenized_requests=True,num_concurrent=4,max_retries=1")  # fmt: skip
+                 f"tokenized_requests=True,num_concurrent={a.concurrent},max_retries=1")  # fmt: skip
         got = lm_eval.simple_evaluate(model="local-completions", model_args=margs, tasks=[a.task], task_manager=tm,
                                       log_samples=True, limit=a.limit)  # fmt: skip
     t_srv = time.perf_counter() - t0
@@ -83,6 +84,10 @@ def main(argv=None) -> int:
     print(f"| looplm eval harness (in-process) | {len(want)} | {len(diffs)} | – | {ref['results'][a.task][metric]:.4f} | {t_ref:.1f} |")
     print(f"| lm-eval local-completions → looplm serve | {len(have)} | {len(diffs)} | {max(diffs):.2e} | "
           f"{got['results'][a.task][metric]:.4f} | {t_srv:.1f} |")  # fmt: skip
+    worst = sorted(((abs(x - y), i, j, x, y) for i in want for j, (x, y) in enumerate(zip(want[i], have[i]))), reverse=True)[:3]
+    for d, i, j, x, y in worst:
+        if d > a.tol:
+            print(f"document {i}, choice {j}: harness {x:.6f}, server {y:.6f}")
     ok = max(diffs) <= a.tol
     print(f"\n{'PASS' if ok else 'FAIL'}: largest difference {max(diffs):.2e} {'<=' if ok else '>'} {a.tol:g}")
     return 0 if ok else 1

@@ -247,6 +247,26 @@ def test_echo_scores_the_prompt_as_a_full_forward_does(served):
     assert r.choices[0].text == "abc" + tok.decode(_alone(ref, tok, tok.encode("abc"), n=4))
 
 
+def test_a_stop_token_has_its_logprob_after_an_echoed_prompt(served):
+    """lm-eval's ``local-completions`` sends ``echo`` + ``max_tokens=1`` and drops the last log-probability as
+    the generated token's. Where that token is an EOS or a stop token id, it is still in the log-probabilities
+    (its text is not shown): otherwise the prompt's last token was dropped and the score was wrong."""
+    server, client, ref, tok = served
+    ids = tok.encode(PROMPTS[1])
+    nxt = _alone(ref, tok, ids, n=1, exit=None)[0]  # the greedy next token: made a stop token here
+    r = client.completions.create(model="tiny", prompt=[ids], max_tokens=1, echo=True, logprobs=1, temperature=0,
+                                  extra_body={"stop_token_ids": [nxt], "looplm": {"exit": "none"}})  # fmt: skip
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.text == PROMPTS[1] and r.usage.completion_tokens == 1
+    lp = c.logprobs
+    assert len(lp.token_logprobs) == len(ids) + 1 and lp.text_offset[-1] == len(PROMPTS[1])
+    with torch.no_grad():
+        want = torch.log_softmax(ref(torch.tensor([ids])).logits[0].double(), -1)  # [T, V]
+    assert lp.token_logprobs[-1] == pytest.approx(want[-1, nxt].item(), abs=1e-5)
+    # the continuation's score, as lm-eval sums it (token_logprobs[ctxlen:-1]), is the prompt's own
+    assert sum(lp.token_logprobs[2:-1]) == pytest.approx(sum(want[i - 1, ids[i]].item() for i in range(2, len(ids))), abs=1e-4)
+
+
 def test_the_looplm_extension_fields(served):
     server, client, ref, tok = served
     ids = tok.encode(PROMPTS[0])

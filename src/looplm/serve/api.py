@@ -362,8 +362,13 @@ class _Run:
             if ev.depth:
                 c.depth_sum += ev.depth
                 m.token_loops.observe(ev.depth)
-            if ev.stop or c.text.stopped:
-                return  # an EOS / stop token (its text is not shown), or a token after a found stop string
+            if c.text.stopped:
+                return  # a token after a found stop string
+            if ev.stop:  # an EOS / stop token: its text is not shown, but it was generated — it has its log-probability
+                # (as in OpenAI's and vLLM's answers: lm-eval's local-completions drops the last token of an echoed
+                # prompt + max_tokens=1 as the generated one, which would otherwise be the prompt's last)
+                c.tokens.append(_Tok(ev.token_id, ev.logprob, ev.top_logprobs, len(c.text.text)))
+                return
             offset = c.text.add(ev.token_id)
             c.tokens.append(_Tok(ev.token_id, ev.logprob, ev.top_logprobs, offset))
             if c.text.stopped:
