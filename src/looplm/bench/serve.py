@@ -511,7 +511,7 @@ def _model_args(spec: str, threads: int, dtype: str):
 
 
 def cmd_bench_serve(args) -> int:
-    from . import cpu_description
+    from .decode import cpu_description
 
     loads, names = _check(args)
     import torch
