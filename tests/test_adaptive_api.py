@@ -43,6 +43,57 @@ def test_cli_generate_refuses_bad_adaptive_options(extra, match, capsys):
     assert err.startswith("error:") and __import__("re").search(match, err), err
 
 
+@pytest.mark.parametrize("mask,match", [([[1, 1, 1, 1], [1, 1, 1, 0]], r"row\(s\) \[1\] are right-padded.*left-pad"),
+                                        ([[1, 1, 1, 1], [0, 0, 0, 0]], r"row\(s\) \[1\] are all 0"),
+                                        ([[1, 1, 1, 1], [0, 1, 0, 1]], r"row\(s\) \[1\] are right-padded"),
+                                        ([[1, 1, 1, 2], [1, 1, 1, 1]], r"0 \(padding\) and 1 \(token\) only")])
+@pytest.mark.parametrize("how", [{}, {"exit": "kl:0.01"}, {"speculative": 1}])
+def test_generate_refuses_a_mask_it_cannot_decode(mask, match, how):
+    """A right-padded row decoded other tokens than the row alone; an all-zero row was accepted."""
+    from helpers import assert_refused_before_any_work
+
+    torch.manual_seed(0)
+    m = looplm.build("tiny-llama").eval()
+    x = torch.randint(0, 260, (2, 4))
+    assert_refused_before_any_work(m, lambda: m.generate(x, 4, attention_mask=torch.tensor(mask), **how), match)
+    left = torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])  # left padding decodes as the row alone
+    assert torch.equal(m.generate(x, 4, attention_mask=left, **how)[1, 1:], m.generate(x[1:, 1:], 4, **how)[0])
+
+
+@pytest.mark.parametrize("kw,match", [({"num_loops": 193}, r"num_loops=193 is more than 64x the model's trained K = 3"),
+                                      ({"num_loops": torch.tensor([1, 10**5])}, "num_loops=100000"),
+                                      ({"exit": {"criterion": "kl", "threshold": 0.0, "max_loops": 10**8}}, "max_loops=100000000"),
+                                      ({"exit": "replay:99"}, r"replay depth 99 exceeds the model's trained K = 3"),
+                                      ({"exit": {"criterion": "replay", "depths": torch.tensor([1, 4])}}, "replay depth 4 exceeds"),
+                                      ({"exit": {"criterion": "replay", "depths": 5, "max_loops": 4}}, "replay depth 5 exceeds max_loops = 4")])
+def test_generate_refuses_runaway_depths_unless_asked(kw, match):
+    from helpers import assert_refused_before_any_work
+
+    torch.manual_seed(0)
+    m = looplm.build("tiny-llama").eval()
+    x = torch.randint(0, 260, (2, 3))
+    assert_refused_before_any_work(m, lambda: m.generate(x, 2, **kw), match)
+    assert m.generate(x, 1, num_loops=192).shape == (2, 4)  # 64 x K itself runs
+    assert m.generate(x, 1, num_loops=200, allow_deep=True).shape == (2, 4)
+    assert m.generate(x, 1, exit={"criterion": "kl", "threshold": 0.5, "max_loops": 200}, allow_deep=True).shape == (2, 4)
+
+
+@pytest.mark.parametrize("extra,match", [(["--loops", "100000"], "num_loops=100000 .*--allow-deep"),
+                                         (["--exit", "kl:0", "--max-loops", "100000000"], "max_loops=100000000 .*--allow-deep"),
+                                         (["--exit", "replay:99"], "replay depth 99 exceeds the model's trained K = 3"),
+                                         (["--speculative", "1", "--draft-k", "600"], "= 600 is more than the 500"),
+                                         (["--speculative", "1", "--draft-k", "1000000"], "= 1000000 is more than the 500")])
+def test_cli_generate_refuses_runaway_work(extra, match, capsys):
+    assert main(["generate", "--model", "tiny-llama", "--max-new-tokens", "8", *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and len(err.strip().splitlines()) == 1 and __import__("re").search(match, err), err
+
+
+def test_cli_generate_runs_deep_when_asked(capsys):
+    assert main(["generate", "--model", "tiny-llama", "--max-new-tokens", "2", "--loops", "200", "--allow-deep"]) == 0
+    assert main(["generate", "--model", "tiny-llama", "--max-new-tokens", "2", "--exit", "replay:5", "--max-loops", "5"]) == 0
+
+
 class _Req:  # an lm-eval Instance as generate_until reads it: args = (context, generation kwargs)
     def __init__(self, *args):
         self.args = args

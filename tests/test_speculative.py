@@ -164,6 +164,25 @@ def test_bad_speculative_options_are_refused_before_any_work(spec, match):
     assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=1, exit="kl:1e-3"), "not both")
 
 
+def test_draft_k_is_bounded_by_the_room_the_model_has():
+    """--draft-k 600 on max_seq_len 512 wrote past the model's positions; --draft-k 1000000 ran until killed."""
+    m = _model("tiny-llama", max_seq_len=32)
+    x = torch.randint(0, 260, (1, 4))
+    for k in (600, 10**6, 21):  # room: 32 - 4 - 8 = 20
+        assert_refused_before_any_work(m, lambda: m.generate(x, 8, speculative={"draft_loops": 1, "k": k}),
+                                       rf"k .*= {k} is more than the 20 this call has room for .*draft at most 20")  # fmt: skip
+    assert torch.equal(m.generate(x, 8, speculative={"draft_loops": 1, "k": 20}), m.generate(x, 8))
+    # where less room is left, the default 4 still runs (drafts past the end are never emitted)
+    assert torch.equal(m.generate(x, 28, speculative=1), m.generate(x, 28))
+    assert_refused_before_any_work(m, lambda: m.generate(x, 28, speculative={"draft_loops": 1, "k": 5}), "or the default 4")
+
+
+def test_speculative_on_a_one_loop_model_says_it_needs_two():
+    m = _model("tiny-llama", n_loops=1)
+    assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=1),
+                                   r"needs a model with K >= 2 loops.*has K = 1")  # fmt: skip
+
+
 # --- a draft whose depth an exit criterion picks (speculative={"exit": ...}) ---------------------------
 # convergence at 0.8 on these random-weight models exits tokens at 2-5 of the 5 draft loops: rounds resume
 # verification below draft_loops, and rows of a batch draft at different depths

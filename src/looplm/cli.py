@@ -165,7 +165,8 @@ def _cmd_generate(args) -> int:
     adaptive = _adaptive_args(args, model)  # checked before any decoding
     out = model.generate(
         ids, max_new_tokens=args.max_new_tokens, do_sample=args.temperature > 0, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p, eos_token_id=tok.eos_id, num_loops=args.loops, return_stats=args.stats, **adaptive,
+        top_k=args.top_k, top_p=args.top_p, eos_token_id=tok.eos_id, num_loops=args.loops, return_stats=args.stats,
+        allow_deep=args.allow_deep, **adaptive,
     )
     if args.stats:
         out, stats = out
@@ -181,7 +182,7 @@ def _adaptive_args(args, model) -> dict:
     return adaptive_options(model, exit=args.exit, speculative=args.speculative, draft_k=args.draft_k, kv=args.kv_policy,
                             ssm=args.ssm_policy, min_loops=args.min_loops, max_loops=args.max_loops,
                             schedule=args.exit_schedule, draft_exit=args.draft_exit, prefill=args.exit_prefill,
-                            compile=True if _compiles_the_static_pass(args) else None)  # fmt: skip
+                            compile=True if _compiles_the_static_pass(args) else None, allow_deep=args.allow_deep)  # fmt: skip
 
 
 def _compiles_the_static_pass(args) -> bool:
@@ -224,6 +225,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--loops", type=int, default=None)
+    p.add_argument("--allow-deep", action="store_true",
+                   help="allow more than 64x the trained K loops (--loops, --max-loops, replay depths); refused otherwise")
     p.add_argument("--seed", type=int, default=0, help="seeds a random preset's weights (no --checkpoint) and the sampling")
     p.add_argument("--compile", action="store_true",
                    help="compile every block first (torch.compile); pays for long generations where the fused CPU "

@@ -70,7 +70,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CRITERIA", "Exit", "KV_POLICIES", "PREFILLS", "SCHEDULES", "SSM_POLICIES", "finish_rest", "forward_support", "keep_staying", "make_criterion"]
+__all__ = ["CRITERIA", "DEEP_LOOPS_FACTOR", "Exit", "KV_POLICIES", "PREFILLS", "SCHEDULES", "SSM_POLICIES", "finish_rest", "forward_support", "keep_staying", "make_criterion"]
 
 CRITERIA = ("gate", "kl", "convergence", "replay")
 KV_POLICIES = ("copy", "propagate", "shared", "full")
@@ -78,6 +78,17 @@ SSM_POLICIES = ("freeze", "propagate", "decay")
 SCHEDULES = ("token", "depth", "static")
 PREFILLS = ("full", "exit")
 _DEFAULT_THRESHOLD = {"gate": 1.0, "kl": 0.0, "convergence": 0.0}
+# a loop count above this many times the trained K must be asked for (allow_deep=True, --allow-deep): the cost
+# of a forward grows with it without bound, and a typo (--loops 100000) should not run for hours
+DEEP_LOOPS_FACTOR = 64
+
+
+def deep_loops_error(name: str, value: int, K: int, allow_deep: bool = False) -> str | None:
+    """Why ``value`` loops (asked for as ``name``) are refused on a model trained with ``K``, or ``None``."""
+    if allow_deep or value <= DEEP_LOOPS_FACTOR * K:
+        return None
+    return (f"{name}={value} is more than {DEEP_LOOPS_FACTOR}x the model's trained K = {K} loops (at most "
+            f"{DEEP_LOOPS_FACTOR * K} without asking); pass allow_deep=True (looplm: --allow-deep) to run that deep")
 
 
 @dataclass(frozen=True)
@@ -101,6 +112,8 @@ class Exit:
     # schedule 'static': run each fixed-shape pass through torch.compile (looplm.decode.static_schedule; the first decode
     # of a model and batch shape compiles, seconds to tens of seconds)
     compile: bool = False
+    # more than DEEP_LOOPS_FACTOR x K loops (max_loops, replay depths) asked for on purpose (else refused)
+    allow_deep: bool = False
     # the model (a weak reference) and batch this exit was checked for (:meth:`resolved`); not a field of the spec:
     # ``replace`` / :meth:`with_policies` give an exit that is checked again
     _checked: tuple | None = field(default=None, init=False, compare=False, repr=False)
@@ -138,9 +151,10 @@ class Exit:
 
     def with_policies(self, kv: str | None = None, ssm: str | None = None, min_loops: int | None = None,
                       max_loops: int | None = None, schedule: str | None = None, prefill: str | None = None,
-                      compile: bool | None = None) -> "Exit":
+                      compile: bool | None = None, allow_deep: bool | None = None) -> "Exit":
         """A copy with the given fields replaced (``None`` keeps them)."""
-        kw = dict(kv=kv, ssm=ssm, min_loops=min_loops, max_loops=max_loops, schedule=schedule, prefill=prefill, compile=compile)
+        kw = dict(kv=kv, ssm=ssm, min_loops=min_loops, max_loops=max_loops, schedule=schedule, prefill=prefill, compile=compile,
+                  allow_deep=allow_deep)
         kw = {k: v for k, v in kw.items() if v is not None}
         return replace(self, **kw)
 
@@ -217,6 +231,21 @@ class Exit:
         if isinstance(R, bool) or not isinstance(R, int) or R < 1:
             errs.append(f"exit max_loops must be an int >= 1 (default: the trained {K}), got {self.max_loops!r}")
             R = K
+        elif (why := deep_loops_error("exit max_loops", R, K, self.allow_deep is True)) is not None:
+            errs.append(why)
+        if not isinstance(self.allow_deep, bool):
+            errs.append(f"exit allow_deep must be True or False, got {self.allow_deep!r}")
+        # replay depths past max_loops would be cut to it without a word: refused, naming the depth and the bound
+        d = self.depths
+        deepest = None
+        if self.criterion == "replay" and isinstance(d, int) and not isinstance(d, bool) and d >= 1:
+            deepest = d
+        elif self.criterion == "replay" and isinstance(d, torch.Tensor) and d.numel() and not d.dtype.is_floating_point and d.dtype != torch.bool:
+            deepest = int(d.max())
+        if deepest is not None and deepest > R:
+            bound = f"the model's trained K = {K}" if self.max_loops is None else f"max_loops = {R}"
+            errs.append(f"exit replay depth {deepest} exceeds {bound}: ask for at most {R} loops, or raise max_loops "
+                        f"(looplm: --max-loops {deepest})")
         if isinstance(self.min_loops, bool) or not isinstance(self.min_loops, int) or not 1 <= self.min_loops:
             errs.append(f"exit min_loops must be an int >= 1, got {self.min_loops!r}")
         elif self.min_loops > R:

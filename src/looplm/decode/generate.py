@@ -28,6 +28,8 @@ def _check_generate_args(model, input_ids, max_new_tokens, do_sample, temperatur
     ):
         shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
         errs.append(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
+    elif attention_mask is not None:
+        errs += _mask_errors(attention_mask)
     limit = model.config.max_seq_len
     if not errs and input_ids.shape[1] + max_new_tokens > limit:
         errs.append(
@@ -36,6 +38,45 @@ def _check_generate_args(model, input_ids, max_new_tokens, do_sample, temperatur
         )
     if errs:
         raise ValueError("generate: " + "; ".join(errs))
+
+
+def _mask_errors(attention_mask: torch.Tensor) -> list[str]:
+    """Why ``attention_mask`` cannot decode: decoding appends every new token at the right end of a row, so
+    a row's padding must be on its left (0s, then 1s); right padding would put the new tokens after the
+    pad columns (other tokens than the row decoded alone), and a row of 0s has no token to continue."""
+    m = attention_mask
+    if m.dtype != torch.bool:
+        other = ((m != 0) & (m != 1)).any(1).nonzero()[:, 0].tolist()
+        if other:
+            return [f"attention_mask must hold 0 (padding) and 1 (token) only; row(s) {other[:8]} hold other values"]
+    m = m.long()
+    errs = []
+    empty = (m.sum(1) == 0).nonzero()[:, 0].tolist()
+    if empty:
+        errs.append(f"attention_mask row(s) {empty[:8]} are all 0 (no token to continue): give each row at least one token")
+    if m.shape[1] > 1:
+        right = (m[:, 1:] < m[:, :-1]).any(1).nonzero()[:, 0].tolist()  # a 0 after a 1: padding on the right
+        if right:
+            errs.append(f"attention_mask row(s) {right[:8]} are right-padded (a 0 after a 1); decoding appends new tokens "
+                        "on the right: left-pad the batch (padding_side='left': 0s first, then the row's tokens)")
+    return errs
+
+
+def _check_depth(model, num_loops, allow_deep) -> None:
+    """``num_loops`` past :data:`~looplm.decode.exits.DEEP_LOOPS_FACTOR` x K refused unless ``allow_deep``."""
+    from .exits import deep_loops_error
+
+    if not isinstance(allow_deep, bool):
+        raise ValueError(f"generate: allow_deep must be True or False, got {allow_deep!r}")
+    if isinstance(num_loops, torch.Tensor) and num_loops.numel() and not num_loops.dtype.is_floating_point:
+        r = int(num_loops.max())
+    elif isinstance(num_loops, int) and not isinstance(num_loops, bool):
+        r = num_loops
+    else:
+        return  # (None, or a bad value: the model's forward names it)
+    why = deep_loops_error("num_loops", r, model.config.n_loops, allow_deep)
+    if why is not None:
+        raise ValueError(f"generate: {why}")
 
 
 @torch.no_grad()
@@ -58,6 +99,7 @@ def generate(
     exit=None,
     speculative=None,
     return_stats: bool = False,
+    allow_deep: bool = False,
 ):
     """Return ``[B, T + max_new_tokens]`` token ids, prompt included.
 
@@ -78,12 +120,15 @@ def generate(
       or an int: the draft's loop count ``r_d``): ``k`` tokens drafted with ``r_d`` loops, verified with
       every loop in one forward that resumes at loop ``r_d + 1``; greedy output equals full-depth greedy,
       sampled output has full depth's distribution;
+    * ``allow_deep`` — allow more than 64 x the trained K loops (``num_loops``, an exit's ``max_loops`` or
+      replay depths); without it such a count is refused (a typo should not decode for hours);
     * ``return_stats`` — also return what ran: ``(ids, stats)`` with :meth:`looplm.decode.token_schedule.DepthStats.summary`
       (selected / executed depth, FLOPs) or the speculative round statistics.
     """
     if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 1:
         input_ids = input_ids[None]
     _check_generate_args(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, attention_mask)
+    _check_depth(model, num_loops, allow_deep)
     if exit is not None and speculative is not None:
         raise ValueError("generate: pass exit= or speculative=, not both (a speculative draft takes its own depth)")
     if (exit is not None or speculative is not None) and not use_cache:
@@ -109,6 +154,8 @@ def generate(
         if isinstance(num_loops, torch.Tensor):
             raise ValueError("generate: exit= decides each token's depth; per-sequence num_loops cannot be combined with it")
         e = Exit.parse(exit)  # (an Exit a front end resolved comes back as it is: checked once, not here again)
+        if allow_deep and not e.allow_deep:
+            e = e.with_policies(allow_deep=True)  # (checked anew)
         if num_loops is not None and e.default_depth and num_loops != e.max_loops:
             e = e.with_policies(max_loops=num_loops)  # another depth: checked anew
         e = e.resolved(model, input_ids.shape[0])  # every bad option refused here, before any work; handed down as is
@@ -189,12 +236,14 @@ def _generate_adaptive(model, input_ids, max_new_tokens, exit, do_sample, temper
 
 def adaptive_options(model, exit=None, speculative=None, draft_k: int | None = None, kv: str | None = None, ssm: str | None = None,
                      min_loops: int | None = None, max_loops: int | None = None, schedule: str | None = None,
-                     draft_exit: str | None = None, prefill: str | None = None, compile: bool | None = None) -> dict:
+                     draft_exit: str | None = None, prefill: str | None = None, compile: bool | None = None,
+                     allow_deep: bool = False) -> dict:
     """``generate()``'s adaptive-depth keyword arguments from a front end's options (``looplm generate``'s
     flags, the lm-eval model's arguments), checked against ``model`` before any decoding: ``{"exit": Exit}``
     (``exit`` with the policies and loop bounds), ``{"speculative": Speculative}`` (``speculative`` draft
-    loops, ``draft_k`` tokens per round, default 4, ``draft_exit`` the draft's exit criterion) or ``{}``. A
-    ``ValueError`` names a bad option."""
+    loops, ``draft_k`` tokens per round, default 4, ``draft_exit`` the draft's exit criterion) or ``{}``;
+    ``allow_deep``: an exit's ``max_loops`` / replay depth may exceed 64 x K (else refused). A ``ValueError``
+    names a bad option."""
     from .exits import Exit
     from .speculative import Speculative
 
@@ -204,7 +253,8 @@ def adaptive_options(model, exit=None, speculative=None, draft_k: int | None = N
         raise ValueError("exit (--exit / exit=) and speculative decoding (--speculative / speculative=) cannot be combined "
                          "(the draft takes its own depth): give one, not both")  # fmt: skip
     if exit is not None:
-        return {"exit": Exit.parse(exit).with_policies(**policy).resolved(model)}  # generate() does not check it again
+        e = Exit.parse(exit).with_policies(**policy, allow_deep=True if allow_deep else None)
+        return {"exit": e.resolved(model)}  # generate() does not check it again
     if any(v is not None for v in policy.values()):
         raise ValueError("--kv-policy / --ssm-policy / --min-loops / --max-loops / --exit-schedule / --exit-prefill (kv_policy= ... exit_compile=) "
                          "are options of --exit (exit=): give an exit criterion too")  # fmt: skip

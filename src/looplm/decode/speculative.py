@@ -62,6 +62,8 @@ import torch
 
 __all__ = ["Speculative", "SpeculativeStats", "speculative_generate"]
 
+DEFAULT_DRAFT_K = 4  # tokens drafted per round unless told (Speculative.k)
+
 
 @dataclass(frozen=True)
 class Speculative:
@@ -72,7 +74,7 @@ class Speculative:
 the rejected drafts' cache columns (module docstring, "Reclaiming the holes")."""
 
     draft_loops: int
-    k: int = 4
+    k: int = DEFAULT_DRAFT_K
     exit: object = None
     reclaim: bool = True  # give rejected drafts' cache columns back (module docstring, "Reclaiming the holes")
     # the model (a weak reference) it was checked for: resolved once, at the entry (as Exit.resolved)
@@ -106,10 +108,13 @@ the rejected drafts' cache columns (module docstring, "Reclaiming the holes").""
         K = model.config.n_loops
         errs = []
         r = self.draft_loops
-        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < K:
+        if K < 2:  # no draft depth below K exists
+            errs.append(f"self-speculative decoding needs a model with K >= 2 loops (a draft of fewer loops than K verified "
+                        f"with all K); this model has K = {K}: decode without speculative (looplm: leave out --speculative)")
+        elif isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < K:
             errs.append(f"speculative draft_loops must be an int in [1, {K - 1}] (fewer than the model's K = {K} loops), got {r!r}")
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            errs.append(f"speculative k (tokens drafted per round) must be an int >= 1, got {self.k!r}")
+            errs.append(f"speculative k (tokens drafted per round) must be an int >= 1 (looplm: --draft-k), got {self.k!r}")
         if not isinstance(self.reclaim, bool):
             errs.append(f"speculative reclaim must be True or False, got {self.reclaim!r}")
         if getattr(model, "n_pause", 0):
@@ -124,6 +129,21 @@ the rejected drafts' cache columns (module docstring, "Reclaiming the holes").""
         if errs:
             raise ValueError("; ".join(errs))
         return self if e is None else replace(self, exit=e)
+
+    def check_room(self, model, prompt_len: int, max_new_tokens: int) -> None:
+        """Refuse a draft longer than the model has room for, before any work. A round drafts ``k`` tokens past
+        a row's committed ones, so the last round's drafts reach position ``prompt + max_new_tokens - 1 + k``:
+        ``k`` may be at most the room ``max_seq_len - prompt - max_new_tokens`` (where less is left, the default
+        4: drafts past the end are never emitted). A longer draft computes tokens only to throw them away, in
+        cache columns past ``max_seq_len`` (and a huge ``k`` would run until killed)."""
+        room = model.config.max_seq_len - prompt_len - max_new_tokens
+        most = max(room, DEFAULT_DRAFT_K)
+        if self.k > most:
+            raise ValueError(
+                f"speculative k (tokens drafted per round, looplm: --draft-k) = {self.k} is more than the {most} this call "
+                f"has room for (max_seq_len {model.config.max_seq_len} - prompt {prompt_len} - max_new_tokens {max_new_tokens}"
+                f"{'' if room >= DEFAULT_DRAFT_K else f', or the default {DEFAULT_DRAFT_K}'}): draft at most {most} tokens per round"
+            )
 
     def _draft_exit(self, model, cap: int):
         """The draft's :class:`~looplm.decode.exits.Exit`, resolved for ``model`` (``max_loops`` = K: the cache holds
@@ -282,6 +302,7 @@ def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=F
     sp = Speculative.parse(spec).resolved(model)
     K, r_d, k = model.config.n_loops, sp.draft_loops, sp.k
     B, T = input_ids.shape
+    sp.check_room(model, T, max_new_tokens)
     dev = input_ids.device
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0

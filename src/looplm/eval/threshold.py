@@ -125,7 +125,8 @@ def decode_sweep(model, batch: torch.Tensor, rows: list[dict], *, kv: str = "cop
         if r["setting"] == "threshold":
             specs[("threshold", r["q"])] = {"criterion": "gate", "threshold": r["q"], "kv": kv, "ssm": ssm}
         else:
-            specs[("fixed", r["r"])] = {"criterion": "replay", "depths": r["r"], "kv": kv, "ssm": ssm, "max_loops": model.config.n_loops}
+            specs[("fixed", r["r"])] = {"criterion": "replay", "depths": r["r"], "kv": kv, "ssm": ssm,
+                                       "max_loops": max(model.config.n_loops, r["r"])}  # (a forced r past K runs r loops)
     cont = {"full": lambda b, c: FullDepth(m, b, c)}
     cont.update({key: (lambda b, c, e=e: AdaptiveDecoder(m, b, c, e)) for key, e in specs.items()})
     res = teacher_forced_timing(m, batch, cont, prompt_len=prompt_len, clock=clock)
