@@ -5,7 +5,8 @@ In fp32 the engine's greedy output equals ``generate`` alone token for token (``
 bf16 rounds every product, so a sequence may take another token where two candidates are close, and after that
 the two continuations differ. This script measures how often, on a trained model: per setting, the share of
 requests whose whole output is identical, the share of tokens that agree before the first difference (the
-common prefix over all tokens), and the first-difference position. Prompts are held-out speeches of the
+common prefix over all tokens), and the first-difference position; and, to separate rounding from batching,
+whether each bf16 request equals bf16 ``generate`` of its prompt alone (the last column). Prompts are held-out speeches of the
 corpus the bench LM was trained on; the engine runs them all at once through ``--max-batch`` rows.
 
     python benchmarks/check_serve_bf16.py --runs-dir RUNS          # RUNS/lm: the d = 1024 bench LM
@@ -90,22 +91,25 @@ def main(argv=None) -> int:
           f"{a.new} new, max_batch {a.max_batch}")  # fmt: skip
     print(f"# {cpu_info(torch.get_num_threads())}, torch {torch.__version__}, {datetime.date.today()}")
     print()
-    print("| setting | identical outputs | tokens agreeing (common prefix) | first difference (median position) | engine fp32 = generate fp32 |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| setting | identical outputs | tokens agreeing (common prefix) | first difference (median position) | engine fp32 = generate fp32 | engine bf16 = generate bf16 |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for ex in exits:
         spec = None if ex == "none" else ex
         with torch.no_grad():
             refs = [model.generate(torch.tensor([p]), a.new, exit=spec)[0, len(p):].tolist() for p in prompts]
         fp32 = _engine_tokens(model, prompts, a.new, spec, a.max_batch)
         bf = _engine_tokens(model.to(torch.bfloat16), prompts, a.new, spec, a.max_batch)
+        with torch.no_grad():  # the same rounding alone: does a bf16 request depend on its batch?
+            bf_alone = [model.generate(torch.tensor([p]), a.new, exit=spec)[0, len(p):].tolist() for p in prompts]
         model = model.float()
         same = sum(o == r for o, r in zip(bf, refs))
         firsts = [next((i for i, (x, y) in enumerate(zip(o, r)) if x != y), len(r)) for o, r in zip(bf, refs)]
         diffs = sorted(f for f in firsts if f < a.new)
         med = "—" if not diffs else str(diffs[len(diffs) // 2])
         exact = sum(o == r for o, r in zip(fp32, refs))
+        exact_bf = sum(o == r for o, r in zip(bf, bf_alone))
         print(f"| {'full depth' if spec is None else spec} | {same}/{len(prompts)} | {sum(firsts) / (a.new * len(prompts)):.1%} | "
-              f"{med} | {exact}/{len(prompts)} |")  # fmt: skip
+              f"{med} | {exact}/{len(prompts)} | {exact_bf}/{len(prompts)} |")  # fmt: skip
     return 0
 
 
