@@ -10,7 +10,8 @@ Sources:
   converted by :func:`looplm.interop.from_transformers` (``(p, s, K, c) = (0, L, 1, 0)``, the same logits).
 * an Ouro (``model_type: ouro``) or Huginn / Raven (``model_type: huginn_raven``) checkpoint: its own
   format read by :mod:`looplm.hf.public` — no remote code runs — into looplm's driver (sandwich / post-sum
-  norms, the exit gate or the adapter and random state as rule options), every tensor checked first.
+  norms, the exit gate or the adapter and random state as rule options), every tensor checked first; a
+  Nanbeige4.2 checkpoint (``model_type: nanbeige``) the same way (:mod:`looplm.hf.nanbeige`).
 
 The result is a checkpoint directory like one ``looplm train`` writes (``model.safetensors``,
 ``config.json`` with ``{"model": ..., "tokenizer": ..., "tokenizer_fingerprint": ...}`` and a

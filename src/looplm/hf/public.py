@@ -3,7 +3,8 @@
 ``looplm import hf DIR OUT`` recognises both by ``config.json``'s ``model_type`` and loads them into looplm's
 own driver (:func:`load_public`); ``looplm export hf RUN OUT --format original`` writes a looplm model of
 either architecture back in its original format (:func:`export_original`), so the original modelling
-code and other engines read it.
+code and other engines read it. Nanbeige4.2 (``model_type: nanbeige``, Llama layers looped with the final norm
+between passes) goes through the same functions; its mapping is :mod:`looplm.hf.nanbeige`.
 
 Ouro (``model_type: ouro``; Ouro-1.4B / 2.6B and their Thinking variants)::
 
@@ -57,6 +58,7 @@ from typing import Any
 
 import torch
 
+from . import nanbeige as _nanbeige
 from .weights import WEIGHTS_FILE
 
 __all__ = [
@@ -71,7 +73,7 @@ __all__ = [
     "to_original_state",
 ]
 
-FAMILIES = {"ouro": "Ouro", "huginn_raven": "Huginn"}
+FAMILIES = {"ouro": "Ouro", "huginn_raven": "Huginn", "nanbeige": "Nanbeige"}  # nanbeige: looplm.hf.nanbeige
 
 
 class PublicFormatError(ValueError):
@@ -287,9 +289,9 @@ def public_config(hf_config: dict, where: str = "config.json", **overrides):
 
     fam = detect(hf_config)
     if fam is None:
-        raise PublicFormatError([f"model_type {hf_config.get('model_type')!r} is neither of {sorted(FAMILIES)}"], where)
+        raise PublicFormatError([f"model_type {hf_config.get('model_type')!r} is not one of {sorted(FAMILIES)}"], where)
     errs: list[str] = []
-    d = (_ouro_config if fam == "ouro" else _huginn_config)(hf_config, errs)
+    d = {"ouro": _ouro_config, "huginn_raven": _huginn_config, "nanbeige": _nanbeige.config_dict}[fam](hf_config, errs)
     if errs:
         raise PublicFormatError(errs, where)
     try:
@@ -338,7 +340,11 @@ def family_of(cfg) -> str:
         huginn.append("n_kv_heads = n_heads with qk_bias")
     if not huginn:
         return "huginn_raven"
-    raise PublicFormatError([f"as Ouro it needs {'; '.join(ouro)}", f"as Huginn it needs {'; '.join(huginn)}"],
+    nanbeige = _nanbeige.misfit(cfg)
+    if not nanbeige:
+        return "nanbeige"
+    raise PublicFormatError([f"as Ouro it needs {'; '.join(ouro)}", f"as Huginn it needs {'; '.join(huginn)}",
+                             f"as Nanbeige it needs {'; '.join(nanbeige)}"],
                             f"model {cfg.name!r}", "cannot be written in an original format")
 
 
@@ -354,6 +360,8 @@ def _rope_perm(hd: int) -> torch.Tensor:
 
 def _expected_shapes(fam: str, cfg) -> dict[str, tuple[int, ...]]:
     """Every tensor of the original format for ``cfg`` (a looplm config) and its shape."""
+    if fam == "nanbeige":
+        return _nanbeige.expected_shapes(cfg)
     d, V, ff = cfg.d_model, cfg.vocab_size, cfg.d_ff
     H, kv, hd = cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim
     out: dict[str, tuple[int, ...]] = {}
@@ -398,6 +406,8 @@ def _huginn_prefix(their_prefix: str) -> str:
 
 def to_looplm_state(fam: str, cfg, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The looplm state dict from the original tensors ``t`` (already checked against :func:`_expected_shapes`)."""
+    if fam == "nanbeige":
+        return _nanbeige.to_looplm_state(cfg, t)
     sd: dict[str, torch.Tensor] = {}
     if fam == "ouro":
         sd["embed.weight"] = t["model.embed_tokens.weight"]
@@ -442,6 +452,8 @@ def to_original_state(fam: str, model) -> dict[str, torch.Tensor]:
     """The inverse of :func:`to_looplm_state`: a looplm model's tensors under the original names."""
     cfg = model.config
     sd = {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
+    if fam == "nanbeige":
+        return {k: v.contiguous() for k, v in _nanbeige.to_original_state(cfg, sd).items()}
     out: dict[str, torch.Tensor] = {}
     if fam == "ouro":
         out["model.embed_tokens.weight"] = sd["embed.weight"]
@@ -569,8 +581,9 @@ def load_public(src: str | Path, *, dtype=torch.float32, **overrides):
     fam = detect(hf)
     cfg = public_config(hf, str(src / "config.json"), **overrides)
     expected = _expected_shapes(fam, cfg)
-    tie_to = "model.embed_tokens.weight" if fam == "ouro" else "transformer.wte.weight"
-    tensors = read_tensors(src, expected, _DERIVED[fam], tied_head="lm_head.weight" if cfg.tie_embeddings else None,
+    tie_to = "transformer.wte.weight" if fam == "huginn_raven" else "model.embed_tokens.weight"
+    derived = _nanbeige.derived(cfg) if fam == "nanbeige" else _DERIVED[fam]
+    tensors = read_tensors(src, expected, derived, tied_head="lm_head.weight" if cfg.tie_embeddings else None,
                            tie_to=tie_to, dtype=dtype, what=f"its {FAMILIES[fam]} config")
     tok = _tokenizer(src)
     # built without memory, then every tensor assigned (no random init of billions of weights to overwrite)
@@ -597,6 +610,8 @@ def load_public(src: str | Path, *, dtype=torch.float32, **overrides):
 
 def _original_config(fam: str, cfg, tok, dtype: str) -> dict:
     a = cfg.attention
+    if fam == "nanbeige":
+        return _nanbeige.original_config(cfg, tok, dtype)
     ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id} if tok is not None else {}
     if fam == "ouro":
         sliding = set(cfg.attention.sliding_layer_idx) if a.sliding_window is not None and a.sliding_layer_idx else (
@@ -641,6 +656,7 @@ _AUTO_MAP = {
     "ouro": {"AutoConfig": "configuration_ouro.OuroConfig", "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"},
     "huginn_raven": {"AutoConfig": "raven_config_minimal.RavenConfig",
                      "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM"},
+    "nanbeige": _nanbeige.AUTO_MAP,
 }
 
 
