@@ -462,3 +462,35 @@ def test_preset_size():
     layer = 2 * d * H * hd + 2 * d * kv * hd + 3 * d * ff + 2 * d
     assert n == L * layer + 2 * V * d + d == 4_169_800_704
     assert n - 2 * V * d == 3_149_011_968 and math.isclose((n - 2 * V * d) / 1e9, 3.15, abs_tol=0.005)
+
+
+def test_last_pass_agreement_is_the_kl_between_the_two_passes(nb, tmp_path):
+    """The by-hand measurement (``benchmarks/check_nanbeige_pass1.py``): per token KL(p¹ ‖ p²) of the reference's
+    two passes, the fraction below each ε (monotone), top-1 agreement."""
+    from looplm.hf.nanbeige import last_pass_agreement
+
+    m, cfg = nb["model"], nb["cfg"]
+    ids = torch.randint(0, cfg["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(8))
+    res = last_pass_agreement(m, ids, thresholds=(1e-2, 0.1, 1.0, 1e9))
+    _, passes = nb["ref"](ids, states=True)
+    lp = [torch.log_softmax(h @ nb["t"]["lm_head.weight"].T, -1) for h in passes]
+    kl = (lp[0].exp() * (lp[0] - lp[1])).sum(-1)
+    assert res["tokens"] == 32 and res["passes"] == (1, 2)
+    assert math.isclose(res["kl_mean"], float(kl.mean()), rel_tol=1e-4)
+    assert math.isclose(res["top1_agreement"], float((lp[0].argmax(-1) == lp[1].argmax(-1)).float().mean()))
+    fr = list(res["below"].values())
+    assert fr == sorted(fr) and fr[-1] == 1.0 and fr[0] < 1.0
+    with pytest.raises(ValueError, match=">= 2 passes"):
+        last_pass_agreement(looplm.build("tiny-llama", overrides={"n_loops": 1}), ids)
+
+
+def test_cli_refusal_is_one_error_no_traceback(tmp_path):
+    import subprocess
+    import sys
+
+    src, _, _ = write_nanbeige(tmp_path / "src", enable_depth_attention=True, num_loops=0)
+    r = subprocess.run([sys.executable, "-m", "looplm.cli", "import", "hf", str(src), str(tmp_path / "out")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.startswith("error: ")
+    assert "enable_depth_attention=True" in r.stderr and "num_loops must be a positive integer, got 0" in r.stderr
+    assert not (tmp_path / "out").exists()

@@ -269,3 +269,32 @@ def original_config(cfg, tok, dtype: str) -> dict:
         "skip_loop_final_norm": not cfg.rule.options.get("inter_norm", False),
         "pretraining_tp": 1, "tie_word_embeddings": cfg.tie_embeddings, **ids, "torch_dtype": dtype,
     }
+
+
+# ------------------------------------------------------------------------------------------------
+# how much the last pass changes each token's prediction (the by-hand exit measurement)
+# ------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def last_pass_agreement(model, ids: torch.Tensor, thresholds=(1e-3, 1e-2, 5e-2, 0.1, 0.5), attention_mask=None) -> dict:
+    """Per token of ``ids [B, T]``: ``KL(p^{K−1} ‖ p^K)`` between the next-token distributions after the last two
+    passes (``p^k = softmax(head(N(H^k)))``; for Nanbeige4.2, pass 1 against pass 2) and whether their argmax agrees.
+    Returns the token count, the mean / median / 90th-percentile KL, the top-1 agreement and, for each ``ε`` of
+    ``thresholds``, the fraction of tokens with ``KL < ε`` — the tokens a KL exit at ``ε`` *could* let leave after
+    pass ``K − 1``. An oracle: deciding it needs pass ``K``'s output (looplm's ``kl`` criterion compares
+    successive passes, so at the trained depth it never exits before the last), so it bounds what a learned or
+    cheaper criterion could save; it saves nothing itself."""
+    K = model.config.n_loops
+    if K < 2:
+        raise ValueError(f"last_pass_agreement needs a model of >= 2 passes (n_loops is {K})")
+    out = model(ids, attention_mask=attention_mask, output_iterations=True)
+    a, b = out.iterations[-2], out.iterations[-1]
+    lp = [torch.log_softmax(model.lm_head(model.norm(h)).float(), -1) for h in (a, b)]  # [B, T, V]
+    kl = (lp[0].exp() * (lp[0] - lp[1])).sum(-1)  # [B, T]
+    real = torch.ones_like(kl, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+    kl, top1 = kl[real], (lp[0].argmax(-1) == lp[1].argmax(-1))[real]
+    q = torch.quantile(kl.double(), torch.tensor([0.5, 0.9], dtype=torch.float64))
+    return {"tokens": int(kl.numel()), "passes": (K - 1, K), "kl_mean": float(kl.mean()), "kl_median": float(q[0]),
+            "kl_p90": float(q[1]), "top1_agreement": float(top1.float().mean()),
+            "below": {float(e): float((kl < e).float().mean()) for e in thresholds}}
