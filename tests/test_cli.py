@@ -261,3 +261,55 @@ def test_a_checkpoint_without_its_complete_manifest_loads_with_a_warning(tiny_ru
                                                "verified .* loading it unverified"):  # was silent
         rc, out, err = _generate(step, capsys)
     assert rc == 0 and out.strip() == _greedy(model, b"abc", 4).strip()
+
+
+def _text(tmp_path):
+    f = tmp_path / "text.txt"
+    f.write_text("The loop runs again and again, over and over.\n" * 3)
+    return str(f)
+
+
+def test_eval_threshold_on_a_model_without_a_gate_says_what_it_runs(tiny_run, tmp_path, capsys):
+    """No exit gate: the threshold sweep has nothing to apply q to — said on stderr; --thresholds is refused."""
+    run, _ = tiny_run
+    argv = ["eval", "threshold", str(run), "--data", _text(tmp_path), "--batches", "1", "--decode-batches", "0"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert "note: this model's rule 'vanilla' has no exit gate, so there is no threshold sweep" in err
+    assert "only the fixed-loop ablation r = 1..3 is run" in err and "| fixed | 3 |" in out
+    assert main([*argv, "--thresholds", "0.5"]) == 2
+    assert "--thresholds: a threshold q selects each token's exit from the learned exit gate" in capsys.readouterr().err
+
+
+def test_eval_ppl_refuses_bad_counts_before_reading_the_checkpoint(tmp_path, capsys):
+    # --batch-size 0 was a ZeroDivisionError, --seq-len 0 silently the default
+    argv = ["eval", "ppl", str(tmp_path / "no-run"), "--data", "stdlib"]
+    assert main([*argv, "--batch-size", "0", "--seq-len", "0", "--batches", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid eval ppl arguments (3 problem(s))" in err and "--batch-size: must be an integer >= 1, got 0" in err
+    assert "--seq-len: must be an integer >= 2, got 0" in err and "no-run" not in err  # the checkpoint was not read
+
+
+def test_eval_ppl_refuses_a_window_longer_than_the_model(tiny_run, tmp_path, capsys):
+    run, _ = tiny_run
+    assert main(["eval", "ppl", str(run), "--data", _text(tmp_path), "--seq-len", "17"]) == 2
+    assert "--seq-len 17 exceeds the model's max_seq_len=16; give at most 16" in capsys.readouterr().err
+
+
+def test_an_out_path_that_is_a_file_is_named(tiny_run, tmp_path, capsys):
+    """--out naming an existing file was '[Errno 17] File exists' (eval ppl's depth sweep: refused before any work)."""
+    run, _ = tiny_run
+    f = tmp_path / "taken"
+    f.write_text("x")
+    assert main(["eval", "ppl", str(run), "--data", _text(tmp_path), "--loops", "1..2", "--out", str(f)]) == 2
+    assert f"--out {str(f)!r}: exists and is not a directory" in capsys.readouterr().err
+    assert main(["analyze", "--model", "tiny-llama", "--metrics", "angular-distance", "--out", str(f), "--batches", "1",
+                 "--batch-size", "1", "--seq-len", "8"]) == 2  # (any command: main names the path)
+    err = capsys.readouterr().err
+    assert "Errno" not in err and f"{str(f)!r} exists (a file) where a directory is to be created" in err
+
+
+def test_info_refuses_zero_loops(capsys):
+    assert main(["info", "tiny-llama", "--loops", "0", "--seq-len", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "--loops must be an integer >= 1, got 0" in err and "--seq-len must be an integer >= 1, got -1" in err

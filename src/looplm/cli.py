@@ -95,6 +95,10 @@ def _cmd_info(args) -> int:
     from .dataclass_util import refuse_empty_yaml
     from .info import human, model_info
 
+    bad = [f"--{flag} must be an integer >= 1, got {v}" for flag, v in (("loops", args.loops), ("seq-len", args.seq_len))
+           if v is not None and v < 1]  # (were counted as given: depth and FLOPs of 0 or -1 loops)
+    if bad:
+        raise ValueError("; ".join(bad))
     refuse_empty_yaml(args.model, "model config")
     spec, retrofit = args.model, []
     if Path(args.model).is_dir():  # a run or checkpoint directory: its model, and how it was initialised
@@ -292,6 +296,24 @@ def _format_warning(message, category, filename, lineno, line=None) -> str:
     return f"warning: {message}\n"
 
 
+def _os_error_message(e: OSError) -> str:
+    """An output path that cannot be written, said in words naming it (not ``[Errno 17] File exists: 'x'``):
+    ``--out`` naming an existing file where a command creates a directory, a directory where it writes a
+    file, or a path through a file. Other errors (and those that carry their own message) as they are."""
+    path = e.filename
+    if path is None or not e.strerror:
+        return str(e)
+    if isinstance(e, FileExistsError):
+        kind = "a file" if Path(path).is_file() else "already there"
+        return (f"{str(path)!r} exists ({kind}) where a directory is to be created; give another path (--out names a "
+                "directory the command creates), or remove it")
+    if isinstance(e, NotADirectoryError):
+        return f"{str(path)!r}: a part of this path is a file, not a directory; give a path under a directory"
+    if isinstance(e, IsADirectoryError):
+        return f"{str(path)!r} is a directory where a file is to be written; give a file path"
+    return str(e)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(_command_of(argv)).parse_args(argv)
@@ -308,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except (ValueError, OSError) as e:  # bad configs, data, tokenizers (ValueError); missing / unreadable files
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_os_error_message(e) if isinstance(e, OSError) else e}", file=sys.stderr)
         return 2
     finally:
         warnings.formatwarning = formatwarning

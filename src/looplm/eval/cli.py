@@ -42,8 +42,16 @@ def cmd_eval_ppl(args) -> int:
     import torch
 
     from ..checkpoint_io import load_model_for_inference, read_checkpoint_config, resolve_checkpoint
+    from ..dataclass_util import ConfigError
+    from .cli_checks import at_least, device_errors, out_dir_errors
     from .ppl import evaluate_documents
 
+    # every value that needs no model, checked before the checkpoint is read
+    errs = at_least(1, batch_size=args.batch_size, batches=args.batches, max_docs=args.max_docs)
+    errs += at_least(2, seq_len=args.seq_len)  # (a window of one token predicts nothing)
+    errs += device_errors("--device", args.device) + out_dir_errors("--out", args.out)
+    if errs:
+        raise ConfigError(errs, "eval ppl arguments")
     ckpt = resolve_checkpoint(args.checkpoint)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     model, tok = load_model_for_inference(ckpt, device=device)
@@ -51,11 +59,11 @@ def cmd_eval_ppl(args) -> int:
     train_seq = cfg.get("train", {}).get("data", {}).get("seq_len")
     seq_len = args.seq_len or train_seq or model.config.max_seq_len
     if seq_len > model.config.max_seq_len:
-        raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len={model.config.max_seq_len}")
-    docs = _documents_for(args.data, tok, seq_len, args.max_docs, args.text_field, args.missing_text)
+        raise ValueError(f"--seq-len {seq_len} exceeds the model's max_seq_len={model.config.max_seq_len}; "
+                         f"give at most {model.config.max_seq_len}")
     from .depth import parse_loops, run_depth_sweep
 
-    loops = parse_loops(args.loops, model.config.n_loops) if args.loops is not None else None
+    loops = parse_loops(args.loops, model.config.n_loops, args.allow_deep) if args.loops is not None else None
     exit = None
     if args.exit is not None:  # (checked before any document is scored)
         if loops is not None and (len(loops) > 1 or args.out or args.grid != "both"):
@@ -63,7 +71,9 @@ def cmd_eval_ppl(args) -> int:
                              "--out, --grid) cannot be combined with it")  # fmt: skip
         from ..decode.generate import adaptive_options
 
-        exit = adaptive_options(model, exit=args.exit, kv=args.kv_policy, max_loops=loops[0] if loops else None)["exit"]
+        exit = adaptive_options(model, exit=args.exit, kv=args.kv_policy, max_loops=loops[0] if loops else None,
+                                allow_deep=args.allow_deep)["exit"]
+    docs = _documents_for(args.data, tok, seq_len, args.max_docs, args.text_field, args.missing_text)
     if loops is not None and (len(loops) > 1 or args.out or args.grid != "both"):  # a depth sweep (eval/depth.py)
         return run_depth_sweep(args, model, tok, docs, loops, seq_len, device, ckpt)
     num_loops = loops[0] if loops else None
@@ -112,6 +122,7 @@ def register(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training seq_len)")
     p.add_argument("--loops", default=None,
                    help="loop count r (default: the trained K), or a depth sweep: a..b, a list 1,2,4, or 1..2K (K = trained loops)")
+    p.add_argument("--allow-deep", action="store_true", help="allow loop counts above 64x the trained K (refused otherwise)")
     p.add_argument("--grid", choices=["both", "prefix", "rescaled"], default="both",
                    help="timestep-conditioned models: conditioning grid(s) of the depth sweep (prefix needs r <= K)")
     p.add_argument("--out", default=None, help="depth sweep: write depth.json and depth.png to this directory")

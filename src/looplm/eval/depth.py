@@ -25,9 +25,12 @@ __all__ = [
 ]
 
 
-def parse_loops(spec: "str | int", train_loops: int | None = None) -> list[int]:
+def parse_loops(spec: "str | int", train_loops: int | None = None, allow_deep: bool = True) -> list[int]:
     """``"4"`` -> ``[4]``; ``"1..8"`` -> ``[1..8]``; ``"1,2,4"``; ``"1..2K"`` with ``K`` = ``train_loops``.
-    Parts combine: ``"1..4,8,16"``. Every count must be >= 1."""
+    Parts combine: ``"1..4,8,16"``. Every count must be >= 1; without ``allow_deep`` at most 64 x ``train_loops``
+    (:data:`looplm.decode.exits.DEEP_LOOPS_FACTOR`: ``--loops 100000`` is a typo more often than a study)."""
+    from ..decode.exits import DEEP_LOOPS_FACTOR
+
     if isinstance(spec, int):
         spec = str(spec)
     text = spec.replace(" ", "")
@@ -43,6 +46,10 @@ def parse_loops(spec: "str | int", train_loops: int | None = None) -> list[int]:
         a, b = int(m.group(1)), int(m.group(2) or m.group(1))
         if a < 1 or b < a:
             raise ValueError(f"--loops {spec!r}: loop counts must be >= 1 and ranges ascending, got {part!r}")
+        if not allow_deep and train_loops is not None and b > DEEP_LOOPS_FACTOR * train_loops:
+            raise ValueError(f"--loops {spec!r}: {b} loops is more than {DEEP_LOOPS_FACTOR}x the model's trained K = "
+                             f"{train_loops} (at most {DEEP_LOOPS_FACTOR * train_loops} without asking); pass --allow-deep "
+                             "to run that deep")  # fmt: skip
         out += [r for r in range(a, b + 1) if r not in out]
     if not out:
         raise ValueError(f"--loops {spec!r}: no loop count given")

@@ -46,6 +46,11 @@ def cmd_eval_harness(args) -> int:
         raise ValueError("looplm eval harness needs CHECKPOINT and --tasks (or only --write-tasks DIR)")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    from .cli_checks import out_file_errors
+
+    errs = out_file_errors("--output-json", args.output_json)  # (before the tasks are loaded and the model scored)
+    if errs:
+        raise ValueError(errs[0])
     if args.threads:
         import torch
 

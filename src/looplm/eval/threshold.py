@@ -194,9 +194,39 @@ def _cmd_threshold(args) -> int:
     from ..data.config import DataConfig
     from ..data.pipeline import iter_val_batches
 
+    import sys
+
+    from ..dataclass_util import ConfigError
+    from .cli_checks import at_least, device_errors, loops_errors, out_file_errors
+
+    # every value that needs no model, checked before the checkpoint is read
+    errs = at_least(1, batches=args.batches, batch_size=args.batch_size, limit=args.limit)
+    errs += at_least(0, decode_batches=args.decode_batches) + at_least(2, seq_len=args.seq_len)
+    errs += [f"--thresholds: q must be in (0, 1], got {q}" for q in args.thresholds or [] if not 0 < q <= 1][:1]
+    errs += device_errors("--device", args.device, allow_auto=False)
+    errs += out_file_errors("--png", args.png)
+    if errs:
+        raise ConfigError(errs, "eval threshold arguments")
     ckpt = resolve_checkpoint(args.checkpoint)
     model, tok = load_model_for_inference(ckpt, device=args.device)
-    seq_len = args.seq_len or read_checkpoint_config(ckpt).get("train", {}).get("data", {}).get("seq_len") or 256
+    R = model.config.n_loops
+    gate = hasattr(model.rule, "exit_summary")
+    errs = loops_errors("--loops", args.loops or [], R, args.allow_deep)
+    if args.thresholds and not gate:  # the threshold q reads the exit gate's CDF: no gate, nothing to apply it to
+        errs.append(f"--thresholds: a threshold q selects each token's exit from the learned exit gate (rule exit_gate); this "
+                    f"model's rule is {model.config.rule.name!r}, which has none: leave --thresholds out (the fixed-loop "
+                    "ablation, --loops, runs without a gate)")
+    limit = model.config.max_seq_len
+    if args.seq_len is not None and args.seq_len > limit:
+        errs.append(f"--seq-len {args.seq_len} exceeds the model's max_seq_len={limit}; give at most {limit}")
+    if errs:
+        raise ConfigError(errs, "eval threshold arguments")
+    if not gate and args.thresholds is None:
+        print(f"note: this model's rule {model.config.rule.name!r} has no exit gate, so there is no threshold sweep (q selects "
+              "an exit from the gate's distribution): only the fixed-loop ablation r = "
+              f"{', '.join(map(str, args.loops)) if args.loops is not None else f'1..{R}'} is run", file=sys.stderr)
+    train_seq = read_checkpoint_config(ckpt).get("train", {}).get("data", {}).get("seq_len")
+    seq_len = args.seq_len or min(train_seq or 256, limit)  # (the default fits the model: 256 at most)
     if args.data == "stdlib":
         dcfg = DataConfig(source="stdlib", seq_len=seq_len)
     else:
@@ -204,9 +234,8 @@ def _cmd_threshold(args) -> int:
     batches = list(iter_val_batches(dcfg, tok, args.batches, args.batch_size))
     if not batches:
         raise ValueError(f"--data {args.data!r} gave no evaluation batch")
-    R = model.config.n_loops
     fixed = args.loops if args.loops is not None else list(range(1, R + 1))
-    thresholds = args.thresholds if args.thresholds is not None else (PAPER_THRESHOLDS if hasattr(model.rule, "exit_summary") else [])
+    thresholds = args.thresholds if args.thresholds is not None else (PAPER_THRESHOLDS if gate else [])
     metric, shown = lm_metric(batches, args.precision), ("ppl",)
     if args.tasks:  # downstream accuracy at every setting, through lm-eval
         tasks = task_metric(ckpt, args.tasks, include_path=args.include_path, data_dir=args.data_dir, limit=args.limit,
@@ -232,9 +261,10 @@ def register(subparsers) -> None:
     p.add_argument("--data", default="stdlib", help="'stdlib' (held-out documents) or text/jsonl files")
     p.add_argument("--thresholds", type=float, nargs="*", default=None, help="q values (default 0.2 0.4 0.6 0.8 1.0 with a gate)")
     p.add_argument("--loops", type=int, nargs="*", default=None, help="forced loop counts (default 1..R)")
+    p.add_argument("--allow-deep", action="store_true", help="allow forced loop counts above 64x the trained K (refused otherwise)")
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq-len", type=int, default=None)
+    p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training seq_len, else 256, at most the model's max_seq_len)")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--png", default=None, help="write the Figure-1-style plot here")

@@ -67,12 +67,116 @@ __all__ = ["FullDepth", "decode_timing", "register", "teacher_forced_quality", "
 SECTIONS = ("quality", "frontier", "timing", "kv_bytes", "speculative", "task", "scale", "prefill")
 
 
+def _numbers(flag: str, text: str, kind, ok, what: str, errs: list[str]) -> list:
+    """``text``'s comma-separated values as ``kind``; a message in ``errs`` for an empty list, a value that is
+    not a ``kind`` or one ``ok`` refuses (``what``: the values it takes)."""
+    vals = []
+    for part in (p.strip() for p in text.split(",")):
+        try:
+            v = kind(part)
+        except ValueError:
+            errs.append(f"{flag} {text!r}: {part!r} is not {'an integer' if kind is int else 'a number'}; give {what}, comma-separated")
+            return []
+        if not ok(v):
+            errs.append(f"{flag} {text!r}: {part!r} is out of range; give {what}, comma-separated")
+            return []
+        vals.append(v)
+    return vals
+
+
+def _lm_shape(args) -> tuple[int, int]:
+    """The bench LM's ``(K, max_seq_len)`` without training it: from its checkpoint where one is used (no
+    ``--train``), else from ``--lm-config``."""
+    from ...config import ModelConfig
+
+    lm = Path(args.runs_dir) / "lm"
+    if not args.train and lm.exists():
+        from ...checkpoint_io import read_checkpoint_config
+
+        cfg = ModelConfig.from_dict(read_checkpoint_config(lm)["model"])
+    else:
+        from ...train.config import load_train_config
+
+        cfg = load_train_config(_repo_file(args.lm_config)).model_config()
+    return cfg.n_loops, cfg.max_seq_len
+
+
+def _check_args(args) -> None:
+    """Every flag of ``bench adaptive``, one :class:`~looplm.dataclass_util.ConfigError` naming each bad one —
+    before the child process is started and before any model is trained (minutes) or loaded."""
+    import math
+
+    from ...dataclass_util import ConfigError
+    from ...decode.exits import KV_POLICIES, Exit
+    from ...eval.cli_checks import at_least, out_dir_errors, out_file_errors
+
+    errs = []
+    sections = [x.strip() for x in args.sections.split(",") if x.strip()]
+    bad = [x for x in sections if x not in SECTIONS]
+    if bad or not sections:
+        errs.append(f"--sections {args.sections!r}: unknown {bad}; choose from {list(SECTIONS)}")
+    eps = "finite numbers >= 0"
+    _numbers("--kl", args.kl, float, lambda v: 0 <= v < math.inf, eps, errs)
+    _numbers("--convergence", args.convergence, float, lambda v: 0 <= v < math.inf, eps, errs)
+    _numbers("--qs", args.qs, float, lambda v: 0 < v <= 1, "gate thresholds q in (0, 1]", errs)
+    drafts = _numbers("--drafts", args.drafts, int, lambda v: v >= 1, "draft loop counts r_d >= 1", errs)
+    ks = _numbers("--k", args.k, int, lambda v: v >= 1, "tokens drafted per round k >= 1", errs)
+    _numbers("--widths", args.widths, int, lambda v: v >= 1, "backbone widths >= 1", errs)
+    _numbers("--batches", args.batches, int, lambda v: v >= 1, "batch sizes >= 1", errs)
+    bad = [x for x in args.policies.split(",") if x.strip() not in KV_POLICIES]
+    if bad:
+        errs.append(f"--policies {args.policies!r}: unknown {bad}; choose from {', '.join(KV_POLICIES)}")
+    bad = [x for x in args.dtypes.split(",") if x.strip() not in ("fp32", "bf16")]
+    if bad:
+        errs.append(f"--dtypes {args.dtypes!r}: unknown {bad}; choose from fp32, bf16")
+    bad = [x for x in (x.strip() for x in args.schedules.split(",")) if x not in ("token",) + BATCH_SCHEDULES]
+    if bad:
+        errs.append(f"--schedules {args.schedules!r}: unknown {bad}; choose from token, {', '.join(BATCH_SCHEDULES)}")
+    bad = [x.strip() for x in args.scale_mixers.split(",") if x.strip() not in ("attention", "mamba2")]
+    if bad:
+        errs.append(f"--scale-mixers {args.scale_mixers!r}: unknown {bad}; choose from attention, mamba2")
+    for e in (x for x in args.draft_exits.split(",") if x):
+        try:
+            crit = Exit.parse(e).criterion
+        except (TypeError, ValueError) as err:
+            errs.append(f"--draft-exits {e!r}: {err}")
+            continue
+        if crit == "replay":
+            errs.append(f"--draft-exits {e!r}: a replayed depth drafts every token at one depth: give it in --drafts")
+    errs += at_least(1, new=args.new, lm_steps=args.lm_steps) + at_least(0, threads=args.threads)
+    errs += [m.replace("--runs:", "--timing-runs:") for m in at_least(1, runs=args.runs)]
+    errs += out_file_errors("--out", args.out) + out_dir_errors("--png-dir", args.png_dir) + out_dir_errors("--runs-dir", args.runs_dir)
+    need_lm = any(x in sections for x in ("quality", "frontier", "timing", "kv_bytes", "speculative", "scale", "prefill"))
+    if need_lm and not Path(args.data).is_file():
+        errs.append(f"--data {args.data!r}: the LM's corpus is not there (a text file; the LM trains and is scored on it)")
+    if "speculative" in sections and (drafts or ks):
+        try:
+            K, max_len = _lm_shape(args)
+        except (OSError, ValueError) as err:  # (the LM's config or checkpoint cannot be read: named as it is)
+            errs.append(f"--lm-config {args.lm_config!r} / --runs-dir {args.runs_dir!r}: {err}")
+        else:
+            bad = [r for r in drafts if r >= K]
+            if bad:
+                errs.append(f"--drafts {args.drafts!r}: a draft runs fewer loops than the LM's K = {K}; {bad[0]} is not below it "
+                            f"(give r_d in 1..{K - 1})")
+            new = 16 if args.quick else args.new
+            most = max(max_len - 16 - new, 4)  # (the speculative section's prompts are 16 tokens)
+            bad = [k for k in ks if k > most]
+            if bad:
+                errs.append(f"--k {args.k!r}: {bad[0]} tokens per round is more than the {most} the LM has room for "
+                            f"(max_seq_len {max_len} - prompt 16 - --new {new})")
+    if errs:
+        raise ConfigError(errs, "bench adaptive arguments")
+
+
 def cmd_bench_adaptive(args) -> int:
     import os
     import subprocess
     import sys
 
     from ...utils import cpuinfo
+
+    _check_args(args)  # every flag, before the child process, any training (minutes) and any model
 
     name, flags = cpuinfo.model_name() or "unknown CPU", cpuinfo.flags()
     extra = [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
@@ -89,24 +193,10 @@ def cmd_bench_adaptive(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
-    bad = [s for s in sections if s not in SECTIONS]
-    if bad:
-        raise ValueError(f"--sections: unknown {bad}; choose from {list(SECTIONS)}")
     runs = Path(args.runs_dir)
-    dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d] for d in args.dtypes.split(",")]
+    dtypes = [{"fp32": torch.float32, "bf16": torch.bfloat16}[d.strip()] for d in args.dtypes.split(",")]
     schedules = tuple(x.strip() for x in args.schedules.split(","))
-    bad = [x for x in schedules if x not in ("token",) + BATCH_SCHEDULES]
-    if bad:
-        raise ValueError(f"--schedules {args.schedules!r}: unknown {bad}; choose from token, {', '.join(BATCH_SCHEDULES)}")
-    bad = [x.strip() for x in args.scale_mixers.split(",") if x.strip() not in ("attention", "mamba2")]
-    if bad:
-        raise ValueError(f"--scale-mixers {args.scale_mixers!r}: unknown {bad}; choose from attention, mamba2")
-    try:
-        batches = [int(b) for b in args.batches.split(",")]
-    except ValueError:
-        batches = []
-    if not batches or min(batches) < 1:
-        raise ValueError(f"--batches {args.batches!r}: give batch sizes ≥ 1, comma-separated (e.g. 1,8)")
+    batches = [int(b) for b in args.batches.split(",")]
     q = args.quick
     report = {"cpu": cpu_description(), "threads": torch.get_num_threads(), "clock": args.clock, "sections": {}}
     log = (lambda *a: None) if args.json else (lambda *a: print(*a, flush=True))
@@ -121,7 +211,7 @@ def cmd_bench_adaptive(args) -> int:
         log(f"LM: {lm.config.n_core} blocks x K={lm.config.n_loops}, d={lm.config.d_model}, {lm.num_params():,} parameters")
     kl_grid = [float(v) for v in args.kl.split(",")]
     conv_grid = [float(v) for v in args.convergence.split(",")]
-    policies = args.policies.split(",")
+    policies = [p.strip() for p in args.policies.split(",")]
     depth_pool = None
     if "quality" in sections:
         rows = section_quality(lm, held, [("kl", e) for e in kl_grid] + [("convergence", e) for e in conv_grid], policies)
