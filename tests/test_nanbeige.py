@@ -447,6 +447,15 @@ def test_cli_generate_and_eval_harness(nb, tmp_path, capsys, monkeypatch):
         "task": "nb_mc", "dataset_path": "json", "dataset_kwargs": {"data_files": {"train": str(d / "mc.jsonl")}},
         "test_split": "train", "output_type": "multiple_choice", "doc_to_text": "{{q}}", "doc_to_choice": "{{choices}}",
         "doc_to_target": "{{label}}", "metric_list": [{"metric": "acc"}], "metadata": {"version": 1.0}}))
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the loop runs again and again; a looped model reads its own state. " * 20)
+    capsys.readouterr()
+    assert cli_main(["eval", "threshold", run, "--data", str(corpus), "--batches", "1", "--batch-size", "2",
+                     "--seq-len", "16", "--loops", "1", "2"]) == 0
+    assert "| fixed | 2 | 2.00 | 2 |" in capsys.readouterr().out
+    assert cli_main(["analyze", run, "--metrics", "angular-distance", "--loops", "2", "--data", str(corpus),
+                     "--batches", "1", "--calib-batches", "0", "--batch-size", "2", "--seq-len", "16",
+                     "--out", str(tmp_path / "an")]) == 0
     res_file = tmp_path / "r.json"
     assert cli_main(["eval", "harness", run, "--tasks", "nb_mc", "--include-path", str(d), "--loops", "1",
                      "--output-json", str(res_file)]) == 0
@@ -494,3 +503,24 @@ def test_cli_refusal_is_one_error_no_traceback(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.startswith("error: ")
     assert "enable_depth_attention=True" in r.stderr and "num_loops must be a positive integer, got 0" in r.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_vanilla_inter_norm_option_is_the_norm_between_passes():
+    """``Z^{k+1} = N(H^k)``: two unrolled calls of the core with the final norm between them and at the end."""
+    from looplm.dataclass_util import ConfigError
+
+    m = looplm.build("tiny-llama", overrides={"n_loops": 2, "rule.options.inter_norm": True}).eval()
+    x = torch.randint(0, 260, (2, 6))
+    with torch.no_grad():
+        fctx = m._forward_context(x, None, None, 0)
+        h = m.embed(x)
+        for _ in range(2):
+            for b in m.core.stack.blocks:
+                h = b(h, fctx)
+            h = m.norm(h)
+        torch.testing.assert_close(m(x).logits, m.lm_head(h), atol=1e-5, rtol=1e-5)
+        plain = looplm.build(m.config.replace(rule={"name": "vanilla"}))
+        plain.load_state_dict(m.state_dict())
+        assert (plain.eval()(x).logits - m(x).logits).abs().max() > 1e-3
+    with pytest.raises(ConfigError, match="inter_norm: must be true or false"):
+        looplm.build("tiny-llama", overrides={"rule.options.inter_norm": "yes"})

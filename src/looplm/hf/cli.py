@@ -82,7 +82,7 @@ def register(subparsers) -> None:
         p.add_argument("--exit-threshold", type=float, default=None, help="default exit threshold q (exit-gate rules)")
         p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="cast the weights")
         p.add_argument("--format", choices=["looplm", "original"], default="looplm",
-                       help="looplm: remote-code export of any model (default); original: an Ouro or Huginn model in "
+                       help="looplm: remote-code export of any model (default); original: an Ouro, Huginn or Nanbeige model in "
                             "its own format (config.json fields and tensor names of its release)")
         p.add_argument("--reference-code", default=None, metavar="DIR",
                        help="with --format original: copy the original modelling files from DIR (auto_map)")
@@ -90,7 +90,7 @@ def register(subparsers) -> None:
         p.set_defaults(func=cmd_export_hf)
     im = _subparsers(subparsers, "import", "import a checkpoint from another format (hf)")
     if "hf" not in im.choices:
-        p = im.add_parser("hf", help="a Hugging Face directory (looplm export, Llama, Qwen3, Mamba-2, Ouro, Huginn, GGUF) as a looplm checkpoint")
+        p = im.add_parser("hf", help="a Hugging Face directory (looplm export, Llama, Qwen3, Mamba-2, Ouro, Huginn, Nanbeige, GGUF) as a looplm checkpoint")
         p.add_argument("source", help="model directory (config.json + safetensors), or a .gguf file")
         p.add_argument("out", help="output checkpoint directory")
         p.add_argument("--gguf-file", default=None, help="the GGUF file inside SOURCE to load (needs the gguf package)")
