@@ -277,8 +277,12 @@ def test_other_config_refusals_are_listed_together(tmp_path):
     # sub-options of features that are off, and unknown fields whose value is off, load
     src, cfg, t = write_nanbeige(tmp_path / "ok", emb_neighbor_num=None, emb_split_num=4, num_residual_streams=4,
                                  mhc_sinkhorn_iterations=20, depth_attention_stride=2, enable_hyper_connection=False,
-                                 some_future_flag=False, rope_parameters={"rope_type": "default", "rope_theta": 7e7})
+                                 some_future_flag=False, rope_parameters={"rope_type": "default", "rope_theta": 7e7},
+                                 total_ut_steps=2, early_exit_threshold=1.0)
     assert load_public(src)[0].config.n_loops == 2
+    src, _, _ = write_nanbeige(tmp_path / "ut", total_ut_steps=3, early_exit_threshold=0.5)
+    with pytest.raises(PublicFormatError, match=r"(?s)total_ut_steps=3 disagrees with num_loops=2.*early_exit_threshold=0.5"):
+        load_public(src)
     src, _, _ = write_nanbeige(tmp_path / "missing")
     c = json.loads((src / "config.json").read_text())
     del c["rope_theta"], c["intermediate_size"]

@@ -45,6 +45,7 @@ _PLAIN = {
     "bos_token_id", "eos_token_id", "pad_token_id", "model_type", "architectures", "auto_map", "torch_dtype", "dtype",
     "transformers_version", "_name_or_path", "return_dict", "output_attentions", "output_hidden_states", "id2label",
     "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class",
+    "total_ut_steps", "early_exit_threshold",
 }
 
 # features this port does not implement: field -> (is it on?, what it is). Refused when on, naming the field.
@@ -153,6 +154,11 @@ def config_dict(c: dict, errs: list[str]) -> dict:
     if hd % 2:
         errs.append(f"head_dim={hd} is odd (rotate-half RoPE needs an even head dim)")
     K = int(c.get("num_loops") or 1)  # (absent: 1, as the modelling code's default)
+    # fields some ports write (Ouro's names; vLLM-RLT's NanbeigeConfig): harmless when they say the same
+    if c.get("total_ut_steps") is not None and c["total_ut_steps"] != K:
+        errs.append(f"total_ut_steps={c['total_ut_steps']!r} disagrees with num_loops={K}")
+    if c.get("early_exit_threshold") not in (None, 1, 1.0):
+        errs.append(f"early_exit_threshold={c['early_exit_threshold']!r}: Nanbeige has no exit gate (1.0: every pass)")
     if errs:
         return {}
     return dict(
