@@ -301,3 +301,16 @@ def test_bench_prefill_section_times_the_forward_against_the_plain_one_and_token
     assert rows[0]["executed_ratio"] < 1 and rows[1]["executed_ratio"] == 1  # ε = 0: every loop
     assert rows[1]["ppl"] == pytest.approx(rows[1]["ppl_full"], rel=1e-5)
     assert "vs token by token" in _md(rows, TABLES["prefill"])
+
+
+def test_lm_eval_model_refuses_runaway_loops_unless_asked():
+    pytest.importorskip("lm_eval")
+    from looplm.eval.harness import LoopLMEvalModel
+
+    torch.manual_seed(0)
+    m = looplm.build("tiny-llama", max_seq_len=64).eval()
+    with pytest.raises(ValueError, match=r"loops \(--loops\)=100000 is more than 64x the model's trained K = 3 .*--allow-deep"):
+        LoopLMEvalModel(model=m, tokenizer=TOK, loops=100000)
+    with pytest.raises(ValueError, match="max_loops=100000 is more than 64x"):
+        LoopLMEvalModel(model=m, tokenizer=TOK, exit="kl:0", max_loops="100000")
+    assert LoopLMEvalModel(model=m, tokenizer=TOK, loops=200, allow_deep="true").loops == 200

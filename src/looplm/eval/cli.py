@@ -50,6 +50,9 @@ def cmd_eval_ppl(args) -> int:
     errs = at_least(1, batch_size=args.batch_size, batches=args.batches, max_docs=args.max_docs)
     errs += at_least(2, seq_len=args.seq_len)  # (a window of one token predicts nothing)
     errs += device_errors("--device", args.device) + out_dir_errors("--out", args.out)
+    if args.kv_policy is not None and args.exit is None:  # (was ignored without a word)
+        errs.append(f"--kv-policy {args.kv_policy}: an option of --exit (what later tokens read in the loops a token "
+                    "skipped); give --exit too, or leave it out")
     if errs:
         raise ConfigError(errs, "eval ppl arguments")
     ckpt = resolve_checkpoint(args.checkpoint)

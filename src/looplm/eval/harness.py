@@ -100,7 +100,8 @@ class LoopLMEvalModel(TemplateLM):
                  exit: str | None = None, kv_policy: str | None = None, ssm_policy: str | None = None,
                  min_loops: int | str | None = None, max_loops: int | str | None = None, speculative: int | str | None = None,
                  draft_k: int | str | None = None, exit_schedule: str | None = None, draft_exit: str | None = None,
-                 exit_prefill: str | None = None, exit_compile: bool | str | None = None, **kwargs):
+                 exit_prefill: str | None = None, exit_compile: bool | str | None = None,
+                 allow_deep: bool | str = False, **kwargs):
         if TemplateLM is object:
             raise ImportError("the lm-eval harness needs lm-eval: pip install 'looplm[eval]' (or pip install lm-eval)")
         if kwargs:  # before any loading: a misspelt argument (loop=6) must not be silently ignored
@@ -140,6 +141,15 @@ class LoopLMEvalModel(TemplateLM):
         cfg_max = model.config.max_seq_len
         check_harness_args(loops=loops, exit_threshold=q, batch_size=batch_size, max_length=max_length,
                            max_gen_toks=max_gen_toks, model_max_length=cfg_max)
+        allow_deep = {"true": True, "1": True, "false": False, "0": False}.get(str(allow_deep).lower(), allow_deep)
+        if not isinstance(allow_deep, bool):
+            raise ValueError(f"allow_deep must be true or false, got {allow_deep!r}")
+        if _is_int(loops):  # (a typo such as loops=100000 would score for hours)
+            from ..decode.exits import deep_loops_error
+
+            why = deep_loops_error("loops (--loops)", loops, model.config.n_loops, allow_deep)
+            if why is not None:
+                raise ValueError(why.replace("(looplm: --allow-deep)", "(looplm eval harness: --allow-deep)"))
         if q is not None and "exit_threshold" not in getattr(model.rule, "loop_options", ()):
             raise ValueError(f"exit_threshold (--exit-threshold) {q}: this model has no exit gate (its recurrence rule is "
                              f"{model.config.rule.name!r}); leave it out, or evaluate an exit_gate model")
@@ -157,7 +167,7 @@ class LoopLMEvalModel(TemplateLM):
         # loglikelihood requests scored with exit= (per-token exit in one forward): their depths, token-weighted
         self.depth_stats: dict = {}
         self.decode_options = adaptive_options(self.model, exit, kv_policy, ssm_policy, min_loops, max_loops, speculative, draft_k,
-                                               exit_schedule, draft_exit, exit_prefill, exit_compile)
+                                               exit_schedule, draft_exit, exit_prefill, exit_compile, allow_deep)
         e = self.decode_options.get("exit")
         if e is not None and e.schedule == "depth" and not e.is_off(self.model):
             # rows decoded at once = batch_size; the group's other prompts queue for a free row
@@ -403,11 +413,13 @@ def check_harness_args(*, loops=None, exit_threshold=None, num_fewshot=None, lim
 # the model arguments LoopLMEvalModel takes (lm-eval adds batch_size, max_batch_size and device itself)
 MODEL_ARGS = ("pretrained", "model", "tokenizer", "loops", "exit_threshold", "dtype", "device", "batch_size",
               "max_length", "max_gen_toks", "prefix_token_id", "max_batch_size", "exit", "kv_policy", "ssm_policy",
-              "min_loops", "max_loops", "exit_schedule", "speculative", "draft_k", "draft_exit", "exit_prefill", "exit_compile")
+              "min_loops", "max_loops", "exit_schedule", "speculative", "draft_k", "draft_exit", "exit_prefill", "exit_compile",
+              "allow_deep")
 
 
 def adaptive_options(model, exit=None, kv_policy=None, ssm_policy=None, min_loops=None, max_loops=None, speculative=None,
-                     draft_k=None, exit_schedule=None, draft_exit=None, exit_prefill=None, exit_compile=None) -> dict:
+                     draft_k=None, exit_schedule=None, draft_exit=None, exit_prefill=None, exit_compile=None,
+                     allow_deep: bool = False) -> dict:
     """``generate()`` keyword arguments from the lm-eval model's string arguments (checked now, before any
     request; :func:`looplm.decode.generate.adaptive_options`): ``{"exit": Exit}``, ``{"speculative": Speculative}`` or ``{}``."""
     from ..decode.generate import adaptive_options as resolve
@@ -421,7 +433,7 @@ def adaptive_options(model, exit=None, kv_policy=None, ssm_policy=None, min_loop
         raise ValueError(f"exit_compile must be true or false, got {exit_compile!r}")
     return resolve(model, exit=text(exit), speculative=num(speculative), draft_k=num(draft_k), kv=text(kv_policy),
                    ssm=text(ssm_policy), min_loops=num(min_loops), max_loops=num(max_loops), schedule=text(exit_schedule),
-                   draft_exit=text(draft_exit), prefill=text(exit_prefill), compile=on or None)  # fmt: skip
+                   draft_exit=text(draft_exit), prefill=text(exit_prefill), compile=on or None, allow_deep=allow_deep)  # fmt: skip
 
 
 def _until_eot(ids: list[int], eot: int) -> list[int]:
@@ -711,7 +723,7 @@ def run_harness(checkpoint, tasks: list[str], *, loops=None, exit_threshold=None
                 max_length=None, seed: int = 1234, task_dir=None, include_defaults: bool | None = None,
                 log_samples: bool = False, prefix_token_id: int | None = None, exit: str | None = None,
                 kv_policy: str | None = None, ssm_policy: str | None = None, min_loops: int | None = None,
-                max_loops: int | None = None) -> dict:
+                max_loops: int | None = None, allow_deep: bool = False) -> dict:
     """Evaluate ``checkpoint`` on ``tasks`` (task, group or suite names); returns lm-eval's results dict
     with ``looplm_tables`` (the suites' tables) added, and writes it to ``output_json`` when given.
 
@@ -750,7 +762,8 @@ def run_harness(checkpoint, tasks: list[str], *, loops=None, exit_threshold=None
         limit = int(limit)
     lm = LoopLMEvalModel(str(checkpoint), loops=loops, exit_threshold=exit_threshold, dtype=dtype, device=device,
                          batch_size=batch_size, max_length=max_length, prefix_token_id=prefix_token_id, exit=exit,
-                         kv_policy=kv_policy, ssm_policy=ssm_policy, min_loops=min_loops, max_loops=max_loops)  # fmt: skip
+                         kv_policy=kv_policy, ssm_policy=ssm_policy, min_loops=min_loops, max_loops=max_loops,
+                         allow_deep=allow_deep)  # fmt: skip
     t0 = time.perf_counter()
     results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                                       task_manager=tm, random_seed=seed, numpy_random_seed=seed,

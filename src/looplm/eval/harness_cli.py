@@ -46,9 +46,10 @@ def cmd_eval_harness(args) -> int:
         raise ValueError("looplm eval harness needs CHECKPOINT and --tasks (or only --write-tasks DIR)")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
-    from .cli_checks import out_file_errors
+    from .cli_checks import device_errors, out_file_errors
 
-    errs = out_file_errors("--output-json", args.output_json)  # (before the tasks are loaded and the model scored)
+    # (before the tasks are loaded and the model scored)
+    errs = out_file_errors("--output-json", args.output_json) + device_errors("--device", args.device or "auto")
     if errs:
         raise ValueError(errs[0])
     if args.threads:
@@ -61,7 +62,8 @@ def cmd_eval_harness(args) -> int:
                       data_dir=args.data_dir, output_json=args.output_json, batch_size=args.batch_size,
                       device=args.device, dtype=args.dtype, max_length=args.max_length, seed=args.seed,
                       log_samples=args.log_samples, prefix_token_id=args.prefix_token_id, exit=args.exit,
-                      kv_policy=args.kv_policy, ssm_policy=args.ssm_policy, min_loops=args.min_loops, max_loops=args.max_loops)
+                      kv_policy=args.kv_policy, ssm_policy=args.ssm_policy, min_loops=args.min_loops, max_loops=args.max_loops,
+                      allow_deep=args.allow_deep)
     _print_results(out)
     return 0
 
@@ -77,6 +79,7 @@ def register(subparsers) -> None:
     p.add_argument("checkpoint", nargs="?", help="checkpoint or run directory, or a `looplm export hf` directory")
     p.add_argument("--tasks", help="comma-separated lm-eval tasks / groups, or suites: " + ", ".join(SUITE_NAMES))
     p.add_argument("--loops", type=int, default=None, help="loop count r (default: the trained K)")
+    p.add_argument("--allow-deep", action="store_true", help="allow --loops / --max-loops above 64x the trained K (refused otherwise)")
     p.add_argument("--exit-threshold", type=float, default=None, help="exit threshold q (exit-gate rules)")
     p.add_argument("--exit", default=None, metavar="CRITERION[:VALUE]",
                    help="per-token exit for every request (docs/adaptive-depth.md): kl:EPS, convergence:EPS, gate:Q, replay:R; "

@@ -219,6 +219,9 @@ def _cmd_threshold(args) -> int:
     limit = model.config.max_seq_len
     if args.seq_len is not None and args.seq_len > limit:
         errs.append(f"--seq-len {args.seq_len} exceeds the model's max_seq_len={limit}; give at most {limit}")
+    if not gate and args.loops == []:  # (no threshold sweep without a gate, and no forced depth asked for)
+        errs.append("--loops: no loop count given and this model has no exit gate to sweep: nothing to evaluate; give "
+                    f"forced loop counts (e.g. --loops 1 2 {R}) or leave --loops out (1..{R})")
     if errs:
         raise ConfigError(errs, "eval threshold arguments")
     if not gate and args.thresholds is None:
