@@ -313,3 +313,16 @@ def test_info_refuses_zero_loops(capsys):
     assert main(["info", "tiny-llama", "--loops", "0", "--seq-len", "-1"]) == 2
     err = capsys.readouterr().err
     assert "--loops must be an integer >= 1, got 0" in err and "--seq-len must be an integer >= 1, got -1" in err
+
+
+def test_output_paths_through_a_file_are_named(tiny_run, tmp_path, capsys):
+    """NotADirectoryError / IsADirectoryError were '[Errno 20] Not a directory: ...' (here from export hf)."""
+    run, _ = tiny_run
+    f = tmp_path / "taken"
+    f.write_text("x")
+    assert main(["export", "hf", str(run), str(f / "sub")]) == 2
+    err = capsys.readouterr().err
+    assert "Errno" not in err and f"{str(f)!r} is a file, not a directory" in err
+    assert main(["task", "mano", "export", "--count", "2", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "Errno" not in err and f"{str(tmp_path)!r} is a directory where a file is to be written" in err

@@ -308,7 +308,12 @@ def _os_error_message(e: OSError) -> str:
         return (f"{str(path)!r} exists ({kind}) where a directory is to be created; give another path (--out names a "
                 "directory the command creates), or remove it")
     if isinstance(e, NotADirectoryError):
-        return f"{str(path)!r}: a part of this path is a file, not a directory; give a path under a directory"
+        p = Path(path)
+        blocker = next((q for q in (p, *p.parents) if q.is_file()), None)
+        if blocker == p:
+            return f"{str(path)!r} is a file, not a directory; give a directory path (or remove the file)"
+        where = f"{str(blocker)!r} is a file" if blocker is not None else "a part of it is a file"
+        return f"{str(path)!r}: {where}, not a directory; give a directory path (or remove the file)"
     if isinstance(e, IsADirectoryError):
         return f"{str(path)!r} is a directory where a file is to be written; give a file path"
     return str(e)
