@@ -8,7 +8,7 @@ multiple-choice task of ``../shared/data/eval`` (lm-eval's own task definition p
 token ids, ``echo``, ``logprobs=1``, ``max_tokens=1``; the server's engine runs a kl exit (``--exit``), which
 applies to generated tokens, never to an echoed prompt's scores.
 
-    python benchmarks/check_serve_lmeval_smollm2.py --work /tmp/smollm2 --data-dir ../shared/data/eval \\
+    python benchmarks/check_serve_lmeval_smollm2.py --work RUNS/smollm2 --data-dir ../shared/data/eval \\
         [--task arc_easy] [--limit 40]
 """
 
