@@ -3,6 +3,8 @@ a lock whose dead holder never hangs the next run, torch's stale lock removed, s
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import signal
 import subprocess
@@ -79,6 +81,7 @@ def test_torchs_stale_lock_is_removed_under_ours(tmp_path, monkeypatch, capfd):
 
     def fake_load(**kwargs):
         seen.append((Path(kwargs["build_directory"]) / "lock").exists())
+        (Path(kwargs["build_directory"]) / f"{kwargs['name']}.so").write_bytes(b"\x7fELF")
 
     import torch.utils.cpp_extension as cpp
 
@@ -153,3 +156,135 @@ def test_a_build_killed_midway_does_not_block_the_next_one(tmp_path):
     finally:
         os.killpg(second.pid, signal.SIGKILL)
         second.wait()
+
+
+# a library is never loaded unchecked: a truncated one kills its loader with SIGBUS before it prints anything
+
+
+def _built_library() -> Path:
+    """This CPU's real library (the ``kernels`` mark has built it for this session)."""
+    _, _, name, build_dir = loader._name_and_dir()
+    lib = loader._library(build_dir, name)
+    if not lib.is_file():
+        pytest.skip("the CPU extension is not built here")
+    return lib
+
+
+def _fake_builds(monkeypatch, tmp_path, fail: str = "") -> tuple[Path, list]:
+    """Point the loader at ``tmp_path`` with torch's ``load`` faked: it links a small file under the name it
+    is given (or raises ``fail``); loading a library in this process is recorded, not done."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.setattr(loader, "_state", {})
+    calls = []
+
+    def fake_load(**kwargs):
+        calls.append(("build", kwargs["name"]))
+        if fail:
+            raise RuntimeError(fail)
+        out = Path(kwargs["build_directory"]) / f"{kwargs['name']}.so"
+        out.write_bytes(b"\x7fELF a freshly linked library")
+        return str(out)
+
+    import torch
+    import torch.utils.cpp_extension as cpp
+
+    monkeypatch.setattr(cpp, "load", fake_load)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: calls.append(("load", Path(path))))
+    _, _, name, build_dir = loader._name_and_dir()
+    build_dir.mkdir(parents=True)
+    return loader._library(build_dir, name), calls
+
+
+def test_a_library_truncated_while_it_linked_is_rebuilt_not_loaded(tmp_path, monkeypatch, capfd):
+    """No record and a truncated file (the bug: every command, `looplm kernels build` too, died with SIGBUS):
+    a child process tries it, dies, and it is rebuilt instead of loaded."""
+    real = _built_library()
+    lib, calls = _fake_builds(monkeypatch, tmp_path)
+    lib.write_bytes(real.read_bytes()[: real.stat().st_size // 2])
+    assert loader._load() == (True, "")
+    assert calls == [("build", f"{lib.stem}_partial")]  # built, never loaded by this process
+    err = capfd.readouterr().err
+    assert f"the CPU kernel library {lib} is damaged (it has no record of its size and sha256, and loading it killed a child process with signal 7): rebuilding it" in err
+    assert lib.read_bytes() == b"\x7fELF a freshly linked library" and not (lib.parent / f"{lib.stem}_partial.so").exists()
+    rec = json.loads(loader._record(lib).read_text())
+    assert rec["size"] == lib.stat().st_size and rec["sha256"] == hashlib.sha256(lib.read_bytes()).hexdigest()
+    assert loader._check(lib) == ""
+
+
+def test_a_library_that_is_not_what_was_built_is_rebuilt(tmp_path, monkeypatch, capfd):
+    lib, calls = _fake_builds(monkeypatch, tmp_path)
+    lib.write_bytes(b"\x7fELF" + b"x" * 100)
+    loader._write_record(lib)
+    lib.write_bytes(b"\x7fELF" + b"x" * 40)  # the disk filled up while another build rewrote it
+    assert loader._check(lib) == "it has 44 bytes where 104 were built (truncated or overwritten)"
+    lib.write_bytes(b"\x7fELF" + b"y" * 100)
+    assert "is not the" in loader._check(lib) and "recorded at its build" in loader._check(lib)
+    assert loader._load() == (True, "")
+    assert calls == [("build", f"{lib.stem}_partial")]
+    assert "is damaged (its sha256" in capfd.readouterr().err
+
+
+def test_an_empty_library_is_not_built_and_is_rebuilt(tmp_path, monkeypatch):
+    """A 0-byte library read "built; could not build" and was never rebuilt."""
+    lib, calls = _fake_builds(monkeypatch, tmp_path)
+    lib.touch()
+    st = loader.status()
+    assert not st.built and st.reason == f"the library {lib} is damaged (it is empty (0 bytes)): `looplm kernels build` rebuilds it"
+    assert loader._load() == (True, "") and calls == [("build", f"{lib.stem}_partial")]
+    monkeypatch.setattr(loader, "_state", {})
+    assert loader.status().built and loader.status().reason == ""
+
+
+def test_a_damaged_library_that_cannot_be_rebuilt_says_what_to_delete(tmp_path, monkeypatch):
+    lib, calls = _fake_builds(monkeypatch, tmp_path, fail="error: no compiler")
+    lib.touch()
+    ok, reason = loader._load()
+    assert not ok and ("load", lib) not in calls
+    assert reason == (f"could not build looplm's CPU extension (RuntimeError: error: no compiler; the library there is damaged "
+                      f"(it is empty (0 bytes)): delete {lib.parent} (rm -r) and run `looplm kernels build`)")  # fmt: skip
+
+
+def test_a_build_that_dies_while_linking_leaves_nothing_at_the_librarys_name(tmp_path, monkeypatch):
+    """torch links into its output directly: it links under another name, renamed into place once whole; a
+    leftover partial file is removed before the next build instead of being taken for up to date."""
+    lib, _ = _fake_builds(monkeypatch, tmp_path)
+    import torch.utils.cpp_extension as cpp
+
+    def dies_linking(**kwargs):
+        (Path(kwargs["build_directory"]) / f"{kwargs['name']}.so").write_bytes(b"\x7fELF trunc")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cpp, "load", dies_linking)
+    ok, reason = loader._load()
+    assert not ok and "No space left on device" in reason and not lib.exists()
+    seen = []
+    monkeypatch.setattr(cpp, "load", lambda **kw: seen.append((Path(kw["build_directory"]) / f"{kw['name']}.so").exists()))
+    with pytest.raises(RuntimeError, match="the build produced no library"):
+        loader._compile(lib.stem, lib.parent, [], "portable")
+    assert seen == [False] and not lib.exists()
+
+
+def test_an_unrecorded_library_that_loads_is_recorded_not_rebuilt(tmp_path, monkeypatch):
+    """Libraries built before records were kept: a child process loads it, and it is recorded and used."""
+    real = _built_library()
+    lib, calls = _fake_builds(monkeypatch, tmp_path)
+    lib.write_bytes(real.read_bytes())
+    assert loader.status().built  # status never starts a child
+    assert loader._load() == (True, "") and calls == [("load", lib)]
+    assert json.loads(loader._record(lib).read_text())["size"] == real.stat().st_size
+
+
+def test_kernels_build_cli_rebuilds_an_empty_library(tmp_path):
+    """End to end with no compiler (CXX pointing nowhere): the command prints the reason and what to
+    delete, exits 1, instead of dying with SIGBUS or 'built; could not build'."""
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), CXX=str(tmp_path / "no-compiler"), PATH="/usr/bin:/bin")
+    env.pop("LOOPLM_CPU_KERNELS", None)
+    name_dir = subprocess.run([sys.executable, "-c", "from looplm.kernels import loader; n = loader._name_and_dir(); print(n[3] / (n[2] + '.so'))"],
+                              env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    lib = Path(name_dir)
+    lib.parent.mkdir(parents=True)
+    lib.touch()
+    r = subprocess.run([sys.executable, "-m", "looplm.cli", "kernels", "build"], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert f"is damaged (it is empty (0 bytes)): rebuilding it" in r.stderr
+    assert f"delete {lib.parent} (rm -r)" in r.stdout + r.stderr

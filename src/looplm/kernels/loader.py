@@ -23,6 +23,14 @@ Under that lock torch's own lock file (``lock``, which a killed build leaves beh
 every later ``torch.utils.cpp_extension.load`` wait forever) is stale by construction and is removed,
 with a line saying so. A build that another live process is running is waited for, with a line
 naming the lock and its holder, up to ``LOOPLM_KERNELS_BUILD_TIMEOUT`` seconds (default 1800).
+
+A library is never loaded unchecked: loading a truncated one (a build killed, or a disk full, while it
+linked) kills the process with SIGBUS before it can print anything. So torch links it under another name
+(``<name>_partial.so``), which is renamed into place only once it has loaded, and its size and sha256 are
+recorded next to it (``<name>.json``). A library whose file does not match its record, or an empty one, is
+rebuilt; one with no record (built before records were kept, or a build killed between the two renames) is
+loaded first in a child process, recorded if it loads and rebuilt if not. When it cannot be rebuilt the
+message names the directory to delete.
 """
 
 from __future__ import annotations
@@ -122,6 +130,86 @@ def _library(build_dir: Path, name: str) -> Path:
     return build_dir / f"{name}.so"
 
 
+def _record(lib: Path) -> Path:
+    """The size and sha256 of ``lib`` as built, written next to it."""
+    return lib.with_suffix(".json")
+
+
+def _digest(lib: Path) -> tuple[int, str]:
+    data = lib.read_bytes()
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def _write_record(lib: Path, built: Path | None = None) -> None:
+    """Record the size and sha256 of ``lib`` (or of ``built``, the file about to be renamed to it), written
+    under a temporary name and renamed: never half a record."""
+    size, sha = _digest(built or lib)
+    rec, tmp = _record(lib), _record(lib).with_suffix(".json.tmp")
+    tmp.write_text(json.dumps({"file": lib.name, "size": size, "sha256": sha}) + "\n")
+    os.replace(tmp, rec)
+
+
+def _child_loads(lib: Path) -> str:
+    """Load ``lib`` in a child process (a truncated library kills its loader with SIGBUS); "" when it
+    loads, else why not."""
+    import subprocess
+
+    code = "import sys, torch; torch.ops.load_library(sys.argv[1])"
+    env = dict(os.environ, LOOPLM_CPU_KERNELS="0")
+    try:
+        r = subprocess.run([sys.executable, "-c", code, str(lib)], env=env, capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.SubprocessError) as e:
+        return f"a child process could not load it ({type(e).__name__}: {e})"
+    if r.returncode == 0:
+        return ""
+    if r.returncode < 0:
+        return f"loading it killed a child process with signal {-r.returncode}"
+    last = (r.stderr.strip().splitlines() or ["?"])[-1][:200]
+    return f"a child process could not load it ({last})"
+
+
+def _check(lib: Path, child: bool = True) -> str:
+    """Whether ``lib`` may be loaded: "" when it matches its record, "missing" when there is none, else
+    what is wrong with it. With no record, ``child`` loads it in a child process and records it if that
+    works; without ``child`` an unrecorded, non-empty library passes (``looplm kernels status`` must
+    stay cheap)."""
+    try:
+        size = lib.stat().st_size
+    except FileNotFoundError:
+        return "missing"
+    if size == 0:
+        return "it is empty (0 bytes)"
+    try:
+        rec = json.loads(_record(lib).read_text())
+        want_size, want_sha = int(rec["size"]), str(rec["sha256"])
+    except FileNotFoundError:
+        rec = None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"its record {_record(lib)} is unreadable ({type(e).__name__}: {e})"
+    if rec is None:
+        if not child:
+            return ""
+        why = _child_loads(lib)
+        if why:
+            return f"it has no record of its size and sha256, and {why}"
+        with contextlib.suppress(OSError):  # a read-only cache: it loads, it is just not recorded
+            _write_record(lib)
+        return ""
+    got_size, got_sha = _digest(lib)
+    if got_size != want_size:
+        return f"it has {got_size} bytes where {want_size} were built (truncated or overwritten)"
+    if got_sha != want_sha:
+        return f"its sha256 {got_sha[:12]}... is not the {want_sha[:12]}... recorded at its build"
+    return ""
+
+
+def _discard(lib: Path) -> None:
+    """Remove a library that must not be loaded, and its record."""
+    for f in (lib, _record(lib)):
+        with contextlib.suppress(FileNotFoundError):
+            f.unlink()
+
+
 def _say(msg: str) -> None:
     print(f"looplm: {msg}", file=sys.stderr, flush=True)
 
@@ -176,8 +264,13 @@ def _compile(name: str, build_dir: Path, cflags: list[str], var: str) -> float:
     from torch.utils.cpp_extension import load
 
     t0 = time.perf_counter()
-    load(
-        name=name,
+    # torch links straight into its output, so a kill or a full disk mid-link leaves a truncated file there:
+    # it links under another name, renamed into place once it has loaded (and so is whole)
+    partial = _library(build_dir, f"{name}_partial")
+    with contextlib.suppress(FileNotFoundError):
+        partial.unlink()  # a killed build's: never taken for up to date
+    built = load(
+        name=partial.stem,
         sources=[str(CSRC / f) for f in SOURCES],
         extra_include_paths=[str(CSRC)],
         extra_cflags=cflags,
@@ -185,6 +278,13 @@ def _compile(name: str, build_dir: Path, cflags: list[str], var: str) -> float:
         is_python_module=False,
         verbose=False,
     )
+    built = Path(built) if isinstance(built, str) else partial  # torch names it <name>_v<n> on a rebuild in one process
+    if not built.is_file() or built.stat().st_size == 0:
+        raise RuntimeError(f"the build produced no library at {built}")
+    lib = _library(build_dir, name)
+    _discard(lib)
+    _write_record(lib, built)  # the record first: a library in place always has one
+    os.replace(built, lib)
     dt = time.perf_counter() - t0
     _say(f"built the CPU kernels in {dt:.1f} s ({build_dir})")
     return dt
@@ -197,17 +297,25 @@ def _load() -> tuple[bool, str]:
         return False, f"cannot locate looplm's CPU extension sources ({type(e).__name__}: {e})"
     _state.update(variant=var, kernels=var == "avx512bf16", path=str(build_dir))
     lib = _library(build_dir, name)
+    bad = ""
     try:
         built_here = False
-        if not lib.exists():
+        bad = _check(lib)
+        if bad:
             with _build_lock(build_dir):
-                if not lib.exists():  # another process may have built it while we waited
+                bad = _check(lib)  # another process may have built it while we waited
+                if bad:
+                    if bad != "missing":
+                        _say(f"the CPU kernel library {lib} is damaged ({bad}): rebuilding it")
+                        _discard(lib)
                     _state["build_s"] = _compile(name, build_dir, cflags, var)  # torch's load() also loads it
-                    built_here = True
+                    built_here, bad = True, ""
         if not built_here:
             torch.ops.load_library(str(lib))
     except Exception as e:  # no compiler, no ninja, a read-only cache directory, a timeout, ...
         msg = str(e).strip().splitlines()[-1][:300] if str(e).strip() else ""
+        if bad and bad != "missing":  # never loaded; say what to remove by hand
+            msg += f"; the library there is damaged ({bad}): delete {build_dir} (rm -r) and run `looplm kernels build`"
         _say(f"the CPU kernels are unavailable, everything runs the PyTorch reference ({type(e).__name__}: {msg})")
         return False, f"could not build looplm's CPU extension ({type(e).__name__}: {msg})"
     from . import ops
@@ -299,14 +407,20 @@ def status(load: bool = False) -> KernelStatus:
     if switched_off():
         return KernelStatus(False, False, "off", False, "", "switched off by LOOPLM_CPU_KERNELS=0")
     var, _, name, build_dir = _name_and_dir()
-    built = _library(build_dir, name).exists()
+    lib = _library(build_dir, name)
+    bad = _check(lib, child=False)
+    built = not bad
     loaded = bool(_state.get("ok"))
     if loaded:
         reason = unavailable_reason()
     elif "ok" in _state:
         reason = _state["reason"]
+    elif not bad:
+        reason = ""
+    elif bad == "missing":
+        reason = "not built yet: run `looplm kernels build` (under a minute on 2 cores)"
     else:
-        reason = "" if built else "not built yet: run `looplm kernels build` (under a minute on 2 cores)"
+        reason = f"the library {lib} is damaged ({bad}): `looplm kernels build` rebuilds it"
     return KernelStatus(built, loaded, var, var == "avx512bf16", str(build_dir), reason, _state.get("build_s"))
 
 
