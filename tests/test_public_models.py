@@ -23,7 +23,7 @@ from looplm.cli import main as cli_main
 from looplm.config import ModelConfig
 from looplm.dataclass_util import ConfigError
 from looplm.hf.importer import import_hf
-from looplm.hf.public import PublicFormatError, export_original, family_of, load_public
+from looplm.hf.public import PublicFormatError, _freqs_cis, export_original, family_of, load_public
 from looplm.recurrence.state_init import position_noise
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -47,7 +47,7 @@ def _write_tokenizer(d: Path) -> None:
 
 
 def _save(d: Path, tensors: dict, dtype, shards: int) -> None:
-    tensors = {k: v.to(dtype).contiguous() for k, v in tensors.items()}
+    tensors = {k: (v if k == "freqs_cis" else v.to(dtype)).contiguous() for k, v in tensors.items()}
     if shards == 1:
         save_file(tensors, str(d / "model.safetensors"))
         return
@@ -125,7 +125,8 @@ def write_huginn(d: Path, *, V=272, dm=32, H=4, ff=48, p=1, s=2, c=1, K=4, tie=T
     t |= {"transformer.adapter.weight": r(dm, 2 * dm), "transformer.ln_f.weight": 1 + r(dm, std=0.1)}
     if not tie:
         t["lm_head.weight"] = r(V, dm, std=0.1)
-    t["freqs_cis"] = torch.zeros(1, 64, 1, hd // 2, 2)  # the persistent RoPE buffer of the release (not a weight)
+    # the persistent RoPE buffer of the release (not a weight), in fp32 as looplm computes it
+    t["freqs_cis"] = _freqs_cis(hd, cfg["block_size"], cfg["rope_base"])
     _save(d, t, dtype, shards)
     (d / "config.json").write_text(json.dumps(cfg))
     _write_tokenizer(d)

@@ -45,6 +45,9 @@ __all__ = [
     "with_tied_head",
     "read_checkpoint_config",
     "load_model_for_inference",
+    "nonfinite_tensors",
+    "refuse_nonfinite",
+    "ALLOW_NONFINITE_ENV",
 ]
 
 MARKER = "COMPLETE"
@@ -60,6 +63,8 @@ FORMAT_VERSION = 1
 # model-config fields that may differ from training when decoding: neither changes a weight's
 # shape nor what the weights compute (n_loops is the default loop count, like --loops)
 INFERENCE_OVERRIDES = ("max_seq_len", "n_loops")
+
+ALLOW_NONFINITE_ENV = "LOOPLM_ALLOW_NONFINITE"  # =1: load weights holding NaN / inf (studying broken checkpoints)
 
 
 class CheckpointError(RuntimeError):
@@ -169,6 +174,9 @@ def load_json(path: Path) -> Any:
         return json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint file {str(path)!r} is truncated or corrupted: not valid JSON ({e})") from e
+    except RecursionError as e:  # json's parser recurses per nesting level
+        raise CheckpointError(f"checkpoint file {str(path)!r} is corrupted: it nests its arrays / objects too deeply "
+                              "to be read") from e
 
 
 def verify_checkpoint(path: str | os.PathLike, check_hashes: bool = True) -> dict:
@@ -189,6 +197,11 @@ def verify_checkpoint(path: str | os.PathLike, check_hashes: bool = True) -> dic
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
         raise CheckpointError(f"checkpoint file {str(marker)!r} is corrupted: it lists no files")
+    bad = [n for n, info in files.items() if not (isinstance(info, dict) and isinstance(info.get("bytes"), int)
+                                                  and isinstance(info.get("sha256"), str))]
+    if bad:
+        raise CheckpointError(f"checkpoint file {str(marker)!r} is corrupted: the entries of {bad[:5]} lack their "
+                              "bytes / sha256")
     for name, info in files.items():
         f = path / name
         if not f.is_file():
@@ -266,6 +279,32 @@ def assign_state_dict(model: nn.Module, sd: dict) -> None:
         raise RuntimeError(f"{len(left)} tensor(s) have no values after loading: {left[:5]}")
 
 
+def nonfinite_tensors(tensors) -> list[str]:
+    """The names of the floating-point tensors of ``tensors`` (a state dict, or ``(name, tensor)`` pairs) that
+    hold a NaN or an infinity (one ``isfinite(...).all()`` per tensor: cheap beside reading them)."""
+    import torch
+
+    items = tensors.items() if isinstance(tensors, dict) else tensors
+    return [n for n, t in items if t.is_floating_point() and not t.is_meta and not bool(torch.isfinite(t).all())]
+
+
+def refuse_nonfinite(tensors, where: str, *, allow: bool | None = None, flag: str = "--allow-nonfinite") -> None:
+    """Raise :class:`CheckpointError` naming the tensors of ``tensors`` that hold NaN / inf (the first few and
+    how many): such weights decode to garbage. ``allow=True`` (or ``LOOPLM_ALLOW_NONFINITE=1`` when ``allow`` is
+    ``None``) skips the check, for studying broken checkpoints."""
+    if allow is None:
+        allow = os.environ.get(ALLOW_NONFINITE_ENV, "") not in ("", "0")
+    if allow:
+        return
+    bad = nonfinite_tensors(tensors)
+    if bad:
+        shown = ", ".join(bad[:5]) + (f", ... ({len(bad) - 5} more)" if len(bad) > 5 else "")
+        raise CheckpointError(
+            f"{where} holds NaN or infinite values in {len(bad)} tensor(s) ({shown}): a model with them produces "
+            f"garbage. To load it anyway (to study it), pass {flag} (allow_nonfinite=True, or set {ALLOW_NONFINITE_ENV}=1)"
+        )
+
+
 def read_checkpoint_config(path: str | os.PathLike) -> dict:
     """The ``config.json`` of a checkpoint (``{"train": {...}, "model": {...}, "tokenizer": ...}``)."""
     ckpt = resolve_checkpoint(path)
@@ -295,6 +334,7 @@ def load_model_for_inference(
     *,
     tokenizer=None,
     overrides: list[str] | dict | None = None,
+    allow_nonfinite: bool | None = None,
 ):
     """``(model, tokenizer)`` from a checkpoint or a run directory (newest complete checkpoint).
 
@@ -308,6 +348,8 @@ def load_model_for_inference(
             fingerprint differs from the recorded one.
         overrides: ``["max_seq_len=4096", ...]`` or a dict: only :data:`INFERENCE_OVERRIDES` are
             accepted (anything else would not fit or would misuse the trained weights).
+        allow_nonfinite: load weights holding NaN / inf (refused by default, naming them; ``None`` = the
+            ``LOOPLM_ALLOW_NONFINITE`` environment variable decides).
     """
     from .config import load_model_config
     from .data.tokenizers import check_tokenizer_fingerprint, check_vocab, load_tokenizer, tokenizer_fingerprint
@@ -315,11 +357,12 @@ def load_model_for_inference(
 
     ckpt = resolve_checkpoint(path)
     cfg = load_json(ckpt / CONFIG_FILE)
-    if not isinstance(cfg, dict) or "model" not in cfg:
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), (dict, str)):
         raise CheckpointError(f"checkpoint file {str(ckpt / CONFIG_FILE)!r} has no model config; cannot rebuild the model")
     # parameters on the meta device, then the file's tensors become them: no random init, no copy
     model = build_for_loading(load_model_config(cfg["model"], _inference_overrides(overrides) or None))
     load_model_weights(ckpt, model, verify=verify)
+    refuse_nonfinite(model.state_dict(), f"checkpoint file {str(ckpt / MODEL_FILE)!r}", allow=allow_nonfinite)
 
     recorded_spec = cfg.get("tokenizer") or cfg.get("train", {}).get("data", {}).get("tokenizer", "byte")
     recorded = cfg.get("tokenizer_fingerprint")

@@ -148,7 +148,8 @@ def _cmd_generate(args) -> int:
 
     if args.checkpoint:
         # --tokenizer replaces the recorded tokenizer (a warning if it differs); --set takes inference-time fields only
-        model, tok = load_model_for_inference(args.checkpoint, tokenizer=args.tokenizer, overrides=args.set)
+        model, tok = load_model_for_inference(args.checkpoint, tokenizer=args.tokenizer, overrides=args.set,
+                                              allow_nonfinite=args.allow_nonfinite or None)
     else:
         refuse_empty_yaml(args.model, "model config")
         torch.manual_seed(args.seed)  # a random preset's weights, reproducible (the sampling seed is set again below)
@@ -231,6 +232,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--loops", type=int, default=None)
     p.add_argument("--allow-deep", action="store_true",
                    help="allow more than 64x the trained K loops (--loops, --max-loops, replay depths); refused otherwise")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="load a checkpoint whose weights hold NaN / inf (refused otherwise; or LOOPLM_ALLOW_NONFINITE=1)")
     p.add_argument("--seed", type=int, default=0, help="seeds a random preset's weights (no --checkpoint) and the sampling")
     p.add_argument("--compile", action="store_true",
                    help="compile every block first (torch.compile); pays for long generations where the fused CPU "

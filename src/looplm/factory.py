@@ -9,6 +9,7 @@ dtype, or on the ``meta`` device without memory (parameter counts, ``looplm info
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 from torch import nn
@@ -18,7 +19,14 @@ from .config import ModelConfig, load_model_config
 from .model import LoopedLM
 from .pause import PauseLM
 
-__all__ = ["build", "build_for_loading", "model_class"]
+__all__ = ["ALLOW_LARGE_ENV", "ModelTooLargeError", "available_memory", "build", "build_for_loading", "check_fits",
+           "model_class", "parameter_bytes"]
+
+ALLOW_LARGE_ENV = "LOOPLM_ALLOW_LARGE"  # =1: build / import models the memory estimate says do not fit
+
+
+class ModelTooLargeError(ValueError):
+    """A model whose parameters alone would not fit in this machine's available memory (the message says both)."""
 
 
 def model_class(cfg: ModelConfig) -> type[LoopedLM]:
@@ -40,6 +48,8 @@ def build(spec="tiny-llama", *, device=None, dtype=None, overrides=None, **kw) -
     ov.update(kw)
     cfg = load_model_config(spec, ov or None)
     meta = str(device) == "meta"
+    if device is None or str(device).startswith("cpu"):  # built in fp32 first, whatever ``dtype`` is
+        check_fits(parameter_bytes(cfg, torch.float32), f"model {cfg.name!r}")
     with torch.device(device) if device is not None else contextlib.nullcontext(), _SkipMetaInit() if meta else contextlib.nullcontext():
         model = model_class(cfg)(cfg)
     if device is not None:
@@ -49,6 +59,56 @@ def build(spec="tiny-llama", *, device=None, dtype=None, overrides=None, **kw) -
     if dtype is not None:
         model = model.to(dtype)
     return model
+
+
+def parameter_bytes(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> int:
+    """The bytes of ``cfg``'s parameters in ``dtype``, estimated from the config alone — embedding, head,
+    attention / Mamba-2 mixers and MLPs (norms, gates and adapters are small beside them) — without building
+    anything, so that an impossible size (a vocabulary of 10^12) is refused before any allocation."""
+    d, V = int(cfg.d_model), int(cfg.vocab_size)
+    L = int(cfg.n_physical)
+    n_attn = L if cfg.mixer == "attention" else len({i for i in cfg.attn_layer_idx if 0 <= i < L})
+    a, m = cfg.attention, cfg.mamba
+    H, kv = int(a.n_heads), int(cfg.n_kv_heads) if a.n_heads else 0
+    hd = int(a.head_dim or (d // a.n_heads if a.n_heads else 0))
+    attn = 2 * d * H * hd + 2 * d * kv * hd
+    inner = int(m.expand) * d
+    mamba = d * (2 * inner + 2 * int(m.ngroups) * int(m.d_state) + (inner // max(int(m.headdim), 1))) + inner * d
+    n = V * d * (1 if cfg.tie_embeddings else 2) + n_attn * attn + (L - n_attn) * mamba + L * 3 * d * int(cfg.d_ff)
+    return n * torch.empty(0, dtype=dtype).element_size()
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (``MemAvailable`` of ``/proc/meminfo``, else the free
+    physical pages), or ``None`` where neither can be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(nbytes: int, what: str, *, allow: bool = False, flag: str | None = None) -> None:
+    """Refuse (:class:`ModelTooLargeError`) ``nbytes`` of parameters that this machine's available memory cannot
+    hold, saying both figures; ``allow`` (or the environment variable ``LOOPLM_ALLOW_LARGE=1``) skips it."""
+    if allow or os.environ.get(ALLOW_LARGE_ENV, "") not in ("", "0"):
+        return
+    avail = available_memory()
+    if avail is None or nbytes <= avail:
+        return
+    gib = 1 << 30
+    how = f"{flag} or " if flag else ""
+    raise ModelTooLargeError(
+        f"{what} needs about {nbytes / gib:,.1f} GiB for its parameters alone, and this machine has "
+        f"{avail / gib:,.1f} GiB of memory available: it cannot be built here. Check the config's sizes (vocab_size, "
+        f"hidden size, layers); to try anyway, pass {how}set {ALLOW_LARGE_ENV}=1"
+    )
 
 
 def build_for_loading(cfg: ModelConfig) -> LoopedLM:

@@ -15,7 +15,8 @@ __all__ = ["register"]
 
 
 def cmd_export_hf(args) -> int:
-    from ..checkpoint_io import looplm_contents
+    from ..checkpoint_io import looplm_contents, resolve_checkpoint
+    from .weights import refuse_overlap
 
     held = looplm_contents(args.out)
     if held is not None:  # --overwrite empties nothing, but writes export files over a checkpoint's own
@@ -23,6 +24,7 @@ def cmd_export_hf(args) -> int:
             f"{args.out!r} holds a looplm {'training run' if held == 'run' else held}; an export into it would "
             "overwrite its model.safetensors and config.json (even with --overwrite): pick another directory"
         )
+    refuse_overlap(resolve_checkpoint(args.checkpoint), args.out, "export")  # nor inside the checkpoint it reads
     if args.format == "original":
         if args.loops is not None or args.exit_threshold is not None:
             raise ValueError("--loops / --exit-threshold are looplm-export options; the original format keeps the "
@@ -55,6 +57,7 @@ def cmd_import_hf(args) -> int:
 
     overrides = {k: parse_value(v) for k, v in map(split_override, args.set or [])}
     out = import_hf(args.source, args.out, gguf_file=args.gguf_file, overwrite=args.overwrite, dtype=args.dtype,
+                    allow_nonfinite=args.allow_nonfinite, allow_deep=args.allow_deep, allow_large=args.allow_large,
                     **overrides)
     print(f"imported {args.source} -> {out}")
     print(f"  try: looplm generate --checkpoint {out} --prompt 'Hello'")
@@ -99,4 +102,10 @@ def register(subparsers) -> None:
         p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                        help="dtype of the imported weights (default: float32)")
         p.add_argument("--overwrite", action="store_true")
+        p.add_argument("--allow-nonfinite", action="store_true",
+                       help="import weights holding NaN / inf (refused otherwise; for studying broken checkpoints)")
+        p.add_argument("--allow-deep", action="store_true",
+                       help="import a loop count above 4096 (total_ut_steps, mean_recurrence, n_loops); refused otherwise")
+        p.add_argument("--allow-large", action="store_true",
+                       help="import a model whose parameters exceed this machine's available memory (or LOOPLM_ALLOW_LARGE=1)")
         p.set_defaults(func=cmd_import_hf)

@@ -69,8 +69,10 @@ def export_hf(
     from .remote.configuration_looplm import LoopLMConfig
 
     if isinstance(source, (str, Path)):
-        from ..checkpoint_io import load_model_for_inference
+        from ..checkpoint_io import load_model_for_inference, resolve_checkpoint
+        from .weights import refuse_overlap
 
+        refuse_overlap(resolve_checkpoint(source), out, "export")
         model, tok = load_model_for_inference(source, tokenizer=tokenizer)
     else:
         model = source

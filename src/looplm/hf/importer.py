@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from .export import PREFIX
-from .weights import INDEX_FILE, _read_json, read_shapes, refuse_mismatch, weight_files
+from .weights import (INDEX_FILE, MAX_IMPORT_LOOPS, _read_json, preflight, read_shapes, refuse_mismatch,
+                      refuse_overlap, weight_files)
 
-__all__ = ["import_hf", "write_checkpoint", "read_export", "weight_files", "read_shapes"]
-
+__all__ = ["MAX_IMPORT_LOOPS", "import_hf", "preflight", "write_checkpoint", "read_export", "weight_files", "read_shapes"]
 
 def write_checkpoint(out: str | Path, model, tokenizer, *, extra: dict | None = None, overwrite: bool = False) -> Path:
     """Write ``model`` (a ``LoopedLM``) and ``tokenizer`` as a complete looplm checkpoint directory."""
@@ -61,6 +61,9 @@ def write_checkpoint(out: str | Path, model, tokenizer, *, extra: dict | None = 
         tok_spec = "byte"
     else:
         tokenizer.save(out / "tokenizer")
+        from .tokenizer import make_portable
+
+        make_portable(out / "tokenizer")  # loadable by transformers 4.x too (not TokenizersBackend, no auto_map)
         tok_spec = str((out / "tokenizer").resolve())
     sd = {k: v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()}
     if model.config.tie_embeddings:  # the tied head is the embedding: stored once (checkpoint_io.with_tied_head)
@@ -86,11 +89,12 @@ def write_checkpoint(out: str | Path, model, tokenizer, *, extra: dict | None = 
     return out
 
 
-def read_export(src: str | Path):
+def read_export(src: str | Path, *, allow_deep: bool = False, allow_large: bool = False):
     """``(model, tokenizer)`` from a looplm export directory, without transformers' model classes.
 
     The weights are read from exactly the files the format names (:func:`weight_files`) and must match
-    the config's tensors one for one (names and shapes) before any is loaded."""
+    the config's tensors one for one (names and shapes) before any is loaded; the config passes
+    :func:`preflight` first."""
     from safetensors.torch import load_file
 
     from ..checkpoint_io import CheckpointError
@@ -103,7 +107,13 @@ def read_export(src: str | Path):
     cfg = _read_json(src / "config.json", "config file")
     if not isinstance(cfg.get("looplm"), dict):
         raise ValueError(f"config file {str(src / 'config.json')!r} has no looplm model config (key 'looplm')")
-    model = build_for_loading(ModelConfig.from_dict(cfg["looplm"]))  # on meta: the file's tensors become it
+    mcfg = ModelConfig.from_dict(cfg["looplm"])
+    preflight(mcfg, where=f"looplm export {str(src)!r}", allow_deep=allow_deep, allow_large=allow_large)
+    if cfg.get("looplm_tokenizer") != "byte":
+        from .tokenizer import check_tokenizer_dir
+
+        check_tokenizer_dir(src)
+    model = build_for_loading(mcfg)  # on meta: the file's tensors become it
     files = weight_files(src)
     tied = model.config.tie_embeddings
     expected = {PREFIX + k: tuple(v.shape) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
@@ -132,7 +142,7 @@ def read_export(src: str | Path):
         # would read config.json, which names remote code the tokenizer does not need)
         from transformers import PreTrainedTokenizerFast
 
-        backend = PreTrainedTokenizerFast.from_pretrained(str(src))
+        backend = PreTrainedTokenizerFast.from_pretrained(str(src), trust_remote_code=False)
         tok = HFTokenizer(backend, str(src), kind="transformers")
     return model.eval(), tok
 
@@ -172,7 +182,8 @@ def _load_transformers(src: Path, gguf_file: str | None):
     try:
         with _transformers_errors_only():
             hf_model, info = AutoModelForCausalLM.from_pretrained(
-                str(src), dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True, **kw
+                str(src), dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True,
+                trust_remote_code=False, **kw
             )
     except Exception as e:  # transformers' and the file readers' own types; one line naming the source instead
         raise ValueError(f"{what} could not be loaded ({_first_line(e)}): {fix}") from e
@@ -183,34 +194,45 @@ def _load_transformers(src: Path, gguf_file: str | None):
     if info.get("error_msgs"):
         raise ValueError(f"{what}: transformers reported errors while loading the weights: {info['error_msgs'][:3]}")
     try:
-        hf_tok = AutoTokenizer.from_pretrained(str(src), **kw)
+        hf_tok = AutoTokenizer.from_pretrained(str(src), trust_remote_code=False, **kw)
     except Exception as e:
         raise ValueError(f"the tokenizer of {what} could not be loaded ({_first_line(e)})") from e
     return hf_model.eval(), hf_tok
 
 
 def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None, overwrite: bool = False,
-              dtype: str | torch.dtype | None = None, **overrides) -> Path:
+              dtype: str | torch.dtype | None = None, allow_nonfinite: bool = False, allow_deep: bool = False,
+              allow_large: bool = False, **overrides) -> Path:
     """Convert a Hugging Face model directory (or ``src`` = a ``.gguf`` file) into a looplm checkpoint at ``out``.
 
     ``overrides`` change the imported config before the weights are copied (``n_loops=2`` loops the
     whole imported stack; shapes must stay the same). ``dtype`` (Ouro / Huginn): the weights' dtype in the
-    looplm checkpoint (default float32, whatever the files hold). Returns ``out``.
+    looplm checkpoint (default float32, whatever the files hold). Refused before anything is written: an
+    ``out`` that is ``src`` or inside it; weights holding NaN / inf (``allow_nonfinite`` lets them through);
+    more than :data:`MAX_IMPORT_LOOPS` loops (``allow_deep``); parameters that cannot fit in this machine's
+    available memory (``allow_large``). Returns ``out``.
     """
+    from ..checkpoint_io import refuse_nonfinite
     from ..data.tokenizers import HFTokenizer
+    from .tokenizer import check_tokenizer_dir
 
     src = Path(src)
     if src.is_file() and src.suffix == ".gguf":
         src, gguf_file = src.parent, src.name
     if not src.is_dir():
         raise FileNotFoundError(f"{str(src)!r} is not a Hugging Face model directory (or a .gguf file)")
+    refuse_overlap(src, out, "import")
     if Path(out).exists() and any(Path(out).iterdir()) and not overwrite:  # before loading anything
         raise FileExistsError(f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory")
+    loops = overrides.get("n_loops")
+    if isinstance(loops, int) and not isinstance(loops, bool) and loops > MAX_IMPORT_LOOPS and not allow_deep:
+        raise ValueError(f"n_loops = {loops:,} (--set) is more than {MAX_IMPORT_LOOPS:,} loops: decoding would not "
+                         "finish. If it is meant, pass allow_deep=True (--allow-deep)")
     cfg_path = src / "config.json"
     hf_cfg = _read_json(cfg_path, "config file") if cfg_path.is_file() else {}
     is_export = hf_cfg.get("model_type") == "looplm"
     if is_export:
-        model, tok = read_export(src)
+        model, tok = read_export(src, allow_deep=allow_deep, allow_large=allow_large)
         if overrides:
             from ..factory import build
 
@@ -221,7 +243,8 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
     elif gguf_file is None and _public_family(hf_cfg) is not None:
         from .public import load_public
 
-        model, tok, origin = load_public(src, dtype=_dtype(dtype), **overrides)
+        model, tok, origin = load_public(src, dtype=_dtype(dtype), allow_deep=allow_deep, allow_large=allow_large,
+                                         **overrides)
     else:
         if gguf_file is None and not cfg_path.is_file():
             ggufs = sorted(src.glob("*.gguf"))
@@ -237,9 +260,15 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
             with open(gpath, "rb") as f:
                 if f.read(4) != b"GGUF":
                     raise ValueError(f"{str(gpath)!r} is not a GGUF file (it does not start with the bytes 'GGUF')")
-        elif any(src.glob("*.safetensors")) or (src / INDEX_FILE).exists():
-            # exactly the files the format names, their headers intact, before transformers loads anything
-            read_shapes(weight_files(src))
+        else:
+            _check_transformers_config(hf_cfg, cfg_path, allow_large=allow_large)
+            for name in ("generation_config.json",):  # read by transformers: a clear error naming it instead
+                if (src / name).is_file():
+                    _read_json(src / name, "generation config")
+            if any(src.glob("*.safetensors")) or (src / INDEX_FILE).exists():
+                # exactly the files the format names, their headers intact, before transformers loads anything
+                read_shapes(weight_files(src))
+        check_tokenizer_dir(src)  # before transformers reads it (a GGUF directory may hold one too)
         from ..interop import from_transformers
 
         hf_model, hf_tok = _load_transformers(src, gguf_file)
@@ -250,7 +279,41 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
                   "imported_kind": hf_model.config.model_type}
     if dtype is not None:
         model = model.to(_dtype(dtype))
+    # after the cast: an fp16 cast of large weights overflows to inf
+    refuse_nonfinite(model.state_dict(), f"the weights of {str(src)!r}", allow=allow_nonfinite)
     return write_checkpoint(out, model, tok, extra={"import": origin}, overwrite=overwrite)
+
+
+# integer fields of a transformers config.json that must be positive where present (Llama / Qwen3 / Mamba-2)
+_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "head_dim", "max_position_embeddings", "state_size", "expand", "num_heads",
+                  "n_groups", "conv_kernel", "chunk_size")
+
+
+def _check_transformers_config(c: dict, path: Path, *, allow_large: bool = False) -> None:
+    """The integer sizes of a transformers ``config.json`` (positive integers, every bad one named), then the
+    memory its parameters need (fp32, the transformers model and its looplm copy) — before transformers builds it."""
+    from ..dataclass_util import ConfigError
+    from ..factory import check_fits
+
+    errs = []
+    for f in _POSITIVE_INTS:
+        v = c.get(f)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            errs.append(f"{f}: must be a positive integer, got {v!r}")
+    if errs:
+        raise ConfigError(errs, f"model config {str(path)!r}")
+    d, V, L = c.get("hidden_size") or 0, c.get("vocab_size") or 0, c.get("num_hidden_layers") or 0
+    H = c.get("num_attention_heads") or 1
+    hd = c.get("head_dim") or d // H
+    kv = c.get("num_key_value_heads") or H
+    if c.get("model_type") == "mamba2":
+        layer = 3 * (c.get("expand") or 2) * d * d
+    else:
+        layer = 2 * d * H * hd + 2 * d * kv * hd + 3 * d * (c.get("intermediate_size") or 0)
+    n = V * d * (1 if c.get("tie_word_embeddings") else 2) + L * layer
+    check_fits(2 * 4 * n, f"the model of {str(path)!r} (fp32, loaded by transformers then copied)", allow=allow_large,
+               flag="--allow-large")
 
 
 def _public_family(hf_cfg: dict) -> str | None:

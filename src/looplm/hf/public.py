@@ -103,12 +103,21 @@ def _require(c: dict, fields: list[str | tuple[str, ...]], errs: list[str]) -> N
             errs.append(f"missing field {' / '.join(repr(n) for n in names)}")
 
 
+# sizes that must be >= 1 where present (0 heads would divide by zero, 0 layers / loops build nothing);
+# the layer counts of Huginn's prelude and coda may be 0
+_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "head_dim", "max_position_embeddings", "total_ut_steps", "sliding_window",
+             "n_embd", "n_heads", "padded_vocab_size", "n_layers_in_recurrent_block", "mean_recurrence", "block_size")
+
+
 def _types(c: dict, ints: tuple[str, ...], numbers: tuple[str, ...], errs: list[str]) -> None:
-    """The numeric fields that are present have numeric values (named otherwise)."""
+    """The numeric fields that are present have numeric values (named otherwise); sizes are positive."""
     for f in ints:
         v = c.get(f)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
             errs.append(f"{f} must be a non-negative integer, got {v!r}")
+        elif v is not None and v < 1 and f in _POSITIVE:
+            errs.append(f"{f} must be a positive integer, got {v!r}")
     for f in numbers:
         v = c.get(f)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
@@ -152,6 +161,9 @@ def _ouro_config(c: dict, errs: list[str]) -> dict:
     L, heads = int(c["num_hidden_layers"]), int(c["num_attention_heads"])
     window = c.get("sliding_window") if c.get("use_sliding_window") else None
     types = c.get("layer_types")
+    if types is not None and not (isinstance(types, list) and all(isinstance(t, str) for t in types)):
+        errs.append(f"layer_types must be a list of strings (one per layer), got {types!r}")
+        types = None
     if types is not None and len(types) != L:
         errs.append(f"layer_types has {len(types)} entries for num_hidden_layers={L}")
     if window is not None:
@@ -545,14 +557,17 @@ def _tokenizer(src: Path):
     """The checkpoint's own tokenizer (``tokenizer.json`` + ``tokenizer_config.json``, chat template included)."""
     from ..data.tokenizers import HFTokenizer
 
-    if not (src / "tokenizer.json").is_file():
+    from .tokenizer import check_tokenizer_dir
+
+    if not (src / "tokenizer.json").is_file() and not (src / "tokenizer.json").is_symlink():
         raise PublicFormatError(["no tokenizer.json (the tokenizer is copied with the weights)"], str(src))
+    check_tokenizer_dir(src)  # JSON files, no auto_map naming code, a tokenizer.json the library reads
     # by the generic fast class: AutoTokenizer would read config.json, whose model_type transformers does not know
     from transformers import PreTrainedTokenizerFast
 
     from ..data.tokenizers import EOS_CANDIDATES
 
-    backend = PreTrainedTokenizerFast.from_pretrained(str(src))
+    backend = PreTrainedTokenizerFast.from_pretrained(str(src), trust_remote_code=False)
     guess = None if backend.eos_token else next((t for t in EOS_CANDIDATES if t in backend.get_vocab()), None)
     return HFTokenizer(backend, str(src), kind="transformers", eos_token=guess)
 
@@ -563,28 +578,40 @@ def read_config(src: Path) -> dict:
         raise PublicFormatError(["no config.json"], str(src))
     try:
         c = json.loads(p.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PublicFormatError([f"config.json is not valid JSON ({e})"], str(src)) from e
+    except RecursionError as e:  # json's parser recurses per nesting level
+        raise PublicFormatError(["config.json nests its arrays / objects too deeply to be read (a corrupted or "
+                                 "hostile file; no real config nests more than a few levels)"], str(src)) from e
     if not isinstance(c, dict):
         raise PublicFormatError(["config.json is not a JSON object"], str(src))
     return c
 
 
-def load_public(src: str | Path, *, dtype=torch.float32, **overrides):
+def load_public(src: str | Path, *, dtype=torch.float32, allow_deep: bool = False, allow_large: bool = False,
+                **overrides):
     """``(model, tokenizer, origin)`` of an Ouro / Huginn checkpoint directory: the config mapped
-    (:func:`public_config`), every tensor checked, then loaded into a looplm model (in ``dtype``).
+    (:func:`public_config`) and checked (:func:`looplm.hf.weights.preflight`: the loop count, the memory),
+    every tensor checked, then loaded into a looplm model (in ``dtype``).
     ``overrides`` change the config first (``n_loops=8``; shapes must stay the same)."""
     from ..factory import build
+    from .weights import preflight
 
     src = Path(src)
     hf = read_config(src)
     fam = detect(hf)
     cfg = public_config(hf, str(src / "config.json"), **overrides)
+    loops_field = "n_loops (--set)" if "n_loops" in overrides else {
+        "ouro": "total_ut_steps", "huginn_raven": "mean_recurrence"}.get(fam, "the loop count")
+    preflight(cfg, dtype, where=str(src / "config.json"), loops_field=loops_field, allow_deep=allow_deep,
+              allow_large=allow_large)
     expected = _expected_shapes(fam, cfg)
     tie_to = "transformer.wte.weight" if fam == "huginn_raven" else "model.embed_tokens.weight"
     derived = _nanbeige.derived(cfg) if fam == "nanbeige" else _DERIVED[fam]
     tensors = read_tensors(src, expected, derived, tied_head="lm_head.weight" if cfg.tie_embeddings else None,
                            tie_to=tie_to, dtype=dtype, what=f"its {FAMILIES[fam]} config")
+    if fam == "huginn_raven":
+        _check_stored_rope(src, cfg)
     tok = _tokenizer(src)
     # built without memory, then every tensor assigned (no random init of billions of weights to overwrite)
     model = build(cfg, device="meta")
@@ -601,6 +628,37 @@ def load_public(src: str | Path, *, dtype=torch.float32, **overrides):
     origin = {"imported_from": str(src.resolve()), "imported_kind": fam,
               "original_config": {k: v for k, v in hf.items() if k not in ("auto_map",)}}
     return model.eval(), tok, origin
+
+
+def _check_stored_rope(src: Path, cfg) -> None:
+    """Warn when Huginn's stored RoPE table ``freqs_cis`` is not the fp32 table looplm computes: the original
+    code rotates with the stored one (bf16 in some releases), looplm recomputes it in fp32, so logits differ
+    (by ~4e-2 for a bf16 table). The warning says the measured largest difference of the two tables."""
+    import warnings
+
+    from safetensors import safe_open
+
+    from .weights import weight_files
+
+    for f in weight_files(src):
+        with safe_open(str(f), framework="pt") as fh:
+            if "freqs_cis" not in fh.keys():
+                continue
+            stored = fh.get_tensor("freqs_cis")
+        if stored.dim() != 5 or stored.shape[-1] != 2 or stored.shape[-2] != cfg.head_dim // 2 or not stored.is_floating_point():
+            raise PublicFormatError([f"freqs_cis has shape {list(stored.shape)} and dtype {stored.dtype}; Huginn's RoPE "
+                                     f"table is [1, T, 1, {cfg.head_dim // 2}, 2] floats"], str(src))
+        n = stored.shape[1]
+        ours = _freqs_cis(cfg.head_dim, n, cfg.attention.rope_theta)
+        diff = (stored.float() - ours).abs().max().item() if n else 0.0
+        if not diff <= 1e-6:  # NaN in the table counts as a difference too
+            warnings.warn(
+                f"{str(f)!r}: its RoPE table freqs_cis ({str(stored.dtype).removeprefix('torch.')}, {n} positions) "
+                f"differs from the fp32 table looplm computes by up to {diff:.3g}; Huginn's own code rotates with "
+                "the stored table, looplm with the computed one, so their logits differ accordingly",
+                stacklevel=3,
+            )
+        return
 
 
 # ------------------------------------------------------------------------------------------------
@@ -706,4 +764,7 @@ def export_original(source, out: str | Path, *, tokenizer=None, dtype: str | tor
             save_pretrained_tokenizer(tok, out)
         else:
             tok._tok.save_pretrained(str(out))
+            from .tokenizer import make_portable
+
+            make_portable(out)  # a tokenizer_class transformers 4.x has too (5.x records TokenizersBackend)
     return out

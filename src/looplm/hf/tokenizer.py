@@ -93,13 +93,90 @@ def save_pretrained_tokenizer(tok, out_dir) -> None:
         for key, tid in (("eos_token", tok.eos_id), ("bos_token", tok.bos_id), ("pad_token", tok.pad_id)):
             if tid is not None and inv.get(tid) is not None:
                 cfg[key] = inv[tid]
-        if cfg.pop("auto_map", None) is not None or not cfg.get("tokenizer_class"):
-            cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
-        for k in _LOAD_OPTIONS:  # how the source was loaded (transformers 5 saves some), not what it is
-            cfg.pop(k, None)
+        cfg = portable_config(cfg)
     else:
         fast = to_pretrained_tokenizer_fast(tok)
         fast.save_pretrained(str(out_dir))
         cfg = json.loads(cfg_path.read_text())
         cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
     cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
+
+
+# classes transformers >= 5 writes into tokenizer_config.json that 4.x does not have; the generic fast class
+# is the same tokenizer.json read the same way under every version (our pin allows transformers >= 4.46)
+_V5_ONLY_CLASSES = ("TokenizersBackend", "PythonBackend", "SentencePieceBackend")
+
+
+def portable_config(cfg: dict) -> dict:
+    """``tokenizer_config.json``'s dict made loadable by every supported transformers version without custom
+    code: no ``auto_map``, a ``tokenizer_class`` that transformers 4.x has (transformers 5 records
+    ``TokenizersBackend`` for a tokenizer loaded by the generic fast class, which 4.x cannot import), and none
+    of the options describing how the source was loaded."""
+    cfg = dict(cfg)
+    cls = cfg.get("tokenizer_class")
+    if cfg.pop("auto_map", None) is not None or not cls or cls in _V5_ONLY_CLASSES:
+        cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    for k in _LOAD_OPTIONS:  # how the source was loaded (transformers 5 saves some), not what it is
+        cfg.pop(k, None)
+    return cfg
+
+
+def make_portable(directory) -> None:
+    """Rewrite ``directory/tokenizer_config.json`` (when there is one) with :func:`portable_config`."""
+    import json
+    from pathlib import Path
+
+    path = Path(directory) / "tokenizer_config.json"
+    if path.is_file():
+        cfg = json.loads(path.read_text())
+        if isinstance(cfg, dict):
+            path.write_text(json.dumps(portable_config(cfg), indent=2, ensure_ascii=False) + "\n")
+
+
+# the JSON files transformers reads from a tokenizer directory (each checked first, naming the file)
+_TOKENIZER_JSON = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+
+def check_tokenizer_dir(src) -> None:
+    """Check the tokenizer files of a model directory before transformers reads them, naming the file:
+
+    * ``tokenizer_config.json`` and its siblings are JSON objects (no nesting too deep to parse);
+    * no ``auto_map`` entry names tokenizer code (a ``.py`` module): transformers would offer, interactively,
+      to run it; looplm never runs a model's own code, so it is refused here (say which entry, which file);
+    * ``tokenizer.json`` (a symlink is followed: Hugging Face's cache links into its blob store) exists and is
+      a tokenizer the ``tokenizers`` library reads.
+    """
+    from pathlib import Path
+
+    from .weights import read_json
+
+    src = Path(src)
+    for name in _TOKENIZER_JSON:
+        if (src / name).is_file():
+            read_json(src / name, "tokenizer file")
+    cfg_path = src / "tokenizer_config.json"
+    auto_map = read_json(cfg_path, "tokenizer file").get("auto_map") if cfg_path.is_file() else None
+    if auto_map:
+        entries = auto_map.items() if isinstance(auto_map, dict) else [("auto_map", auto_map)]
+        for key, value in entries:
+            for ref in value if isinstance(value, (list, tuple)) else [value]:
+                if isinstance(ref, str) and ref:
+                    module = ref.split("--")[-1].rsplit(".", 1)[0]
+                    raise ValueError(
+                        f"tokenizer file {str(cfg_path)!r} names custom tokenizer code (auto_map {key}: {ref!r}, the "
+                        f"file {str(src / (module.replace('.', '/') + '.py'))!r}); looplm never runs a model's own code. "
+                        "If tokenizer.json is all the tokenizer needs, remove auto_map from tokenizer_config.json"
+                    )
+    tj = src / "tokenizer.json"
+    if tj.is_symlink() or tj.exists():
+        via = f" (a symlink to {str(tj.resolve())!r})" if tj.is_symlink() else ""
+        if not tj.is_file():
+            raise FileNotFoundError(f"tokenizer file {str(tj)!r}{via} does not exist or is not a file")
+        from tokenizers import Tokenizer
+
+        try:
+            Tokenizer.from_file(str(tj))
+        except Exception as e:  # the tokenizers library's own exception, which names no file
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise ValueError(f"tokenizer file {str(tj)!r}{via} is not a tokenizer the tokenizers library can read "
+                             f"({type(e).__name__}: {first}); it is corrupted or not a tokenizer.json") from e

@@ -4,7 +4,10 @@
 other ``*.safetensors`` files are never read, with a warning); tensor names and shapes from the headers only
 (:func:`read_shapes`), so that a model's missing, unexpected or mis-shaped tensors are refused in one error
 (:func:`refuse_mismatch`) before any weight is loaded. Shared by ``looplm import hf``'s readers
-(:mod:`looplm.hf.importer`: looplm exports, transformers models; :mod:`looplm.hf.public`: Ouro, Huginn).
+(:mod:`looplm.hf.importer`: looplm exports, transformers models; :mod:`looplm.hf.public`: Ouro, Huginn), with
+the importers' other checks made before anything is read: JSON files naming themselves (:func:`read_json`), an
+output that is not the source (:func:`refuse_overlap`), a loop count and a size that can run here
+(:func:`preflight`).
 """
 
 from __future__ import annotations
@@ -12,21 +15,40 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["INDEX_FILE", "WEIGHTS_FILE", "read_shapes", "refuse_mismatch", "weight_files"]
+__all__ = ["INDEX_FILE", "MAX_IMPORT_LOOPS", "WEIGHTS_FILE", "preflight", "read_json", "read_shapes", "refuse_mismatch",
+           "refuse_overlap", "weight_files"]
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
 
-def _read_json(path: Path, what: str) -> dict:
-    """A JSON object from ``path``; a ``ValueError`` naming the file when it is not one."""
+def read_json(path: Path, what: str) -> dict:
+    """A JSON object from ``path``; a ``ValueError`` naming the file when it is not one (also for nesting too
+    deep for Python's parser, which raises ``RecursionError``: no model config nests more than a few levels)."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{what} {str(path)!r} is not valid JSON ({e}); the directory is corrupted or incomplete") from e
+    except RecursionError as e:
+        raise ValueError(f"{what} {str(path)!r} nests its arrays / objects too deeply to be read (a corrupted or "
+                         "hostile file; no real config nests more than a few levels)") from e
     if not isinstance(data, dict):
         raise ValueError(f"{what} {str(path)!r} is not a JSON object")
     return data
+
+
+_read_json = read_json  # the name the importers used first
+
+
+def refuse_overlap(src: str | Path, out: str | Path, verb: str = "import") -> None:
+    """Refuse an output directory ``out`` that is the source ``src`` or inside it (symlinks resolved): writing
+    there would replace the source's own files (``config.json``, ``model.safetensors``) while reading them, or
+    mix new files into the directory being read — even with ``--overwrite``, which is for an earlier output."""
+    s, o = Path(src).resolve(), Path(out).resolve()
+    if o == s or s in o.parents:
+        where = "is the source" if o == s else f"is inside the source {str(s)!r}"
+        raise ValueError(f"output directory {str(out)!r} {where}: {verb} would overwrite or mix into the files it "
+                         "reads (even with --overwrite); pick a directory outside it")
 
 
 def weight_files(src: str | Path) -> list[Path]:
@@ -110,3 +132,28 @@ def refuse_mismatch(src, missing=(), unexpected=(), mismatched=(), what: str = "
             f"the weights in {str(src)!r} do not fit {what} ({'; '.join(problems)}); nothing was written. Check that "
             "config.json belongs to these weights and that no weight file is missing or stale"
         )
+
+
+# a loop count past this at import is refused unless asked for (allow_deep / --allow-deep): a config's trained K
+# is the config itself, so the bound is absolute; Ouro trains K = 4, Huginn r = 32 (and is run to 64 or so)
+MAX_IMPORT_LOOPS = 4096
+
+
+def preflight(cfg, dtype=None, *, where: str, loops_field: str = "n_loops", allow_deep: bool = False,
+              allow_large: bool = False) -> None:
+    """Checks of an imported model config before any model is built or weight read: a loop count past
+    :data:`MAX_IMPORT_LOOPS` (``allow_deep`` lets it through) and parameters that cannot fit in this machine's
+    available memory at ``dtype`` (``allow_large``; :func:`looplm.factory.check_fits`)."""
+    import torch
+
+    from ..factory import check_fits, parameter_bytes
+
+    dtype = torch.float32 if dtype is None else dtype
+    if cfg.n_loops > MAX_IMPORT_LOOPS and not allow_deep:
+        raise ValueError(
+            f"{where}: {loops_field} = {cfg.n_loops:,} loops, more than {MAX_IMPORT_LOOPS:,} (every token would run "
+            f"the core {cfg.n_loops:,} times: decoding would not finish). If it is meant, pass allow_deep=True "
+            "(--allow-deep)"
+        )
+    check_fits(parameter_bytes(cfg, dtype), f"{where} ({cfg.name}, {str(dtype).removeprefix('torch.')})",
+               allow=allow_large, flag="--allow-large")
