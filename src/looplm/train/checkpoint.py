@@ -27,6 +27,10 @@ whose ``.metadata`` file is a pickle: loading a checkpoint here never executes p
 (no ``torch.load`` at all). The cost is that the full state passes through rank 0's CPU memory,
 which is fine up to a few billion parameters.
 
+A write that fails (a full disk, a quota, an I/O error) removes the partial ``.tmp-step_*`` directory and
+raises :class:`CheckpointError` naming the file, the system's reason and the previous complete checkpoint,
+which stays intact.
+
 Loading verifies each file's size and SHA-256 against ``COMPLETE`` and raises
 :class:`CheckpointError` naming the file that is missing, truncated or corrupted.
 
@@ -36,6 +40,7 @@ Locating, verifying and reading checkpoints (and loading one for inference) live
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
@@ -201,32 +206,61 @@ def save_checkpoint(
             model, opts, options=_state_dict_options(cpu_offload=True)
         )
     final = checkpoint_path(root, step)
+    error = None
     if get_rank() == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = root / f".tmp-{final.name}-{os.getpid()}"
+        try:
+            _write_checkpoint(root, final, step, model_sd, optim_sd if opts else None, trainer_state, config)
+        except CheckpointError as e:
+            error = str(e)
+        else:
+            _prune(root, keep_last)
+    barrier()
+    error = broadcast_object(error)  # every rank stops on rank 0's failure, none waits for it
+    if error is not None:
+        raise CheckpointError(error)
+    return final if get_rank() == 0 else None
+
+
+def _write_checkpoint(root: Path, final: Path, step: int, model_sd: dict, optim_sd: dict | None,
+                      trainer_state: dict | None, config: dict | None) -> None:
+    """Rank 0's part of :func:`save_checkpoint`. A write that fails (a full disk, a quota, an I/O error)
+    removes what it had written of this checkpoint and raises :class:`CheckpointError` naming the file, the
+    system's reason and the newest complete checkpoint, which it never touched."""
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    current = tmp
+    try:
         if tmp.exists():
             shutil.rmtree(tmp)
         tmp.mkdir()
-        _save_tensors(model_sd, tmp / MODEL_FILE, metadata={"format": "pt", "step": str(step)})
+        current = tmp / MODEL_FILE
+        _save_tensors(model_sd, current, metadata={"format": "pt", "step": str(step)})
         files = [MODEL_FILE]
-        if opts:
+        if optim_sd is not None:
             tensors, other = _split_optim_state(optim_sd)
-            _save_tensors(tensors, tmp / OPTIM_TENSORS)
-            _write_json(tmp / OPTIM_JSON, other)
+            current = tmp / OPTIM_TENSORS
+            _save_tensors(tensors, current)
+            current = tmp / OPTIM_JSON
+            _write_json(current, other)
             files += [OPTIM_TENSORS, OPTIM_JSON]
         rng = {"torch_cpu": torch.get_rng_state()}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rng["torch_cuda"] = torch.cuda.get_rng_state()
-        _save_tensors(rng, tmp / RNG_FILE)
+        current = tmp / RNG_FILE
+        _save_tensors(rng, current)
         state = dict(trainer_state or {})
         state.setdefault("step", step)
         state["python_rng"] = rng_state_to_json(random.getstate())
-        _write_json(tmp / STATE_FILE, state)
-        _write_json(tmp / CONFIG_FILE, config or {})
+        current = tmp / STATE_FILE
+        _write_json(current, state)
+        current = tmp / CONFIG_FILE
+        _write_json(current, config or {})
         files += [RNG_FILE, STATE_FILE, CONFIG_FILE]
         for f in files:
-            _fsync_file(tmp / f)
+            current = tmp / f
+            _fsync_file(current)
         _fsync_dir(tmp)
+        current = final
         if final.exists():  # an incomplete leftover of an interrupted save of this step
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -237,14 +271,31 @@ def save_checkpoint(
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "files": {f: {"bytes": (final / f).stat().st_size, "sha256": sha256_of(final / f)} for f in files},
         }
-        marker_tmp = final / (MARKER + ".tmp")
-        _write_json(marker_tmp, manifest)
-        _fsync_file(marker_tmp)
-        os.replace(marker_tmp, final / MARKER)
+        current = final / (MARKER + ".tmp")
+        _write_json(current, manifest)
+        _fsync_file(current)
+        os.replace(current, final / MARKER)
         _fsync_dir(final)
-        _prune(root, keep_last)
-    barrier()
-    return final if get_rank() == 0 else None
+    except Exception as e:
+        if not isinstance(e, OSError) and type(e).__name__ != "SafetensorError":  # safetensors' own, for a failed write
+            raise
+        for partial in (tmp, final):
+            if partial == final and (final / MARKER).is_file():
+                continue  # complete: the failure came after it was whole
+            shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno:
+            why = f"{os.strerror(e.errno)}, {errno.errorcode.get(e.errno, e.errno)}"
+        else:
+            why = str(e) or type(e).__name__
+        prev = latest_checkpoint(root)
+        kept = (f"the previous complete checkpoint {str(prev)!r} is intact" if prev is not None
+                else f"there is no earlier complete checkpoint in {str(root)!r}")
+        raise CheckpointError(
+            f"could not write checkpoint {final.name}: writing {str(current)!r} failed ({why}); removed its partial "
+            f"files, {kept}. Free some space (or fix the error) and resume"
+        ) from e
+
+
 
 
 def _prune(root: Path, keep_last: int) -> None:

@@ -45,6 +45,8 @@ def _train_overrides(args) -> list[str]:
         ov.append(f"train.max_steps={args.max_steps}")
     if getattr(args, "checkpoint_every", None) is not None:
         ov.append(f"checkpoint.every={args.checkpoint_every}")
+    if getattr(args, "allow_model_change", False):
+        ov.append("train.allow_model_change=true")
     return ov
 
 
@@ -146,6 +148,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-steps", type=int, default=None, help="= --set train.max_steps=N")
     p.add_argument("--checkpoint-every", type=int, default=None, help="= --set checkpoint.every=N")
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in OUT/ckpt (start over)")
+    p.add_argument("--allow-model-change", action="store_true",
+                   help="resume a checkpoint whose model config differs from this run's (refused otherwise; the change is recorded in run.json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     p.add_argument("--json", action="store_true", help="print the final summary as JSON")
     p.set_defaults(func=cmd_train)

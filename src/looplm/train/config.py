@@ -187,6 +187,7 @@ class TrainLoopConfig:
     freeze: list[str] = field(default_factory=list)  # fnmatch patterns of parameter names: requires_grad off, not in the optimizer
     init_map: dict[str, list[int]] | None = None  # with init_from: pretrained layers -> {prelude, core, coda} (looplm.hf.retrofit)
     loop_schedule: list[list[int]] | None = None  # [[step, loops], ...]: the loop count from each step on (looplm.hf.retrofit)
+    allow_model_change: bool = False  # resume a checkpoint whose model config differs (refused otherwise; recorded in run.json)
 
     def validate(self) -> list[str]:
         errs = []

@@ -90,6 +90,78 @@ def _load_init_weights(model: nn.Module, path: str) -> str:
     return f"initialised from {ckpt}" + (f" (new parameters keep their init: {missing})" if missing else "")
 
 
+def _flat(d, prefix: str = "") -> dict:
+    """``{"attention": {"n_heads": 2}}`` -> ``{"attention.n_heads": 2}`` (lists stay values)."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def model_config_changes(old: dict, new: dict) -> dict[str, tuple]:
+    """The model-config fields that differ between a checkpoint's ``config.json`` ``model`` and this run's,
+    as ``{field: (old, new)}``. A field only one side has (written by another looplm version) is no change."""
+    import json
+
+    a = _flat(json.loads(json.dumps(old, default=str)))
+    b = _flat(json.loads(json.dumps(new, default=str)))  # tuples -> lists, as the checkpoint has them
+    return {k: (a[k], b[k]) for k in a if k in b and a[k] != b[k]}
+
+
+def _describe_changes(changes: dict[str, tuple]) -> str:
+    return ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in changes.items())
+
+
+def check_resumed_state(state, path: str | os.PathLike, max_steps: int, lr_lambda, peak_lr: float) -> None:
+    """Refuse a ``trainer_state.json`` whose values no run writes (hand-edited, or a bug elsewhere) before
+    training on it: a negative step, a step beyond ``train.max_steps`` or other than the checkpoint's own,
+    negative counters, or a step where the schedule's learning rate falls outside its range [0, peak]."""
+    from .checkpoint import CheckpointError, STATE_FILE
+
+    f = str(Path(path) / STATE_FILE)
+    if not isinstance(state, dict):
+        raise CheckpointError(f"checkpoint file {f!r} is corrupted: it holds a {type(state).__name__}, not a JSON object")
+    for key in ("step", "data"):
+        if key not in state:
+            raise CheckpointError(f"checkpoint file {f!r} is corrupted: it has no {key!r} entry")
+
+    def count(key, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(f"checkpoint file {f!r} has {key}={value!r}: must be a whole number >= 0 (a run never "
+                                  "writes that; restore the file or resume from an earlier checkpoint)")
+        return value
+
+    step = count("step", state["step"])
+    for key in ("tokens", "consecutive_skips"):
+        if key in state:
+            count(key, state[key])
+    el = state.get("elapsed_s", 0.0)
+    if isinstance(el, bool) or not isinstance(el, (int, float)) or not math.isfinite(el) or el < 0:
+        raise CheckpointError(f"checkpoint file {f!r} has elapsed_s={el!r}: must be a finite number >= 0")
+    name = Path(path).name
+    if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) != step:
+        raise CheckpointError(f"checkpoint file {f!r} has step={step}, but the checkpoint is {name}: the file does "
+                              "not belong to it (restore it or resume from another checkpoint)")
+    if step > max_steps:
+        raise CheckpointError(
+            f"checkpoint file {f!r} has step={step}, beyond train.max_steps={max_steps}: nothing is left to train; "
+            "raise --max-steps (train.max_steps) past it, or start over with --no-resume"
+        )
+    recorded = (state.get("schedule") or {}).get("multiplier_next") if isinstance(state.get("schedule"), dict) else None
+    for what, m in (("the schedule at that step", lr_lambda(step)), ("schedule.multiplier_next", recorded)):
+        if m is None:
+            continue
+        if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m) or not 0 <= m <= 1:
+            lr = f"{m * peak_lr:.3g}" if isinstance(m, (int, float)) and not isinstance(m, bool) else "not a number"
+            raise CheckpointError(
+                f"checkpoint file {f!r} (step={step}): {what} gives the multiplier {m!r}, a learning rate of {lr}, "
+                f"outside the schedule's range [0, {peak_lr:g}]; restore the file or resume from an earlier checkpoint"
+            )
+
+
 class TrainingDivergedError(RuntimeError):
     """The loss or the gradient norm became NaN / Inf (raised before the optimizer update), or too
     many updates in a row were skipped for it (``nan_policy: skip``)."""
@@ -387,7 +459,9 @@ class Trainer:
                 if dropped:
                     self._log(f"note: no checkpoint in {self.ckpt_root}; starting from scratch and clearing {metrics_path}")
             return
+        self._check_model_unchanged(latest)
         state = load_checkpoint(latest, self.wrapped, list(self.optimizer), verify=self.cfg.checkpoint.verify)
+        check_resumed_state(state, latest, self.cfg.train.max_steps, self.lr_lambda, self.cfg.optim.lr)
         note = check_tokenizer_fingerprint(
             self.tokenizer, state.get("tokenizer_fingerprint"), f"checkpoint {latest!r}",
             fix=f"start a new run with this tokenizer (--no-resume, or another --out than {str(self.out)!r})",
@@ -407,6 +481,38 @@ class Trainer:
         if self.info.is_main:
             truncate_metrics(metrics_path, self.step)
         self._log(f"resumed from {latest} (step {self.step}, {self.tokens:,} tokens, saved on {state.get('world_size', '?')} process(es))")
+
+    def _check_model_unchanged(self, latest: str) -> None:
+        """A resume with another model config than the checkpoint's (``model_overrides.n_loops=5`` on a
+        K = 4 run) would go on training a different model, silently where the weights still fit: refused,
+        naming every changed field, unless ``train.allow_model_change`` (``--allow-model-change``); then it
+        is said on stderr and recorded in ``run.json`` (``model_changed_on_resume``)."""
+        from .checkpoint import CONFIG_FILE, CheckpointError, load_json
+
+        changes, error = {}, None
+        if self.info.is_main:
+            try:
+                old = load_json(Path(latest) / CONFIG_FILE).get("model")
+                if isinstance(old, dict):
+                    changes = model_config_changes(old, to_dict(self.model_cfg))
+            except (CheckpointError, AttributeError) as e:
+                error = str(e) if isinstance(e, CheckpointError) else f"checkpoint file {str(Path(latest) / CONFIG_FILE)!r} is corrupted: not a JSON object"
+        changes, error = broadcast_object((changes, error))
+        if error is not None:
+            raise CheckpointError(error)
+        self.model_changes = {}
+        if not changes:
+            return
+        if not self.cfg.train.allow_model_change:
+            raise CheckpointError(
+                f"checkpoint {latest!r} was trained with another model config: {_describe_changes(changes)}; resuming "
+                "would silently train a different model. Restore the checkpoint's values (model / model_overrides), "
+                f"start a new run (--no-resume, or another --out than {str(self.out)!r}), or pass --allow-model-change "
+                "(train.allow_model_change=true) to resume with the change, recorded in run.json"
+            )
+        self.model_changes = {"checkpoint": latest, "changes": {k: list(v) for k, v in changes.items()}}
+        self._log(f"warning: resuming {latest} with a changed model config (train.allow_model_change): "
+                  f"{_describe_changes(changes)}; recorded in {self.out / 'run.json'}")
 
     # ------------------------------------------------------------------------------ one step
     def _loop_counts(self, step: int) -> tuple[int | None, int | None]:
@@ -672,6 +778,7 @@ class Trainer:
                     "resumed_from_step": start_step or None,
                     "param_groups": self.plan.summary(),
                     "frozen_params": len(self.frozen),
+                    **({"model_changed_on_resume": self.model_changes} if getattr(self, "model_changes", None) else {}),
                 },
             )
         logger = MetricsLogger(
