@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .sources import EmptyCorpusError
+from .sources import DataError, EmptyCorpusError
 from .stream import STATE_VERSION, BatchStream, StreamExhausted
 from .tokenizers import Tokenizer, check_tokenizer_fingerprint
 
@@ -49,10 +49,47 @@ def read_meta(path: str | os.PathLike) -> dict:
             f"{path} is not a prepared memmap directory (no {META_NAME}); create it with "
             "'looplm data prepare --out DIR ...'"
         )
-    meta = json.loads(p.read_text())
-    if meta.get("format") != FORMAT_NAME:
-        raise ValueError(f"{p} is not a looplm memmap description (format={meta.get('format')!r})")
+    try:
+        meta = json.loads(p.read_text())
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError is a ValueError
+        raise DataError(f"{p} is not valid JSON ({e}); re-run 'looplm data prepare --overwrite'") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT_NAME:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{p} is not a looplm memmap description (format={got!r})")
+    _check_meta(meta, Path(path), p)
     return meta
+
+
+def _check_meta(meta: dict, directory: Path, where: Path) -> None:
+    """The entries :class:`MemmapStream` reads, each of the right kind; every shard a file inside
+    ``directory``: an absolute path, a ``..`` or a symbolic link leading out of it is refused, so a
+    ``meta.json`` can never make training read a file elsewhere on the machine."""
+    fix = "re-run 'looplm data prepare --overwrite'"
+    tok = meta.get("tokenizer")
+    if not isinstance(tok, dict) or not all(isinstance(tok.get(k), int) and not isinstance(tok.get(k), bool)
+                                            for k in ("vocab_size", "eos_id")):
+        raise DataError(f"{where}: 'tokenizer' must record the integers vocab_size and eos_id, got {tok!r}; {fix}")
+    if meta.get("dtype") not in ("uint16", "uint32"):
+        raise DataError(f"{where}: 'dtype' must be 'uint16' or 'uint32', got {meta.get('dtype')!r}; {fix}")
+    splits = meta.get("splits")
+    if not isinstance(splits, dict) or not splits:
+        raise DataError(f"{where}: 'splits' must map split names to their shards, got {splits!r}; {fix}")
+    root = directory.resolve()
+    for split, info in splits.items():
+        files = info.get("files") if isinstance(info, dict) else None
+        if not isinstance(files, list):
+            raise DataError(f"{where}: splits.{split}.files must be a list of shard file names, got {files!r}; {fix}")
+        for name in files:
+            entry = f"splits.{split}.files entry {name!r}"
+            if not isinstance(name, str) or not name:
+                raise DataError(f"{where}: {entry} is not a file name; {fix}")
+            if Path(name).is_absolute():
+                raise DataError(f"{where}: {entry} is an absolute path: shards are read from inside {directory} only; {fix}")
+            target = (directory / name).resolve()
+            if not target.is_relative_to(root):
+                how = "a symbolic link" if ".." not in Path(name).parts else "a '..' path"
+                raise DataError(f"{where}: {entry} is {how} leading out of {directory} (to {target}): shards are read "
+                                f"from inside it only; {fix}")
 
 
 class _TokenArray:
@@ -64,7 +101,11 @@ class _TokenArray:
             f = directory / name
             if not f.is_file():
                 raise FileNotFoundError(f"shard {f} listed in {META_NAME} is missing; re-run 'looplm data prepare'")
-            if f.stat().st_size:
+            size = f.stat().st_size
+            if size % dtype.itemsize:
+                raise DataError(f"shard {f} listed in {META_NAME} has {size} bytes, not a whole number of {dtype.name} "
+                                "tokens (truncated?); re-run 'looplm data prepare --overwrite'")
+            if size:
                 self.parts.append(np.memmap(f, dtype=dtype.newbyteorder("<"), mode="r"))
         self.offsets = np.cumsum([0] + [len(p) for p in self.parts])
         self.size = int(self.offsets[-1])

@@ -7,8 +7,10 @@ config's buffer for the train split), each tokenized with no BOS and followed by
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -114,7 +116,8 @@ def prepare_memmap(
         seq_len: only recorded in the metadata (windows are cut at read time).
         overwrite: replace an existing prepared directory.
 
-    Returns the metadata dict (also written to ``meta.json``), with ``seconds`` taken.
+    Returns the metadata dict (also written to ``meta.json``), with ``seconds`` taken. Nothing is left in
+    ``out_dir`` when it fails: the shards are moved into place only once all are written.
     """
     t0 = time.perf_counter()
     if shard_tokens < 1:
@@ -122,10 +125,60 @@ def prepare_memmap(
     out = Path(out_dir)
     if (out / META_NAME).exists() and not overwrite:
         raise FileExistsError(f"{out} already holds prepared data ({META_NAME}); pass overwrite=True / --overwrite")
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"{out} is a file, not a directory; give --out a directory path")
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    for old in list(out.glob("tokens-*.bin")) + list(out.glob("val-*.bin")):
-        old.unlink()
+    # the shards are written in a temporary directory inside ``out`` and moved into place only once every
+    # split is written: a failure (bad data, a full disk, Ctrl-C) leaves ``out`` as it was, and an
+    # --overwrite that fails keeps the data it was to replace
+    work = out / f".prepare-{os.getpid()}.tmp"
+    for stale in out.glob(".prepare-*.tmp"):  # a killed prepare's (kill -9 runs no clean-up)
+        if stale == work or not _alive(stale.name[len(".prepare-"):-len(".tmp")]):
+            shutil.rmtree(stale, ignore_errors=True)
+    work.mkdir()
+    try:
+        meta = _prepare(cfg_or_sources, tokenizer, work, shard_tokens, seq_len, t0)
+        _move_into_place(work, out, meta)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):
+                out.rmdir()  # only if empty: nothing of anyone else's goes
+        raise
+    shutil.rmtree(work, ignore_errors=True)
+    return meta
 
+
+def _alive(pid: str) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except ValueError:
+        return False
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def _move_into_place(work: Path, out: Path, meta: dict) -> None:
+    """The shards of ``work`` to ``out``, replacing the previous prepared data; ``meta.json`` last (an
+    interruption in between leaves no ``meta.json``: no directory that reads as prepared but is not)."""
+    (out / META_NAME).unlink(missing_ok=True)
+    new = {f for info in meta["splits"].values() for f in info["files"]}
+    for old in list(out.glob("tokens-*.bin")) + list(out.glob("val-*.bin")):
+        if old.name not in new:
+            old.unlink()
+    for name in sorted(new):
+        os.replace(work / name, out / name)
+    tmp = work / META_NAME
+    tmp.write_text(json.dumps(meta, indent=2))
+    os.replace(tmp, out / META_NAME)
+
+
+def _prepare(cfg_or_sources, tokenizer, out: Path, shard_tokens: int, seq_len: int | None, t0: float) -> dict:
+    """Tokenize and write every split's shards to ``out``; returns the metadata (not written)."""
     splits: dict[str, Iterable[str]] = {}
     if isinstance(cfg_or_sources, DataConfig):
         cfg = cfg_or_sources
@@ -180,5 +233,4 @@ def prepare_memmap(
         "splits": split_meta,
         "seconds": round(time.perf_counter() - t0, 3),
     }
-    (out / META_NAME).write_text(json.dumps(meta, indent=2))
     return meta
