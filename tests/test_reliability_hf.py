@@ -31,7 +31,10 @@ def _one_line_error(capsys, argv, rc=None) -> str:
     code = cli_main(argv)
     err = capsys.readouterr().err
     assert code != 0 and (rc is None or code == rc), (code, err)
-    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    # one line, or one per problem ("  - ...") for a ConfigError / PublicFormatError listing several
+    lines = err.rstrip("\n").split("\n")
+    assert lines[0].startswith("error: ") and all(ln.startswith("  - ") for ln in lines[1:]), err
+    assert "Traceback" not in err, err
     return err
 
 
@@ -273,3 +276,31 @@ def test_corrupted_checkpoint_manifest_and_config_are_named(tmp_path, capsys):
     (run / "config.json").write_text(json.dumps({**cfg, "model": [1, 2]}))
     with pytest.raises(CheckpointError, match="has no model config"):  # was AttributeError: 'list' has no 'get'
         load_model_for_inference(run)
+
+
+def test_config_values_that_load_but_mean_nothing_are_named(tmp_path, capsys):
+    h, hcfg, _ = write_huginn(tmp_path / "h")
+    for edit, says in (({"rope_base": float("inf")}, "rope_theta: must be a finite number > 0, got inf"),
+                       ({"norm_eps": float("inf")}, "norm_eps: must be a finite number > 0, got inf"),
+                       ({"qk_bias": "yes"}, "qk_bias must be true or false, got 'yes'")):  # bool("no") is True too
+        (h / "config.json").write_text(json.dumps({**hcfg, **edit}))
+        with pytest.raises(PublicFormatError, match=says):  # inf, "yes": imported with exit 0 before
+            import_hf(h, tmp_path / "out")
+    o, ocfg, _ = write_ouro(tmp_path / "o")
+    for edit, says in (({"rope_scaling": "llama3"}, "rope_scaling 'llama3'"),  # was AttributeError: 'str' ... 'get'
+                       ({"tie_word_embeddings": "no"}, "tie_word_embeddings must be true or false, got 'no'")):
+        (o / "config.json").write_text(json.dumps({**ocfg, **edit}))
+        with pytest.raises(PublicFormatError, match=says):
+            import_hf(o, tmp_path / "out")
+    llama = _tiny_llama_dir(tmp_path / "l", torch_dtype="float99", dtype="float99")
+    err = _one_line_error(capsys, ["import", "hf", str(llama), str(tmp_path / "out")], rc=2)
+    assert "dtype: must name a floating-point torch dtype" in err and "'float99'" in err  # was blamed on the tokenizer
+    (o / "config.json").write_text(json.dumps(ocfg))
+    run = import_hf(o, tmp_path / "run")
+    with pytest.raises(ValueError, match="floating-point torch dtype"):  # an int8 export truncated every weight
+        export_original(run, tmp_path / "e1", dtype="int8")
+    from looplm.hf.export import export_hf
+
+    with pytest.raises(ValueError, match="floating-point torch dtype"):
+        export_hf(run, tmp_path / "e2", dtype="int8")
+    assert not any((tmp_path / n).exists() for n in ("out", "e1", "e2"))

@@ -90,8 +90,8 @@ class AttentionConfig:
                 errs.append(f"rotary_dim: must be an even number >= 2, got {self.rotary_dim}")
             elif self.head_dim is not None and self.rotary_dim > self.head_dim:
                 errs.append(f"rotary_dim: {self.rotary_dim} exceeds head_dim={self.head_dim}")
-        if self.rope_theta <= 0:
-            errs.append(f"rope_theta: must be > 0, got {self.rope_theta}")
+        if not (0 < self.rope_theta < math.inf):  # inf: every frequency but the first would be 0 (no rotation)
+            errs.append(f"rope_theta: must be a finite number > 0, got {self.rope_theta}")
         if self.bias and self.qk_bias:
             errs.append("qk_bias: bias already puts biases on q, k, v and the output; set one of the two")
         if self.sliding_window is not None and self.sliding_window < 1:
@@ -248,8 +248,8 @@ class ModelConfig:
             errs.append(f"n_loops: loops must be >= 1, got {self.n_loops}")
         if self.max_seq_len < 1:
             errs.append(f"max_seq_len: must be >= 1, got {self.max_seq_len}")
-        if self.norm_eps <= 0:
-            errs.append(f"norm_eps: must be > 0, got {self.norm_eps}")
+        if not (0 < self.norm_eps < math.inf):  # inf: every norm's output would be 0
+            errs.append(f"norm_eps: must be a finite number > 0, got {self.norm_eps}")
         bad_idx = [i for i in self.attn_layer_idx if not 0 <= i < self.n_physical]
         if bad_idx:
             errs.append(

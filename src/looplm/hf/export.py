@@ -88,8 +88,9 @@ def export_hf(
         raise FileExistsError(f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory")
     if num_loops is not None and (isinstance(num_loops, bool) or not isinstance(num_loops, int) or num_loops < 1):
         raise ValueError(f"num_loops must be an int >= 1, got {num_loops!r}")
-    if dtype is not None and not isinstance(getattr(torch, str(dtype).removeprefix("torch."), None), torch.dtype):
-        raise ValueError(f"dtype must be a torch dtype such as 'bfloat16', got {dtype!r}")
+    dt_ = getattr(torch, str(dtype).removeprefix("torch."), None) if dtype is not None else None
+    if dtype is not None and not (isinstance(dt_, torch.dtype) and dt_.is_floating_point):  # int8 would truncate every weight
+        raise ValueError(f"dtype must be a floating-point torch dtype such as 'bfloat16', got {dtype!r}")
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("looplm_*.py"), out / "modeling_looplm.py", out / "configuration_looplm.py"]:
         stale.unlink(missing_ok=True)  # a previous export's code (--overwrite): only this source's files stay

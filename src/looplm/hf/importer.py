@@ -301,6 +301,11 @@ def _check_transformers_config(c: dict, path: Path, *, allow_large: bool = False
         v = c.get(f)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             errs.append(f"{f}: must be a positive integer, got {v!r}")
+    for f in ("torch_dtype", "dtype"):  # transformers reads it as getattr(torch, name): a bad one fails far off
+        v = c.get(f)
+        if v is not None and v != "auto" and not (isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype)
+                                                  and getattr(torch, v).is_floating_point):
+            errs.append(f"{f}: must name a floating-point torch dtype (float32, bfloat16, float16) or auto, got {v!r}")
     if errs:
         raise ConfigError(errs, f"model config {str(path)!r}")
     d, V, L = c.get("hidden_size") or 0, c.get("vocab_size") or 0, c.get("num_hidden_layers") or 0

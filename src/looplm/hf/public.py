@@ -124,6 +124,14 @@ def _types(c: dict, ints: tuple[str, ...], numbers: tuple[str, ...], errs: list[
             errs.append(f"{f} must be a number, got {v!r}")
 
 
+def _bools(c: dict, names: tuple[str, ...], errs: list[str]) -> None:
+    """The flags that are present are JSON booleans (``bool("false")`` is True: a string would flip them)."""
+    for f in names:
+        v = c.get(f)
+        if v is not None and not isinstance(v, bool):
+            errs.append(f"{f} must be true or false, got {v!r}")
+
+
 def _get(c: dict, *names, default=None):
     return next((c[n] for n in names if c.get(n) is not None), default)
 
@@ -139,7 +147,7 @@ def _ouro_rope(c: dict, errs: list[str]) -> tuple[float, dict | None]:
     try:
         return _rope_params(SimpleNamespace(rope_theta=c.get("rope_theta", 10000.0), rope_scaling=c.get("rope_scaling"),
                                             rope_parameters=c.get("rope_parameters")))
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # AttributeError: a string where a mapping goes
         errs.append(f"rope_scaling {c.get('rope_scaling')!r}: {e}")
         return float(c.get("rope_theta", 10000.0)), None
 
@@ -150,6 +158,7 @@ def _ouro_config(c: dict, errs: list[str]) -> dict:
     _types(c, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                "num_key_value_heads", "head_dim", "max_position_embeddings", "total_ut_steps", "sliding_window",
                "max_window_layers"), ("rms_norm_eps", "rope_theta"), errs)
+    _bools(c, ("tie_word_embeddings", "use_sliding_window", "attention_bias"), errs)
     if errs:
         return {}
     if c.get("hidden_act", "silu") != "silu":
@@ -230,6 +239,7 @@ def _huginn_config(c: dict, errs: list[str]) -> dict:
     _types(c, ("n_embd", "num_attention_heads", "n_heads", "num_key_value_heads", "head_dim", "intermediate_size",
                "padded_vocab_size", "vocab_size", "n_layers", "n_layers_in_prelude", "n_layers_in_recurrent_block",
                "n_layers_in_coda", "mean_recurrence", "block_size"), ("norm_eps", "rope_base", "test_time_noise"), errs)
+    _bools(c, ("qk_bias", "bias", "tie_embeddings", "tie_word_embeddings"), errs)
     iv = c.get("init_values")
     if iv is not None and not (isinstance(iv, dict) and all(isinstance(iv.get(k, 0.0), (int, float)) for k in ("std", "embed_scale"))):
         errs.append(f"init_values must be a mapping with numeric std / embed_scale, got {iv!r}")
@@ -730,6 +740,11 @@ def export_original(source, out: str | Path, *, tokenizer=None, dtype: str | tor
 
     from ..data.tokenizers import load_tokenizer
 
+    if dtype is not None:  # checked before anything is read (getattr(torch, "int8") would truncate every weight)
+        named = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+        if not (isinstance(named, torch.dtype) and named.is_floating_point):
+            raise ValueError(f"dtype must be a floating-point torch dtype such as 'bfloat16', got {dtype!r}")
+        dtype = named
     if isinstance(source, (str, Path)):
         from ..checkpoint_io import load_model_for_inference
 
