@@ -304,3 +304,22 @@ def test_config_values_that_load_but_mean_nothing_are_named(tmp_path, capsys):
     with pytest.raises(ValueError, match="floating-point torch dtype"):
         export_hf(run, tmp_path / "e2", dtype="int8")
     assert not any((tmp_path / n).exists() for n in ("out", "e1", "e2"))
+
+
+def test_a_tokenizer_larger_than_the_vocabulary_is_refused_at_import(tmp_path, capsys):
+    src, _, _ = write_ouro(tmp_path / "o", V=200)  # the byte tokenizer has 259 ids
+    err = _one_line_error(capsys, ["import", "hf", str(src), str(tmp_path / "run")], rc=2)
+    assert "its tokenizer does not fit its model" in err and "259 ids" in err and "vocab_size is 200" in err
+    assert not (tmp_path / "run").exists()  # was written, then refused by generate / eval / serve
+
+
+def test_export_refuses_an_exit_threshold_outside_0_1(tmp_path, capsys):
+    from looplm.data.tokenizers import ByteTokenizer
+    from looplm.hf.importer import write_checkpoint
+
+    model = looplm.build("tiny-llama", overrides={"rule.name": "exit_gate", "n_loops": 2})
+    ckpt = write_checkpoint(tmp_path / "ckpt", model, ByteTokenizer())
+    for q in ("nan", "1.5", "-0.1"):  # NaN was written into config.json, which is then not valid JSON
+        err = _one_line_error(capsys, ["export", "hf", str(ckpt), str(tmp_path / "hf"), "--exit-threshold", q], rc=2)
+        assert "exit_threshold must be a number in [0, 1]" in err
+    assert not (tmp_path / "hf").exists()

@@ -83,6 +83,10 @@ def export_hf(
     if exit_threshold is not None and not gated:
         raise ValueError(f"exit_threshold {exit_threshold}: this model has no exit gate (its recurrence rule is "
                          f"{model.config.rule.name!r}); leave it out")
+    if exit_threshold is not None and (isinstance(exit_threshold, bool) or not isinstance(exit_threshold, (int, float))
+                                       or not 0.0 <= exit_threshold <= 1.0):  # NaN fails too (and is not JSON)
+        raise ValueError(f"exit_threshold must be a number in [0, 1] (the exit gate's rule: options.threshold), "
+                         f"got {exit_threshold!r}")
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise FileExistsError(f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory")

@@ -281,6 +281,12 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
         model = model.to(_dtype(dtype))
     # after the cast: an fp16 cast of large weights overflows to inf
     refuse_nonfinite(model.state_dict(), f"the weights of {str(src)!r}", allow=allow_nonfinite)
+    from ..data.tokenizers import check_vocab
+
+    try:  # the checkpoint would be written, then refused by every command that loads it
+        check_vocab(tok, model.config.vocab_size)
+    except ValueError as e:
+        raise ValueError(f"{str(src)!r}: its tokenizer does not fit its model, nothing was written: {e}") from e
     return write_checkpoint(out, model, tok, extra={"import": origin}, overwrite=overwrite)
 
 
