@@ -323,3 +323,16 @@ def test_export_refuses_an_exit_threshold_outside_0_1(tmp_path, capsys):
         err = _one_line_error(capsys, ["export", "hf", str(ckpt), str(tmp_path / "hf"), "--exit-threshold", q], rc=2)
         assert "exit_threshold must be a number in [0, 1]" in err
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("file, edit", [("tokenizer_config.json", {"eos_token": 5}),
+                                        ("tokenizer_config.json", {"added_tokens_decoder": {"0": 1}}),
+                                        ("special_tokens_map.json", {"eos_token": {"content": 5}})])
+def test_tokenizer_fields_of_the_wrong_kind_are_named(file, edit, tmp_path, capsys):
+    src, _, _ = write_ouro(tmp_path / "o")
+    path = src / file
+    old = json.loads(path.read_text()) if path.is_file() else {}
+    path.write_text(json.dumps({**old, **edit}))
+    err = _one_line_error(capsys, ["import", "hf", str(src), str(tmp_path / "run")], rc=2)  # was a raw TypeError
+    assert f"{src}: cannot load it" in err and "the tokenizer could not be loaded (TypeError" in err
+    assert not (tmp_path / "run").exists()

@@ -142,7 +142,11 @@ def read_export(src: str | Path, *, allow_deep: bool = False, allow_large: bool 
         # would read config.json, which names remote code the tokenizer does not need)
         from transformers import PreTrainedTokenizerFast
 
-        backend = PreTrainedTokenizerFast.from_pretrained(str(src), trust_remote_code=False)
+        try:
+            backend = PreTrainedTokenizerFast.from_pretrained(str(src), trust_remote_code=False)
+        except Exception as e:  # transformers' TypeError / ValueError about a field, naming no file
+            raise ValueError(f"the tokenizer of looplm export {str(src)!r} could not be loaded ({_first_line(e)}): "
+                             "tokenizer_config.json or special_tokens_map.json holds a value of the wrong kind") from e
         tok = HFTokenizer(backend, str(src), kind="transformers")
     return model.eval(), tok
 

@@ -577,7 +577,12 @@ def _tokenizer(src: Path):
 
     from ..data.tokenizers import EOS_CANDIDATES
 
-    backend = PreTrainedTokenizerFast.from_pretrained(str(src), trust_remote_code=False)
+    try:
+        backend = PreTrainedTokenizerFast.from_pretrained(str(src), trust_remote_code=False)
+    except Exception as e:  # transformers' TypeError / ValueError about a field, naming no file
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        raise PublicFormatError([f"the tokenizer could not be loaded ({type(e).__name__}: {first}): tokenizer_config.json "
+                                 "or special_tokens_map.json holds a value of the wrong kind"], str(src)) from e
     guess = None if backend.eos_token else next((t for t in EOS_CANDIDATES if t in backend.get_vocab()), None)
     return HFTokenizer(backend, str(src), kind="transformers", eos_token=guess)
 
