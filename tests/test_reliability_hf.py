@@ -336,3 +336,22 @@ def test_tokenizer_fields_of_the_wrong_kind_are_named(file, edit, tmp_path, caps
     err = _one_line_error(capsys, ["import", "hf", str(src), str(tmp_path / "run")], rc=2)  # was a raw TypeError
     assert f"{src}: cannot load it" in err and "the tokenizer could not be loaded (TypeError" in err
     assert not (tmp_path / "run").exists()
+
+
+def test_dangling_symlinks_are_named_as_such(tmp_path, capsys):
+    src, _, _ = write_ouro(tmp_path / "o")
+    blob = tmp_path / "blobs" / "abc"
+    blob.parent.mkdir()
+    (src / "model.safetensors").rename(blob)
+    (src / "model.safetensors").symlink_to(blob)
+    import_hf(src, tmp_path / "ok")  # a link to a file is read through (Hugging Face's cache layout)
+    blob.unlink()
+    err = _one_line_error(capsys, ["import", "hf", str(src), str(tmp_path / "run")], rc=2)
+    # was: "has no model.safetensors ...; it has ['model.safetensors'], which the format does not name"
+    assert f"'{src / 'model.safetensors'}' is a symlink to '{blob}', which does not exist" in err
+    cfg = src / "config.json"
+    cfg.rename(tmp_path / "cfg.json")
+    cfg.symlink_to(tmp_path / "gone.json")
+    err = _one_line_error(capsys, ["import", "hf", str(src), str(tmp_path / "run")], rc=2)
+    assert f"'{cfg}' is a symlink to" in err  # was: "has no config.json"
+    assert not (tmp_path / "run").exists()

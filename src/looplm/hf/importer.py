@@ -233,6 +233,9 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
         raise ValueError(f"n_loops = {loops:,} (--set) is more than {MAX_IMPORT_LOOPS:,} loops: decoding would not "
                          "finish. If it is meant, pass allow_deep=True (--allow-deep)")
     cfg_path = src / "config.json"
+    from .weights import refuse_dangling
+
+    refuse_dangling(cfg_path)  # else it would read as "no config.json"
     hf_cfg = _read_json(cfg_path, "config file") if cfg_path.is_file() else {}
     is_export = hf_cfg.get("model_type") == "looplm"
     if is_export:

@@ -15,8 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["INDEX_FILE", "MAX_IMPORT_LOOPS", "WEIGHTS_FILE", "preflight", "read_json", "read_shapes", "refuse_mismatch",
-           "refuse_overlap", "weight_files"]
+__all__ = ["INDEX_FILE", "MAX_IMPORT_LOOPS", "WEIGHTS_FILE", "preflight", "read_json", "read_shapes", "refuse_dangling",
+           "refuse_mismatch", "refuse_overlap", "weight_files"]
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -51,6 +51,15 @@ def refuse_overlap(src: str | Path, out: str | Path, verb: str = "import") -> No
                          "reads (even with --overwrite); pick a directory outside it")
 
 
+def refuse_dangling(*paths: Path) -> None:
+    """A ``FileNotFoundError`` naming the first of ``paths`` that is a symlink to nothing (a half-copied Hugging
+    Face cache, whose files link into its blob store): it exists as a name, so "missing" would mislead."""
+    for p in paths:
+        if p.is_symlink() and not p.exists():
+            raise FileNotFoundError(f"{str(p)!r} is a symlink to {str(p.resolve())!r}, which does not exist (a cache "
+                                    "or copy that lost its target files): copy the real files")
+
+
 def weight_files(src: str | Path) -> list[Path]:
     """The safetensors files of a model directory, exactly as the format names them: ``model.safetensors``,
     or the shards listed in ``model.safetensors.index.json``. Both at once is ambiguous and refused;
@@ -59,6 +68,7 @@ def weight_files(src: str | Path) -> list[Path]:
 
     src = Path(src)
     index, single = src / INDEX_FILE, src / WEIGHTS_FILE
+    refuse_dangling(index, single, *(p for p in src.glob("*.safetensors") if p.is_symlink()))
     if index.is_file() and single.is_file():
         raise ValueError(
             f"{str(src)!r} holds both {WEIGHTS_FILE} and {INDEX_FILE} (shards): which weights are meant is ambiguous; "
@@ -72,6 +82,7 @@ def weight_files(src: str | Path) -> list[Path]:
         bad = [n for n in names if not isinstance(n, str) or Path(n).name != n or not n.endswith(".safetensors")]
         if bad:
             raise ValueError(f"weight index {str(index)!r} names shards that are not *.safetensors files beside it: {bad[:5]}")
+        refuse_dangling(*(src / n for n in names))
         missing = [n for n in names if not (src / n).is_file()]
         if missing:
             raise FileNotFoundError(f"weight index {str(index)!r} lists shard(s) that are missing: {missing[:5]}")
