@@ -112,6 +112,11 @@ def test_imported_tokenizer_config_names_a_class_transformers_4_has(tmp_path):
         assert "auto_map" not in cfg
         tok = AutoTokenizer.from_pretrained(str(d))
         assert isinstance(tok, PreTrainedTokenizerFast) and tok("abc")["input_ids"] == [97, 98, 99]
+    from looplm.hf.export import export_hf
+
+    hf = export_hf(run, tmp_path / "hf")  # a looplm export of the import: the same class
+    assert json.loads((hf / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+    assert PreTrainedTokenizerFast.from_pretrained(str(hf))("abc")["input_ids"] == [97, 98, 99]
 
 
 # ------------------------------------------------------------------------------ 4. tokenizer.json
