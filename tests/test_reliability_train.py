@@ -184,3 +184,73 @@ def test_a_full_disk_at_the_first_checkpoint_says_there_is_none(tmp_path, monkey
     with pytest.raises(CheckpointError, match=r"optimizer.json' failed \(No space left on device, ENOSPC\).*there is no earlier complete checkpoint"):
         _train(config, tmp_path / "out")
     assert not list((tmp_path / "out" / "ckpt").glob(".tmp-step_*"))
+
+
+# ------------------------------------------------------------------ bad values of `looplm train` / `looplm plot`
+@pytest.mark.parametrize("override, message", [
+    ("schedule.warmup_steps=5", r"schedule: warmup \(5\) \+ decay \(0\) exceed the 2 training updates.*train.max_steps=2"),
+    ("train.seed=99999999999999999999999", r"train.seed: must be in \[0, 2\*\*63\)"),
+    ("train.cpu_threads=100000", r"train.cpu_threads: must be in \[1, 1024\] or null, got 100000"),
+    ("train.random_loops={'distribution': 'poisson', 'mean': 1e300}", r"random_loops.mean: the poisson distribution needs a mean in \(0, 1e6\]"),
+])  # fmt: skip
+def test_values_that_failed_mid_run_are_config_errors(tmp_path, override, message):
+    """Each reached a traceback (an overflow, a thread that could not start, a float32 overflow at the first
+    step) or was said only after the model was built; now the config is refused as it is read."""
+    from looplm.dataclass_util import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        load_train_config(_config(tmp_path), [override])
+
+
+def test_a_cuda_device_on_a_machine_without_one_is_one_line(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    rc = cli_main(["train", str(_config(tmp_path)), "--out", str(tmp_path / "out"), "--quiet", "--set", "train.device=cuda"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err == "error: train.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'\n"
+
+
+def test_missing_val_paths_are_refused_before_training(tmp_path, capsys):
+    """They were read at the first evaluation: after the whole run had trained."""
+    rc = cli_main(["train", str(_config(tmp_path)), "--out", str(tmp_path / "out"), "--quiet", "--set",
+                   f"data.val_paths=['{tmp_path}/no-such-val.txt']", "--set", "eval.at_end=true"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and "no files match" in err and "no-such-val.txt" in err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists() or not (tmp_path / "out" / "metrics.jsonl").read_text()
+
+
+def test_lines_of_metrics_jsonl_that_are_not_records_are_dropped(tmp_path, capsys):
+    """A metrics.jsonl with JSON lines that are not records (an edit, another tool) stopped `looplm train`
+    (AttributeError in truncate_metrics) and `looplm plot`."""
+    from looplm.train.metrics import read_metrics, truncate_metrics
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('5\n[1]\n{"step": "x"}\n{"step": 1, "loss": 2.0}\n{"step": 3, "loss": 1.0}\n')
+    assert read_metrics(out)[-2:] == [{"step": 1, "loss": 2.0}, {"step": 3, "loss": 1.0}]
+    assert truncate_metrics(out / "metrics.jsonl", 1) == 4
+    assert read_metrics(out) == [{"step": 1, "loss": 2.0}]
+    (out / "metrics.jsonl").write_text("5\n[1]\n")
+    rc = cli_main(["plot", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"{out / 'metrics.jsonl'} has no training steps to plot" in err
+    assert _train(_config(tmp_path), out)["steps"] == 2  # a fresh run clears them
+
+
+def test_plot_without_matplotlib_is_one_line(run, monkeypatch, capsys):
+    import sys
+
+    _, out = run
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    assert cli_main(["plot", str(out)]) == 1
+    assert capsys.readouterr().err == "error: plotting needs matplotlib: pip install 'looplm[plot]'\n"
+
+
+def test_a_data_state_the_stream_cannot_read_names_the_file(run):
+    config, out = run
+    ckpt = latest_checkpoint(out / "ckpt")
+    _edit_state(ckpt, data={"packer": 5})  # (merged into the state: its kind and fingerprint are still right)
+    with pytest.raises(CheckpointError, match=r"trainer_state.json': its 'data' entry is not a data-stream state this run can read"):
+        _train(config, out, ["train.max_steps=3"])

@@ -172,8 +172,14 @@ class DatasetsSource(DocumentSource):
                 ) from e
         if all(os.path.getsize(f) == 0 for f in self.data_files):
             raise EmptyCorpusError(f"{self.description}: the file(s) are empty (0 bytes); point data.paths at the corpus")
-        return datasets.load_dataset(self.path, data_files=self.data_files, split="train",
-                                     streaming=True, **kwargs)
+        try:  # the json builder reads the first file's start already here
+            return datasets.load_dataset(self.path, data_files=self.data_files, split="train",
+                                         streaming=True, **kwargs)
+        except (UnicodeDecodeError, ValueError, OSError, EOFError) as e:
+            where = locate_unreadable(self.data_files, jsonl=self.path == "json") if self.path in ("text", "json") else None
+            if where is None:
+                raise DataError(f"{self.description}: cannot read the data ({type(e).__name__}: {str(e)[:300]})") from e
+            raise DataError(where) from e
 
     def iter_from(self, start: int) -> Iterator[str]:
         if self.max_docs is not None and start >= self.max_docs:
@@ -219,7 +225,7 @@ class DatasetsSource(DocumentSource):
                 row = next(rows)
             except StopIteration:
                 return
-            except (UnicodeDecodeError, ValueError, OSError) as e:  # pyarrow's ArrowInvalid is a ValueError
+            except (UnicodeDecodeError, ValueError, OSError, EOFError) as e:  # pyarrow's ArrowInvalid is a ValueError
                 line_based = self.path in ("text", "json") and self.data_files  # local text / jsonl files
                 where = locate_unreadable(self.data_files, jsonl=self.path == "json") if line_based else None
                 if where is None:
@@ -271,17 +277,29 @@ def locate_unreadable(files: Sequence[str], jsonl: bool) -> str | None:
     """The first line of ``files`` that is not UTF-8 (or, for ``jsonl``, not valid JSON), described
     as ``"FILE line N is not valid UTF-8 ..."``; ``None`` if every line reads fine."""
     for path in files:
-        for n, raw in _lines(path):
+        try:
+            found = _first_unreadable_line(path, jsonl)
+        except (OSError, EOFError, lzma.LZMAError) as e:  # a damaged or mislabelled .gz / .bz2 / .xz
+            return (f"{path} cannot be read as a {path.rsplit('.', 1)[-1]} file ({type(e).__name__}: {e}); "
+                    "fix or re-download it, or drop the compression extension if it is not compressed")
+        if found is not None:
+            return found
+    return None
+
+
+def _first_unreadable_line(path: str, jsonl: bool) -> str | None:
+    """The first line of ``path`` that is not UTF-8 (or not JSON, for ``jsonl``), described; ``None`` if none."""
+    for n, raw in _lines(path):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            return (f"{path} line {n} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                    "convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8")
+        if jsonl and line.strip():
             try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                return (f"{path} line {n} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                        "convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8")
-            if jsonl and line.strip():
-                try:
-                    json.loads(line)
-                except json.JSONDecodeError as e:
-                    return f"{path} line {n} is not valid JSON ({e.msg} at column {e.colno}); one JSON object per line is expected"
+                json.loads(line)
+            except json.JSONDecodeError as e:
+                return f"{path} line {n} is not valid JSON ({e.msg} at column {e.colno}); one JSON object per line is expected"
     return None
 
 

@@ -322,6 +322,9 @@ def _hub_error(spec: str, e: Exception) -> ValueError:
 
 
 # ----------------------------------------------------------------------------------- training
+MAX_BPE_VOCAB = 1 << 21  # train_bpe's vocab_size: 2,097,152 ids
+
+
 def train_bpe(
     files: Sequence[str | os.PathLike] | None,
     vocab_size: int,
@@ -355,6 +358,9 @@ def train_bpe(
             f"vocab_size={vocab_size} is too small: a byte-level BPE needs 256 byte symbols + "
             f"{len(special_tokens)} special tokens = {minimum} at least"
         )
+    if vocab_size > MAX_BPE_VOCAB:  # the trainer allocates per id up front: a typo of a few zeros aborts the process
+        raise ValueError(f"vocab_size={vocab_size} is too large: at most {MAX_BPE_VOCAB:,} (large LM vocabularies are "
+                         "~32k-262k)")
     if (files is None) == (texts is None):
         raise ValueError("train_bpe needs exactly one of files=[...] or texts=...")
 

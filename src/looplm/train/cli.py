@@ -86,7 +86,11 @@ def _format_summary(s: dict) -> str:
 def cmd_plot(args) -> int:
     from .plot import plot_run
 
-    path = plot_run(args.run_dir, args.out)
+    try:
+        path = plot_run(args.run_dir, args.out)
+    except ImportError as e:  # no matplotlib: what to install, in one line
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {path}")
     return 0
 

@@ -147,8 +147,9 @@ class RandomLoopsConfig:
         errs = []
         if self.distribution not in ("uniform", "poisson"):
             errs.append(f"distribution: must be 'uniform' or 'poisson', got {self.distribution!r}")
-        elif self.distribution == "poisson" and (self.mean is None or self.mean <= 0):
-            errs.append(f"mean: the poisson distribution needs a mean > 0, got {self.mean}")
+        elif self.distribution == "poisson" and (self.mean is None or not 0 < self.mean <= 1e6):
+            # (torch.poisson draws in float32: a mean past it overflows at the first step)
+            errs.append(f"mean: the poisson distribution needs a mean in (0, 1e6], got {self.mean}")
         if self.min < 1:
             errs.append(f"min: must be >= 1, got {self.min}")
         if self.max < self.min:
@@ -156,6 +157,9 @@ class RandomLoopsConfig:
         if self.grad_loops is not None and self.grad_loops < 1:
             errs.append(f"grad_loops: must be >= 1 or null, got {self.grad_loops}")
         return errs
+
+
+MAX_CPU_THREADS = 1024  # train.cpu_threads: more than any CPU has cores, fewer than a process may start
 
 
 @dataclass
@@ -227,10 +231,11 @@ class TrainLoopConfig:
             errs.append(f"num_grad_loops: must be >= 1 or null, got {self.num_grad_loops}")
         if self.num_grad_loops is not None and self.random_loops is not None:
             errs.append("num_grad_loops: set random_loops.grad_loops instead when random_loops is on")
-        if self.seed < 0:
-            errs.append(f"seed: must be >= 0, got {self.seed}")
-        if self.cpu_threads is not None and self.cpu_threads < 1:
-            errs.append(f"cpu_threads: must be >= 1 or null, got {self.cpu_threads}")
+        if not 0 <= self.seed < 2**63:  # torch.manual_seed takes a 64-bit integer
+            errs.append(f"seed: must be in [0, 2**63), got {self.seed}")
+        if self.cpu_threads is not None and not 1 <= self.cpu_threads <= MAX_CPU_THREADS:
+            # torch starts that many threads at the first step: past what a process can start it dies there
+            errs.append(f"cpu_threads: must be in [1, {MAX_CPU_THREADS}] or null, got {self.cpu_threads}")
         if any(not isinstance(f, str) or not f for f in self.freeze):
             errs.append(f"freeze: must be a list of parameter-name patterns (e.g. 'core.*'), got {self.freeze!r}")
         return errs
@@ -323,6 +328,14 @@ class TrainConfig:
             from ..hf.retrofit import validate_retrofit  # layer map / loop schedule of a retrofit
 
             errs += validate_retrofit(self.train, mcfg)
+        if self.train is not None and self.schedule is not None and self.train.max_steps >= 1 and not self.schedule.validate():
+            from .schedule import build_lr_lambda  # warmup / decay lengths against max_steps, before any setup
+
+            try:
+                build_lr_lambda(self.schedule, self.train.max_steps)
+            except ValueError as e:
+                errs.append(f"schedule: {e} (train.max_steps={self.train.max_steps}; schedule.warmup_steps / "
+                            "warmup_fraction / decay_fraction)")
         if self.train is not None and self.train.num_grad_loops is not None and self.train.num_grad_loops > mcfg.n_loops:
             errs.append(f"train.num_grad_loops: {self.train.num_grad_loops} exceeds the model's n_loops={mcfg.n_loops}")
         return errs

@@ -93,7 +93,7 @@ class DistInfo:
 def _pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise RuntimeError("train.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")
+            raise ValueError("train.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")  # a config error
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")

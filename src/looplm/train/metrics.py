@@ -57,9 +57,11 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
         if not line:
             continue
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except json.JSONDecodeError:
             continue
+        if isinstance(rec, dict):  # a line that is JSON but no record (an edit, another tool's file): skipped
+            out.append(rec)
     return out
 
 
@@ -77,7 +79,10 @@ def truncate_metrics(path: str | os.PathLike, step: int) -> int:
         except json.JSONDecodeError:
             dropped += 1
             continue
-        if int(rec.get("step", 0)) > step:
+        if not isinstance(rec, dict) or not isinstance(rec.get("step", 0), int):  # not a record this logger wrote
+            dropped += 1
+            continue
+        if rec.get("step", 0) > step:
             dropped += 1
         else:
             kept.append(line)

@@ -402,6 +402,8 @@ class Trainer:
         self.has_val = cfg.data.holdout()[0] != "none"
         if not self.has_val and (cfg.eval.every or cfg.eval.at_end):
             self._log("note: the data config has no validation split (data.val_every_nth: 0, no val_paths): evaluation is off")
+        if self.has_val and cfg.data.holdout()[0] == "paths" and (cfg.eval.every or cfg.eval.at_end):
+            build_stream(cfg.data, self.tokenizer, split="val")  # missing val_paths: now, not after the last step
 
         self.step = 0
         self.tokens = 0
@@ -468,7 +470,15 @@ class Trainer:
         )
         if note:
             self._log(f"warning: {note}")
-        self.stream.load_state_dict(state["data"])
+        try:
+            self.stream.load_state_dict(state["data"])
+        except (KeyError, TypeError, AttributeError, IndexError) as e:  # (ValueErrors say what differs themselves)
+            from .checkpoint import STATE_FILE, CheckpointError
+
+            raise CheckpointError(
+                f"checkpoint file {str(Path(latest) / STATE_FILE)!r}: its 'data' entry is not a data-stream state this "
+                f"run can read ({type(e).__name__}: {e}); restore the file or resume from an earlier checkpoint"
+            ) from e
         self.step = int(state["step"])
         self.tokens = int(state.get("tokens", 0))
         self.elapsed = float(state.get("elapsed_s", 0.0))
