@@ -215,13 +215,7 @@ def run_cli(argv: list[str]) -> tuple[int, str]:
 
 # rows that still fail in modules outside this change, (sub-command, flag, value) -> where and why (xfail, not
 # strict: they pass once fixed)
-KNOWN = {
-    ("tokenizer train", "--min-frequency", "-1"): "looplm.data.cli: --min-frequency -1 reaches the BPE trainer (OverflowError)",
-    ("chat", "--max-tokens", "0"): "looplm.serve.cli: chat checks --max-tokens only in its loop, after its server started",
-    ("chat", "--temperature", "-1"): "looplm.serve.cli: chat checks --temperature only in its loop, after its server started",
-    ("analyze", "--device", "tpu"): "looplm.analysis.cli: --device tpu reaches torch.device (RuntimeError)",
-    ("task mano export", "--count", "0"): "looplm.tasks.cli: export --count 0 writes an empty file and exits 0",
-}
+KNOWN: dict[tuple[str, str, str], str] = {}
 
 
 def _marks(cmd, argv):

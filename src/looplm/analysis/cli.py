@@ -64,6 +64,9 @@ def _check_args(args, selected) -> None:
                              ("--loops", args.loops, 1)):
         if value is not None and value < low:
             errs.append(f"{flag}: must be >= {low}, got {value}" + (" (leave it out for the trained K)" if flag == "--loops" else ""))
+    from ..eval.cli_checks import device_errors
+
+    errs += device_errors("--device", args.device)
     known = sorted({o for a in selected for o in a.options})
     for key in _parse_options(args.option):
         if key in CLI_OPTIONS:

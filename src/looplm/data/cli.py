@@ -127,6 +127,8 @@ def cmd_data_prepare(args) -> int:
 def cmd_tokenizer_train(args) -> int:
     """Handler of ``looplm tokenizer train``: train a byte-level BPE, print size and compression."""
     _check_inputs(args)
+    if not 0 <= args.min_frequency < 2**32:  # (train_bpe says it too, after the documents are read)
+        raise SystemExit(f"error: --min-frequency must be in [0, 2**32), got {args.min_frequency}")
     t0 = time.perf_counter()
     try:
         if not args.stdlib and not any(i.startswith("hf:") for i in args.inputs):

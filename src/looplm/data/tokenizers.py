@@ -361,6 +361,8 @@ def train_bpe(
     if vocab_size > MAX_BPE_VOCAB:  # the trainer allocates per id up front: a typo of a few zeros aborts the process
         raise ValueError(f"vocab_size={vocab_size} is too large: at most {MAX_BPE_VOCAB:,} (large LM vocabularies are "
                          "~32k-262k)")
+    if not 0 <= min_frequency < 2**32:  # the trainer takes a u32 (OverflowError past it)
+        raise ValueError(f"min_frequency={min_frequency}: must be in [0, 2**32) (merges rarer than it are not learned)")
     if (files is None) == (texts is None):
         raise ValueError("train_bpe needs exactly one of files=[...] or texts=...")
 

@@ -167,6 +167,15 @@ def cmd_serve(args) -> int:
 
 # ------------------------------------------------------------------------------------------------ chat
 def cmd_chat(args) -> int:
+    errs = []  # (the server would refuse them at the first prompt, after a model was loaded and served)
+    if args.max_tokens < 1:
+        errs.append(f"--max-tokens: must be >= 1 (tokens per answer), got {args.max_tokens}")
+    if not 0.0 <= args.temperature <= 2.0:
+        errs.append(f"--temperature: must be in [0, 2] (0 = greedy), got {args.temperature}")
+    if errs:
+        from ..dataclass_util import ConfigError
+
+        raise ConfigError(errs, "looplm chat arguments")
     openai = _need("openai", "looplm chat")
     server = None
     if args.url:

@@ -40,6 +40,8 @@ def export_records(task: str, split: str, count: int, seed: int, *, max_length: 
 
 def _cmd_export(args) -> int:
     count = args.count if args.count is not None else DEFAULT_EVAL_COUNT[args.task]
+    if count < 1:  # (export_records takes 0 for a library caller; a command that writes an empty file is a typo)
+        raise ValueError(f"--count must be >= 1, got {count}: the number of instances to write")
     kw = {"max_length": args.max_length} if args.task == "mano" else {"p": args.p, "n": args.n, "alphabet": args.alphabet}
     records = export_records(args.task, args.split, count, args.seed, **kw)
     out = sys.stdout if args.out == "-" else open(args.out, "w")
