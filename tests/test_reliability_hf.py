@@ -198,10 +198,20 @@ def test_nonfinite_weights_are_refused_at_import_and_at_load(tmp_path, capsys, m
     assert "NaN or infinite values in 2 tensor(s)" in err
     model, _ = load_model_for_inference(tmp_path / "run", allow_nonfinite=True)
     assert not torch.isfinite(model.norm.weight).all()
-    monkeypatch.setenv("LOOPLM_ALLOW_NONFINITE", "1")  # eval / serve read the environment
+    monkeypatch.setenv("LOOPLM_ALLOW_NONFINITE", "1")  # the lm-eval model (no flags of its own) reads the environment
     load_model_for_inference(tmp_path / "run")
-    # a finite fp32 weight that overflows when cast to fp16 is caught after the cast
     monkeypatch.delenv("LOOPLM_ALLOW_NONFINITE")
+    # eval ppl / threshold and serve / chat take the flag too
+    err = _one_line_error(capsys, ["eval", "ppl", str(tmp_path / "run"), "--data", "stdlib", "--batches", "1"], rc=1)
+    assert "NaN or infinite values in 2 tensor(s)" in err
+    from looplm.serve.cli import load_served_model
+    import argparse
+
+    ns = dict(model=str(tmp_path / "run"), tokenizer=None, set=None, threads=None, seed=0, dtype="fp32", allow_deep=False)
+    with pytest.raises(CheckpointError, match="NaN or infinite"):
+        load_served_model(argparse.Namespace(**ns, allow_nonfinite=False))
+    assert not torch.isfinite(load_served_model(argparse.Namespace(**ns, allow_nonfinite=True))[0].norm.weight).all()
+    # a finite fp32 weight that overflows when cast to fp16 is caught after the cast
     src2, _, _ = write_ouro(tmp_path / "o2")
     sd = load_file(str(src2 / "model.safetensors"))
     sd["lm_head.weight"][0, 0] = 1e6
@@ -225,6 +235,16 @@ def test_impossible_sizes_are_refused_before_any_allocation(tmp_path, capsys, mo
     (src / "config.json").write_text(json.dumps({**cfg, "total_ut_steps": MAX_IMPORT_LOOPS + 1}))
     run = import_hf(src, tmp_path / "deep", allow_deep=True)  # asked for explicitly
     assert json.loads((run / "config.json").read_text())["model"]["n_loops"] == MAX_IMPORT_LOOPS + 1
+    # ... and a checkpoint that already holds such a config is refused at load, by every command, unless asked
+    from looplm.checkpoint_io import CheckpointError, load_model_for_inference
+
+    with pytest.raises(CheckpointError, match=r"n_loops = 4,097 loops, more than 4,096 .*LOOPLM_ALLOW_DEEP=1"):
+        load_model_for_inference(run)
+    assert load_model_for_inference(run, allow_deep=True)[0].config.n_loops == MAX_IMPORT_LOOPS + 1
+    err = _one_line_error(capsys, ["generate", "--checkpoint", str(run), "--max-new-tokens", "1"], rc=1)
+    assert "n_loops = 4,097 loops" in err and "--allow-deep" in err
+    err = _one_line_error(capsys, ["generate", "--model", "tiny-llama", "--set", "n_loops=1000000000"], rc=1)
+    assert "model 'tiny-llama': n_loops = 1,000,000,000 loops" in err
     h, hcfg, _ = write_huginn(tmp_path / "h")
     (h / "config.json").write_text(json.dumps({**hcfg, "mean_recurrence": 10**6}))
     with pytest.raises(ValueError, match="mean_recurrence = 1,000,000 loops"):

@@ -47,7 +47,9 @@ __all__ = [
     "load_model_for_inference",
     "nonfinite_tensors",
     "refuse_nonfinite",
+    "ALLOW_DEEP_ENV",
     "ALLOW_NONFINITE_ENV",
+    "MAX_LOOPS",
 ]
 
 MARKER = "COMPLETE"
@@ -65,6 +67,10 @@ FORMAT_VERSION = 1
 INFERENCE_OVERRIDES = ("max_seq_len", "n_loops")
 
 ALLOW_NONFINITE_ENV = "LOOPLM_ALLOW_NONFINITE"  # =1: load weights holding NaN / inf (studying broken checkpoints)
+ALLOW_DEEP_ENV = "LOOPLM_ALLOW_DEEP"  # =1: load a model config with more than MAX_LOOPS loops
+# a model's own loop count (its trained K) past this is refused at import and load unless asked for (allow_deep):
+# the config is its own reference, so the bound is absolute. Ouro trains K = 4, Huginn r = 32 (run to 64 or so)
+MAX_LOOPS = 4096
 
 
 class CheckpointError(RuntimeError):
@@ -327,6 +333,20 @@ def _inference_overrides(overrides: list[str] | dict | None) -> dict:
     return items
 
 
+def refuse_deep(n_loops: int, where: str, *, allow: bool | None = None, field: str = "n_loops",
+                flag: str = "--allow-deep") -> None:
+    """Refuse a model config of more than :data:`MAX_LOOPS` loops unless ``allow`` (``None``: the
+    ``LOOPLM_ALLOW_DEEP`` environment variable decides), naming ``where`` and the count."""
+    if allow is None:
+        allow = os.environ.get(ALLOW_DEEP_ENV, "") not in ("", "0")
+    if n_loops > MAX_LOOPS and not allow:
+        raise CheckpointError(
+            f"{where}: {field} = {n_loops:,} loops, more than {MAX_LOOPS:,} (every token would run the core "
+            f"{n_loops:,} times: decoding would not finish). If it is meant, pass {flag} (allow_deep=True, or set "
+            f"{ALLOW_DEEP_ENV}=1)"
+        )
+
+
 def load_model_for_inference(
     path: str | os.PathLike,
     device: str | torch.device = "cpu",
@@ -335,6 +355,7 @@ def load_model_for_inference(
     tokenizer=None,
     overrides: list[str] | dict | None = None,
     allow_nonfinite: bool | None = None,
+    allow_deep: bool | None = None,
 ):
     """``(model, tokenizer)`` from a checkpoint or a run directory (newest complete checkpoint).
 
@@ -350,6 +371,9 @@ def load_model_for_inference(
             accepted (anything else would not fit or would misuse the trained weights).
         allow_nonfinite: load weights holding NaN / inf (refused by default, naming them; ``None`` = the
             ``LOOPLM_ALLOW_NONFINITE`` environment variable decides).
+        allow_deep: load a config whose loop count ``n_loops`` is past :data:`MAX_LOOPS` (refused by default:
+            every token would run the core that many times and decoding would not finish; ``None`` = the
+            ``LOOPLM_ALLOW_DEEP`` environment variable decides).
     """
     from .config import load_model_config
     from .data.tokenizers import check_tokenizer_fingerprint, check_vocab, load_tokenizer, tokenizer_fingerprint
@@ -360,7 +384,9 @@ def load_model_for_inference(
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), (dict, str)):
         raise CheckpointError(f"checkpoint file {str(ckpt / CONFIG_FILE)!r} has no model config; cannot rebuild the model")
     # parameters on the meta device, then the file's tensors become them: no random init, no copy
-    model = build_for_loading(load_model_config(cfg["model"], _inference_overrides(overrides) or None))
+    mcfg = load_model_config(cfg["model"], _inference_overrides(overrides) or None)
+    refuse_deep(mcfg.n_loops, f"checkpoint file {str(ckpt / CONFIG_FILE)!r}", allow=allow_deep)
+    model = build_for_loading(mcfg)
     load_model_weights(ckpt, model, verify=verify)
     refuse_nonfinite(model.state_dict(), f"checkpoint file {str(ckpt / MODEL_FILE)!r}", allow=allow_nonfinite)
 

@@ -149,10 +149,16 @@ def _cmd_generate(args) -> int:
     if args.checkpoint:
         # --tokenizer replaces the recorded tokenizer (a warning if it differs); --set takes inference-time fields only
         model, tok = load_model_for_inference(args.checkpoint, tokenizer=args.tokenizer, overrides=args.set,
-                                              allow_nonfinite=args.allow_nonfinite or None)
+                                              allow_nonfinite=args.allow_nonfinite or None,
+                                              allow_deep=args.allow_deep or None)
     else:
         refuse_empty_yaml(args.model, "model config")
         torch.manual_seed(args.seed)  # a random preset's weights, reproducible (the sampling seed is set again below)
+        from .checkpoint_io import refuse_deep
+        from .config import load_model_config
+
+        refuse_deep(load_model_config(args.model, args.set or None).n_loops, f"model {args.model!r}",
+                    allow=args.allow_deep or None)  # (before it is built: per-loop parameters scale with it)
         model = build(args.model, overrides=args.set or None)
         tok = load_tokenizer(args.tokenizer or "byte")
         check_vocab(tok, model.config.vocab_size)

@@ -57,7 +57,8 @@ def cmd_eval_ppl(args) -> int:
         raise ConfigError(errs, "eval ppl arguments")
     ckpt = resolve_checkpoint(args.checkpoint)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    model, tok = load_model_for_inference(ckpt, device=device)
+    model, tok = load_model_for_inference(ckpt, device=device, allow_nonfinite=args.allow_nonfinite or None,
+                                          allow_deep=args.allow_deep or None)
     cfg = read_checkpoint_config(ckpt)
     train_seq = cfg.get("train", {}).get("data", {}).get("seq_len")
     seq_len = args.seq_len or train_seq or model.config.max_seq_len
@@ -125,7 +126,9 @@ def register(subparsers) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training seq_len)")
     p.add_argument("--loops", default=None,
                    help="loop count r (default: the trained K), or a depth sweep: a..b, a list 1,2,4, or 1..2K (K = trained loops)")
-    p.add_argument("--allow-deep", action="store_true", help="allow loop counts above 64x the trained K (refused otherwise)")
+    p.add_argument("--allow-deep", action="store_true",
+                   help="allow loop counts above 64x the trained K, and a checkpoint of more than 4096 loops (refused otherwise)")
+    p.add_argument("--allow-nonfinite", action="store_true", help="load a checkpoint whose weights hold NaN / inf (refused otherwise; or LOOPLM_ALLOW_NONFINITE=1)")
     p.add_argument("--grid", choices=["both", "prefix", "rescaled"], default="both",
                    help="timestep-conditioned models: conditioning grid(s) of the depth sweep (prefix needs r <= K)")
     p.add_argument("--out", default=None, help="depth sweep: write depth.json and depth.png to this directory")

@@ -208,7 +208,8 @@ def _cmd_threshold(args) -> int:
     if errs:
         raise ConfigError(errs, "eval threshold arguments")
     ckpt = resolve_checkpoint(args.checkpoint)
-    model, tok = load_model_for_inference(ckpt, device=args.device)
+    model, tok = load_model_for_inference(ckpt, device=args.device, allow_nonfinite=args.allow_nonfinite or None,
+                                          allow_deep=args.allow_deep or None)
     R = model.config.n_loops
     gate = hasattr(model.rule, "exit_summary")
     errs = loops_errors("--loops", args.loops or [], R, args.allow_deep)
@@ -264,7 +265,9 @@ def register(subparsers) -> None:
     p.add_argument("--data", default="stdlib", help="'stdlib' (held-out documents) or text/jsonl files")
     p.add_argument("--thresholds", type=float, nargs="*", default=None, help="q values (default 0.2 0.4 0.6 0.8 1.0 with a gate)")
     p.add_argument("--loops", type=int, nargs="*", default=None, help="forced loop counts (default 1..R)")
-    p.add_argument("--allow-deep", action="store_true", help="allow forced loop counts above 64x the trained K (refused otherwise)")
+    p.add_argument("--allow-deep", action="store_true",
+                   help="allow forced loop counts above 64x the trained K, and a checkpoint of more than 4096 loops (refused otherwise)")
+    p.add_argument("--allow-nonfinite", action="store_true", help="load a checkpoint whose weights hold NaN / inf (refused otherwise; or LOOPLM_ALLOW_NONFINITE=1)")
     p.add_argument("--batches", type=int, default=8)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: the training seq_len, else 256, at most the model's max_seq_len)")

@@ -145,8 +145,8 @@ def refuse_mismatch(src, missing=(), unexpected=(), mismatched=(), what: str = "
         )
 
 
-# a loop count past this at import is refused unless asked for (allow_deep / --allow-deep): a config's trained K
-# is the config itself, so the bound is absolute; Ouro trains K = 4, Huginn r = 32 (and is run to 64 or so)
+# a loop count past this at import is refused unless asked for (allow_deep / --allow-deep); the same bound as
+# at load (looplm.checkpoint_io.MAX_LOOPS)
 MAX_IMPORT_LOOPS = 4096
 
 

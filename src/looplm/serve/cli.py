@@ -41,6 +41,9 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds a random preset's weights")
     p.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="override a model config field; with a RUN only max_seq_len and n_loops")
+    p.add_argument("--allow-nonfinite", action="store_true", help="load a checkpoint whose weights hold NaN / inf (refused otherwise; or LOOPLM_ALLOW_NONFINITE=1)")
+    p.add_argument("--allow-deep", action="store_true",
+                   help="serve a model of more than 4096 loops (refused otherwise; or LOOPLM_ALLOW_DEEP=1)")
     e = p.add_argument_group("engine (docs/serving.md)")
     e.add_argument("--max-batch", type=int, default=8, help="rows decoded at once (default 8)")
     e.add_argument("--max-model-len", type=int, default=None,
@@ -112,10 +115,15 @@ def load_served_model(args):
     spec = args.model
     path = Path(spec)
     if path.is_dir():
-        model, tok = load_model_for_inference(path, tokenizer=args.tokenizer, overrides=args.set)
+        model, tok = load_model_for_inference(path, tokenizer=args.tokenizer, overrides=args.set,
+                                              allow_nonfinite=args.allow_nonfinite or None, allow_deep=args.allow_deep or None)
         name = path.resolve().name
     else:
         refuse_empty_yaml(spec, "model config")
+        from ..checkpoint_io import refuse_deep
+        from ..config import load_model_config
+
+        refuse_deep(load_model_config(spec, args.set or None).n_loops, f"model {spec!r}", allow=args.allow_deep or None)
         torch.manual_seed(args.seed)  # a random preset's weights, reproducible
         model = build(spec, overrides=args.set or None)
         tok = load_tokenizer(args.tokenizer or "byte")
