@@ -81,11 +81,13 @@ def test_targets_and_table_from_rows():
 
     rows = [row("full", "c=1", 30.0, 4.0, e2e=210.0), row("full", "c=8", 150.0, 4.0), row("exit", "c=8", 200.0, 2.5),
             row("one", "c=8", 30.0, 4.0), row("generate", "c=1", 32.0, e2e=200.0, paired_server_e2e_ms_p50=212.0),
-            row("transformers", "c=8", 100.0)]  # fmt: skip
+            row("transformers", "c=8", 100.0), row("exit-prefill", "c=8", 240.0, 2.5)]  # fmt: skip
     batching = next(t for t in targets(rows, K=4) if "one-at-a-time" in t["target"])
     assert batching["target"].startswith("c=8 streams") and batching["met"] and batching["value"] == "5.00x"
     exit_t = next(t for t in targets(rows, 4) if "exit" in t["target"])
     assert exit_t["met"] == (200.0 >= 150.0 / (1.1 * 2.5 / 4))
+    prefill_t = next(t for t in targets(rows, 4) if t["target"].startswith("c=8: exit-prefill"))
+    assert prefill_t["met"] and prefill_t["value"] == "240.0 vs 218.2 (executed 2.50 / 4)"
     over = next(t for t in targets(rows, 4) if "overhead" in t["target"])
     assert over["value"] == "+6.0%" and over["met"]  # the paired medians, not the loads'
     ahead = next(t for t in targets(rows, 4) if "transformers" in t["target"])

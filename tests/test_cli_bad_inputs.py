@@ -126,7 +126,10 @@ BAD: dict[str, list[tuple[list[str], str | None]]] = {
     "kernels status": [(["kernels", "status", "--lod"], "unrecognized arguments")],
     "serve": [([*SRV, "--max-batch", "0"], None), ([*SRV, "--port", "-1"], None), ([*SRV, "--kv-budget", "abc"], None),
               ([*SRV, "--max-model-len", "0"], None), ([*SRV, "--exit", "kl:abc"], None), ([*SRV, "--threads", "0"], None),
-              ([*SRV, "--grace-s", "-1"], None), ([*SRV, "--max-waiting", "-1"], None), (["serve", "{missing}"], None)],
+              ([*SRV, "--grace-s", "-1"], None), ([*SRV, "--max-waiting", "-1"], None), (["serve", "{missing}"], None),
+              ([*SRV, "--exit-prefill", "exit"], "needs --exit"),
+              ([*SRV, "--exit", "kl:0.01", "--exit-prefill", "exit", "--prefill-chunk", "8"], "leave --prefill-chunk out"),
+              ([*SRV, "--exit", "kl:0.01", "--exit-prefill", "exit", "--kv-policy", "shared"], "kv policy 'shared'")],
     "chat": [([*CHAT, "--max-batch", "0"], None), ([*CHAT, "--max-tokens", "0"], None), ([*CHAT, "--temperature", "-1"], None),
              ([*CHAT, "--exit", "kl:abc"], None), ([*CHAT, "--threads", "0"], None)],
 }

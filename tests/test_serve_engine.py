@@ -121,6 +121,33 @@ def test_greedy_output_equals_generate_alone(engine_of, exit, schedule):
     assert sum(s["exits_by_depth"]) == 5 * (N - 1)  # decoded tokens (the first of each came from its prompt)
 
 
+@pytest.mark.parametrize("schedule", ["depth", "token"])
+def test_prompts_at_adaptive_depth_equal_generate_alone(engine_of, schedule):
+    """``prefill='exit'``: a prompt's tokens after the first take the exits (whole, at its request's own ε): every
+    request's tokens and depths equal ``model.generate`` alone with ``Exit(prefill='exit')``, its first token's
+    depth is its prompt's last position's; a request with ``exit='none'`` runs its prompt at full depth; and the
+    outputs differ from a full-depth prompt's (the prompt's skipped loops hold the policy's fill)."""
+    m = _model()
+    K, N = m.config.n_loops, 10
+    prompts = _prompts()
+    thr = [0.004, 0.004, 0.02, 0.004, 0.0]  # per request (0: exit='none', full depth)
+    refs = [_alone(m, p, N, {"criterion": "kl", "threshold": t, "prefill": "exit"}) if t else _alone(m, p, N)
+            for p, t in zip(prompts, thr)]  # fmt: skip
+    eng = engine_of(m, max_batch=3, exit="kl:0.004", exit_schedule=schedule, prefill="exit", prefill_chunk=None)
+    params = [SamplingParams(max_tokens=N, temperature=0, exit=f"kl:{t}" if t else "none") for t in thr]
+    outs = _run(eng, prompts, params)
+    for (toks, depths), c, t in zip(refs, outs, thr):
+        assert c.tokens == toks
+        if t:
+            assert c.depths[1:] == depths
+        else:
+            assert c.depths == [K] * N
+    assert min(c.depths[0] for c in outs[:4]) < K  # a prompt's last position left early
+    assert "prefill exit" in eng.describe()
+    full = [_alone(m, p, N, "kl:0.004")[0] for p in prompts[:2]]
+    assert any(f != c.tokens for f, c in zip(full, outs))
+
+
 def test_exit_gate_and_kv_policies_equal_generate_alone(engine_of):
     """The gate criterion (its q is the rule's output selection too) and the propagate / shared KV policies."""
     m = _model("tiny-llama", overrides={"rule": {"name": "exit_gate"}})
@@ -250,8 +277,9 @@ def test_a_seed_fixes_a_sample_whatever_the_batch(engine_of):
 
 
 # ------------------------------------------------------------------------------------------------ the KV budget
-@pytest.mark.parametrize("exit,schedule", [(None, "depth"), ("kl:0.004", "depth"), ("kl:0.004", "token")])
-def test_preemption_under_a_tiny_budget_keeps_every_output_exact(engine_of, exit, schedule):
+@pytest.mark.parametrize("exit,schedule,prefill", [(None, "depth", "full"), ("kl:0.004", "depth", "full"),
+                                                   ("kl:0.004", "token", "full"), ("kl:0.004", "depth", "exit")])
+def test_preemption_under_a_tiny_budget_keeps_every_output_exact(engine_of, exit, schedule, prefill):
     """Six requests through four rows under a budget that admits two or three of them: the running ones outgrow
     it, the youngest are preempted, prefilled again and replay the tokens they had made at the depths they ran;
     every request's greedy tokens and depths still equal ``model.generate`` alone, a seeded sample equals its
@@ -260,12 +288,14 @@ def test_preemption_under_a_tiny_budget_keeps_every_output_exact(engine_of, exit
     m = _model()
     K, N = m.config.n_loops, 12
     prompts = _prompts(6)
-    refs = [_alone(m, p, N, exit) for p in prompts]
+    ref_exit = exit if prefill == "full" else {"criterion": "kl", "threshold": 0.004, "prefill": "exit"}  # (prompts at adaptive depth)
+    refs = [_alone(m, p, N, ref_exit) for p in prompts]
     sp = SamplingParams(max_tokens=N, temperature=1.0, top_k=50, seed=5)
-    ref_s = _model().generate(torch.tensor([prompts[1]]), N, do_sample=True, temperature=1.0, top_k=50, exit=exit,
+    ref_s = _model().generate(torch.tensor([prompts[1]]), N, do_sample=True, temperature=1.0, top_k=50, exit=ref_exit,
                               generator=torch.Generator().manual_seed(5))[0, len(prompts[1]):].tolist()  # fmt: skip
     budget = (max(map(len, prompts)) + N + 10) * K  # cache tokens (kv='copy' keeps K loop slots per token)
-    eng = engine_of(m, max_batch=4, exit=exit, exit_schedule=schedule, prefill_chunk=4, kv_budget=budget)
+    eng = engine_of(m, max_batch=4, exit=exit, exit_schedule=schedule, prefill_chunk=4 if prefill == "full" else None,
+                    prefill=prefill, kv_budget=budget)
     assert eng.stats()["kv_budget_tokens"] == budget and eng.stats()["kv_slots"] == K
     held = []
     cs = [Collect(then=lambda c: held.append(eng._used())) for _ in prompts]
@@ -471,3 +501,11 @@ def test_engine_config_and_unservable_models_are_refused_before_any_work():
         Engine(m, EngineConfig(exit="gate:0.5"))
     with pytest.raises(EngineClosed):  # not started
         Engine(m).submit([1], SamplingParams(), Collect())
+    with pytest.raises(ValueError, match="prefill='exit' needs an exit criterion"):
+        EngineConfig(prefill="exit", prefill_chunk=None)
+    with pytest.raises(ValueError, match=r"set prefill_chunk=None \(got 256\)"):
+        EngineConfig(exit="kl:0.01", prefill="exit")
+    with pytest.raises(ValueError, match="prefill must be 'full'.*got 'half'"):
+        EngineConfig(prefill="half")
+    with pytest.raises(ValueError, match="cannot run this model.*kv policy 'shared'"):
+        Engine(m, EngineConfig(exit="kl:0.01", kv_policy="shared", prefill="exit", prefill_chunk=None))

@@ -24,6 +24,8 @@ Contenders (``--contenders``, all measured in the same run, one after another on
 * ``full`` — ``looplm serve MODEL --max-batch B`` at full depth (the baseline of the ratios);
 * ``exit`` — the same under per-token exit (``--exit``, default ``kl:0.01``) and the depth schedule
   (continuous depth batching: each row at its own loop);
+* ``exit-prefill`` — ``exit`` with ``--exit-prefill exit``: each prompt's tokens after the first take the exits
+  too (whole prompts at adaptive depth; its outputs are ``model.generate``'s with ``Exit(prefill='exit')``);
 * ``one`` — ``--max-batch 1``: one request at a time, the rest queued (no batching);
 * ``generate`` — ``model.generate`` of each prompt alone in this process (only at concurrency 1), timed
   alternately with one request of the same prompt to the idle ``full`` server: the server's overhead (HTTP +
@@ -60,7 +62,7 @@ from pathlib import Path
 
 __all__ = ["Load", "RequestRecord", "ServerProcess", "held_out_prompts", "register", "run_load", "summarize"]
 
-CONTENDERS = ("full", "exit", "one", "generate", "transformers")
+CONTENDERS = ("full", "exit", "exit-prefill", "one", "generate", "transformers")
 
 
 # ------------------------------------------------------------------------------------------------ loads
@@ -400,11 +402,12 @@ def targets(rows: list[dict], K: int | None) -> list[dict]:
         out.append({"target": f"{top} streams: throughput >= 4x one-at-a-time", "value": f"{ratio:.2f}x", "met": ratio >= 4})
     # capacity against capacity: at the concurrency loads (closed loop, the server always busy); under Poisson
     # arrivals below capacity both serve what arrives, and their throughputs are the arrival rate's
-    for load in [r["load"] for r in rows if r["contender"] == "exit" and r["load"].startswith("c=")]:
-        f, e = at.get(("full", load)), at[("exit", load)]
+    for name, load in [(r["contender"], r["load"]) for r in rows
+                       if r["contender"] in ("exit", "exit-prefill") and r["load"].startswith("c=")]:  # fmt: skip
+        f, e = at.get(("full", load)), at[(name, load)]
         if f and K and e.get("loops_per_token"):
             need = f["tokens_per_s"] / (1.1 * e["loops_per_token"] / K)
-            out.append({"target": f"{load}: exit tok/s >= full / (1.1 x executed / K)",
+            out.append({"target": f"{load}: {name} tok/s >= full / (1.1 x executed / K)",
                         "value": f"{e['tokens_per_s']:.1f} vs {need:.1f} (executed {e['loops_per_token']:.2f} / {K})",
                         "met": e["tokens_per_s"] >= need})  # fmt: skip
     f, g = at.get(("full", "c=1")), at.get(("generate", "c=1"))
@@ -507,7 +510,8 @@ def _check(args) -> tuple[list[Load], list[str]]:
 def _model_args(spec: str, threads: int, dtype: str):
     from argparse import Namespace
 
-    return Namespace(model=spec, tokenizer=None, threads=threads, seed=0, set=None, dtype=dtype)
+    return Namespace(model=spec, tokenizer=None, threads=threads, seed=0, set=None, dtype=dtype, allow_nonfinite=False,
+                     allow_deep=False)
 
 
 def cmd_bench_serve(args) -> int:
@@ -577,7 +581,8 @@ def cmd_bench_serve(args) -> int:
         if name == "transformers":
             measure(name, ServerProcess(_transformers_argv(args.hf_dir, args.dtype), name, env), loads, serve_extra)
             continue
-        flags = {"full": [], "exit": ["--exit", args.exit, "--exit-schedule", "depth"], "one": []}[name]
+        flags = {"full": [], "exit": ["--exit", args.exit, "--exit-schedule", "depth"], "one": [],
+                 "exit-prefill": ["--exit", args.exit, "--exit-schedule", "depth", "--exit-prefill", "exit"]}[name]
         mb = 1 if name == "one" else args.max_batch
         after = paired_generate if name == "full" and "generate" in names and one_stream else None
         measure(name, ServerProcess(_looplm_argv(args.model, args.threads, mb, flags, args.dtype, max_len), name, env), loads,

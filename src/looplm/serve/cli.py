@@ -56,7 +56,11 @@ def _add_model_args(p: argparse.ArgumentParser, required: bool = True) -> None:
     e.add_argument("--kv-policy", choices=["copy", "propagate", "shared", "full"], default=None,
                    help="what later tokens attend to in the loops a token skipped (with --exit)")
     e.add_argument("--max-waiting", type=int, default=64, help="requests queued for a row before 429 (default 64)")
-    e.add_argument("--prefill-chunk", type=int, default=256, help="most prompt tokens prefilled per engine tick (default 256)")
+    e.add_argument("--prefill-chunk", type=int, default=None,
+                   help="most prompt tokens prefilled per engine tick (default 256; whole prompts under --exit-prefill exit)")
+    e.add_argument("--exit-prefill", choices=["full", "exit"], default="full",
+                   help="full: a prompt runs every loop (default); exit: with --exit, a prompt's tokens after the first take "
+                        "the exits too, whole prompts at once (as model.generate with Exit(prefill='exit'))")
     e.add_argument("--kv-budget", default=None, metavar="TOKENS|SIZE",
                    help="KV cache requests may hold: cache tokens (4096) or memory (2GiB, 512MiB); a request counts "
                         "(prompt + max_tokens) x its loop slots to be admitted; the youngest is preempted (and recomputed) "
@@ -137,14 +141,28 @@ def load_served_model(args):
     return model.eval(), tok, name
 
 
-def _engine(args, model, tok):
-    from .engine import Engine, EngineConfig
+def _engine_config(args):
+    """The :class:`EngineConfig` of the command line: its errors are said before a model is loaded."""
+    from .engine import EngineConfig
 
-    cfg = EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, exit=args.exit,
-                       exit_schedule=args.exit_schedule, kv_policy=args.kv_policy, max_waiting=args.max_waiting,
-                       prefill_chunk=args.prefill_chunk,
-                       kv_budget=None if args.kv_budget is None else (int(args.kv_budget) if args.kv_budget.strip().isdigit() else args.kv_budget))  # fmt: skip
-    return Engine(model, cfg, eos_token_id=getattr(tok, "eos_id", None))
+    chunk = args.prefill_chunk
+    if chunk is None:
+        chunk = None if args.exit_prefill == "exit" else 256
+    elif args.exit_prefill == "exit":
+        raise ValueError(f"--prefill-chunk {chunk}: under --exit-prefill exit each prompt is prefilled whole (its exits over "
+                         "the whole prompt at once); leave --prefill-chunk out")  # fmt: skip
+    if args.exit_prefill == "exit" and args.exit is None:
+        raise ValueError("--exit-prefill exit needs --exit (kl:0.01, ...): at full depth a prompt has no exit to take")
+    return EngineConfig(max_batch=args.max_batch, max_model_len=args.max_model_len, exit=args.exit,
+                        exit_schedule=args.exit_schedule, kv_policy=args.kv_policy, max_waiting=args.max_waiting,
+                        prefill_chunk=chunk, prefill=args.exit_prefill,
+                        kv_budget=None if args.kv_budget is None else (int(args.kv_budget) if args.kv_budget.strip().isdigit() else args.kv_budget))  # fmt: skip
+
+
+def _engine(args, model, tok, cfg=None):
+    from .engine import Engine
+
+    return Engine(model, _engine_config(args) if cfg is None else cfg, eos_token_id=getattr(tok, "eos_id", None))
 
 
 def _need(module: str, what: str):
@@ -163,8 +181,9 @@ def cmd_serve(args) -> int:
 
     if args.port < 0 or args.port > 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    cfg = _engine_config(args)
     model, tok, name = load_served_model(args)
-    engine = _engine(args, model, tok).start()  # (its cache allocated and the budget sized before the port opens)
+    engine = _engine(args, model, tok, cfg).start()  # (its cache allocated and the budget sized before the port opens)
     api_key = args.api_key or os.environ.get("LOOPLM_API_KEY") or None
     app = build_app(engine, tok, args.served_model_name or name, api_key=api_key, request_timeout_s=args.request_timeout_s)
     print(f"looplm serve: {args.served_model_name or name}: {engine.describe()}{' (API key required)' if api_key else ''}",
@@ -193,8 +212,9 @@ def cmd_chat(args) -> int:
             raise ValueError("looplm chat needs a RUN or PRESET to serve in this process, or --url of a running server")
         from .api import Server, build_app
 
+        cfg = _engine_config(args)
         model, tok, name = load_served_model(args)
-        engine = _engine(args, model, tok)
+        engine = _engine(args, model, tok, cfg)
         server = Server(build_app(engine, tok, name), grace_s=1.0).start()
         base = server.url
     key = args.api_key or os.environ.get("LOOPLM_API_KEY") or "none"

@@ -11,7 +11,10 @@ The scheduling is iteration-level: every *tick* of the engine thread
     2. admits waiting requests into free rows: each prompt runs **alone** at full depth in a cache of its own
        (one chunk of ``prefill_chunk`` tokens per tick, so a long prompt does not stall the rows decoding),
        then its slots are copied into its row's columns ``< p`` of the batch cache and its first token is
-       picked (:meth:`_ServeDecoder.place`);
+       picked (:meth:`_ServeDecoder.place`). With ``EngineConfig.prefill='exit'`` a prompt whose request takes
+       exits runs at adaptive depth instead, whole, in one call: its tokens after the first take the exits at the
+       request's threshold, all at once (:func:`looplm.decode.exit_forward.adaptive_forward`, which leaves its
+       cache as decoding the prompt token by token would; ``Exit(prefill='exit')`` of ``model.generate``);
     3. runs **one core pass** over every row in flight (continuous depth batching,
        :class:`looplm.decode.depth_schedule.DepthBatchedDecoder`): each row is at its own loop of its own
        token, rows whose criterion fires leave through the coda and the head, pick their next token with their
@@ -45,7 +48,7 @@ import queue
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -148,6 +151,8 @@ class EngineConfig:
     of one request (default and upper bound: the model's ``max_seq_len``; it sizes every row's cache);
     ``exit``: the criterion every row is checked with (``'kl:0.01'``, an :class:`~looplm.decode.exits.Exit` or
     its dict; None = full depth); ``exit_schedule``: ``'depth'`` (each row at its own loop) or ``'token'``;
+    ``prefill``: ``'full'`` (a prompt at every loop, the default) or ``'exit'`` (a prompt whose request takes exits
+    at adaptive depth, whole: ``prefill_chunk`` must then be None);
     ``max_waiting``: the bounded queue (a request beyond it gets :class:`QueueFull`); ``prefill_chunk``: the
     most prompt tokens prefilled per tick (None: a whole prompt); ``kv_budget``: the cache tokens requests may
     hold (:func:`parse_kv_budget`: an int or ``'4096'`` in cache tokens — one token's keys and values at one loop
@@ -164,6 +169,7 @@ class EngineConfig:
     max_waiting: int = 64
     prefill_chunk: int | None = 256
     kv_budget: int | str | None = None
+    prefill: str = "full"
 
     def __post_init__(self):
         errs = []
@@ -184,6 +190,14 @@ class EngineConfig:
         if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int)
                                                or self.prefill_chunk < 2):  # fmt: skip
             errs.append(f"prefill_chunk must be an int >= 2 (prompt tokens per tick) or None (whole prompts), got {self.prefill_chunk!r}")
+        if self.prefill not in ("full", "exit"):
+            errs.append(f"prefill must be 'full' (a prompt at every loop) or 'exit' (its tokens after the first take the "
+                        f"exits), got {self.prefill!r}")  # fmt: skip
+        elif self.prefill == "exit" and self.exit is None:
+            errs.append("prefill='exit' needs an exit criterion (exit='kl:0.01', ...): at full depth there is none to take")
+        elif self.prefill == "exit" and self.prefill_chunk is not None:
+            errs.append(f"prefill='exit' runs each prompt whole, in one call (its exits over the whole prompt at once); "
+                        f"set prefill_chunk=None (got {self.prefill_chunk!r})")  # fmt: skip
         if errs:
             raise ValueError("EngineConfig: " + "; ".join(errs))
 
@@ -317,14 +331,22 @@ def _serve_decoder_class():
             self.exit_keys = []
             self.col = torch.zeros(B, dtype=torch.long, device=dev)  # each row's token in flight's column
 
-        def prefill(self, part, ids: torch.Tensor, keep: int) -> torch.Tensor:
+        def prefill(self, part, ids: torch.Tensor, keep: int, exit=None) -> tuple:
             """``ids [1, T]``, the next chunk of a prompt, at full depth into its own cache ``part`` (made by
-            :meth:`new_part`); returns the logits of its last ``keep`` positions ``[1, keep, V]``."""
-            main = self.cache
+            :meth:`new_part`); or, with ``exit`` (a resolved :class:`~looplm.decode.exits.Exit`, ``prefill='exit'``),
+            the whole prompt into the empty ``part`` at adaptive depth, its first token at every loop.
+            Returns ``(logits of its last keep positions [1, keep, V], the loops its last position ran)``."""
             self.flush()  # the fills carried into the next pass, before the cache changes hands
+            if exit is not None:
+                from ..decode.exit_forward import adaptive_forward
+
+                out = adaptive_forward(self.model, ids, exit, loop_options=self.loop_options, full_depth_prefix=1,
+                                       cache=part, logits_to_keep=keep)  # fmt: skip
+                return out.logits, int(out.depth[0, -1])
+            main = self.cache
             self.cache = part
             try:
-                return self(ids, None, logits_to_keep=keep, validate=False)
+                return self(ids, None, logits_to_keep=keep, validate=False), self.R
             finally:
                 self.cache = main
 
@@ -434,6 +456,9 @@ class Engine:
             self.criterion = spec.criterion
         try:
             self.exit = spec.with_policies(**policies).resolved(model, config.max_batch)
+            # a prompt at adaptive depth (prefill='exit'): the same exit over one prompt alone, checked here once
+            self._prefill_exit = (spec.with_policies(**{**policies, "prefill": "exit"}).resolved(model, 1)
+                                  if config.prefill == "exit" else None)  # fmt: skip
         except ValueError as e:
             raise ValueError(f"looplm serve cannot run this model with these options: {e}") from None
         self.K = int(self.exit.max_loops)
@@ -461,6 +486,8 @@ class Engine:
         crit = "full depth" if self.criterion is None else f"exit {self.criterion}:{self.threshold:g}"
         out = (f"K={self.K}, {crit}, {self.config.exit_schedule} schedule, kv={self.exit.kv}, max_batch={self.config.max_batch}, "
                f"max_model_len={self.max_model_len}")  # fmt: skip
+        if self._prefill_exit is not None:
+            out += ", prompts at adaptive depth (prefill exit)"
         if self._dec is not None:
             cap = self.config.max_batch * self.max_model_len * self._S
             out += (f", KV cache {cap * self._bytes_per_token / 2**20:.1f} MiB ({cap} cache tokens = {self.config.max_batch} rows "
@@ -839,7 +866,11 @@ class Engine:
         if P - a - n == 1:  # a 1-token call on a filled cache would decode (with exits): take it now
             n += 1
         ids = torch.tensor([req.prompt[a : a + n]], device=dec.col.device)
-        logits = dec.prefill(req.part, ids, n if echo else 1)[0]  # [keep, V]
+        exit = None  # prefill='exit': the prompt (whole: prefill_chunk is None) at adaptive depth, at its own ε
+        if self._prefill_exit is not None and req.checks:
+            exit = replace(self._prefill_exit, threshold=req.thr) if req.thr != self._prefill_exit.threshold else self._prefill_exit
+        logits, first_depth = dec.prefill(req.part, ids, n if echo else 1, exit)
+        logits = logits[0]  # [keep, V]
         req.done_prompt = a + n
         if echo:
             lp = torch.log_softmax(logits.float(), -1)  # [n, V]: position a + i predicts token a + i + 1
@@ -871,7 +902,7 @@ class Engine:
         if req.tokens:  # preempted before: it replays the tokens it had made (_preempt), from the first
             req.next_token = req.tokens[0]
         else:
-            self._token(req, self._pick([req], logits[-1:])[0], self.K)
+            self._token(req, self._pick([req], logits[-1:])[0], first_depth)
         return True
 
     # ------------------------------------------------------------------------------------------ the budget
