@@ -116,9 +116,8 @@ BAD: dict[str, list[tuple[list[str], str | None]]] = {
                        ([*BA, "--draft-exits", "nope:1"], "--draft-exits"), ([*BA, "--data", "{missing}"], "--data"),
                        ([*BA, "--out", "{tmp}"], "--out"), ([*BA, "--png-dir", "{file}"], "--png-dir")],
     "bench serve": [([*BS, "--requests", "0"], None), ([*BS, "--concurrency", "abc"], None), ([*BS, "--prompt-len", "0"], None),
-                    ([*BS, "--max-tokens", "0"], None), ([*BS, "--rates", "-1"], None), (["bench", "serve", "--model", "{missing}"], None)],
-    # (not here: bench serve --exit kl:abc, which starts its servers as subprocesses before the exit is checked and
-    # waits minutes for them: looplm.bench.serve's to fix)
+                    ([*BS, "--max-tokens", "0"], None), ([*BS, "--rates", "-1"], None), (["bench", "serve", "--model", "{missing}"], None),
+                    ([*BS, "--exit", "kl:abc"], "--exit 'kl:abc'"), ([*BS, "--exit", "replay:2"], "cannot be served")],
     "export hf": [(["export", "hf", "{missing}", "{tmp}/ex1"], None), (["export", "hf", "{ckpt}", "{tmp}/ex2", "--loops", "0"], None),
                   (["export", "hf", "{ckpt}", "{tmp}/ex3", "--exit-threshold", "2"], None), (["export", "hf", "{ckpt}", "{file}"], None)],
     "import hf": [(["import", "hf", "{missing}", "{tmp}/im1"], None), (["import", "hf", "{ckpt}", "{file}"], None)],

@@ -491,6 +491,15 @@ def _check(args) -> tuple[list[Load], list[str]]:
     unknown = [c for c in names if c not in CONTENDERS]
     if unknown or not names:
         bad.append(f"--contenders {args.contenders!r}: choose from {', '.join(CONTENDERS)}")
+    if {"exit", "exit-prefill"} & set(names):  # (before any server starts: a server's refusal came after its load)
+        from ..decode.exits import Exit
+
+        try:
+            crit = Exit.parse(args.exit).criterion
+            if crit not in ("kl", "convergence", "gate"):
+                bad.append(f"--exit {args.exit!r}: the {crit} criterion cannot be served; give kl:EPS, convergence:EPS or gate:Q")
+        except (ValueError, TypeError) as e:
+            bad.append(f"--exit {args.exit!r}: {e}")
     if "transformers" in names and not args.hf_dir:
         bad.append("the transformers contender needs --hf-dir (a transformers model directory of --model's weights)")
     for k in ("requests", "max_tokens", "prompt_len", "max_batch", "threads"):
