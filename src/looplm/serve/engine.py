@@ -36,8 +36,8 @@ field, before any work.
 Exactness: a row's arithmetic depends only on its own tokens (per-row columns, masks and positions; the
 prompt prefilled alone), and sampling draws from the request's own generator (``seed``), so a request's output
 does not depend on the other requests in the batch; in fp32 greedy output equals ``model.generate`` of the
-prompt alone, at full depth and under each criterion, up to the row count of the products
-(``tests/test_serve_engine.py``).
+prompt alone, at full depth and under each criterion (with ``prefill='exit'``: ``generate`` with
+``Exit(prefill='exit')``), up to the row count of the products (``tests/test_serve_engine.py``).
 """
 
 from __future__ import annotations
