@@ -237,7 +237,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--loops", type=int, default=None)
     p.add_argument("--allow-deep", action="store_true",
-                   help="allow more than 64x the trained K loops (--loops, --max-loops, replay depths); refused otherwise")
+                   help="allow more than 64x the trained K loops (--loops, --max-loops, replay depths), and a model of more "
+                        "than 4096 loops; refused otherwise")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="load a checkpoint whose weights hold NaN / inf (refused otherwise; or LOOPLM_ALLOW_NONFINITE=1)")
     p.add_argument("--seed", type=int, default=0, help="seeds a random preset's weights (no --checkpoint) and the sampling")
