@@ -493,10 +493,11 @@ def _check(args) -> tuple[list[Load], list[str]]:
         bad.append(f"--contenders {args.contenders!r}: choose from {', '.join(CONTENDERS)}")
     if {"exit", "exit-prefill"} & set(names):  # (before any server starts: a server's refusal came after its load)
         from ..decode.exits import Exit
+        from ..serve.engine import SERVED_CRITERIA
 
         try:
             crit = Exit.parse(args.exit).criterion
-            if crit not in ("kl", "convergence", "gate"):
+            if crit not in SERVED_CRITERIA:
                 bad.append(f"--exit {args.exit!r}: the {crit} criterion cannot be served; give kl:EPS, convergence:EPS or gate:Q")
         except (ValueError, TypeError) as e:
             bad.append(f"--exit {args.exit!r}: {e}")
@@ -590,8 +591,8 @@ def cmd_bench_serve(args) -> int:
         if name == "transformers":
             measure(name, ServerProcess(_transformers_argv(args.hf_dir, args.dtype), name, env), loads, serve_extra)
             continue
-        flags = {"full": [], "exit": ["--exit", args.exit, "--exit-schedule", "depth"], "one": [],
-                 "exit-prefill": ["--exit", args.exit, "--exit-schedule", "depth", "--exit-prefill", "exit"]}[name]
+        exit_flags = ["--exit", args.exit, "--exit-schedule", "depth"]
+        flags = {"full": [], "exit": exit_flags, "exit-prefill": exit_flags + ["--exit-prefill", "exit"], "one": []}[name]
         mb = 1 if name == "one" else args.max_batch
         after = paired_generate if name == "full" and "generate" in names and one_stream else None
         measure(name, ServerProcess(_looplm_argv(args.model, args.threads, mb, flags, args.dtype, max_len), name, env), loads,

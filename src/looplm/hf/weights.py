@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ..checkpoint_io import MAX_LOOPS
+
 __all__ = ["INDEX_FILE", "MAX_IMPORT_LOOPS", "WEIGHTS_FILE", "preflight", "read_json", "read_shapes", "refuse_dangling",
            "refuse_mismatch", "refuse_overlap", "weight_files"]
 
@@ -145,9 +147,8 @@ def refuse_mismatch(src, missing=(), unexpected=(), mismatched=(), what: str = "
         )
 
 
-# a loop count past this at import is refused unless asked for (allow_deep / --allow-deep); the same bound as
-# at load (looplm.checkpoint_io.MAX_LOOPS)
-MAX_IMPORT_LOOPS = 4096
+# a loop count past this at import is refused unless asked for (allow_deep / --allow-deep): the bound at load
+MAX_IMPORT_LOOPS = MAX_LOOPS
 
 
 def preflight(cfg, dtype=None, *, where: str, loops_field: str = "n_loops", allow_deep: bool = False,

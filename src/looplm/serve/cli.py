@@ -159,10 +159,10 @@ def _engine_config(args):
                         kv_budget=None if args.kv_budget is None else (int(args.kv_budget) if args.kv_budget.strip().isdigit() else args.kv_budget))  # fmt: skip
 
 
-def _engine(args, model, tok, cfg=None):
+def _engine(model, tok, cfg):
     from .engine import Engine
 
-    return Engine(model, _engine_config(args) if cfg is None else cfg, eos_token_id=getattr(tok, "eos_id", None))
+    return Engine(model, cfg, eos_token_id=getattr(tok, "eos_id", None))
 
 
 def _need(module: str, what: str):
@@ -183,7 +183,7 @@ def cmd_serve(args) -> int:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
     cfg = _engine_config(args)
     model, tok, name = load_served_model(args)
-    engine = _engine(args, model, tok, cfg).start()  # (its cache allocated and the budget sized before the port opens)
+    engine = _engine(model, tok, cfg).start()  # (its cache allocated and the budget sized before the port opens)
     api_key = args.api_key or os.environ.get("LOOPLM_API_KEY") or None
     app = build_app(engine, tok, args.served_model_name or name, api_key=api_key, request_timeout_s=args.request_timeout_s)
     print(f"looplm serve: {args.served_model_name or name}: {engine.describe()}{' (API key required)' if api_key else ''}",
@@ -214,7 +214,7 @@ def cmd_chat(args) -> int:
 
         cfg = _engine_config(args)
         model, tok, name = load_served_model(args)
-        engine = _engine(args, model, tok, cfg)
+        engine = _engine(model, tok, cfg)
         server = Server(build_app(engine, tok, name), grace_s=1.0).start()
         base = server.url
     key = args.api_key or os.environ.get("LOOPLM_API_KEY") or "none"

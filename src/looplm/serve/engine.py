@@ -57,6 +57,7 @@ __all__ = ["Engine", "EngineClosed", "EngineConfig", "FieldError", "FinishEvent"
            "RequestError", "RequestHandle", "SamplingParams", "TokenEvent", "parse_kv_budget"]
 
 MAX_LOGPROBS = 20  # the most top log-probabilities a token may ask for (OpenAI's limit)
+SERVED_CRITERIA = ("kl", "convergence", "gate")  # the exit criteria a batch can run (per-row thresholds or q)
 
 
 # ---------------------------------------------------------------------------------------------- the API types
@@ -447,7 +448,7 @@ class Engine:
             spec = Exit(criterion="convergence", threshold=0.0)
         else:
             spec = Exit.parse(config.exit)
-            if spec.criterion not in ("kl", "convergence", "gate"):
+            if spec.criterion not in SERVED_CRITERIA:
                 raise ValueError(f"EngineConfig: exit criterion {spec.criterion!r} cannot be served; give 'kl:EPS', "
                                  "'convergence:EPS', 'gate:Q' or None (full depth)")  # fmt: skip
             if spec.max_batch is not None or spec.compile or spec.min_loops != 1:
