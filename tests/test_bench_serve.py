@@ -94,6 +94,24 @@ def test_targets_and_table_from_rows():
     assert ahead["value"] == "1.50x" and ahead["met"]
     table = markdown(rows)
     assert table.count("\n") == len(rows) + 1 and "| exit | c=8 | 4/4 | 200.0 | 1.33 |" in table
+    assert not [t for t in targets(rows, 4) if "vLLM" in t["target"] or "batch" in t["target"]]  # not measured: not judged
+
+
+def test_engine_targets_against_batched_generate_and_vllm():
+    def row(c, load, tps, **kw):
+        return {"contender": c, "load": load, "sent": 4, "finished": 4, "tokens_per_s": tps, "e2e_ms_p50": 100.0, **kw}
+
+    rows = [row("full", "c=1", 20.0, ttft_ms_p50=90.0, itl_ms_p50=52.0), row("full", "c=8", 150.0, ttft_ms_p50=300.0),
+            row("generate", "c=1", 21.0, itl_ms_p50=50.0), row("generate", "c=8", 160.0, itl_ms_p50=48.0),
+            row("vllm", "c=1", 21.5, ttft_ms_p50=135.0), row("vllm", "c=8", 126.0, ttft_ms_p50=250.0)]  # fmt: skip
+    got = {t["target"]: t for t in targets(rows, 1)}
+    assert got["c=8: looplm serve >= 0.9x model.generate at batch 8"]["value"] == "0.94x"
+    assert got["c=8: looplm serve >= 0.9x model.generate at batch 8"]["met"]
+    assert got["c=8: looplm serve tok/s >= 1.25x vLLM"]["value"] == "1.19x" and not got["c=8: looplm serve tok/s >= 1.25x vLLM"]["met"]
+    assert not got["c=1: looplm serve tok/s >= 1x vLLM"]["met"]  # 20.0 < 21.5
+    assert got["c=1: looplm serve TTFT p50 <= vLLM's"]["met"] and not got["c=8: looplm serve TTFT p50 <= vLLM's"]["met"]
+    itl = got["c=1: looplm serve ITL p50 <= 1.05x model.generate's batch-1 step"]
+    assert itl["met"] and itl["value"] == "52.0 vs 50.0 ms (1.04x)"
 
 
 def test_prompts_are_held_out_documents_cut_to_their_length(tmp_path):
@@ -121,6 +139,11 @@ def test_bad_arguments_are_one_error_naming_each():
         assert part in msg
     with pytest.raises(ValueError, match="the transformers contender needs --hf-dir"):
         _check(Namespace(**{**vars(a), "concurrency": "1", "contenders": "full,transformers", "requests": 2, "duration_s": 5.0}))
+    with pytest.raises(ValueError) as e:  # vLLM needs the directory and a Python that has it: named before any server
+        _check(Namespace(**{**vars(a), "concurrency": "1", "contenders": "full,vllm", "requests": 2, "duration_s": 5.0,
+                            "vllm_python": sys.executable, "vllm_kv_gib": 0.0}))  # fmt: skip
+    for part in ("the vllm contender needs --hf-dir", f"--vllm-python {sys.executable!r} does not import vllm", "--vllm-kv-gib 0.0"):
+        assert part in str(e.value)
     with pytest.raises(ValueError, match="whole number"):
         Load("concurrency", 1.5)
     assert RequestRecord().ok is False
@@ -135,8 +158,11 @@ def test_the_command_runs_its_contenders_and_writes_table_json_and_plot(tmp_path
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
     got = {(x["contender"], x["load"]) for x in data["rows"]}
-    assert got == {("full", "c=1"), ("full", "c=2"), ("one", "c=1"), ("one", "c=2"), ("generate", "c=1")}
-    assert all(x["finished"] == x["sent"] == 3 for x in data["rows"])
-    assert all(x["completion_tokens"] == 12 for x in data["rows"])
-    assert {t["target"].split(":")[0] for t in data["targets"]} == {"c=2 streams", "1 stream"}
+    assert got == {("full", "c=1"), ("full", "c=2"), ("one", "c=1"), ("one", "c=2"), ("generate", "c=1"), ("generate", "c=2")}
+    served = [x for x in data["rows"] if x["load"] == "c=1" or x["contender"] != "generate"]
+    assert all(x["finished"] == x["sent"] == 3 for x in served)
+    assert all(x["completion_tokens"] == 12 for x in served)
+    batched = next(x for x in data["rows"] if x == {**x, "contender": "generate", "load": "c=2"})
+    assert batched["finished"] == 2 and batched["completion_tokens"] == 8 and batched["itl_ms_p50"] > 0  # batch 2, 4 tokens each
+    assert {t["target"].split(":")[0] for t in data["targets"]} == {"c=2 streams", "1 stream", "c=2", "c=1"}
     assert "| full | c=2 |" in r.stdout and png.stat().st_size > 1000 and data["cpu"] in r.stdout

