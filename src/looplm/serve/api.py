@@ -12,7 +12,7 @@ A request goes through four steps:
 2. **submit**: one engine request per choice (``n`` per prompt; with a ``seed``, sample ``i`` uses
    ``seed + i``); the engine calls back from its thread and :class:`_Channel` hands each event to the event
    loop (``loop.call_soon_threadsafe``);
-3. **detokenize** (:class:`IncrementalText`): each choice's tokens become text as they come; the stop
+3. **detokenize** (:class:`~looplm.serve.detokenizer.IncrementalText`): each choice's tokens become text as they come; the stop
    strings are the server's job (a stop string may span tokens; its text is cut; while streaming, text that
    may be the start of a stop string and a partial UTF-8 character are held back); a found stop string ends
    the engine request (``abort('stop')``);
@@ -49,7 +49,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .engine import EngineClosed, FieldError, FinishEvent, PromptEvent, QueueFull, RequestError, SamplingParams, TokenEvent
+from .detokenizer import IncrementalText, detokenize_prompt
+from .engine import EngineClosed, FinishEvent, PromptEvent, QueueFull, RequestError, SamplingParams, TokenEvent
+from .fields import FieldError
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .protocol import (
     AssistantMessage,
@@ -78,8 +80,6 @@ __all__ = ["APIError", "IncrementalText", "Server", "build_app", "run_server"]
 
 log = logging.getLogger("looplm.serve")
 
-_CONTEXT_TOKENS = 6  # prompt tokens a choice's detokenizer starts from (a leading space decodes right)
-_UTF8_MAX = 4  # bytes of the longest UTF-8 character
 _POLL_S = 0.25  # how often a request waiting for tokens checks its client and its deadline
 
 
@@ -113,87 +113,6 @@ def _is_context_error(f: FieldError) -> bool:
 def _closed_error() -> APIError:
     return APIError(503, "the server is shutting down: it takes no new requests", "server_shutting_down",
                     code="shutting_down")  # fmt: skip
-
-
-# ------------------------------------------------------------------------------------------------ text
-class IncrementalText:
-    """One choice's text, decoded token by token, with its stop strings.
-
-    :meth:`add` takes a token and returns the offset where its text begins; ``text`` is what was decoded so far,
-    without a trailing partial UTF-8 character (a ``'\\ufffd'`` tail: held back until the next token completes
-    it, for at most three tokens, or until :meth:`finish`). Decoding uses a window of the last tokens (the prompt's
-    last few at first, so that a tokenizer's leading space is right): each token costs one short decode, not one of
-    the whole text.
-
-    Stop strings: the first one found (it may span tokens) ends the text before it (``stopped``); until then
-    :meth:`shown` holds back the longest end of ``text`` that begins a stop string."""
-
-    def __init__(self, tokenizer, context_ids=(), stops=()):
-        self.tok = tokenizer
-        self.ids = list(context_ids)[-_CONTEXT_TOKENS:] if context_ids else []
-        self.prefix, self.read = 0, len(self.ids)
-        self.text, self.tail = "", ""
-        self.stops = [s for s in stops if s]
-        self.max_stop = max((len(s) for s in self.stops), default=0)
-        self.stopped = False
-
-    def add(self, token_id: int) -> int:
-        offset = len(self.text)
-        if self.stopped:
-            return offset
-        self.ids.append(int(token_id))
-        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
-        new_text = self.tok.decode(self.ids[self.prefix:])
-        if new_text.endswith("\ufffd") and len(self.ids) - self.read < _UTF8_MAX:
-            # a character not complete yet: hold it back (at most 3 tokens: a UTF-8 character has at most 4 bytes,
-            # so a longer run ending in U+FFFD is invalid bytes, shown as they decode)
-            self.tail = new_text[len(prefix_text):]
-        elif len(new_text) > len(prefix_text):
-            self.text += new_text[len(prefix_text):]
-            self.prefix, self.read, self.tail = self.read, len(self.ids), ""
-            # keep the window short: the last few tokens carry the context a tokenizer needs
-            if self.prefix > 4 * _CONTEXT_TOKENS:
-                drop = self.prefix - _CONTEXT_TOKENS
-                self.ids, self.prefix, self.read = self.ids[drop:], self.prefix - drop, self.read - drop
-        self._find_stop(offset)
-        return offset
-
-    def _find_stop(self, since: int) -> None:
-        if not self.stops:
-            return
-        start = max(0, since - self.max_stop + 1)
-        hits = [i for i in (self.text.find(s, start) for s in self.stops) if i >= 0]
-        if hits:
-            self.text, self.tail, self.stopped = self.text[:min(hits)], "", True
-
-    def shown(self) -> str:
-        """The text that may be shown now: all of it once stopped; else without an end that may begin a stop
-        string."""
-        if self.stopped or not self.stops:
-            return self.text
-        t = self.text
-        for k in range(min(self.max_stop - 1, len(t)), 0, -1):
-            end = t[-k:]
-            if any(s.startswith(end) for s in self.stops):
-                return t[:-k]
-        return t
-
-    def finish(self) -> str:
-        """The final text: a held-back partial character is shown as decoded (``'\\ufffd'``), a stop string
-        looked for once more."""
-        if not self.stopped and self.tail:
-            since = len(self.text)
-            self.text += self.tail
-            self.tail = ""
-            self._find_stop(since)
-        return self.text
-
-
-def _prompt_text(tokenizer, ids: list[int]) -> tuple[str, list[int]]:
-    """A prompt's text and each token's offset in it, decoded incrementally (as generated text is)."""
-    it = IncrementalText(tokenizer)
-    offsets = [it.add(t) for t in ids]
-    return it.finish(), offsets
 
 
 # ------------------------------------------------------------------------------------------------ a request
@@ -671,7 +590,7 @@ def _echo_part(state, c: _Choice, echo_src) -> tuple[str, list[_Tok]]:
     if not c.params.prompt_logprobs:
         text = echo_src if isinstance(echo_src, str) else state.tokenizer.decode(c.prompt_ids)
         return text, []
-    text, offsets = _prompt_text(state.tokenizer, c.prompt_ids)
+    text, offsets = detokenize_prompt(state.tokenizer, c.prompt_ids)
     pe = c.prompt_event
     lps = pe.token_logprobs if pe is not None else [None] * len(c.prompt_ids)
     tops = pe.top_logprobs if pe is not None else [None] * len(c.prompt_ids)
