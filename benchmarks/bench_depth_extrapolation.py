@@ -51,8 +51,9 @@ def batches(data: torch.Tensor, n: int, batch: int, seq: int, seed: int) -> list
     return [torch.stack([data[s : s + seq] for s in row.tolist()]) for row in starts]
 
 
-def train_tiny(cfg, train_data, *, steps: int, batch: int, seq: int, optim: str = "muon_adamw", lr: float = 3e-3,
-               seed: int = 0) -> tuple[looplm.LoopedLM, float]:
+def train_tiny(
+    cfg, train_data, *, steps: int, batch: int, seq: int, optim: str = "muon_adamw", lr: float = 3e-3, seed: int = 0
+) -> tuple[looplm.LoopedLM, float]:
     """Train a fresh ``LoopedLM(cfg)`` for ``steps`` steps (WSD, clip 1.0); returns (model, seconds)."""
     torch.manual_seed(seed)
     model = looplm.LoopedLM(cfg)
@@ -105,10 +106,20 @@ def main() -> None:
     depths = list(range(1, 2 * K + 1))
     results = {}
     for name in args.variants.split(","):
-        cfg = looplm.load_model_config("tiny-llama", {"vocab_size": 256, "d_model": args.d_model, "n_core": args.n_core,
-                                                       "n_loops": K, "d_ff": 8 * args.d_model // 3 // 8 * 8,
-                                                       "rule": VARIANTS[name]})
-        model, secs = train_tiny(cfg, train_data, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed)
+        cfg = looplm.load_model_config(
+            "tiny-llama",
+            {
+                "vocab_size": 256,
+                "d_model": args.d_model,
+                "n_core": args.n_core,
+                "n_loops": K,
+                "d_ff": 8 * args.d_model // 3 // 8 * 8,
+                "rule": VARIANTS[name],
+            },
+        )
+        model, secs = train_tiny(
+            cfg, train_data, steps=args.steps, batch=args.batch, seq=args.seq, lr=args.lr, seed=args.seed
+        )
         grids = ["prefix", "rescaled"] if VARIANTS[name]["name"] == "timestep" else [None]
         curves = {}
         for g in grids:
@@ -116,10 +127,15 @@ def main() -> None:
             curves[g or "-"] = {r: val_loss(model, val, r, g) for r in rs}
         results[name] = {"params": model.num_params(), "train_s": secs, "curves": curves}
         first = next(iter(curves.values()))
-        print(f"{name:26s} params {model.num_params():>8,d}  train {secs:6.1f} s  val loss at K: {first[K]:.4f}", flush=True)
+        print(
+            f"{name:26s} params {model.num_params():>8,d}  train {secs:6.1f} s  val loss at K: {first[K]:.4f}",
+            flush=True,
+        )
 
     # table: loss at each r; degradation = loss(r) - loss(K) averaged over r != K
-    print(f"\nvalidation loss (nats/byte) at inference depth r; K = {K}, {args.steps} steps x {args.batch} x {args.seq} tokens")
+    print(
+        f"\nvalidation loss (nats/byte) at inference depth r; K = {K}, {args.steps} steps x {args.batch} x {args.seq} tokens"
+    )
     head = "| variant | grid | " + " | ".join(f"r={r}" for r in depths) + " | mean Δ r<K | mean Δ r>K |"
     print(head)
     print("| --- | --- | " + " | ".join("---:" for _ in depths) + " | ---: | ---: |")
@@ -132,7 +148,9 @@ def main() -> None:
             print(f"| {name} | {g} | " + " | ".join(cells) + f" | {fmt(below)} | {fmt(above)} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "depth_extrapolation.json").write_text(json.dumps({"args": vars(args), "cpu": cpu_info(torch.get_num_threads()), "results": results}, indent=2))
+    (out / "depth_extrapolation.json").write_text(
+        json.dumps({"args": vars(args), "cpu": cpu_info(torch.get_num_threads()), "results": results}, indent=2)
+    )
     try:
         import matplotlib
 

@@ -25,8 +25,16 @@ from _machine import cpu_info  # noqa: E402  (benchmarks/ is on sys.path when ru
 from looplm.kernels import gemv
 
 SHAPES = [  # (N, K): SmolLM2-135M's k/v, q/o, gate/up, down, tied head; a 2048-wide model; Qwen3's head
-    (192, 576), (576, 576), (1536, 576), (576, 1536), (49152, 576), (2048, 2048), (8192, 2048), (2048, 8192), (151936, 1024),
-]  # fmt: skip
+    (192, 576),
+    (576, 576),
+    (1536, 576),
+    (576, 1536),
+    (49152, 576),
+    (2048, 2048),
+    (8192, 2048),
+    (2048, 8192),
+    (151936, 1024),
+]
 POOL_BYTES = 1.2e9
 NAMES = {torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -58,8 +66,13 @@ def decode_step_table(dtypes) -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for dt in dtypes:
         g = torch.Generator().manual_seed(0)
-        mats = [[torch.randn(n, k, generator=g).to(dt) for n, k in [(d, d), (192, d), (192, d), (d, d), (ff, d), (ff, d), (d, ff)]]
-                for _ in range(layers)]  # fmt: skip
+        mats = [
+            [
+                torch.randn(n, k, generator=g).to(dt)
+                for n, k in [(d, d), (192, d), (192, d), (d, d), (ff, d), (ff, d), (d, ff)]
+            ]
+            for _ in range(layers)
+        ]
         head = torch.randn(V, d, generator=g).to(dt)
         nbytes = sum(w.numel() for ws in mats for w in ws) * dt.itemsize + head.numel() * dt.itemsize
         for rows in (1, 8):
@@ -109,8 +122,10 @@ def main() -> None:
                     print(f"| {NAMES[dt]} | [{n}, {k}] | {rows} | {a * 1e6:.0f} | {nbytes / a / 1e9:.1f} | – | – | – |")
                     continue
                 b = per_call(fn, ws, x)
-                print(f"| {NAMES[dt]} | [{n}, {k}] | {rows} | {a * 1e6:.0f} | {nbytes / a / 1e9:.1f} | {b * 1e6:.0f} "
-                      f"| {nbytes / b / 1e9:.1f} | {a / b:.2f}x |")  # fmt: skip
+                print(
+                    f"| {NAMES[dt]} | [{n}, {k}] | {rows} | {a * 1e6:.0f} | {nbytes / a / 1e9:.1f} | {b * 1e6:.0f} "
+                    f"| {nbytes / b / 1e9:.1f} | {a / b:.2f}x |"
+                )
             del ws
     decode_step_table(dtypes)
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-WORKER = r'''
+WORKER = r"""
 import json, os, statistics, sys, time
 spec = json.loads(sys.argv[1])
 if spec.get("hide_looplm"):
@@ -72,7 +72,7 @@ for _ in range(spec["reps"]):
     t1 = timed(1); tn = timed(spec["new"])
     per.append((tn - t1) / (spec["new"] - 1) * 1e3)
 print(json.dumps({"ms_per_token": statistics.median(per), "all": per}))
-'''
+"""
 
 
 def _run(spec: dict, env_src: str | None) -> float:
@@ -91,7 +91,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint")
     ap.add_argument("--export", default=None, help="export directory (default: export the checkpoint into a temp dir)")
-    ap.add_argument("--before", default=None, metavar="SRC:EXPORT", help="an older looplm src tree and an export it wrote")
+    ap.add_argument(
+        "--before", default=None, metavar="SRC:EXPORT", help="an older looplm src tree and an export it wrote"
+    )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--prompt", type=int, default=16)
     ap.add_argument("--new", type=int, default=33)
@@ -112,8 +114,16 @@ def main() -> int:
     contenders = [
         ({"name": "looplm generate", "kind": "looplm", "path": args.checkpoint}, src),
         ({"name": "hf generate -> installed looplm", "kind": "hf", "path": export}, src),
-        ({"name": "hf generate -> bundled, no looplm", "kind": "hf", "path": export, "hide_looplm": True,
-          "site": site.getsitepackages()}, None),
+        (
+            {
+                "name": "hf generate -> bundled, no looplm",
+                "kind": "hf",
+                "path": export,
+                "hide_looplm": True,
+                "site": site.getsitepackages(),
+            },
+            None,
+        ),
         ({"name": "hf loop over forward+cache", "kind": "hf-loop", "path": export}, src),
     ]
     if args.before:
@@ -125,8 +135,10 @@ def main() -> int:
             times[spec["name"]].append(_run({**common, **spec}, env_src))
             print(f"round {r + 1}: {spec['name']}: {times[spec['name']][-1]:.1f} ms/token", file=sys.stderr)
     base = statistics.median(times["looplm generate"])
-    print(f"CPU: {cpuinfo.model_name() or 'unknown'}; {args.dtype}; torch threads {args.threads}; prompt {args.prompt}, "
-          f"{args.new} new tokens, greedy; median of {args.rounds} rounds (each the median of {args.reps})")
+    print(
+        f"CPU: {cpuinfo.model_name() or 'unknown'}; {args.dtype}; torch threads {args.threads}; prompt {args.prompt}, "
+        f"{args.new} new tokens, greedy; median of {args.rounds} rounds (each the median of {args.reps})"
+    )
     print("| contender | ms/token | x looplm generate |")
     print("| --- | ---: | ---: |")
     for name, ts in times.items():

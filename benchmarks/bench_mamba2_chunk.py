@@ -123,7 +123,9 @@ def main() -> None:
         best = min(chunks, key=lambda c: res[c][0])
         print(f"{'':<6} {'':>9} fastest (median): chunk {best}", flush=True)
     if args.scan_shapes:
-        print(f"\nscan only: ssd_chunked forward+backward, fp32 (H={mixer.nheads}, P={mixer.headdim}, N={mixer.d_state})")
+        print(
+            f"\nscan only: ssd_chunked forward+backward, fp32 (H={mixer.nheads}, P={mixer.headdim}, N={mixer.d_state})"
+        )
         header = f"{'B x T':>9} {'chunk':>6} {'median ms':>10} {'min ms':>8} {'median / chunk ' + str(ref):>18}"
         print(header)
         print("-" * len(header))

@@ -32,8 +32,10 @@ def cpu_description() -> str:
     if cpuinfo.model_name() is None and not cpuinfo.flags():
         return platform.processor() or "unknown CPU"
     flags = cpuinfo.flags()
-    return (f"{cpuinfo.model_name() or 'unknown CPU'} (avx512_bf16: {'avx512_bf16' in flags}, amx: {'amx_bf16' in flags}, "
-            f"{os.cpu_count()} logical CPUs)")
+    return (
+        f"{cpuinfo.model_name() or 'unknown CPU'} (avx512_bf16: {'avx512_bf16' in flags}, amx: {'amx_bf16' in flags}, "
+        f"{os.cpu_count()} logical CPUs)"
+    )
 
 
 def main() -> None:
@@ -44,7 +46,9 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     ap.add_argument("--steps", type=int, default=None, help="override train.steps")
     ap.add_argument("--backbone", choices=["attention", "mamba2"], default="attention")
-    ap.add_argument("--answer-only", action="store_true", help="the paper's answer-only loss instead of the dense target")
+    ap.add_argument(
+        "--answer-only", action="store_true", help="the paper's answer-only loss instead of the dense target"
+    )
     ap.add_argument("--out", default="runs/bench_phop")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--reuse", action="store_true", help="use OUT/<model>/results.json where a finished run is there")
@@ -64,7 +68,10 @@ def main() -> None:
         if args.answer_only:
             ov.append("task.dense_target=false")
         if args.backbone == "mamba2":
-            ov += ["model=tiny-mamba2", "model_overrides={d_model: 64, mamba: {d_state: 16, headdim: 16, ngroups: 1, chunk_size: 16}}"]
+            ov += [
+                "model=tiny-mamba2",
+                "model_overrides={d_model: 64, mamba: {d_state: 16, headdim: 16, ngroups: 1, chunk_size: 16}}",
+            ]
         cfg = load_task_config(args.config, ov)
         run_dir = Path(args.out) / f"{args.backbone}-{n_layers}x{loops}"
         t0 = time.perf_counter()
@@ -74,21 +81,33 @@ def main() -> None:
         else:
             res = train_task(cfg, run_dir, quiet=True)
             wall = time.perf_counter() - t0
-        rows.append({"model": f"{n_layers}⊗{loops}", "role": role, "params": res["params"],
-                     "flops": res["forward_flops_per_token"], "acc": [r["accuracy"] for r in res["runs"]],
-                     "train_s": [r["train_time_s"] for r in res["runs"]], "wall_s": wall})
+        rows.append(
+            {
+                "model": f"{n_layers}⊗{loops}",
+                "role": role,
+                "params": res["params"],
+                "flops": res["forward_flops_per_token"],
+                "acc": [r["accuracy"] for r in res["runs"]],
+                "train_s": [r["train_time_s"] for r in res["runs"]],
+                "wall_s": wall,
+            }
+        )
         print(f"  {rows[-1]['model']:>5} {role:22s} acc {rows[-1]['acc']}  ({wall:.0f} s)", flush=True)
 
     base_t = statistics.median(rows[0]["train_s"])
     steps = args.steps or load_task_config(args.config).train.steps
-    print(f"\np-hop n=32 p=4, {'answer-only' if args.answer_only else 'dense'} target, {args.backbone}, d=64, {steps} steps, "
-          f"seeds {args.seeds}; accuracy on 2,000 eval samples (chance 25%)")
+    print(
+        f"\np-hop n=32 p=4, {'answer-only' if args.answer_only else 'dense'} target, {args.backbone}, d=64, {steps} steps, "
+        f"seeds {args.seeds}; accuracy on 2,000 eval samples (chance 25%)"
+    )
     print("| model | role | params | FLOPs/token | accuracy per seed | best | median train s | time vs base |")
     print("| --- | --- | ---: | ---: | --- | ---: | ---: | ---: |")
     for r in rows:
         t = statistics.median(r["train_s"])
         accs = ", ".join(f"{a:.2%}" for a in r["acc"])
-        print(f"| {r['model']} | {r['role']} | {r['params']:,} | {r['flops']:,} | {accs} | {max(r['acc']):.2%} | {t:.0f} | {t / base_t:.2f}x |")
+        print(
+            f"| {r['model']} | {r['role']} | {r['params']:,} | {r['flops']:,} | {accs} | {max(r['acc']):.2%} | {t:.0f} | {t / base_t:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

@@ -64,7 +64,9 @@ def main() -> int:
     ap.add_argument("--windows", type=int, default=48)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--out", default=None, help="work directory (default: a temporary one)")
-    ap.add_argument("--reuse-import", action="store_true", help="reuse OUT/smollm2 from an earlier run (import not timed)")
+    ap.add_argument(
+        "--reuse-import", action="store_true", help="reuse OUT/smollm2 from an earlier run (import not timed)"
+    )
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     if args.threads:
@@ -105,7 +107,9 @@ def main() -> int:
 
     hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     t0 = time.perf_counter()
-    rows["SmolLM2-135M (transformers, 30 layers)"] = heldout_ppl(lambda x: hf(x, labels=x).loss, held, args.window, n_win)
+    rows["SmolLM2-135M (transformers, 30 layers)"] = heldout_ppl(
+        lambda x: hf(x, labels=x).loss, held, args.window, n_win
+    )
     times["PPL, transformers original"] = time.perf_counter() - t0
     hf = None  # free it before training
     t0 = time.perf_counter()
@@ -117,14 +121,34 @@ def main() -> int:
     schedule = [[0, 1], [args.steps // 4, max(1, K // 2)], [args.steps // 2, K]]
     train_cfg = {
         "model": str(ckpt / "model.yaml"),
-        "model_overrides": {"n_prelude": p, "n_core": s, "n_loops": K, "n_coda": c, "max_seq_len": max(args.seq_len, 256)},
-        "data": {"source": "files", "paths": [str(work / "train.txt")], "split_mode": "blank_lines",
-                 "tokenizer": str(ckpt / "tokenizer"), "seq_len": args.seq_len, "shuffle_buffer": 200, "val_every_nth": 0},
+        "model_overrides": {
+            "n_prelude": p,
+            "n_core": s,
+            "n_loops": K,
+            "n_coda": c,
+            "max_seq_len": max(args.seq_len, 256),
+        },
+        "data": {
+            "source": "files",
+            "paths": [str(work / "train.txt")],
+            "split_mode": "blank_lines",
+            "tokenizer": str(ckpt / "tokenizer"),
+            "seq_len": args.seq_len,
+            "shuffle_buffer": 200,
+            "val_every_nth": 0,
+        },
         "optim": {"name": "adamw", "lr": args.lr, "weight_decay": 0.0},
         "schedule": {"name": "constant", "warmup_steps": 2},
-        "train": {"global_batch_size": args.batch, "micro_batch_size": args.batch, "max_steps": args.steps,
-                  "precision": "fp32", "init_from": str(ckpt), "init_map": init_map, "loop_schedule": schedule,
-                  "cpu_threads": args.threads},
+        "train": {
+            "global_batch_size": args.batch,
+            "micro_batch_size": args.batch,
+            "max_steps": args.steps,
+            "precision": "fp32",
+            "init_from": str(ckpt),
+            "init_map": init_map,
+            "loop_schedule": schedule,
+            "cpu_threads": args.threads,
+        },
         "eval": {"every": 0, "at_end": False},
         "checkpoint": {"every": 0, "at_end": True, "keep_last": 1},
         "logging": {"progress_bar": False, "tensorboard": False, "log_every": 10},
@@ -141,10 +165,14 @@ def main() -> int:
 
     t0 = time.perf_counter()
     Trainer(tcfg, work / "run", quiet=True).fit()
-    times[f"looplm train ({args.steps} steps x {args.batch} x {args.seq_len} tokens, loop schedule {schedule})"] = time.perf_counter() - t0
+    times[f"looplm train ({args.steps} steps x {args.batch} x {args.seq_len} tokens, loop schedule {schedule})"] = (
+        time.perf_counter() - t0
+    )
     trained, _ = load_model_for_inference(work / "run")
     rows[f"{label}, after {args.steps} steps, r = {K}"] = heldout_ppl(looplm_loss(trained), held, args.window, n_win)
-    rows[f"{label}, after {args.steps} steps, r = {2 * K}"] = heldout_ppl(looplm_loss(trained, num_loops=2 * K), held, args.window, n_win)
+    rows[f"{label}, after {args.steps} steps, r = {2 * K}"] = heldout_ppl(
+        looplm_loss(trained, num_loops=2 * K), held, args.window, n_win
+    )
 
     print(f"\nheld-out token PPL, last 10% of {Path(args.data).name}, {n_win} windows x {args.window} tokens")
     print("| model | PPL |\n| --- | ---: |")
@@ -154,8 +182,19 @@ def main() -> int:
     for k, v in times.items():
         print(f"| {k} | {v:.1f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps({"cpu": cpu_info(), "ppl": rows, "times_s": times, "init_map": init_map,
-                                               "loop_schedule": schedule, "args": vars(args)}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "cpu": cpu_info(),
+                    "ppl": rows,
+                    "times_s": times,
+                    "init_map": init_map,
+                    "loop_schedule": schedule,
+                    "args": vars(args),
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -28,8 +28,9 @@ def main(argv=None) -> int:
     hf_dir, run = smollm2_dirs(a.work, a.gguf)
     from looplm.cli import main as looplm_main
 
-    return looplm_main(["bench", "serve", "--model", str(run), "--hf-dir", str(hf_dir), "--contenders", "full,transformers",
-                        *rest])  # fmt: skip
+    return looplm_main(
+        ["bench", "serve", "--model", str(run), "--hf-dir", str(hf_dir), "--contenders", "full,transformers", *rest]
+    )
 
 
 if __name__ == "__main__":

@@ -35,8 +35,19 @@ def _env(src: str) -> dict:
 
 
 def _cmd(ckpt: str, extra: list[str]) -> list[str]:
-    return [sys.executable, *extra, "-m", "looplm.cli", "generate", "--checkpoint", ckpt, "--prompt", "Hello",
-            "--max-new-tokens", "1"]
+    return [
+        sys.executable,
+        *extra,
+        "-m",
+        "looplm.cli",
+        "generate",
+        "--checkpoint",
+        ckpt,
+        "--prompt",
+        "Hello",
+        "--max-new-tokens",
+        "1",
+    ]
 
 
 def wall(ckpt: str, src: str) -> tuple[float, float]:
@@ -58,7 +69,15 @@ def import_profile(ckpt: str, src: str, top: int = 6) -> tuple[float, list[tuple
         if m:
             rows.append((len(m.group(3)), m.group(4), int(m.group(2)) / 1e6))
     total = sum(c for depth, _, c in rows if depth == 1)  # top-level imports (one space of indent)
-    interesting = ("torch._dynamo", "transformers", "looplm.kernels", "looplm.train", "safetensors", "tokenizers", "torch")
+    interesting = (
+        "torch._dynamo",
+        "transformers",
+        "looplm.kernels",
+        "looplm.train",
+        "safetensors",
+        "tokenizers",
+        "torch",
+    )
     shown = {}
     for _, name, c in rows:
         if name in interesting:
@@ -69,21 +88,32 @@ def import_profile(ckpt: str, src: str, top: int = 6) -> tuple[float, list[tuple
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("checkpoint")
-    ap.add_argument("--src", action="append", default=None, metavar="NAME=PATH",
-                    help="a source tree to time (repeatable; default: this checkout's src)")
+    ap.add_argument(
+        "--src",
+        action="append",
+        default=None,
+        metavar="NAME=PATH",
+        help="a source tree to time (repeatable; default: this checkout's src)",
+    )
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=None,
-                    help="OMP_NUM_THREADS for the runs (on a shared 2-core machine, 2 threads make one small product "
-                         "~75x slower than 1 while other processes hold a core; 1 isolates the start-up work)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="OMP_NUM_THREADS for the runs (on a shared 2-core machine, 2 threads make one small product "
+        "~75x slower than 1 while other processes hold a core; 1 isolates the start-up work)",
+    )
     args = ap.parse_args()
     if args.threads:
         THREADS.append(str(args.threads))
-    srcs = dict(s.split("=", 1) for s in (args.src or [f"this=src"]))
+    srcs = dict(s.split("=", 1) for s in (args.src or ["this=src"]))
     srcs = {k: str(Path(v).resolve()) for k, v in srcs.items()}
     from looplm.utils import cpuinfo
 
-    print(f"CPU: {cpuinfo.model_name() or 'unknown'}; checkpoint {args.checkpoint}; median of {args.repeats}; "
-          f"OMP_NUM_THREADS={args.threads or 'unset'}")
+    print(
+        f"CPU: {cpuinfo.model_name() or 'unknown'}; checkpoint {args.checkpoint}; median of {args.repeats}; "
+        f"OMP_NUM_THREADS={args.threads or 'unset'}"
+    )
     for s in srcs.values():  # warm the page cache and any build
         wall(args.checkpoint, s)
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in srcs}
@@ -100,7 +130,9 @@ def main() -> int:
         tops = ", ".join(f"{n} {c:.2f}" for n, c in top)
         w = [a for a, _ in times[k]]
         c = [b for _, b in times[k]]
-        print(f"| {k} | {statistics.median(w):.2f} | {min(w):.2f} | {statistics.median(c):.2f} | {total:.2f} | {tops} |")
+        print(
+            f"| {k} | {statistics.median(w):.2f} | {min(w):.2f} | {statistics.median(c):.2f} | {total:.2f} | {tops} |"
+        )
     return 0
 
 

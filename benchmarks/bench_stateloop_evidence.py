@@ -44,21 +44,43 @@ RULES = {
 
 def run(model: str, K: int, args, out: Path) -> dict:
     d = args.d_model
-    cfg = load_train_config({
-        "model": "tiny-stateloop",
-        "model_overrides": {"d_model": d, "n_core": args.layers, "n_loops": K, "d_ff": swiglu_hidden(d),
-                            "attention": {"n_heads": max(1, d // 32), "n_kv_heads": max(1, d // 32)},
-                            "rule": RULES[model], "max_seq_len": args.seq_len},
-        "data": {"source": "files", "paths": [str(args.data)], "split_mode": "blank_lines", "seq_len": args.seq_len,
-                 "shuffle_buffer": 1000, "val_every_nth": 10, "tokenizer": "byte", "seed": args.seed},
-        "optim": {"name": "adamw", "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.1},
-        "schedule": {"name": "cosine", "warmup_fraction": 0.05, "min_ratio": 0.1},
-        "train": {"global_batch_size": args.batch, "micro_batch_size": args.batch, "max_steps": args.steps,
-                  "precision": "fp32", "seed": args.seed, "cpu_threads": args.threads},
-        "eval": {"every": 0, "batches": args.val_batches, "at_end": True},
-        "checkpoint": {"every": 0, "at_end": False},
-        "logging": {"progress_bar": False, "tensorboard": False, "log_every": 10**9},
-    })  # fmt: skip
+    cfg = load_train_config(
+        {
+            "model": "tiny-stateloop",
+            "model_overrides": {
+                "d_model": d,
+                "n_core": args.layers,
+                "n_loops": K,
+                "d_ff": swiglu_hidden(d),
+                "attention": {"n_heads": max(1, d // 32), "n_kv_heads": max(1, d // 32)},
+                "rule": RULES[model],
+                "max_seq_len": args.seq_len,
+            },
+            "data": {
+                "source": "files",
+                "paths": [str(args.data)],
+                "split_mode": "blank_lines",
+                "seq_len": args.seq_len,
+                "shuffle_buffer": 1000,
+                "val_every_nth": 10,
+                "tokenizer": "byte",
+                "seed": args.seed,
+            },
+            "optim": {"name": "adamw", "lr": args.lr, "betas": [0.9, 0.95], "weight_decay": 0.1},
+            "schedule": {"name": "cosine", "warmup_fraction": 0.05, "min_ratio": 0.1},
+            "train": {
+                "global_batch_size": args.batch,
+                "micro_batch_size": args.batch,
+                "max_steps": args.steps,
+                "precision": "fp32",
+                "seed": args.seed,
+                "cpu_threads": args.threads,
+            },
+            "eval": {"every": 0, "batches": args.val_batches, "at_end": True},
+            "checkpoint": {"every": 0, "at_end": False},
+            "logging": {"progress_bar": False, "tensorboard": False, "log_every": 10**9},
+        }
+    )
     tr = Trainer(cfg, out / f"{model}-k{K}", quiet=True)
     t0 = time.perf_counter()
     summary = tr.fit()
@@ -91,18 +113,27 @@ def main() -> None:
     args = ap.parse_args()
     if not args.data.exists():
         sys.exit(f"{args.data}: not found (pass --data)")
-    print(f"StateLoop evidence: {args.data.name}, d={args.d_model} x {args.layers} layers, {args.steps} steps x "
-          f"{args.batch} x {args.seq_len} tokens, AdamW lr {args.lr}, seed {args.seed}, {args.threads} thread(s); "
-          f"{cpu_description()} (shared machine: wall times are noisy)")
+    print(
+        f"StateLoop evidence: {args.data.name}, d={args.d_model} x {args.layers} layers, {args.steps} steps x "
+        f"{args.batch} x {args.seq_len} tokens, AdamW lr {args.lr}, seed {args.seed}, {args.threads} thread(s); "
+        f"{cpu_description()} (shared machine: wall times are noisy)"
+    )
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for K in args.ks:
             for m in args.models:
                 r = run(m, K, args, Path(tmp))
                 rows.append(r)
-                extra = f"  |softplus(b_Δ) − 0.3| {r['delta_bias_moved']:.4f}  ‖W_Δ‖ {r['W_delta_norm']:.3f}" if "delta_bias_moved" in r else ""
-                print(f"K={K} {m:10s} params {r['params']:9,d}  val loss {r['val_loss']:.4f} (ppl {math.exp(r['val_loss']):.3f})  "
-                      f"wall {r['wall_s']:6.1f} s{extra}", flush=True)
+                extra = (
+                    f"  |softplus(b_Δ) − 0.3| {r['delta_bias_moved']:.4f}  ‖W_Δ‖ {r['W_delta_norm']:.3f}"
+                    if "delta_bias_moved" in r
+                    else ""
+                )
+                print(
+                    f"K={K} {m:10s} params {r['params']:9,d}  val loss {r['val_loss']:.4f} (ppl {math.exp(r['val_loss']):.3f})  "
+                    f"wall {r['wall_s']:6.1f} s{extra}",
+                    flush=True,
+                )
     print("\nK  " + "  ".join(f"{m:>10s}" for m in args.models) + "   stateloop - vanilla")
     for K in args.ks:
         by = {r["model"]: r["val_loss"] for r in rows if r["K"] == K}

@@ -113,10 +113,16 @@ def run_hf(args, layout: str, precision: str) -> dict:
 
     core, loops = LAYOUTS[layout]
     cfg = transformers.LlamaConfig(
-        vocab_size=SHAPE["vocab"], hidden_size=SHAPE["d"], intermediate_size=SHAPE["ff"],
-        num_hidden_layers=core * loops, num_attention_heads=SHAPE["heads"], num_key_value_heads=SHAPE["kv"],
-        max_position_embeddings=args.seq, rope_theta=100000.0, tie_word_embeddings=True,
-    )  # fmt: skip
+        vocab_size=SHAPE["vocab"],
+        hidden_size=SHAPE["d"],
+        intermediate_size=SHAPE["ff"],
+        num_hidden_layers=core * loops,
+        num_attention_heads=SHAPE["heads"],
+        num_key_value_heads=SHAPE["kv"],
+        max_position_embeddings=args.seq,
+        rope_theta=100000.0,
+        tie_word_embeddings=True,
+    )
     cfg._attn_implementation = "sdpa"
     model = transformers.LlamaForCausalLM(cfg).to(args.device).train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
@@ -190,18 +196,25 @@ def run_looplm_train(args, layout: str, precision: str) -> dict:
                     "model": str(model_yaml),
                     "data": {**data, "seq_len": args.seq},
                     "optim": {"name": "adamw"},
-                    "train": {"global_batch_size": args.batch, "micro_batch_size": args.batch,
-                              "max_steps": max(1000, COMPILE_AUTO_MIN_STEPS), "precision": args.precision},
+                    "train": {
+                        "global_batch_size": args.batch,
+                        "micro_batch_size": args.batch,
+                        "max_steps": max(1000, COMPILE_AUTO_MIN_STEPS),
+                        "precision": args.precision,
+                    },
                     "eval": {"every": 0, "at_end": False},
                     "checkpoint": {"every": 0, "at_end": False},
                     "logging": {"progress_bar": False, "tensorboard": False},
-                }  # fmt: skip
+                }
             )
         )
         out = tmp / "run"
         log = open(tmp / "log.txt", "w")
-        proc = subprocess.Popen([sys.executable, "-m", "looplm.cli", "train", str(train_yaml), "--out", str(out)],
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "looplm.cli", "train", str(train_yaml), "--out", str(out)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         rows: list[dict] = []
         while proc.poll() is None and len(rows) < want:
             time.sleep(1.0)
@@ -280,9 +293,11 @@ def main() -> None:
     print(f"# CPU: {cpu_name()}  ({os.cpu_count()} cores, native bf16: {native_bf16()}, torch {torch.__version__})")
     if args.device == "cuda":
         print(f"# GPU: {torch.cuda.get_device_name()} (peak memory column: torch.cuda.max_memory_allocated)")
-    print(f"# batch {args.batch} x {args.seq}, {args.steps} timed steps after {args.warmup} warm-up; {args.rounds} "
-          "round(s), contenders alternating within each; a ratio is the median over rounds of the ratio to hf "
-          "in the same round")  # fmt: skip
+    print(
+        f"# batch {args.batch} x {args.seq}, {args.steps} timed steps after {args.warmup} warm-up; {args.rounds} "
+        "round(s), contenders alternating within each; a ratio is the median over rounds of the ratio to hf "
+        "in the same round"
+    )
     names = args.only.split(",")
     if args.device == "cuda" and "hf-malloc" in names:
         names.remove("hf-malloc")  # the CPU allocator does not matter to a CUDA step
@@ -309,13 +324,17 @@ def main() -> None:
         ceiling = statistics.median(ceilings)
         print(f"\n# {layout}: {precision} matmul ceiling {ceiling / 1e12:.2f} TFLOP/s (median of the rounds)")
         vs_malloc = "hf-malloc" in names
-        print(f"| shape | contender | tokens/s | vs hf |{' vs hf-malloc |' if vs_malloc else ''} share of ceiling | peak memory MB | first step s |")
+        print(
+            f"| shape | contender | tokens/s | vs hf |{' vs hf-malloc |' if vs_malloc else ''} share of ceiling | peak memory MB | first step s |"
+        )
         print(f"| --- | --- | ---: | ---: |{' ---: |' if vs_malloc else ''} ---: | ---: | ---: |")
         shape = f"{layout} ({LAYOUTS[layout][0]}x{LAYOUTS[layout][1]})"
         for name in names:
             good = [r for r in runs[name] if "error" not in r]
             if not good:
-                print(f"| {shape} | {name} | failed: {runs[name][0]['error'][-300:]!r} | | | | |{' |' if vs_malloc else ''}")
+                print(
+                    f"| {shape} | {name} | failed: {runs[name][0]['error'][-300:]!r} | | | | |{' |' if vs_malloc else ''}"
+                )
                 continue
             tps = statistics.median(r["tps"] for r in good)
             ratio = ratio_to(runs, name, "hf") + (f" | {ratio_to(runs, name, 'hf-malloc')}" if vs_malloc else "")
@@ -323,7 +342,9 @@ def main() -> None:
             first_s = f"{statistics.median(first):.1f}" if first else ""
             peak = max(r["peak_rss_mb"] for r in good)
             label = f"{name} (compiled: {'yes' if good[0]['compiled'] else 'no'})" if "compiled" in good[0] else name
-            print(f"| {shape} | {label} | {tps:,.0f} | {ratio} | {tps * flops_tok / ceiling:.0%} | {peak:,.0f} | {first_s} |")
+            print(
+                f"| {shape} | {label} | {tps:,.0f} | {ratio} | {tps * flops_tok / ceiling:.0%} | {peak:,.0f} | {first_s} |"
+            )
 
 
 if __name__ == "__main__":

@@ -63,7 +63,9 @@ def main() -> None:
     from looplm.layers.attention import CPUAttention
 
     cpu_malloc.keep_freed_memory()  # as looplm train does: no page faults in the timings
-    print(f"# CPU: {cpu_name()} (native bf16: {native_bf16()}, torch {torch.__version__}, {torch.get_num_threads()} threads)")
+    print(
+        f"# CPU: {cpu_name()} (native bf16: {native_bf16()}, torch {torch.__version__}, {torch.get_num_threads()} threads)"
+    )
     if not gemv.available():
         raise SystemExit(f"# the training kernels need looplm's AVX-512 build: {gemv.unavailable_reason()}")
     print("| what | PyTorch path, ms | looplm, ms | speed-up | TFLOP/s |")
@@ -98,20 +100,41 @@ def main() -> None:
             torch.ops.looplm_cpu.cross_entropy_rows_(z.clone(), y, scale, True)
 
         t = timed({"loop": loop, "op": op}, max(3, args.rounds // 4))
-        row(f"cross-entropy + gradient, 1024 × 49,152 {str(dt)[6:]} logits", "loss.py loop", t["loop"], "cross_entropy_rows_", t["op"])
+        row(
+            f"cross-entropy + gradient, 1024 × 49,152 {str(dt)[6:]} logits",
+            "loss.py loop",
+            t["loop"],
+            "cross_entropy_rows_",
+            t["op"],
+        )
 
     M = 1024
-    for name, K, N in [("q/o_proj", 576, 576), ("k/v_proj", 576, 192), ("gate/up_proj", 576, 1536), ("down_proj", 1536, 576)]:
+    for name, K, N in [
+        ("q/o_proj", 576, 576),
+        ("k/v_proj", 576, 192),
+        ("gate/up_proj", 576, 1536),
+        ("down_proj", 1536, 576),
+    ]:
         x = torch.randn(M, K, generator=g).bfloat16()
         w = torch.randn(N, K, generator=g).bfloat16()
         gy = torch.randn(M, N, generator=g).bfloat16()
         f = 2 * M * K * N
-        for label, a, b in ((f"{name} forward x Wᵀ [{M}, {K}] · [{K}, {N}]", x, w.t()), (f"{name} input grad dy W [{M}, {N}] · [{N}, {K}]", gy, w)):
+        for label, a, b in (
+            (f"{name} forward x Wᵀ [{M}, {K}] · [{K}, {N}]", x, w.t()),
+            (f"{name} input grad dy W [{M}, {N}] · [{N}, {K}]", gy, w),
+        ):
             cpu_gemm.plan(a, b)  # measure the split first (kept on disk)
             t = timed({"torch": lambda a=a, b=b: a @ b, "tuned": lambda a=a, b=b: cpu_gemm.mm(a, b)}, args.rounds)
             row(f"{label} ({cpu_gemm.plan(a, b)})", "matmul", t["torch"], "cpu_gemm.mm", t["tuned"], f)
         t = timed({"torch": lambda: (gy.t() @ x).float(), "mkl": lambda: cpu_gemm.mm_f32(gy.t(), x)}, args.rounds)
-        row(f"{name} weight grad dyᵀ x → fp32 [{N}, {M}] · [{M}, {K}]", "matmul + cast", t["torch"], "mm_f32", t["mkl"], f)
+        row(
+            f"{name} weight grad dyᵀ x → fp32 [{N}, {M}] · [{M}, {K}]",
+            "matmul + cast",
+            t["torch"],
+            "mm_f32",
+            t["mkl"],
+            f,
+        )
 
     for name, outs in [("q/k/v", (576, 192, 192)), ("gate/up", (1536, 1536))]:
         layers = [torch.nn.Linear(576, o, bias=False) for o in outs]
@@ -132,15 +155,35 @@ def main() -> None:
     from looplm.train.grad_norm import clip_factor
     from looplm.train.optim import MultiOptimizer
 
-    cfg = {"name": "smollm2-135m-shape", "vocab_size": V, "d_model": 576, "n_core": 30, "n_loops": 1, "d_ff": 1536,
-           "attention": {"n_heads": 9, "n_kv_heads": 3}, "tie_embeddings": True, "max_seq_len": 256}  # fmt: skip
+    cfg = {
+        "name": "smollm2-135m-shape",
+        "vocab_size": V,
+        "d_model": 576,
+        "n_core": 30,
+        "n_loops": 1,
+        "d_ff": 1536,
+        "attention": {"n_heads": 9, "n_kv_heads": 3},
+        "tie_embeddings": True,
+        "max_seq_len": 256,
+    }
     params = list(looplm.build(cfg).parameters())
     for p in params:
         p.grad = torch.randn(p.shape, generator=g) * 1e-3
     grads = [p.grad for p in params]
-    t = timed({"torch": lambda: torch.nn.utils.get_total_norm(grads, 2.0), "op": lambda: torch.ops.looplm_cpu.sum_squares(grads).sqrt()},
-              max(3, args.rounds // 2))  # fmt: skip
-    row(f"gradient norm over {sum(x.numel() for x in grads) * 4 / 1e6:.0f} MB of fp32 gradients", "get_total_norm", t["torch"], "sum_squares", t["op"])
+    t = timed(
+        {
+            "torch": lambda: torch.nn.utils.get_total_norm(grads, 2.0),
+            "op": lambda: torch.ops.looplm_cpu.sum_squares(grads).sqrt(),
+        },
+        max(3, args.rounds // 2),
+    )
+    row(
+        f"gradient norm over {sum(x.numel() for x in grads) * 4 / 1e6:.0f} MB of fp32 gradients",
+        "get_total_norm",
+        t["torch"],
+        "sum_squares",
+        t["op"],
+    )
     opt = MultiOptimizer({"adamw": torch.optim.AdamW(params, lr=1e-9, fused=True)})
     total = torch.nn.utils.get_total_norm(grads, 2.0)
 
@@ -148,9 +191,17 @@ def main() -> None:
         torch.nn.utils.clip_grads_with_norm_(params, 1e-3, total)
         opt.step()
 
-    t = timed({"torch": clip_then_step, "folded": lambda: opt.step(grad_factor=clip_factor(float(total), total, 1e-3))},
-              max(3, args.rounds // 2))  # fmt: skip
-    row("clip + fused AdamW step, all parameters", "clip_grads_with_norm_ + step", t["torch"], "step(grad_factor)", t["folded"])
+    t = timed(
+        {"torch": clip_then_step, "folded": lambda: opt.step(grad_factor=clip_factor(float(total), total, 1e-3))},
+        max(3, args.rounds // 2),
+    )
+    row(
+        "clip + fused AdamW step, all parameters",
+        "clip_grads_with_norm_ + step",
+        t["torch"],
+        "step(grad_factor)",
+        t["folded"],
+    )
 
 
 if __name__ == "__main__":

@@ -44,8 +44,12 @@ def child(args) -> None:
     torch.manual_seed(0)
     dev = torch.device(args.device)
     model = looplm.build(
-        "tiny-llama", n_loops=args.loops, d_model=args.d_model, d_ff=args.d_model * 11 // 4,
-        max_seq_len=args.seq_len, overrides={"attention.n_heads": 4, "attention.n_kv_heads": 2},
+        "tiny-llama",
+        n_loops=args.loops,
+        d_model=args.d_model,
+        d_ff=args.d_model * 11 // 4,
+        max_seq_len=args.seq_len,
+        overrides={"attention.n_heads": 4, "attention.n_kv_heads": 2},
     ).to(dev)
     if args.checkpointing:
         apply_activation_checkpointing(model)
@@ -66,8 +70,11 @@ def child(args) -> None:
         peak = torch.cuda.max_memory_allocated()
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    print(json.dumps({"step_bytes": peak - before, "before_bytes": before, "peak_bytes": peak,
-                      "params": model.num_params()}))
+    print(
+        json.dumps(
+            {"step_bytes": peak - before, "before_bytes": before, "peak_bytes": peak, "params": model.num_params()}
+        )
+    )
 
 
 def main() -> None:
@@ -94,16 +101,31 @@ def main() -> None:
     results = {}
     for ckpt in (False, True):
         for k in args.loops:
-            cmd = [sys.executable, __file__, "--child", "--loops", str(k), "--batch", str(args.batch),
-                   "--seq-len", str(args.seq_len), "--d-model", str(args.d_model), "--device", args.device]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--child",
+                "--loops",
+                str(k),
+                "--batch",
+                str(args.batch),
+                "--seq-len",
+                str(args.seq_len),
+                "--d-model",
+                str(args.d_model),
+                "--device",
+                args.device,
+            ]
             if ckpt:
                 cmd.append("--checkpointing")
             out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
             results[(ckpt, k)] = json.loads(out.stdout.strip().splitlines()[-1])
     MiB = 2**20
     params = results[(False, args.loops[0])]["params"]
-    print(f"tiny-llama-style looped model, d_model={args.d_model}, {params:,} params; batch {args.batch} x {args.seq_len} "
-          f"tokens, fp32, {args.device}; memory of one forward+backward (peak minus memory before the step)")
+    print(
+        f"tiny-llama-style looped model, d_model={args.d_model}, {params:,} params; batch {args.batch} x {args.seq_len} "
+        f"tokens, fp32, {args.device}; memory of one forward+backward (peak minus memory before the step)"
+    )
     print()
     print("| K | no checkpointing (MiB) | ratio to K=1 | per-loop checkpointing (MiB) | ratio to K=1 |")
     print("|---|---|---|---|---|")
@@ -114,7 +136,9 @@ def main() -> None:
     k_max = args.loops[-1]
     ratio = results[(True, k_max)]["step_bytes"] / base[True]
     verdict = "meets" if ratio <= 1.5 else "misses"
-    print(f"\nwith checkpointing K={k_max} uses {ratio:.2f}x the memory of K={args.loops[0]} ({verdict} the <= 1.5x target)")
+    print(
+        f"\nwith checkpointing K={k_max} uses {ratio:.2f}x the memory of K={args.loops[0]} ({verdict} the <= 1.5x target)"
+    )
 
 
 if __name__ == "__main__":

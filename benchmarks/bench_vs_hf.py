@@ -85,13 +85,19 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3, help="alternating rounds (ours, hf) per precision")
     ap.add_argument("--compile", action="store_true", help="also time both models under torch.compile")
-    ap.add_argument("--precision", choices=["fp32", "bf16", "both"], default="both",
-                    help="bf16 autocast is very slow on CPUs without native bf16 (AVX2-only): fp32 is then the useful one")
+    ap.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "both"],
+        default="both",
+        help="bf16 autocast is very slow on CPUs without native bf16 (AVX2-only): fp32 is then the useful one",
+    )
     args = ap.parse_args()
 
     import transformers
 
-    print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} threads={torch.get_num_threads()}")
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} threads={torch.get_num_threads()}"
+    )
     from looplm.train.trainer import cpu_has_fast_bf16
 
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, native CPU bf16: {cpu_has_fast_bf16()}")

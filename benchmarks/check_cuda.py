@@ -74,7 +74,9 @@ def section_parity(rep: Report) -> None:
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    rep("| preset (tiny variant) | logits rel | loss rel | worst grad (rel. to the largest) | cached == full | bf16 loss rel | verdict |")
+    rep(
+        "| preset (tiny variant) | logits rel | loss rel | worst grad (rel. to the largest) | cached == full | bf16 loss rel | verdict |"
+    )
     rep("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     bad = 0
     for name in looplm.list_presets():
@@ -121,10 +123,22 @@ def _wide_lm(d: int):
     import looplm
 
     torch.manual_seed(0)
-    return looplm.build("tiny-llama", overrides={"d_model": d, "n_core": 2, "n_loops": 4, "d_ff": 3 * d, "vocab_size": 32000,
-                                                 "max_seq_len": 1024, "attention.n_heads": d // 64,
-                                                 "attention.n_kv_heads": d // 64, "attention.head_dim": 64},
-                        dtype=torch.bfloat16, device=DEV).eval()  # fmt: skip
+    return looplm.build(
+        "tiny-llama",
+        overrides={
+            "d_model": d,
+            "n_core": 2,
+            "n_loops": 4,
+            "d_ff": 3 * d,
+            "vocab_size": 32000,
+            "max_seq_len": 1024,
+            "attention.n_heads": d // 64,
+            "attention.n_kv_heads": d // 64,
+            "attention.head_dim": 64,
+        },
+        dtype=torch.bfloat16,
+        device=DEV,
+    ).eval()
 
 
 def _alternate(runs: dict, rounds: int = 3) -> tuple[dict, dict]:
@@ -132,7 +146,7 @@ def _alternate(runs: dict, rounds: int = 3) -> tuple[dict, dict]:
     round: ``({name: [seconds per round]}, {name: its last result})``."""
     times, last = {k: [] for k in runs}, {}
     for it in range(rounds + 1):  # 0 warms up
-        for k in (list(runs) if it % 2 else list(runs)[::-1]):
+        for k in list(runs) if it % 2 else list(runs)[::-1]:
             sync(DEV)
             t0 = time.perf_counter()
             last[k] = runs[k]()
@@ -173,15 +187,19 @@ def section_adaptive(rep: Report) -> None:
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, 250, (4, 6), generator=g)
         depths = torch.randint(1, K + 1, (4, 12), generator=g)
-        for label, spec in (("replay copy", {"criterion": "replay", "depths": depths, "kv": "copy"}),
-                            ("replay propagate", {"criterion": "replay", "depths": depths, "kv": "propagate"}),
-                            ("kl 0.5 copy", {"criterion": "kl", "threshold": 0.5, "kv": "copy"})):  # fmt: skip
+        for label, spec in (
+            ("replay copy", {"criterion": "replay", "depths": depths, "kv": "copy"}),
+            ("replay propagate", {"criterion": "replay", "depths": depths, "kv": "propagate"}),
+            ("kl 0.5 copy", {"criterion": "kl", "threshold": 0.5, "kv": "copy"}),
+        ):
             with dispatch.reference_only():
                 ref = cpu.generate(ids, 12, exit=spec)
             agree = []
             for s in ("token", "depth", "static"):
                 try:
-                    agree.append(f"{float((dev.generate(ids.to(DEV), 12, exit={**spec, 'schedule': s}).cpu() == ref).float().mean()):.3f}")
+                    agree.append(
+                        f"{float((dev.generate(ids.to(DEV), 12, exit={**spec, 'schedule': s}).cpu() == ref).float().mean()):.3f}"
+                    )
                 except ValueError as e:  # e.g. kl with coda layers under the static schedule
                     agree.append("refused: " + str(e).split(";")[0][6:60])
             rep(f"| {name} | {label} | " + " | ".join(agree) + " |")
@@ -210,8 +228,10 @@ def section_adaptive(rep: Report) -> None:
         st.run(ids, 16, None, greedy, None, 0)
     except RuntimeError as e:
         err = str(e).splitlines()[0][:200]
-    rep(f"- static: {st.stats.core_calls} passes, host reads seen by the dispatch mode: {len(reads)}; "
-        f"set_sync_debug_mode('error'): {'raised: ' + err if err else 'no synchronisation' if DEV == 'cuda' else '(CUDA only)'}")
+    rep(
+        f"- static: {st.stats.core_calls} passes, host reads seen by the dispatch mode: {len(reads)}; "
+        f"set_sync_debug_mode('error'): {'raised: ' + err if err else 'no synchronisation' if DEV == 'cuda' else '(CUDA only)'}"
+    )
     dyn = DepthBatchedDecoder(m, 4, 22, {**spec, "schedule": "depth"})
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -224,15 +244,24 @@ def section_adaptive(rep: Report) -> None:
             if DEV == "cuda":
                 torch.cuda.set_sync_debug_mode("default")
     syncs = sum("synchroniz" in str(x.message) for x in w)
-    rep(f"- depth: {dyn.stats.core_calls} passes, host reads {len(r.reads)} (prompt included), CUDA synchronisation "
-        f"warnings {syncs}: {len(r.reads) / max(dyn.stats.core_calls, 1):.1f} reads per pass")
+    rep(
+        f"- depth: {dyn.stats.core_calls} passes, host reads {len(r.reads)} (prompt included), CUDA synchronisation "
+        f"warnings {syncs}: {len(r.reads) / max(dyn.stats.core_calls, 1):.1f} reads per pass"
+    )
     if DEV == "cuda":  # one pass captured as a CUDA graph, replayed for the others: the eager passes' tokens
-        for spec_g in (spec, {"criterion": "replay", "depths": torch.randint(1, 4, (4, 20), device=DEV), "kv": "propagate"}):
+        for spec_g in (
+            spec,
+            {"criterion": "replay", "depths": torch.randint(1, 4, (4, 20), device=DEV), "kv": "propagate"},
+        ):
             try:
-                eager = StaticDepthDecoder(m, 4, 22, {**spec_g, "schedule": "static"}).run(ids, 16, None, greedy, None, 0)
+                eager = StaticDepthDecoder(m, 4, 22, {**spec_g, "schedule": "static"}).run(
+                    ids, 16, None, greedy, None, 0
+                )
                 graphed = StaticDepthDecoder(m, 4, 22, {**spec_g, "schedule": "static"}, cuda_graphs=True)
                 same = torch.equal(graphed.run(ids, 16, None, greedy, None, 0), eager)
-                rep(f"- static with cuda_graphs ({spec_g['criterion']}): {graphed.passes} passes, tokens == eager: {same}")
+                rep(
+                    f"- static with cuda_graphs ({spec_g['criterion']}): {graphed.passes} passes, tokens == eager: {same}"
+                )
             except Exception as e:
                 rep(f"- static with cuda_graphs ({spec_g['criterion']}): error {type(e).__name__}: {str(e)[:300]}")
     try:  # the pass through torch.compile (exit compile=True): the eager passes' tokens
@@ -240,12 +269,16 @@ def section_adaptive(rep: Report) -> None:
         t0 = time.perf_counter()
         comp = StaticDepthDecoder(m, 4, 22, {**spec, "schedule": "static", "compile": True})
         same = torch.equal(comp.run(ids, 16, None, greedy, None, 0), eager)
-        rep(f"- static with compile=True ({spec['criterion']}): tokens == eager: {same}, first run (compiling) {time.perf_counter() - t0:.1f} s")
+        rep(
+            f"- static with compile=True ({spec['criterion']}): tokens == eager: {same}, first run (compiling) {time.perf_counter() - t0:.1f} s"
+        )
     except Exception as e:
         rep(f"- static with compile=True: error {type(e).__name__}: {str(e)[:300]}")
 
     rep("\n(c) decode time per token, bf16, random weights, exit depths drawn from 1..4\n")
-    rep("| d_model | batch | full ms/token | token ×full | depth ×full | static ×full | static + graphs ×full | static compiled ×full | executed / K | static passes / step |")
+    rep(
+        "| d_model | batch | full ms/token | token ×full | depth ×full | static ×full | static + graphs ×full | static compiled ×full | executed / K | static passes / step |"
+    )
     rep("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for d in (1024, 2048):
         m = _wide_lm(d)
@@ -266,7 +299,9 @@ def section_adaptive(rep: Report) -> None:
             if DEV == "cuda":
                 runs["graphs"] = graphed
             if d == 1024:  # (a compilation per model and batch: d = 1024 only, to keep the script short)
-                runs["compiled"] = lambda: m.generate(ids, new, exit={**ex, "schedule": "static", "compile": True}, return_stats=True)
+                runs["compiled"] = lambda: m.generate(
+                    ids, new, exit={**ex, "schedule": "static", "compile": True}, return_stats=True
+                )
             times, last = _alternate(runs)
             stats = {k: r[1] for k, r in last.items() if k != "full"}
             full = statistics.median(times["full"])
@@ -274,8 +309,10 @@ def section_adaptive(rep: Report) -> None:
             summ = stats["static"].summary()
             gr = f"{ratio['graphs']:.3f}" if "graphs" in ratio else "(CUDA only)"
             co = f"{ratio['compiled']:.3f}" if "compiled" in ratio else "(d = 1024 only)"
-            rep(f"| {d} | {B} | {1e3 * full / new:.2f} | {ratio['token']:.3f} | {ratio['depth']:.3f} | {ratio['static']:.3f} | "
-                f"{gr} | {co} | {summ['executed_ratio']:.3f} | {summ['batch_depth']:.2f} |")
+            rep(
+                f"| {d} | {B} | {1e3 * full / new:.2f} | {ratio['token']:.3f} | {ratio['depth']:.3f} | {ratio['static']:.3f} | "
+                f"{gr} | {co} | {summ['executed_ratio']:.3f} | {summ['batch_depth']:.2f} |"
+            )
 
 
 def section_forward(rep: Report) -> None:
@@ -294,24 +331,40 @@ def section_forward(rep: Report) -> None:
     rep("(a) the device against the CPU reference, fp32\n")
     rep("| model | exit | exits equal | max rel. logit diff | prefill='exit' tokens == CPU |")
     rep("| --- | --- | ---: | ---: | ---: |")
-    for name in ("tiny-llama", "tiny-qwen3", "tiny-hybrid", "tiny-mamba2", "tiny-coreloop"):  # (coreloop: kl through a coda)
+    for name in (
+        "tiny-llama",
+        "tiny-qwen3",
+        "tiny-hybrid",
+        "tiny-mamba2",
+        "tiny-coreloop",
+    ):  # (coreloop: kl through a coda)
         torch.manual_seed(0)
         cpu = looplm.build(name, n_loops=5).eval()
         dev = looplm.build(name, n_loops=5, device=DEV).eval()
         dev.load_state_dict(cpu.state_dict())
         g = torch.Generator().manual_seed(1)
         ids = torch.randint(0, 250, (4, 24), generator=g)
-        for label, spec in (("kl 0.003 copy", {"criterion": "kl", "threshold": 0.003, "kv": "copy"}),
-                            ("kl 0.003 propagate", {"criterion": "kl", "threshold": 0.003, "kv": "propagate"}),
-                            ("replay copy", {"criterion": "replay", "depths": torch.randint(1, 6, (4, 24), generator=g)})):  # fmt: skip
+        for label, spec in (
+            ("kl 0.003 copy", {"criterion": "kl", "threshold": 0.003, "kv": "copy"}),
+            ("kl 0.003 propagate", {"criterion": "kl", "threshold": 0.003, "kv": "propagate"}),
+            ("replay copy", {"criterion": "replay", "depths": torch.randint(1, 6, (4, 24), generator=g)}),
+        ):
             with dispatch.reference_only():
                 ref = adaptive_forward(cpu, ids, spec)
-                ref_gen = cpu.generate(ids, 8, exit={**spec, "prefill": "exit"}) if spec["criterion"] != "replay" else None
+                ref_gen = (
+                    cpu.generate(ids, 8, exit={**spec, "prefill": "exit"}) if spec["criterion"] != "replay" else None
+                )
             dspec = {**spec, "depths": spec["depths"].to(DEV)} if "depths" in spec else spec
             got = adaptive_forward(dev, ids.to(DEV), dspec)
-            gen = "-" if ref_gen is None else f"{float((dev.generate(ids.to(DEV), 8, exit={**dspec, 'prefill': 'exit'}).cpu() == ref_gen).float().mean()):.3f}"
-            rep(f"| {name} | {label} | {float((got.depth.cpu() == ref.depth).float().mean()):.3f} | "
-                f"{max_rel(got.logits, ref.logits):.1e} | {gen} |")
+            gen = (
+                "-"
+                if ref_gen is None
+                else f"{float((dev.generate(ids.to(DEV), 8, exit={**dspec, 'prefill': 'exit'}).cpu() == ref_gen).float().mean()):.3f}"
+            )
+            rep(
+                f"| {name} | {label} | {float((got.depth.cpu() == ref.depth).float().mean()):.3f} | "
+                f"{max_rel(got.logits, ref.logits):.1e} | {gen} |"
+            )
 
     rep("\n(b) time against the plain forward, bf16, batch 8 x 512 tokens, depths replayed from 1..4\n")
     rep("| d_model | full ms | exit ms | time / full | executed / K | computed / K |")
@@ -326,8 +379,10 @@ def section_forward(rep: Report) -> None:
             times, last = _alternate(runs)
         out = last["exit"]
         full, ex = statistics.median(times["full"]), statistics.median(times["exit"])
-        rep(f"| {d} | {1e3 * full:.1f} | {1e3 * ex:.1f} | {ex / full:.3f} | {out.stats['executed_ratio']:.3f} | "
-            f"{out.stats['computed_ratio']:.3f} |")
+        rep(
+            f"| {d} | {1e3 * full:.1f} | {1e3 * ex:.1f} | {ex / full:.3f} | {out.stats['executed_ratio']:.3f} | "
+            f"{out.stats['computed_ratio']:.3f} |"
+        )
 
 
 def section_loss(rep: Report) -> None:
@@ -346,8 +401,10 @@ def section_loss(rep: Report) -> None:
         grads.append((loss.detach(), h.grad.clone(), W.grad.clone()))
         h.grad = W.grad = None
     (l0, h0, w0), (l1, h1, w1) = grads
-    rep(f"chunked vs plain on CUDA (bf16): loss rel {max_rel(l1, l0):.1e}, grad_h rel {max_rel(h1, h0):.1e}, "
-        f"grad_W rel {max_rel(w1, w0):.1e}")  # fmt: skip
+    rep(
+        f"chunked vs plain on CUDA (bf16): loss rel {max_rel(l1, l0):.1e}, grad_h rel {max_rel(h1, h0):.1e}, "
+        f"grad_W rel {max_rel(w1, w0):.1e}"
+    )
 
     N, d, V = (8 * 2048 if DEV == "cuda" else 512), 2048, 50432  # StateLoop 1.4B micro-batch and head
     rep("\n| StateLoop 1.4B head, 8 x 2048 tokens, bf16 autocast | peak extra memory MB | fwd+bwd ms |")
@@ -402,10 +459,29 @@ def section_train(rep: Report) -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        base = ["-m", "looplm.cli", "train", str(ROOT / "configs/train/tiny.yaml"), "--quiet", "--max-steps", "40",
-                "--checkpoint-every", "20", "--set", "train.precision=bf16", "--set", "eval.every=0",
-                "--set", "eval.at_end=false", "--set", "train.compile=false", "--set", "logging.tensorboard=false",
-                "--set", "checkpoint.keep_last=2"]  # fmt: skip
+        base = [
+            "-m",
+            "looplm.cli",
+            "train",
+            str(ROOT / "configs/train/tiny.yaml"),
+            "--quiet",
+            "--max-steps",
+            "40",
+            "--checkpoint-every",
+            "20",
+            "--set",
+            "train.precision=bf16",
+            "--set",
+            "eval.every=0",
+            "--set",
+            "eval.at_end=false",
+            "--set",
+            "train.compile=false",
+            "--set",
+            "logging.tensorboard=false",
+            "--set",
+            "checkpoint.keep_last=2",
+        ]
         t = time.perf_counter()
         p = run_cli([*base, "--out", str(tmp / "a")], 240)
         rep(f"straight 40 steps (bf16, CUDA): rc {p.returncode} in {time.perf_counter() - t:.0f} s")
@@ -424,19 +500,42 @@ def section_train(rep: Report) -> None:
         lb = {r["step"]: r["loss"] for r in metrics(tmp / "b")}
         later = [s for s in sorted(la) if s > 20 and s in lb]
         diffs = [abs(la[s] - lb[s]) for s in later]
-        rep(f"loss {la[min(la)]:.3f} -> {la[max(la)]:.3f}; straight vs resumed at steps 21-40: "
-            f"{sum(d == 0 for d in diffs)}/{len(diffs)} identical, max |diff| {max(diffs) if diffs else float('nan'):.2e}")
+        rep(
+            f"loss {la[min(la)]:.3f} -> {la[max(la)]:.3f}; straight vs resumed at steps 21-40: "
+            f"{sum(d == 0 for d in diffs)}/{len(diffs)} identical, max |diff| {max(diffs) if diffs else float('nan'):.2e}"
+        )
         t = time.perf_counter()
-        p = run_cli(["-m", "looplm.cli", "train", str(ROOT / "configs/train/tiny.yaml"), "--quiet", "--out",
-                     str(tmp / "c"), "--max-steps", "200", "--checkpoint-every", "1000", "--set", "eval.every=0",
-                     "--set", "eval.at_end=false", "--set", "logging.tensorboard=false"], 300)  # fmt: skip
+        p = run_cli(
+            [
+                "-m",
+                "looplm.cli",
+                "train",
+                str(ROOT / "configs/train/tiny.yaml"),
+                "--quiet",
+                "--out",
+                str(tmp / "c"),
+                "--max-steps",
+                "200",
+                "--checkpoint-every",
+                "1000",
+                "--set",
+                "eval.every=0",
+                "--set",
+                "eval.at_end=false",
+                "--set",
+                "logging.tensorboard=false",
+            ],
+            300,
+        )
         rows = metrics(tmp / "c")
         comp = [r["compile_step_s"] for r in rows if "compile_step_s" in r]
         tps = sorted(r["tokens_per_s"] for r in rows[10:] if r.get("tokens_per_s"))
-        rep(f"defaults (precision auto, compile auto), 200 steps: rc {p.returncode} in {time.perf_counter() - t:.0f} s; "
+        rep(
+            f"defaults (precision auto, compile auto), 200 steps: rc {p.returncode} in {time.perf_counter() - t:.0f} s; "
             f"first step {comp[0] if comp else 'n/a'} s (compiled: {bool(comp)}); median "
             f"{tps[len(tps) // 2] if tps else 0:,.0f} tokens/s; loss {rows[0]['loss'] if rows else float('nan'):.3f} -> "
-            f"{rows[-1]['loss'] if rows else float('nan'):.3f}")  # fmt: skip
+            f"{rows[-1]['loss'] if rows else float('nan'):.3f}"
+        )
         report_failure(rep, p)
 
 
@@ -447,7 +546,9 @@ def section_bench(rep: Report, args: list[str], timeout: int) -> None:
         rep(p.stdout.strip())
         report_failure(rep, p)
     except subprocess.TimeoutExpired as e:
-        rep(f"timed out after {timeout} s; partial output:\n{(e.stdout or b'').decode()[-3000:] if isinstance(e.stdout, bytes) else e.stdout}")
+        rep(
+            f"timed out after {timeout} s; partial output:\n{(e.stdout or b'').decode()[-3000:] if isinstance(e.stdout, bytes) else e.stdout}"
+        )
     rep(f"({time.perf_counter() - t:.0f} s)")
 
 
@@ -466,8 +567,10 @@ def main() -> None:
     import transformers
 
     gpu = torch.cuda.get_device_name() if DEV == "cuda" else "dry run on CPU"
-    rep(f"# looplm CUDA check — {gpu}, torch {torch.__version__}, "
-        f"transformers {transformers.__version__}, {time.strftime('%Y-%m-%d %H:%M')}")  # fmt: skip
+    rep(
+        f"# looplm CUDA check — {gpu}, torch {torch.__version__}, "
+        f"transformers {transformers.__version__}, {time.strftime('%Y-%m-%d %H:%M')}"
+    )
     start = time.perf_counter()
     for name in args.only.split(","):
         rep(f"\n## {name}\n")
@@ -488,11 +591,43 @@ def main() -> None:
             elif name == "forward":
                 section_forward(rep)
             elif name == "decode":
-                section_bench(rep, [str(HERE / "bench_decode.py"), "--device", DEV, "--dtypes", "bf16",
-                                    "--batches", "1,8", "--new", "64", "--rounds", "2"], min(150, left))  # fmt: skip
+                section_bench(
+                    rep,
+                    [
+                        str(HERE / "bench_decode.py"),
+                        "--device",
+                        DEV,
+                        "--dtypes",
+                        "bf16",
+                        "--batches",
+                        "1,8",
+                        "--new",
+                        "64",
+                        "--rounds",
+                        "2",
+                    ],
+                    min(150, left),
+                )
             elif name == "speed":
-                section_bench(rep, [str(HERE / "bench_train.py"), "--device", DEV, "--batch", "16", "--seq", "1024",
-                                    "--steps", "8", "--warmup", "3", "--only", "hf,looplm,looplm-compiled"], left)  # fmt: skip
+                section_bench(
+                    rep,
+                    [
+                        str(HERE / "bench_train.py"),
+                        "--device",
+                        DEV,
+                        "--batch",
+                        "16",
+                        "--seq",
+                        "1024",
+                        "--steps",
+                        "8",
+                        "--warmup",
+                        "3",
+                        "--only",
+                        "hf,looplm,looplm-compiled",
+                    ],
+                    left,
+                )
         except Exception:
             rep("```\n" + traceback.format_exc()[-2000:] + "\n```")
         rep(f"\n({name}: {time.perf_counter() - t:.0f} s)")

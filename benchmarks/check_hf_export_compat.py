@@ -55,11 +55,19 @@ def main() -> int:
         padded = hf.generate(batch, attention_mask=mask, max_new_tokens=5, do_sample=False)
         alone = hf.generate(b[None], max_new_tokens=5, do_sample=False)
         beams = hf.generate(ids, max_new_tokens=4, num_beams=2, do_sample=False)
-        checks = {"logits": same_logits, "cached==looplm": torch.equal(g, ref), "cached==uncached": torch.equal(g, g_nocache),
-                  "padded==alone": torch.equal(padded[1, 4:], alone[0]), "beams": beams.shape == (1, 11),
-                  "tokenizer": tok("ab<eos>").input_ids == [97, 98, 60, 101, 111, 115, 62]}
+        checks = {
+            "logits": same_logits,
+            "cached==looplm": torch.equal(g, ref),
+            "cached==uncached": torch.equal(g, g_nocache),
+            "padded==alone": torch.equal(padded[1, 4:], alone[0]),
+            "beams": beams.shape == (1, 11),
+            "tokenizer": tok("ab<eos>").input_ids == [97, 98, 60, 101, 111, 115, 62],
+        }
         ok &= all(checks.values())
-        print(f"{name:14s} " + "  ".join(f"{k}={'ok' if v else 'FAIL'}" for k, v in checks.items()), f"({type(tok).__name__})")
+        print(
+            f"{name:14s} " + "  ".join(f"{k}={'ok' if v else 'FAIL'}" for k, v in checks.items()),
+            f"({type(tok).__name__})",
+        )
     return 0 if ok else 1
 
 

@@ -34,22 +34,33 @@ def main(argv=None) -> int:
     model, tok = load_model_for_inference(args.run)
     model = model.to(args.device).eval()
     if not 2 <= args.seq_len <= model.config.max_seq_len:
-        raise SystemExit(f"error: --seq-len {args.seq_len} must be in [2, {model.config.max_seq_len}] (the model's max_seq_len)")
+        raise SystemExit(
+            f"error: --seq-len {args.seq_len} must be in [2, {model.config.max_seq_len}] (the model's max_seq_len)"
+        )
     ids = torch.tensor(tok.encode(open(args.text, encoding="utf-8").read()), dtype=torch.long)
     n = min(args.batches, len(ids) // args.seq_len)
     if n < 1:
         raise SystemExit(f"error: {args.text!r} has {len(ids)} tokens, fewer than --seq-len {args.seq_len}")
-    rows = [last_pass_agreement(model, ids[i * args.seq_len:(i + 1) * args.seq_len][None].to(args.device), args.thresholds)
-            for i in range(n)]
+    rows = [
+        last_pass_agreement(
+            model, ids[i * args.seq_len : (i + 1) * args.seq_len][None].to(args.device), args.thresholds
+        )
+        for i in range(n)
+    ]
     tokens = sum(r["tokens"] for r in rows)
-    res = {"tokens": tokens, "windows": n,
-           "kl_mean": sum(r["kl_mean"] * r["tokens"] for r in rows) / tokens,
-           "top1_agreement": sum(r["top1_agreement"] * r["tokens"] for r in rows) / tokens,
-           "below": {e: sum(r["below"][e] * r["tokens"] for r in rows) / tokens for e in rows[0]["below"]}}
+    res = {
+        "tokens": tokens,
+        "windows": n,
+        "kl_mean": sum(r["kl_mean"] * r["tokens"] for r in rows) / tokens,
+        "top1_agreement": sum(r["top1_agreement"] * r["tokens"] for r in rows) / tokens,
+        "below": {e: sum(r["below"][e] * r["tokens"] for r in rows) / tokens for e in rows[0]["below"]},
+    }
     print("| ε | tokens with KL(p¹ ‖ p²) < ε |\n| ---: | ---: |")
     for e, f in res["below"].items():
         print(f"| {e:g} | {f:.1%} |")
-    print(f"\n{tokens} tokens; mean KL {res['kl_mean']:.4g}; top-1 agreement of pass 1 and pass 2 {res['top1_agreement']:.1%}")
+    print(
+        f"\n{tokens} tokens; mean KL {res['kl_mean']:.4g}; top-1 agreement of pass 1 and pass 2 {res['top1_agreement']:.1%}"
+    )
     print(json.dumps(res))
     return 0
 

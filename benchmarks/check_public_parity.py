@@ -39,7 +39,9 @@ CLASSES = {"ouro": ("OuroConfig", "OuroForCausalLM"), "huginn": ("RavenConfig", 
 def load_reference(code_dir: Path, family: str):
     """The original config and model classes, imported from ``code_dir`` as a package (relative imports work)."""
     pkg = f"_looplm_reference_{family}"
-    spec = importlib.util.spec_from_file_location(pkg, code_dir / "__init__.py", submodule_search_locations=[str(code_dir)])
+    spec = importlib.util.spec_from_file_location(
+        pkg, code_dir / "__init__.py", submodule_search_locations=[str(code_dir)]
+    )
     mod = importlib.util.module_from_spec(spec)
     sys.modules[pkg] = mod
     names = FILES[family]
@@ -62,13 +64,33 @@ def tiny_model(family: str, seed: int = 0):
 
     torch.manual_seed(seed)
     if family == "ouro":
-        over = dict(vocab_size=272, d_model=64, n_core=3, n_loops=4, d_ff=96, max_seq_len=128,
-                    overrides={"attention.n_heads": 4, "attention.n_kv_heads": 2, "attention.head_dim": 16})
+        over = dict(
+            vocab_size=272,
+            d_model=64,
+            n_core=3,
+            n_loops=4,
+            d_ff=96,
+            max_seq_len=128,
+            overrides={"attention.n_heads": 4, "attention.n_kv_heads": 2, "attention.head_dim": 16},
+        )
         model = looplm.build("ouro-1.4b", init_std=0.1, **over)
     else:
-        over = dict(vocab_size=272, d_model=64, n_prelude=1, n_core=2, n_loops=6, n_coda=1, d_ff=96, max_seq_len=128,
-                    overrides={"attention.n_heads": 4, "attention.n_kv_heads": 4, "attention.head_dim": 16,
-                               "rule.options.init_std": math.sqrt(2 / (5 * 64))})
+        over = dict(
+            vocab_size=272,
+            d_model=64,
+            n_prelude=1,
+            n_core=2,
+            n_loops=6,
+            n_coda=1,
+            d_ff=96,
+            max_seq_len=128,
+            overrides={
+                "attention.n_heads": 4,
+                "attention.n_kv_heads": 4,
+                "attention.head_dim": 16,
+                "rule.options.init_std": math.sqrt(2 / (5 * 64)),
+            },
+        )
         model = looplm.build("huginn-0125", init_std=0.1, **over)
     with torch.no_grad():  # norms and the gate away from their identity init, biases nonzero
         for n, p in model.named_parameters():
@@ -81,7 +103,10 @@ def tiny_model(family: str, seed: int = 0):
     return model.eval()
 
 
-_TIED = {"ouro": {"lm_head.weight": "model.embed_tokens.weight"}, "huginn": {"lm_head.weight": "transformer.wte.weight"}}
+_TIED = {
+    "ouro": {"lm_head.weight": "model.embed_tokens.weight"},
+    "huginn": {"lm_head.weight": "transformer.wte.weight"},
+}
 
 
 def _transformers_5_compat(cls_model, module, family: str) -> list[str]:
@@ -114,7 +139,9 @@ def _default_rope(config, device=None, *args, **kwargs):
     """Plain RoPE's ``(inv_freq, attention_scaling)`` as transformers 4 computed it (fp32, θ^(-2i/d))."""
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
-    base = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    base = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get(
+        "rope_theta", 10000.0
+    )
     inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim))
     return inv, 1.0
 
@@ -154,7 +181,11 @@ def _causal_masks(ids, windows):
 def _ouro_steps(orig, ids, r):
     """(logits, per-step normed states, gate logits) of the original Ouro at ``r`` steps."""
     orig.model.total_ut_steps = r
-    kw = {"use_early_exit_gate": True} if "use_early_exit_gate" in inspect.signature(orig.model.forward).parameters else {}
+    kw = (
+        {"use_early_exit_gate": True}
+        if "use_early_exit_gate" in inspect.signature(orig.model.forward).parameters
+        else {}
+    )
     masks = _causal_masks(ids, getattr(orig.config, "sliding_window", None))
     res = orig.model(input_ids=ids, attention_mask=masks, use_cache=False, **kw)
     states, gates = res[1], res[2]
@@ -184,14 +215,26 @@ def compare(family: str, ours, orig, loops, T: int, new_tokens: int, seed: int =
                 out = ours(ids, num_loops=r, output_iterations=True)
                 le, states, gates = _ouro_steps(orig, ids, r)
                 rows.append(("logits", str(r), float((out.logits - le).abs().max())))
-                rows.append(("per-step states N(h_k)", str(r),
-                             max(float((ours.norm(h) - s).abs().max()) for h, s in zip(out.iterations, states))))
+                rows.append(
+                    (
+                        "per-step states N(h_k)",
+                        str(r),
+                        max(float((ours.norm(h) - s).abs().max()) for h, s in zip(out.iterations, states)),
+                    )
+                )
                 pdf = _pdf(gates)
                 steps = torch.arange(1, r + 1, dtype=torch.float32)
                 e = ours.rule.last_exit
-                rows.append(("exit: expected step", str(r), float((e["expected_step"] - (pdf * steps).sum(-1)).abs().max())))
-                rows.append(("exit: entropy", str(r),
-                             float((e["entropy"] + (pdf * torch.log(pdf + 1e-10)).sum(-1)).abs().max())))
+                rows.append(
+                    ("exit: expected step", str(r), float((e["expected_step"] - (pdf * steps).sum(-1)).abs().max()))
+                )
+                rows.append(
+                    (
+                        "exit: entropy",
+                        str(r),
+                        float((e["entropy"] + (pdf * torch.log(pdf + 1e-10)).sum(-1)).abs().max()),
+                    )
+                )
             else:
                 pos = torch.arange(T)[None].expand(2, T)
                 ro = ours.config.rule.options
@@ -205,8 +248,13 @@ def compare(family: str, ours, orig, loops, T: int, new_tokens: int, seed: int =
                     h.remove()
                 out = ours(ids, num_loops=r, output_iterations=True, loop_options={"initial_state": s0})
                 rows.append(("logits", str(r), float((out.logits - le).abs().max())))
-                rows.append(("per-step states s_k", str(r),
-                             max(float((a - b).abs().max()) for a, b in zip(out.iterations, caught))))
+                rows.append(
+                    (
+                        "per-step states s_k",
+                        str(r),
+                        max(float((a - b).abs().max()) for a, b in zip(out.iterations, caught)),
+                    )
+                )
         # greedy decoding with caches (Huginn: both from a zero state)
         n = new_tokens
         if family == "huginn":
@@ -232,8 +280,13 @@ def compare(family: str, ours, orig, loops, T: int, new_tokens: int, seed: int =
                 else:
                     logits = orig(want, num_steps=ours.config.n_loops).logits
                 want = torch.cat([want, logits[:, -1:].argmax(-1)], 1)
-        rows.append((f"greedy tokens differing (original: {how})", str(ours.config.n_loops),
-                     float((got[:, -n:] != want[:, -n:]).sum())))
+        rows.append(
+            (
+                f"greedy tokens differing (original: {how})",
+                str(ours.config.n_loops),
+                float((got[:, -n:] != want[:, -n:]).sum()),
+            )
+        )
     return rows
 
 
@@ -241,7 +294,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--family", choices=["ouro", "huginn"], required=True)
     ap.add_argument("--reference-code", required=True, type=Path, help="directory of the original modelling files")
-    ap.add_argument("--checkpoint", type=Path, default=None, help="a real checkpoint directory (default: a tiny random one)")
+    ap.add_argument(
+        "--checkpoint", type=Path, default=None, help="a real checkpoint directory (default: a tiny random one)"
+    )
     ap.add_argument("--loops", type=int, nargs="*", default=None, help="depths (default: 1, 2, K, K + 2)")
     ap.add_argument("--seq-len", type=int, default=12)
     ap.add_argument("--new-tokens", type=int, default=6)
@@ -266,8 +321,10 @@ def main(argv=None) -> int:
         rows = compare(args.family, ours, orig, loops, args.seq_len, args.new_tokens)
     import transformers
 
-    print(f"{args.family}: {what}; reference code {args.reference_code}; torch {torch.__version__}, "
-          f"transformers {transformers.__version__}")
+    print(
+        f"{args.family}: {what}; reference code {args.reference_code}; torch {torch.__version__}, "
+        f"transformers {transformers.__version__}"
+    )
     for line in shims:
         print(f"  compatibility shim: {line}")
     print("\n| quantity | depth r | max abs diff |\n| --- | ---: | ---: |")

@@ -63,8 +63,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--threads", type=int, default=None)
     a = ap.parse_args(argv)
-    bad = [f"--{k.replace('_', '-')} {v} (give an int >= 1)" for k, v in
-           (("prompts", a.prompts), ("prompt_len", a.prompt_len), ("new", a.new), ("max_batch", a.max_batch)) if v < 1]  # fmt: skip
+    bad = [
+        f"--{k.replace('_', '-')} {v} (give an int >= 1)"
+        for k, v in (("prompts", a.prompts), ("prompt_len", a.prompt_len), ("new", a.new), ("max_batch", a.max_batch))
+        if v < 1
+    ]
     if bad:
         ap.error("; ".join(bad))
     if a.threads:
@@ -87,20 +90,24 @@ def main(argv=None) -> int:
         what = f"{a.model} (random weights)"
     model = model.float().eval()
     exits = [e.strip() for e in a.exits.split(",") if e.strip()]
-    print(f"# serve bf16 agreement — {what}, K={model.config.n_loops}, {a.prompts} prompts × {a.prompt_len} tokens, "
-          f"{a.new} new, max_batch {a.max_batch}")  # fmt: skip
+    print(
+        f"# serve bf16 agreement — {what}, K={model.config.n_loops}, {a.prompts} prompts × {a.prompt_len} tokens, "
+        f"{a.new} new, max_batch {a.max_batch}"
+    )
     print(f"# {cpu_info(torch.get_num_threads())}, torch {torch.__version__}, {datetime.date.today()}")
     print()
-    print("| setting | identical outputs | tokens agreeing (common prefix) | first difference (median position) | engine fp32 = generate fp32 | engine bf16 = generate bf16 |")
+    print(
+        "| setting | identical outputs | tokens agreeing (common prefix) | first difference (median position) | engine fp32 = generate fp32 | engine bf16 = generate bf16 |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for ex in exits:
         spec = None if ex == "none" else ex
         with torch.no_grad():
-            refs = [model.generate(torch.tensor([p]), a.new, exit=spec)[0, len(p):].tolist() for p in prompts]
+            refs = [model.generate(torch.tensor([p]), a.new, exit=spec)[0, len(p) :].tolist() for p in prompts]
         fp32 = _engine_tokens(model, prompts, a.new, spec, a.max_batch)
         bf = _engine_tokens(model.to(torch.bfloat16), prompts, a.new, spec, a.max_batch)
         with torch.no_grad():  # the same rounding alone: does a bf16 request depend on its batch?
-            bf_alone = [model.generate(torch.tensor([p]), a.new, exit=spec)[0, len(p):].tolist() for p in prompts]
+            bf_alone = [model.generate(torch.tensor([p]), a.new, exit=spec)[0, len(p) :].tolist() for p in prompts]
         model = model.float()
         same = sum(o == r for o, r in zip(bf, refs))
         firsts = [next((i for i, (x, y) in enumerate(zip(o, r)) if x != y), len(r)) for o, r in zip(bf, refs)]
@@ -108,8 +115,10 @@ def main(argv=None) -> int:
         med = "—" if not diffs else str(diffs[len(diffs) // 2])
         exact = sum(o == r for o, r in zip(fp32, refs))
         exact_bf = sum(o == r for o, r in zip(bf, bf_alone))
-        print(f"| {'full depth' if spec is None else spec} | {same}/{len(prompts)} | {sum(firsts) / (a.new * len(prompts)):.1%} | "
-              f"{med} | {exact}/{len(prompts)} | {exact_bf}/{len(prompts)} |")  # fmt: skip
+        print(
+            f"| {'full depth' if spec is None else spec} | {same}/{len(prompts)} | {sum(firsts) / (a.new * len(prompts)):.1%} | "
+            f"{med} | {exact}/{len(prompts)} | {exact_bf}/{len(prompts)} |"
+        )
     return 0
 
 

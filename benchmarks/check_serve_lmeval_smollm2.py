@@ -37,7 +37,9 @@ def main(argv=None) -> int:
     ap.add_argument("--data-dir", required=True, help="the local task copies (../shared/data/eval)")
     ap.add_argument("--task", default="arc_easy")
     ap.add_argument("--limit", type=int, default=40)
-    ap.add_argument("--exit", default="kl:0.01", help="the served engine's exit criterion (default kl:0.01; none: full depth)")
+    ap.add_argument(
+        "--exit", default="kl:0.01", help="the served engine's exit criterion (default kl:0.01; none: full depth)"
+    )
     ap.add_argument("--tol", type=float, default=1e-4)
     ap.add_argument("--concurrent", type=int, default=4, help="lm-eval's num_concurrent (default 4)")
     a = ap.parse_args(argv)
@@ -60,16 +62,31 @@ def main(argv=None) -> int:
     register_lm_eval_model()
     model, tok = load_model_for_inference(run)
     t0 = time.perf_counter()
-    ref = lm_eval.simple_evaluate(model=LoopLMEvalModel(model=model.eval(), tokenizer=tok, batch_size=4), tasks=[a.task],
-                                  task_manager=tm, log_samples=True, limit=a.limit)  # fmt: skip
+    ref = lm_eval.simple_evaluate(
+        model=LoopLMEvalModel(model=model.eval(), tokenizer=tok, batch_size=4),
+        tasks=[a.task],
+        task_manager=tm,
+        log_samples=True,
+        limit=a.limit,
+    )
     t_ref = time.perf_counter() - t0
-    engine = Engine(model, EngineConfig(max_batch=4, exit=None if a.exit == "none" else a.exit), eos_token_id=tok.eos_id)
+    engine = Engine(
+        model, EngineConfig(max_batch=4, exit=None if a.exit == "none" else a.exit), eos_token_id=tok.eos_id
+    )
     t0 = time.perf_counter()
     with Server(build_app(engine, tok, "smollm2"), host="127.0.0.1", port=0) as server:
-        margs = (f"base_url={server.url}/v1/completions,model=smollm2,tokenizer_backend=huggingface,tokenizer={hf_dir},"
-                 f"tokenized_requests=True,num_concurrent={a.concurrent},max_retries=1")  # fmt: skip
-        got = lm_eval.simple_evaluate(model="local-completions", model_args=margs, tasks=[a.task], task_manager=tm,
-                                      log_samples=True, limit=a.limit)  # fmt: skip
+        margs = (
+            f"base_url={server.url}/v1/completions,model=smollm2,tokenizer_backend=huggingface,tokenizer={hf_dir},"
+            f"tokenized_requests=True,num_concurrent={a.concurrent},max_retries=1"
+        )
+        got = lm_eval.simple_evaluate(
+            model="local-completions",
+            model_args=margs,
+            tasks=[a.task],
+            task_manager=tm,
+            log_samples=True,
+            limit=a.limit,
+        )
     t_srv = time.perf_counter() - t0
     want = {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in ref["samples"][a.task]}
     have = {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in got["samples"][a.task]}
@@ -78,13 +95,21 @@ def main(argv=None) -> int:
         return 1
     diffs = [abs(x - y) for i in want for x, y in zip(want[i], have[i])]
     metric = next(k for k in ref["results"][a.task] if k.startswith("acc,"))
-    print(f"lm-eval local-completions vs looplm eval harness — SmolLM2-135M-Instruct (looplm import hf, fp32), {a.task} "
-          f"--limit {a.limit}, served with --exit {a.exit}; {cpu_info(torch.get_num_threads())}, {datetime.date.today()}\n")
+    print(
+        f"lm-eval local-completions vs looplm eval harness — SmolLM2-135M-Instruct (looplm import hf, fp32), {a.task} "
+        f"--limit {a.limit}, served with --exit {a.exit}; {cpu_info(torch.get_num_threads())}, {datetime.date.today()}\n"
+    )
     print("| | documents | loglikelihoods | largest abs difference | acc | wall s |\n|---|---|---|---|---|---|")
-    print(f"| looplm eval harness (in-process) | {len(want)} | {len(diffs)} | – | {ref['results'][a.task][metric]:.4f} | {t_ref:.1f} |")
-    print(f"| lm-eval local-completions → looplm serve | {len(have)} | {len(diffs)} | {max(diffs):.2e} | "
-          f"{got['results'][a.task][metric]:.4f} | {t_srv:.1f} |")  # fmt: skip
-    worst = sorted(((abs(x - y), i, j, x, y) for i in want for j, (x, y) in enumerate(zip(want[i], have[i]))), reverse=True)[:3]
+    print(
+        f"| looplm eval harness (in-process) | {len(want)} | {len(diffs)} | – | {ref['results'][a.task][metric]:.4f} | {t_ref:.1f} |"
+    )
+    print(
+        f"| lm-eval local-completions → looplm serve | {len(have)} | {len(diffs)} | {max(diffs):.2e} | "
+        f"{got['results'][a.task][metric]:.4f} | {t_srv:.1f} |"
+    )
+    worst = sorted(
+        ((abs(x - y), i, j, x, y) for i in want for j, (x, y) in enumerate(zip(want[i], have[i]))), reverse=True
+    )[:3]
     for d, i, j, x, y in worst:
         if d > a.tol:
             print(f"document {i}, choice {j}: harness {x:.6f}, server {y:.6f}")

@@ -131,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv[:i])
     command = argv[i + 1 :]
     if not re.fullmatch(r"[A-Za-z0-9-]+", args.name) or not command:
-        raise SystemExit(f"publish.py: a section name of letters, digits and '-' and a command are needed, got {args.name!r} {command}")
+        raise SystemExit(
+            f"publish.py: a section name of letters, digits and '-' and a command are needed, got {args.name!r} {command}"
+        )
     shown = command
     if command[0] == "looplm":  # the installed entry point, run as this interpreter's module
         command = [sys.executable, "-m", "looplm.cli", *command[1:]]

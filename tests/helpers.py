@@ -25,8 +25,12 @@ def run_under_portable_build(test_file: str) -> str:
     env = dict(os.environ, LOOPLM_CPU_KERNELS="portable")
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-k", "not portable_build", test_file],
-        env=env, cwd=Path(test_file).parent, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        env=env,
+        cwd=Path(test_file).parent,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
     assert " passed" in r.stdout
     return r.stdout
@@ -47,7 +51,13 @@ def assert_refused_before_any_work(model, call, match: str) -> None:
 
 
 # toy sizes of the token mixers a rule owns (StateLoop's attention / Mamba-2 mixers over the state)
-TINY_RULE_OPTIONS = {"mixer_head_dim": 16, "mamba_d_state": 8, "mamba_headdim": 16, "mamba_ngroups": 2, "mamba_chunk_size": 8}
+TINY_RULE_OPTIONS = {
+    "mixer_head_dim": 16,
+    "mamba_d_state": 8,
+    "mamba_headdim": 16,
+    "mamba_ngroups": 2,
+    "mamba_chunk_size": 8,
+}
 
 
 def tiny_variant(name: str, **extra) -> ModelConfig:

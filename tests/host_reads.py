@@ -6,8 +6,18 @@ synchronisation): ``.item()`` / ``bool()`` / ``int()`` (``aten::_local_scalar_de
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-_ALWAYS = {"aten::_local_scalar_dense", "aten::nonzero", "aten::nonzero_static", "aten::masked_select", "aten::equal",
-           "aten::_unique", "aten::_unique2", "aten::unique_dim", "aten::unique_consecutive", "aten::argwhere"}
+_ALWAYS = {
+    "aten::_local_scalar_dense",
+    "aten::nonzero",
+    "aten::nonzero_static",
+    "aten::masked_select",
+    "aten::equal",
+    "aten::_unique",
+    "aten::_unique2",
+    "aten::unique_dim",
+    "aten::unique_consecutive",
+    "aten::argwhere",
+}
 _INDEXING = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
 
 

@@ -104,8 +104,13 @@ def test_criteria_off_is_bit_identical_to_todays_decoding(name):
         assert stats.summary()["executed_depth"] == m.config.n_loops
     assert torch.equal(m.generate(ids, 6, exit="convergence:0"), plain)  # off: today's path itself
     # logits, bit for bit, against the cached forward
-    full = torch.cat([m(ids[:, :3], cache=(c := m.new_cache(2, capacity=4)), logits_to_keep=3).logits,
-                      m(ids[:, 3:], cache=c).logits], 1)  # fmt: skip
+    full = torch.cat(
+        [
+            m(ids[:, :3], cache=(c := m.new_cache(2, capacity=4)), logits_to_keep=3).logits,
+            m(ids[:, 3:], cache=c).logits,
+        ],
+        1,
+    )
     got, _ = _score(m, ids, prompt_len=3, criterion="convergence", threshold=0.0)
     assert torch.equal(got, full)
 
@@ -133,7 +138,9 @@ def test_uniform_exit_equals_fewer_loops(name):
 
 
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid", "tiny-stateloop"])
-@pytest.mark.parametrize("kv,ssm", [("copy", "freeze"), ("propagate", "propagate"), ("shared", "decay"), ("full", "freeze")])
+@pytest.mark.parametrize(
+    "kv,ssm", [("copy", "freeze"), ("propagate", "propagate"), ("shared", "decay"), ("full", "freeze")]
+)
 def test_batched_exit_equals_each_row_alone_and_ignores_row_order(name, kv, ssm):
     m = _model(name)
     B, T, K = 4, 8, m.config.n_loops
@@ -157,7 +164,9 @@ def test_left_padded_rows_with_exits_equal_rows_alone():
     ids[0], mask[0] = a[0], 1
     ids[1, 3:], mask[1, 3:] = b[0], 1
     torch.manual_seed(1)
-    out = m.generate(ids, 5, attention_mask=mask, exit=_replay(torch.tensor([[1, 2, 1, 2, 1], [2, 1, 1, 2, 2]]), kv="copy"))
+    out = m.generate(
+        ids, 5, attention_mask=mask, exit=_replay(torch.tensor([[1, 2, 1, 2, 1], [2, 1, 1, 2, 2]]), kv="copy")
+    )
     alone_a = m.generate(a, 5, exit=_replay(torch.tensor([[1, 2, 1, 2, 1]]), kv="copy"))
     alone_b = m.generate(b, 5, exit=_replay(torch.tensor([[2, 1, 1, 2, 2]]), kv="copy"))
     assert torch.equal(out[0, 6:], alone_a[0, 6:]) and torch.equal(out[1, 6:], alone_b[0, 3:])
@@ -214,7 +223,9 @@ def test_executed_counters_equal_the_work_that_ran():
     summ = s.summary()
     assert summ["executed_depth"] == pytest.approx(float(depths[:, : T - 1].float().mean()))
     assert s.reused_flops == 0  # (replay reads nothing out: every exit runs the head)
-    assert summ["flops_per_token"] * summ["tokens"] == pytest.approx(s.core_flops + s.fill_flops + s.check_flops + s.other_flops)
+    assert summ["flops_per_token"] * summ["tokens"] == pytest.approx(
+        s.core_flops + s.fill_flops + s.check_flops + s.other_flops
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -341,7 +352,9 @@ def test_freeze_leaves_the_state_bit_identical_and_propagate_is_the_layers_updat
     ids = torch.randint(0, 260, (2, 4))
     dec = AdaptiveDecoder(m, 2, 5, _replay(torch.tensor([[1], [2]]), ssm="freeze"))
     dec(ids)
-    before = {k: (s.conv_state.clone(), s.ssm_state.clone()) for k, s in dec.cache.slots.items() if hasattr(s, "ssm_state")}
+    before = {
+        k: (s.conv_state.clone(), s.ssm_state.clone()) for k, s in dec.cache.slots.items() if hasattr(s, "ssm_state")
+    }
     dec(torch.randint(0, 260, (2, 1)), validate=False)  # row 0 exits after loop 1: loop 2's states untouched
     for (k, layer), (conv, ssm) in before.items():
         s = dec.cache.slots[(k, layer)]
@@ -396,10 +409,19 @@ def test_a_policy_the_model_cannot_support_is_refused_naming_it():
     m = _model("tiny-stateloop", overrides={"rule.options.mixer": "attention", "rule.options.mixer_head_dim": 16})
     with pytest.raises(ValueError, match="kv policy 'propagate' cannot fill the rule 'stateloop'"):
         m.generate(torch.randint(0, 260, (1, 3)), 2, exit={"criterion": "kl", "threshold": 1e-3, "kv": "propagate"})
-    out = m.generate(torch.randint(0, 260, (2, 3)), 3, exit={"criterion": "replay", "depths": 2, "kv": "copy"})  # copy fills it
+    out = m.generate(
+        torch.randint(0, 260, (2, 3)), 3, exit={"criterion": "replay", "depths": 2, "kv": "copy"}
+    )  # copy fills it
     assert out.shape == (2, 6)
-    mm = _model("tiny-stateloop", overrides={"rule.options.mixer": "mamba2", "rule.options.mamba_headdim": 16,
-                                              "rule.options.mamba_d_state": 8, "rule.options.mamba_ngroups": 2})  # fmt: skip
+    mm = _model(
+        "tiny-stateloop",
+        overrides={
+            "rule.options.mixer": "mamba2",
+            "rule.options.mamba_headdim": 16,
+            "rule.options.mamba_d_state": 8,
+            "rule.options.mamba_ngroups": 2,
+        },
+    )
     with pytest.raises(ValueError, match="ssm policy 'decay' cannot fill the rule 'stateloop'"):
         mm.generate(torch.randint(0, 260, (1, 3)), 2, exit={"criterion": "replay", "depths": 2, "ssm": "decay"})
 
@@ -407,8 +429,17 @@ def test_a_policy_the_model_cannot_support_is_refused_naming_it():
 def test_sampling_with_exits_is_deterministic_with_a_seed():
     m = _model("tiny-hybrid")
     x = torch.randint(0, 260, (3, 4))
-    runs = [m.generate(x, 8, do_sample=True, top_k=20, generator=torch.Generator().manual_seed(3),
-                       exit={"criterion": "convergence", "threshold": 0.9, "kv": "propagate"}) for _ in range(2)]  # fmt: skip
+    runs = [
+        m.generate(
+            x,
+            8,
+            do_sample=True,
+            top_k=20,
+            generator=torch.Generator().manual_seed(3),
+            exit={"criterion": "convergence", "threshold": 0.9, "kv": "propagate"},
+        )
+        for _ in range(2)
+    ]
     assert torch.equal(*runs)
 
 

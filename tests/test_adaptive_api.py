@@ -32,21 +32,31 @@ def test_cli_generate_with_exit_and_speculative(capsys):
 
 @pytest.mark.parametrize(
     "extra,match",
-    [(["--exit", "gate:0.5"], "needs a rule with a learned exit gate"), (["--exit", "kl:-1"], "threshold ε"),
-     (["--speculative", "3"], r"draft_loops must be an int in \[1, 2\]"), (["--kv-policy", "copy"], "are options of --exit"),
-     (["--exit", "kl:1e-3", "--max-loops", "0"], "max_loops must be an int >= 1"),
-     (["--draft-exit", "kl:1e-3"], "give --speculative R_D"), (["--speculative", "2", "--draft-exit", "replay:1"], "as draft_loops")],
-)  # fmt: skip
+    [
+        (["--exit", "gate:0.5"], "needs a rule with a learned exit gate"),
+        (["--exit", "kl:-1"], "threshold ε"),
+        (["--speculative", "3"], r"draft_loops must be an int in \[1, 2\]"),
+        (["--kv-policy", "copy"], "are options of --exit"),
+        (["--exit", "kl:1e-3", "--max-loops", "0"], "max_loops must be an int >= 1"),
+        (["--draft-exit", "kl:1e-3"], "give --speculative R_D"),
+        (["--speculative", "2", "--draft-exit", "replay:1"], "as draft_loops"),
+    ],
+)
 def test_cli_generate_refuses_bad_adaptive_options(extra, match, capsys):
     assert main(["generate", "--model", "tiny-llama", "--max-new-tokens", "4", *extra]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and __import__("re").search(match, err), err
 
 
-@pytest.mark.parametrize("mask,match", [([[1, 1, 1, 1], [1, 1, 1, 0]], r"row\(s\) \[1\] are right-padded.*left-pad"),
-                                        ([[1, 1, 1, 1], [0, 0, 0, 0]], r"row\(s\) \[1\] are all 0"),
-                                        ([[1, 1, 1, 1], [0, 1, 0, 1]], r"row\(s\) \[1\] are right-padded"),
-                                        ([[1, 1, 1, 2], [1, 1, 1, 1]], r"0 \(padding\) and 1 \(token\) only")])
+@pytest.mark.parametrize(
+    "mask,match",
+    [
+        ([[1, 1, 1, 1], [1, 1, 1, 0]], r"row\(s\) \[1\] are right-padded.*left-pad"),
+        ([[1, 1, 1, 1], [0, 0, 0, 0]], r"row\(s\) \[1\] are all 0"),
+        ([[1, 1, 1, 1], [0, 1, 0, 1]], r"row\(s\) \[1\] are right-padded"),
+        ([[1, 1, 1, 2], [1, 1, 1, 1]], r"0 \(padding\) and 1 \(token\) only"),
+    ],
+)
 @pytest.mark.parametrize("how", [{}, {"exit": "kl:0.01"}, {"speculative": 1}])
 def test_generate_refuses_a_mask_it_cannot_decode(mask, match, how):
     """A right-padded row decoded other tokens than the row alone; an all-zero row was accepted."""
@@ -60,12 +70,17 @@ def test_generate_refuses_a_mask_it_cannot_decode(mask, match, how):
     assert torch.equal(m.generate(x, 4, attention_mask=left, **how)[1, 1:], m.generate(x[1:, 1:], 4, **how)[0])
 
 
-@pytest.mark.parametrize("kw,match", [({"num_loops": 193}, r"num_loops=193 is more than 64x the model's trained K = 3"),
-                                      ({"num_loops": torch.tensor([1, 10**5])}, "num_loops=100000"),
-                                      ({"exit": {"criterion": "kl", "threshold": 0.0, "max_loops": 10**8}}, "max_loops=100000000"),
-                                      ({"exit": "replay:99"}, r"replay depth 99 exceeds the model's trained K = 3"),
-                                      ({"exit": {"criterion": "replay", "depths": torch.tensor([1, 4])}}, "replay depth 4 exceeds"),
-                                      ({"exit": {"criterion": "replay", "depths": 5, "max_loops": 4}}, "replay depth 5 exceeds max_loops = 4")])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        ({"num_loops": 193}, r"num_loops=193 is more than 64x the model's trained K = 3"),
+        ({"num_loops": torch.tensor([1, 10**5])}, "num_loops=100000"),
+        ({"exit": {"criterion": "kl", "threshold": 0.0, "max_loops": 10**8}}, "max_loops=100000000"),
+        ({"exit": "replay:99"}, r"replay depth 99 exceeds the model's trained K = 3"),
+        ({"exit": {"criterion": "replay", "depths": torch.tensor([1, 4])}}, "replay depth 4 exceeds"),
+        ({"exit": {"criterion": "replay", "depths": 5, "max_loops": 4}}, "replay depth 5 exceeds max_loops = 4"),
+    ],
+)
 def test_generate_refuses_runaway_depths_unless_asked(kw, match):
     from helpers import assert_refused_before_any_work
 
@@ -75,14 +90,22 @@ def test_generate_refuses_runaway_depths_unless_asked(kw, match):
     assert_refused_before_any_work(m, lambda: m.generate(x, 2, **kw), match)
     assert m.generate(x, 1, num_loops=192).shape == (2, 4)  # 64 x K itself runs
     assert m.generate(x, 1, num_loops=200, allow_deep=True).shape == (2, 4)
-    assert m.generate(x, 1, exit={"criterion": "kl", "threshold": 0.5, "max_loops": 200}, allow_deep=True).shape == (2, 4)
+    assert m.generate(x, 1, exit={"criterion": "kl", "threshold": 0.5, "max_loops": 200}, allow_deep=True).shape == (
+        2,
+        4,
+    )
 
 
-@pytest.mark.parametrize("extra,match", [(["--loops", "100000"], "num_loops=100000 .*--allow-deep"),
-                                         (["--exit", "kl:0", "--max-loops", "100000000"], "max_loops=100000000 .*--allow-deep"),
-                                         (["--exit", "replay:99"], "replay depth 99 exceeds the model's trained K = 3"),
-                                         (["--speculative", "1", "--draft-k", "600"], "= 600 is more than the 500"),
-                                         (["--speculative", "1", "--draft-k", "1000000"], "= 1000000 is more than the 500")])
+@pytest.mark.parametrize(
+    "extra,match",
+    [
+        (["--loops", "100000"], "num_loops=100000 .*--allow-deep"),
+        (["--exit", "kl:0", "--max-loops", "100000000"], "max_loops=100000000 .*--allow-deep"),
+        (["--exit", "replay:99"], "replay depth 99 exceeds the model's trained K = 3"),
+        (["--speculative", "1", "--draft-k", "600"], "= 600 is more than the 500"),
+        (["--speculative", "1", "--draft-k", "1000000"], "= 1000000 is more than the 500"),
+    ],
+)
 def test_cli_generate_refuses_runaway_work(extra, match, capsys):
     assert main(["generate", "--model", "tiny-llama", "--max-new-tokens", "8", *extra]) == 2
     err = capsys.readouterr().err
@@ -91,7 +114,10 @@ def test_cli_generate_refuses_runaway_work(extra, match, capsys):
 
 def test_cli_generate_runs_deep_when_asked(capsys):
     assert main(["generate", "--model", "tiny-llama", "--max-new-tokens", "2", "--loops", "200", "--allow-deep"]) == 0
-    assert main(["generate", "--model", "tiny-llama", "--max-new-tokens", "2", "--exit", "replay:5", "--max-loops", "5"]) == 0
+    assert (
+        main(["generate", "--model", "tiny-llama", "--max-new-tokens", "2", "--exit", "replay:5", "--max-loops", "5"])
+        == 0
+    )
 
 
 class _Req:  # an lm-eval Instance as generate_until reads it: args = (context, generation kwargs)
@@ -117,7 +143,9 @@ def test_lm_eval_generate_until_takes_exit_and_speculative_options():
     plain = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=3).generate_until(reqs)
     spec = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=3, speculative="1", draft_k="3").generate_until(reqs)
     assert spec == plain
-    spec = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=3, speculative="2", draft_exit="kl:0.01").generate_until(reqs)
+    spec = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=3, speculative="2", draft_exit="kl:0.01").generate_until(
+        reqs
+    )
     assert spec == plain
     lm = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=1, exit="replay:2", kv_policy="propagate")
     got = lm.generate_until(reqs)
@@ -152,8 +180,9 @@ def test_lm_eval_generate_until_refills_rows_under_the_depth_schedule(monkeypatc
     for p, text in zip(prompts, got):
         assert text == _alone(m, p, 9, {"criterion": "replay", "depths": 2, "kv": "copy"}), p
     refills.clear()
-    whole = LoopLMEvalModel(model=m, tokenizer=TOK, batch_size=len(prompts), exit="replay:2", kv_policy="copy",
-                            exit_schedule="depth").generate_until(reqs)  # fmt: skip
+    whole = LoopLMEvalModel(
+        model=m, tokenizer=TOK, batch_size=len(prompts), exit="replay:2", kv_policy="copy", exit_schedule="depth"
+    ).generate_until(reqs)
     assert whole == got and not refills  # one batch of 6 rows: nothing queued
 
 
@@ -194,15 +223,26 @@ def test_bench_helpers_measure_what_they_say():
     per_loop = kv_bytes_per_token(m, "copy")
     assert per_loop == 3 * 2 * 2 * (2 * 16) * 4  # K loops x layers x (k, v) x H_kv·hd x fp32 bytes
     assert kv_bytes_per_token(m, "shared") == per_loop / 3
-    res = decode_timing(m, torch.randint(0, 260, (2, 4)), 3, {
-        "full": lambda b, c: FullDepth(m, b, c),
-        "r1": lambda b, c: AdaptiveDecoder(m, b, c, {"criterion": "replay", "depths": 1})}, runs=1)  # fmt: skip
+    res = decode_timing(
+        m,
+        torch.randint(0, 260, (2, 4)),
+        3,
+        {
+            "full": lambda b, c: FullDepth(m, b, c),
+            "r1": lambda b, c: AdaptiveDecoder(m, b, c, {"criterion": "replay", "depths": 1}),
+        },
+        runs=1,
+    )
     assert res["full"]["ratio"] == 1.0 and res["r1"]["stats"]["executed_depth"] == 1.0 and res["r1"]["ms_per_token"] > 0
     ids = torch.randint(0, 260, (2, 12))
     q = teacher_forced_quality(m, ids, {"criterion": "replay", "depths": 1, "kv": "full"}, prompt_len=4)
     assert q["executed_depth"] == 3 and q["selected_depth"] == 1 and q["agreement"] < 1
     full = teacher_forced_quality(m, ids, {"criterion": "convergence", "threshold": 0.0}, prompt_len=4)
-    assert full["agreement"] == 1.0 and full["kl_to_full"] < 1e-6 and full["ppl"] == pytest.approx(full["ppl_full"], rel=1e-5)
+    assert (
+        full["agreement"] == 1.0
+        and full["kl_to_full"] < 1e-6
+        and full["ppl"] == pytest.approx(full["ppl_full"], rel=1e-5)
+    )
 
 
 def test_bench_speculative_timing_reports_phases_and_the_free_verification_bound():
@@ -260,12 +300,25 @@ def test_bench_scale_section_times_the_schedules_on_attention_and_mamba2_backbon
     from looplm.bench.adaptive import _contenders, section_scale
 
     m = looplm.build("tiny-llama").eval()
-    assert set(_contenders(m, 2, {"r": {"kv": "copy"}}, ("depth", "static"))) == {"full", "r/token", "r/depth", "r/static"}
-    assert set(_contenders(m, 1, {"r": {"kv": "copy"}}, ("depth", "static"))) == {"full", "r/token"}  # batch 1: one schedule
-    rows = section_scale(torch.tensor([1, 2, 4]), [64], (2,), 4, 1, "wall", [torch.float32], ("token", "static"),
-                         ("attention", "mamba2"))
-    assert [(r["mixer"], r["schedule"]) for r in rows] == [("attention", "token"), ("attention", "static"),
-                                                          ("mamba2", "token"), ("mamba2", "static")]
+    assert set(_contenders(m, 2, {"r": {"kv": "copy"}}, ("depth", "static"))) == {
+        "full",
+        "r/token",
+        "r/depth",
+        "r/static",
+    }
+    assert set(_contenders(m, 1, {"r": {"kv": "copy"}}, ("depth", "static"))) == {
+        "full",
+        "r/token",
+    }  # batch 1: one schedule
+    rows = section_scale(
+        torch.tensor([1, 2, 4]), [64], (2,), 4, 1, "wall", [torch.float32], ("token", "static"), ("attention", "mamba2")
+    )
+    assert [(r["mixer"], r["schedule"]) for r in rows] == [
+        ("attention", "token"),
+        ("attention", "static"),
+        ("mamba2", "token"),
+        ("mamba2", "static"),
+    ]
     assert all(0 < r["executed_ratio"] < 1 and r["time_ratio"] > 0 for r in rows)
 
 
@@ -276,7 +329,10 @@ def test_bench_timing_compares_carried_and_at_exit_propagate_fills():
 
     torch.manual_seed(0)
     m = looplm.build("tiny-llama").eval()
-    specs = {"p": {"criterion": "kl", "threshold": 0.5, "kv": "propagate"}, "c": {"criterion": "kl", "threshold": 0.5, "kv": "copy"}}
+    specs = {
+        "p": {"criterion": "kl", "threshold": 0.5, "kv": "propagate"},
+        "c": {"criterion": "kl", "threshold": 0.5, "kv": "copy"},
+    }
     cont = _contenders(m, 2, specs, ("token", "depth"), at_exit=True)
     assert set(cont) == {"full", "p/token", "p/depth", "p/token-at-exit", "p/depth-at-exit", "c/token", "c/depth"}
     assert cont["p/token"](2, 8).carry_fills and not cont["p/token-at-exit"](2, 8).carry_fills
@@ -309,7 +365,9 @@ def test_lm_eval_model_refuses_runaway_loops_unless_asked():
 
     torch.manual_seed(0)
     m = looplm.build("tiny-llama", max_seq_len=64).eval()
-    with pytest.raises(ValueError, match=r"loops \(--loops\)=100000 is more than 64x the model's trained K = 3 .*--allow-deep"):
+    with pytest.raises(
+        ValueError, match=r"loops \(--loops\)=100000 is more than 64x the model's trained K = 3 .*--allow-deep"
+    ):
         LoopLMEvalModel(model=m, tokenizer=TOK, loops=100000)
     with pytest.raises(ValueError, match="max_loops=100000 is more than 64x"):
         LoopLMEvalModel(model=m, tokenizer=TOK, exit="kl:0", max_loops="100000")

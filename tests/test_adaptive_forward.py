@@ -71,7 +71,9 @@ def _assert_matches_sequential(model, ids, exit, margins: _Margins | None = None
     if margins is None or bool(same.all()):
         assert torch.equal(out.depth[:, 1:], depths)
     else:
-        assert margins.closest <= TIE, f"exits differ in rows {(~same).nonzero().flatten().tolist()} without a tie (closest {margins.closest:.2e} ε)"
+        assert margins.closest <= TIE, (
+            f"exits differ in rows {(~same).nonzero().flatten().tolist()} without a tie (closest {margins.closest:.2e} ε)"
+        )
         assert bool(same.any()), "every row's exits differ"
         out.logits, ref = out.logits[same], ref[same]
     torch.testing.assert_close(out.logits[:, 1:].float(), ref[:, 1:], atol=2e-6, rtol=0)
@@ -81,17 +83,20 @@ def _assert_matches_sequential(model, ids, exit, margins: _Margins | None = None
 
 # models with codas that readouts run through at every loop: the kl check's (a Mamba-2 coda; two attention coda
 # layers, so that a propagate fill differs from the readout's own keys and values past the first) and a rule's own
-_VARIANTS = {"hybrid-coda": ("tiny-hybrid", {"n_prelude": 1, "n_coda": 1}),
-             "coreloop-coda2": ("tiny-coreloop", {"n_coda": 2}),
-             "ponder-coda2": ("tiny-coreloop", {"n_coda": 2, "rule": {"name": "ponderlm"}})}  # PonderLM reads out in step
+_VARIANTS = {
+    "hybrid-coda": ("tiny-hybrid", {"n_prelude": 1, "n_coda": 1}),
+    "coreloop-coda2": ("tiny-coreloop", {"n_coda": 2}),
+    "ponder-coda2": ("tiny-coreloop", {"n_coda": 2, "rule": {"name": "ponderlm"}}),
+}  # PonderLM reads out in step
 
 
 def _build(name):
     return _model(_VARIANTS[name][0], overrides=_VARIANTS[name][1]) if name in _VARIANTS else _model(name)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3", "tiny-hybrid", "tiny-mamba2", "tiny-coreloop", "hybrid-coda",
-                                  "coreloop-coda2"])
+@pytest.mark.parametrize(
+    "name", ["tiny-llama", "tiny-qwen3", "tiny-hybrid", "tiny-mamba2", "tiny-coreloop", "hybrid-coda", "coreloop-coda2"]
+)
 @pytest.mark.parametrize("kv", ["copy", "propagate", "full"])
 def test_kl_exit_equals_token_by_token_decoding(name, kv, margins):
     """Loop-major (every looping position of the text at once) equals token-major (the decoder, teacher
@@ -120,13 +125,21 @@ def test_the_policies_change_what_later_tokens_read():
     token-by-token reference in the test above)."""
     m = _model("tiny-qwen3", loops=6)
     ids = torch.randint(0, m.config.vocab_size, (3, 16))
-    out = {kv: adaptive_forward(m, ids, {"criterion": "kl", "threshold": 0.002, "kv": kv}) for kv in ("copy", "propagate", "full")}
+    out = {
+        kv: adaptive_forward(m, ids, {"criterion": "kl", "threshold": 0.002, "kv": kv})
+        for kv in ("copy", "propagate", "full")
+    }
     for a, b in (("copy", "propagate"), ("copy", "full"), ("propagate", "full")):
         assert (out[a].logits - out[b].logits).abs().max() > 1e-3, (a, b)
 
 
-@pytest.mark.parametrize("exit", [{"criterion": "convergence", "threshold": 0.5, "kv": "copy"},
-                                  {"criterion": "replay", "depths": "per-position", "kv": "propagate"}])  # fmt: skip
+@pytest.mark.parametrize(
+    "exit",
+    [
+        {"criterion": "convergence", "threshold": 0.5, "kv": "copy"},
+        {"criterion": "replay", "depths": "per-position", "kv": "propagate"},
+    ],
+)
 def test_convergence_and_replay_equal_token_by_token_decoding(exit, margins):
     m = _model("tiny-coreloop")  # prelude and coda layers: once over the text, around the per-token loops
     ids = torch.randint(0, m.config.vocab_size, (2, 10))
@@ -165,18 +178,28 @@ def test_criteria_off_and_uniform_depth_are_the_plain_forward(name, dtype):
     """ε = 0 (and the gate's q = 1) runs every loop: the plain forward's logits, padded or not (bf16 bit for
     bit; fp32 to its rounding — the packed products have other shapes, and on some CPUs, e.g. an AMD EPYC,
     other summation orders: 1.5e-7 apart); a uniform replay depth r is ``num_loops = r``."""
-    same = torch.testing.assert_close if dtype == torch.float32 else lambda a, b, **_: torch.equal(a, b) or pytest.fail("not bit-equal")
+    same = (
+        torch.testing.assert_close
+        if dtype == torch.float32
+        else lambda a, b, **_: torch.equal(a, b) or pytest.fail("not bit-equal")
+    )
     m = _model(name).to(dtype)
     ids = torch.randint(0, m.config.vocab_size, (3, 11))
     mask = torch.ones(3, 11, dtype=torch.long)
     mask[1, :4] = 0  # left padding
     with torch.no_grad():
         same(adaptive_forward(m, ids, "kl:0").logits, m(ids).logits, atol=1e-6, rtol=0)
-        same(adaptive_forward(m, ids, "convergence:0", attention_mask=mask).logits[mask.bool()],
-             m(ids, attention_mask=mask).logits[mask.bool()], atol=1e-6, rtol=0)  # fmt: skip
+        same(
+            adaptive_forward(m, ids, "convergence:0", attention_mask=mask).logits[mask.bool()],
+            m(ids, attention_mask=mask).logits[mask.bool()],
+            atol=1e-6,
+            rtol=0,
+        )
         for r in (1, 3):
             out = adaptive_forward(m, ids, f"replay:{r}")
-            torch.testing.assert_close(out.logits, m(ids, num_loops=r).logits, atol=1e-6 if dtype == torch.float32 else 0, rtol=0)
+            torch.testing.assert_close(
+                out.logits, m(ids, num_loops=r).logits, atol=1e-6 if dtype == torch.float32 else 0, rtol=0
+            )
             assert out.stats["executed_depth"] == r and out.stats["computed_ratio"] == r / 5
 
 
@@ -224,15 +247,26 @@ def test_statistics_count_the_exits_and_the_packs():
     assert torch.all(full.executed == 5) and full.stats["executed_ratio"] == 1 and torch.equal(full.depth, out.depth)
 
 
-@pytest.mark.parametrize("name,exit,match", [
-    ("tiny-llama", {"criterion": "kl", "threshold": 0.01, "kv": "shared"}, "kv policy 'shared'"),
-    ("tiny-llama", "kl:0.01", "no sliding-window band"),
-    ("tiny-mamba2", {"criterion": "kl", "threshold": 0.01, "ssm": "propagate"}, "ssm policy 'propagate'"),
-    ("tiny-llama", {"criterion": "kl", "threshold": -1.0}, "threshold ε must be"),
-    ("tiny-llama", {"criterion": "replay", "depths": torch.ones(3, 4, dtype=torch.long)}, "depths give 4 positions per row"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "name,exit,match",
+    [
+        ("tiny-llama", {"criterion": "kl", "threshold": 0.01, "kv": "shared"}, "kv policy 'shared'"),
+        ("tiny-llama", "kl:0.01", "no sliding-window band"),
+        ("tiny-mamba2", {"criterion": "kl", "threshold": 0.01, "ssm": "propagate"}, "ssm policy 'propagate'"),
+        ("tiny-llama", {"criterion": "kl", "threshold": -1.0}, "threshold ε must be"),
+        (
+            "tiny-llama",
+            {"criterion": "replay", "depths": torch.ones(3, 4, dtype=torch.long)},
+            "depths give 4 positions per row",
+        ),
+    ],
+)
 def test_bad_options_are_refused_before_any_work(name, exit, match):
-    kw = {"overrides": {"attention.sliding_window": 4, "attention.sliding_layer_idx": [1]}} if match == "no sliding-window band" else {}
+    kw = (
+        {"overrides": {"attention.sliding_window": 4, "attention.sliding_layer_idx": [1]}}
+        if match == "no sliding-window band"
+        else {}
+    )
     m = _model(name, **kw)
     ids = torch.randint(0, m.config.vocab_size, (3, 8))
     assert_refused_before_any_work(m, lambda: adaptive_forward(m, ids, exit), match)
@@ -241,9 +275,14 @@ def test_bad_options_are_refused_before_any_work(name, exit, match):
 def test_propagate_is_refused_for_rules_that_modulate_their_blocks_and_bad_prefix():
     m = _model("tiny-llama", overrides={"rule": {"name": "timestep"}})
     ids = torch.randint(0, m.config.vocab_size, (2, 6))
-    assert_refused_before_any_work(m, lambda: adaptive_forward(m, ids, {"criterion": "kl", "threshold": 0.1, "kv": "propagate"}),
-                                   "modulates its blocks per loop")  # fmt: skip
-    assert_refused_before_any_work(m, lambda: adaptive_forward(m, ids, "kl:0.1", full_depth_prefix=7), "full_depth_prefix")
+    assert_refused_before_any_work(
+        m,
+        lambda: adaptive_forward(m, ids, {"criterion": "kl", "threshold": 0.1, "kv": "propagate"}),
+        "modulates its blocks per loop",
+    )
+    assert_refused_before_any_work(
+        m, lambda: adaptive_forward(m, ids, "kl:0.1", full_depth_prefix=7), "full_depth_prefix"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -278,15 +317,23 @@ def _slot_diff(a, b) -> float:
         t = b.slots[key]
         if getattr(s, "_k", None) is not None:
             L = s.seqlen
-            worst = max(worst, float((s._k[:, :, :L] - t._k[:, :, :L]).abs().max()), float((s._v[:, :, :L] - t._v[:, :, :L]).abs().max()))
+            worst = max(
+                worst,
+                float((s._k[:, :, :L] - t._k[:, :, :L]).abs().max()),
+                float((s._v[:, :, :L] - t._v[:, :, :L]).abs().max()),
+            )
         elif hasattr(s, "ssm_state"):
-            worst = max(worst, float((s.ssm_state - t.ssm_state).abs().max()), float((s.conv_state - t.conv_state).abs().max()))
+            worst = max(
+                worst, float((s.ssm_state - t.ssm_state).abs().max()), float((s.conv_state - t.conv_state).abs().max())
+            )
             assert s.seqlen_offset == t.seqlen_offset
     return worst
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-hybrid", "tiny-mamba2", "tiny-coreloop", "hybrid-coda", "coreloop-coda2",
-                                  "ponder-coda2"])
+@pytest.mark.parametrize(
+    "name",
+    ["tiny-llama", "tiny-hybrid", "tiny-mamba2", "tiny-coreloop", "hybrid-coda", "coreloop-coda2", "ponder-coda2"],
+)
 @pytest.mark.parametrize("kv", ["copy", "propagate"])
 def test_prefill_exit_leaves_the_caches_of_decoding_the_prompt_token_by_token(name, kv):
     """``prefill='exit'``: the prompt in one forward leaves every loop's slots (keys and values with the fills of
@@ -323,9 +370,14 @@ def test_generate_with_prefill_exit_in_every_schedule(schedule):
 def test_prefill_exit_options_are_refused_before_any_work():
     m = _model("tiny-llama")
     ids = torch.randint(0, m.config.vocab_size, (2, 6))
-    for exit, match in ((Exit(criterion="kl", threshold=0.1, kv="shared", prefill="exit"), "prefill='exit': kv policy 'shared'"),
-                        (Exit(criterion="replay", depths=torch.ones(2, 4, dtype=torch.long), prefill="exit"), "per-token replay depths"),
-                        (Exit(criterion="kl", threshold=0.1, prefill="all"), "exit prefill 'all' is unknown")):  # fmt: skip
+    for exit, match in (
+        (Exit(criterion="kl", threshold=0.1, kv="shared", prefill="exit"), "prefill='exit': kv policy 'shared'"),
+        (
+            Exit(criterion="replay", depths=torch.ones(2, 4, dtype=torch.long), prefill="exit"),
+            "per-token replay depths",
+        ),
+        (Exit(criterion="kl", threshold=0.1, prefill="all"), "exit prefill 'all' is unknown"),
+    ):
         assert_refused_before_any_work(m, lambda: m.generate(ids, 4, exit=exit), match)
 
 
@@ -342,12 +394,33 @@ def test_the_front_ends_pass_the_prefill_option(capsys):
     assert harness_options(m, exit="kl:0.1", exit_prefill="exit")["exit"].prefill == "exit"
     with pytest.raises(ValueError, match="options of --exit"):
         adaptive_options(m, prefill="exit")
-    args = build_parser("generate").parse_args(["generate", "--model", "tiny-llama", "--exit", "kl:0.1", "--exit-prefill", "exit"])
+    args = build_parser("generate").parse_args(
+        ["generate", "--model", "tiny-llama", "--exit", "kl:0.1", "--exit-prefill", "exit"]
+    )
     assert args.exit_prefill == "exit"
-    assert main(["generate", "--model", "tiny-llama", "--prompt", "Once upon a time", "--max-new-tokens", "4",
-                 "--exit", "kl:0.003", "--exit-prefill", "exit", "--stats"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                "tiny-llama",
+                "--prompt",
+                "Once upon a time",
+                "--max-new-tokens",
+                "4",
+                "--exit",
+                "kl:0.003",
+                "--exit-prefill",
+                "exit",
+                "--stats",
+            ]
+        )
+        == 0
+    )
     stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
-    assert stats["prefill"]["tokens"] == len("Once upon a time") and stats["prefill"]["max_loops"] == 3  # (the preset's K)
+    assert (
+        stats["prefill"]["tokens"] == len("Once upon a time") and stats["prefill"]["max_loops"] == 3
+    )  # (the preset's K)
 
 
 def test_prefill_exit_with_request_refill_counts_every_prompt():

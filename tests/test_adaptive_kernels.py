@@ -14,7 +14,9 @@ from looplm.kernels import gemv
 from helpers import run_under_portable_build
 
 pytestmark = [pytest.mark.kernels, pytest.mark.usefixtures("one_thread")]
-needs_extension = pytest.mark.skipif(not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}")
+needs_extension = pytest.mark.skipif(
+    not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}"
+)
 
 
 class _RowOps(TorchDispatchMode):
@@ -71,7 +73,9 @@ def test_fused_adaptive_and_speculative_generation(name):
     x = torch.randint(0, 260, (3, 5))
     plain = m.generate(x, 10)
     assert torch.equal(m.generate(x, 10, exit="convergence:0", return_stats=True)[0], plain)
-    depths = torch.tensor([[1, 2, 1, 2, 2, 1, 1, 2, 2, 1], [2, 1, 1, 1, 2, 2, 1, 1, 2, 2], [1, 1, 2, 2, 1, 2, 2, 1, 1, 1]])
+    depths = torch.tensor(
+        [[1, 2, 1, 2, 2, 1, 1, 2, 2, 1], [2, 1, 1, 1, 2, 2, 1, 1, 2, 2], [1, 1, 2, 2, 1, 2, 2, 1, 1, 1]]
+    )
     batch = m.generate(x, 10, exit=dict(criterion="replay", depths=depths, kv="copy"))
     for b in range(3):
         alone = m.generate(x[b : b + 1], 10, exit=dict(criterion="replay", depths=depths[b : b + 1], kv="copy"))
@@ -94,13 +98,21 @@ def test_row_index_is_checked_by_the_op():
     cos, sin = fctx.rope_for(blk.mixer.rotary_dim)
     with torch.no_grad():
         with pytest.raises(RuntimeError, match="outside the caches' 4 rows"):
-            torch.ops.looplm_cpu.decode_attention(x, *plan.weights, cos, sin, k, v, 3, None, 4, rows=torch.tensor([0, 4]))
+            torch.ops.looplm_cpu.decode_attention(
+                x, *plan.weights, cos, sin, k, v, 3, None, 4, rows=torch.tensor([0, 4])
+            )
         with pytest.raises(RuntimeError, match="distinct"):
-            torch.ops.looplm_cpu.decode_attention(x, *plan.weights, cos, sin, k, v, 3, None, 4, rows=torch.tensor([1, 1]))
+            torch.ops.looplm_cpu.decode_attention(
+                x, *plan.weights, cos, sin, k, v, 3, None, 4, rows=torch.tensor([1, 1])
+            )
         with pytest.raises(RuntimeError, match="pass rows"):
             torch.ops.looplm_cpu.decode_attention(x, *plan.weights, cos, sin, k, v, 3, None, 4)
-        y = torch.ops.looplm_cpu.decode_attention(x, *plan.weights, cos, sin, k, v, 3, None, 4, rows=torch.tensor([3, 1]))
-    assert y.shape == (2, 1, 64) and k[[1, 3], :, 3].abs().sum() > 0 and k[[0, 2]].abs().sum() == 0  # only rows 3 and 1 written
+        y = torch.ops.looplm_cpu.decode_attention(
+            x, *plan.weights, cos, sin, k, v, 3, None, 4, rows=torch.tensor([3, 1])
+        )
+    assert (
+        y.shape == (2, 1, 64) and k[[1, 3], :, 3].abs().sum() > 0 and k[[0, 2]].abs().sum() == 0
+    )  # only rows 3 and 1 written
 
 
 @needs_extension
@@ -165,7 +177,9 @@ def test_an_exit_takes_its_kl_readout_as_its_logits(schedule):
                 self.reuse_readout = self.reuse_readout and reuse
 
         if schedule == "depth":
-            return depth_batched_generate(m, x, 12, spec, False, 1.0, None, None, None, None, None, None, None, True, decoder=D)
+            return depth_batched_generate(
+                m, x, 12, spec, False, 1.0, None, None, None, None, None, None, None, True, decoder=D
+            )
         dec = D(m, B, 6 + 12, spec)
         toks, out = x[:, -1:], [x]
         with dispatch.decode_steps(m, batch_size=B):
@@ -181,7 +195,9 @@ def test_an_exit_takes_its_kl_readout_as_its_logits(schedule):
     assert sa.reused_flops > 0 and sb.reused_flops == 0
     assert sa.other_flops == pytest.approx(sb.other_flops)  # every token's head, as full depth runs it; less the reused
     s = sa.summary()
-    assert s["flops_per_token"] * s["tokens"] == pytest.approx(sa.core_flops + sa.fill_flops + sa.check_flops + sa.other_flops - sa.reused_flops)
+    assert s["flops_per_token"] * s["tokens"] == pytest.approx(
+        sa.core_flops + sa.fill_flops + sa.check_flops + sa.other_flops - sa.reused_flops
+    )
     assert s["flops_per_token"] < sb.summary()["flops_per_token"]
 
 

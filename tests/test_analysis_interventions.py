@@ -10,7 +10,14 @@ import torch
 
 import looplm
 from looplm.analysis import ANALYSES, load_all
-from looplm.analysis.interventions import calibrate, channel_stats, mean_nll, read_masking, replace_and_freeze, shapley_values
+from looplm.analysis.interventions import (
+    calibrate,
+    channel_stats,
+    mean_nll,
+    read_masking,
+    replace_and_freeze,
+    shapley_values,
+)
 from looplm.cli import main
 
 
@@ -47,7 +54,9 @@ def test_shapley_values_of_a_known_game():
 def test_shapley_evaluates_every_subset_once():
     seen = []
     shapley_values(lambda M: seen.append(M) or 0.0, 3)
-    assert sorted(map(sorted, seen)) == sorted(map(sorted, (frozenset(c) for m in range(4) for c in itertools.combinations(range(3), m))))
+    assert sorted(map(sorted, seen)) == sorted(
+        map(sorted, (frozenset(c) for m in range(4) for c in itertools.combinations(range(3), m)))
+    )
 
 
 def test_terminal_read_only_gets_the_whole_share():
@@ -76,14 +85,26 @@ def test_masking_a_read_is_zeroing_its_projection():
     res = read_masking(model, batches, loops=3)
     with torch.no_grad():
         model.rule.W_out.weight.zero_()
-    assert res["baseline_nll"] + res["subset_nll_increase"]["001"] == pytest.approx(mean_nll(model, batches, 3), rel=1e-6)
+    assert res["baseline_nll"] + res["subset_nll_increase"]["001"] == pytest.approx(
+        mean_nll(model, batches, 3), rel=1e-6
+    )
     assert res["shares"][0] is not None and sum(res["shares"]) == pytest.approx(1.0)
 
 
 def test_read_masking_needs_a_state_reading_rule():
     with pytest.raises(ValueError, match="read_scale.*rule 'stateloop-state-only'"):
-        read_masking(looplm.build("stateloop-410m-k7-state-only", d_model=32, vocab_size=260, n_core=1, d_ff=32,
-                                  overrides={"attention.n_heads": 2}), _batches(1), loops=3)
+        read_masking(
+            looplm.build(
+                "stateloop-410m-k7-state-only",
+                d_model=32,
+                vocab_size=260,
+                n_core=1,
+                d_ff=32,
+                overrides={"attention.n_heads": 2},
+            ),
+            _batches(1),
+            loops=3,
+        )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -105,7 +126,9 @@ def test_channel_stats_and_calibration_map_moments():
     # Ŝ^{2→4} over the calibration tokens has boundary 4's channel means and (up to ε) its std
     S_hat = calibrate(S2, stats[2], stats[4])
     torch.testing.assert_close(S_hat.mean(0), stats[4][0], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(S_hat.std(0, unbiased=False), stats[4][1] * stats[2][1] / (stats[2][1] + 1e-6), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        S_hat.std(0, unbiased=False), stats[4][1] * stats[2][1] / (stats[2][1] + 1e-6), atol=1e-5, rtol=1e-4
+    )
     # calibrating a boundary to itself is (up to ε) the identity
     torch.testing.assert_close(calibrate(S2, stats[2], stats[2]), S2, atol=1e-4, rtol=1e-4)
 
@@ -135,8 +158,15 @@ def test_replacement_and_freezing_on_a_read_state():
 
 def test_state_only_rule_supports_replacement():
     torch.manual_seed(0)
-    model = looplm.build("stateloop-410m-k7-state-only", d_model=32, vocab_size=260, n_core=1, n_loops=4, d_ff=32,
-                         overrides={"attention.n_heads": 2}).eval()
+    model = looplm.build(
+        "stateloop-410m-k7-state-only",
+        d_model=32,
+        vocab_size=260,
+        n_core=1,
+        n_loops=4,
+        d_ff=32,
+        overrides={"attention.n_heads": 2},
+    ).eval()
     res = replace_and_freeze(model, _batches(1), _batches(1, seed=4), loops=4)
     assert res["boundaries"] == [1, 2, 3]  # X^4 is never computed
     assert [e["source"] for e in res["replace"]] == [1, 2]
@@ -151,8 +181,27 @@ def test_analyze_cli_writes_json_and_figures(tmp_path, capsys):
     data = tmp_path / "text.txt"
     data.write_text("\n\n".join(f"Document {i}: the looped model keeps a state per token. " * 3 for i in range(20)))
     out = tmp_path / "an"
-    argv = ["analyze", "--model", "tiny-stateloop", "--metrics", "state-shapley,state-replace-freeze", "--loops", "3",
-            "--data", str(data), "--batches", "1", "--calib-batches", "1", "--batch-size", "2", "--seq-len", "24", "--out", str(out)]
+    argv = [
+        "analyze",
+        "--model",
+        "tiny-stateloop",
+        "--metrics",
+        "state-shapley,state-replace-freeze",
+        "--loops",
+        "3",
+        "--data",
+        str(data),
+        "--batches",
+        "1",
+        "--calib-batches",
+        "1",
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "24",
+        "--out",
+        str(out),
+    ]
     assert main(argv) == 0
     sh = json.loads((out / "state-shapley.json").read_text())
     assert sh["loops"] == 3 and len(sh["shapley"]) == 3 and sh["source"].startswith("preset tiny-stateloop")

@@ -11,7 +11,15 @@ from pathlib import Path
 import looplm
 
 PKG = Path(looplm.__file__).parent
-MODEL_CODE = ("looplm.layers", "looplm.blocks", "looplm.recurrence", "looplm.model", "looplm.context", "looplm.cache", "looplm.config")
+MODEL_CODE = (
+    "looplm.layers",
+    "looplm.blocks",
+    "looplm.recurrence",
+    "looplm.model",
+    "looplm.context",
+    "looplm.cache",
+    "looplm.config",
+)
 
 
 def _modules() -> dict[str, Path]:
@@ -127,6 +135,8 @@ def test_config_and_context_are_leaves():
 
 
 def test_import_looplm_loads_no_kernel_and_no_dynamo():
-    code = "import looplm, sys; print(sorted(m for m in sys.modules if 'kernels' in m or m.startswith('torch._dynamo')))"
+    code = (
+        "import looplm, sys; print(sorted(m for m in sys.modules if 'kernels' in m or m.startswith('torch._dynamo')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"

@@ -95,7 +95,7 @@ def test_parcae_spectral_norm_stays_below_one_after_optimizer_steps():
 
     model = tiny("parcae")
     rule = model.rule
-    assert rule.spectral_norm() == pytest.approx(5 ** -0.5, rel=1e-5)  # Parcae's init: Ā = sqrt(1/5)
+    assert rule.spectral_norm() == pytest.approx(5**-0.5, rel=1e-5)  # Parcae's init: Ā = sqrt(1/5)
     # push hard in the direction that grows Ā: an objective rewarding a large transition, huge steps
     opt = torch.optim.AdamW(rule.parameters(), lr=5.0)
     x = torch.randint(0, model.config.vocab_size, (2, 8))
@@ -277,6 +277,7 @@ def test_pause_loss_is_on_real_tokens_only():
 def test_pause_generate_feeds_pauses_and_never_returns_one():
     model = tiny_pause().eval()
     P, V = model.pause_id, model.config.vocab_size
+
     def favour_pause(mod, args, out):  # the head prefers the pause everywhere
         out = out.clone()
         out[..., P] += 100.0
@@ -288,7 +289,9 @@ def test_pause_generate_feeds_pauses_and_never_returns_one():
         ids, _, _ = insert_pauses(x, model.n_pause, P)
         assert int(looplm.LoopedLM.forward(model, ids).logits[:, -1].argmax(-1).eq(P).sum()) > 0  # unmasked: it would
         greedy = model.generate(x, max_new_tokens=6)
-        sampled = model.generate(x, max_new_tokens=6, do_sample=True, temperature=3.0, generator=torch.Generator().manual_seed(0))
+        sampled = model.generate(
+            x, max_new_tokens=6, do_sample=True, temperature=3.0, generator=torch.Generator().manual_seed(0)
+        )
         assert not bool((greedy == P).any()) and not bool((sampled == P).any())
         # cached decoding (pauses fed through the cache) == recomputing the full paused sequence
         assert torch.equal(greedy, model.generate(x, max_new_tokens=6, use_cache=False))
@@ -327,9 +330,18 @@ def test_looplm_train_cli_runs_each_tiny_variant(name, tmp_path, capsys, monkeyp
     (tmp_path / "model.yaml").write_text(yaml.safe_dump(to_dict(cfg)))
     out = tmp_path / "run"
     config = Path(__file__).resolve().parents[1] / "configs" / "train" / "tiny.yaml"
-    sets = ["data.seq_len=16", "train.global_batch_size=2", "train.micro_batch_size=2", "eval.every=0",
-            "eval.batches=1", "checkpoint.every=0", "logging.tensorboard=false", "logging.progress_bar=false",
-            "train.precision=fp32", f"model={tmp_path / 'model.yaml'}"]
+    sets = [
+        "data.seq_len=16",
+        "train.global_batch_size=2",
+        "train.micro_batch_size=2",
+        "eval.every=0",
+        "eval.batches=1",
+        "checkpoint.every=0",
+        "logging.tensorboard=false",
+        "logging.progress_bar=false",
+        "train.precision=fp32",
+        f"model={tmp_path / 'model.yaml'}",
+    ]
     argv = ["train", str(config), "--out", str(out), "--max-steps", "2", "--quiet", "--no-resume"]
     rc = main(argv + [a for s in sets for a in ("--set", s)])
     assert rc == 0, capsys.readouterr().err

@@ -20,7 +20,14 @@ from looplm.train.checkpoint import save_checkpoint
 def test_presets_lists_paper_models(capsys):
     assert main(["presets", "--json"]) == 0
     names = json.loads(capsys.readouterr().out)
-    for n in ["llama3.1-1b", "qwen3-0.6b-baseloop-4x7", "stateloop-1.4b-vanilla", "mamba2-140m-loop4", "llama2-6x4", "tiny-llama"]:
+    for n in [
+        "llama3.1-1b",
+        "qwen3-0.6b-baseloop-4x7",
+        "stateloop-1.4b-vanilla",
+        "mamba2-140m-loop4",
+        "llama2-6x4",
+        "tiny-llama",
+    ]:
         assert n in names
     assert main(["presets"]) == 0
     assert "Qwen3-0.6B BaseLoop 4x7" in capsys.readouterr().out
@@ -52,7 +59,9 @@ def test_info_with_overrides_and_yaml(tmp_path, capsys):
     info = json.loads(capsys.readouterr().out)
     assert info["effective_depth"] == 12
     y = tmp_path / "m.yaml"
-    y.write_text("vocab_size: 100\nd_model: 32\nn_prelude: 1\nn_core: 2\nn_loops: 2\nn_coda: 1\nd_ff: 64\nattention: {n_heads: 2}\n")
+    y.write_text(
+        "vocab_size: 100\nd_model: 32\nn_prelude: 1\nn_core: 2\nn_loops: 2\nn_coda: 1\nd_ff: 64\nattention: {n_heads: 2}\n"
+    )
     assert main(["info", str(y), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["p_s_K_c"] == [1, 2, 2, 1]
 
@@ -86,8 +95,13 @@ def test_generate_dtype_bf16_decodes_bf16_weights(capsys, monkeypatch):
     from looplm.model import LoopedLM
 
     seen, real = [], LoopedLM.generate
-    monkeypatch.setattr(LoopedLM, "generate", lambda self, *a, **k: seen.append(self.embed.weight.dtype) or real(self, *a, **k))
-    assert main(["generate", "--model", "tiny-llama", "--prompt", "Hello", "--max-new-tokens", "5", "--dtype", "bf16"]) == 0
+    monkeypatch.setattr(
+        LoopedLM, "generate", lambda self, *a, **k: seen.append(self.embed.weight.dtype) or real(self, *a, **k)
+    )
+    assert (
+        main(["generate", "--model", "tiny-llama", "--prompt", "Hello", "--max-new-tokens", "5", "--dtype", "bf16"])
+        == 0
+    )
     printed = capsys.readouterr().out
     assert seen == [torch.bfloat16]
     torch.manual_seed(0)
@@ -124,7 +138,11 @@ def tiny_run(tmp_path):
     torch.manual_seed(1)
     model = looplm.build("tiny-llama", max_seq_len=16)
     run = tmp_path / "run"
-    record = {"model": to_dict(model.config), "tokenizer": "byte", "tokenizer_fingerprint": ByteTokenizer().fingerprint()}
+    record = {
+        "model": to_dict(model.config),
+        "tokenizer": "byte",
+        "tokenizer_fingerprint": ByteTokenizer().fingerprint(),
+    }
     save_checkpoint(run / "ckpt", 3, model, None, {"step": 3}, record)
     return run, model
 
@@ -137,7 +155,7 @@ def _generate(run, capsys, *args):
 
 def _greedy(model, prompt: bytes, n: int, **kw) -> str:
     ids = model.generate(torch.tensor([list(prompt)]), max_new_tokens=n, do_sample=False, eos_token_id=256, **kw)
-    return ByteTokenizer().decode(ids[0, len(prompt):].tolist())
+    return ByteTokenizer().decode(ids[0, len(prompt) :].tolist())
 
 
 def test_generate_from_a_checkpoint_decodes_its_weights(tiny_run, capsys):
@@ -154,8 +172,19 @@ def test_generate_set_takes_inference_fields_only(tiny_run, capsys):
     long_prompt = "x" * 20  # longer than the trained max_seq_len of 16
     rc = main(["generate", "--checkpoint", str(run), "--prompt", long_prompt, "--max-new-tokens", "1"])
     assert rc == 2 and "max_seq_len=16" in capsys.readouterr().err
-    rc = main(["generate", "--checkpoint", str(run), "--prompt", long_prompt, "--max-new-tokens", "1",
-               "--set", "max_seq_len=64"])
+    rc = main(
+        [
+            "generate",
+            "--checkpoint",
+            str(run),
+            "--prompt",
+            long_prompt,
+            "--max-new-tokens",
+            "1",
+            "--set",
+            "max_seq_len=64",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     capsys.readouterr()
     rc, out, err = _generate(run, capsys, "--set", "d_model=32", "--set", "rule.name=vanilla")
@@ -169,7 +198,9 @@ def test_generate_tokenizer_override_warns_when_it_differs(tiny_run, tmp_path, c
 
     run, _ = tiny_run
     bpe = train_bpe(None, 260, tmp_path / "tok", texts=["abc abd abe " * 20, "hello world"])  # fits vocab 260
-    expected = rf"fingerprint {bpe.fingerprint()}\) is not the one .* \('byte', fingerprint {ByteTokenizer().fingerprint()}\)"
+    expected = (
+        rf"fingerprint {bpe.fingerprint()}\) is not the one .* \('byte', fingerprint {ByteTokenizer().fingerprint()}\)"
+    )
     with pytest.warns(CheckpointWarning, match=expected):
         rc, out, err = _generate(run, capsys, "--tokenizer", str(tmp_path / "tok"))
     assert rc == 0 and out.strip()
@@ -214,8 +245,12 @@ def test_empty_model_yaml_is_refused(tmp_path, capsys):
 
 def test_info_is_fast_for_the_largest_presets():
     t = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "looplm.cli", "info", "stateloop-1.4b-vanilla-ffn", "--json"],
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-m", "looplm.cli", "info", "stateloop-1.4b-vanilla-ffn", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     elapsed = time.perf_counter() - t
     assert json.loads(out.stdout)["params"] == 1_467_222_016
     assert elapsed < 15  # < 5 s on an idle machine; generous under a loaded test run
@@ -224,7 +259,10 @@ def test_info_is_fast_for_the_largest_presets():
 # ------------------------------------------------------------------------------------ bad arguments, refused up front
 def test_task_eval_refuses_bad_counts_before_opening_the_run(tmp_path, capsys):
     # --count -1 was an IndexError, --count 0 silently the run's default
-    assert main(["task", "phop", "eval", str(tmp_path / "no-run"), "--count", "-1", "--loops", "0", "--thresholds", "2"]) == 2
+    assert (
+        main(["task", "phop", "eval", str(tmp_path / "no-run"), "--count", "-1", "--loops", "0", "--thresholds", "2"])
+        == 2
+    )
     err = capsys.readouterr().err
     assert "invalid task eval arguments (3 problem(s))" in err and "count (--count): must be an integer >= 1" in err
     assert "--loops" in err and "--thresholds" in err and "no-run" not in err  # the run was not opened
@@ -237,13 +275,18 @@ def test_analyze_refuses_bad_counts_and_unknown_options(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--batches: must be >= 1, got 0" in err  # was a TypeError
     assert "--loops: must be >= 1, got 0" in err  # silently meant K
-    assert "--option gird: not read by angular-distance, skip-response (did you mean 'grid'?); they read: grid, lags" in err
+    assert (
+        "--option gird: not read by angular-distance, skip-response (did you mean 'grid'?); they read: grid, lags"
+        in err
+    )
     assert "--option loops: set by the command line itself (use --loops)" in err  # an unknown --option was ignored
     assert not out.exists()
 
 
 def test_bench_decode_refuses_bad_threads_and_devices(capsys):
-    assert main(["bench", "decode", "--threads", "-4", "--device", "cuda:9", "--runs", "0", "--models", "vanila-k4"]) == 2
+    assert (
+        main(["bench", "decode", "--threads", "-4", "--device", "cuda:9", "--runs", "0", "--models", "vanila-k4"]) == 2
+    )
     err = capsys.readouterr().err  # were tracebacks from torch.set_num_threads and the CUDA runtime
     assert "--threads: must be >= 1, or 0 for torch's default, got -4" in err and "--device cuda:9:" in err
     assert "--runs: must be >= 1" in err and "--models: unknown model 'vanila-k4'; choose from vanilla-k4," in err
@@ -257,8 +300,11 @@ def test_a_checkpoint_without_its_complete_manifest_loads_with_a_warning(tiny_ru
     run, model = tiny_run
     step = run / "ckpt" / "step_000003"
     (step / "COMPLETE").unlink()  # written by hand, or interrupted between the rename and the manifest
-    with pytest.warns(CheckpointWarning, match=rf"checkpoint '{step}' has no COMPLETE manifest, so its files cannot be "
-                                               "verified .* loading it unverified"):  # was silent
+    with pytest.warns(
+        CheckpointWarning,
+        match=rf"checkpoint '{step}' has no COMPLETE manifest, so its files cannot be "
+        "verified .* loading it unverified",
+    ):  # was silent
         rc, out, err = _generate(step, capsys)
     assert rc == 0 and out.strip() == _greedy(model, b"abc", 4).strip()
 
@@ -303,8 +349,26 @@ def test_an_out_path_that_is_a_file_is_named(tiny_run, tmp_path, capsys):
     f.write_text("x")
     assert main(["eval", "ppl", str(run), "--data", _text(tmp_path), "--loops", "1..2", "--out", str(f)]) == 2
     assert f"--out {str(f)!r}: exists and is not a directory" in capsys.readouterr().err
-    assert main(["analyze", "--model", "tiny-llama", "--metrics", "angular-distance", "--out", str(f), "--batches", "1",
-                 "--batch-size", "1", "--seq-len", "8"]) == 2  # (any command: main names the path)
+    assert (
+        main(
+            [
+                "analyze",
+                "--model",
+                "tiny-llama",
+                "--metrics",
+                "angular-distance",
+                "--out",
+                str(f),
+                "--batches",
+                "1",
+                "--batch-size",
+                "1",
+                "--seq-len",
+                "8",
+            ]
+        )
+        == 2
+    )  # (any command: main names the path)
     err = capsys.readouterr().err
     assert "Errno" not in err and f"{str(f)!r} exists (a file) where a directory is to be created" in err
 

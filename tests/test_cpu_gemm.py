@@ -41,11 +41,11 @@ def _operands(M, K, N, layout, dtype=torch.bfloat16, seed=0):
 def test_every_split_equals_the_plain_product(strategy, layout):
     """Each strategy gives a @ b (odd sides: the halves differ by one) up to bf16 rounding of the output."""
     a, b = _operands(131, 140, 129, layout)
-    ref = (a.double() @ b.double())
+    ref = a.double() @ b.double()
     out = cpu_gemm._run(a, b, strategy)
     assert out.shape == (131, 129) and out.dtype == torch.bfloat16 and out.is_contiguous()
-    torch.testing.assert_close(out.double(), ref, rtol=2 ** -7, atol=1e-2)
-    torch.testing.assert_close(out, a @ b, rtol=2 ** -7, atol=1e-2)
+    torch.testing.assert_close(out.double(), ref, rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(out, a @ b, rtol=2**-7, atol=1e-2)
 
 
 def test_the_choice_is_measured_once_and_kept_on_disk(plans_in_tmp, monkeypatch):
@@ -117,11 +117,11 @@ def test_tuned_linear_matches_f_linear_under_autocast(bias, strategy, monkeypatc
         outs.append((y, xi.grad, m.weight.grad, m.bias.grad if bias else None))
     (y0, gx0, gw0, gb0), (y1, gx1, gw1, gb1) = outs
     assert y1.dtype == torch.bfloat16 and gw1.dtype == torch.float32
-    torch.testing.assert_close(y1, y0, rtol=2 ** -7, atol=1e-2)
-    torch.testing.assert_close(gx1, gx0, rtol=2 ** -7, atol=1e-2)
-    torch.testing.assert_close(gw1, gw0, rtol=2 ** -7, atol=5e-2)
+    torch.testing.assert_close(y1, y0, rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(gx1, gx0, rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(gw1, gw0, rtol=2**-7, atol=5e-2)
     if bias:
-        torch.testing.assert_close(gb1, gb0, rtol=2 ** -7, atol=5e-2)
+        torch.testing.assert_close(gb1, gb0, rtol=2**-7, atol=5e-2)
     assert {k for k, v in cpu_gemm._fast.items() if v == strategy and k[4] == torch.bfloat16}  # the split ran
 
 
@@ -139,8 +139,11 @@ def test_the_bf16_weight_copy_follows_every_update(optim):
         tuned.load_state_dict({"weight": torch.randn(144, 160)})
     else:
         kind = {"fused-adamw": dict(fused=True), "foreach-adamw": dict(foreach=True)}
-        opt = (torch.optim.AdamW(tuned.parameters(), lr=0.1, **kind[optim]) if optim != "sgd"
-               else torch.optim.SGD(tuned.parameters(), lr=0.1))  # fmt: skip
+        opt = (
+            torch.optim.AdamW(tuned.parameters(), lr=0.1, **kind[optim])
+            if optim != "sgd"
+            else torch.optim.SGD(tuned.parameters(), lr=0.1)
+        )
         opt.step()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y1 = tuned(x)
@@ -185,8 +188,16 @@ def test_a_model_trains_the_same_with_tuned_linears(monkeypatch):
     of the tuned model equal the plain one's up to bf16 rounding."""
     monkeypatch.setattr(cpu_gemm, "_measure", lambda a, b: "cols2")
     torch.manual_seed(0)
-    cfg = {"name": "t", "vocab_size": 256, "d_model": 128, "n_core": 2, "n_loops": 2, "d_ff": 256,
-           "attention": {"n_heads": 4, "n_kv_heads": 2}, "max_seq_len": 64}  # fmt: skip
+    cfg = {
+        "name": "t",
+        "vocab_size": 256,
+        "d_model": 128,
+        "n_core": 2,
+        "n_loops": 2,
+        "d_ff": 256,
+        "attention": {"n_heads": 4, "n_kv_heads": 2},
+        "max_seq_len": 64,
+    }
     plain = looplm.build(cfg).train()
     tuned = looplm.build(cfg).train()
     tuned.load_state_dict(plain.state_dict())
@@ -301,14 +312,31 @@ def test_trainer_with_tuned_linears_and_activation_checkpointing(tmp_path):
     corpus.write_text("\n".join(f"line {i} of some text to train on" for i in range(300)))
     losses = {}
     for ac in (False, True):
-        cfg = load_train_config({
-            "model": "tiny-coreloop",
-            "data": {"source": "files", "paths": [str(corpus)], "split_mode": "lines", "seq_len": 32, "val_every_nth": 10},
-            "train": {"global_batch_size": 8, "micro_batch_size": 4, "max_steps": 3, "precision": "bf16", "cpu_gemm": True,
-                      "compile": False, "activation_checkpointing": ac, "cpu_threads": 1},
-            "eval": {"every": 0, "at_end": False}, "checkpoint": {"every": 0, "at_end": False},
-            "logging": {"progress_bar": False, "tensorboard": False},
-        })  # fmt: skip
+        cfg = load_train_config(
+            {
+                "model": "tiny-coreloop",
+                "data": {
+                    "source": "files",
+                    "paths": [str(corpus)],
+                    "split_mode": "lines",
+                    "seq_len": 32,
+                    "val_every_nth": 10,
+                },
+                "train": {
+                    "global_batch_size": 8,
+                    "micro_batch_size": 4,
+                    "max_steps": 3,
+                    "precision": "bf16",
+                    "cpu_gemm": True,
+                    "compile": False,
+                    "activation_checkpointing": ac,
+                    "cpu_threads": 1,
+                },
+                "eval": {"every": 0, "at_end": False},
+                "checkpoint": {"every": 0, "at_end": False},
+                "logging": {"progress_bar": False, "tensorboard": False},
+            }
+        )
         out = tmp_path / f"ac{ac}"
         tr = Trainer(cfg, out, quiet=True)
         tr.fit()
@@ -349,14 +377,14 @@ def test_linear_group_is_the_layers_one_by_one(bias, strategy, monkeypatch):
     assert [y.shape for y in ys1] == [y.shape for y in ys0] and all(y.dtype == torch.bfloat16 for y in ys1)
     assert ys1[1].untyped_storage().data_ptr() == ys1[0].untyped_storage().data_ptr()  # views of one product
     for a, b in zip(ys1, ys0):
-        torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-2)
-    torch.testing.assert_close(gx1, gx0, rtol=2 ** -7, atol=2e-2)
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(gx1, gx0, rtol=2**-7, atol=2e-2)
     for a, b in zip(gw1, gw0):
         assert a.dtype == torch.float32 and a.shape == b.shape and a.is_contiguous()
-        torch.testing.assert_close(a, b, rtol=2 ** -7, atol=5e-2)
+        torch.testing.assert_close(a, b, rtol=2**-7, atol=5e-2)
     if bias:
         for a, b in zip(gb1, gb0):
-            torch.testing.assert_close(a, b, rtol=2 ** -7, atol=5e-2)
+            torch.testing.assert_close(a, b, rtol=2**-7, atol=5e-2)
 
 
 def test_linear_group_weight_gradients_are_the_exact_products():
@@ -398,7 +426,9 @@ def test_linear_group_stacked_copy_follows_every_update(optim):
         tuned[1].load_state_dict({"weight": torch.randn(16, 160)})
     else:
         params = [p for m in tuned for p in m.parameters()]
-        opt = torch.optim.AdamW(params, lr=0.1, fused=True) if optim == "fused-adamw" else torch.optim.SGD(params, lr=0.1)
+        opt = (
+            torch.optim.AdamW(params, lr=0.1, fused=True) if optim == "fused-adamw" else torch.optim.SGD(params, lr=0.1)
+        )
         opt.step()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y1 = cpu_gemm.linear_group(x, tuned)

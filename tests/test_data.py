@@ -65,8 +65,7 @@ def drain_docs(stream: TokenStream) -> list[str]:
 # ----------------------------------------------------------------------------------- config
 def test_config_validation_reports_everything():
     with pytest.raises(ConfigError) as e:
-        from_dict(DataConfig, {"source": "files", "seq_len": 1, "shufle_buffer": 3, "val_every_nth": 1,
-                               "max_docs": 0})
+        from_dict(DataConfig, {"source": "files", "seq_len": 1, "shufle_buffer": 3, "val_every_nth": 1, "max_docs": 0})
     msg = str(e.value)
     assert "seq_len: must be >= 2, got 1" in msg
     assert "shufle_buffer: unknown key (did you mean 'shuffle_buffer'" in msg
@@ -206,8 +205,7 @@ def test_exact_resume_files(tmp_path):
     docs = make_docs(120)
     write_jsonl(tmp_path / "a.jsonl", docs[:70])
     write_jsonl(tmp_path / "b.jsonl", docs[70:])
-    cfg = DataConfig(source="files", paths=[str(tmp_path / "*.jsonl")], seq_len=16, shuffle_buffer=20,
-                     val_every_nth=10)
+    cfg = DataConfig(source="files", paths=[str(tmp_path / "*.jsonl")], seq_len=16, shuffle_buffer=20, val_every_nth=10)
     # ~3.4k train tokens per epoch -> ~27 batches of 8x16 per epoch: 70 steps cross 2 epoch ends,
     # save points fall mid-document, while the buffer drains (partially filled) and after a new epoch
     batches, partial = check_exact_resume(lambda: build_stream(cfg, BYTE), 8, 70, {0, 1, 5, 23, 25, 26, 27, 40, 55})
@@ -304,8 +302,13 @@ def prepared(tmp_path):
 def test_prepare_memmap_layout(prepared):
     docs, cfg, meta, out = prepared
     assert meta == read_meta(out)
-    assert meta["dtype"] == "uint16" and meta["tokenizer"] == {"name": "byte", "vocab_size": 259, "eos_id": 256,
-                                                             "bos_id": 257, "fingerprint": BYTE.fingerprint()}
+    assert meta["dtype"] == "uint16" and meta["tokenizer"] == {
+        "name": "byte",
+        "vocab_size": 259,
+        "eos_id": 256,
+        "bos_id": 257,
+        "fingerprint": BYTE.fingerprint(),
+    }
     train, val = meta["splits"]["train"], meta["splits"]["val"]
     assert train["docs"] == 190 and val["docs"] == 10
     assert len(train["files"]) > 1 and all(s == 1000 for s in train["shard_sizes"][:-1])
@@ -330,7 +333,7 @@ def test_memmap_stream_epochs_and_resume(prepared):
     all_tokens = np.concatenate(
         [np.fromfile(out / f, dtype=np.uint16) for f in meta["splits"]["train"]["files"]]
     ).astype(np.int64)
-    windows = {tuple(all_tokens[i * seq:(i + 1) * seq].tolist()): i for i in range(n)}
+    windows = {tuple(all_tokens[i * seq : (i + 1) * seq].tolist()): i for i in range(n)}
     assert len(windows) == n  # windows are distinct, so a row tells us which window it is
     rows = torch.cat([stream.next_batch(1) for _ in range(2 * n)])
     ids = [windows[tuple(r)] for r in rows.tolist()]  # every row is a window (crossing shards too)
@@ -384,14 +387,16 @@ def test_cli_data_prepare(tmp_path, capsys):
     parser = argparse.ArgumentParser(prog="looplm")
     register(parser.add_subparsers(dest="command", required=True))
     write_jsonl(tmp_path / "a.jsonl", make_docs(100))
-    args = parser.parse_args(["data", "prepare", "--out", str(tmp_path / "mm"), "--seq-len", "16",
-                              str(tmp_path / "a.jsonl")])
+    args = parser.parse_args(
+        ["data", "prepare", "--out", str(tmp_path / "mm"), "--seq-len", "16", str(tmp_path / "a.jsonl")]
+    )
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "train: 98 docs" in out and "val  : 2 docs" in out and "windows of 16" in out
     assert read_meta(tmp_path / "mm")["seq_len_hint"] == 16
-    args = parser.parse_args(["data", "prepare", "--stdlib", "--max-docs", "200", "--val-every-nth", "0",
-                              "--out", str(tmp_path / "std")])
+    args = parser.parse_args(
+        ["data", "prepare", "--stdlib", "--max-docs", "200", "--val-every-nth", "0", "--out", str(tmp_path / "std")]
+    )
     assert args.func(args) == 0
     assert read_meta(tmp_path / "std")["splits"]["train"]["docs"] == 200
     args = parser.parse_args(["data", "prepare", "--stdlib", "--out", str(tmp_path / "std")])
@@ -410,8 +415,11 @@ def files_cfg(path, **kw):
 def test_rows_without_text_fail_by_default_with_count_and_line(tmp_path):
     rows = [{"text": "a0"}, {"body": "no text"}, {"text": "a2"}, {"text": None}, {"text": "a4"}]
     (tmp_path / "m.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    with pytest.raises(DataError, match=r"m\.jsonl: 2 row\(s\) have no 'text' value \(missing or null\), the first at "
-                                        r"line 2 \(its fields: \['body'\]\).*missing_text: skip"):
+    with pytest.raises(
+        DataError,
+        match=r"m\.jsonl: 2 row\(s\) have no 'text' value \(missing or null\), the first at "
+        r"line 2 \(its fields: \['body'\]\).*missing_text: skip",
+    ):
         list(build_stream(files_cfg(tmp_path / "m.jsonl"), BYTE, epochs=1).iter_documents())
     # skip-with-warning: the other rows, in order; the skipped rows still count as source positions
     with pytest.warns(UserWarning) as caught:
@@ -444,11 +452,18 @@ def test_cli_reports_bad_data_without_a_traceback(tmp_path, capsys):
 
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "m.jsonl").write_text('{"text": "a"}\n{"other": 1}\n')
-    for name, expected in [("empty.jsonl", r"error: .*the file\(s\) are empty"), ("m.jsonl", "error: .*the first at line 2")]:
+    for name, expected in [
+        ("empty.jsonl", r"error: .*the file\(s\) are empty"),
+        ("m.jsonl", "error: .*the first at line 2"),
+    ]:
         with pytest.raises(SystemExit, match=expected):  # a message and exit status 1, no traceback
             main(["data", "prepare", "--out", str(tmp_path / "mm"), str(tmp_path / name)])
-    cfg = {"model": "tiny-llama", "data": {"source": "files", "paths": [str(tmp_path / "m.jsonl")], "seq_len": 8},
-           "train": {"max_steps": 1, "precision": "fp32"}, "logging": {"progress_bar": False, "tensorboard": False}}
+    cfg = {
+        "model": "tiny-llama",
+        "data": {"source": "files", "paths": [str(tmp_path / "m.jsonl")], "seq_len": 8},
+        "train": {"max_steps": 1, "precision": "fp32"},
+        "logging": {"progress_bar": False, "tensorboard": False},
+    }
     (tmp_path / "t.yaml").write_text(json.dumps(cfg))
     assert main(["train", str(tmp_path / "t.yaml"), "--out", str(tmp_path / "run"), "--quiet"]) == 2
     err = capsys.readouterr().err

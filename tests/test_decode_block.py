@@ -30,8 +30,13 @@ def _fused(cls):
     """The class a module of ``cls`` has while its fused decode step is switched in."""
     return dispatch.DECODE_STEPS[cls].fused_class()
 
-needs_extension = pytest.mark.skipif(not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}")
-needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"GEMV kernels not available: {gemv.unavailable_reason()}")
+
+needs_extension = pytest.mark.skipif(
+    not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}"
+)
+needs_kernel = pytest.mark.skipif(
+    not gemv.available(), reason=f"GEMV kernels not available: {gemv.unavailable_reason()}"
+)
 
 
 class _CountOps(TorchDispatchMode):
@@ -72,7 +77,12 @@ def _fused_calls_per_step(model, mixer=Attention, rule: bool = True) -> int:
 
     outside = n(model.prelude.blocks) + n(model.coda.blocks)
     rule_mixer = getattr(model.rule, "mixer", None)  # StateLoop's residual state mixer: once per iteration
-    in_rule = rule and rule_mixer is not None and decode.residual_mixer_eligible(rule_mixer) and type(rule_mixer.mixer) is mixer
+    in_rule = (
+        rule
+        and rule_mixer is not None
+        and decode.residual_mixer_eligible(rule_mixer)
+        and type(rule_mixer.mixer) is mixer
+    )
     return outside + (n(model.core.stack.blocks) + in_rule) * model.config.n_loops
 
 
@@ -83,7 +93,10 @@ CASES = {
     "attention biases": ("tiny-llama", {"attention.bias": True}, 2, False),
     "partial RoPE, attention without MLP, Mamba-2 beside": ("tiny-hybrid", {}, 2, False),
     "a stack of attention blocks without MLP, partial RoPE, left padding": (
-        "tiny-qwen3", {"d_ff": 0, "attention.rotary_dim": 8}, 2, True,
+        "tiny-qwen3",
+        {"d_ff": 0, "attention.rotary_dim": 8},
+        2,
+        True,
     ),
     "prelude and coda, left padding": ("tiny-coreloop", {}, 2, True),
     "StateLoop's own mixers beside the blocks": ("stateloop-410m-k3", {}, 2, False),
@@ -101,9 +114,12 @@ def _step(model, ids, mask, fused: bool, stacks: bool = True):
     ``stacks``: whole stacks of attention blocks as one decode_stack call where they qualify."""
     B = ids.shape[0]
     with (
-        torch.no_grad(), gemv.decode_linears(model, batch_size=B), decode.enabled(fused), decode.stacks_enabled(stacks),
+        torch.no_grad(),
+        gemv.decode_linears(model, batch_size=B),
+        decode.enabled(fused),
+        decode.stacks_enabled(stacks),
         decode.fused_blocks(model),
-    ):  # fmt: skip
+    ):
         cache = model.new_cache(B, capacity=ids.shape[1] + 2)
         model(ids[:, :-1], cache=cache, attention_mask=None if mask is None else mask[:, :-1])
         with _CountOps() as c:
@@ -167,9 +183,13 @@ def test_fused_decode_step_matches_the_reference(case, dtype):
                 close(a.float(), b.float(), rtol=tol["rtol"], atol=tol["atol"] * max(1.0, float(b.abs().max())))
         elif isinstance(slot, Mamba2State):
             assert other.seqlen == slot.seqlen == 13
-            conv_scale = 1.0 if dtype == torch.float32 else max(1.0, float(slot.conv_state.abs().max()))  # fp32: absolute
+            conv_scale = (
+                1.0 if dtype == torch.float32 else max(1.0, float(slot.conv_state.abs().max()))
+            )  # fp32: absolute
             close(other.conv_state.float(), slot.conv_state.float(), rtol=tol["rtol"], atol=tol["atol"] * conv_scale)
-            close(other.ssm_state, slot.ssm_state, rtol=tol["rtol"], atol=tol["atol"] * float(slot.ssm_state.abs().max()))
+            close(
+                other.ssm_state, slot.ssm_state, rtol=tol["rtol"], atol=tol["atol"] * float(slot.ssm_state.abs().max())
+            )
 
 
 def _block(dtype, qk_norm=False, bias=False):
@@ -244,19 +264,34 @@ def test_swiglu_at_extreme_gates(dtype):
     with torch.no_grad():
         sw.gate_proj.weight.mul_(400)  # gate pre-activations of order +-100
         ref = x + sw(norm(x))
-        got = torch.ops.looplm_cpu.decode_swiglu(x, norm.weight, 1e-5, sw.gate_proj.weight, None, sw.up_proj.weight, None,
-                                                 sw.down_proj.weight, None)  # fmt: skip
+        got = torch.ops.looplm_cpu.decode_swiglu(
+            x, norm.weight, 1e-5, sw.gate_proj.weight, None, sw.up_proj.weight, None, sw.down_proj.weight, None
+        )
         gates = sw.gate_proj(norm(x)).float()
     assert gates.min() < -88 and gates.max() > 88
     assert torch.isfinite(got).all()
-    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.02, atol=0.05 * float(ref.float().abs().max()))
+    tol = (
+        dict(rtol=1e-5, atol=1e-4)
+        if dtype == torch.float32
+        else dict(rtol=0.02, atol=0.05 * float(ref.float().abs().max()))
+    )
     torch.testing.assert_close(got.float(), ref.float(), **tol)
 
 
 @needs_extension
-@pytest.mark.parametrize("spec,B,padded", [("tiny-llama", 1, False), ("tiny-qwen3", 3, True), ("tiny-coreloop", 2, False),
-                                           ("tiny-hybrid", 2, True), ("tiny-stateloop", 1, False), ("tiny-mamba2", 2, True),
-                                           ("stateloop-1.4b-attn", 2, False), ("stateloop-1.4b-mamba2", 2, True)])  # fmt: skip
+@pytest.mark.parametrize(
+    "spec,B,padded",
+    [
+        ("tiny-llama", 1, False),
+        ("tiny-qwen3", 3, True),
+        ("tiny-coreloop", 2, False),
+        ("tiny-hybrid", 2, True),
+        ("tiny-stateloop", 1, False),
+        ("tiny-mamba2", 2, True),
+        ("stateloop-1.4b-attn", 2, False),
+        ("stateloop-1.4b-mamba2", 2, True),
+    ],
+)
 def test_generate_fused_gives_the_reference_tokens(spec, B, padded):
     """fp32 greedy decoding: the fused blocks change only the order of fp32 additions, so the tokens of
     every step are the reference's (and the blocks are switched back afterwards)."""
@@ -281,7 +316,9 @@ def test_generate_fused_gives_the_reference_tokens(spec, B, padded):
 def test_modulated_blocks_keep_the_reference():
     """Timestep conditioning (branch gating) modulates every core block: those calls take Block.forward,
     the unmodulated prelude/coda blocks the fused op, and the tokens are the reference's."""
-    model = looplm.build("tiny-coreloop", overrides={"rule": {"name": "timestep", "options": {"gating": "branch"}}}).eval()
+    model = looplm.build(
+        "tiny-coreloop", overrides={"rule": {"name": "timestep", "options": {"gating": "branch"}}}
+    ).eval()
     for p in model.rule.parameters():
         p.data.normal_(0, 0.3)  # a gating that is not the identity
     ids = torch.randint(0, model.config.vocab_size, (2, 6))
@@ -301,7 +338,9 @@ def test_sandwich_post_sum_and_windowed_blocks_keep_the_reference(spec):
     blocks and sliding-window attention are not eligible (nor their stacks), decode on the reference, and
     give its tokens; a pre-norm block of the same model shape stays eligible."""
     if spec == "sliding":
-        model = _model("tiny-llama", torch.float32, overrides={"attention.sliding_window": 3, "attention.sliding_layer_idx": [1]})
+        model = _model(
+            "tiny-llama", torch.float32, overrides={"attention.sliding_window": 3, "attention.sliding_layer_idx": [1]}
+        )
         windowed = [b for b in model.modules() if isinstance(b, Block) and b.mixer.sliding_window is not None]
         assert windowed and not any(decode.eligible(b) for b in windowed)
         assert not decode.stack_eligible(model.core.stack)
@@ -414,7 +453,9 @@ def test_eligibility():
     hybrid = looplm.build("tiny-hybrid")
     kinds = {(type(b.mixer).__name__, decode.eligible(b)) for b in hybrid.modules() if isinstance(b, Block)}
     assert kinds == {("Attention", True), ("Mamba2Mixer", True)}
-    assert not any(decode.eligible(b) for b in looplm.build("tiny-llama", dtype=torch.float64).modules() if isinstance(b, Block))
+    assert not any(
+        decode.eligible(b) for b in looplm.build("tiny-llama", dtype=torch.float64).modules() if isinstance(b, Block)
+    )
     mixed = looplm.build("tiny-llama")
     mixed.core.stack.blocks[0].mlp.down_proj.to(torch.bfloat16)
     assert not decode.eligible(mixed.core.stack.blocks[0]) and decode.eligible(mixed.core.stack.blocks[1])
@@ -430,7 +471,9 @@ def test_op_rejects_bad_arguments_with_a_message():
     op = torch.ops.looplm_cpu.decode_attention
     with pytest.raises(RuntimeError, match="do not fit the caches' capacity 8"):
         op(x, *args, cos, sin, k, k.clone(), 8, None, 4)
-    with pytest.raises(RuntimeError, match=r"attn_mask must be a contiguous bool \[B, 1, T, pos \+ T\] = \[2, 1, 1, 4\]"):
+    with pytest.raises(
+        RuntimeError, match=r"attn_mask must be a contiguous bool \[B, 1, T, pos \+ T\] = \[2, 1, 1, 4\]"
+    ):
         op(x, *args, cos, sin, k, k.clone(), 3, torch.ones(2, 1, 1, 3, dtype=torch.bool), 4)
     with pytest.raises(RuntimeError, match="wq must be a contiguous CPU float32 tensor like x"):
         bad = list(args)
@@ -470,7 +513,10 @@ def test_decode_stack_eligibility_fallbacks_and_checks():
     plan = decode._prepare_stack(stack, 1).plan  # every block's parameters by their state-dict names
     assert plan.size() == len(stack.blocks)
     x = torch.randn(1, 1, model.config.d_model, dtype=torch.bfloat16)
-    ks = [torch.zeros(1, model.config.attention.n_kv_heads, 8, model.config.head_dim, dtype=torch.bfloat16) for _ in stack.blocks]
+    ks = [
+        torch.zeros(1, model.config.attention.n_kv_heads, 8, model.config.head_dim, dtype=torch.bfloat16)
+        for _ in stack.blocks
+    ]
     op = torch.ops.looplm_cpu.decode_stack
     with pytest.raises(RuntimeError, match=r"the plan has 2 blocks; give one k and one v cache each, got 1 and 2"):
         op(x, plan, ks[:1], [k.clone() for k in ks], 3, None, None, None)
@@ -495,11 +541,25 @@ def test_cpp_dispatch_rule_is_the_python_one():
                 want = gemv.available() and gemv.kernel_wins(rows, k, dt) and dt in (torch.bfloat16, torch.float32)
                 assert torch.ops.looplm_cpu.kernel_wins(rows, k, dt) == want, (dt, rows, k)
     if gemv.available() and not torch.ops.looplm_cpu.amx_ready():  # bf16 without AMX: up to 8 rows, rows x K <= 4608
-        wins = {(5, 256): True, (8, 576): True, (4, 1024): True, (6, 768): True, (5, 1024): False, (9, 256): False, (2, 4096): False}
+        wins = {
+            (5, 256): True,
+            (8, 576): True,
+            (4, 1024): True,
+            (6, 768): True,
+            (5, 1024): False,
+            (9, 256): False,
+            (2, 4096): False,
+        }
         assert {rk: torch.ops.looplm_cpu.kernel_wins(*rk, torch.bfloat16) for rk in wins} == wins
         # and up to 8 rows of any K for a weight of N x K <= 2^19 entries (a small vocabulary's head)
-        small = {(8, 1024, 260): True, (8, 1024, 512): True, (8, 1024, 513): False, (8, 4096, 128): True, (9, 1024, 260): False,
-                 (8, 1024, 0): False}
+        small = {
+            (8, 1024, 260): True,
+            (8, 1024, 512): True,
+            (8, 1024, 513): False,
+            (8, 4096, 128): True,
+            (9, 1024, 260): False,
+            (8, 1024, 0): False,
+        }
         assert {rkn: torch.ops.looplm_cpu.kernel_wins(rkn[0], rkn[1], torch.bfloat16, rkn[2]) for rkn in small} == small
         assert {rkn: gemv.kernel_wins(rkn[0], rkn[1], torch.bfloat16, rkn[2]) for rkn in small} == small
 
@@ -536,9 +596,15 @@ def test_mamba2_step_of_a_padding_row(dtype):
     assert not torch.equal(got_state.ssm_state[0], before[0])
     assert torch.equal(got_state.conv_state[1, :, -1], torch.zeros_like(got_state.conv_state[1, :, -1]))
     torch.testing.assert_close(got_state.conv_state, ref_state.conv_state, rtol=0, atol=0)
-    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=0.02, atol=0.02 * float(ref.float().abs().max()))
+    tol = (
+        dict(rtol=1e-5, atol=1e-5)
+        if dtype == torch.float32
+        else dict(rtol=0.02, atol=0.02 * float(ref.float().abs().max()))
+    )
     torch.testing.assert_close(got.float(), ref.float(), **tol)
-    torch.testing.assert_close(got_state.ssm_state, ref_state.ssm_state, **(dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else tol))
+    torch.testing.assert_close(
+        got_state.ssm_state, ref_state.ssm_state, **(dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else tol)
+    )
 
 
 @needs_extension
@@ -550,7 +616,9 @@ def test_mamba2_op_rejects_bad_arguments_with_a_message():
     op = torch.ops.looplm_cpu.decode_mamba2
     with pytest.raises(RuntimeError, match="ssm_state must be a contiguous float32"):
         op(x, *args, state.conv_state, state.ssm_state.to(torch.bfloat16), None)
-    with pytest.raises(RuntimeError, match=r"conv_state must be a contiguous float32 \[B, conv_dim, d_conv\] tensor with B = 2"):
+    with pytest.raises(
+        RuntimeError, match=r"conv_state must be a contiguous float32 \[B, conv_dim, d_conv\] tensor with B = 2"
+    ):
         op(x, *args, state.conv_state[:1], state.ssm_state, None)
     with pytest.raises(RuntimeError, match=r"pad_mask must be a contiguous bool \[B, 1\]"):
         op(x, *args, state.conv_state, state.ssm_state, torch.ones(3, 1, dtype=torch.bool))
@@ -567,13 +635,33 @@ def test_fused_generate_gives_transformers_tokens(arch):
 
     torch.manual_seed(0)
     if arch == "mamba2":
-        cfg = transformers.Mamba2Config(vocab_size=300, hidden_size=64, state_size=16, num_hidden_layers=2, expand=2, head_dim=16,
-                                        num_heads=8, n_groups=2, conv_kernel=4, chunk_size=16, tie_word_embeddings=False)  # fmt: skip
+        cfg = transformers.Mamba2Config(
+            vocab_size=300,
+            hidden_size=64,
+            state_size=16,
+            num_hidden_layers=2,
+            expand=2,
+            head_dim=16,
+            num_heads=8,
+            n_groups=2,
+            conv_kernel=4,
+            chunk_size=16,
+            tie_word_embeddings=False,
+        )
         hf = transformers.Mamba2ForCausalLM(cfg).eval()
     else:
         kind = transformers.LlamaConfig if arch == "llama" else transformers.Qwen3Config
-        cfg = kind(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, head_dim=16, max_position_embeddings=256, initializer_range=0.1)  # fmt: skip
+        cfg = kind(
+            vocab_size=300,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            initializer_range=0.1,
+        )
         hf = (transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen3ForCausalLM)(cfg).eval()
     ours = from_transformers(hf).eval()
     x = torch.randint(0, 300, (2, 9))

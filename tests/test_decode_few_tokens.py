@@ -13,7 +13,9 @@ from helpers import run_under_portable_build, tiny_variant
 
 pytestmark = pytest.mark.kernels
 
-needs_extension = pytest.mark.skipif(not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}")
+needs_extension = pytest.mark.skipif(
+    not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}"
+)
 
 
 class _CountStacks(torch.utils._python_dispatch.TorchDispatchMode):

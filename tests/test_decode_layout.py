@@ -19,12 +19,37 @@ from looplm.decode.speculative import Speculative
 from test_architecture import MODEL_CODE, PKG, import_graph
 
 # the package root keeps the model's own parts, the command line and the I/O
-ROOT_MODULES = {"__init__", "_moved", "blocks", "cache", "checkpoint_io", "cli", "config", "context", "dataclass_util",
-                "dispatch", "factory", "info", "interop", "model", "parallel", "pause"}  # fmt: skip
+ROOT_MODULES = {
+    "__init__",
+    "_moved",
+    "blocks",
+    "cache",
+    "checkpoint_io",
+    "cli",
+    "config",
+    "context",
+    "dataclass_util",
+    "dispatch",
+    "factory",
+    "info",
+    "interop",
+    "model",
+    "parallel",
+    "pause",
+}
 
 # looplm.decode's floors (its docstring): a module imports only modules on lower floors
-FLOORS = {"exits": 0, "kv_fill": 0, "sampling": 0, "exit_forward": 1, "token_schedule": 2, "depth_schedule": 3,
-          "speculative": 3, "static_schedule": 4, "generate": 5}  # fmt: skip
+FLOORS = {
+    "exits": 0,
+    "kv_fill": 0,
+    "sampling": 0,
+    "exit_forward": 1,
+    "token_schedule": 2,
+    "depth_schedule": 3,
+    "speculative": 3,
+    "static_schedule": 4,
+    "generate": 5,
+}
 
 
 def test_the_package_root_holds_no_decoding_or_bench_module():
@@ -40,7 +65,9 @@ def test_decode_imports_go_down_its_floors():
     graph = import_graph()
     up = {}
     for mod, floor in FLOORS.items():
-        deps = {d.removeprefix("looplm.decode.") for d in graph[f"looplm.decode.{mod}"] if d.startswith("looplm.decode.")}
+        deps = {
+            d.removeprefix("looplm.decode.") for d in graph[f"looplm.decode.{mod}"] if d.startswith("looplm.decode.")
+        }
         bad = sorted(d for d in deps if FLOORS[d] >= floor)
         if bad:
             up[mod] = bad
@@ -51,23 +78,29 @@ def test_decode_imports_go_down_its_floors():
 
 def test_the_model_calls_into_decode_only_through_generate():
     graph = import_graph()
-    arrows = {(m, d) for m, deps in graph.items() if m.startswith(MODEL_CODE) for d in deps if d.startswith("looplm.decode")}
+    arrows = {
+        (m, d) for m, deps in graph.items() if m.startswith(MODEL_CODE) for d in deps if d.startswith("looplm.decode")
+    }
     assert arrows <= {("looplm.model", "looplm.decode"), ("looplm.model", "looplm.decode.generate")}, sorted(arrows)
 
 
 def test_import_looplm_loads_no_decode_kernel_or_bench_module():
-    code = ("import looplm, sys; print(sorted(m for m in sys.modules if m.startswith(('looplm.decode', 'looplm.kernels', "
-            "'looplm.bench', 'torch._dynamo'))))")  # fmt: skip
+    code = (
+        "import looplm, sys; print(sorted(m for m in sys.modules if m.startswith(('looplm.decode', 'looplm.kernels', "
+        "'looplm.bench', 'torch._dynamo'))))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
 
 
 @pytest.mark.parametrize("old", sorted(_moved.MOVED))
 def test_an_old_import_path_is_the_moved_module_with_a_deprecation_warning(old):
-    code = (f"import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
-            f"try:\n    import {old}\nexcept DeprecationWarning as e:\n    print('warned:', e)\n"
-            f"warnings.simplefilter('ignore')\nimport importlib, sys\n"
-            f"print(importlib.import_module({old!r}) is importlib.import_module({_moved.MOVED[old]!r}))")  # fmt: skip
+    code = (
+        f"import warnings; warnings.simplefilter('error', DeprecationWarning)\n"
+        f"try:\n    import {old}\nexcept DeprecationWarning as e:\n    print('warned:', e)\n"
+        f"warnings.simplefilter('ignore')\nimport importlib, sys\n"
+        f"print(importlib.import_module({old!r}) is importlib.import_module({_moved.MOVED[old]!r}))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.splitlines()
     assert out[0].startswith(f"warned: {old} moved to {_moved.MOVED[old]}") and out[1] == "True", out
 
@@ -109,12 +142,18 @@ def _model():
     return looplm.build("tiny-llama", n_loops=3).eval()
 
 
-@pytest.mark.parametrize("exit", ["kl:0.05", {"criterion": "kl", "threshold": 0.05, "schedule": "depth"},
-                                  {"criterion": "kl", "threshold": 0.05, "schedule": "depth", "max_batch": 2},
-                                  {"criterion": "convergence", "threshold": 0.3, "schedule": "static"},
-                                  {"criterion": "kl", "threshold": 0.05, "prefill": "exit"},
-                                  {"criterion": "kl", "threshold": 0.05, "schedule": "depth", "prefill": "exit"},
-                                  {"criterion": "replay", "depths": torch.tensor([1, 2, 3]), "schedule": "depth"}])  # fmt: skip
+@pytest.mark.parametrize(
+    "exit",
+    [
+        "kl:0.05",
+        {"criterion": "kl", "threshold": 0.05, "schedule": "depth"},
+        {"criterion": "kl", "threshold": 0.05, "schedule": "depth", "max_batch": 2},
+        {"criterion": "convergence", "threshold": 0.3, "schedule": "static"},
+        {"criterion": "kl", "threshold": 0.05, "prefill": "exit"},
+        {"criterion": "kl", "threshold": 0.05, "schedule": "depth", "prefill": "exit"},
+        {"criterion": "replay", "depths": torch.tensor([1, 2, 3]), "schedule": "depth"},
+    ],
+)
 def test_generate_checks_an_exit_once(exit, checks):
     m = _model()
     ids = torch.randint(0, 250, (3, 5))

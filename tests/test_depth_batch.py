@@ -56,8 +56,17 @@ def test_depth_schedule_equals_the_token_schedule_with_left_padding(name, kv):
 
 
 @pytest.mark.parametrize("name", ["tiny-hybrid", "tiny-mamba2"])
-@pytest.mark.parametrize("kv,ssm", [("copy", "freeze"), ("propagate", "freeze"), ("shared", "freeze"), ("copy", "propagate"),
-                                    ("shared", "decay"), ("propagate", "decay")])
+@pytest.mark.parametrize(
+    "kv,ssm",
+    [
+        ("copy", "freeze"),
+        ("propagate", "freeze"),
+        ("shared", "freeze"),
+        ("copy", "propagate"),
+        ("shared", "decay"),
+        ("propagate", "decay"),
+    ],
+)
 def test_mamba2_cores_under_the_depth_schedule_equal_the_token_schedule_and_keep_its_states(name, kv, ssm):
     """Mamba-2 layers in the core: each row's state of loop k is buffer row k·B + b of one flat state per
     layer, stepped in place by the row's tokens that ran loop k; the loops it skipped frozen, or given the
@@ -158,18 +167,27 @@ def test_decode_stack_with_per_row_columns_checks_them_and_equals_the_reference(
     with pytest.raises(RuntimeError, match=r"cols\[1\] = 4 is outside 0..pos = 0..3"):
         torch.ops.looplm_cpu.decode_stack(x, plan.plan, kc, vc, 3, cos, sin, mask, cols=torch.tensor([1, 4]))
     with pytest.raises(RuntimeError, match="cols must be a contiguous int64"):
-        torch.ops.looplm_cpu.decode_stack(x, plan.plan, kc, vc, 3, cos, sin, mask, cols=torch.tensor([1, 2], dtype=torch.int32))
+        torch.ops.looplm_cpu.decode_stack(
+            x, plan.plan, kc, vc, 3, cos, sin, mask, cols=torch.tensor([1, 2], dtype=torch.int32)
+        )
     cols = torch.tensor([1, 3])
     y = torch.ops.looplm_cpu.decode_stack(x, plan.plan, kc, vc, 3, cos, sin, mask, cols=cols)
     assert kc[0][0, :, 1].abs().sum() > 0 and kc[0][0, :, 3].abs().sum() == 0  # row 0 wrote column 1 only
     assert kc[0][1, :, 3].abs().sum() > 0 and kc[0][1, :, 1].abs().sum() == 0
     # against the reference blocks on a row view with the same per-row columns, over random earlier keys
     g = torch.Generator().manual_seed(9)
-    before = [(torch.randn(2, a.n_kv_heads, 8, a.head_dim, generator=g), torch.randn(2, a.n_kv_heads, 8, a.head_dim, generator=g))
-              for _ in m.core.stack.blocks]  # fmt: skip
+    before = [
+        (
+            torch.randn(2, a.n_kv_heads, 8, a.head_dim, generator=g),
+            torch.randn(2, a.n_kv_heads, 8, a.head_dim, generator=g),
+        )
+        for _ in m.core.stack.blocks
+    ]
     mask[0, 0, 0, 2:] = False  # row 0 reads its columns 0..1 only (what the driver's mask says)
     fused = [(k.clone(), v.clone()) for k, v in before]
-    y = torch.ops.looplm_cpu.decode_stack(x, plan.plan, [k for k, _ in fused], [v for _, v in fused], 3, cos, sin, mask, cols=cols)
+    y = torch.ops.looplm_cpu.decode_stack(
+        x, plan.plan, [k for k, _ in fused], [v for _, v in fused], 3, cos, sin, mask, cols=cols
+    )
     views = []
     for k, v in before:
         base = KVCache(8)
@@ -188,7 +206,10 @@ def test_zero_shot_criteria_under_the_depth_schedule(spec):
     m = _model("tiny-llama")
     ids = torch.randint(0, 250, (4, 5), generator=torch.Generator().manual_seed(4))
     e = Exit.parse(spec)
-    tok, (dep, st) = m.generate(ids, 8, exit=e), m.generate(ids, 8, exit=e.with_policies(schedule="depth"), return_stats=True)
+    tok, (dep, st) = (
+        m.generate(ids, 8, exit=e),
+        m.generate(ids, 8, exit=e.with_policies(schedule="depth"), return_stats=True),
+    )
     assert torch.equal(tok, dep)
     s = st.summary()
     assert s["selected_depth"] == s["executed_depth"] >= e.min_loops  # nobody waits under the depth schedule
@@ -206,7 +227,11 @@ def _rule_case(rule):
     K = m.config.n_loops
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 250, (3, 5), generator=g)
-    ex = {"criterion": "gate", "threshold": 0.5} if rule == "exit_gate" else _replay(torch.randint(1, K + 1, (3, 8), generator=g))
+    ex = (
+        {"criterion": "gate", "threshold": 0.5}
+        if rule == "exit_gate"
+        else _replay(torch.randint(1, K + 1, (3, 8), generator=g))
+    )
     return m, ids, ex
 
 
@@ -249,10 +274,22 @@ def test_sampling_is_deterministic_and_at_batch_one_draws_as_the_token_schedule(
     m = _model("tiny-llama")
     x = torch.randint(0, 250, (3, 4))
     ex = {"criterion": "convergence", "threshold": 0.9, "kv": "propagate", "schedule": "depth"}
-    runs = [m.generate(x, 8, do_sample=True, top_k=20, generator=torch.Generator().manual_seed(3), exit=ex) for _ in range(2)]
+    runs = [
+        m.generate(x, 8, do_sample=True, top_k=20, generator=torch.Generator().manual_seed(3), exit=ex)
+        for _ in range(2)
+    ]
     assert torch.equal(*runs)
-    one = [m.generate(x[:1], 8, do_sample=True, temperature=0.8, generator=torch.Generator().manual_seed(4), exit={**ex, "schedule": s})
-           for s in ("token", "depth")]  # fmt: skip
+    one = [
+        m.generate(
+            x[:1],
+            8,
+            do_sample=True,
+            temperature=0.8,
+            generator=torch.Generator().manual_seed(4),
+            exit={**ex, "schedule": s},
+        )
+        for s in ("token", "depth")
+    ]
     assert torch.equal(*one)  # one row: the same draws in the same order
 
 
@@ -266,7 +303,9 @@ def test_statistics_count_each_rows_own_depths_and_the_passes():
     s = st.summary()
     assert s["tokens"] == B * (N - 1) and s["executed_depth"] == pytest.approx(float(used.float().mean()))
     # every pass runs every row in flight; the passes cover every row's own loops, not the deepest row's
-    assert int(used.sum(1).max()) <= st.core_calls <= int(used.sum()) and st.core_calls < int(used.max(0).values.sum()) * 2
+    assert (
+        int(used.sum(1).max()) <= st.core_calls <= int(used.sum()) and st.core_calls < int(used.max(0).values.sum()) * 2
+    )
     assert s["batch_depth"] == pytest.approx(st.core_calls * B / s["tokens"])
     assert 0 < s["flops_ratio"] < 1
     ids = torch.randint(0, 250, (B, P))
@@ -280,12 +319,25 @@ def test_statistics_count_each_rows_own_depths_and_the_passes():
 @pytest.mark.parametrize(
     "name,overrides,spec,match",
     [
-        ("tiny-hybrid", {"n_prelude": 1, "n_core": 2}, {"criterion": "kl", "threshold": 0.1}, "Mamba-2 layers in the core only"),
+        (
+            "tiny-hybrid",
+            {"n_prelude": 1, "n_core": 2},
+            {"criterion": "kl", "threshold": 0.1},
+            "Mamba-2 layers in the core only",
+        ),
         ("tiny-llama", {}, {"criterion": "kl", "threshold": 0.1, "kv": "full"}, "kv='full' runs every loop"),
-        ("tiny-llama", {"attention.sliding_window": 4, "attention.sliding_layer_idx": [1]}, {"criterion": "kl", "threshold": 0.1},
-         "sliding-window band"),
-        ("tiny-stateloop", {"rule.options.mixer": "attention", "rule.options.mixer_head_dim": 16}, {"criterion": "kl", "threshold": 0.1},
-         "own per-loop slots"),
+        (
+            "tiny-llama",
+            {"attention.sliding_window": 4, "attention.sliding_layer_idx": [1]},
+            {"criterion": "kl", "threshold": 0.1},
+            "sliding-window band",
+        ),
+        (
+            "tiny-stateloop",
+            {"rule.options.mixer": "attention", "rule.options.mixer_head_dim": 16},
+            {"criterion": "kl", "threshold": 0.1},
+            "own per-loop slots",
+        ),
         ("tiny-llama", {}, {"criterion": "kl", "threshold": 0.1, "schedule": "async"}, "schedule 'async' is unknown"),
     ],
 )
@@ -312,7 +364,9 @@ def test_front_ends_take_the_schedule():
         adaptive_options(m, schedule="depth")
     from looplm.cli import _adaptive_args
 
-    args = build_parser("generate").parse_args(["generate", "--model", "tiny-llama", "--exit", "kl:0.1", "--exit-schedule", "depth"])
+    args = build_parser("generate").parse_args(
+        ["generate", "--model", "tiny-llama", "--exit", "kl:0.1", "--exit-schedule", "depth"]
+    )
     assert _adaptive_args(args, m)["exit"].schedule == "depth"
 
 
@@ -321,11 +375,17 @@ def test_generation_timing_times_both_kinds_of_contenders():
 
     m = _model("tiny-llama")
     spec = _replay(2)
-    res = generation_timing(m, torch.randint(0, 250, (2, 4)), 6, {
-        "full": lambda b, c: FullDepth(m, b, c),
-        "token": lambda b, c: AdaptiveDecoder(m, b, c, spec),
-        "depth": lambda b, c: DepthBatchedDecoder(m, b, c, {**spec, "schedule": "depth"}),
-    }, runs=1)  # fmt: skip
+    res = generation_timing(
+        m,
+        torch.randint(0, 250, (2, 4)),
+        6,
+        {
+            "full": lambda b, c: FullDepth(m, b, c),
+            "token": lambda b, c: AdaptiveDecoder(m, b, c, spec),
+            "depth": lambda b, c: DepthBatchedDecoder(m, b, c, {**spec, "schedule": "depth"}),
+        },
+        runs=1,
+    )
     assert res["full"]["ratio"] == 1.0 and res["depth"]["ms_per_token"] > 0
     assert res["depth"]["stats"]["executed_depth"] == res["token"]["stats"]["executed_depth"] == 2
 
@@ -362,8 +422,10 @@ def test_a_kl_readout_through_coda_layers_under_the_depth_schedule():
     greedy tokens equal the token schedule's. Failed with an UnboundLocalError before."""
     m = _model("tiny-coreloop")
     ids = torch.randint(0, 250, (3, 5), generator=torch.Generator().manual_seed(1))
-    tok, (dep, st) = m.generate(ids, 10, exit="kl:0.004"), m.generate(ids, 10, exit={"criterion": "kl", "threshold": 0.004,
-                                                                                       "schedule": "depth"}, return_stats=True)  # fmt: skip
+    tok, (dep, st) = (
+        m.generate(ids, 10, exit="kl:0.004"),
+        m.generate(ids, 10, exit={"criterion": "kl", "threshold": 0.004, "schedule": "depth"}, return_stats=True),
+    )
     assert torch.equal(tok, dep)
     depths = torch.cat([s.reshape(-1) for s in st.selected])
     assert depths.min() < m.config.n_loops == depths.max()  # some rows left early, beside others

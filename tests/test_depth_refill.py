@@ -58,28 +58,39 @@ def test_a_mamba2_core_takes_the_refilled_prompts_state_and_a_broken_copy_is_cau
     whole = m.generate(ids, 7, attention_mask=mask, exit=ex)
     eos = int(whole[0, 8])  # a token prompt 0 emits early: its row is refilled sooner
     whole = m.generate(ids, 7, attention_mask=mask, exit=ex, eos_token_id=eos, pad_token_id=0)
-    assert torch.equal(m.generate(ids, 7, attention_mask=mask, exit={**ex, "max_batch": 2}, eos_token_id=eos, pad_token_id=0), whole)
+    assert torch.equal(
+        m.generate(ids, 7, attention_mask=mask, exit={**ex, "max_batch": 2}, eos_token_id=eos, pad_token_id=0), whole
+    )
     real = db._copy_rows
-    monkeypatch.setattr(db, "_copy_rows", lambda src, dst, rows, P: real(src, dst, rows, P) if hasattr(src, "conv_state") else None)
-    assert not torch.equal(m.generate(ids, 7, attention_mask=mask, exit={**ex, "max_batch": 2}, eos_token_id=eos, pad_token_id=0), whole)
+    monkeypatch.setattr(
+        db, "_copy_rows", lambda src, dst, rows, P: real(src, dst, rows, P) if hasattr(src, "conv_state") else None
+    )
+    assert not torch.equal(
+        m.generate(ids, 7, attention_mask=mask, exit={**ex, "max_batch": 2}, eos_token_id=eos, pad_token_id=0), whole
+    )
 
 
 def test_refill_leaves_the_prompts_out_of_the_decode_time_and_keeps_the_cache_bounds():
     m = _model("tiny-llama")
     ids, _, _ = _batch()
-    dec = DepthBatchedDecoder(m, 2, 6 + 7, {"criterion": "replay", "depths": 2, "schedule": "depth", "max_batch": 2}, prompts=5)
+    dec = DepthBatchedDecoder(
+        m, 2, 6 + 7, {"criterion": "replay", "depths": 2, "schedule": "depth", "max_batch": 2}, prompts=5
+    )
     out = dec.run(ids, 7, None, lambda lg: lg.max(-1).indices, None, 0)
     assert out.shape == (5, 13) and dec.prompt_seconds > 0 and dec.decode_seconds > 0
     assert dec.cache.seqlen == 6 + 7 - 1
     bad = ids.clone()
     bad[4, 2] = m.config.vocab_size  # a queued prompt's token out of range: refused before any prompt runs
-    fresh = DepthBatchedDecoder(m, 2, 13, {"criterion": "replay", "depths": 2, "schedule": "depth", "max_batch": 2}, prompts=5)
+    fresh = DepthBatchedDecoder(
+        m, 2, 13, {"criterion": "replay", "depths": 2, "schedule": "depth", "max_batch": 2}, prompts=5
+    )
     with pytest.raises(ValueError, match="token id"):
         fresh.run(bad, 7, None, lambda lg: lg.max(-1).indices, None, 0)
     assert fresh.cache.seqlen == 0
     with pytest.raises(ValueError, match="decodes 2 rows; input_ids has 1"):
         DepthBatchedDecoder(m, 2, 13, {"criterion": "replay", "depths": 2, "schedule": "depth"}).run(
-            ids[:1], 7, None, lambda lg: lg.max(-1).indices, None, 0)
+            ids[:1], 7, None, lambda lg: lg.max(-1).indices, None, 0
+        )
 
 
 @pytest.mark.parametrize(
@@ -87,9 +98,15 @@ def test_refill_leaves_the_prompts_out_of_the_decode_time_and_keeps_the_cache_bo
     [
         ({"criterion": "kl", "threshold": 0.1, "schedule": "depth", "max_batch": 0}, "max_batch must be an int >= 1"),
         ({"criterion": "kl", "threshold": 0.1, "schedule": "depth", "max_batch": 1.5}, "max_batch must be an int >= 1"),
-        ({"criterion": "kl", "threshold": 0.1, "schedule": "depth", "max_batch": True}, "max_batch must be an int >= 1"),
+        (
+            {"criterion": "kl", "threshold": 0.1, "schedule": "depth", "max_batch": True},
+            "max_batch must be an int >= 1",
+        ),
         ({"criterion": "kl", "threshold": 0.1, "max_batch": 2}, "runs under schedule='depth' only"),
-        ({"criterion": "convergence", "threshold": 0.1, "schedule": "static", "max_batch": 2}, "runs under schedule='depth' only"),
+        (
+            {"criterion": "convergence", "threshold": 0.1, "schedule": "static", "max_batch": 2},
+            "runs under schedule='depth' only",
+        ),
     ],
 )
 def test_bad_max_batch_is_refused_before_any_work(spec, match):

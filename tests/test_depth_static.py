@@ -217,7 +217,9 @@ def test_eos_rows_stop_and_pad_and_the_late_flag_only_adds_masked_passes():
         StaticDepthDecoder(m, 4, 14, {**ex, "schedule": "static"}, cuda_graphs=True)
 
 
-@pytest.mark.parametrize("spec", [{"criterion": "kl", "threshold": 0.5, "kv": "propagate"}, {"criterion": "gate", "threshold": 0.5}])
+@pytest.mark.parametrize(
+    "spec", [{"criterion": "kl", "threshold": 0.5, "kv": "propagate"}, {"criterion": "gate", "threshold": 0.5}]
+)
 def test_a_pass_touches_only_the_decodes_buffers(spec):
     """What a captured pass needs: from the second pass on, the rule state, the criterion's memory, the
     counters and the per-pass records stay the same tensors (written in place), so a replay of one pass's
@@ -256,7 +258,10 @@ def test_sampling_is_deterministic():
     m = _model("tiny-llama")
     x = torch.randint(0, 250, (3, 4))
     ex = {"criterion": "convergence", "threshold": 0.9, "kv": "propagate", "schedule": "static"}
-    runs = [m.generate(x, 8, do_sample=True, top_k=20, generator=torch.Generator().manual_seed(3), exit=ex) for _ in range(2)]
+    runs = [
+        m.generate(x, 8, do_sample=True, top_k=20, generator=torch.Generator().manual_seed(3), exit=ex)
+        for _ in range(2)
+    ]
     assert torch.equal(*runs) and runs[0].shape == (3, 12)
 
 
@@ -277,7 +282,12 @@ def test_public_model_rule_under_the_static_schedule():
         ("tiny-llama", {"rule": {"name": "history"}}, _replay(2), "state changes over the loops"),
         ("tiny-llama", {"rule": {"name": "timestep"}}, _replay(2, kv="propagate"), "modulates its blocks per loop"),
         ("tiny-llama", {"n_coda": 1}, {"criterion": "kl", "threshold": 0.1}, "readout slot per loop"),
-        ("tiny-hybrid", {"rule": {"name": "timestep"}}, _replay(2, ssm="decay"), "modulates its blocks per loop: use ssm='freeze'"),
+        (
+            "tiny-hybrid",
+            {"rule": {"name": "timestep"}},
+            _replay(2, ssm="decay"),
+            "modulates its blocks per loop: use ssm='freeze'",
+        ),
         ("tiny-llama", {}, {"criterion": "kl", "threshold": 0.1, "kv": "full"}, "kv='full' runs every loop"),
     ],
 )
@@ -288,7 +298,9 @@ def test_what_the_static_schedule_cannot_run_is_refused_before_any_work(name, ov
 def test_too_few_replayed_depths_are_refused_before_any_work():
     m = _model("tiny-llama")
     spec = _replay(torch.ones(2, 2, dtype=torch.long), schedule="static")
-    assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 128, (2, 3)), 6, exit=spec), "give at least that many")
+    assert_refused_before_any_work(
+        m, lambda: m.generate(torch.randint(0, 128, (2, 3)), 6, exit=spec), "give at least that many"
+    )
 
 
 @pytest.mark.slow
@@ -307,16 +319,30 @@ def test_a_compiled_pass_decodes_the_eager_passes_tokens_and_statistics():
     assert torch.equal(torch.cat(cst.selected), torch.cat(est.selected))
     graphs = counters["stats"]["unique_graphs"]
     assert graphs > 0  # it did compile
-    assert torch.equal(m.generate(ids.flip(0), 8, exit=e.with_policies(compile=True)), m.generate(ids.flip(0), 8, exit=e))
+    assert torch.equal(
+        m.generate(ids.flip(0), 8, exit=e.with_policies(compile=True)), m.generate(ids.flip(0), 8, exit=e)
+    )
     assert counters["stats"]["unique_graphs"] == graphs
 
 
 def test_compile_is_refused_outside_the_static_schedule_and_with_cuda_graphs():
-    _refused("tiny-llama", {}, {"criterion": "kl", "threshold": 0.1, "schedule": "depth", "compile": True}, "use schedule='static'")
-    _refused("tiny-llama", {}, {"criterion": "kl", "threshold": 0.1, "schedule": "static", "compile": "yes"}, "compile must be True or False")
+    _refused(
+        "tiny-llama",
+        {},
+        {"criterion": "kl", "threshold": 0.1, "schedule": "depth", "compile": True},
+        "use schedule='static'",
+    )
+    _refused(
+        "tiny-llama",
+        {},
+        {"criterion": "kl", "threshold": 0.1, "schedule": "static", "compile": "yes"},
+        "compile must be True or False",
+    )
     m = _model("tiny-llama")
     with pytest.raises(ValueError, match="cuda_graphs=True and exit compile=True"):
-        StaticDepthDecoder(m, 2, 8, {"criterion": "kl", "threshold": 0.1, "schedule": "static", "compile": True}, cuda_graphs=True)
+        StaticDepthDecoder(
+            m, 2, 8, {"criterion": "kl", "threshold": 0.1, "schedule": "static", "compile": True}, cuda_graphs=True
+        )
 
 
 def test_front_ends_take_the_static_schedule():
@@ -325,10 +351,14 @@ def test_front_ends_take_the_static_schedule():
 
     m = _model("tiny-llama")
     assert harness_options(m, exit="kl:0.1", exit_schedule="static")["exit"].schedule == "static"
-    args = build_parser("generate").parse_args(["generate", "--model", "tiny-llama", "--exit", "kl:0.1", "--exit-schedule", "static"])
+    args = build_parser("generate").parse_args(
+        ["generate", "--model", "tiny-llama", "--exit", "kl:0.1", "--exit-schedule", "static"]
+    )
     assert _adaptive_args(args, m)["exit"].schedule == "static" and not _adaptive_args(args, m)["exit"].compile
     # --compile under the static schedule compiles its pass (not each block)
-    args = build_parser("generate").parse_args(["generate", "--model", "tiny-llama", "--exit", "kl:0.1", "--exit-schedule", "static", "--compile"])
+    args = build_parser("generate").parse_args(
+        ["generate", "--model", "tiny-llama", "--exit", "kl:0.1", "--exit-schedule", "static", "--compile"]
+    )
     assert _adaptive_args(args, m)["exit"].compile
     assert harness_options(m, exit="kl:0.1", exit_schedule="static", exit_compile="true")["exit"].compile
     assert not harness_options(m, exit="kl:0.1", exit_schedule="static", exit_compile="False")["exit"].compile

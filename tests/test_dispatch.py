@@ -97,7 +97,9 @@ def test_a_new_rule_gets_a_decode_step_by_registering_one():
         assert torch.equal(out, ref)
         assert calls["fast"] == 3 * model.config.n_loops and calls["fallback"] == model.config.n_loops
         # prepare() saying no: nothing switched
-        dispatch.register_decode_step(dispatch.DecodeStep("test doubling", Doubling, lambda rule, batch: None, {"next_input": next_input}))
+        dispatch.register_decode_step(
+            dispatch.DecodeStep("test doubling", Doubling, lambda rule, batch: None, {"next_input": next_input})
+        )
         with dispatch.decode_steps(model) as counts:
             assert "test doubling" not in counts and type(model.rule) is Doubling
         with dispatch.reference_only(), dispatch.decode_steps(model) as counts:

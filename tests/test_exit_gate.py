@@ -13,7 +13,6 @@ from looplm.recurrence import LoopContext
 from looplm.recurrence.exit_gate import ExitGate
 
 
-
 def _gate_model(base="tiny-mamba2", **opts):
     torch.manual_seed(0)
     return looplm.build(base, overrides={"rule": {"name": "exit_gate", "options": opts}, "n_loops": 4})
@@ -34,9 +33,13 @@ def _hand_rule(stage=1, **kw):
 
 def _run(rule, hs, targets=None, q=None):
     """Drive begin/step/finish over iterates ``hs`` (list of [1, T, 4]); readout = channels 1..2 as logits."""
-    lctx = LoopContext(num_loops=len(hs), train_loops=len(hs), targets=targets,
-                       loop_options={} if q is None else {"exit_threshold": q},
-                       readout_fn=lambda h, ctx: h[..., 1:3])
+    lctx = LoopContext(
+        num_loops=len(hs),
+        train_loops=len(hs),
+        targets=targets,
+        loop_options={} if q is None else {"exit_threshold": q},
+        readout_fn=lambda h, ctx: h[..., 1:3],
+    )
     state = rule.begin(torch.zeros_like(hs[0]), lctx)
     for k, h in enumerate(hs):
         lctx.iteration = k
@@ -74,7 +77,7 @@ def test_stage1_objective_by_hand():
     pi = [0.2, 0.8 * 0.5, 0.8 * 0.5]
     ell = [-torch.log_softmax(h[0, 0, 1:3], 0)[0].item() for h in hs]  # CE of each readout, target 0
     H = -sum(p * math.log(p) for p in pi)
-    expect = sum(p * l for p, l in zip(pi, ell)) - beta * H
+    expect = sum(p * e for p, e in zip(pi, ell)) - beta * H
     assert aux.item() == pytest.approx(expect, rel=1e-5)
     assert rule.lm_loss_weight == 0.0
     # ignored targets do not count in M
@@ -84,6 +87,7 @@ def test_stage1_objective_by_hand():
 
 def test_stage2_improvement_targets_and_bce_by_hand():
     kappa, gamma = 50.0, 0.005
+
     # losses ℓ = CE([a, 0], target 0): choose logits so that ℓ1 > ℓ2 by 1.0 and ℓ2 ≈ ℓ3 (improvement < γ)
     def logit_for(loss):  # CE([x, 0], 0) = log(1 + e^{-x}) = loss
         return -math.log(math.expm1(loss))
@@ -143,7 +147,7 @@ def test_selection_matches_a_reference_from_the_iterates(base):
         pi = lam * torch.cat([torch.ones_like(S[:1]), S[:-1]])
         torch.testing.assert_close(pi.sum(0), torch.ones_like(pi[0]))
         torch.testing.assert_close(torch.cumsum(pi, 0), 1 - S)
-        cdf = 1 - S  # CDF(r) = Σ_{j<=r} π^(j) = 1 − S^(r)
+        # CDF(r) = Σ_{j<=r} π^(j) = 1 − S^(r)
         iters = []
         for q in (0.2, 0.4, 0.6, 0.8, 1.0):
             out = m(x, loop_options={"exit_threshold": q})
@@ -159,8 +163,12 @@ def test_selection_matches_a_reference_from_the_iterates(base):
             assert s["executed_depth"] == 4.0 and out.executed_loops == 4  # all R steps ran, whatever q
             iters.append(s["iter"])
         assert iters == sorted(iters) and iters[0] < iters[-1] <= 4.0  # smaller q selects earlier steps
-        torch.testing.assert_close(torch.tensor(m.rule.exit_summary()["expected_step"]),
-                                   (torch.arange(1, 5)[:, None, None] * pi).sum(0).mean(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(m.rule.exit_summary()["expected_step"]),
+            (torch.arange(1, 5)[:, None, None] * pi).sum(0).mean(),
+            atol=1e-5,
+            rtol=1e-5,
+        )
 
 
 def _assert_cached_equals_full(model, q, T=11, split=5):
@@ -250,7 +258,9 @@ def test_stage1_loss_equals_a_reference_from_readouts():
         ells, lams = [], []
         for h in out.iterations:
             logits = m.lm_head(m.norm(m.coda(h, fctx)))
-            ells.append(F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=-100, reduction="none").view(2, 9))
+            ells.append(
+                F.cross_entropy(logits.flatten(0, 1), tgt.flatten(), ignore_index=-100, reduction="none").view(2, 9)
+            )
             lams.append(torch.sigmoid(m.rule.gate(h).squeeze(-1)))
         lams[-1] = torch.ones_like(lams[-1])
         S, total = torch.ones(2, 9), torch.zeros(2, 9)
@@ -290,7 +300,9 @@ def test_stage_yamls_follow_tables_10_and_11():
 
     frozen = freeze_parameters(m, s2.train.freeze)
     trainable = [n for n, p in m.named_parameters() if p.requires_grad]
-    assert trainable == ["rule.gate.weight", "rule.gate.bias"] and "lm_head.weight" in frozen and "embed.weight" in frozen
+    assert (
+        trainable == ["rule.gate.weight", "rule.gate.bias"] and "lm_head.weight" in frozen and "embed.weight" in frozen
+    )
 
 
 def test_two_stages_from_a_fixed_loop_checkpoint(tmp_path, capsys):
@@ -306,16 +318,32 @@ def test_two_stages_from_a_fixed_loop_checkpoint(tmp_path, capsys):
 
     def cfg(stage=None, **train):
         rule = {} if stage is None else {"rule": {"name": "exit_gate", "options": {"stage": stage}}}
-        return load_train_config({
-            "model": "tiny-mamba2", "model_overrides": {"n_loops": 3, **rule},
-            "data": {"source": "files", "paths": [str(corpus)], "split_mode": "lines", "seq_len": 16,
-                     "shuffle_buffer": 10, "val_every_nth": 0},
-            "optim": {"name": "adamw", "lr": 1e-2},
-            "train": {"global_batch_size": 4, "micro_batch_size": 4, "max_steps": 2, "precision": "fp32",
-                      "cpu_threads": 1, **train},
-            "eval": {"every": 0, "at_end": False}, "checkpoint": {"every": 0, "at_end": True},
-            "logging": {"progress_bar": False, "tensorboard": False},
-        })
+        return load_train_config(
+            {
+                "model": "tiny-mamba2",
+                "model_overrides": {"n_loops": 3, **rule},
+                "data": {
+                    "source": "files",
+                    "paths": [str(corpus)],
+                    "split_mode": "lines",
+                    "seq_len": 16,
+                    "shuffle_buffer": 10,
+                    "val_every_nth": 0,
+                },
+                "optim": {"name": "adamw", "lr": 1e-2},
+                "train": {
+                    "global_batch_size": 4,
+                    "micro_batch_size": 4,
+                    "max_steps": 2,
+                    "precision": "fp32",
+                    "cpu_threads": 1,
+                    **train,
+                },
+                "eval": {"every": 0, "at_end": False},
+                "checkpoint": {"every": 0, "at_end": True},
+                "logging": {"progress_bar": False, "tensorboard": False},
+            }
+        )
 
     def weights(run):
         return load_file(str(resolve_checkpoint(run) / "model.safetensors"))
@@ -330,7 +358,9 @@ def test_two_stages_from_a_fixed_loop_checkpoint(tmp_path, capsys):
     rec = read_metrics(tmp_path / "s1")[-1]
     assert 0 < rec["exit_entropy"] <= math.log(3) + 1e-6 and 1 <= rec["expected_exit_step"] <= 3
     s1 = weights(tmp_path / "s1")
-    assert not torch.equal(s1["core.stack.blocks.0.mixer.in_proj.weight"], pre["core.stack.blocks.0.mixer.in_proj.weight"])
+    assert not torch.equal(
+        s1["core.stack.blocks.0.mixer.in_proj.weight"], pre["core.stack.blocks.0.mixer.in_proj.weight"]
+    )
 
     tr2 = Trainer(cfg(stage=2, init_from=str(tmp_path / "s1"), freeze=["*", "!rule.*"]), tmp_path / "s2", quiet=True)
     tr2.fit()
@@ -351,8 +381,27 @@ def test_two_stages_from_a_fixed_loop_checkpoint(tmp_path, capsys):
 
     png = tmp_path / "sweep.png"
     capsys.readouterr()
-    assert main(["eval", "threshold", str(tmp_path / "s2"), "--data", str(corpus), "--batches", "1", "--batch-size", "2",
-                 "--seq-len", "16", "--png", str(png), "--json"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "threshold",
+                str(tmp_path / "s2"),
+                "--data",
+                str(corpus),
+                "--batches",
+                "1",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "16",
+                "--png",
+                str(png),
+                "--json",
+            ]
+        )
+        == 0
+    )
     import json as _json
 
     rows = _json.loads(capsys.readouterr().out)
@@ -363,9 +412,35 @@ def test_two_stages_from_a_fixed_loop_checkpoint(tmp_path, capsys):
     from test_harness import _write_tasks
 
     tasks = _write_tasks(tmp_path / "tasks")
-    assert main(["eval", "threshold", str(tmp_path / "s2"), "--data", str(corpus), "--batches", "1", "--batch-size", "2",
-                 "--seq-len", "16", "--thresholds", "0.5", "--loops", "1", "--tasks", "local_mc",
-                 "--include-path", str(tasks), "--limit", "4", "--json"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "threshold",
+                str(tmp_path / "s2"),
+                "--data",
+                str(corpus),
+                "--batches",
+                "1",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "16",
+                "--thresholds",
+                "0.5",
+                "--loops",
+                "1",
+                "--tasks",
+                "local_mc",
+                "--include-path",
+                str(tasks),
+                "--limit",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rows = _json.loads(capsys.readouterr().out)
     assert [r["setting"] for r in rows] == ["threshold", "fixed"]
     assert all(0.0 <= r["accuracy"] <= 1.0 and set(r["task_scores"]) == {"local_mc"} for r in rows)
@@ -382,7 +457,10 @@ def test_sweep_rows_table_and_plot(tmp_path):
     assert all(r["executed_depth"] == 4 for r in th) and [r["executed_depth"] for r in fx] == [1, 4]
     assert th[-1]["ppl"] == pytest.approx(fx[-1]["ppl"], rel=1e-6)  # q = 1 == forced r = R
     with torch.no_grad():  # the metric is the token PPL of the output logits
-        nll = sum(F.cross_entropy(m(x, num_loops=1).logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="sum") for x in batches)
+        nll = sum(
+            F.cross_entropy(m(x, num_loops=1).logits[:, :-1].flatten(0, 1), x[:, 1:].flatten(), reduction="sum")
+            for x in batches
+        )
     assert fx[0]["ppl"] == pytest.approx(math.exp(float(nll) / 36), rel=1e-5)
     table = format_sweep(rows, ("ppl",))
     assert "| threshold | 0.60 |" in table and "| fixed | 1 | 1.00 | 1 |" in table

@@ -120,7 +120,9 @@ print(kept, *counts)
 """
 
 
-@pytest.mark.skipif(not __import__("looplm.utils.cpu_malloc").utils.cpu_malloc.supported(), reason="needs Linux with glibc")
+@pytest.mark.skipif(
+    not __import__("looplm.utils.cpu_malloc").utils.cpu_malloc.supported(), reason="needs Linux with glibc"
+)
 def test_cpu_malloc_reuses_freed_pages_instead_of_faulting_new_ones():
     """``keep_freed_memory``: a 64 MB tensor allocated again after a free touches no new page (the
     system default maps it fresh: one fault per 4 KiB page, 16k faults). Own processes: the setting

@@ -11,7 +11,9 @@ import looplm
 from looplm.kernels import decode, gemv, loader
 
 pytestmark = pytest.mark.kernels
-needs_kernel = pytest.mark.skipif(not gemv.available(), reason=f"bf16 GEMV kernel not available: {gemv.unavailable_reason()}")
+needs_kernel = pytest.mark.skipif(
+    not gemv.available(), reason=f"bf16 GEMV kernel not available: {gemv.unavailable_reason()}"
+)
 
 
 def _reference(x, w, b=None):

@@ -15,7 +15,9 @@ from helpers import run_under_portable_build
 
 pytestmark = pytest.mark.kernels
 
-needs_extension = pytest.mark.skipif(not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}")
+needs_extension = pytest.mark.skipif(
+    not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}"
+)
 
 
 def exact_norm(ts):
@@ -118,7 +120,9 @@ def test_step_with_grad_factor_equals_clip_then_step(impl):
         if impl == "muon+fused":
             mats = [p for p in ps if p.ndim == 2]
             rest = [p for p in ps if p.ndim != 2]
-            return MultiOptimizer({"muon": torch.optim.Muon(mats, lr=0.02), "adamw": torch.optim.AdamW(rest, lr=1e-2, fused=True)})
+            return MultiOptimizer(
+                {"muon": torch.optim.Muon(mats, lr=0.02), "adamw": torch.optim.AdamW(rest, lr=1e-2, fused=True)}
+            )
         kw = {"fused": True} if impl == "fused" else {"foreach": True}
         return MultiOptimizer({"adamw": torch.optim.AdamW(ps, lr=1e-2, **kw)})
 

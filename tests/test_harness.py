@@ -31,8 +31,8 @@ class _Req:  # the part of lm-eval's Instance the model reads
         self.args = args
 
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def model():
@@ -76,7 +76,7 @@ def test_continuation_longer_than_the_window_is_scored_whole(model):
     while pos < len(seq):  # pieces of <= 16 predicted tokens, each read with the 16 tokens before its end
         end = min(pos + 16, len(seq))
         window = seq[max(0, end - 17) : end]
-        want += _logp(model, window[: len(window) - (end - pos)], window[len(window) - (end - pos):])
+        want += _logp(model, window[: len(window) - (end - pos)], window[len(window) - (end - pos) :])
         pos = end
     assert math.isclose(got, want, rel_tol=1e-5)
 
@@ -108,7 +108,9 @@ def test_loglikelihood_with_exit_scores_each_token_at_its_own_depth(model):
     many = LoopLMEvalModel(model=model, tokenizer=TOK, batch_size=3, exit="convergence:1.0")
     a = one.loglikelihood([_Req(*r) for r in reqs], disable_tqdm=True)
     b = many.loglikelihood([_Req(*r) for r in reqs], disable_tqdm=True)
-    full = LoopLMEvalModel(model=model, tokenizer=TOK, batch_size=3).loglikelihood([_Req(*r) for r in reqs], disable_tqdm=True)
+    full = LoopLMEvalModel(model=model, tokenizer=TOK, batch_size=3).loglikelihood(
+        [_Req(*r) for r in reqs], disable_tqdm=True
+    )
     for (c, x), (s1, _), (s2, _), (sf, _) in zip(reqs, a, b, full):
         ctx, cont = TOK.encode(c), TOK.encode(x)
         out = adaptive_forward(model, torch.tensor([ctx + cont[:-1]]), "convergence:1.0", full_depth_prefix=1)
@@ -119,17 +121,26 @@ def test_loglikelihood_with_exit_scores_each_token_at_its_own_depth(model):
             assert not math.isclose(s1, sf, rel_tol=1e-4)  # not the full-depth score
     st = many.depth_stats
     assert st["max_loops"] == model.config.n_loops and 1 < st["selected_depth"] < model.config.n_loops
-    assert st["tokens"] == sum(len(TOK.encode(c + x)) - 1 for c, x in reqs)  # the inputs read (the last token is only a target)
+    assert st["tokens"] == sum(
+        len(TOK.encode(c + x)) - 1 for c, x in reqs
+    )  # the inputs read (the last token is only a target)
     assert st["executed_ratio"] == pytest.approx(st["executed_depth"] / model.config.n_loops)
     with pytest.raises(ValueError, match="prefill='exit': kv policy 'shared'"):
-        LoopLMEvalModel(model=model, tokenizer=TOK, exit="kl:0.01", kv_policy="shared", exit_prefill="exit")  # at construction
+        LoopLMEvalModel(
+            model=model, tokenizer=TOK, exit="kl:0.01", kv_policy="shared", exit_prefill="exit"
+        )  # at construction
     # kl through the coda (tiny-coreloop has one): every loop read out over the packed tokens, the scores as decoding's
     kl = LoopLMEvalModel(model=model, tokenizer=TOK, batch_size=3, exit="kl:0.01")
     got = kl.loglikelihood([_Req(*r) for r in reqs], disable_tqdm=True)
     for (c, x), (s, _) in zip(reqs, got):
         ctx, cont = TOK.encode(c), TOK.encode(x)
-        lp = F.log_softmax(adaptive_forward(model, torch.tensor([ctx + cont[:-1]]), "kl:0.01", full_depth_prefix=1).logits[0].float(), -1)
-        assert math.isclose(s, sum(float(lp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont)), rel_tol=1e-5, abs_tol=1e-4)
+        lp = F.log_softmax(
+            adaptive_forward(model, torch.tensor([ctx + cont[:-1]]), "kl:0.01", full_depth_prefix=1).logits[0].float(),
+            -1,
+        )
+        assert math.isclose(
+            s, sum(float(lp[len(ctx) - 1 + i, t]) for i, t in enumerate(cont)), rel_tol=1e-5, abs_tol=1e-4
+        )
 
 
 def test_loglikelihood_rolling_windows(model):
@@ -141,16 +152,21 @@ def test_loglikelihood_rolling_windows(model):
     want = 0.0
     for start in range(0, len(ids), 16):
         end = min(start + 16, len(ids))
-        window = ([TOK.bos_id] + ids)[max(0, end - 16): end + 1]
+        window = ([TOK.bos_id] + ids)[max(0, end - 16) : end + 1]
         n = end - start
         want += _logp(model, window[:-n], window[-n:])
     assert math.isclose(got, want, rel_tol=1e-5)
-    short = LoopLMEvalModel(model=model, tokenizer=TOK).loglikelihood_rolling([_Req("short text")], disable_tqdm=True)[0]
+    short = LoopLMEvalModel(model=model, tokenizer=TOK).loglikelihood_rolling([_Req("short text")], disable_tqdm=True)[
+        0
+    ]
     assert math.isclose(short, _logp(model, [TOK.bos_id], TOK.encode("short text")), rel_tol=1e-5)
     # prefix_token_id= chooses another (lm-eval's hf model argument of that name)
     eos = LoopLMEvalModel(model=model, tokenizer=TOK, prefix_token_id=TOK.eos_id)
-    assert math.isclose(eos.loglikelihood_rolling([_Req("short text")], disable_tqdm=True)[0],
-                        _logp(model, [TOK.eos_id], TOK.encode("short text")), rel_tol=1e-5)
+    assert math.isclose(
+        eos.loglikelihood_rolling([_Req("short text")], disable_tqdm=True)[0],
+        _logp(model, [TOK.eos_id], TOK.encode("short text")),
+        rel_tol=1e-5,
+    )
 
 
 def test_generate_until_honours_until_and_max_gen_toks(model):
@@ -160,7 +176,7 @@ def test_generate_until_honours_until_and_max_gen_toks(model):
     free = lm1.generate_until([_Req(p, {"until": [], "max_gen_toks": 12}) for p in prompts])
     for p, text in zip(prompts, free):  # greedy, exactly looplm's own decoding
         ids = torch.tensor([TOK.encode(p)])
-        ref = model.generate(ids, max_new_tokens=12, eos_token_id=TOK.eos_id)[0, ids.shape[1]:].tolist()
+        ref = model.generate(ids, max_new_tokens=12, eos_token_id=TOK.eos_id)[0, ids.shape[1] :].tolist()
         assert text == TOK.decode(ref[: ref.index(TOK.eos_id)] if TOK.eos_id in ref else ref)
     # stop at a string that occurs in the free continuation: the text is cut just before it
     stops = [t[3:5] if len(t) >= 5 else "\x00" for t in free]
@@ -171,7 +187,8 @@ def test_generate_until_honours_until_and_max_gen_toks(model):
         assert c == t.split(s)[0] and s not in c
     three = model.generate(torch.tensor([TOK.encode("abc")]), max_new_tokens=3)[0, 3:].tolist()  # max_gen_toks
     assert lm1.generate_until([_Req("abc", {"until": ["\x00"], "max_gen_toks": 3})])[0] == TOK.decode(
-        three[: three.index(TOK.eos_id)] if TOK.eos_id in three else three)
+        three[: three.index(TOK.eos_id)] if TOK.eos_id in three else three
+    )
 
 
 # ------------------------------------------------------------------------------- lm-eval end to end
@@ -182,20 +199,38 @@ def _write_tasks(d: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     mc = [{"q": f"{a} plus {a} is", "choices": [f" {2 * a}", f" {2 * a + 1}", " blue"], "label": 0} for a in range(6)]
     (d / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in mc))
-    (d / "ppl.jsonl").write_text("".join(json.dumps({"text": f"document number {i} of the tiny corpus"}) + "\n" for i in range(3)))
+    (d / "ppl.jsonl").write_text(
+        "".join(json.dumps({"text": f"document number {i} of the tiny corpus"}) + "\n" for i in range(3))
+    )
     (d / "gen.jsonl").write_text("".join(json.dumps({"q": f"say {w}", "a": w}) + "\n" for w in ("yes", "no", "loop")))
     common = {"dataset_path": "json", "test_split": "train", "metadata": {"version": 1.0}}
     tasks = {
-        "local_mc": {**common, "dataset_kwargs": {"data_files": {"train": str(d / "mc.jsonl")}},
-                     "output_type": "multiple_choice", "doc_to_text": "{{q}}", "doc_to_choice": "{{choices}}",
-                     "doc_to_target": "{{label}}", "metric_list": [{"metric": "acc"}]},
-        "local_ppl": {**common, "dataset_kwargs": {"data_files": {"train": str(d / "ppl.jsonl")}},
-                      "output_type": "loglikelihood_rolling", "doc_to_text": "", "doc_to_target": "{{text}}",
-                      "metric_list": [{"metric": "word_perplexity"}, {"metric": "bits_per_byte"}]},
-        "local_gen": {**common, "dataset_kwargs": {"data_files": {"train": str(d / "gen.jsonl")}},
-                      "output_type": "generate_until", "doc_to_text": "{{q}}:", "doc_to_target": "{{a}}",
-                      "generation_kwargs": {"until": ["\n"], "max_gen_toks": 5, "do_sample": False},
-                      "metric_list": [{"metric": "exact_match"}]},
+        "local_mc": {
+            **common,
+            "dataset_kwargs": {"data_files": {"train": str(d / "mc.jsonl")}},
+            "output_type": "multiple_choice",
+            "doc_to_text": "{{q}}",
+            "doc_to_choice": "{{choices}}",
+            "doc_to_target": "{{label}}",
+            "metric_list": [{"metric": "acc"}],
+        },
+        "local_ppl": {
+            **common,
+            "dataset_kwargs": {"data_files": {"train": str(d / "ppl.jsonl")}},
+            "output_type": "loglikelihood_rolling",
+            "doc_to_text": "",
+            "doc_to_target": "{{text}}",
+            "metric_list": [{"metric": "word_perplexity"}, {"metric": "bits_per_byte"}],
+        },
+        "local_gen": {
+            **common,
+            "dataset_kwargs": {"data_files": {"train": str(d / "gen.jsonl")}},
+            "output_type": "generate_until",
+            "doc_to_text": "{{q}}:",
+            "doc_to_target": "{{a}}",
+            "generation_kwargs": {"until": ["\n"], "max_gen_toks": 5, "do_sample": False},
+            "metric_list": [{"metric": "exact_match"}],
+        },
     }
     for name, cfg in tasks.items():
         (d / f"{name}.yaml").write_text(yaml.safe_dump({"task": name, **cfg}))
@@ -209,8 +244,9 @@ def test_simple_evaluate_on_local_tasks(model, tmp_path):
     tasks = _write_tasks(tmp_path / "tasks")
     lm = LoopLMEvalModel(model=model, tokenizer=TOK, batch_size=4)
     tm = TaskManager(include_path=str(tasks), include_defaults=False)
-    res = lm_eval.simple_evaluate(model=lm, tasks=["local_mc", "local_ppl", "local_gen"], task_manager=tm,
-                                  log_samples=False)["results"]
+    res = lm_eval.simple_evaluate(
+        model=lm, tasks=["local_mc", "local_ppl", "local_gen"], task_manager=tm, log_samples=False
+    )["results"]
     # accuracy = how often the labelled choice has the highest log-likelihood, computed by hand
     hits = []
     for line in (tasks / "mc.jsonl").read_text().splitlines():
@@ -235,8 +271,23 @@ def test_simple_evaluate_on_local_tasks(model, tmp_path):
 def test_cli_eval_harness_offline(ckpt, tmp_path):
     tasks = _write_tasks(tmp_path / "tasks")
     out = tmp_path / "res.json"
-    rc = cli_main(["eval", "harness", str(ckpt), "--tasks", "local_mc,local_gen", "--include-path", str(tasks),
-                   "--limit", "4", "--loops", "5", "--output-json", str(out)])
+    rc = cli_main(
+        [
+            "eval",
+            "harness",
+            str(ckpt),
+            "--tasks",
+            "local_mc,local_gen",
+            "--include-path",
+            str(tasks),
+            "--limit",
+            "4",
+            "--loops",
+            "5",
+            "--output-json",
+            str(out),
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     assert set(res["results"]) == {"local_mc", "local_gen"} and res["config"]["loops"] == 5
@@ -246,13 +297,49 @@ def test_cli_eval_harness_offline(ckpt, tmp_path):
 
     export_hf(ckpt, tmp_path / "hf")
     out2 = tmp_path / "res2.json"
-    assert cli_main(["eval", "harness", str(tmp_path / "hf"), "--tasks", "local_mc", "--include-path", str(tasks),
-                     "--limit", "4", "--loops", "5", "--output-json", str(out2)]) == 0
+    assert (
+        cli_main(
+            [
+                "eval",
+                "harness",
+                str(tmp_path / "hf"),
+                "--tasks",
+                "local_mc",
+                "--include-path",
+                str(tasks),
+                "--limit",
+                "4",
+                "--loops",
+                "5",
+                "--output-json",
+                str(out2),
+            ]
+        )
+        == 0
+    )
     assert json.loads(out2.read_text())["results"]["local_mc"]["acc,none"] == res["results"]["local_mc"]["acc,none"]
     # --exit: the scored and generated requests at adaptive depth, the scored tokens' depths in the results
     out3 = tmp_path / "res3.json"
-    assert cli_main(["eval", "harness", str(ckpt), "--tasks", "local_mc,local_gen", "--include-path", str(tasks), "--limit", "4",
-                     "--exit", "convergence:1.0", "--output-json", str(out3)]) == 0  # fmt: skip
+    assert (
+        cli_main(
+            [
+                "eval",
+                "harness",
+                str(ckpt),
+                "--tasks",
+                "local_mc,local_gen",
+                "--include-path",
+                str(tasks),
+                "--limit",
+                "4",
+                "--exit",
+                "convergence:1.0",
+                "--output-json",
+                str(out3),
+            ]
+        )
+        == 0
+    )
     res3 = json.loads(out3.read_text())
     assert res3["config"]["exit"]["criterion"] == "convergence" and res3["config"]["exit"]["threshold"] == 1.0
     d = res3["adaptive_depth"]
@@ -263,10 +350,12 @@ def _fake_eval_dir(root: Path) -> Path:
     """Two of the real tasks' local layouts (datasets.save_to_disk), with made-up rows."""
     from datasets import Dataset
 
-    Dataset.from_list([{"goal": f"How to loop {i}?", "sol1": "Run it again.", "sol2": "Stop.", "label": i % 2}
-                       for i in range(8)]).save_to_disk(str(root / "piqa"))
-    Dataset.from_list([{"question": f"What is {i}?", "answer": bool(i % 2), "passage": "A passage."}
-                       for i in range(8)]).save_to_disk(str(root / "boolq"))
+    Dataset.from_list(
+        [{"goal": f"How to loop {i}?", "sol1": "Run it again.", "sol2": "Stop.", "label": i % 2} for i in range(8)]
+    ).save_to_disk(str(root / "piqa"))
+    Dataset.from_list(
+        [{"question": f"What is {i}?", "answer": bool(i % 2), "passage": "A passage."} for i in range(8)]
+    ).save_to_disk(str(root / "boolq"))
     return root
 
 
@@ -276,8 +365,9 @@ def test_suites_on_local_data_dir(ckpt, tmp_path):
     assert [st.task for _, st in written["looplm_mamba7"]] == ["piqa", "boolq"]  # only tasks with a local copy
     assert "looplm_stateloop8_0shot" in written and len(written["looplm_stateloop8_0shot"]) == 1
     # two suites sharing 5-shot PIQA run together (each suite has its own copy of the task)
-    out = run_harness(ckpt, ["looplm_mamba7", "looplm_stateloop8_5shot"], data_dir=data, limit=4,
-                      output_json=tmp_path / "r.json")
+    out = run_harness(
+        ckpt, ["looplm_mamba7", "looplm_stateloop8_5shot"], data_dir=data, limit=4, output_json=tmp_path / "r.json"
+    )
     assert "looplm_stateloop8_5shot_piqa_local" in out["results"]
     groups = out["groups"]["looplm_mamba7"]
     piqa = out["results"]["looplm_mamba7_piqa_local"]["acc,none"]
@@ -294,12 +384,27 @@ def test_suite_definitions_match_the_papers():
 
     assert tuple(SUITES) == SUITE_NAMES  # the CLI's list (kept free of lm-eval imports) is current
     sl = SUITES["looplm_stateloop8_0shot"][2]
-    assert [t.task for t in sl] == ["lambada_openai", "arc_easy", "arc_challenge", "winogrande", "piqa", "hellaswag",
-                                    "sciq", "race"]
+    assert [t.task for t in sl] == [
+        "lambada_openai",
+        "arc_easy",
+        "arc_challenge",
+        "winogrande",
+        "piqa",
+        "hellaswag",
+        "sciq",
+        "race",
+    ]
     assert {t.shots for t in SUITES["looplm_stateloop8_5shot"][2]} == {5}
     shots = {t.task: t.shots for t in SUITES["looplm_mamba7"][2]}
-    assert shots == {"piqa": 5, "boolq": 5, "winogrande": 5, "openbookqa": 5, "hellaswag": 10, "arc_challenge": 25,
-                     "arc_easy": 8}
+    assert shots == {
+        "piqa": 5,
+        "boolq": 5,
+        "winogrande": 5,
+        "openbookqa": 5,
+        "hellaswag": 10,
+        "arc_challenge": 25,
+        "arc_easy": 8,
+    }
     assert len(SUITES["looplm_bbh14"][2]) == 14 and len(SUITES["looplm_knowledge"][2]) == 3
     assert len(SUITES["looplm_reasoning"][2]) == 8 and "piqa" in {t.task for t in SUITES["looplm_knowledge"][2]}
 
@@ -313,8 +418,25 @@ def test_bad_arguments_are_refused_before_any_work(ckpt, model, capsys):
     import time
 
     t0 = time.perf_counter()
-    rc = cli_main(["eval", "harness", str(ckpt), "--tasks", "no_such_task", "--max-length", "0", "--limit", "-3",
-                   "--batch-size", "0", "--num-fewshot", "-1", "--exit-threshold", "nan"])
+    rc = cli_main(
+        [
+            "eval",
+            "harness",
+            str(ckpt),
+            "--tasks",
+            "no_such_task",
+            "--max-length",
+            "0",
+            "--limit",
+            "-3",
+            "--batch-size",
+            "0",
+            "--num-fewshot",
+            "-1",
+            "--exit-threshold",
+            "nan",
+        ]
+    )
     assert rc == 2 and time.perf_counter() - t0 < 5  # --max-length 0 looped until MemoryError
     err = capsys.readouterr().err
     assert "invalid eval harness arguments (5 problem(s))" in err
@@ -353,7 +475,9 @@ def test_rolling_loglikelihood_equals_lm_evals_own_hf_model_on_the_export(ckpt, 
     from looplm.hf.export import export_hf
 
     out = export_hf(ckpt, tmp_path / "hf")
-    docs = [_Req(f"document {i}: " + "the looped model reads this line again and again. " * (1 + 2 * i)) for i in range(3)]
+    docs = [
+        _Req(f"document {i}: " + "the looped model reads this line again and again. " * (1 + 2 * i)) for i in range(3)
+    ]
     ours = LoopLMEvalModel(str(ckpt), max_length=48, batch_size=2)
     theirs = HFLM(pretrained=str(out), trust_remote_code=True, max_length=48, batch_size=2, device="cpu")
     assert ours.prefix_token_id == theirs.prefix_token_id == TOK.bos_id
@@ -367,8 +491,20 @@ def test_rolling_loglikelihood_equals_lm_evals_own_hf_model_on_the_export(ckpt, 
 def test_plain_task_name_reads_the_local_copy_and_samples_are_logged(ckpt, tmp_path):
     data = _fake_eval_dir(tmp_path / "eval")
     out = tmp_path / "res.json"
-    rc = cli_main(["eval", "harness", str(ckpt), "--tasks", "piqa", "--data-dir", str(data), "--output-json", str(out),
-                   "--log-samples"])
+    rc = cli_main(
+        [
+            "eval",
+            "harness",
+            str(ckpt),
+            "--tasks",
+            "piqa",
+            "--data-dir",
+            str(data),
+            "--output-json",
+            str(out),
+            "--log-samples",
+        ]
+    )
     assert rc == 0
     res = json.loads(out.read_text())
     assert res["n-samples"]["piqa"]["original"] == 8  # the local copy (lm-eval's piqa has 1,838), offline
@@ -398,8 +534,13 @@ def test_written_task_yamls_name_nothing_of_this_environment(ckpt, tmp_path):
     shutil.copytree(tmp_path / "a", moved)
     shutil.rmtree(tmp_path / "a")
     register_lm_eval_model()
-    res = lm_eval.simple_evaluate(model="looplm", model_args=f"pretrained={ckpt}", tasks=["looplm_mamba7"], limit=3,
-                                  task_manager=TaskManager(include_path=str(moved / "tasks"), include_defaults=False))
+    res = lm_eval.simple_evaluate(
+        model="looplm",
+        model_args=f"pretrained={ckpt}",
+        tasks=["looplm_mamba7"],
+        limit=3,
+        task_manager=TaskManager(include_path=str(moved / "tasks"), include_defaults=False),
+    )
     assert res["n-samples"]["looplm_mamba7_piqa_local"]["original"] == 8
     assert "acc,none" in res["results"]["looplm_mamba7_boolq_local"]
     # without data: every suite task, hellaswag's process_docs named by its importable module in lm-eval

@@ -35,9 +35,22 @@ def test_bundle_carries_the_model_code_and_nothing_else():
     b = build_bundle(version="test")
     mods = set(b.modules)
     # the model: config, helpers, caches, dispatch, layers, blocks, every rule, driver, pause, factory, generate
-    for m in ("looplm.config", "looplm.dataclass_util", "looplm.context", "looplm.cache", "looplm.dispatch",
-              "looplm.blocks", "looplm.model", "looplm.pause", "looplm.factory", "looplm.decode.generate",
-              "looplm.layers.attention", "looplm.layers.mamba2", "looplm.recurrence", "looplm.recurrence.base"):
+    for m in (
+        "looplm.config",
+        "looplm.dataclass_util",
+        "looplm.context",
+        "looplm.cache",
+        "looplm.dispatch",
+        "looplm.blocks",
+        "looplm.model",
+        "looplm.pause",
+        "looplm.factory",
+        "looplm.decode.generate",
+        "looplm.layers.attention",
+        "looplm.layers.mamba2",
+        "looplm.recurrence",
+        "looplm.recurrence.base",
+    ):
         assert m in mods, m
     rule_modules = {RULES[r].__module__ for r in RULES if not r.startswith("test-")}
     assert rule_modules <= mods  # every registered rule, without a list of them anywhere
@@ -64,8 +77,9 @@ def test_bundle_carries_the_model_code_and_nothing_else():
     # the same source gives the same files
     assert build_bundle(version="test").files == b.files
     manifest = b.files["looplm_manifest.py"]
-    assert b.source_digest in manifest and all(f"from .{n} import" in manifest for n in b.modules.values()
-                                                  if n != "modeling_looplm")
+    assert b.source_digest in manifest and all(
+        f"from .{n} import" in manifest for n in b.modules.values() if n != "modeling_looplm"
+    )
 
 
 def _copy_source(tmp_path: Path) -> Path:
@@ -78,8 +92,12 @@ def test_bundle_refuses_what_an_export_must_not_need(tmp_path):
     root = _copy_source(tmp_path)
     model = root / "model.py"
     text = model.read_text()
-    model.write_text(text.replace("from .recurrence import build_rule\n",
-                                  "from .recurrence import build_rule\nfrom .train.metrics import log_path  # noqa\n"))
+    model.write_text(
+        text.replace(
+            "from .recurrence import build_rule\n",
+            "from .recurrence import build_rule\nfrom .train.metrics import log_path  # noqa\n",
+        )
+    )
     with pytest.raises(BundleError, match=r"looplm.train.metrics.*looplm.model"):
         build_bundle(root)
     model.write_text(text)
@@ -102,15 +120,22 @@ def test_export_records_its_source_and_runs_on_the_installed_looplm_with_it(tmp_
     assert auto.looplm_implementation.name == "installed" and type(auto.looplm).__module__ == "looplm.model"
     bundled = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True, looplm_code="bundled").eval()
     assert bundled.looplm_implementation.name == "bundled"
-    assert type(bundled.looplm).__module__.startswith("transformers_modules") and type(bundled.looplm).__name__ == "LoopedLM"
+    assert (
+        type(bundled.looplm).__module__.startswith("transformers_modules")
+        and type(bundled.looplm).__name__ == "LoopedLM"
+    )
     ids = _prompt(9)
     with torch.no_grad(), dispatch.reference_only():
         ref = model(ids).logits
         assert torch.equal(auto(ids).logits, ref) and torch.equal(bundled(ids).logits, ref)
-        assert torch.equal(bundled.generate(ids, max_new_tokens=5, do_sample=False), model.generate(ids, max_new_tokens=5))
+        assert torch.equal(
+            bundled.generate(ids, max_new_tokens=5, do_sample=False), model.generate(ids, max_new_tokens=5)
+        )
     # a source that differs from the export's: auto takes the copy; `installed` still runs it when asked, with a warning
     moved = shutil.copytree(out, tmp_path / "other")  # a fresh directory: transformers caches modules per process
-    (moved / "looplm_manifest.py").write_text((moved / "looplm_manifest.py").read_text().replace("'sha256:", "'sha256:0"))
+    (moved / "looplm_manifest.py").write_text(
+        (moved / "looplm_manifest.py").read_text().replace("'sha256:", "'sha256:0")
+    )
     other = AutoModelForCausalLM.from_pretrained(str(moved), trust_remote_code=True)
     assert other.looplm_implementation.name == "bundled"
     with pytest.warns(UserWarning, match="not the source this export was made from"):
@@ -121,7 +146,7 @@ def test_export_records_its_source_and_runs_on_the_installed_looplm_with_it(tmp_
 
 
 # the check run where looplm cannot be imported: every export loads, gives looplm's logits and tokens
-_NO_LOOPLM = r'''
+_NO_LOOPLM = r"""
 import json, sys
 sys.path[:0] = json.loads(sys.argv[2])  # site-packages, not processed: no .pth (the editable looplm install)
 try:
@@ -169,7 +194,7 @@ for name, case in spec.items():
                  "speculative": torch.equal(gen_spec, exp["full"]) and torch.equal(gen_spec_exit, exp["full"]), "depth": depth,
                  "static": static, "prefill": prefill, "text": tok.decode(gen[0].tolist())}
 print(json.dumps(res))
-'''
+"""
 
 
 def _or_refused(call):
@@ -191,19 +216,31 @@ def test_every_rule_loads_and_generates_without_looplm(tmp_path):
         ids = _prompt(6)
         K = model.config.n_loops
         with torch.no_grad(), dispatch.reference_only():
-            exp = {"ids": ids, "logits": model(ids).logits, "tokens": model.generate(ids, max_new_tokens=4, num_loops=K + 1),
-                   "exit": model.generate(ids, max_new_tokens=4, exit="convergence:0.05"),
-                   "prefill": _or_refused(lambda: model.generate(ids, max_new_tokens=4, exit={"criterion": "convergence", "threshold": 0.05,
-                                                                                                "prefill": "exit"})),
-                   "full": model.generate(ids, max_new_tokens=4)}  # fmt: skip
+            exp = {
+                "ids": ids,
+                "logits": model(ids).logits,
+                "tokens": model.generate(ids, max_new_tokens=4, num_loops=K + 1),
+                "exit": model.generate(ids, max_new_tokens=4, exit="convergence:0.05"),
+                "prefill": _or_refused(
+                    lambda: model.generate(
+                        ids, max_new_tokens=4, exit={"criterion": "convergence", "threshold": 0.05, "prefill": "exit"}
+                    )
+                ),
+                "full": model.generate(ids, max_new_tokens=4),
+            }
         torch.save(exp, tmp_path / f"{rule}.pt")
         spec[rule] = {"dir": str(out), "expected": str(tmp_path / f"{rule}.pt"), "loops": K + 1}
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "LOOPLM"))}
     env.update(HF_HUB_OFFLINE="1", HF_MODULES_CACHE=str(tmp_path / "modules"), TOKENIZERS_PARALLELISM="false")
-    r = subprocess.run([sys.executable, "-I", "-S", "-c", _NO_LOOPLM, str(tmp_path / "spec.json"),
-                        json.dumps(site.getsitepackages())], env=env, capture_output=True, text=True, timeout=600,
-                       cwd=tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", _NO_LOOPLM, str(tmp_path / "spec.json"), json.dumps(site.getsitepackages())],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])
     assert "error" not in res, res

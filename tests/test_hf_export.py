@@ -43,8 +43,8 @@ def _prompt(n: int = 7, seed: int = 1, vocab: int = 200) -> torch.Tensor:
     return torch.randint(0, vocab, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
+
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
@@ -58,8 +58,15 @@ def exported(tmp_path_factory):
 def test_export_layout_and_remote_code(exported):
     model, out, hf = exported
     names = {p.name for p in out.iterdir()}
-    assert {"config.json", "model.safetensors", "modeling_looplm.py", "configuration_looplm.py",
-            "tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= names
+    assert {
+        "config.json",
+        "model.safetensors",
+        "modeling_looplm.py",
+        "configuration_looplm.py",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    } <= names
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["model_type"] == "looplm" and cfg["looplm"]["rule"]["name"] == model.config.rule.name
     assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_looplm.LoopLMForCausalLM"
@@ -225,12 +232,16 @@ def test_generate_takes_adaptive_depth_and_speculative_options(tmp_path):
     hf = _load(export_hf(model, tmp_path / "gate", tokenizer="byte"))
     ids = torch.randint(0, 200, (2, 6), generator=torch.Generator().manual_seed(1))
     for q in (0.3, 0.7):
-        assert torch.equal(hf.generate(ids, max_new_tokens=6, do_sample=False, exit=f"gate:{q}"),
-                           model.generate(ids, 6, exit=f"gate:{q}"))
+        assert torch.equal(
+            hf.generate(ids, max_new_tokens=6, do_sample=False, exit=f"gate:{q}"),
+            model.generate(ids, 6, exit=f"gate:{q}"),
+        )
     got, stats = hf.generate(ids, max_new_tokens=6, do_sample=False, exit="gate:0.3", return_stats=True)
     assert stats.summary()["executed_depth"] < 4
-    assert torch.equal(hf.generate(ids, max_new_tokens=6, do_sample=False, speculative={"draft_loops": 1, "k": 3}),
-                       model.generate(ids, 6))
+    assert torch.equal(
+        hf.generate(ids, max_new_tokens=6, do_sample=False, speculative={"draft_loops": 1, "k": 3}),
+        model.generate(ids, 6),
+    )
     with pytest.raises(ValueError, match="only transformers' loop"):
         hf.generate(ids, max_new_tokens=3, num_beams=2, exit="gate:0.5")
     with pytest.raises(ValueError, match=r"exit threshold q must be in \(0, 1\]"):
@@ -271,7 +282,10 @@ def test_cli_export_import_round_trip_bpe(tmp_path):
     assert tok.encode("to be or not") == bpe.encode("to be or not") and tok.eos_id == bpe.eos_id
     assert tok.fingerprint() == bpe.fingerprint()
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_loops"] == 2
-    assert cli_main(["generate", "--checkpoint", str(tmp_path / "back"), "--prompt", "to be", "--max-new-tokens", "4"]) == 0
+    assert (
+        cli_main(["generate", "--checkpoint", str(tmp_path / "back"), "--prompt", "to be", "--max-new-tokens", "4"])
+        == 0
+    )
 
 
 def _byte_hf_tokenizer(path):
@@ -283,16 +297,40 @@ def _byte_hf_tokenizer(path):
 def _tiny_hf(kind: str):
     torch.manual_seed(0)
     if kind == "llama":
-        cfg = transformers.LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        cfg = transformers.LlamaConfig(
+            vocab_size=260,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+        )
         return transformers.LlamaForCausalLM(cfg)
     if kind == "qwen3":
-        cfg = transformers.Qwen3Config(vocab_size=260, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                       max_position_embeddings=64, tie_word_embeddings=True)
+        cfg = transformers.Qwen3Config(
+            vocab_size=260,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=64,
+            tie_word_embeddings=True,
+        )
         return transformers.Qwen3ForCausalLM(cfg)
-    cfg = transformers.Mamba2Config(vocab_size=260, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2,
-                                    head_dim=16, num_heads=4, n_groups=1, chunk_size=8)
+    cfg = transformers.Mamba2Config(
+        vocab_size=260,
+        hidden_size=32,
+        num_hidden_layers=2,
+        state_size=8,
+        expand=2,
+        head_dim=16,
+        num_heads=4,
+        n_groups=1,
+        chunk_size=8,
+    )
     return transformers.Mamba2ForCausalLM(cfg)
 
 
@@ -349,17 +387,27 @@ def _edit_weights(path, edit):
 
 def test_import_refuses_missing_unexpected_or_misshaped_tensors(tmp_path, capsys):
     src = _llama_dir(tmp_path)
-    _edit_weights(src / "model.safetensors", lambda sd: [sd.pop("model.layers.1.self_attn.q_proj.weight"),
-                                                         sd.pop("model.layers.1.mlp.down_proj.weight")])
+    _edit_weights(
+        src / "model.safetensors",
+        lambda sd: [sd.pop("model.layers.1.self_attn.q_proj.weight"), sd.pop("model.layers.1.mlp.down_proj.weight")],
+    )
     # was: exit 0 and a COMPLETE checkpoint with those two tensors drawn from N(0, 0.02)
     assert cli_main(["import", "hf", str(src), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "do not fit its llama config (missing 2: model.layers.1.mlp.down_proj.weight, " \
-           "model.layers.1.self_attn.q_proj.weight); nothing was written" in err and "Traceback" not in err
+    assert (
+        "do not fit its llama config (missing 2: model.layers.1.mlp.down_proj.weight, "
+        "model.layers.1.self_attn.q_proj.weight); nothing was written"
+        in err
+        and "Traceback" not in err
+    )
     assert not (tmp_path / "out").exists()
     src2 = _llama_dir(tmp_path, "llama2")
-    _edit_weights(src2 / "model.safetensors", lambda sd: sd.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(40, 32)}))
-    with pytest.raises(ValueError, match=r"mis-shaped 1: model\.layers\.0\.mlp\.up_proj\.weight \[40, 32\] \(expected \[48, 32\]\)"):
+    _edit_weights(
+        src2 / "model.safetensors", lambda sd: sd.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(40, 32)})
+    )
+    with pytest.raises(
+        ValueError, match=r"mis-shaped 1: model\.layers\.0\.mlp\.up_proj\.weight \[40, 32\] \(expected \[48, 32\]\)"
+    ):
         import_hf(src2, tmp_path / "out")
     # a Llama config.json over looplm weights: every tensor is missing (was: exit 0, an all-random model)
     model = _perturb(looplm.build("tiny-llama"))
@@ -377,7 +425,9 @@ def test_import_of_an_export_checks_its_tensors_too(exported, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)
     _edit_weights(bad / "model.safetensors", lambda sd: sd.pop("looplm.core.stack.blocks.0.mlp.up_proj.weight"))
-    with pytest.raises(ValueError, match=r"do not fit its looplm config .*missing 1: looplm\.core\.stack\.blocks\.0\.mlp\.up_proj"):
+    with pytest.raises(
+        ValueError, match=r"do not fit its looplm config .*missing 1: looplm\.core\.stack\.blocks\.0\.mlp\.up_proj"
+    ):
         import_hf(bad, tmp_path / "out")  # was: a raw load_state_dict traceback
 
 
@@ -404,7 +454,10 @@ def test_import_reads_exactly_the_files_the_format_names(exported, tmp_path):
     half = len(keys) // 2
     save_file({k: full[k] for k in keys[:half]}, str(src / "model-00001-of-00002.safetensors"))
     save_file({k: full[k] for k in keys[half:]}, str(src / "model-00002-of-00002.safetensors"))
-    index = {"metadata": {}, "weight_map": {k: f"model-0000{1 + (i >= half)}-of-00002.safetensors" for i, k in enumerate(keys)}}
+    index = {
+        "metadata": {},
+        "weight_map": {k: f"model-0000{1 + (i >= half)}-of-00002.safetensors" for i, k in enumerate(keys)},
+    }
     (src / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match="holds both model.safetensors and model.safetensors.index.json"):
         import_hf(src, tmp_path / "b")
@@ -413,11 +466,16 @@ def test_import_reads_exactly_the_files_the_format_names(exported, tmp_path):
         back, _ = load_model_for_inference(import_hf(src, tmp_path / "c"))
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), back.state_dict().values()))
     (src / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match=r"lists shard\(s\) that are missing: \['model-00002-of-00002.safetensors'\]"):
+    with pytest.raises(
+        FileNotFoundError, match=r"lists shard\(s\) that are missing: \['model-00002-of-00002.safetensors'\]"
+    ):
         import_hf(src, tmp_path / "d")
     (src / "model.safetensors.index.json").unlink()
-    with pytest.raises(FileNotFoundError, match="has no model.safetensors nor model.safetensors.index.json; it has "
-                                                r"\['model-00001-of-00002.safetensors', 'model_v0_backup.safetensors'\]"):
+    with pytest.raises(
+        FileNotFoundError,
+        match="has no model.safetensors nor model.safetensors.index.json; it has "
+        r"\['model-00001-of-00002.safetensors', 'model_v0_backup.safetensors'\]",
+    ):
         import_hf(src, tmp_path / "e")
 
 
@@ -462,7 +520,11 @@ def test_export_and_import_never_overwrite_a_training_checkpoint_or_run(tmp_path
     verify_checkpoint(ckpt)
     load_model_for_inference(ckpt)
     run = tmp_path / "run"
-    record = {"model": model.config.to_dict(), "tokenizer": "byte", "tokenizer_fingerprint": ByteTokenizer().fingerprint()}
+    record = {
+        "model": model.config.to_dict(),
+        "tokenizer": "byte",
+        "tokenizer_fingerprint": ByteTokenizer().fingerprint(),
+    }
     step = save_checkpoint(run / "ckpt", 2, model, None, {"step": 2}, record)
     (run / "metrics.jsonl").write_text("{}\n")
     for target, what in ((run, "training run"), (step, "training checkpoint")):
@@ -486,19 +548,39 @@ def test_config_json_has_the_fields_tools_read(tmp_path):
     out = export_hf(model, tmp_path / "sl", tokenizer="byte")
     c = json.loads((out / "config.json").read_text())
     p, s, K, co = cfg.n_prelude, cfg.n_core, cfg.n_loops, cfg.n_coda
-    assert (c["num_prelude_layers"], c["num_core_layers"], c["trained_num_loops"], c["num_coda_layers"]) == (p, s, K, co)
-    assert c["num_loops"] == K and c["num_hidden_layers"] == p + s + co and c["effective_num_hidden_layers"] == p + s * K + co
-    assert (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]) == (cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim)
+    assert (c["num_prelude_layers"], c["num_core_layers"], c["trained_num_loops"], c["num_coda_layers"]) == (
+        p,
+        s,
+        K,
+        co,
+    )
+    assert (
+        c["num_loops"] == K
+        and c["num_hidden_layers"] == p + s + co
+        and c["effective_num_hidden_layers"] == p + s * K + co
+    )
+    assert (c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]) == (
+        cfg.attention.n_heads,
+        cfg.n_kv_heads,
+        cfg.head_dim,
+    )
     assert (c["hidden_size"], c["intermediate_size"], c["vocab_size"]) == (cfg.d_model, cfg.d_ff, cfg.vocab_size)
     assert c["rms_norm_eps"] == cfg.norm_eps and c["rope_theta"] == cfg.attention.rope_theta
     assert c["max_position_embeddings"] == cfg.max_seq_len and c["looplm"]["rule"]["name"] == "stateloop"
     assert c["exit_threshold"] is None and len(c["layer_types"]) == p + s + co
     # another inference loop count moves the effective depth; generate(num_loops=...) still overrides it
-    deep = json.loads((export_hf(model, tmp_path / "deep", tokenizer="byte", num_loops=K + 2) / "config.json").read_text())
+    deep = json.loads(
+        (export_hf(model, tmp_path / "deep", tokenizer="byte", num_loops=K + 2) / "config.json").read_text()
+    )
     assert deep["num_loops"] == K + 2 and deep["effective_num_hidden_layers"] == p + s * (K + 2) + co
     # an exit gate writes its threshold at the top level; a pause model counts real tokens
-    gate = looplm.build("tiny-llama", overrides={"rule.name": "exit_gate", "rule.options": {"threshold": 0.7}, "n_loops": 3})
-    assert json.loads((export_hf(gate, tmp_path / "gate", tokenizer="byte") / "config.json").read_text())["exit_threshold"] == 0.7
+    gate = looplm.build(
+        "tiny-llama", overrides={"rule.name": "exit_gate", "rule.options": {"threshold": 0.7}, "n_loops": 3}
+    )
+    assert (
+        json.loads((export_hf(gate, tmp_path / "gate", tokenizer="byte") / "config.json").read_text())["exit_threshold"]
+        == 0.7
+    )
     pause = looplm.build("tiny-llama", overrides={"pause": {"n_pause": 3}})
     pc = json.loads((export_hf(pause, tmp_path / "pause", tokenizer="byte") / "config.json").read_text())
     assert pc["max_position_embeddings"] == pause.config.max_seq_len // 4
@@ -580,8 +662,13 @@ def test_generate_takes_the_lean_path_with_transformers_tokens(exported):
     batch[0], batch[1, 5:] = a, b
     mask = (torch.arange(9)[None] >= torch.tensor([[0], [5]])).long()
     loop = transformers.GenerationMixin.generate  # transformers' own loop over forward()
-    for kw in ({"do_sample": False}, {"do_sample": True, "top_k": 7}, {"do_sample": True, "top_p": 0.8, "temperature": 0.7},
-               {"do_sample": False, "eos_token_id": int(batch[0, 3])}, {"do_sample": False, "num_loops": 5}):
+    for kw in (
+        {"do_sample": False},
+        {"do_sample": True, "top_k": 7},
+        {"do_sample": True, "top_p": 0.8, "temperature": 0.7},
+        {"do_sample": False, "eos_token_id": int(batch[0, 3])},
+        {"do_sample": False, "num_loops": 5},
+    ):
         torch.manual_seed(1)
         lean = hf.generate(batch, attention_mask=mask, max_new_tokens=6, **kw)
         torch.manual_seed(1)
@@ -590,8 +677,10 @@ def test_generate_takes_the_lean_path_with_transformers_tokens(exported):
     # looplm's own generate options pass straight through (here: its sampling generator)
     g1, g2 = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
     ids = _prompt(5)
-    assert torch.equal(hf.generate(ids, max_new_tokens=5, do_sample=True, generator=g1),
-                       model.generate(ids, max_new_tokens=5, do_sample=True, top_k=50, generator=g2))
+    assert torch.equal(
+        hf.generate(ids, max_new_tokens=5, do_sample=True, generator=g1),
+        model.generate(ids, max_new_tokens=5, do_sample=True, top_k=50, generator=g2),
+    )
     # what only transformers' loop does goes there (its cache preallocated for the whole request)
     n = len(calls)
     beams = hf.generate(ids, max_new_tokens=4, num_beams=2, return_dict_in_generate=True)
@@ -625,17 +714,40 @@ def _chat_source(path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(["the user asks and the assistant answers in a loop"] * 50, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    chat = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
-            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                                unk_token="<|endoftext|>", pad_token="<|im_end|>", chat_template=chat)
+    tok.train_from_iterator(
+        ["the user asks and the assistant answers in a loop"] * 50,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    chat = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    )
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|im_start|>",
+        eos_token="<|im_end|>",
+        unk_token="<|endoftext|>",
+        pad_token="<|im_end|>",
+        chat_template=chat,
+    )
     fast.save_pretrained(str(path))
-    cfg = transformers.LlamaConfig(vocab_size=320, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    cfg = transformers.LlamaConfig(
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+    )
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(str(path))
     return fast
@@ -651,8 +763,15 @@ def test_chat_template_and_special_tokens_survive_import_and_export(tmp_path):
     tok = AutoTokenizer.from_pretrained(str(out), trust_remote_code=False)
     msgs = [{"role": "user", "content": "the loop asks"}]
     assert tok.chat_template == src.chat_template
-    assert tok.apply_chat_template(msgs, add_generation_prompt=True) == src.apply_chat_template(msgs, add_generation_prompt=True)
-    assert (tok.bos_token, tok.eos_token, tok.unk_token, tok.pad_token) == ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_end|>")
+    assert tok.apply_chat_template(msgs, add_generation_prompt=True) == src.apply_chat_template(
+        msgs, add_generation_prompt=True
+    )
+    assert (tok.bos_token, tok.eos_token, tok.unk_token, tok.pad_token) == (
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|endoftext|>",
+        "<|im_end|>",
+    )
     cfg = json.loads((out / "tokenizer_config.json").read_text())
     assert "local_files_only" not in cfg and "auto_map" not in cfg
     pipe = pipeline("text-generation", model=str(out), trust_remote_code=True)

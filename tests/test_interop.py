@@ -20,10 +20,22 @@ def _compare(hf, x, atol=1e-4, **kw):
 
 def test_llama_with_llama3_rope_scaling_matches():
     cfg = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=160, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=1, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 32},
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
         rope_theta=500000.0,
     )
     model = _compare(transformers.LlamaForCausalLM(cfg), torch.randint(0, 300, (2, 100)))
@@ -32,8 +44,16 @@ def test_llama_with_llama3_rope_scaling_matches():
 
 def test_qwen3_with_qk_norm_and_tied_embeddings_matches():
     cfg = transformers.Qwen3Config(
-        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=True,
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
         rope_theta=1000000.0,
     )
     model = _compare(transformers.Qwen3ForCausalLM(cfg), torch.randint(0, 300, (2, 50)))
@@ -42,16 +62,34 @@ def test_qwen3_with_qk_norm_and_tied_embeddings_matches():
 
 def test_mamba2_matches():
     cfg = transformers.Mamba2Config(
-        vocab_size=300, hidden_size=64, state_size=16, num_hidden_layers=2, expand=2, head_dim=16, num_heads=8,
-        n_groups=2, conv_kernel=4, chunk_size=16, tie_word_embeddings=False, use_conv_bias=True, use_bias=False,
+        vocab_size=300,
+        hidden_size=64,
+        state_size=16,
+        num_hidden_layers=2,
+        expand=2,
+        head_dim=16,
+        num_heads=8,
+        n_groups=2,
+        conv_kernel=4,
+        chunk_size=16,
+        tie_word_embeddings=False,
+        use_conv_bias=True,
+        use_bias=False,
     )
     hf = transformers.Mamba2ForCausalLM(cfg)
     _compare(hf, torch.randint(0, 300, (2, 37)))
 
 
 def test_imported_stack_can_be_looped_and_decoded():
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    cfg = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     hf = transformers.LlamaForCausalLM(cfg).eval()
     looped = from_transformers(hf, n_loops=3).eval()
     x = torch.randint(0, 300, (1, 10))

@@ -104,17 +104,23 @@ def test_status_says_why_not(monkeypatch, tmp_path):
     monkeypatch.setattr(loader, "_state", {})
     st = loader.status()
     assert not st.built and not st.loaded and "not built yet: run `looplm kernels build`" in st.reason
-    monkeypatch.setattr(loader, "_state", {"ok": False, "reason": "could not build looplm's CPU extension (OSError: no compiler)"})
+    monkeypatch.setattr(
+        loader, "_state", {"ok": False, "reason": "could not build looplm's CPU extension (OSError: no compiler)"}
+    )
     assert loader.status().reason == "could not build looplm's CPU extension (OSError: no compiler)"
 
 
 def test_kernels_status_cli(tmp_path):
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
     env.pop("LOOPLM_CPU_KERNELS", None)
-    out = subprocess.run([sys.executable, "-m", "looplm.cli", "kernels", "status"], env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "looplm.cli", "kernels", "status"], env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert "not built yet: run `looplm kernels build`" in out and str(tmp_path) in out
     env["LOOPLM_CPU_KERNELS"] = "0"
-    out = subprocess.run([sys.executable, "-m", "looplm.cli", "info", "tiny-llama"], env=env, capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "looplm.cli", "info", "tiny-llama"], env=env, capture_output=True, text=True, check=True
+    ).stdout
     assert "CPU kernels         off (switched off by LOOPLM_CPU_KERNELS=0)" in out
 
 
@@ -123,8 +129,13 @@ def _start_build(tmp_path: Path, log: str) -> subprocess.Popen:
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path))
     env.pop("LOOPLM_CPU_KERNELS", None)
     with open(tmp_path / log, "w") as err:
-        return subprocess.Popen([sys.executable, "-m", "looplm.cli", "kernels", "build"], env=env, start_new_session=True,
-                                stdout=subprocess.DEVNULL, stderr=err)  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, "-m", "looplm.cli", "kernels", "build"],
+            env=env,
+            start_new_session=True,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+        )
 
 
 def _wait_for(p: subprocess.Popen, done, what: str, log: Path) -> None:
@@ -142,7 +153,12 @@ def test_a_build_killed_midway_does_not_block_the_next_one(tmp_path):
     bug). It is stopped there: compiling to the end takes a minute on 2 cores, and `make install` builds for real."""
     first = _start_build(tmp_path, "first.err")
     try:
-        _wait_for(first, lambda: list(tmp_path.glob("looplm_cpu_*/lock")), "the build never took torch's lock", tmp_path / "first.err")
+        _wait_for(
+            first,
+            lambda: list(tmp_path.glob("looplm_cpu_*/lock")),
+            "the build never took torch's lock",
+            tmp_path / "first.err",
+        )
     finally:
         os.killpg(first.pid, signal.SIGKILL)
         first.wait()
@@ -204,8 +220,13 @@ def test_a_library_truncated_while_it_linked_is_rebuilt_not_loaded(tmp_path, mon
     assert loader._load() == (True, "")
     assert calls == [("build", f"{lib.stem}_partial")]  # built, never loaded by this process
     err = capfd.readouterr().err
-    assert f"the CPU kernel library {lib} is damaged (it has no record of its size and sha256, and loading it killed a child process with signal 7): rebuilding it" in err
-    assert lib.read_bytes() == b"\x7fELF a freshly linked library" and not (lib.parent / f"{lib.stem}_partial.so").exists()
+    assert (
+        f"the CPU kernel library {lib} is damaged (it has no record of its size and sha256, and loading it killed a child process with signal 7): rebuilding it"
+        in err
+    )
+    assert (
+        lib.read_bytes() == b"\x7fELF a freshly linked library" and not (lib.parent / f"{lib.stem}_partial.so").exists()
+    )
     rec = json.loads(loader._record(lib).read_text())
     assert rec["size"] == lib.stat().st_size and rec["sha256"] == hashlib.sha256(lib.read_bytes()).hexdigest()
     assert loader._check(lib) == ""
@@ -229,7 +250,10 @@ def test_an_empty_library_is_not_built_and_is_rebuilt(tmp_path, monkeypatch):
     lib, calls = _fake_builds(monkeypatch, tmp_path)
     lib.touch()
     st = loader.status()
-    assert not st.built and st.reason == f"the library {lib} is damaged (it is empty (0 bytes)): `looplm kernels build` rebuilds it"
+    assert (
+        not st.built
+        and st.reason == f"the library {lib} is damaged (it is empty (0 bytes)): `looplm kernels build` rebuilds it"
+    )
     assert loader._load() == (True, "") and calls == [("build", f"{lib.stem}_partial")]
     monkeypatch.setattr(loader, "_state", {})
     assert loader.status().built and loader.status().reason == ""
@@ -240,8 +264,10 @@ def test_a_damaged_library_that_cannot_be_rebuilt_says_what_to_delete(tmp_path, 
     lib.touch()
     ok, reason = loader._load()
     assert not ok and ("load", lib) not in calls
-    assert reason == (f"could not build looplm's CPU extension (RuntimeError: error: no compiler; the library there is damaged "
-                      f"(it is empty (0 bytes)): delete {lib.parent} (rm -r) and run `looplm kernels build`)")  # fmt: skip
+    assert reason == (
+        f"could not build looplm's CPU extension (RuntimeError: error: no compiler; the library there is damaged "
+        f"(it is empty (0 bytes)): delete {lib.parent} (rm -r) and run `looplm kernels build`)"
+    )
 
 
 def test_a_build_that_dies_while_linking_leaves_nothing_at_the_librarys_name(tmp_path, monkeypatch):
@@ -258,7 +284,9 @@ def test_a_build_that_dies_while_linking_leaves_nothing_at_the_librarys_name(tmp
     ok, reason = loader._load()
     assert not ok and "No space left on device" in reason and not lib.exists()
     seen = []
-    monkeypatch.setattr(cpp, "load", lambda **kw: seen.append((Path(kw["build_directory"]) / f"{kw['name']}.so").exists()))
+    monkeypatch.setattr(
+        cpp, "load", lambda **kw: seen.append((Path(kw["build_directory"]) / f"{kw['name']}.so").exists())
+    )
     with pytest.raises(RuntimeError, match="the build produced no library"):
         loader._compile(lib.stem, lib.parent, [], "portable")
     assert seen == [False] and not lib.exists()
@@ -279,12 +307,23 @@ def test_kernels_build_cli_rebuilds_an_empty_library(tmp_path):
     delete, exits 1, instead of dying with SIGBUS or 'built; could not build'."""
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path), CXX=str(tmp_path / "no-compiler"), PATH="/usr/bin:/bin")
     env.pop("LOOPLM_CPU_KERNELS", None)
-    name_dir = subprocess.run([sys.executable, "-c", "from looplm.kernels import loader; n = loader._name_and_dir(); print(n[3] / (n[2] + '.so'))"],
-                              env=env, capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    name_dir = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from looplm.kernels import loader; n = loader._name_and_dir(); print(n[3] / (n[2] + '.so'))",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     lib = Path(name_dir)
     lib.parent.mkdir(parents=True)
     lib.touch()
-    r = subprocess.run([sys.executable, "-m", "looplm.cli", "kernels", "build"], env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "looplm.cli", "kernels", "build"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert r.returncode == 1, r.stderr
-    assert f"is damaged (it is empty (0 bytes)): rebuilding it" in r.stderr
+    assert "is damaged (it is empty (0 bytes)): rebuilding it" in r.stderr
     assert f"delete {lib.parent} (rm -r)" in r.stdout + r.stderr

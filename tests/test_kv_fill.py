@@ -18,7 +18,9 @@ from looplm.layers.attention import KVCache
 from looplm.decode.sampling import decode_context
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-needs_extension = pytest.mark.skipif(not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}")
+needs_extension = pytest.mark.skipif(
+    not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}"
+)
 
 
 def _model(name, dtype=torch.float32):
@@ -138,18 +140,38 @@ def test_decode_stack_fill_rows_equal_kv_of_and_leave_the_step_unchanged():
     bufs = [[KVCache(6), KVCache(6)] for _ in blocks]
     for pair in bufs:
         for b in pair:
-            b.allocate(4, caches[0][0].shape[1], caches[0][0].shape[3], caches[0][0].shape[3], torch.float32, torch.device("cpu"))
+            b.allocate(
+                4,
+                caches[0][0].shape[1],
+                caches[0][0].shape[3],
+                caches[0][0].shape[3],
+                torch.float32,
+                torch.device("cpu"),
+            )
             b._k.normal_(), b._v.normal_()
     before = [[(b._k.clone(), b._v.clone()) for b in pair] for pair in bufs]
     index = torch.tensor([[0, 3, 5, 0], [1, 0, 2, 1], [1, 2, 4, 0]])  # (buffer, row, column, stand-in)
     plain = [(k.clone(), v.clone()) for k, v in caches]
-    y0 = torch.ops.looplm_cpu.decode_stack(x, plan.plan, [k for k, _ in plain], [v for _, v in plain], pos, cos, sin, None)
+    y0 = torch.ops.looplm_cpu.decode_stack(
+        x, plan.plan, [k for k, _ in plain], [v for _, v in plain], pos, cos, sin, None
+    )
     with_fill = [(k.clone(), v.clone()) for k, v in caches]
     y1 = torch.ops.looplm_cpu.decode_stack(
-        x, plan.plan, [k for k, _ in with_fill], [v for _, v in with_fill], pos, cos, sin, None,
-        fill_z=z, fill_cos=fcos.float().contiguous(), fill_sin=fsin.float().contiguous(),
-        fill_k=[b._k for pair in bufs for b in pair], fill_v=[b._v for pair in bufs for b in pair], fill_index=index,
-    )  # fmt: skip
+        x,
+        plan.plan,
+        [k for k, _ in with_fill],
+        [v for _, v in with_fill],
+        pos,
+        cos,
+        sin,
+        None,
+        fill_z=z,
+        fill_cos=fcos.float().contiguous(),
+        fill_sin=fsin.float().contiguous(),
+        fill_k=[b._k for pair in bufs for b in pair],
+        fill_v=[b._v for pair in bufs for b in pair],
+        fill_index=index,
+    )
     torch.testing.assert_close(y1, y0, atol=1e-6, rtol=1e-6)
     for (k0, v0), (k1, v1) in zip(plain, with_fill):
         torch.testing.assert_close(k1, k0, atol=1e-6, rtol=1e-6)
@@ -167,24 +189,33 @@ def test_decode_stack_fill_rows_equal_kv_of_and_leave_the_step_unchanged():
 
 @needs_extension
 @pytest.mark.kernels
-@pytest.mark.parametrize("bad,match", [
-    (dict(fill_index=torch.tensor([[2, 0, 0, 0]])), "names buffer 2; each block has 2"),
-    (dict(fill_index=torch.tensor([[0, 4, 0, 0]])), r"outside buffer 0's 4 rows and 6 columns"),
-    (dict(fill_index=torch.tensor([[0, 0, 6, 0]])), r"outside buffer 0's 4 rows and 6 columns"),
-    (dict(fill_index=torch.tensor([[0, 0, 0, 1]])), "reads stand-in row 1 of 1"),
-    (dict(fill_index=torch.tensor([[0, 0, 0, 0]], dtype=torch.int32)), "fill_index must be a contiguous int64"),
-    (dict(fill_cos=None, fill_sin=None), "need RoPE tables exactly when the step has them"),
-    (dict(fill_k="short"), "same number of buffers for each of the plan's"),
-    (dict(fill_z="bf16"), "fill_z must be a contiguous CPU float32"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(fill_index=torch.tensor([[2, 0, 0, 0]])), "names buffer 2; each block has 2"),
+        (dict(fill_index=torch.tensor([[0, 4, 0, 0]])), r"outside buffer 0's 4 rows and 6 columns"),
+        (dict(fill_index=torch.tensor([[0, 0, 6, 0]])), r"outside buffer 0's 4 rows and 6 columns"),
+        (dict(fill_index=torch.tensor([[0, 0, 0, 1]])), "reads stand-in row 1 of 1"),
+        (dict(fill_index=torch.tensor([[0, 0, 0, 0]], dtype=torch.int32)), "fill_index must be a contiguous int64"),
+        (dict(fill_cos=None, fill_sin=None), "need RoPE tables exactly when the step has them"),
+        (dict(fill_k="short"), "same number of buffers for each of the plan's"),
+        (dict(fill_z="bf16"), "fill_z must be a contiguous CPU float32"),
+    ],
+)
 def test_decode_stack_refuses_bad_fill_arguments_before_writing_anything(bad, match):
     m = _model("tiny-qwen3")
     plan = kd._prepare_stack(m.core.stack, None)
     blocks, caches, x, cos, sin, pos = _stack_inputs(m)
     G, hd = caches[0][0].shape[1], caches[0][0].shape[3]
     bufs = [torch.randn(4, G, 6, hd) for _ in range(4 * len(blocks))]  # per block: 2 (k, v) buffer pairs
-    args = dict(fill_z=torch.randn(1, 1, m.config.d_model), fill_cos=cos[:1].contiguous(), fill_sin=sin[:1].contiguous(),
-                fill_k=bufs[0::2], fill_v=bufs[1::2], fill_index=torch.tensor([[0, 0, 0, 0]]))  # fmt: skip
+    args = dict(
+        fill_z=torch.randn(1, 1, m.config.d_model),
+        fill_cos=cos[:1].contiguous(),
+        fill_sin=sin[:1].contiguous(),
+        fill_k=bufs[0::2],
+        fill_v=bufs[1::2],
+        fill_index=torch.tensor([[0, 0, 0, 0]]),
+    )
     args.update(bad)
     if args["fill_k"] == "short":
         args["fill_k"], args["fill_v"] = bufs[0:1], bufs[1:2]
@@ -192,7 +223,9 @@ def test_decode_stack_refuses_bad_fill_arguments_before_writing_anything(bad, ma
         args["fill_z"] = args["fill_z"] and torch.randn(1, 1, m.config.d_model, dtype=torch.bfloat16)
     before = [t.clone() for t in bufs] + [t.clone() for pair in caches for t in pair]
     with pytest.raises(RuntimeError, match=match):
-        torch.ops.looplm_cpu.decode_stack(x, plan.plan, [k for k, _ in caches], [v for _, v in caches], pos, cos, sin, None, **args)
+        torch.ops.looplm_cpu.decode_stack(
+            x, plan.plan, [k for k, _ in caches], [v for _, v in caches], pos, cos, sin, None, **args
+        )
     for t, t0 in zip(bufs + [t for pair in caches for t in pair], before):
         assert torch.equal(t, t0)  # nothing written: every check runs before the step
 
@@ -207,7 +240,11 @@ def test_a_fill_is_offered_to_its_own_stack_only_and_write_is_the_reference():
     buf._k.zero_(), buf._v.zero_()
     fill = KVFill(m.core.stack, [blk], [[buf]])
     cos, sin = m.rotary[str(blk.mixer.rotary_dim)](torch.tensor([[2]]))
-    fill.add(torch.randn(1, 1, m.config.d_model), {blk.mixer.rotary_dim: (cos, sin)}, [(0, torch.tensor([0]), 2, torch.tensor([0]))])
+    fill.add(
+        torch.randn(1, 1, m.config.d_model),
+        {blk.mixer.rotary_dim: (cos, sin)},
+        [(0, torch.tensor([0]), 2, torch.tensor([0]))],
+    )
     with dispatch.offer_kv_fill(fill):
         assert dispatch.offered_kv_fill(m.core.stack) is fill and dispatch.offered_kv_fill(m.prelude) is None
     assert dispatch.offered_kv_fill(m.core.stack) is None

@@ -384,7 +384,9 @@ def test_cuda_kernels_match_torch_path():
         ys = {}
         for name, mod in (("kernel", m), ("torch", ref)):
             st = mod.new_cache(2)
-            ys[name] = torch.cat([mod(u[:, :50], cache=st)] + [mod(u[:, t : t + 1], cache=st) for t in range(50, 77)], 1)
+            ys[name] = torch.cat(
+                [mod(u[:, :50], cache=st)] + [mod(u[:, t : t + 1], cache=st) for t in range(50, 77)], 1
+            )
         torch.testing.assert_close(ys["kernel"], ys["torch"], atol=2e-3, rtol=2e-3)
         torch.testing.assert_close(ys["kernel"], ref(u), atol=2e-3, rtol=2e-3)
     # backward through the kernel

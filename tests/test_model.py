@@ -118,7 +118,10 @@ def test_cached_decoding_matches_full_forward(name):
         parts.append(model(x[:, 5:9], cache=cache).logits)  # multi-token continuation
         parts += [model(x[:, t : t + 1], cache=cache).logits for t in range(9, 14)]
     assert cache.seqlen == 14
-    assert len([k for k in cache.slots if k[0] != "rule"]) == model.config.n_prelude + model.config.n_coda + model.config.n_core * model.config.n_loops
+    assert (
+        len([k for k in cache.slots if k[0] != "rule"])
+        == model.config.n_prelude + model.config.n_coda + model.config.n_core * model.config.n_loops
+    )
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=2e-5, rtol=1e-4)
 
 
@@ -237,12 +240,28 @@ def test_input_errors_are_clear():
 def test_config_errors_name_every_bad_field():
     with pytest.raises(ConfigError) as e:
         ModelConfig.from_dict(
-            dict(d_model=60, n_loops=0, n_core=0, attention=dict(n_heads=8, n_kv_heads=3, n_head=2), mixer="attention",
-                 attn_layer_idx=[7], vocab_sise=3)
+            dict(
+                d_model=60,
+                n_loops=0,
+                n_core=0,
+                attention=dict(n_heads=8, n_kv_heads=3, n_head=2),
+                mixer="attention",
+                attn_layer_idx=[7],
+                vocab_sise=3,
+            )
         )
     msg = str(e.value)
-    for needle in ["n_loops", "n_core", "n_kv_heads", "does not divide d_model", "attn_layer_idx", "vocab_sise",
-                   "did you mean 'vocab_size'", "attention.n_head", "did you mean 'n_heads'"]:
+    for needle in [
+        "n_loops",
+        "n_core",
+        "n_kv_heads",
+        "does not divide d_model",
+        "attn_layer_idx",
+        "vocab_sise",
+        "did you mean 'vocab_size'",
+        "attention.n_head",
+        "did you mean 'n_heads'",
+    ]:
         assert needle in msg, needle
     assert isinstance(e.value, ValueError)
     with pytest.raises(ConfigError, match="ngroups"):
@@ -293,15 +312,20 @@ def test_sampling_temperature_must_be_finite():
 def test_unknown_loop_options_are_refused_naming_the_known_ones():
     x = torch.randint(0, 256, (1, 6))
     gate = looplm.build("tiny-llama", overrides={"rule.name": "exit_gate"}).eval()
-    with pytest.raises(ValueError, match=r"\['exit_treshold'\]: not read by the recurrence rule 'exit_gate' \(did you mean "
-                                         r"'exit_threshold'\?\); it reads: 'exit_threshold'"):
+    with pytest.raises(
+        ValueError,
+        match=r"\['exit_treshold'\]: not read by the recurrence rule 'exit_gate' \(did you mean "
+        r"'exit_threshold'\?\); it reads: 'exit_threshold'",
+    ):
         gate(x, loop_options={"exit_treshold": 0.5})  # was silently ignored: q stayed the rule's default
     gate(x, loop_options={"exit_threshold": 0.5})
     with pytest.raises(ValueError, match="not read by the recurrence rule 'vanilla'; it reads: none"):
         looplm.build("tiny-llama").eval()(x, loop_options={"exit_threshold": 0.5})
     from looplm.recurrence import RULES
 
-    assert RULES["stateloop"].loop_options == ("read_scale", "state_hook") and RULES["timestep"].loop_options == ("grid",)
+    assert RULES["stateloop"].loop_options == ("read_scale", "state_hook") and RULES["timestep"].loop_options == (
+        "grid",
+    )
 
 
 def test_every_loop_option_a_rule_reads_is_declared():
@@ -325,7 +349,9 @@ def test_a_cache_of_another_model_is_refused_up_front():
     with torch.no_grad():
         cache = wide.new_cache(1)
         wide(x, cache=cache)
-        with pytest.raises(ValueError, match=r"this cache belongs to another model \(d_model 64 vs 32.*model.new_cache"):
+        with pytest.raises(
+            ValueError, match=r"this cache belongs to another model \(d_model 64 vs 32.*model.new_cache"
+        ):
             narrow(x[:, :1], cache=cache)  # was a raw size error deep inside attention
         with pytest.raises(ValueError, match="belongs to another model"):
             narrow(x, cache=wide.new_cache(1))

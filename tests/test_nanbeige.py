@@ -35,26 +35,63 @@ def _write_tokenizer(d: Path):
 
     from looplm.hf.tokenizer import byte_backend
 
-    fast = PreTrainedTokenizerFast(tokenizer_object=byte_backend(), eos_token="<eos>", bos_token="<bos>", pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=byte_backend(), eos_token="<eos>", bos_token="<bos>", pad_token="<pad>"
+    )
     fast.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
     fast.save_pretrained(str(d))
     return fast
 
 
-def write_nanbeige(d: Path, *, V=272, dm=32, L=2, H=4, kv=2, hd=16, ff=48, K=2, tie=False, skip=False,
-                   dtype=torch.float32, shards=1, seed=0, extra_tensors=None, **extra):
+def write_nanbeige(
+    d: Path,
+    *,
+    V=272,
+    dm=32,
+    L=2,
+    H=4,
+    kv=2,
+    hd=16,
+    ff=48,
+    K=2,
+    tie=False,
+    skip=False,
+    dtype=torch.float32,
+    shards=1,
+    seed=0,
+    extra_tensors=None,
+    **extra,
+):
     """A Nanbeige checkpoint directory (the release's config fields and tensor names); ``(dir, config, tensors)``."""
     g = torch.Generator().manual_seed(seed)
     d.mkdir(parents=True, exist_ok=True)
     fast = _write_tokenizer(d)
     cfg = {
-        "architectures": ["NanbeigeForCausalLM"], "model_type": "nanbeige",
-        "vocab_size": V, "hidden_size": dm, "intermediate_size": ff, "num_hidden_layers": L,
-        "num_attention_heads": H, "num_key_value_heads": kv, "head_dim": hd, "kv_channels": hd, "hidden_act": "silu",
-        "max_position_embeddings": 64, "rope_theta": 70000000.0, "rope_scaling": None, "attention_bias": False,
-        "attention_dropout": 0.0, "rms_norm_eps": 1e-05, "num_loops": K, "loop_loss_weights": [],
-        "skip_loop_final_norm": skip, "pretraining_tp": 1, "tie_word_embeddings": tie,
-        "pad_token_id": fast.pad_token_id, "bos_token_id": fast.bos_token_id, "eos_token_id": fast.eos_token_id,
+        "architectures": ["NanbeigeForCausalLM"],
+        "model_type": "nanbeige",
+        "vocab_size": V,
+        "hidden_size": dm,
+        "intermediate_size": ff,
+        "num_hidden_layers": L,
+        "num_attention_heads": H,
+        "num_key_value_heads": kv,
+        "head_dim": hd,
+        "kv_channels": hd,
+        "hidden_act": "silu",
+        "max_position_embeddings": 64,
+        "rope_theta": 70000000.0,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": 1e-05,
+        "num_loops": K,
+        "loop_loss_weights": [],
+        "skip_loop_final_norm": skip,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": tie,
+        "pad_token_id": fast.pad_token_id,
+        "bos_token_id": fast.bos_token_id,
+        "eos_token_id": fast.eos_token_id,
         "torch_dtype": str(dtype).removeprefix("torch."),
     }
     cfg.update(extra)
@@ -65,10 +102,17 @@ def write_nanbeige(d: Path, *, V=272, dm=32, L=2, H=4, kv=2, hd=16, ff=48, K=2, 
     t = {"model.embed_tokens.weight": r(V, dm, std=1.0)}
     for i in range(L):
         p = f"model.layers.{i}."
-        t |= {p + "self_attn.q_proj.weight": r(H * hd, dm), p + "self_attn.k_proj.weight": r(kv * hd, dm),
-              p + "self_attn.v_proj.weight": r(kv * hd, dm), p + "self_attn.o_proj.weight": r(dm, H * hd),
-              p + "mlp.gate_proj.weight": r(ff, dm), p + "mlp.up_proj.weight": r(ff, dm), p + "mlp.down_proj.weight": r(dm, ff),
-              p + "input_layernorm.weight": 1 + r(dm, std=0.1), p + "post_attention_layernorm.weight": 1 + r(dm, std=0.1)}
+        t |= {
+            p + "self_attn.q_proj.weight": r(H * hd, dm),
+            p + "self_attn.k_proj.weight": r(kv * hd, dm),
+            p + "self_attn.v_proj.weight": r(kv * hd, dm),
+            p + "self_attn.o_proj.weight": r(dm, H * hd),
+            p + "mlp.gate_proj.weight": r(ff, dm),
+            p + "mlp.up_proj.weight": r(ff, dm),
+            p + "mlp.down_proj.weight": r(dm, ff),
+            p + "input_layernorm.weight": 1 + r(dm, std=0.1),
+            p + "post_attention_layernorm.weight": 1 + r(dm, std=0.1),
+        }
     t["model.norm.weight"] = 1 + r(dm, std=0.1)
     if not tie:
         t["lm_head.weight"] = r(V, dm, std=0.1)
@@ -101,17 +145,27 @@ class Reference:
         from transformers import LlamaConfig
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-        lc = LlamaConfig(vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"], intermediate_size=cfg["intermediate_size"],
-                         num_hidden_layers=cfg["num_hidden_layers"], num_attention_heads=cfg["num_attention_heads"],
-                         num_key_value_heads=cfg["num_key_value_heads"], head_dim=cfg["head_dim"], rms_norm_eps=cfg["rms_norm_eps"],
-                         rope_theta=cfg["rope_theta"], max_position_embeddings=cfg["max_position_embeddings"],
-                         attention_bias=False, mlp_bias=False, hidden_act="silu")
+        lc = LlamaConfig(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_hidden_layers=cfg["num_hidden_layers"],
+            num_attention_heads=cfg["num_attention_heads"],
+            num_key_value_heads=cfg["num_key_value_heads"],
+            head_dim=cfg["head_dim"],
+            rms_norm_eps=cfg["rms_norm_eps"],
+            rope_theta=cfg["rope_theta"],
+            max_position_embeddings=cfg["max_position_embeddings"],
+            attention_bias=False,
+            mlp_bias=False,
+            hidden_act="silu",
+        )
         lc._attn_implementation = "eager"
         self.layers = []
         for i in range(cfg["num_hidden_layers"]):
             layer = LlamaDecoderLayer(lc, i).eval()
             p = f"model.layers.{i}."
-            layer.load_state_dict({k[len(p):]: v for k, v in t.items() if k.startswith(p)}, strict=True)
+            layer.load_state_dict({k[len(p) :]: v for k, v in t.items() if k.startswith(p)}, strict=True)
             self.layers.append(layer)
         self.norm = LlamaRMSNorm(cfg["hidden_size"], eps=cfg["rms_norm_eps"]).eval()
         self.norm.weight.data.copy_(t["model.norm.weight"])
@@ -231,7 +285,10 @@ def test_cached_greedy_decoding_matches_the_reference(nb):
 
 def test_tied_head_shards_bf16_and_rope_buffers(tmp_path):
     """A tied head (absent, or present and equal), two shards, bf16 files, the RoPE buffers some copies carry."""
-    buffers = {"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8), "model.rotary_emb.inv_freq": torch.ones(8)}
+    buffers = {
+        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8),
+        "model.rotary_emb.inv_freq": torch.ones(8),
+    }
     src, cfg, t = write_nanbeige(tmp_path / "a", tie=True, shards=2, dtype=torch.bfloat16, extra_tensors=buffers)
     m, _, _ = load_public(src)
     assert m.config.tie_embeddings and m.lm_head.weight is m.embed.weight
@@ -248,12 +305,23 @@ def test_tied_head_shards_bf16_and_rope_buffers(tmp_path):
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field,value", [
-    ("enable_hyper_connection", True), ("enable_mhc", True), ("enable_depth_attention", True),
-    ("enable_double_loop_split", True), ("loop_share_kv", True), ("qk_layernorm", True),
-    ("insert_ngram_layer_idx", [3]), ("ngram_insert_all_layers", True), ("loop_loss_weights", [0.5]),
-    ("attention_bias", True), ("mlp_bias", True), ("mhc_double_stream_position_for_loop", "mid"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("enable_hyper_connection", True),
+        ("enable_mhc", True),
+        ("enable_depth_attention", True),
+        ("enable_double_loop_split", True),
+        ("loop_share_kv", True),
+        ("qk_layernorm", True),
+        ("insert_ngram_layer_idx", [3]),
+        ("ngram_insert_all_layers", True),
+        ("loop_loss_weights", [0.5]),
+        ("attention_bias", True),
+        ("mlp_bias", True),
+        ("mhc_double_stream_position_for_loop", "mid"),
+    ],
+)
 def test_unsupported_features_are_refused_naming_the_field(field, value, tmp_path):
     src, _, _ = write_nanbeige(tmp_path / "src", **{field: value})
     (src / "model.safetensors").write_bytes(b"not a safetensors file")  # never read: the config is refused first
@@ -263,25 +331,48 @@ def test_unsupported_features_are_refused_naming_the_field(field, value, tmp_pat
 
 
 def test_other_config_refusals_are_listed_together(tmp_path):
-    src, _, _ = write_nanbeige(tmp_path / "src", emb_neighbor_num=3, emb_split_num=4, ngram_vocab_size_ratio=8,
-                               rope_scaling={"rope_type": "yarn", "factor": 4.0}, hidden_act="gelu",
-                               jang_runtime={"cache_layout": "looped_kv_v1"}, skip_loop_final_norm="no")
+    src, _, _ = write_nanbeige(
+        tmp_path / "src",
+        emb_neighbor_num=3,
+        emb_split_num=4,
+        ngram_vocab_size_ratio=8,
+        rope_scaling={"rope_type": "yarn", "factor": 4.0},
+        hidden_act="gelu",
+        jang_runtime={"cache_layout": "looped_kv_v1"},
+        skip_loop_final_norm="no",
+    )
     (src / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(PublicFormatError) as e:
         load_public(src)
     msg = str(e.value)
-    for s in ("emb_neighbor_num / emb_split_num / ngram_vocab_size_ratio = [3, 4, 8]: n-gram embeddings",
-              "rope_scaling with rope_type 'yarn'", "hidden_act 'gelu'", "jang_runtime=",
-              "is not a field looplm's Nanbeige port knows", "skip_loop_final_norm must be true or false"):
+    for s in (
+        "emb_neighbor_num / emb_split_num / ngram_vocab_size_ratio = [3, 4, 8]: n-gram embeddings",
+        "rope_scaling with rope_type 'yarn'",
+        "hidden_act 'gelu'",
+        "jang_runtime=",
+        "is not a field looplm's Nanbeige port knows",
+        "skip_loop_final_norm must be true or false",
+    ):
         assert s in msg, s
     # sub-options of features that are off, and unknown fields whose value is off, load
-    src, cfg, t = write_nanbeige(tmp_path / "ok", emb_neighbor_num=None, emb_split_num=4, num_residual_streams=4,
-                                 mhc_sinkhorn_iterations=20, depth_attention_stride=2, enable_hyper_connection=False,
-                                 some_future_flag=False, rope_parameters={"rope_type": "default", "rope_theta": 7e7},
-                                 total_ut_steps=2, early_exit_threshold=1.0)
+    src, cfg, t = write_nanbeige(
+        tmp_path / "ok",
+        emb_neighbor_num=None,
+        emb_split_num=4,
+        num_residual_streams=4,
+        mhc_sinkhorn_iterations=20,
+        depth_attention_stride=2,
+        enable_hyper_connection=False,
+        some_future_flag=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 7e7},
+        total_ut_steps=2,
+        early_exit_threshold=1.0,
+    )
     assert load_public(src)[0].config.n_loops == 2
     src, _, _ = write_nanbeige(tmp_path / "ut", total_ut_steps=3, early_exit_threshold=0.5)
-    with pytest.raises(PublicFormatError, match=r"(?s)total_ut_steps=3 disagrees with num_loops=2.*early_exit_threshold=0.5"):
+    with pytest.raises(
+        PublicFormatError, match=r"(?s)total_ut_steps=3 disagrees with num_loops=2.*early_exit_threshold=0.5"
+    ):
         load_public(src)
     src, _, _ = write_nanbeige(tmp_path / "missing")
     c = json.loads((src / "config.json").read_text())
@@ -300,8 +391,11 @@ def test_bad_missing_and_unexpected_tensors_are_named(tmp_path):
     with pytest.raises(Exception) as e:
         import_hf(src, tmp_path / "out")
     msg = str(e.value)
-    for s in ("missing 1: model.layers.1.mlp.up_proj.weight", "model.layers.0.self_attn.o_proj.weight [32, 32] (expected [32, 64])",
-              "unexpected 1: model.layers.0.hc.weight"):
+    for s in (
+        "missing 1: model.layers.1.mlp.up_proj.weight",
+        "model.layers.0.self_attn.o_proj.weight [32, 32] (expected [32, 64])",
+        "unexpected 1: model.layers.0.hc.weight",
+    ):
         assert s in msg, s
     assert not (tmp_path / "out").exists()
 
@@ -365,7 +459,9 @@ def test_generate_with_exit_criteria(nb):
         deep3 = m.generate(ids, 8, num_loops=3)
         out, st = m.generate(ids, 8, exit={"criterion": "kl", "threshold": 0.0, "max_loops": 3}, return_stats=True)
         assert torch.equal(out, deep3)  # ε = 0: every token runs the 3 passes
-        out, st = m.generate(ids, 8, exit={"criterion": "convergence", "threshold": 10.0, "max_loops": 3}, return_stats=True)
+        out, st = m.generate(
+            ids, 8, exit={"criterion": "convergence", "threshold": 10.0, "max_loops": 3}, return_stats=True
+        )
         assert set(torch.cat([s.reshape(-1) for s in st.selected]).tolist()) == {2}  # every token left after pass 2
         assert st.summary()["executed_depth"] < 3
 
@@ -411,7 +507,7 @@ def test_serving_engine_on_the_import(nb):
 
     m = nb["model"]
     prompts = [[5, 9, 3, 12], [7, 1, 2, 8, 30, 4, 6]]
-    want = [m.generate(torch.tensor([p]), 5)[0, len(p):].tolist() for p in prompts]
+    want = [m.generate(torch.tensor([p]), 5)[0, len(p) :].tolist() for p in prompts]
     eng = Engine(m, EngineConfig(max_batch=2)).start()
     try:
         import threading
@@ -425,6 +521,7 @@ def test_serving_engine_on_the_import(nb):
                     got[i].append(ev.token_id)
                 elif isinstance(ev, FinishEvent):
                     done[i].set()
+
             return cb
 
         for i, p in enumerate(prompts):
@@ -442,27 +539,99 @@ def test_cli_generate_and_eval_harness(nb, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     run = str(nb["out"])
-    assert cli_main(["generate", "--checkpoint", run, "--prompt", "loop", "--max-new-tokens", "4", "--exit", "kl:0.01"]) == 0
+    assert (
+        cli_main(["generate", "--checkpoint", run, "--prompt", "loop", "--max-new-tokens", "4", "--exit", "kl:0.01"])
+        == 0
+    )
     d = tmp_path / "tasks"
     d.mkdir()
     rows = [{"q": f"{a} and {a} make", "choices": [f" {2 * a}", f" {a}"], "label": 0} for a in range(3)]
     (d / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (d / "nb_mc.yaml").write_text(yaml.safe_dump({
-        "task": "nb_mc", "dataset_path": "json", "dataset_kwargs": {"data_files": {"train": str(d / "mc.jsonl")}},
-        "test_split": "train", "output_type": "multiple_choice", "doc_to_text": "{{q}}", "doc_to_choice": "{{choices}}",
-        "doc_to_target": "{{label}}", "metric_list": [{"metric": "acc"}], "metadata": {"version": 1.0}}))
+    (d / "nb_mc.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "task": "nb_mc",
+                "dataset_path": "json",
+                "dataset_kwargs": {"data_files": {"train": str(d / "mc.jsonl")}},
+                "test_split": "train",
+                "output_type": "multiple_choice",
+                "doc_to_text": "{{q}}",
+                "doc_to_choice": "{{choices}}",
+                "doc_to_target": "{{label}}",
+                "metric_list": [{"metric": "acc"}],
+                "metadata": {"version": 1.0},
+            }
+        )
+    )
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("the loop runs again and again; a looped model reads its own state. " * 20)
     capsys.readouterr()
-    assert cli_main(["eval", "threshold", run, "--data", str(corpus), "--batches", "1", "--batch-size", "2",
-                     "--seq-len", "16", "--loops", "1", "2"]) == 0
+    assert (
+        cli_main(
+            [
+                "eval",
+                "threshold",
+                run,
+                "--data",
+                str(corpus),
+                "--batches",
+                "1",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "16",
+                "--loops",
+                "1",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert "| fixed | 2 | 2.00 | 2 |" in capsys.readouterr().out
-    assert cli_main(["analyze", run, "--metrics", "angular-distance", "--loops", "2", "--data", str(corpus),
-                     "--batches", "1", "--calib-batches", "0", "--batch-size", "2", "--seq-len", "16",
-                     "--out", str(tmp_path / "an")]) == 0
+    assert (
+        cli_main(
+            [
+                "analyze",
+                run,
+                "--metrics",
+                "angular-distance",
+                "--loops",
+                "2",
+                "--data",
+                str(corpus),
+                "--batches",
+                "1",
+                "--calib-batches",
+                "0",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "16",
+                "--out",
+                str(tmp_path / "an"),
+            ]
+        )
+        == 0
+    )
     res_file = tmp_path / "r.json"
-    assert cli_main(["eval", "harness", run, "--tasks", "nb_mc", "--include-path", str(d), "--loops", "1",
-                     "--output-json", str(res_file)]) == 0
+    assert (
+        cli_main(
+            [
+                "eval",
+                "harness",
+                run,
+                "--tasks",
+                "nb_mc",
+                "--include-path",
+                str(d),
+                "--loops",
+                "1",
+                "--output-json",
+                str(res_file),
+            ]
+        )
+        == 0
+    )
     res = json.loads(res_file.read_text())
     assert res["config"]["loops"] == 1 and 0 <= res["results"]["nb_mc"]["acc,none"] <= 1
 
@@ -502,8 +671,12 @@ def test_cli_refusal_is_one_error_no_traceback(tmp_path):
     import sys
 
     src, _, _ = write_nanbeige(tmp_path / "src", enable_depth_attention=True, num_loops=0)
-    r = subprocess.run([sys.executable, "-m", "looplm.cli", "import", "hf", str(src), str(tmp_path / "out")],
-                       capture_output=True, text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "looplm.cli", "import", "hf", str(src), str(tmp_path / "out")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.startswith("error: ")
     assert "enable_depth_attention=True" in r.stderr and "num_loops must be a positive integer, got 0" in r.stderr
     assert not (tmp_path / "out").exists()

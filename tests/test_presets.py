@@ -52,7 +52,11 @@ def test_looped_mamba_sizes_and_depths():
     # iso-FLOPs grid: N⊗R has the parameters of N⊗1 and the effective depth of (NR)⊗1
     for arch in ("mamba2", "llama2"):
         assert count(f"{arch}-6x4") == count(f"{arch}-6x1") < count(f"{arch}-12x1") == count(f"{arch}-12x2")
-        assert load_model_config(f"{arch}-6x4").effective_depth() == load_model_config(f"{arch}-24x1").effective_depth() == 24
+        assert (
+            load_model_config(f"{arch}-6x4").effective_depth()
+            == load_model_config(f"{arch}-24x1").effective_depth()
+            == 24
+        )
     hy = load_model_config("mamba2-hybrid-140m")
     assert [hy.mixer_of(i) for i in range(24)].count("attention") == 4 and hy.attn_layer_idx == [5, 10, 15, 20]
     assert load_model_config("mamba2-hybrid-370m").attn_layer_idx == [6, 18, 30, 42]
@@ -75,7 +79,12 @@ def test_every_preset_yaml_validates(name):
 def test_tiny_variant_of_every_real_preset_runs_and_decodes(name):
     """Same structure as the real preset at toy width: forward/backward, and cached decoding == full forward."""
     real = load_model_config(name)
-    cfg = tiny_variant(name, n_core=min(real.n_core, 3), n_loops=min(real.n_loops, 4), attn_layer_idx=[1] if real.attn_layer_idx else [])
+    cfg = tiny_variant(
+        name,
+        n_core=min(real.n_core, 3),
+        n_loops=min(real.n_loops, 4),
+        attn_layer_idx=[1] if real.attn_layer_idx else [],
+    )
     model = looplm.LoopedLM(cfg)
     x = torch.randint(0, cfg.vocab_size, (2, 12))
     out = model(x, labels=x)

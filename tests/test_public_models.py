@@ -41,7 +41,9 @@ def _write_tokenizer(d: Path) -> None:
 
     from looplm.hf.tokenizer import byte_backend
 
-    fast = PreTrainedTokenizerFast(tokenizer_object=byte_backend(), eos_token="<eos>", bos_token="<bos>", pad_token="<pad>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=byte_backend(), eos_token="<eos>", bos_token="<bos>", pad_token="<pad>"
+    )
     fast.chat_template = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}"
     fast.save_pretrained(str(d))
 
@@ -61,16 +63,50 @@ def _save(d: Path, tensors: dict, dtype, shards: int) -> None:
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": wmap}))
 
 
-def write_ouro(d: Path, *, V=272, dm=32, L=2, H=4, kv=2, hd=8, ff=48, K=3, tie=False, dtype=torch.float32,
-               shards=1, seed=0, **extra):
+def write_ouro(
+    d: Path,
+    *,
+    V=272,
+    dm=32,
+    L=2,
+    H=4,
+    kv=2,
+    hd=8,
+    ff=48,
+    K=3,
+    tie=False,
+    dtype=torch.float32,
+    shards=1,
+    seed=0,
+    **extra,
+):
     """An Ouro checkpoint directory (``modeling_ouro``'s names); returns ``(dir, config, tensors)``."""
     g = torch.Generator().manual_seed(seed)
     d.mkdir(parents=True, exist_ok=True)
-    cfg = dict(model_type="ouro", architectures=["OuroForCausalLM"], vocab_size=V, hidden_size=dm, intermediate_size=ff,
-               num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=kv, head_dim=hd, hidden_act="silu",
-               max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=10000.0, rope_scaling=None,
-               tie_word_embeddings=tie, total_ut_steps=K, early_exit_threshold=1.0, use_sliding_window=False,
-               sliding_window=None, max_window_layers=L, layer_types=["full_attention"] * L, torch_dtype="float32")
+    cfg = dict(
+        model_type="ouro",
+        architectures=["OuroForCausalLM"],
+        vocab_size=V,
+        hidden_size=dm,
+        intermediate_size=ff,
+        num_hidden_layers=L,
+        num_attention_heads=H,
+        num_key_value_heads=kv,
+        head_dim=hd,
+        hidden_act="silu",
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        tie_word_embeddings=tie,
+        total_ut_steps=K,
+        early_exit_threshold=1.0,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=L,
+        layer_types=["full_attention"] * L,
+        torch_dtype="float32",
+    )
     cfg.update(extra)
 
     def r(*shape, std=0.2):
@@ -79,13 +115,22 @@ def write_ouro(d: Path, *, V=272, dm=32, L=2, H=4, kv=2, hd=8, ff=48, K=3, tie=F
     t = {"model.embed_tokens.weight": r(V, dm, std=1.0)}
     for i in range(L):
         p = f"model.layers.{i}."
-        t |= {p + "self_attn.q_proj.weight": r(H * hd, dm), p + "self_attn.k_proj.weight": r(kv * hd, dm),
-              p + "self_attn.v_proj.weight": r(kv * hd, dm), p + "self_attn.o_proj.weight": r(dm, H * hd),
-              p + "mlp.gate_proj.weight": r(ff, dm), p + "mlp.up_proj.weight": r(ff, dm), p + "mlp.down_proj.weight": r(dm, ff)}
+        t |= {
+            p + "self_attn.q_proj.weight": r(H * hd, dm),
+            p + "self_attn.k_proj.weight": r(kv * hd, dm),
+            p + "self_attn.v_proj.weight": r(kv * hd, dm),
+            p + "self_attn.o_proj.weight": r(dm, H * hd),
+            p + "mlp.gate_proj.weight": r(ff, dm),
+            p + "mlp.up_proj.weight": r(ff, dm),
+            p + "mlp.down_proj.weight": r(dm, ff),
+        }
         for n in ("input_layernorm", "input_layernorm_2", "post_attention_layernorm", "post_attention_layernorm_2"):
             t[p + n + ".weight"] = 1 + r(dm, std=0.1)
-    t |= {"model.norm.weight": 1 + r(dm, std=0.1), "model.early_exit_gate.weight": r(1, dm, std=0.5),
-          "model.early_exit_gate.bias": r(1, std=0.5)}
+    t |= {
+        "model.norm.weight": 1 + r(dm, std=0.1),
+        "model.early_exit_gate.weight": r(1, dm, std=0.5),
+        "model.early_exit_gate.bias": r(1, std=0.5),
+    }
     if not tie:
         t["lm_head.weight"] = r(V, dm, std=0.1)
     _save(d, t, dtype, shards)
@@ -94,19 +139,57 @@ def write_ouro(d: Path, *, V=272, dm=32, L=2, H=4, kv=2, hd=8, ff=48, K=3, tie=F
     return d, cfg, {k: v.to(dtype).float() for k, v in t.items()}
 
 
-def write_huginn(d: Path, *, V=272, dm=32, H=4, ff=48, p=1, s=2, c=1, K=4, tie=True, qk_bias=True, dtype=torch.float32,
-                 shards=1, seed=0, **extra):
+def write_huginn(
+    d: Path,
+    *,
+    V=272,
+    dm=32,
+    H=4,
+    ff=48,
+    p=1,
+    s=2,
+    c=1,
+    K=4,
+    tie=True,
+    qk_bias=True,
+    dtype=torch.float32,
+    shards=1,
+    seed=0,
+    **extra,
+):
     """A Huginn / Raven checkpoint directory (``raven_modeling_minimal``'s names, ``freqs_cis`` included)."""
     g = torch.Generator().manual_seed(seed)
     d.mkdir(parents=True, exist_ok=True)
     hd, std = dm // H, math.sqrt(2 / (5 * dm))
-    cfg = dict(model_type="huginn_raven", architectures=["RavenForCausalLM"], n_embd=dm, num_attention_heads=H,
-               num_key_value_heads=H, intermediate_size=ff, vocab_size=V, padded_vocab_size=V, n_layers=p + s + c,
-               n_layers_in_prelude=p, n_layers_in_recurrent_block=s, n_layers_in_coda=c, mean_recurrence=K,
-               mean_backprop_depth=2, injection_type="linear", state_init="like-init", norm_eps=1e-6, qk_bias=qk_bias,
-               bias=False, tie_embeddings=tie, rope_base=50000, block_size=64, block_class_name="SandwichBlock",
-               norm_class_name="RMSNorm_llama", mlp_class_name="GatedMLP", nonlin_name="SiLU",
-               init_values={"std": std, "out_proj": std, "embedding": std, "embed_scale": math.sqrt(dm)})
+    cfg = dict(
+        model_type="huginn_raven",
+        architectures=["RavenForCausalLM"],
+        n_embd=dm,
+        num_attention_heads=H,
+        num_key_value_heads=H,
+        intermediate_size=ff,
+        vocab_size=V,
+        padded_vocab_size=V,
+        n_layers=p + s + c,
+        n_layers_in_prelude=p,
+        n_layers_in_recurrent_block=s,
+        n_layers_in_coda=c,
+        mean_recurrence=K,
+        mean_backprop_depth=2,
+        injection_type="linear",
+        state_init="like-init",
+        norm_eps=1e-6,
+        qk_bias=qk_bias,
+        bias=False,
+        tie_embeddings=tie,
+        rope_base=50000,
+        block_size=64,
+        block_class_name="SandwichBlock",
+        norm_class_name="RMSNorm_llama",
+        mlp_class_name="GatedMLP",
+        nonlin_name="SiLU",
+        init_values={"std": std, "out_proj": std, "embedding": std, "embed_scale": math.sqrt(dm)},
+    )
     cfg.update(extra)
 
     def r(*shape, std=0.1):  # gains below 1: a recurrence that settles, as a trained one does (fp32 stays exact)
@@ -116,8 +199,12 @@ def write_huginn(d: Path, *, V=272, dm=32, H=4, ff=48, p=1, s=2, c=1, K=4, tie=T
     for part, n in (("prelude", p), ("core_block", s), ("coda", c)):
         for i in range(n):
             q = f"transformer.{part}.{i}."
-            t |= {q + "attn.Wqkv.weight": r(3 * dm, dm), q + "attn.proj.weight": r(dm, dm),
-                  q + "mlp.fc.weight": r(2 * ff, dm), q + "mlp.proj.weight": r(dm, ff)}
+            t |= {
+                q + "attn.Wqkv.weight": r(3 * dm, dm),
+                q + "attn.proj.weight": r(dm, dm),
+                q + "mlp.fc.weight": r(2 * ff, dm),
+                q + "mlp.proj.weight": r(dm, ff),
+            }
             if qk_bias:
                 t[q + "attn.qk_bias"] = r(2, 1, H, hd, std=0.3)
             for k in range(1, 5):
@@ -187,7 +274,9 @@ def ouro_reference(t, cfg, ids, mask=None, K=None, windows=None, offset=0):
     pos = pos + offset
     idx = torch.arange(T)
     band = {i: allowed & (idx[None, :] > idx[:, None] - w)[None] for i, w in (windows or {}).items()}
-    L, H, kv, hd, eps = (cfg[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps"))
+    L, H, kv, hd, eps = (
+        cfg[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps")
+    )
     K = K or cfg["total_ut_steps"]
     h = t["model.embed_tokens.weight"][ids]
     states, lams = [], []
@@ -199,10 +288,15 @@ def ouro_reference(t, cfg, ids, mask=None, K=None, windows=None, offset=0):
             k = (u @ t[p + "self_attn.k_proj.weight"].T).view(B, T, kv, hd).transpose(1, 2)
             v = (u @ t[p + "self_attn.v_proj.weight"].T).view(B, T, kv, hd).transpose(1, 2)
             q, k = _rope_half(q, pos, cfg["rope_theta"]), _rope_half(k, pos, cfg["rope_theta"])
-            a = _attend(q, k, v, band.get(i, allowed)).transpose(1, 2).reshape(B, T, H * hd) @ t[p + "self_attn.o_proj.weight"].T
+            a = (
+                _attend(q, k, v, band.get(i, allowed)).transpose(1, 2).reshape(B, T, H * hd)
+                @ t[p + "self_attn.o_proj.weight"].T
+            )
             h = h + _rms(a, t[p + "input_layernorm_2.weight"], eps)
             u = _rms(h, t[p + "post_attention_layernorm.weight"], eps)
-            m = (F.silu(u @ t[p + "mlp.gate_proj.weight"].T) * (u @ t[p + "mlp.up_proj.weight"].T)) @ t[p + "mlp.down_proj.weight"].T
+            m = (F.silu(u @ t[p + "mlp.gate_proj.weight"].T) * (u @ t[p + "mlp.up_proj.weight"].T)) @ t[
+                p + "mlp.down_proj.weight"
+            ].T
             h = h + _rms(m, t[p + "post_attention_layernorm_2.weight"], eps)
         h = _rms(h, t["model.norm.weight"], eps)  # the final norm ends every recurrent step
         states.append(h)
@@ -332,7 +426,9 @@ def test_ouro_exit_threshold_selects_the_reference_step(ouro, q):
     assert ((cdf - q).abs() > 1e-4).all(), "a CDF value too close to q for a float-exact choice"
     want_depth = (cdf >= q).float().argmax(-1) + 1
     assert torch.equal(depth, want_depth) and len(set(depth.flatten().tolist())) > 1
-    want = torch.stack(step_logits, 2).gather(2, (want_depth - 1)[..., None, None].expand(-1, -1, 1, got.shape[-1]))[:, :, 0]
+    want = torch.stack(step_logits, 2).gather(2, (want_depth - 1)[..., None, None].expand(-1, -1, 1, got.shape[-1]))[
+        :, :, 0
+    ]
     _close(got, want, f"selected logits at q={q}")
 
 
@@ -429,8 +525,13 @@ def test_long_positions_use_the_releases_rope_arithmetic(family, tmp_path):
 
 def test_sliding_window_layers_match_the_reference(tmp_path):
     """Ouro's ``use_sliding_window`` / ``layer_types``: the listed layers attend to their last ``w`` positions."""
-    src, cfg, t = write_ouro(tmp_path / "sw", L=3, use_sliding_window=True, sliding_window=3,
-                             layer_types=["full_attention", "sliding_attention", "sliding_attention"])
+    src, cfg, t = write_ouro(
+        tmp_path / "sw",
+        L=3,
+        use_sliding_window=True,
+        sliding_window=3,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+    )
     m, _, _ = load_public(src)
     assert m.config.attention.sliding_window == 3 and m.config.attention.sliding_layer_idx == [1, 2]
     assert [b.mixer.sliding_window for b in m.core.stack.blocks] == [None, 3, 3]
@@ -438,7 +539,9 @@ def test_sliding_window_layers_match_the_reference(tmp_path):
     with torch.no_grad():
         got = m(ids, attention_mask=mask).logits
     real = mask.bool()
-    _close(got[real], ouro_reference(t, cfg, ids, mask, windows={1: 3, 2: 3})[0][real], "logits with sliding-window layers")
+    _close(
+        got[real], ouro_reference(t, cfg, ids, mask, windows={1: 3, 2: 3})[0][real], "logits with sliding-window layers"
+    )
     full, _, _ = load_public(write_ouro(tmp_path / "full", L=3)[0])
     assert not torch.allclose(full(ids, attention_mask=mask).logits[real], got[real])  # the window matters here
     from helpers import assert_cached_equals_full
@@ -480,7 +583,11 @@ def test_shards_bf16_and_heads_load_the_same_weights(family, tmp_path):
     assert m.config.tie_embeddings == tie and (m.lm_head.weight is m.embed.weight) == tie
     ids = torch.randint(0, cfg["vocab_size"], (1, 6))
     with torch.no_grad():
-        want = ouro_reference(t, cfg, ids)[0] if family == "ouro" else huginn_reference(t, cfg, ids, huginn_s0(cfg, ids))[0]
+        want = (
+            ouro_reference(t, cfg, ids)[0]
+            if family == "ouro"
+            else huginn_reference(t, cfg, ids, huginn_s0(cfg, ids))[0]
+        )
         _close(m(ids).logits, want, "the other head")
 
 
@@ -522,11 +629,18 @@ def test_bad_configs_are_refused_naming_every_field(tmp_path):
     assert "2 problem(s)" in msg
     (src / "config.json").write_text(json.dumps({**cfg, "hidden_act": "gelu", "early_exit_threshold": 1.5}))
     _refused(src, "hidden_act 'gelu'", "early_exit_threshold must be a number in [0, 1]")
-    (src / "config.json").write_text(json.dumps({**cfg, "num_hidden_layers": "two", "rope_theta": None, "rms_norm_eps": "small"}))
-    _refused(src, "num_hidden_layers must be a non-negative integer, got 'two'", "rms_norm_eps must be a number, got 'small'")
+    (src / "config.json").write_text(
+        json.dumps({**cfg, "num_hidden_layers": "two", "rope_theta": None, "rms_norm_eps": "small"})
+    )
+    _refused(
+        src, "num_hidden_layers must be a non-negative integer, got 'two'", "rms_norm_eps must be a number, got 'small'"
+    )
     src, cfg, _ = write_huginn(tmp_path / "h")
-    (src / "config.json").write_text(json.dumps({**cfg, "test_time_noise": 0.2, "injection_type": "add", "bias": True,
-                                                 "state_init": "embed", "n_layers": 9}))
+    (src / "config.json").write_text(
+        json.dumps(
+            {**cfg, "test_time_noise": 0.2, "injection_type": "add", "bias": True, "state_init": "embed", "n_layers": 9}
+        )
+    )
     _refused(src, "test_time_noise=0.2", "injection_type 'add'", "bias=true", "state_init 'embed'", "n_layers=9")
     (src / "config.json").write_text(json.dumps({**cfg, "init_values": {**cfg["init_values"], "embed_scale": 3.0}}))
     _refused(src, "embed_scale=3.0 is neither 1 nor sqrt(n_embd)")
@@ -543,9 +657,14 @@ def test_missing_unexpected_and_misshaped_tensors_are_listed_together(tmp_path):
     sd["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(3, 32)
     sd["model.layers.0.self_attn.q_norm.weight"] = torch.ones(8)
     save_file(sd, str(src / "model.safetensors"))
-    _refused(src, "do not fit its Ouro config", "missing 2: model.early_exit_gate.bias, model.layers.1.input_layernorm_2.weight",
-             "unexpected 1: model.layers.0.self_attn.q_norm.weight",
-             "mis-shaped 1: model.layers.0.self_attn.k_proj.weight [3, 32] (expected [16, 32])", "nothing was written")
+    _refused(
+        src,
+        "do not fit its Ouro config",
+        "missing 2: model.early_exit_gate.bias, model.layers.1.input_layernorm_2.weight",
+        "unexpected 1: model.layers.0.self_attn.q_norm.weight",
+        "mis-shaped 1: model.layers.0.self_attn.k_proj.weight [3, 32] (expected [16, 32])",
+        "nothing was written",
+    )
     # a tied head that is not the embedding
     src, cfg, t = write_huginn(tmp_path / "h")
     sd = load_file(str(src / "model.safetensors"))
@@ -567,7 +686,9 @@ def test_weight_files_are_read_exactly_as_the_format_names_them(tmp_path):
     src, _, _ = write_ouro(tmp_path / "o")
     (src / "model.safetensors").rename(src / "weights.safetensors")
     (src / "other.safetensors").write_bytes((src / "weights.safetensors").read_bytes())
-    _refused(src, "has no model.safetensors nor model.safetensors.index.json", "other.safetensors", "weights.safetensors")
+    _refused(
+        src, "has no model.safetensors nor model.safetensors.index.json", "other.safetensors", "weights.safetensors"
+    )
     for f in src.glob("*.safetensors"):
         f.unlink()
     torch.save({}, src / "pytorch_model.bin")
@@ -593,8 +714,18 @@ def test_export_round_trips(family, ouro, huginn, tmp_path):
         assert torch.equal(written[k].float(), v), k
     assert set(written) - set(t) <= {"freqs_cis"}
     back = json.loads((orig / "config.json").read_text())
-    for k in ("model_type", "total_ut_steps", "num_hidden_layers", "n_layers_in_recurrent_block", "mean_recurrence",
-              "rope_theta", "rope_base", "qk_bias", "tie_word_embeddings", "tie_embeddings"):
+    for k in (
+        "model_type",
+        "total_ut_steps",
+        "num_hidden_layers",
+        "n_layers_in_recurrent_block",
+        "mean_recurrence",
+        "rope_theta",
+        "rope_base",
+        "qk_bias",
+        "tie_word_embeddings",
+        "tie_embeddings",
+    ):
         if k in cfg:
             assert back[k] == cfg[k], k
     again, _, _ = load_public(orig)
@@ -629,15 +760,21 @@ def test_export_original_with_reference_code_writes_the_auto_map(ouro, tmp_path)
     (code / "configuration_ouro.py").write_text("# stand-in\n")
     out = export_original(ouro["out"], tmp_path / "with", reference_code=code)
     cfg = json.loads((out / "config.json").read_text())
-    assert cfg["auto_map"] == {"AutoConfig": "configuration_ouro.OuroConfig", "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"}
+    assert cfg["auto_map"] == {
+        "AutoConfig": "configuration_ouro.OuroConfig",
+        "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM",
+    }
     assert (out / "modeling_ouro.py").read_text().startswith("# the release's")
 
 
 def test_export_original_refuses_other_architectures(tmp_path):
     from looplm.data.tokenizers import ByteTokenizer
 
-    with pytest.raises(PublicFormatError, match=r"(?s)cannot be written.*as Ouro it needs norm_placement: sandwich \(is pre\).*"
-                                                r"as Huginn it needs norm_placement: post-sum \(is pre\)"):
+    with pytest.raises(
+        PublicFormatError,
+        match=r"(?s)cannot be written.*as Ouro it needs norm_placement: sandwich \(is pre\).*"
+        r"as Huginn it needs norm_placement: post-sum \(is pre\)",
+    ):
         export_original(looplm.build("tiny-llama"), tmp_path / "x", tokenizer=ByteTokenizer())
     assert family_of(looplm.build("ouro-1.4b", device="meta").config) == "ouro"
     assert family_of(looplm.build("huginn-0125", device="meta").config) == "huginn_raven"
@@ -665,7 +802,9 @@ def test_preset_sizes():
 
 def test_norm_placements_are_the_formulas_with_exact_sizes():
     base = dict(vocab_size=64, d_model=16, n_core=1, n_loops=1, d_ff=24, attention={"n_heads": 2})
-    models = {p: looplm.build(ModelConfig.from_dict({**base, "norm_placement": p})) for p in ("pre", "sandwich", "post-sum")}
+    models = {
+        p: looplm.build(ModelConfig.from_dict({**base, "norm_placement": p})) for p in ("pre", "sandwich", "post-sum")
+    }
     n = {p: m.num_params() for p, m in models.items()}
     assert n["sandwich"] == n["post-sum"] == n["pre"] + 2 * 16  # one more RMSNorm per branch
     x = torch.randn(2, 5, 16)
@@ -693,9 +832,23 @@ def test_norm_placements_are_the_formulas_with_exact_sizes():
 def test_attention_options_are_validated():
     base = dict(vocab_size=64, d_model=16, n_core=2, n_loops=1, d_ff=24)
     with pytest.raises(ConfigError) as e:
-        ModelConfig.from_dict({**base, "attention": {"n_heads": 2, "bias": True, "qk_bias": True, "sliding_window": 0,
-                                                     "sliding_layer_idx": [7]}})
-    for s in ("qk_bias: bias already", "sliding_window: must be >= 1", "sliding_layer_idx: [7] are not attention layers"):
+        ModelConfig.from_dict(
+            {
+                **base,
+                "attention": {
+                    "n_heads": 2,
+                    "bias": True,
+                    "qk_bias": True,
+                    "sliding_window": 0,
+                    "sliding_layer_idx": [7],
+                },
+            }
+        )
+    for s in (
+        "qk_bias: bias already",
+        "sliding_window: must be >= 1",
+        "sliding_layer_idx: [7] are not attention layers",
+    ):
         assert s in str(e.value)
     m = looplm.build(ModelConfig.from_dict({**base, "attention": {"n_heads": 2, "qk_bias": True}}))
     a = m.core.stack.blocks[0].mixer
@@ -719,8 +872,15 @@ def test_random_initial_state():
     assert torch.equal(position_noise(pos[:, 100:110], 64, 0, 0.5), x[:, 100:110])  # any slice of positions
     assert not torch.equal(position_noise(pos, 64, 1, 0.5), x)
     # options: init_seed null = fresh draws from torch's generator each forward
-    cfg = dict(vocab_size=64, d_model=16, n_core=1, n_loops=2, d_ff=24, attention={"n_heads": 2},
-               rule={"name": "injection", "options": {"form": "dense", "init_state": "normal", "init_std": 0.3}})
+    cfg = dict(
+        vocab_size=64,
+        d_model=16,
+        n_core=1,
+        n_loops=2,
+        d_ff=24,
+        attention={"n_heads": 2},
+        rule={"name": "injection", "options": {"form": "dense", "init_state": "normal", "init_std": 0.3}},
+    )
     det = looplm.build(cfg).eval()
     ids = torch.randint(0, 64, (1, 5))
     with torch.no_grad():
@@ -729,15 +889,32 @@ def test_random_initial_state():
     with torch.no_grad():
         assert not torch.equal(fresh(ids).logits, fresh(ids).logits)
     with pytest.raises(ConfigError) as e:
-        looplm.build(cfg, overrides={"rule.options.init_state": "random", "rule.options.init_seed": 1.5,
-                                     "rule.options.finish_norm": "yes"})
-    for s in ("init_state: must be one of ['prelude', 'zeros', 'normal']", "init_seed: must be an integer", "finish_norm: must be true or false"):
+        looplm.build(
+            cfg,
+            overrides={
+                "rule.options.init_state": "random",
+                "rule.options.init_seed": 1.5,
+                "rule.options.finish_norm": "yes",
+            },
+        )
+    for s in (
+        "init_state: must be one of ['prelude', 'zeros', 'normal']",
+        "init_seed: must be an integer",
+        "finish_norm: must be true or false",
+    ):
         assert s in str(e.value)
 
 
 def test_exit_gate_options():
-    cfg = dict(vocab_size=64, d_model=16, n_core=1, n_loops=3, d_ff=24, attention={"n_heads": 2},
-               rule={"name": "exit_gate", "options": {"gate_norm": True, "inter_norm": True}})
+    cfg = dict(
+        vocab_size=64,
+        d_model=16,
+        n_core=1,
+        n_loops=3,
+        d_ff=24,
+        attention={"n_heads": 2},
+        rule={"name": "exit_gate", "options": {"gate_norm": True, "inter_norm": True}},
+    )
     with pytest.raises(ConfigError) as e:
         looplm.build(cfg, overrides={"rule.options.objective": "logits", "rule.options.gate_norm": 1})
     assert "objective: must be one of ['expected_loss', 'expected_logits']" in str(e.value)
@@ -780,10 +957,22 @@ def _mc_task(d: Path) -> Path:
     d.mkdir(parents=True, exist_ok=True)
     rows = [{"q": f"{a} and {a} make", "choices": [f" {2 * a}", f" {a}", " loops"], "label": 0} for a in range(4)]
     (d / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (d / "local_mc.yaml").write_text(yaml.safe_dump({
-        "task": "local_mc", "dataset_path": "json", "dataset_kwargs": {"data_files": {"train": str(d / "mc.jsonl")}},
-        "test_split": "train", "output_type": "multiple_choice", "doc_to_text": "{{q}}", "doc_to_choice": "{{choices}}",
-        "doc_to_target": "{{label}}", "metric_list": [{"metric": "acc"}], "metadata": {"version": 1.0}}))
+    (d / "local_mc.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "task": "local_mc",
+                "dataset_path": "json",
+                "dataset_kwargs": {"data_files": {"train": str(d / "mc.jsonl")}},
+                "test_split": "train",
+                "output_type": "multiple_choice",
+                "doc_to_text": "{{q}}",
+                "doc_to_choice": "{{choices}}",
+                "doc_to_target": "{{label}}",
+                "metric_list": [{"metric": "acc"}],
+                "metadata": {"version": 1.0},
+            }
+        )
+    )
     return d
 
 
@@ -804,8 +993,24 @@ def test_cli_import_generate_harness_analyze_end_to_end(family, tmp_path, capsys
     accs = []
     for r in (1, 2, 3):
         res_file = tmp_path / f"r{r}.json"
-        assert cli_main(["eval", "harness", str(run), "--tasks", "local_mc", "--include-path", str(tasks),
-                         "--loops", str(r), "--output-json", str(res_file)]) == 0
+        assert (
+            cli_main(
+                [
+                    "eval",
+                    "harness",
+                    str(run),
+                    "--tasks",
+                    "local_mc",
+                    "--include-path",
+                    str(tasks),
+                    "--loops",
+                    str(r),
+                    "--output-json",
+                    str(res_file),
+                ]
+            )
+            == 0
+        )
         res = json.loads(res_file.read_text())
         assert res["config"]["loops"] == r
         accs.append(res["results"]["local_mc"]["acc,none"])
@@ -814,13 +1019,56 @@ def test_cli_import_generate_harness_analyze_end_to_end(family, tmp_path, capsys
     corpus.write_text("the loop runs again and again; a looped model reads its own state. " * 20)
     capsys.readouterr()
     # eval threshold: Ouro's exit gate sweeps q (selected depth vs executed depth); both run the fixed-depth ablation
-    assert cli_main(["eval", "threshold", str(run), "--data", str(corpus), "--batches", "1", "--batch-size", "2",
-                     "--seq-len", "16", "--loops", "1", "2", "3", "5"]) == 0
+    assert (
+        cli_main(
+            [
+                "eval",
+                "threshold",
+                str(run),
+                "--data",
+                str(corpus),
+                "--batches",
+                "1",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "16",
+                "--loops",
+                "1",
+                "2",
+                "3",
+                "5",
+            ]
+        )
+        == 0
+    )
     table = capsys.readouterr().out
     assert ("| threshold | 0.20 |" in table) == (family == "ouro") and "| fixed | 5 | 5.00 | 5 |" in table
-    assert cli_main(["analyze", str(run), "--metrics", "angular-distance,update-norm", "--loops", "3", "--data",
-                     str(corpus), "--batches", "1", "--calib-batches", "0", "--batch-size", "2", "--seq-len", "16",
-                     "--out", str(tmp_path / "an")]) == 0
+    assert (
+        cli_main(
+            [
+                "analyze",
+                str(run),
+                "--metrics",
+                "angular-distance,update-norm",
+                "--loops",
+                "3",
+                "--data",
+                str(corpus),
+                "--batches",
+                "1",
+                "--calib-batches",
+                "0",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "16",
+                "--out",
+                str(tmp_path / "an"),
+            ]
+        )
+        == 0
+    )
     res = json.loads((tmp_path / "an" / "angular-distance.json").read_text())
     assert res["analysis"] == "angular-distance"
 
@@ -837,16 +1085,34 @@ def test_looplm_train_fine_tunes_and_retrofits_an_import(family, ouro, huginn, t
     corpus.write_text("".join(f"line {i}: the loop runs again and again\n" for i in range(100)))
 
     def cfg(**over):
-        train = {"global_batch_size": 2, "micro_batch_size": 2, "max_steps": 2, "precision": "fp32", "cpu_threads": 1,
-                 "init_from": str(run)}
+        train = {
+            "global_batch_size": 2,
+            "micro_batch_size": 2,
+            "max_steps": 2,
+            "precision": "fp32",
+            "cpu_threads": 1,
+            "init_from": str(run),
+        }
         train.update(over.pop("train", {}))
-        return load_train_config({
-            "model": str(run / "model.yaml"), **over,
-            "data": {"source": "files", "paths": [str(corpus)], "split_mode": "lines", "seq_len": 16, "shuffle_buffer": 10,
-                     "val_every_nth": 0, "tokenizer": str(run / "tokenizer")},
-            "train": train, "eval": {"every": 0, "batches": 1, "at_end": False},
-            "checkpoint": {"every": 0, "at_end": True}, "logging": {"progress_bar": False, "tensorboard": False},
-        })
+        return load_train_config(
+            {
+                "model": str(run / "model.yaml"),
+                **over,
+                "data": {
+                    "source": "files",
+                    "paths": [str(corpus)],
+                    "split_mode": "lines",
+                    "seq_len": 16,
+                    "shuffle_buffer": 10,
+                    "val_every_nth": 0,
+                    "tokenizer": str(run / "tokenizer"),
+                },
+                "train": train,
+                "eval": {"every": 0, "batches": 1, "at_end": False},
+                "checkpoint": {"every": 0, "at_end": True},
+                "logging": {"progress_bar": False, "tensorboard": False},
+            }
+        )
 
     Trainer(cfg(), tmp_path / "ft", quiet=True).fit()
     tuned, _ = load_model_for_inference(tmp_path / "ft")
@@ -859,6 +1125,9 @@ def test_looplm_train_fine_tunes_and_retrofits_an_import(family, ouro, huginn, t
     if family == "ouro":
         over, layer_map = {"n_core": 1, "n_coda": 1, "n_loops": 2}, {"core": [0], "coda": [1]}
     else:  # Huginn prelude 1, core 2, coda 1 -> prelude 2, core 1, coda 1
-        over, layer_map = {"n_prelude": 2, "n_core": 1, "n_coda": 1, "n_loops": 3}, {"prelude": [0, 1], "core": [2], "coda": [3]}
+        over, layer_map = (
+            {"n_prelude": 2, "n_core": 1, "n_coda": 1, "n_loops": 3},
+            {"prelude": [0, 1], "core": [2], "coda": [3]},
+        )
     Trainer(cfg(model_overrides=over, train={"init_map": layer_map, "max_steps": 1}), tmp_path / "rf", quiet=True).fit()
     assert load_model_for_inference(tmp_path / "rf")[0].config.n_core == 1

@@ -50,10 +50,16 @@ def test_paths_are_written_without_the_machine_folders():
     def p(text):
         return portable(text, root=root, home=home)
 
-    assert p("--lm-config /srv/u/looplm/configs/a.yaml --out=/srv/u/looplm/runs/x/") == "--lm-config configs/a.yaml --out=runs/x/"
+    assert (
+        p("--lm-config /srv/u/looplm/configs/a.yaml --out=/srv/u/looplm/runs/x/")
+        == "--lm-config configs/a.yaml --out=runs/x/"
+    )
     assert p("cd /srv/u/looplm && ls") == "cd . && ls"
     assert p("--data '/srv/u/shared/data/tiny.txt'") == "--data '../shared/data/tiny.txt'"
-    assert p("--runs-dir /work/runs/lm1024 --out /work/wt/a/runs/lm1024/t.json") == "--runs-dir RUNS/lm1024 --out RUNS/lm1024/t.json"
+    assert (
+        p("--runs-dir /work/runs/lm1024 --out /work/wt/a/runs/lm1024/t.json")
+        == "--runs-dir RUNS/lm1024 --out RUNS/lm1024/t.json"
+    )
     assert p("wrote /home/u/.cache/looplm/plans.json.") == "wrote ~/.cache/looplm/plans.json."
     assert p("--ckpt /tmp/pytest-1/ckpt.pt") == "--ckpt DIR/ckpt.pt"
     # what is the same on every machine, relative paths, URLs and the slashes of a table stay
@@ -67,9 +73,26 @@ def test_a_published_section_names_no_absolute_path(tmp_path):
     doc.write_text("# Performance\n")
     inside, shared, runs = f"{root}/runs/demo", f"{root.parent}/shared/data/x.txt", "/nowhere/runs/lm1024/r.json"
     body = f"print('# data: {shared}'); print('| {runs} |'); print('wrote {inside}/report.json')"
-    cmd = [sys.executable, str(PUBLISH), "paths", "A table", "--doc", str(doc), "--", "python", "-c", body, inside, shared]
+    cmd = [
+        sys.executable,
+        str(PUBLISH),
+        "paths",
+        "A table",
+        "--doc",
+        str(doc),
+        "--",
+        "python",
+        "-c",
+        body,
+        inside,
+        shared,
+    ]
     assert subprocess.run(cmd, capture_output=True, text=True).returncode == 0
     text = doc.read_text()
     assert str(root) not in text and "/nowhere" not in text, text
-    assert "- data: ../shared/data/x.txt" in text and "| RUNS/lm1024/r.json |" in text and "wrote runs/demo/report.json" in text
+    assert (
+        "- data: ../shared/data/x.txt" in text
+        and "| RUNS/lm1024/r.json |" in text
+        and "wrote runs/demo/report.json" in text
+    )
     assert "runs/demo ../shared/data/x.txt`" in text  # the command's own arguments

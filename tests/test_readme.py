@@ -31,7 +31,9 @@ def test_presets_doc_is_current(capsys):
     assert main(["presets", "--markdown"]) == 0
     generated = capsys.readouterr().out
     assert PRESETS_DOC.exists(), f"docs/presets.md is missing: generate it with `{REGENERATE}`"
-    assert PRESETS_DOC.read_text() == generated, f"docs/presets.md is stale (a preset changed): regenerate it with `{REGENERATE}`"
+    assert PRESETS_DOC.read_text() == generated, (
+        f"docs/presets.md is stale (a preset changed): regenerate it with `{REGENERATE}`"
+    )
     assert REGENERATE in generated  # the page says how it is made
 
 
@@ -76,7 +78,7 @@ def test_readme_commands_parse():
         for line in block.replace("\\\n", " ").splitlines():
             argv = shlex.split(line, comments=True)
             if "looplm.cli" in argv:  # torchrun ... -m looplm.cli train ...
-                argv = ["looplm", *argv[argv.index("looplm.cli") + 1:]]
+                argv = ["looplm", *argv[argv.index("looplm.cli") + 1 :]]
             if argv[:1] == ["looplm"]:
                 cmds.append(argv[1:])
     assert len(cmds) >= 10
@@ -95,8 +97,23 @@ def test_quickstart_has_the_two_make_commands():
 
 @pytest.mark.parametrize(
     "cmd",
-    ["presets", "info", "generate", "train", "eval", "plot", "demo", "data", "tokenizer", "analyze", "bench", "task", "grid",
-     "export", "import"],
+    [
+        "presets",
+        "info",
+        "generate",
+        "train",
+        "eval",
+        "plot",
+        "demo",
+        "data",
+        "tokenizer",
+        "analyze",
+        "bench",
+        "task",
+        "grid",
+        "export",
+        "import",
+    ],
 )
 def test_every_cli_command_is_documented_and_exists(cmd):
     assert f"`looplm {cmd}" in README.read_text()

@@ -41,8 +41,11 @@ def test_a_shard_outside_the_directory_is_refused(prepared, tmp_path):
     secret = tmp_path / "secret.bin"
     secret.write_bytes(b"\x01\x00" * 100)
     files = read_meta(prepared)["splits"]["train"]["files"]
-    for entry, what in [(str(secret), "is an absolute path"), ("../secret.bin", "is a '..' path leading out of"),
-                        ("sub/../../secret.bin", "is a '..' path leading out of")]:
+    for entry, what in [
+        (str(secret), "is an absolute path"),
+        ("../secret.bin", "is a '..' path leading out of"),
+        ("sub/../../secret.bin", "is a '..' path leading out of"),
+    ]:
         meta = _set_files(prepared, [files[0], entry])
         with pytest.raises(DataError) as e:
             MemmapStream(prepared, 8)
@@ -58,9 +61,12 @@ def test_a_shard_outside_the_directory_is_refused(prepared, tmp_path):
 
 def test_the_cli_refuses_it_in_one_line(prepared, tmp_path, capsys):
     _set_files(prepared, ["/etc/hostname"], split="val")
-    cfg = {"model": "tiny-llama", "data": {"source": "memmap", "paths": [str(prepared)], "seq_len": 8},
-           "train": {"max_steps": 1, "precision": "fp32", "global_batch_size": 2, "micro_batch_size": 2},
-           "logging": {"progress_bar": False, "tensorboard": False}}
+    cfg = {
+        "model": "tiny-llama",
+        "data": {"source": "memmap", "paths": [str(prepared)], "seq_len": 8},
+        "train": {"max_steps": 1, "precision": "fp32", "global_batch_size": 2, "micro_batch_size": 2},
+        "logging": {"progress_bar": False, "tensorboard": False},
+    }
     (tmp_path / "t.yaml").write_text(json.dumps(cfg))
     assert cli_main(["train", str(tmp_path / "t.yaml"), "--out", str(tmp_path / "run"), "--quiet"]) == 2
     err = capsys.readouterr().err
@@ -68,12 +74,15 @@ def test_the_cli_refuses_it_in_one_line(prepared, tmp_path, capsys):
     assert "Traceback" not in err
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda m: m.pop("splits"), "'splits' must map split names to their shards"),
-    (lambda m: m["splits"]["train"].pop("files"), "splits.train.files must be a list"),
-    (lambda m: m.update(dtype="float64"), "'dtype' must be 'uint16' or 'uint32', got 'float64'"),
-    (lambda m: m["tokenizer"].pop("vocab_size"), "'tokenizer' must record the integers vocab_size and eos_id"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda m: m.pop("splits"), "'splits' must map split names to their shards"),
+        (lambda m: m["splits"]["train"].pop("files"), "splits.train.files must be a list"),
+        (lambda m: m.update(dtype="float64"), "'dtype' must be 'uint16' or 'uint32', got 'float64'"),
+        (lambda m: m["tokenizer"].pop("vocab_size"), "'tokenizer' must record the integers vocab_size and eos_id"),
+    ],
+)
 def test_a_malformed_meta_json_is_named(prepared, edit, message):
     meta = json.loads((prepared / "meta.json").read_text())
     edit(meta)

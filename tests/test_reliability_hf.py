@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import builtins
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,6 @@ from safetensors.torch import load_file, save_file
 import looplm
 from looplm.checkpoint_io import CheckpointError, load_model_for_inference
 from looplm.cli import main as cli_main
-from looplm.dataclass_util import ConfigError
 from looplm.factory import ModelTooLargeError
 from looplm.hf.importer import MAX_IMPORT_LOOPS, import_hf
 from looplm.hf.public import PublicFormatError, _freqs_cis, export_original
@@ -45,8 +43,15 @@ def _tiny_llama_dir(d: Path, **cfg_edits) -> Path:
     from looplm.hf.tokenizer import to_pretrained_tokenizer_fast
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=260, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg = transformers.LlamaConfig(
+        vocab_size=260,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     transformers.LlamaForCausalLM(cfg).save_pretrained(str(d))
     to_pretrained_tokenizer_fast(ByteTokenizer()).save_pretrained(str(d))
     if cfg_edits:
@@ -207,7 +212,9 @@ def test_nonfinite_weights_are_refused_at_import_and_at_load(tmp_path, capsys, m
     from looplm.serve.cli import load_served_model
     import argparse
 
-    ns = dict(model=str(tmp_path / "run"), tokenizer=None, set=None, threads=None, seed=0, dtype="fp32", allow_deep=False)
+    ns = dict(
+        model=str(tmp_path / "run"), tokenizer=None, set=None, threads=None, seed=0, dtype="fp32", allow_deep=False
+    )
     with pytest.raises(CheckpointError, match="NaN or infinite"):
         load_served_model(argparse.Namespace(**ns, allow_nonfinite=False))
     assert not torch.isfinite(load_served_model(argparse.Namespace(**ns, allow_nonfinite=True))[0].norm.weight).all()
@@ -280,8 +287,15 @@ def test_huginn_bf16_rope_table_warns_with_the_measured_difference(tmp_path):
     sd["freqs_cis"] = table.to(torch.bfloat16)  # as a release stores it
     save_file(sd, str(orig / "model.safetensors"))
     cfg = json.loads((orig / "config.json").read_text())
-    expected = (table.to(torch.bfloat16).float() - _freqs_cis(cfg["n_embd"] // cfg["num_attention_heads"],
-                                                              cfg["block_size"], cfg["rope_base"])).abs().max().item()
+    expected = (
+        (
+            table.to(torch.bfloat16).float()
+            - _freqs_cis(cfg["n_embd"] // cfg["num_attention_heads"], cfg["block_size"], cfg["rope_base"])
+        )
+        .abs()
+        .max()
+        .item()
+    )
     assert expected > 1e-4
     with pytest.warns(UserWarning, match=r"freqs_cis \(bfloat16, 64 positions\) differs from the fp32 table") as w:
         import_hf(orig, tmp_path / "back16")
@@ -305,15 +319,19 @@ def test_corrupted_checkpoint_manifest_and_config_are_named(tmp_path, capsys):
 
 def test_config_values_that_load_but_mean_nothing_are_named(tmp_path, capsys):
     h, hcfg, _ = write_huginn(tmp_path / "h")
-    for edit, says in (({"rope_base": float("inf")}, "rope_theta: must be a finite number > 0, got inf"),
-                       ({"norm_eps": float("inf")}, "norm_eps: must be a finite number > 0, got inf"),
-                       ({"qk_bias": "yes"}, "qk_bias must be true or false, got 'yes'")):  # bool("no") is True too
+    for edit, says in (
+        ({"rope_base": float("inf")}, "rope_theta: must be a finite number > 0, got inf"),
+        ({"norm_eps": float("inf")}, "norm_eps: must be a finite number > 0, got inf"),
+        ({"qk_bias": "yes"}, "qk_bias must be true or false, got 'yes'"),
+    ):  # bool("no") is True too
         (h / "config.json").write_text(json.dumps({**hcfg, **edit}))
         with pytest.raises(PublicFormatError, match=says):  # inf, "yes": imported with exit 0 before
             import_hf(h, tmp_path / "out")
     o, ocfg, _ = write_ouro(tmp_path / "o")
-    for edit, says in (({"rope_scaling": "llama3"}, "rope_scaling 'llama3'"),  # was AttributeError: 'str' ... 'get'
-                       ({"tie_word_embeddings": "no"}, "tie_word_embeddings must be true or false, got 'no'")):
+    for edit, says in (
+        ({"rope_scaling": "llama3"}, "rope_scaling 'llama3'"),  # was AttributeError: 'str' ... 'get'
+        ({"tie_word_embeddings": "no"}, "tie_word_embeddings must be true or false, got 'no'"),
+    ):
         (o / "config.json").write_text(json.dumps({**ocfg, **edit}))
         with pytest.raises(PublicFormatError, match=says):
             import_hf(o, tmp_path / "out")
@@ -350,9 +368,14 @@ def test_export_refuses_an_exit_threshold_outside_0_1(tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
 
 
-@pytest.mark.parametrize("file, edit", [("tokenizer_config.json", {"eos_token": 5}),
-                                        ("tokenizer_config.json", {"added_tokens_decoder": {"0": 1}}),
-                                        ("special_tokens_map.json", {"eos_token": {"content": 5}})])
+@pytest.mark.parametrize(
+    "file, edit",
+    [
+        ("tokenizer_config.json", {"eos_token": 5}),
+        ("tokenizer_config.json", {"added_tokens_decoder": {"0": 1}}),
+        ("special_tokens_map.json", {"eos_token": {"content": 5}}),
+    ],
+)
 def test_tokenizer_fields_of_the_wrong_kind_are_named(file, edit, tmp_path, capsys):
     src, _, _ = write_ouro(tmp_path / "o")
     path = src / file

@@ -22,12 +22,25 @@ def _config(tmp_path: Path, **train) -> Path:
     corpus.write_text("\n".join(f"the loop model learns token {i} of the small data." for i in range(200)) + "\n")
     cfg = {
         "model": "tiny-llama",
-        "data": {"source": "files", "paths": [str(corpus)], "split_mode": "lines", "seq_len": 16, "shuffle_buffer": 8,
-                 "val_every_nth": 0},
+        "data": {
+            "source": "files",
+            "paths": [str(corpus)],
+            "split_mode": "lines",
+            "seq_len": 16,
+            "shuffle_buffer": 8,
+            "val_every_nth": 0,
+        },
         "optim": {"name": "adamw", "lr": 1e-2},
         "schedule": {"name": "wsd", "warmup_steps": 1},
-        "train": {"global_batch_size": 2, "micro_batch_size": 2, "max_steps": 2, "precision": "fp32", "cpu_threads": 1,
-                  "compile": False, **train},
+        "train": {
+            "global_batch_size": 2,
+            "micro_batch_size": 2,
+            "max_steps": 2,
+            "precision": "fp32",
+            "cpu_threads": 1,
+            "compile": False,
+            **train,
+        },
         "eval": {"at_end": False},
         "checkpoint": {"every": 1, "keep_last": 0},
         "logging": {"progress_bar": False, "tensorboard": False},
@@ -58,7 +71,10 @@ def _edit_state(ckpt: Path, **changes) -> None:
             state[k] = v
     f.write_text(json.dumps(state))
     manifest = json.loads((ckpt / MARKER).read_text())
-    manifest["files"]["trainer_state.json"] = {"bytes": f.stat().st_size, "sha256": hashlib.sha256(f.read_bytes()).hexdigest()}
+    manifest["files"]["trainer_state.json"] = {
+        "bytes": f.stat().st_size,
+        "sha256": hashlib.sha256(f.read_bytes()).hexdigest(),
+    }
     (ckpt / MARKER).write_text(json.dumps(manifest))
 
 
@@ -80,14 +96,20 @@ def run(trained, tmp_path) -> tuple[Path, Path]:
     return config, tmp_path / "out"
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"step": -5}, "has step=-5: must be a whole number >= 0"),
-    ({"step": 1}, "has step=1, but the checkpoint is step_000002"),
-    ({"tokens": -1}, "has tokens=-1: must be a whole number >= 0"),
-    ({"step": "2"}, "has step='2': must be a whole number >= 0"),
-    ({"schedule": {"multiplier_next": -1.0}}, "schedule.multiplier_next gives the multiplier -1.0, a learning rate of -0.01, outside the schedule's range [0, 0.01]"),
-    ({"schedule": {"multiplier_next": float("nan")}}, "outside the schedule's range [0, 0.01]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"step": -5}, "has step=-5: must be a whole number >= 0"),
+        ({"step": 1}, "has step=1, but the checkpoint is step_000002"),
+        ({"tokens": -1}, "has tokens=-1: must be a whole number >= 0"),
+        ({"step": "2"}, "has step='2': must be a whole number >= 0"),
+        (
+            {"schedule": {"multiplier_next": -1.0}},
+            "schedule.multiplier_next gives the multiplier -1.0, a learning rate of -0.01, outside the schedule's range [0, 0.01]",
+        ),
+        ({"schedule": {"multiplier_next": float("nan")}}, "outside the schedule's range [0, 0.01]"),
+    ],
+)
 def test_a_resumed_state_no_run_writes_is_refused(run, changes, message):
     config, out = run
     ckpt = latest_checkpoint(out / "ckpt")
@@ -124,8 +146,21 @@ def test_a_changed_model_config_is_refused_naming_each_field(run, capsys):
     msg = str(e.value)
     assert f"checkpoint {str(ckpt)!r} was trained with another model config: n_loops 3 -> 5" in msg
     assert "--allow-model-change" in msg
-    rc = cli_main(["train", str(config), "--out", str(out), "--quiet", "--max-steps", "3", "--set", "model_overrides.n_loops=5",
-                   "--set", "model_overrides.max_seq_len=64"])  # fmt: skip
+    rc = cli_main(
+        [
+            "train",
+            str(config),
+            "--out",
+            str(out),
+            "--quiet",
+            "--max-steps",
+            "3",
+            "--set",
+            "model_overrides.n_loops=5",
+            "--set",
+            "model_overrides.max_seq_len=64",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 1 and "n_loops 3 -> 5" in err and "max_seq_len" in err and "Traceback" not in err
     assert latest_checkpoint(out / "ckpt") == ckpt  # nothing trained
@@ -133,11 +168,24 @@ def test_a_changed_model_config_is_refused_naming_each_field(run, capsys):
 
 def test_an_allowed_model_change_is_warned_and_recorded(run, capsys):
     config, out = run
-    rc = cli_main(["train", str(config), "--out", str(out), "--max-steps", "3", "--set", "model_overrides.n_loops=5",
-                   "--allow-model-change"])  # fmt: skip
+    rc = cli_main(
+        [
+            "train",
+            str(config),
+            "--out",
+            str(out),
+            "--max-steps",
+            "3",
+            "--set",
+            "model_overrides.n_loops=5",
+            "--allow-model-change",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 0, err
-    assert "warning: resuming" in err and "with a changed model config (train.allow_model_change): n_loops 3 -> 5" in err
+    assert (
+        "warning: resuming" in err and "with a changed model config (train.allow_model_change): n_loops 3 -> 5" in err
+    )
     run_json = json.loads((out / "run.json").read_text())
     change = run_json["model_changed_on_resume"]
     assert change["changes"] == {"n_loops": [3, 5]} and change["checkpoint"].endswith("step_000002")
@@ -181,18 +229,30 @@ def test_a_full_disk_at_the_first_checkpoint_says_there_is_none(tmp_path, monkey
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ck, "_write_json", full_disk)
-    with pytest.raises(CheckpointError, match=r"optimizer.json' failed \(No space left on device, ENOSPC\).*there is no earlier complete checkpoint"):
+    with pytest.raises(
+        CheckpointError,
+        match=r"optimizer.json' failed \(No space left on device, ENOSPC\).*there is no earlier complete checkpoint",
+    ):
         _train(config, tmp_path / "out")
     assert not list((tmp_path / "out" / "ckpt").glob(".tmp-step_*"))
 
 
 # ------------------------------------------------------------------ bad values of `looplm train` / `looplm plot`
-@pytest.mark.parametrize("override, message", [
-    ("schedule.warmup_steps=5", r"schedule: warmup \(5\) \+ decay \(0\) exceed the 2 training updates.*train.max_steps=2"),
-    ("train.seed=99999999999999999999999", r"train.seed: must be in \[0, 2\*\*63\)"),
-    ("train.cpu_threads=100000", r"train.cpu_threads: must be in \[1, 1024\] or null, got 100000"),
-    ("train.random_loops={'distribution': 'poisson', 'mean': 1e300}", r"random_loops.mean: the poisson distribution needs a mean in \(0, 1e6\]"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        (
+            "schedule.warmup_steps=5",
+            r"schedule: warmup \(5\) \+ decay \(0\) exceed the 2 training updates.*train.max_steps=2",
+        ),
+        ("train.seed=99999999999999999999999", r"train.seed: must be in \[0, 2\*\*63\)"),
+        ("train.cpu_threads=100000", r"train.cpu_threads: must be in \[1, 1024\] or null, got 100000"),
+        (
+            "train.random_loops={'distribution': 'poisson', 'mean': 1e300}",
+            r"random_loops.mean: the poisson distribution needs a mean in \(0, 1e6\]",
+        ),
+    ],
+)
 def test_values_that_failed_mid_run_are_config_errors(tmp_path, override, message):
     """Each reached a traceback (an overflow, a thread that could not start, a float32 overflow at the first
     step) or was said only after the model was built; now the config is refused as it is read."""
@@ -207,15 +267,28 @@ def test_a_cuda_device_on_a_machine_without_one_is_one_line(tmp_path, capsys):
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a CUDA device")
-    rc = cli_main(["train", str(_config(tmp_path)), "--out", str(tmp_path / "out"), "--quiet", "--set", "train.device=cuda"])
+    rc = cli_main(
+        ["train", str(_config(tmp_path)), "--out", str(tmp_path / "out"), "--quiet", "--set", "train.device=cuda"]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and err == "error: train.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'\n"
 
 
 def test_missing_val_paths_are_refused_before_training(tmp_path, capsys):
     """They were read at the first evaluation: after the whole run had trained."""
-    rc = cli_main(["train", str(_config(tmp_path)), "--out", str(tmp_path / "out"), "--quiet", "--set",
-                   f"data.val_paths=['{tmp_path}/no-such-val.txt']", "--set", "eval.at_end=true"])  # fmt: skip
+    rc = cli_main(
+        [
+            "train",
+            str(_config(tmp_path)),
+            "--out",
+            str(tmp_path / "out"),
+            "--quiet",
+            "--set",
+            f"data.val_paths=['{tmp_path}/no-such-val.txt']",
+            "--set",
+            "eval.at_end=true",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "no files match" in err and "no-such-val.txt" in err
     assert not (tmp_path / "out" / "metrics.jsonl").exists() or not (tmp_path / "out" / "metrics.jsonl").read_text()
@@ -252,5 +325,7 @@ def test_a_data_state_the_stream_cannot_read_names_the_file(run):
     config, out = run
     ckpt = latest_checkpoint(out / "ckpt")
     _edit_state(ckpt, data={"packer": 5})  # (merged into the state: its kind and fingerprint are still right)
-    with pytest.raises(CheckpointError, match=r"trainer_state.json': its 'data' entry is not a data-stream state this run can read"):
+    with pytest.raises(
+        CheckpointError, match=r"trainer_state.json': its 'data' entry is not a data-stream state this run can read"
+    ):
         _train(config, out, ["train.max_steps=3"])

@@ -39,7 +39,7 @@ def test_layer_map_copies_the_chosen_layers(tmp_path):
         dp, sp = layer_prefix(tgt.config, dst_layer), layer_prefix(src.config, src_layer)
         for k, v in tgt.state_dict().items():
             if k.startswith(dp):
-                assert torch.equal(v, s[sp + k[len(dp):]]), k
+                assert torch.equal(v, s[sp + k[len(dp) :]]), k
     for k in ("embed.weight", "norm.weight", "lm_head.weight"):
         assert torch.equal(tgt.state_dict()[k], s[k])
     assert all(torch.equal(v, rule_before[k]) for k, v in tgt.rule.state_dict().items())  # new rule keeps its init
@@ -76,17 +76,32 @@ def test_loop_schedule_and_even_map():
 def _train_cfg(corpus, ckpt, **train):
     from looplm.train import load_train_config
 
-    return load_train_config({
-        "model": str(ckpt / "model.yaml"),
-        "model_overrides": {"n_prelude": 1, "n_core": 2, "n_loops": 3, "n_coda": 1},
-        "data": {"source": "files", "paths": [str(corpus)], "split_mode": "lines", "seq_len": 16,
-                 "shuffle_buffer": 10, "val_every_nth": 0},
-        "train": {"global_batch_size": 2, "micro_batch_size": 2, "max_steps": 4, "precision": "fp32", "cpu_threads": 1,
-                  "init_from": str(ckpt), **train},
-        "eval": {"every": 0, "batches": 1, "at_end": False},
-        "checkpoint": {"every": 0, "at_end": True},
-        "logging": {"progress_bar": False, "tensorboard": False},
-    })
+    return load_train_config(
+        {
+            "model": str(ckpt / "model.yaml"),
+            "model_overrides": {"n_prelude": 1, "n_core": 2, "n_loops": 3, "n_coda": 1},
+            "data": {
+                "source": "files",
+                "paths": [str(corpus)],
+                "split_mode": "lines",
+                "seq_len": 16,
+                "shuffle_buffer": 10,
+                "val_every_nth": 0,
+            },
+            "train": {
+                "global_batch_size": 2,
+                "micro_batch_size": 2,
+                "max_steps": 4,
+                "precision": "fp32",
+                "cpu_threads": 1,
+                "init_from": str(ckpt),
+                **train,
+            },
+            "eval": {"every": 0, "batches": 1, "at_end": False},
+            "checkpoint": {"every": 0, "at_end": True},
+            "logging": {"progress_bar": False, "tensorboard": False},
+        }
+    )
 
 
 def test_train_config_validates_the_map_and_schedule(tmp_path):
@@ -94,8 +109,12 @@ def test_train_config_validates_the_map_and_schedule(tmp_path):
     corpus = tmp_path / "c.txt"
     corpus.write_text("to be or not to be\n" * 50)
     with pytest.raises(ConfigError) as e:
-        _train_cfg(corpus, ckpt, init_map={"prelude": [0], "core": [1], "coda": [5], "middle": [2]},
-                   loop_schedule=[[5, 1], [2, 0]])
+        _train_cfg(
+            corpus,
+            ckpt,
+            init_map={"prelude": [0], "core": [1], "coda": [5], "middle": [2]},
+            loop_schedule=[[5, 1], [2, 0]],
+        )
     msg = str(e.value)
     assert "init_map.core: lists 1 layer(s) but the model has n_core=2" in msg and "unknown part(s) ['middle']" in msg
     assert "steps must start at 0" in msg and "loop counts must be >= 1" in msg
@@ -107,8 +126,9 @@ def test_looplm_train_retrofits_and_follows_the_schedule(tmp_path):
     src, ckpt = _pretrained(tmp_path)
     corpus = tmp_path / "c.txt"
     corpus.write_text("".join(f"line {i} of a small corpus to be or not to be\n" for i in range(200)))
-    cfg = _train_cfg(corpus, ckpt, init_map={"prelude": [0], "core": [2, 3], "coda": [5]},
-                     loop_schedule=[[0, 1], [2, 3]])
+    cfg = _train_cfg(
+        corpus, ckpt, init_map={"prelude": [0], "core": [2, 3], "coda": [5]}, loop_schedule=[[0, 1], [2, 3]]
+    )
     Trainer(cfg, tmp_path / "run", quiet=True).fit()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r.get("num_loops") for r in rows] == [1, 1, 3, 3]

@@ -171,7 +171,9 @@ class ReadoutLossDouble(RecurrenceRule):
         fb = logits.softmax(-1) @ lctx.embed_weight * lctx.embed_multiplier  # [B, T, d]
         new = {"h": h + self.mix * fb, "losses": list(state["losses"]), "logits": state["logits"] + [logits]}
         if lctx.targets is not None and not lctx.is_last:
-            new["losses"].append(F.cross_entropy(logits.flatten(0, 1).float(), lctx.targets.flatten(), ignore_index=-100))
+            new["losses"].append(
+                F.cross_entropy(logits.flatten(0, 1).float(), lctx.targets.flatten(), ignore_index=-100)
+            )
         return new
 
     def aux_loss(self, state, lctx):
@@ -278,7 +280,11 @@ def _tiny(rule, base="tiny-llama", **opts):
 def test_stateloop_parameter_count_of_the_paper():
     m = looplm.build("stateloop-1.4b-vanilla", device="meta", overrides={"rule": {"name": "test-stateloop"}})
     assert round(m.num_params() / 1e6, 2) == 1437.71  # StateLoop Tab. 1
-    m = looplm.build("stateloop-1.4b-vanilla", device="meta", overrides={"rule": {"name": "test-stateloop", "options": {"mixer": "attention"}}})
+    m = looplm.build(
+        "stateloop-1.4b-vanilla",
+        device="meta",
+        overrides={"rule": {"name": "test-stateloop", "options": {"mixer": "attention"}}},
+    )
     assert round(m.num_params() / 1e6, 2) == 1454.49  # StateLoop + Attn, Tab. 1
     assert "64" in m.rotary  # the mixer's declared head dim gets rotary tables (here the backbone's too)
     m = looplm.build("stateloop-410m-vanilla-k7", device="meta", overrides={"rule": {"name": "test-stateloop"}})
@@ -390,7 +396,9 @@ def test_per_sequence_loop_counts_equal_each_row_alone_at_its_depth():
     with torch.no_grad():
         out = model(x, num_loops=loops, output_iterations=True)
         for i in range(3):
-            torch.testing.assert_close(out.logits[i], model(x[i : i + 1], num_loops=int(loops[i])).logits[0], atol=2e-5, rtol=1e-4)
+            torch.testing.assert_close(
+                out.logits[i], model(x[i : i + 1], num_loops=int(loops[i])).logits[0], atol=2e-5, rtol=1e-4
+            )
             assert torch.equal(out.iterations[-1][i], out.iterations[int(loops[i]) - 1][i])  # done rows pass through
         # cached decoding at per-row depths == full forward at per-row depths
         full = model(x, num_loops=loops).logits
@@ -450,7 +458,9 @@ def test_cache_slot_protocol():
     cache.seqlen = 4
     before = ms.ssm_state.clone()
     cache.index_select(torch.tensor([2, 0]))
-    assert cache.batch_size == 2 and kv.k[:, 0, 0, 0].tolist() == [2.0, 0.0] and ts.value[:, 0, 0].tolist() == [2.0, 0.0]
+    assert (
+        cache.batch_size == 2 and kv.k[:, 0, 0, 0].tolist() == [2.0, 0.0] and ts.value[:, 0, 0].tolist() == [2.0, 0.0]
+    )
     torch.testing.assert_close(ms.ssm_state, before[[2, 0]])
     with pytest.raises(ValueError, match="Mamba-2 state"):
         cache.crop(2)

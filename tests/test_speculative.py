@@ -80,7 +80,9 @@ def _chi2_pvalue(samples: torch.Tensor, exact: dict) -> float:
         expd[-2] += expd.pop()
     stat = sum((o - e) ** 2 / e for o, e in zip(obs, expd))
     dof = len(obs) - 1
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    return float(
+        torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
 
 
 def test_rejection_sampling_matches_full_depth_distribution():
@@ -92,8 +94,15 @@ def test_rejection_sampling_matches_full_depth_distribution():
     prompt = torch.randint(0, 260, (4,))
     N = 6000
     g = torch.Generator().manual_seed(1234)
-    out, st = m.generate(prompt.expand(N, 4), 3, do_sample=True, generator=g, speculative={"draft_loops": 1, "k": 2},
-                         return_stats=True, **samp)  # fmt: skip
+    out, st = m.generate(
+        prompt.expand(N, 4),
+        3,
+        do_sample=True,
+        generator=g,
+        speculative={"draft_loops": 1, "k": 2},
+        return_stats=True,
+        **samp,
+    )
     acc = st.summary()["acceptance"]
     assert 0.05 < acc < 0.95  # drafts are accepted, and rejected often enough for the resampling to matter
     exact = _exact_joint(m, prompt, 3, **samp)
@@ -109,12 +118,16 @@ def test_rejection_sampling_matches_full_depth_distribution():
 def test_sampling_is_deterministic_with_a_seed():
     m = _model("tiny-mamba2")
     x = torch.randint(0, 260, (4, 3))
-    runs = [m.generate(x, 8, do_sample=True, top_k=20, generator=torch.Generator().manual_seed(7), speculative=2) for _ in range(2)]
+    runs = [
+        m.generate(x, 8, do_sample=True, top_k=20, generator=torch.Generator().manual_seed(7), speculative=2)
+        for _ in range(2)
+    ]
     assert torch.equal(*runs)
 
 
-@pytest.mark.parametrize("loops,spec", [(3, {"draft_loops": 1, "k": 3}),
-                                        (5, {"draft_loops": 4, "k": 3, "exit": "convergence:0.8"})])  # fmt: skip
+@pytest.mark.parametrize(
+    "loops,spec", [(3, {"draft_loops": 1, "k": 3}), (5, {"draft_loops": 4, "k": 3, "exit": "convergence:0.8"})]
+)
 def test_rollback_restores_row_lengths_and_ssm_states(loops, spec):
     """After speculative rounds with different acceptance per row, each row's valid KV columns are its
     committed tokens and every Mamba-2 state equals decoding that row's tokens alone at full depth (a fixed
@@ -154,14 +167,20 @@ def _assert_rows_cached_as_alone(m, st, committed):
 
 @pytest.mark.parametrize(
     "spec,match",
-    [({"draft_loops": 3}, r"draft_loops must be an int in \[1, 2\]"), ({"draft_loops": 0}, "draft_loops"),
-     ({"draft_loops": 1, "k": 0}, "k \\(tokens drafted per round\\)"), ({"k": 2}, "give draft_loops"),
-     ({"draft_loops": 1, "depth": 2}, "unknown option")],
-)  # fmt: skip
+    [
+        ({"draft_loops": 3}, r"draft_loops must be an int in \[1, 2\]"),
+        ({"draft_loops": 0}, "draft_loops"),
+        ({"draft_loops": 1, "k": 0}, "k \\(tokens drafted per round\\)"),
+        ({"k": 2}, "give draft_loops"),
+        ({"draft_loops": 1, "depth": 2}, "unknown option"),
+    ],
+)
 def test_bad_speculative_options_are_refused_before_any_work(spec, match):
     m = _model("tiny-llama")
     assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=spec), match)
-    assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=1, exit="kl:1e-3"), "not both")
+    assert_refused_before_any_work(
+        m, lambda: m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=1, exit="kl:1e-3"), "not both"
+    )
 
 
 def test_draft_k_is_bounded_by_the_room_the_model_has():
@@ -169,18 +188,26 @@ def test_draft_k_is_bounded_by_the_room_the_model_has():
     m = _model("tiny-llama", max_seq_len=32)
     x = torch.randint(0, 260, (1, 4))
     for k in (600, 10**6, 21):  # room: 32 - 4 - 8 = 20
-        assert_refused_before_any_work(m, lambda: m.generate(x, 8, speculative={"draft_loops": 1, "k": k}),
-                                       rf"k .*= {k} is more than the 20 this call has room for .*draft at most 20")  # fmt: skip
+        assert_refused_before_any_work(
+            m,
+            lambda: m.generate(x, 8, speculative={"draft_loops": 1, "k": k}),
+            rf"k .*= {k} is more than the 20 this call has room for .*draft at most 20",
+        )
     assert torch.equal(m.generate(x, 8, speculative={"draft_loops": 1, "k": 20}), m.generate(x, 8))
     # where less room is left, the default 4 still runs (drafts past the end are never emitted)
     assert torch.equal(m.generate(x, 28, speculative=1), m.generate(x, 28))
-    assert_refused_before_any_work(m, lambda: m.generate(x, 28, speculative={"draft_loops": 1, "k": 5}), "or the default 4")
+    assert_refused_before_any_work(
+        m, lambda: m.generate(x, 28, speculative={"draft_loops": 1, "k": 5}), "or the default 4"
+    )
 
 
 def test_speculative_on_a_one_loop_model_says_it_needs_two():
     m = _model("tiny-llama", n_loops=1)
-    assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=1),
-                                   r"needs a model with K >= 2 loops.*has K = 1")  # fmt: skip
+    assert_refused_before_any_work(
+        m,
+        lambda: m.generate(torch.randint(0, 260, (1, 3)), 4, speculative=1),
+        r"needs a model with K >= 2 loops.*has K = 1",
+    )
 
 
 # --- a draft whose depth an exit criterion picks (speculative={"exit": ...}) ---------------------------
@@ -239,19 +266,32 @@ def test_exit_draft_rejection_sampling_matches_full_depth_distribution():
     prompt = torch.randint(0, 260, (4,))
     N = 6000
     g = torch.Generator().manual_seed(99)
-    out, st = m.generate(prompt.expand(N, 4), 3, do_sample=True, generator=g,
-                         speculative={"draft_loops": 3, "k": 2, "exit": "convergence:0.8"}, return_stats=True, **samp)  # fmt: skip
+    out, st = m.generate(
+        prompt.expand(N, 4),
+        3,
+        do_sample=True,
+        generator=g,
+        speculative={"draft_loops": 3, "k": 2, "exit": "convergence:0.8"},
+        return_stats=True,
+        **samp,
+    )
     assert len(set(torch.cat([d.flatten() for d in st.depths]).tolist())) > 1
     assert _chi2_pvalue(out[:, 4:], _exact_joint(m, prompt, 3, **samp)) > 1e-3
 
 
 @pytest.mark.parametrize(
     "exit,match",
-    [("replay:2", "give it as draft_loops"), ({"criterion": "kl", "kv": "shared"}, "kv policy 'shared'"),
-     ({"criterion": "kl", "max_loops": 2}, "leave the exit's max_loops"), ({"criterion": "kl", "min_loops": 3}, "min_loops=3 exceeds"),
-     ("nope:1", "speculative exit: exit criterion 'nope'"), ("kl:-1", "ε must be a finite number"),
-     ("gate:0.5", "needs a rule with a learned exit gate"), ({"criterion": "kl", "schedule": "depth"}, "token schedule")],
-)  # fmt: skip
+    [
+        ("replay:2", "give it as draft_loops"),
+        ({"criterion": "kl", "kv": "shared"}, "kv policy 'shared'"),
+        ({"criterion": "kl", "max_loops": 2}, "leave the exit's max_loops"),
+        ({"criterion": "kl", "min_loops": 3}, "min_loops=3 exceeds"),
+        ("nope:1", "speculative exit: exit criterion 'nope'"),
+        ("kl:-1", "ε must be a finite number"),
+        ("gate:0.5", "needs a rule with a learned exit gate"),
+        ({"criterion": "kl", "schedule": "depth"}, "token schedule"),
+    ],
+)
 def test_bad_exit_drafts_are_refused_before_any_work(exit, match):
     m = _model("tiny-llama")
     spec = {"draft_loops": 2, "k": 2, "exit": exit}
@@ -339,8 +379,11 @@ def test_keep_columns_of_each_slot_type():
 
 def test_bad_reclaim_is_refused_before_any_work():
     m = _model("tiny-llama")
-    assert_refused_before_any_work(m, lambda: m.generate(torch.randint(0, 260, (1, 3)), 4,
-                                                         speculative={"draft_loops": 1, "reclaim": "yes"}), "reclaim must be True or False")  # fmt: skip
+    assert_refused_before_any_work(
+        m,
+        lambda: m.generate(torch.randint(0, 260, (1, 3)), 4, speculative={"draft_loops": 1, "reclaim": "yes"}),
+        "reclaim must be True or False",
+    )
 
 
 def test_a_cache_that_cannot_drop_columns_is_refused_naming_its_slots(monkeypatch):

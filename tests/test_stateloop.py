@@ -137,7 +137,9 @@ def test_selective_ssm_stateloop_equals_the_equations_at_any_depth(r):
     model = _randomise(_tiny())
     x = torch.randint(0, 128, (2, 7))
     with torch.no_grad():
-        torch.testing.assert_close(model(x, num_loops=r).logits, _reference(model, x, r, _ssm(model.rule)), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            model(x, num_loops=r).logits, _reference(model, x, r, _ssm(model.rule)), atol=1e-5, rtol=1e-4
+        )
 
 
 def test_reset_state_is_eq14_and_differs_from_persistent():
@@ -147,7 +149,9 @@ def test_reset_state_is_eq14_and_differs_from_persistent():
     reset.eval()
     x = torch.randint(0, 128, (2, 7))
     with torch.no_grad():
-        torch.testing.assert_close(reset(x).logits, _reference(reset, x, 3, _ssm(reset.rule, reset=True)), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            reset(x).logits, _reference(reset, x, 3, _ssm(reset.rule, reset=True)), atol=1e-5, rtol=1e-4
+        )
         assert (reset(x).logits - persistent(x).logits).abs().max() > 1e-3  # persistence changes the model
         torch.testing.assert_close(reset(x, num_loops=1).logits, persistent(x, num_loops=1).logits)  # S^0 = 0 anyway
 
@@ -250,8 +254,10 @@ def test_mixers_mix_tokens_and_identity_does_not():
         with torch.no_grad():
             h = torch.randn(2, 6, model.config.d_model)
             h[1, 1:] = h[0, 1:]
-            lctx = looplm.recurrence.LoopContext(fctx=model._forward_context(torch.zeros(2, 6, dtype=torch.long), None, None, 0),
-                                                 loop_options={"state_hook": hook})
+            lctx = looplm.recurrence.LoopContext(
+                fctx=model._forward_context(torch.zeros(2, 6, dtype=torch.long), None, None, 0),
+                loop_options={"state_hook": hook},
+            )
             state = model.rule.step(model.rule.begin(h, lctx), h, lctx)
         moved = (state["S"][0, 1:] - state["S"][1, 1:]).abs().max().item()
         assert (moved > 1e-6) == reaches, (name, moved)
@@ -274,9 +280,14 @@ def test_option_errors_are_clear():
     with pytest.raises(ConfigError, match="options.d_sz: unknown option.*d_s"):
         looplm.build("tiny-llama", overrides={"rule": {"name": "stateloop", "options": {"d_sz": 8}}})
     with pytest.raises(ValueError, match="mixer_head_dim: 24 does not divide d_s=64"):
-        looplm.build("tiny-llama", overrides={"rule": {"name": "stateloop", "options": {"mixer": "attention", "mixer_head_dim": 24}}})
+        looplm.build(
+            "tiny-llama",
+            overrides={"rule": {"name": "stateloop", "options": {"mixer": "attention", "mixer_head_dim": 24}}},
+        )
     with pytest.raises(ConfigError, match="lambda_range"):
-        looplm.build("tiny-llama", overrides={"rule": {"name": "stateloop-state-only", "options": {"lambda_range": [4, 0.01]}}})
+        looplm.build(
+            "tiny-llama", overrides={"rule": {"name": "stateloop-state-only", "options": {"lambda_range": [4, 0.01]}}}
+        )
 
 
 def test_read_scale_and_state_hook():
@@ -325,19 +336,50 @@ def test_train_then_analyze_a_checkpoint(tmp_path, capsys):
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(f"line {i}: a looped model keeps one state per token." for i in range(200)))
-    cfg = load_train_config({
-        "model": "tiny-stateloop", "model_overrides": {"n_loops": 2},
-        "data": {"source": "files", "paths": [str(corpus)], "split_mode": "lines", "seq_len": 32, "val_every_nth": 10},
-        "optim": {"name": "adamw", "lr": 1e-2},
-        "train": {"global_batch_size": 4, "micro_batch_size": 4, "max_steps": 3, "precision": "fp32"},
-        "eval": {"every": 0, "batches": 1, "at_end": False}, "checkpoint": {"every": 0, "at_end": True},
-        "logging": {"progress_bar": False, "tensorboard": False},
-    })  # fmt: skip
+    cfg = load_train_config(
+        {
+            "model": "tiny-stateloop",
+            "model_overrides": {"n_loops": 2},
+            "data": {
+                "source": "files",
+                "paths": [str(corpus)],
+                "split_mode": "lines",
+                "seq_len": 32,
+                "val_every_nth": 10,
+            },
+            "optim": {"name": "adamw", "lr": 1e-2},
+            "train": {"global_batch_size": 4, "micro_batch_size": 4, "max_steps": 3, "precision": "fp32"},
+            "eval": {"every": 0, "batches": 1, "at_end": False},
+            "checkpoint": {"every": 0, "at_end": True},
+            "logging": {"progress_bar": False, "tensorboard": False},
+        }
+    )
     before = looplm.build("tiny-stateloop", n_loops=2).rule.update.b_delta.detach().clone()
     Trainer(cfg, tmp_path / "run", quiet=True).fit()
     out = tmp_path / "an"
-    assert main(["analyze", str(tmp_path / "run"), "--metrics", "state-shapley", "--data", str(corpus), "--batches", "1",
-                 "--calib-batches", "0", "--batch-size", "2", "--seq-len", "16", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "analyze",
+                str(tmp_path / "run"),
+                "--metrics",
+                "state-shapley",
+                "--data",
+                str(corpus),
+                "--batches",
+                "1",
+                "--calib-batches",
+                "0",
+                "--batch-size",
+                "2",
+                "--seq-len",
+                "16",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     res = json.loads((out / "state-shapley.json").read_text())
     assert res["loops"] == 2 and res["shares"][0] is not None
     from looplm.checkpoint_io import load_model_for_inference
@@ -355,25 +397,67 @@ def test_train_then_analyze_a_checkpoint(tmp_path, capsys):
 def test_bench_decode_models_and_json(capsys):
     from looplm.bench import build_decode_models
 
-    models = build_decode_models(["vanilla-k4", "vanilla-ffn", "stateloop-mamba2"], d_model=64, layers=1, vocab=64, max_len=32, device="meta")
+    models = build_decode_models(
+        ["vanilla-k4", "vanilla-ffn", "stateloop-mamba2"], d_model=64, layers=1, vocab=64, max_len=32, device="meta"
+    )
     # the wider-FFN baseline is matched to StateLoop + Mamba-2's parameters (as 5504 -> 5818 in the paper)
     per_ff = 3 * 64 * 1
     assert abs(models["vanilla-ffn"].num_params() - models["stateloop-mamba2"].num_params()) <= per_ff / 2
     assert models["vanilla-ffn"].config.d_ff > models["vanilla-k4"].config.d_ff
-    argv = ["bench", "decode", "--d-model", "64", "--layers", "1", "--vocab", "64", "--prefill", "4", "--new", "2",
-            "--runs", "2", "--models", "stateloop,vanilla-k5", "--json", "--clock", "cpu", "--same-process"]
+    argv = [
+        "bench",
+        "decode",
+        "--d-model",
+        "64",
+        "--layers",
+        "1",
+        "--vocab",
+        "64",
+        "--prefill",
+        "4",
+        "--new",
+        "2",
+        "--runs",
+        "2",
+        "--models",
+        "stateloop,vanilla-k5",
+        "--json",
+        "--clock",
+        "cpu",
+        "--same-process",
+    ]
     assert main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert [r["key"] for r in rows] == ["vanilla-k4", "stateloop", "vanilla-k5"]  # the baseline is always measured first
+    assert [r["key"] for r in rows] == [
+        "vanilla-k4",
+        "stateloop",
+        "vanilla-k5",
+    ]  # the baseline is always measured first
     assert [r["loops"] for r in rows] == [4, 4, 5] and rows[0]["change_pct"] == 0.0
     for r in rows:
         assert {"model", "loops", "ms_per_token", "tokens_per_s", "change_pct"} <= set(r) and len(r["runs"]) == 2
         assert r["tokens_per_s"] == pytest.approx(1000 / r["ms_per_token"])
     assert {r["path"] for r in rows} == {"reference"}
     # --lean: generate's path (preallocated KV, decode kernels, fused blocks and state mixers) for every model
-    assert main([*argv[:-4], "--models", "stateloop-attn,stateloop-mamba2", "--json", "--same-process", "--lean", "--dtype", "bf16"]) == 0
+    assert (
+        main(
+            [
+                *argv[:-4],
+                "--models",
+                "stateloop-attn,stateloop-mamba2",
+                "--json",
+                "--same-process",
+                "--lean",
+                "--dtype",
+                "bf16",
+            ]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)
-    assert [r["key"] for r in rows] == ["vanilla-k4", "stateloop-attn", "stateloop-mamba2"] and {r["path"] for r in rows} == {"lean"}
+    assert [r["key"] for r in rows] == ["vanilla-k4", "stateloop-attn", "stateloop-mamba2"] and {
+        r["path"] for r in rows
+    } == {"lean"}
     # on a Linux CPU the default re-runs in a child process (THP_MEM_ALLOC_ENABLE=1), errors included
     assert main(["bench", "decode", "--models", "stateloop-gru", "--new", "1"]) == 2
     assert "unknown model 'stateloop-gru'" in capsys.readouterr().err

@@ -73,7 +73,7 @@ def test_mano_packing(loss_on):
         bos = [i for i, t in enumerate(row) if t == v.bos]
         assert len(bos) >= 2 and bos[0] == 0  # several whole instances per chunk
         real = [t for t in row if t != v.pad]
-        assert row[len(real):] == [v.pad] * (128 - len(real))  # padding only at the tail
+        assert row[len(real) :] == [v.pad] * (128 - len(real))  # padding only at the tail
         starts = bos + [len(real)]
         for a, b in zip(starts, starts[1:]):  # every packed instance is whole and correct
             toks = v.decode(row[a:b])
@@ -135,7 +135,13 @@ def test_phop_chain_first_instances_verify(n, p):
         assert phop.hop_trace(inst.sequence, p) == inst.chain
         assert _brute_hop(inst.sequence, p) == inst.answer
         ids = v.encode(inst)
-        assert len(ids) == 1 + n + 3 and ids[0] == v.bos and ids[-3] == v.ans and ids[-2] == inst.answer and ids[-1] == v.eos
+        assert (
+            len(ids) == 1 + n + 3
+            and ids[0] == v.bos
+            and ids[-3] == v.ans
+            and ids[-2] == inst.answer
+            and ids[-1] == v.eos
+        )
     if n == 256:
         assert len(v.encode(insts[0])) == 260 <= 272  # App. D: 1 + 256 + 3 in a 272 context
 
@@ -207,7 +213,26 @@ def test_export_cli_writes_the_documented_fields(tmp_path):
 
     f1, f2 = tmp_path / "m1.jsonl", tmp_path / "m2.jsonl"
     for f in (f1, f2):
-        assert main(["task", "mano", "export", "--max-length", "5", "--split", "eval", "--count", "7", "--seed", "3", "--out", str(f)]) == 0
+        assert (
+            main(
+                [
+                    "task",
+                    "mano",
+                    "export",
+                    "--max-length",
+                    "5",
+                    "--split",
+                    "eval",
+                    "--count",
+                    "7",
+                    "--seed",
+                    "3",
+                    "--out",
+                    str(f),
+                ]
+            )
+            == 0
+        )
     assert f1.read_bytes() == f2.read_bytes()  # same seed, same file
     rows = [json.loads(line) for line in f1.read_text().splitlines()]
     assert len(rows) == 7
@@ -217,7 +242,10 @@ def test_export_cli_writes_the_documented_fields(tmp_path):
         assert r["tokens"][:2] == ["<bos>", "<len_5>"] and r["tokens"][-2:] == ["<ans>", str(r["answer"])]
         assert r["ids"] == v.encode(r["tokens"])
     f3 = tmp_path / "p.jsonl"
-    assert main(["task", "phop", "export", "--p", "4", "--n", "32", "--split", "train", "--count", "5", "--out", str(f3)]) == 0
+    assert (
+        main(["task", "phop", "export", "--p", "4", "--n", "32", "--split", "train", "--count", "5", "--out", str(f3)])
+        == 0
+    )
     for r in map(json.loads, f3.read_text().splitlines()):
         assert r["p"] == 4 and len(r["sequence"]) == 32 and r["answer"] == _brute_hop(r["sequence"], 4)
         assert r["ids"][1:33] == r["sequence"]
@@ -238,11 +266,21 @@ REPO = Path(__file__).resolve().parents[1]
 def _tiny_run(**over):
     data = {
         "task": {"name": "phop", "n": 12, "p": 2, "dense_target": True, "eval_count": 40},
-        "model": "tiny-llama", "layers": 1, "loops": 2,
+        "model": "tiny-llama",
+        "layers": 1,
+        "loops": 2,
         "optim": {"name": "adamw", "lr": 3e-3},
         "schedule": {"name": "cosine", "warmup_steps": 1},
-        "train": {"steps": 3, "batch_size": 8, "micro_batch_size": 4, "seeds": [0, 1], "precision": "fp32",
-                  "cpu_threads": 1, "eval_every": 2, "eval_during": 10},
+        "train": {
+            "steps": 3,
+            "batch_size": 8,
+            "micro_batch_size": 4,
+            "seeds": [0, 1],
+            "precision": "fp32",
+            "cpu_threads": 1,
+            "eval_every": 2,
+            "eval_during": 10,
+        },
     }
     return load_task_config(data, [f"{k}={v}" for k, v in over.items()])
 
@@ -267,13 +305,22 @@ def test_paper_task_configs_follow_appendices_c_and_d():
     assert cpu.task.dense_target and (cpu.task.n, cpu.task.p) == (32, 4) and cpu.model_config().d_model == 64
     assert cpu.train.batch_size == 64 and cpu.optim.lr == 2e-3 and cpu.train.steps == 2000
     load_task_config(REPO / "configs/tasks/mano-cpu.yaml").model_config()
-    gate = load_task_config(REPO / "configs/bench/adaptive-phop-gate.yaml", task="phop")  # `looplm bench adaptive`'s task model
+    gate = load_task_config(
+        REPO / "configs/bench/adaptive-phop-gate.yaml", task="phop"
+    )  # `looplm bench adaptive`'s task model
     assert (gate.task.n, gate.task.p) == (32, 4) and gate.model_config().n_loops == 4
 
 
 def test_task_config_builds_n_x_r_on_any_backbone_and_reports_errors():
-    c = load_task_config({"task": {"name": "mano", "max_length": 5, "seq_len": 64}, "model": "tiny-mamba2",
-                          "layers": 3, "loops": 2, "blocks_per_layer": 2})
+    c = load_task_config(
+        {
+            "task": {"name": "mano", "max_length": 5, "seq_len": 64},
+            "model": "tiny-mamba2",
+            "layers": 3,
+            "loops": 2,
+            "blocks_per_layer": 2,
+        }
+    )
     m = c.model_config()
     assert (m.n_core, m.n_loops, m.vocab_size, m.max_seq_len) == (6, 2, 36, 64) and c.label == "3⊗2"
     c = load_task_config({"task": {"name": "phop", "n": 20, "p": 3}, "model": "tiny-hybrid", "layers": 3, "loops": 4})
@@ -292,7 +339,10 @@ def test_train_and_eval_a_tiny_run(tmp_path):
     res = train_task(cfg, tmp_path / "run", quiet=True)
     assert [r["seed"] for r in res["runs"]] == [0, 1] and res["model"] == "1⊗2"
     assert res["best_accuracy"] == max(r["accuracy"] for r in res["runs"])  # best-of-n seeds
-    assert res["runs"][0]["accuracy"] != res["runs"][1]["accuracy"] or res["runs"][0]["final_loss"] != res["runs"][1]["final_loss"]
+    assert (
+        res["runs"][0]["accuracy"] != res["runs"][1]["accuracy"]
+        or res["runs"][0]["final_loss"] != res["runs"][1]["final_loss"]
+    )
     lines = (tmp_path / "run" / "seed_0" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 3 and "eval_accuracy" in json.loads(lines[1])
     assert json.loads((tmp_path / "run" / "results.json").read_text())["best_seed"] == res["best_seed"]
@@ -337,8 +387,9 @@ def test_accuracy_is_exact_match_at_the_answer_position():
 
 
 def test_exit_gate_task_model_reports_iter(tmp_path):
-    cfg = _tiny_run(**{"model_overrides": "{rule: {name: exit_gate, options: {stage: 1}}}", "train.seeds": "[0]",
-                       "train.steps": 2})
+    cfg = _tiny_run(
+        **{"model_overrides": "{rule: {name: exit_gate, options: {stage: 1}}}", "train.seeds": "[0]", "train.steps": 2}
+    )
     train_task(cfg, tmp_path / "g", quiet=True)
     ev = evaluate_run(tmp_path / "g", thresholds=[0.0, 1.0], num_loops=[1])
     t0, t1 = ev["thresholds"]

@@ -39,7 +39,16 @@ def _perturb(model):
 
 def _psi_by_hand(t: float, dt: float) -> torch.Tensor:
     return torch.tensor(
-        [1.0, t, t * t, math.sin(math.pi * t), math.cos(math.pi * t), math.sin(2 * math.pi * t), math.cos(2 * math.pi * t), dt]
+        [
+            1.0,
+            t,
+            t * t,
+            math.sin(math.pi * t),
+            math.cos(math.pi * t),
+            math.sin(2 * math.pi * t),
+            math.cos(2 * math.pi * t),
+            dt,
+        ]
     )
 
 
@@ -54,14 +63,19 @@ def _reference(model, x, r, T):
             h = h + g * (model.core(h, fctx) - h)
         elif rule.gating == "branch":
             mods = [
-                BlockModulation(mixer=BranchModulation(gate=1 + rule.q[k, 0] @ f), mlp=BranchModulation(gate=1 + rule.q[k, 1] @ f))
+                BlockModulation(
+                    mixer=BranchModulation(gate=1 + rule.q[k, 0] @ f), mlp=BranchModulation(gate=1 + rule.q[k, 1] @ f)
+                )
                 for k in range(S)
             ]
             h = model.core(h, fctx, mods=mods)
         else:
             v = [[[1 + rule.W[k, b, j] @ f for j in range(2)] for b in range(2)] for k in range(S)]  # scale, gate
             mods = [
-                BlockModulation(mixer=BranchModulation(scale=v[k][0][0], gate=v[k][0][1]), mlp=BranchModulation(scale=v[k][1][0], gate=v[k][1][1]))
+                BlockModulation(
+                    mixer=BranchModulation(scale=v[k][0][0], gate=v[k][0][1]),
+                    mlp=BranchModulation(scale=v[k][1][0], gate=v[k][1][1]),
+                )
                 for k in range(S)
             ]
             h = model.core(h, fctx, mods=mods)
@@ -83,7 +97,9 @@ def test_zero_init_recovers_the_unconditioned_model_exactly(gating):
     with torch.no_grad():
         for r, grid in ((K, None), (2, "prefix"), (2, "rescaled"), (6, "rescaled")):
             opts = {"grid": grid} if grid else None
-            torch.testing.assert_close(model(x, num_loops=r, loop_options=opts).logits, base(x, num_loops=r).logits, rtol=0, atol=0)
+            torch.testing.assert_close(
+                model(x, num_loops=r, loop_options=opts).logits, base(x, num_loops=r).logits, rtol=0, atol=0
+            )
     expected = {"loop": 8, "branch": 16 * S, "adaln": 32 * S * D}[gating]  # 8, 16K, 32Kd
     assert model.num_params() - base.num_params() == expected == TimestepConditioning.extra_params(gating, S, D)
 
@@ -95,9 +111,24 @@ def test_conditioned_update_follows_the_equations(gating):
     x = torch.randint(0, 260, (2, 9))
     with torch.no_grad():
         torch.testing.assert_close(model(x).logits, _reference(model, x, K, K), atol=1e-5, rtol=1e-4)  # training grid
-        torch.testing.assert_close(model(x, num_loops=2, loop_options={"grid": "prefix"}).logits, _reference(model, x, 2, K), atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(model(x, num_loops=2, loop_options={"grid": "rescaled"}).logits, _reference(model, x, 2, 2), atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(model(x, num_loops=5, loop_options={"grid": "rescaled"}).logits, _reference(model, x, 5, 5), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(
+            model(x, num_loops=2, loop_options={"grid": "prefix"}).logits,
+            _reference(model, x, 2, K),
+            atol=1e-5,
+            rtol=1e-4,
+        )
+        torch.testing.assert_close(
+            model(x, num_loops=2, loop_options={"grid": "rescaled"}).logits,
+            _reference(model, x, 2, 2),
+            atol=1e-5,
+            rtol=1e-4,
+        )
+        torch.testing.assert_close(
+            model(x, num_loops=5, loop_options={"grid": "rescaled"}).logits,
+            _reference(model, x, 5, 5),
+            atol=1e-5,
+            rtol=1e-4,
+        )
     # every conditioning parameter reaches the loss (all four AdaLN vectors of every layer)
     model.train()
     model(x, labels=x).loss.backward()
@@ -124,12 +155,21 @@ def test_prefix_and_rescaled_grids(gating):
         resc = model(x, num_loops=2, loop_options={"grid": "rescaled"})
         assert not torch.allclose(resc.logits, model(x, num_loops=2, loop_options={"grid": "prefix"}).logits)
         # auto: prefix up to K, rescaled beyond
-        torch.testing.assert_close(model(x, num_loops=2).logits, model(x, num_loops=2, loop_options={"grid": "prefix"}).logits, rtol=0, atol=0)
-        torch.testing.assert_close(model(x, num_loops=6).logits, model(x, num_loops=6, loop_options={"grid": "rescaled"}).logits, rtol=0, atol=0)
+        torch.testing.assert_close(
+            model(x, num_loops=2).logits, model(x, num_loops=2, loop_options={"grid": "prefix"}).logits, rtol=0, atol=0
+        )
+        torch.testing.assert_close(
+            model(x, num_loops=6).logits,
+            model(x, num_loops=6, loop_options={"grid": "rescaled"}).logits,
+            rtol=0,
+            atol=0,
+        )
         # rescaled at r = the same weights trained (and conditioned) at K = r
         deep = looplm.build(BASE, n_loops=6, overrides={"rule": {"name": "timestep", "options": {"gating": gating}}})
         deep.load_state_dict(model.state_dict())
-        torch.testing.assert_close(deep.eval()(x).logits, model(x, num_loops=6, loop_options={"grid": "rescaled"}).logits, rtol=0, atol=0)
+        torch.testing.assert_close(
+            deep.eval()(x).logits, model(x, num_loops=6, loop_options={"grid": "rescaled"}).logits, rtol=0, atol=0
+        )
         with pytest.raises(ValueError, match="prefix inference"):
             model(x, num_loops=K + 1, loop_options={"grid": "prefix"})
         with pytest.raises(ValueError, match="grid"):
@@ -196,15 +236,41 @@ def test_depth_sweep_cli_for_a_conditioned_checkpoint(tmp_path, capsys):
     save_checkpoint(run / "ckpt", 1, model, None, {"step": 1}, {"model": to_dict(model.config), "tokenizer": "byte"})
     text = tmp_path / "t.txt"
     text.write_text("the loop runs again and again\nanother line of text for the model\n")
-    rc = main(["eval", "ppl", str(run), "--data", str(text), "--seq-len", "16", "--loops", "1..2K", "--out", str(tmp_path / "d"), "--json"])
+    rc = main(
+        [
+            "eval",
+            "ppl",
+            str(run),
+            "--data",
+            str(text),
+            "--seq-len",
+            "16",
+            "--loops",
+            "1..2K",
+            "--out",
+            str(tmp_path / "d"),
+            "--json",
+        ]
+    )
     assert rc == 0
     rows = json.loads(capsys.readouterr().out)["rows"]
-    assert [(w["r"], w["grid"]) for w in rows] == [(1, "prefix"), (1, "rescaled"), (2, "prefix"), (2, "rescaled"),
-                                                   (3, "prefix"), (3, "rescaled"), (4, "rescaled"), (5, "rescaled"), (6, "rescaled")]
+    assert [(w["r"], w["grid"]) for w in rows] == [
+        (1, "prefix"),
+        (1, "rescaled"),
+        (2, "prefix"),
+        (2, "rescaled"),
+        (3, "prefix"),
+        (3, "rescaled"),
+        (4, "rescaled"),
+        (5, "rescaled"),
+        (6, "rescaled"),
+    ]
     by = {(w["r"], w["grid"]): w for w in rows}
     assert by[(K, "prefix")]["token_ppl"] == pytest.approx(by[(K, "rescaled")]["token_ppl"])  # same grid T = K at r = K
     assert by[(2, "prefix")]["token_ppl"] != pytest.approx(by[(2, "rescaled")]["token_ppl"])
-    per_loop = {by[(r + 1, "rescaled")]["flops_per_token"] - by[(r, "rescaled")]["flops_per_token"] for r in range(1, 6)}
+    per_loop = {
+        by[(r + 1, "rescaled")]["flops_per_token"] - by[(r, "rescaled")]["flops_per_token"] for r in range(1, 6)
+    }
     assert len(per_loop) == 1 and per_loop.pop() > 0  # executed FLOPs grow by one core pass per loop
     assert by[(4, "rescaled")]["flops_per_token"] == forward_flops_per_token(model, 4, 16)
     assert (tmp_path / "d" / "depth.json").exists() and (tmp_path / "d" / "depth.png").stat().st_size > 1000

@@ -121,8 +121,9 @@ def test_transformers_directory(tmp_path, bpe):
     from transformers import PreTrainedTokenizerFast
 
     tok, out = bpe
-    fast = PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json"), eos_token="<|endoftext|>",
-                                   bos_token="<|endoftext|>")
+    fast = PreTrainedTokenizerFast(
+        tokenizer_file=str(out / "tokenizer.json"), eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
     fast.save_pretrained(tmp_path / "hfdir")
     loaded = load_tokenizer(str(tmp_path / "hfdir"))
     assert isinstance(loaded, HFTokenizer)
@@ -159,8 +160,9 @@ def _parser():
 
 
 def test_cli_tokenizer_train(tmp_path, corpus_file, capsys):
-    args = _parser().parse_args(["tokenizer", "train", "--vocab-size", "320", "--out", str(tmp_path / "tok"),
-                                 str(corpus_file)])
+    args = _parser().parse_args(
+        ["tokenizer", "train", "--vocab-size", "320", "--out", str(tmp_path / "tok"), str(corpus_file)]
+    )
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "vocab size: 320" in out and "bytes/token" in out
@@ -173,7 +175,8 @@ def test_cli_tokenizer_train_input_errors(tmp_path):
     args = p.parse_args(["tokenizer", "train", "--vocab-size", "300", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="no input"):
         args.func(args)
-    args = p.parse_args(["tokenizer", "train", "--vocab-size", "300", "--out", str(tmp_path),
-                         str(tmp_path / "nothing*.txt")])
+    args = p.parse_args(
+        ["tokenizer", "train", "--vocab-size", "300", "--out", str(tmp_path), str(tmp_path / "nothing*.txt")]
+    )
     with pytest.raises(SystemExit, match="no files match"):
         args.func(args)

@@ -37,7 +37,9 @@ def _trained(steps=2, seed=0):
 
 def _save(root, step, model, opt, keep_last=0):
     cfg = {"model": looplm.dataclass_util.to_dict(model.config), "tokenizer": "byte"}
-    return save_checkpoint(root, step, model, list(opt), {"step": step, "tokens": 123, "data": {"pos": step}}, cfg, keep_last)
+    return save_checkpoint(
+        root, step, model, list(opt), {"step": step, "tokens": 123, "data": {"pos": step}}, cfg, keep_last
+    )
 
 
 def test_layout_roundtrip_and_exact_continuation(tmp_path):
@@ -45,8 +47,15 @@ def test_layout_roundtrip_and_exact_continuation(tmp_path):
     path = _save(tmp_path / "ckpt", 2, model, opt)
     assert path.name == "step_000002"
     files = {p.name for p in path.iterdir()}
-    assert files == {"model.safetensors", "optimizer.safetensors", "optimizer.json", "rng.safetensors",
-                     "trainer_state.json", "config.json", MARKER}
+    assert files == {
+        "model.safetensors",
+        "optimizer.safetensors",
+        "optimizer.json",
+        "rng.safetensors",
+        "trainer_state.json",
+        "config.json",
+        MARKER,
+    }
     manifest = json.loads((path / MARKER).read_text())
     assert set(manifest["files"]) == files - {MARKER} and manifest["step"] == 2
     model2 = looplm.build("tiny-llama")
@@ -100,7 +109,9 @@ def test_newest_complete_wins_and_keep_last(tmp_path):
     assert not list(root.glob(".tmp-*"))
 
 
-@pytest.mark.parametrize("victim", ["model.safetensors", "optimizer.safetensors", "optimizer.json", "trainer_state.json"])
+@pytest.mark.parametrize(
+    "victim", ["model.safetensors", "optimizer.safetensors", "optimizer.json", "trainer_state.json"]
+)
 def test_truncated_file_is_named(tmp_path, victim):
     model, opt, _ = _trained(1)
     path = _save(tmp_path / "ckpt", 1, model, opt)
@@ -125,8 +136,10 @@ def test_corrupted_and_missing_files_are_named(tmp_path):
     f2 = path2 / "model.safetensors"
     f2.write_bytes(f2.read_bytes()[:100])
     (path2 / MARKER).unlink()
-    with pytest.raises(CheckpointError, match=r"model\.safetensors.*(truncated|corrupted)"), \
-            pytest.warns(CheckpointWarning, match="no COMPLETE manifest"):  # it cannot be verified, and says so
+    with (
+        pytest.raises(CheckpointError, match=r"model\.safetensors.*(truncated|corrupted)"),
+        pytest.warns(CheckpointWarning, match="no COMPLETE manifest"),
+    ):  # it cannot be verified, and says so
         load_model_weights(path2, looplm.build("tiny-llama"), verify=False)
     (path / "optimizer.json").unlink()
     with pytest.raises(CheckpointError, match=r"optimizer\.json.*missing"):

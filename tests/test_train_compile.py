@@ -83,8 +83,13 @@ def test_aux_loss_is_trained_and_logged_and_validation_is_the_plain_loss(corpus,
 def test_per_sequence_depth_sampling(corpus, tmp_path):  # noqa: F811
     """Parcae-style per-sequence depths: each row draws its own loop count (Poisson, clipped), seeded per
     step; the step equals a forward with the same [B] num_loops by hand."""
-    sets = ["train.random_loops.per_sequence=true", "train.random_loops.distribution=poisson",
-            "train.random_loops.mean=2.5", "train.random_loops.min=1", "train.random_loops.max=5"]
+    sets = [
+        "train.random_loops.per_sequence=true",
+        "train.random_loops.distribution=poisson",
+        "train.random_loops.mean=2.5",
+        "train.random_loops.min=1",
+        "train.random_loops.max=5",
+    ]
     cfg = tiny(corpus, *sets, "model_overrides.rule.name=parcae")
     tr = Trainer(cfg, tmp_path / "r", quiet=True)
     tr._setup()

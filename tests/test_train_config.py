@@ -12,16 +12,22 @@ from looplm.train.optim import MUON, plan_param_groups
 
 REPO = Path(__file__).resolve().parents[1]
 # the training configs, and the bench's language models (`looplm bench adaptive --lm-config`)
-SHIPPED = sorted((REPO / "configs" / "train").glob("*.yaml")) + sorted((REPO / "configs" / "bench").glob("adaptive-lm*.yaml"))
+SHIPPED = sorted((REPO / "configs" / "train").glob("*.yaml")) + sorted(
+    (REPO / "configs" / "bench").glob("adaptive-lm*.yaml")
+)
 
 
 def test_defaults_and_overrides():
-    cfg = load_train_config({"model": "tiny-llama"}, ["optim.lr=1e-3", "train.max_steps=7", "train.random_loops.max=5",
-                                                      "schedule.name=cosine", "data.seq_len=32"])
+    cfg = load_train_config(
+        {"model": "tiny-llama"},
+        ["optim.lr=1e-3", "train.max_steps=7", "train.random_loops.max=5", "schedule.name=cosine", "data.seq_len=32"],
+    )
     assert isinstance(cfg, TrainConfig)
     assert cfg.optim.lr == 1e-3 and cfg.train.max_steps == 7 and cfg.schedule.name == "cosine"
     assert cfg.train.random_loops is not None and cfg.train.random_loops.max == 5 and cfg.train.random_loops.min == 1
-    assert cfg.optim.weight_decay == 0.1 and cfg.optim.momentum == 0.95 and cfg.optim.nesterov and cfg.optim.ns_steps == 5
+    assert (
+        cfg.optim.weight_decay == 0.1 and cfg.optim.momentum == 0.95 and cfg.optim.nesterov and cfg.optim.ns_steps == 5
+    )
     assert cfg.train.grad_clip == 1.0 and cfg.train.seed == 42 and cfg.train.precision == "bf16"
     assert cfg.to_dict()["optim"]["betas"] == [0.9, 0.95]
 
@@ -51,7 +57,13 @@ def test_unknown_keys_one_error_with_suggestions():
 
 def test_cross_section_and_model_errors_are_reported():
     with pytest.raises(ConfigError) as ei:
-        load_train_config({"model": "tiny-llama", "model_overrides": {"n_loopz": 2}, "train": {"global_batch_size": 6, "micro_batch_size": 4}})
+        load_train_config(
+            {
+                "model": "tiny-llama",
+                "model_overrides": {"n_loopz": 2},
+                "train": {"global_batch_size": 6, "micro_batch_size": 4},
+            }
+        )
     msg = str(ei.value)
     assert "n_loopz" in msg and "n_loops" in msg  # model override typo, with a suggestion
     assert "global_batch_size" in msg
@@ -91,10 +103,21 @@ def test_every_shipped_config_is_valid(path):
 
 def test_paper_recipes_match_the_papers():
     q = load_train_config(REPO / "configs/train/qwen3-baseloop-wsd.yaml")
-    assert (q.optim.name, q.schedule.name, q.schedule.warmup_fraction, q.schedule.decay_fraction, q.schedule.min_ratio) == (
-        "muon_adamw", "wsd", 0.05, 0.1, 0.1)
+    assert (
+        q.optim.name,
+        q.schedule.name,
+        q.schedule.warmup_fraction,
+        q.schedule.decay_fraction,
+        q.schedule.min_ratio,
+    ) == ("muon_adamw", "wsd", 0.05, 0.1, 0.1)
     assert (q.optim.momentum, q.optim.nesterov, q.optim.ns_steps, q.optim.weight_decay) == (0.95, True, 5, 0.1)
-    assert (q.train.grad_clip, q.train.precision, q.train.seed, q.data.shuffle_buffer, q.data.seq_len) == (1.0, "bf16", 42, 10000, 2048)
+    assert (q.train.grad_clip, q.train.precision, q.train.seed, q.data.shuffle_buffer, q.data.seq_len) == (
+        1.0,
+        "bf16",
+        42,
+        10000,
+        2048,
+    )
     assert q.train.global_batch_size // q.train.micro_batch_size == 8 * 8  # 8 GPUs x 8 accumulation steps
     m = load_train_config(REPO / "configs/train/looped-mamba-cosine.yaml")
     assert (m.optim.name, tuple(m.optim.betas), m.optim.weight_decay, m.optim.lr) == ("adamw", (0.9, 0.95), 0.1, 8e-4)
@@ -109,11 +132,14 @@ def test_tiny_demo_config_is_the_stable_interface():
 
 
 # ------------------------------------------------------------------------------------- hostile YAML
-BOMB = "\n".join(  # 9 levels of 9 aliases: ~390 million values once expanded, a few hundred bytes on disk
-    [f"l0: &l0 [{', '.join(['lol'] * 9)}]"]
-    + [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
-    + ["model_overrides: *l8", "model: tiny-llama"]
-) + "\n"
+BOMB = (
+    "\n".join(  # 9 levels of 9 aliases: ~390 million values once expanded, a few hundred bytes on disk
+        [f"l0: &l0 [{', '.join(['lol'] * 9)}]"]
+        + [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
+        + ["model_overrides: *l8", "model: tiny-llama"]
+    )
+    + "\n"
+)
 
 
 def test_an_alias_bomb_is_refused_at_parse_time_with_a_short_message(tmp_path):
@@ -131,7 +157,9 @@ def test_an_alias_bomb_is_refused_at_parse_time_with_a_short_message(tmp_path):
     (tmp_path / "rec.yaml").write_text("model: tiny-llama\nmodel_overrides: &a {x: *a}\n")
     with pytest.raises(ConfigError, match="recursive alias"):
         load_train_config(tmp_path / "rec.yaml")
-    (tmp_path / "ok.yaml").write_text("base: &b {max_steps: 3, seed: 1}\nmodel: tiny-llama\ntrain:\n  <<: *b\n  seed: 2\n")
+    (tmp_path / "ok.yaml").write_text(
+        "base: &b {max_steps: 3, seed: 1}\nmodel: tiny-llama\ntrain:\n  <<: *b\n  seed: 2\n"
+    )
     data = looplm.dataclass_util.read_yaml_file(tmp_path / "ok.yaml", "x")
     assert data["train"] == {"max_steps": 3, "seed": 2}
 
@@ -157,14 +185,17 @@ def test_python_tags_stay_refused(tmp_path):
         load_train_config(tmp_path / "py.yaml")
 
 
-@pytest.mark.parametrize("override, message", [
-    ("train.grad_clip=nan", "train.grad_clip: got NaN"),  # would switch clipping off
-    ("train.grad_clip=.inf", "grad_clip: must be a finite number"),
-    ("optim.lr=inf", "lr / muon_lr: must be finite numbers >= 0, got inf"),  # was accepted until step 2
-    ("optim.muon_lr=nan", "optim.muon_lr: got NaN"),
-    ("optim.weight_decay=inf", "weight_decay: must be a finite number"),
-    ("schedule.warmup_fraction=nan", "schedule.warmup_fraction: got NaN"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.grad_clip=nan", "train.grad_clip: got NaN"),  # would switch clipping off
+        ("train.grad_clip=.inf", "grad_clip: must be a finite number"),
+        ("optim.lr=inf", "lr / muon_lr: must be finite numbers >= 0, got inf"),  # was accepted until step 2
+        ("optim.muon_lr=nan", "optim.muon_lr: got NaN"),
+        ("optim.weight_decay=inf", "weight_decay: must be a finite number"),
+        ("schedule.warmup_fraction=nan", "schedule.warmup_fraction: got NaN"),
+    ],
+)
 def test_non_finite_numbers_are_refused(override, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("/", "/")):
         load_train_config({"model": "tiny-llama"}, [override])

@@ -22,8 +22,20 @@ def _free_port() -> int:
 
 
 def _torchrun(config: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), "-m", "looplm.cli", *train_cmd(config, out, *extra)[3:]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "-m",
+        "looplm.cli",
+        *train_cmd(config, out, *extra)[3:],
+    ]
     return subprocess.run(cmd, env=cli_env(), capture_output=True, text=True, timeout=300)
 
 
@@ -51,15 +63,24 @@ def test_ddp_bf16_tied_with_cpu_products_matches_one(setup):
     gradients are row blocks of one tensor) and a tied embedding (its sparse lookup gradient added into the
     head's): two DDP processes give one process's losses."""
     tmp, config, _, _, _ = setup
-    sets = ["eval.batch_size=8", "eval.every=0", "checkpoint.every=0", "model_overrides.tie_embeddings=true",
-            "train.precision=bf16", "train.cpu_gemm=true"]  # fmt: skip
+    sets = [
+        "eval.batch_size=8",
+        "eval.every=0",
+        "checkpoint.every=0",
+        "model_overrides.tie_embeddings=true",
+        "train.precision=bf16",
+        "train.cpu_gemm=true",
+    ]
     train_in_process(config, tmp / "one-bf16", sets)
     ref = read_metrics(tmp / "one-bf16")
     r = _torchrun(config, tmp / "ddp-bf16", *[a for s in sets for a in ("--set", s)], "--set", "train.parallel=ddp")
     assert r.returncode == 0, r.stderr[-3000:]
     assert json.loads((tmp / "ddp-bf16" / "run.json").read_text())["tuned_linears"] > 0
     got = read_metrics(tmp / "ddp-bf16")
-    assert _close([m["loss"] for m in got], [m["loss"] for m in ref], 1e-3), ([m["loss"] for m in got], [m["loss"] for m in ref])
+    assert _close([m["loss"] for m in got], [m["loss"] for m in ref], 1e-3), (
+        [m["loss"] for m in got],
+        [m["loss"] for m in ref],
+    )
 
 
 @pytest.mark.slow
@@ -70,8 +91,13 @@ def test_ddp_two_processes_match_one(setup):
     assert r.returncode == 0, r.stderr[-3000:]
     got = read_metrics(out)
     assert [m["batch_hash"] for m in got] == [m["batch_hash"] for m in ref]  # same global batches
-    assert _close([m["loss"] for m in got], [m["loss"] for m in ref], 1e-4), ([m["loss"] for m in got], [m["loss"] for m in ref])
-    assert _close([m["val_loss"] for m in got if "val_loss" in m], [m["val_loss"] for m in ref if "val_loss" in m], 1e-4)
+    assert _close([m["loss"] for m in got], [m["loss"] for m in ref], 1e-4), (
+        [m["loss"] for m in got],
+        [m["loss"] for m in ref],
+    )
+    assert _close(
+        [m["val_loss"] for m in got if "val_loss" in m], [m["val_loss"] for m in ref if "val_loss" in m], 1e-4
+    )
     assert json.loads((out / "run.json").read_text())["world_size"] == 2
 
 
@@ -85,7 +111,10 @@ def test_fsdp2_two_processes_match_one_and_resume_on_one(setup):
     assert [m["batch_hash"] for m in got] == [m["batch_hash"] for m in ref]
     # FSDP2 reduces gradients and runs Muon's Newton-Schulz (bf16 inside torch.optim.Muon) on sharded
     # DTensors: equal up to float rounding, not bit for bit
-    assert _close([m["loss"] for m in got], [m["loss"] for m in ref], 1e-4), ([m["loss"] for m in got], [m["loss"] for m in ref])
+    assert _close([m["loss"] for m in got], [m["loss"] for m in ref], 1e-4), (
+        [m["loss"] for m in got],
+        [m["loss"] for m in ref],
+    )
 
     # a checkpoint written by 2 FSDP2 ranks resumes on a single process (different world size)
     resumed = tmp / "resumed"

@@ -73,7 +73,9 @@ def uniform_checkpoint(tmp_path):
 def test_eval_ppl_cli_on_a_text_file(uniform_checkpoint, tmp_path, capsys):
     text = "hello world\nfoo bar baz\n"  # 24 bytes, 5 words
     (tmp_path / "test.txt").write_text(text)
-    rc = main(["eval", "ppl", str(uniform_checkpoint), "--data", str(tmp_path / "test.txt"), "--seq-len", "8", "--json"])
+    rc = main(
+        ["eval", "ppl", str(uniform_checkpoint), "--data", str(tmp_path / "test.txt"), "--seq-len", "8", "--json"]
+    )
     assert rc == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["tokens"], out["words"], out["documents"]) == (24, 5, 1)
@@ -83,7 +85,21 @@ def test_eval_ppl_cli_on_a_text_file(uniform_checkpoint, tmp_path, capsys):
 
 
 def test_eval_ppl_cli_stdlib_and_batches(uniform_checkpoint, capsys):
-    rc = main(["eval", "ppl", str(uniform_checkpoint), "--data", "stdlib", "--batches", "2", "--batch-size", "4", "--seq-len", "64"])
+    rc = main(
+        [
+            "eval",
+            "ppl",
+            str(uniform_checkpoint),
+            "--data",
+            "stdlib",
+            "--batches",
+            "2",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "64",
+        ]
+    )
     assert rc == 0
     line = capsys.readouterr().out
     assert "token PPL 260.0" in line and "word PPL" in line
@@ -96,14 +112,32 @@ def test_eval_ppl_cli_errors(tmp_path, capsys):
 
 def test_demo_and_plot_end_to_end(tmp_path, capsys):
     out = tmp_path / "demo"
-    rc = main(["demo", "--out", str(out), "--max-steps", "3",
-               "--set", "data.seq_len=32", "--set", "train.global_batch_size=4", "--set", "train.micro_batch_size=4",
-               "--set", "eval.batches=1", "--set", "eval.every=0", "--set", "logging.progress_bar=false"])
+    rc = main(
+        [
+            "demo",
+            "--out",
+            str(out),
+            "--max-steps",
+            "3",
+            "--set",
+            "data.seq_len=32",
+            "--set",
+            "train.global_batch_size=4",
+            "--set",
+            "train.micro_batch_size=4",
+            "--set",
+            "eval.batches=1",
+            "--set",
+            "eval.every=0",
+            "--set",
+            "logging.progress_bar=false",
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "looplm demo summary" in text and "val loss" in text
     assert (out / "curves.png").stat().st_size > 1000
-    recs = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs] == [1, 2, 3]
     assert {"step", "loss", "lr", "grad_norm", "tokens", "tokens_per_s"} <= set(recs[0]) and "val_ppl" in recs[-1]
     run = json.loads((out / "run.json").read_text())
@@ -142,13 +176,33 @@ def test_eval_ppl_with_exit_scores_each_window_at_adaptive_depth(tmp_path, capsy
     assert got.nll == pytest.approx(nll, rel=1e-5) and got.nll != pytest.approx(plain.nll, rel=1e-4)
     assert got.depth["tokens"] == int(mask.sum()) and got.depth["executed_ratio"] < 1
     with pytest.raises(ValueError, match="no sliding-window band"):  # what one forward cannot run: before any document
-        windowed = looplm.build("tiny-llama", overrides={"attention.sliding_window": 4, "attention.sliding_layer_idx": [1]})
+        windowed = looplm.build(
+            "tiny-llama", overrides={"attention.sliding_window": 4, "attention.sliding_layer_idx": [1]}
+        )
         evaluate_documents(windowed.eval(), tok, docs, seq_len=12, exit="kl:0.1")
     run = tmp_path / "run"
     save_checkpoint(run / "ckpt", 1, model, None, {"step": 1}, {"model": to_dict(model.config), "tokenizer": "byte"})
     (tmp_path / "t.txt").write_text("\n\n".join(docs))
-    assert main(["eval", "ppl", str(run), "--data", str(tmp_path / "t.txt"), "--seq-len", "12", "--exit", "kl:0.003", "--json"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "ppl",
+                str(run),
+                "--data",
+                str(tmp_path / "t.txt"),
+                "--seq-len",
+                "12",
+                "--exit",
+                "kl:0.003",
+                "--json",
+            ]
+        )
+        == 0
+    )
     res = json.loads(capsys.readouterr().out)
     assert 1 < res["adaptive_depth"]["selected_depth"] < 5 and res["adaptive_depth"]["max_loops"] == 5
-    assert main(["eval", "ppl", str(run), "--data", str(tmp_path / "t.txt"), "--exit", "kl:0.01", "--loops", "1..3"]) == 2  # a usage error
+    assert (
+        main(["eval", "ppl", str(run), "--data", str(tmp_path / "t.txt"), "--exit", "kl:0.01", "--loops", "1..3"]) == 2
+    )  # a usage error
     assert "cannot be combined" in capsys.readouterr().err

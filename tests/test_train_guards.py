@@ -64,9 +64,15 @@ def test_cli_refuses_a_locked_directory(corpus, tmp_path, capsys):
 def test_lock_is_released_when_its_holder_is_killed(tmp_path):
     out = tmp_path / "run"
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom looplm.train.run_lock import RunDirLock\n"
-         f"lock = RunDirLock({str(out)!r}).acquire()\nprint('locked', flush=True)\ntime.sleep(120)\n"],
-        stdout=subprocess.PIPE, text=True, env=cli_env(),
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\nfrom looplm.train.run_lock import RunDirLock\n"
+            f"lock = RunDirLock({str(out)!r}).acquire()\nprint('locked', flush=True)\ntime.sleep(120)\n",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=cli_env(),
     )
     try:
         assert holder.stdout.readline().strip() == "locked"
@@ -83,8 +89,11 @@ def test_lock_is_released_when_its_holder_is_killed(tmp_path):
 # ----------------------------------------------------------------------------------- nan_policy: skip
 def test_too_many_consecutive_skipped_updates_stop_the_run(corpus, tmp_path):
     cfg = tiny(corpus, debug_nan_at_step=2, debug_nan_steps=10, nan_policy="skip", max_consecutive_skips=3, max_steps=8)
-    with pytest.raises(TrainingDivergedError, match=r"step 4: the loss is nan, and the 3 updates of steps 2-4 were all "
-                                                    r"skipped .*max_consecutive_skips=3.*unchanged since step 1"):
+    with pytest.raises(
+        TrainingDivergedError,
+        match=r"step 4: the loss is nan, and the 3 updates of steps 2-4 were all "
+        r"skipped .*max_consecutive_skips=3.*unchanged since step 1",
+    ):
         Trainer(cfg, tmp_path / "run", quiet=True).fit()
     recs = read_metrics(tmp_path / "run")
     assert [m["step"] for m in recs] == [1, 2, 3] and [bool(m.get("skipped")) for m in recs] == [False, True, True]
@@ -159,8 +168,14 @@ def test_data_state_and_memmap_record_the_tokenizer(tmp_path):
     from looplm.data import DataConfig, MemmapStream, build_stream, prepare_memmap
 
     a, b = _bpe(tmp_path / "a", "alpha beta gamma "), _bpe(tmp_path / "b", "delta epsilon zeta ")
-    cfg = DataConfig(source="files", paths=[str(write_corpus(tmp_path / "c.txt"))], split_mode="lines", seq_len=16,
-                     shuffle_buffer=4, val_every_nth=0)
+    cfg = DataConfig(
+        source="files",
+        paths=[str(write_corpus(tmp_path / "c.txt"))],
+        split_mode="lines",
+        seq_len=16,
+        shuffle_buffer=4,
+        val_every_nth=0,
+    )
     stream = build_stream(cfg, a)
     stream.next_batch(2)
     state = stream.state_dict()
@@ -172,7 +187,7 @@ def test_data_state_and_memmap_record_the_tokenizer(tmp_path):
 
     prepare_memmap(cfg, a, tmp_path / "mm")
     MemmapStream(tmp_path / "mm", 16, tokenizer=load_tokenizer(str(tmp_path / "a")))
-    with pytest.raises(TokenizerMismatchError, match=rf"memmap directory .*re-prepare"):
+    with pytest.raises(TokenizerMismatchError, match=r"memmap directory .*re-prepare"):
         MemmapStream(tmp_path / "mm", 16, tokenizer=b)
 
 

@@ -25,10 +25,22 @@ def _restore_threads():
 def tiny(corpus, *overrides, **train):
     base = {
         "model": "tiny-llama",
-        "data": {"source": "files", "paths": [str(corpus)], "split_mode": "lines", "seq_len": 32,
-                 "shuffle_buffer": 50, "val_every_nth": 10},
-        "train": {"global_batch_size": 8, "micro_batch_size": 8, "max_steps": 4, "precision": "fp32",
-                  "cpu_threads": 1, **train},
+        "data": {
+            "source": "files",
+            "paths": [str(corpus)],
+            "split_mode": "lines",
+            "seq_len": 32,
+            "shuffle_buffer": 50,
+            "val_every_nth": 10,
+        },
+        "train": {
+            "global_batch_size": 8,
+            "micro_batch_size": 8,
+            "max_steps": 4,
+            "precision": "fp32",
+            "cpu_threads": 1,
+            **train,
+        },
         "eval": {"every": 0, "batches": 1, "at_end": False},
         "checkpoint": {"every": 0, "at_end": False},
         "logging": {"progress_bar": False, "tensorboard": False},
@@ -89,7 +101,9 @@ def test_activation_checkpointing_gives_the_same_gradients(corpus, tmp_path):
 
 
 def test_random_loops_are_seeded_per_step_and_truncate_backprop(corpus, tmp_path):
-    cfg = tiny(corpus, "train.random_loops.min=1", "train.random_loops.max=4", "train.random_loops.grad_loops=2", max_steps=6)
+    cfg = tiny(
+        corpus, "train.random_loops.min=1", "train.random_loops.max=4", "train.random_loops.grad_loops=2", max_steps=6
+    )
     Trainer(cfg, tmp_path / "a", quiet=True).fit()
     Trainer(cfg, tmp_path / "b", quiet=True).fit()
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
@@ -206,8 +220,13 @@ def test_bf16_weights_cast_once_per_step_across_micro_batches(corpus, tmp_path, 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
             x = args[0] if args else None
-            if (func is torch.ops.aten._to_copy.default and isinstance(x, torch.Tensor) and x.shape == self.shape
-                    and x.dtype == torch.float32 and kwargs.get("dtype") == torch.bfloat16):
+            if (
+                func is torch.ops.aten._to_copy.default
+                and isinstance(x, torch.Tensor)
+                and x.shape == self.shape
+                and x.dtype == torch.float32
+                and kwargs.get("dtype") == torch.bfloat16
+            ):
                 self.n += 1
             return func(*args, **kwargs)
 
@@ -228,7 +247,9 @@ def test_bf16_weights_cast_once_per_step_across_micro_batches(corpus, tmp_path, 
     monkeypatch.setattr(Trainer, "_step_autocast", lambda self: contextlib.nullcontext())
     rec_each, grads_each, _ = grads_of_first_step(cfg, tmp_path / "each")
     casts_each, _ = mlp_weight_casts(tmp_path / "each-count")
-    assert casts_each == (n_weights if cpu_gemm else 4 * n_weights)  # an autocast region per micro-batch: cast again in each
+    assert casts_each == (
+        n_weights if cpu_gemm else 4 * n_weights
+    )  # an autocast region per micro-batch: cast again in each
     assert rec["loss"] == rec_each["loss"] and rec["grad_norm"] == rec_each["grad_norm"]
     for n in grads:
         assert torch.equal(grads[n], grads_each[n]), n

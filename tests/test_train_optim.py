@@ -26,8 +26,10 @@ def test_muon_gets_exactly_the_hidden_matrices_llama():
     model = looplm.build("tiny-llama")
     g = _groups(model)
     hidden = {
-        n for n, p in model.named_parameters()
-        if p.ndim == 2 and any(k in n for k in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+        n
+        for n, p in model.named_parameters()
+        if p.ndim == 2
+        and any(k in n for k in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
     }
     assert hidden and g[MUON] == hidden
     assert g[MUON_NO_DECAY] == set()

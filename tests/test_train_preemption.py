@@ -22,8 +22,20 @@ SLOW = ("--set", "train.debug_step_sleep_s=0.3")  # so that the signal lands mid
 def _start(config: Path, out: Path, log: Path, *extra: str, torchrun: bool = False) -> subprocess.Popen:
     cmd = train_cmd(config, out, *SLOW, *extra)
     if torchrun:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), "-m", "looplm.cli", *cmd[3:]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            "-m",
+            "looplm.cli",
+            *cmd[3:],
+        ]
     return subprocess.Popen(cmd, env=cli_env(), stdout=subprocess.DEVNULL, stderr=open(log, "w"), text=True)
 
 
@@ -40,8 +52,12 @@ def _lines(path: Path) -> int:
 
 
 def _stopped_line(stderr: str, name: str) -> tuple[int, Path]:
-    m = re.search(rf"^stopped by {name} after step (\d+) of {MAX_STEPS}: wrote checkpoint (\S+); run the same command "
-                  "again to resume from it$", stderr, re.M)
+    m = re.search(
+        rf"^stopped by {name} after step (\d+) of {MAX_STEPS}: wrote checkpoint (\S+); run the same command "
+        "again to resume from it$",
+        stderr,
+        re.M,
+    )
     assert m, stderr[-3000:]
     return int(m.group(1)), Path(m.group(2))
 
@@ -116,7 +132,9 @@ print("signum", stop.signum, flush=True)
 
 
 def _holder(seconds: float) -> subprocess.Popen:
-    p = subprocess.Popen([sys.executable, "-c", _HOLDER, str(seconds)], env=cli_env(), stdout=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [sys.executable, "-c", _HOLDER, str(seconds)], env=cli_env(), stdout=subprocess.PIPE, text=True
+    )
     assert p.stdout.readline().strip() == "ready"
     return p
 

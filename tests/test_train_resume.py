@@ -33,12 +33,24 @@ def write_config(tmp: Path, corpus: Path, **train) -> Path:
 
     cfg = {
         "model": "tiny-llama",
-        "data": {"source": "files", "paths": [str(corpus)], "split_mode": "lines", "seq_len": 32,
-                 "shuffle_buffer": 50, "val_every_nth": 10},
+        "data": {
+            "source": "files",
+            "paths": [str(corpus)],
+            "split_mode": "lines",
+            "seq_len": 32,
+            "shuffle_buffer": 50,
+            "val_every_nth": 10,
+        },
         "optim": {"name": "muon_adamw", "lr": 3e-3, "muon_lr": 3e-3},
         "schedule": {"name": "wsd"},
-        "train": {"global_batch_size": 8, "micro_batch_size": 4, "max_steps": MAX_STEPS, "precision": "fp32",
-                  "cpu_threads": 1, **train},
+        "train": {
+            "global_batch_size": 8,
+            "micro_batch_size": 4,
+            "max_steps": MAX_STEPS,
+            "precision": "fp32",
+            "cpu_threads": 1,
+            **train,
+        },
         "eval": {"every": 6, "batches": 1},
         "checkpoint": {"every": CKPT_EVERY, "keep_last": 2},
         "logging": {"progress_bar": False, "tensorboard": False},
@@ -98,7 +110,9 @@ def test_kill9_then_resume_is_bit_exact(tmp_path):
     kill_after = random.Random(os.getpid()).randint(CKPT_EVERY + 1, MAX_STEPS - 2)
     out = tmp_path / "run"
     slow = ("--set", "train.debug_step_sleep_s=0.15")  # so that the poll below never misses the moment
-    proc = subprocess.Popen(train_cmd(config, out, *slow), env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        train_cmd(config, out, *slow), env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.time() + 240
     try:
         while time.time() < deadline and proc.poll() is None:

@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from looplm.train.config import ScheduleConfig
-from looplm.train.schedule import apply_lr, build_lr_lambda, constant_lambda, cosine_lambda, schedule_lengths, wsd_lambda
+from looplm.train.schedule import (
+    apply_lr,
+    build_lr_lambda,
+    constant_lambda,
+    cosine_lambda,
+    schedule_lengths,
+    wsd_lambda,
+)
 
 
 def test_wsd_boundaries_paper_recipe():

@@ -19,9 +19,13 @@ from helpers import run_under_portable_build, tiny_variant
 
 pytestmark = pytest.mark.kernels
 
-needs_extension = pytest.mark.skipif(not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}")
+needs_extension = pytest.mark.skipif(
+    not gemv.extension_available(), reason=f"looplm's CPU extension not available: {gemv.unavailable_reason()}"
+)
 # training takes the ops only in the build with the AVX-512 kernels (the portable one runs them for these tests)
-needs_kernels = pytest.mark.skipif(not gemv.available(), reason=f"the AVX-512 build is not available: {gemv.unavailable_reason()}")
+needs_kernels = pytest.mark.skipif(
+    not gemv.available(), reason=f"the AVX-512 build is not available: {gemv.unavailable_reason()}"
+)
 
 # (B, H, H_kv, T, hd, causal): GQA and MHA, T not a multiple of the 64-row query block, odd T, one
 # query, head dims 32 / 64 / 128, full (non-causal) attention with S != T.
@@ -67,7 +71,9 @@ def _rel(a, ref):
 
 
 @needs_extension
-@pytest.mark.parametrize("shape", SHAPES, ids=[f"B{s[0]}H{s[1]}kv{s[2]}T{s[3]}hd{s[4]}{'c' if s[5] else 'full'}" for s in SHAPES])
+@pytest.mark.parametrize(
+    "shape", SHAPES, ids=[f"B{s[0]}H{s[1]}kv{s[2]}T{s[3]}hd{s[4]}{'c' if s[5] else 'full'}" for s in SHAPES]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gradients_match_sdpa(shape, dtype):
     """The output and dq, dk, dv against SDPA's autograd in float64: fp32 to ~1e-6; bf16 no further from
@@ -124,7 +130,9 @@ def test_where_it_applies():
     y = attention(qg, k, v, is_causal=True, enable_gqa=True)
     assert y.grad_fn is not None and "CPUAttention" in type(y.grad_fn).__name__
     with torch.no_grad():  # fp32: looplm's forward in training, SDPA in inference, equal to rounding
-        torch.testing.assert_close(attention(qg, k, v, is_causal=True, enable_gqa=True), y.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            attention(qg, k, v, is_causal=True, enable_gqa=True), y.detach(), rtol=1e-5, atol=1e-6
+        )
     qb, kb, vb = qg.detach().bfloat16().requires_grad_(), k.bfloat16(), v.bfloat16()
     yb = attention(qb, kb, vb, is_causal=True, enable_gqa=True)
     assert "CPUAttention" in type(yb.grad_fn).__name__
@@ -140,7 +148,9 @@ def test_without_the_kernels_training_keeps_sdpa_and_the_pytorch_loop(monkeypatc
     assert cpu_backward_applies(q.requires_grad_(), k, v, None, True) == gemv.available()
     calls = []
     op = torch.ops.looplm_cpu.cross_entropy_rows_
-    monkeypatch.setattr(loss_mod.torch.ops.looplm_cpu, "cross_entropy_rows_", lambda *a: calls.append(1) or op(*a), raising=False)
+    monkeypatch.setattr(
+        loss_mod.torch.ops.looplm_cpu, "cross_entropy_rows_", lambda *a: calls.append(1) or op(*a), raising=False
+    )
     loss_mod.linear_cross_entropy(torch.randn(4, 8), torch.randn(10, 8), torch.arange(4))
     assert bool(calls) == gemv.available()
 
@@ -187,7 +197,9 @@ def _uses_cpu_attention(model, ids) -> bool:
 
 
 @needs_kernels
-@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-stateloop", "tiny-coreloop", "llama3.1-1b-baseloop-4x5-adaln"])
+@pytest.mark.parametrize(
+    "preset", ["tiny-llama", "tiny-qwen3", "tiny-stateloop", "tiny-coreloop", "llama3.1-1b-baseloop-4x5-adaln"]
+)
 def test_model_gradients_match_the_sdpa_path(preset):
     """Whole models (GQA; QK-norm; StateLoop's attention over the state; CoreLoop's injection; AdaLN
     timestep conditioning): loss and every parameter's gradient with the extension's kernels equal the
@@ -232,7 +244,9 @@ def test_forward_log_sum_exp_and_layout(dtype):
     ref_out, ref_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=0.125)
     assert out.shape == ref_out.shape and out.stride() == ref_out.stride() and lse.dtype == torch.float32
     torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-4)
-    torch.testing.assert_close(out, ref_out, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    torch.testing.assert_close(
+        out, ref_out, rtol=2e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-5
+    )
 
 
 @needs_extension
@@ -285,7 +299,7 @@ def test_cross_entropy_rows_match_the_pytorch_loop(dtype, V):
     assert rows.shape == (9,) and rows.dtype == torch.float32 and torch.isfinite(rows).all()
     assert rows[2] == 0 and rows[7] == 0 and (got_z[[2, 7]] == 0).all()
     torch.testing.assert_close(rows.sum(), ref_loss, rtol=2e-6, atol=2e-6)
-    ulp = 2e-6 if dtype == torch.float32 else 2 ** -8
+    ulp = 2e-6 if dtype == torch.float32 else 2**-8
     torch.testing.assert_close(got_z.float(), ref_z.float(), rtol=ulp, atol=1e-7)
     # without a gradient the logits stay as they were
     z2 = z.clone()

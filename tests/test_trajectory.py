@@ -54,7 +54,9 @@ def test_relative_update_norm_is_a_mean_of_per_sequence_ratios():
     scale = torch.tensor([1.5, 0.5, 3.0])[:, None, None]
     rho = relative_update_norm(x, scale * x)  # a scaled state: angle 0, relative update |c − 1|
     torch.testing.assert_close(rho, torch.tensor([0.5, 0.5, 2.0], dtype=torch.float64))
-    torch.testing.assert_close(angular_distance(x, scale * x), torch.zeros(3, 5, dtype=torch.float64), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        angular_distance(x, scale * x), torch.zeros(3, 5, dtype=torch.float64), atol=1e-6, rtol=0
+    )
     # mean of ratios, not ratio of means: a big and a small sequence
     a = torch.zeros(2, 1, 2)
     a[0, 0, 0], a[1, 0, 0] = 10.0, 1.0
@@ -99,7 +101,10 @@ def _batches(V=128, n=2):
     return [torch.randint(0, V, (2, 12)) for _ in range(n)]
 
 
-@pytest.mark.parametrize("rule", [None, {"name": "injection", "options": {"form": "channel"}}, {"name": "timestep", "options": {"gating": "loop"}}])
+@pytest.mark.parametrize(
+    "rule",
+    [None, {"name": "injection", "options": {"form": "channel"}}, {"name": "timestep", "options": {"gating": "loop"}}],
+)
 def test_recorded_trajectory_telescopes_and_matches_direct_computation(rule):
     model = _model("qwen3-0.6b-baseloop-4x7", rule=rule, n_core=2, n_loops=3)
     if rule is not None:
@@ -181,8 +186,27 @@ def test_analyses_are_registered_and_write_json_and_figures(tmp_path, capsys):
 
     names = ["angular-distance", "update-norm", "state-variance", "skip-response"]
     assert set(names) <= set(load_all())
-    rc = main(["analyze", "--model", "tiny-llama", "--metrics", ",".join(names), "--loops", "4", "--batches", "1",
-               "--calib-batches", "0", "--batch-size", "2", "--seq-len", "16", "--out", str(tmp_path)])
+    rc = main(
+        [
+            "analyze",
+            "--model",
+            "tiny-llama",
+            "--metrics",
+            ",".join(names),
+            "--loops",
+            "4",
+            "--batches",
+            "1",
+            "--calib-batches",
+            "0",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert rc == 0
     for n in names:
         res = json.loads((tmp_path / f"{n}.json").read_text())
@@ -204,7 +228,9 @@ def test_coreloop_positions_and_skip_lags():
         out = model(ids, num_loops=4, output_iterations=True)
     assert tr["state_variance"][0] == pytest.approx(float(token_variance(x0).mean()), rel=1e-9)
     assert tr["block_variance_out"][0] == pytest.approx(tr["state_variance"][0], rel=1e-9)  # prelude output = x^(0)
-    assert tr["block_variance_in"][-1] == pytest.approx(float(token_variance(out.iterations[-1]).mean()), rel=1e-9)  # coda input
+    assert tr["block_variance_in"][-1] == pytest.approx(
+        float(token_variance(out.iterations[-1]).mean()), rel=1e-9
+    )  # coda input
     res = skip_response(model, [ids], loops=5)
     assert [(p["i"], p["j"]) for p in res["pairs"]][:3] == [(8, 9), (8, 10), (8, 11)]  # core occurrences of loops 4, 5
     assert res["pairs_by_lag"] == [1 * 2, 4 * 1]  # |P_0| = s(s-1)/2 (L-K), |P_1| = s² (L-K-1)

@@ -18,4 +18,5 @@ _moved.install()  # the old import paths of moved modules (looplm.adaptive_forwa
 def __getattr__(name: str):  # looplm.<old module name> as an attribute: the moved module, with a DeprecationWarning
     return _moved.moved_attribute(name)
 
+
 __all__ = ["LoopedLM", "LoopedLMOutput", "ModelConfig", "build", "list_presets", "load_model_config", "__version__"]

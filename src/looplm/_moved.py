@@ -33,8 +33,11 @@ MOVED = {
 
 
 def _warn(old: str) -> None:
-    warnings.warn(f"{old} moved to {MOVED[old]}: import it from there ({old} goes in a later release)",
-                  DeprecationWarning, stacklevel=3)  # fmt: skip
+    warnings.warn(
+        f"{old} moved to {MOVED[old]}: import it from there ({old} goes in a later release)",
+        DeprecationWarning,
+        stacklevel=3,
+    )
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

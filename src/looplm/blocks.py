@@ -56,8 +56,14 @@ __all__ = ["Block", "BlockModulation", "BranchModulation", "ForwardContext", "NO
 NORM_PLACEMENTS = ("pre", "sandwich", "post-sum")
 
 
-def _branch(x: torch.Tensor, norm: nn.Module, fn, m: BranchModulation | None, out_norm: nn.Module | None = None,
-            post_sum: bool = False) -> torch.Tensor:
+def _branch(
+    x: torch.Tensor,
+    norm: nn.Module,
+    fn,
+    m: BranchModulation | None,
+    out_norm: nn.Module | None = None,
+    post_sum: bool = False,
+) -> torch.Tensor:
     """One residual branch: ``x + f(N(x))``; with ``out_norm`` ``N'``: ``x + N'(f(N(x)))`` (sandwich) or
     ``N'(x + f(N(x)))`` (``post_sum``). ``x [B, T, d]`` (or a rule's carrier) -> same shape."""
     if m is None:

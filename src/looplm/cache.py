@@ -120,7 +120,9 @@ class TensorSlot:
     def crop(self, length: int) -> None:
         if self.time_dim is None:
             if length != self._len:
-                raise ValueError(f"cannot crop a {type(self).__name__} without a time axis from {self._len} to {length}")
+                raise ValueError(
+                    f"cannot crop a {type(self).__name__} without a time axis from {self._len} to {length}"
+                )
             return
         if self.value is not None:
             self.value = self.value.narrow(self.time_dim, 0, length)
@@ -169,8 +171,15 @@ class LoopCache:
     ``kv_shared``: one KV buffer per family for every loop (the ``shared`` exit policy, see the module
     docstring); ``loop_slots[family][k]`` lists the loop-indexed slots."""
 
-    def __init__(self, num_loops: int, batch_size: int, device=None, dtype=None, capacity: int | None = None,
-                 kv_shared: bool = False):
+    def __init__(
+        self,
+        num_loops: int,
+        batch_size: int,
+        device=None,
+        dtype=None,
+        capacity: int | None = None,
+        kv_shared: bool = False,
+    ):
         self.num_loops = num_loops
         self.batch_size = batch_size
         self.capacity = capacity  # most tokens any slot will hold (preallocated KV), None = grow
@@ -248,8 +257,10 @@ class LoopCache:
         Mamba-2 state allows too: it has absorbed only its rows' kept tokens). See the module docstring."""
         if not 0 < length <= self.seqlen or (idx is not None and tuple(idx.shape) != (self.batch_size, length)):
             shape = None if idx is None else tuple(idx.shape)
-            raise ValueError(f"keep_columns: length {length} of a cache of {self.seqlen} tokens, idx shape {shape} "
-                             f"(want [{self.batch_size}, length] or None)")
+            raise ValueError(
+                f"keep_columns: length {length} of a cache of {self.seqlen} tokens, idx shape {shape} "
+                f"(want [{self.batch_size}, length] or None)"
+            )
         missing = sorted(set(self.lacking("keep_columns").values()))
         if missing:
             raise TypeError(f"cache slots of type {missing} cannot drop columns (no keep_columns(idx, length))")
@@ -276,7 +287,9 @@ class RowsCache:
         s = self.cache.slot(key, factory, loop, family)
         view = getattr(s, "rows", None)
         if view is None:
-            raise TypeError(f"cache slot {key!r}: {type(s).__name__} has no row view; per-token exit cannot run its rows")
+            raise TypeError(
+                f"cache slot {key!r}: {type(s).__name__} has no row view; per-token exit cannot run its rows"
+            )
         if self.cols is None:
             return view(self.idx, self.cache.batch_size)
         return view(self.idx, self.cache.batch_size, cols=self.cols)

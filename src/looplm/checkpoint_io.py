@@ -169,7 +169,9 @@ def load_tensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path), device="cpu")
     except Exception as e:
-        raise CheckpointError(f"checkpoint file {str(path)!r} is truncated or corrupted and cannot be read ({e})") from e
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r} is truncated or corrupted and cannot be read ({e})"
+        ) from e
 
 
 def load_json(path: Path) -> Any:
@@ -181,8 +183,9 @@ def load_json(path: Path) -> Any:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"checkpoint file {str(path)!r} is truncated or corrupted: not valid JSON ({e})") from e
     except RecursionError as e:  # json's parser recurses per nesting level
-        raise CheckpointError(f"checkpoint file {str(path)!r} is corrupted: it nests its arrays / objects too deeply "
-                              "to be read") from e
+        raise CheckpointError(
+            f"checkpoint file {str(path)!r} is corrupted: it nests its arrays / objects too deeply to be read"
+        ) from e
 
 
 def verify_checkpoint(path: str | os.PathLike, check_hashes: bool = True) -> dict:
@@ -203,11 +206,15 @@ def verify_checkpoint(path: str | os.PathLike, check_hashes: bool = True) -> dic
     files = manifest.get("files") if isinstance(manifest, dict) else None
     if not isinstance(files, dict):
         raise CheckpointError(f"checkpoint file {str(marker)!r} is corrupted: it lists no files")
-    bad = [n for n, info in files.items() if not (isinstance(info, dict) and isinstance(info.get("bytes"), int)
-                                                  and isinstance(info.get("sha256"), str))]
+    bad = [
+        n
+        for n, info in files.items()
+        if not (isinstance(info, dict) and isinstance(info.get("bytes"), int) and isinstance(info.get("sha256"), str))
+    ]
     if bad:
-        raise CheckpointError(f"checkpoint file {str(marker)!r} is corrupted: the entries of {bad[:5]} lack their "
-                              "bytes / sha256")
+        raise CheckpointError(
+            f"checkpoint file {str(marker)!r} is corrupted: the entries of {bad[:5]} lack their bytes / sha256"
+        )
     for name, info in files.items():
         f = path / name
         if not f.is_file():
@@ -218,7 +225,9 @@ def verify_checkpoint(path: str | os.PathLike, check_hashes: bool = True) -> dic
                 f"checkpoint file {str(f)!r} is truncated or corrupted: {size} bytes, expected {info['bytes']}"
             )
         if check_hashes and sha256_of(f) != info["sha256"]:
-            raise CheckpointError(f"checkpoint file {str(f)!r} is corrupted: its SHA-256 does not match the one in {MARKER}")
+            raise CheckpointError(
+                f"checkpoint file {str(f)!r} is corrupted: its SHA-256 does not match the one in {MARKER}"
+            )
     return manifest
 
 
@@ -231,7 +240,8 @@ def verify_or_warn(ckpt: Path, check_hashes: bool = True) -> dict | None:
     warnings.warn(
         f"checkpoint {str(ckpt)!r} has no {MARKER} manifest, so its files cannot be verified (it may have been "
         "interrupted while being written); loading it unverified. Prefer a complete checkpoint",
-        CheckpointWarning, stacklevel=3,
+        CheckpointWarning,
+        stacklevel=3,
     )
     return None
 
@@ -326,15 +336,19 @@ def _inference_overrides(overrides: list[str] | dict | None) -> dict:
     if bad:
         allowed = ", ".join(INFERENCE_OVERRIDES)
         raise ConfigError(
-            [f"{k}: cannot be changed on a trained checkpoint (it changes the weights' shapes or what they compute); "
-             f"only {allowed} can be set" for k in bad],
+            [
+                f"{k}: cannot be changed on a trained checkpoint (it changes the weights' shapes or what they compute); "
+                f"only {allowed} can be set"
+                for k in bad
+            ],
             "overrides for a checkpoint",
         )
     return items
 
 
-def refuse_deep(n_loops: int, where: str, *, allow: bool | None = None, field: str = "n_loops",
-                flag: str = "--allow-deep") -> None:
+def refuse_deep(
+    n_loops: int, where: str, *, allow: bool | None = None, field: str = "n_loops", flag: str = "--allow-deep"
+) -> None:
     """Refuse a model config of more than :data:`MAX_LOOPS` loops unless ``allow`` (``None``: the
     ``LOOPLM_ALLOW_DEEP`` environment variable decides), naming ``where`` and the count."""
     if allow is None:
@@ -382,7 +396,9 @@ def load_model_for_inference(
     ckpt = resolve_checkpoint(path)
     cfg = load_json(ckpt / CONFIG_FILE)
     if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), (dict, str)):
-        raise CheckpointError(f"checkpoint file {str(ckpt / CONFIG_FILE)!r} has no model config; cannot rebuild the model")
+        raise CheckpointError(
+            f"checkpoint file {str(ckpt / CONFIG_FILE)!r} has no model config; cannot rebuild the model"
+        )
     # parameters on the meta device, then the file's tensors become them: no random init, no copy
     mcfg = load_model_config(cfg["model"], _inference_overrides(overrides) or None)
     refuse_deep(mcfg.n_loops, f"checkpoint file {str(ckpt / CONFIG_FILE)!r}", allow=allow_deep)
@@ -407,7 +423,8 @@ def load_model_for_inference(
             warnings.warn(
                 f"the tokenizer {tok.name!r} (fingerprint {current}) is not the one {what} was trained with "
                 f"({recorded_spec!r}, fingerprint {recorded}): its token ids mean other text to this model",
-                CheckpointWarning, stacklevel=2,
+                CheckpointWarning,
+                stacklevel=2,
             )
     check_vocab(tok, model.config.vocab_size)
     return model.to(device).eval(), tok

@@ -258,23 +258,39 @@ class ModelConfig:
         if self.mixer == "attention" or self.attn_layer_idx:  # validated even when the depth is also wrong
             a = self.attention
             if a.head_dim is None and a.n_heads >= 1 and self.d_model % a.n_heads:
-                errs.append(f"attention.n_heads: {a.n_heads} does not divide d_model={self.d_model} (or set attention.head_dim)")
+                errs.append(
+                    f"attention.n_heads: {a.n_heads} does not divide d_model={self.d_model} (or set attention.head_dim)"
+                )
             errs += [f"attention.{e}" for e in a.validate()]
             if a.rope_scaling is not None:
                 errs += [f"attention.rope_scaling.{e}" for e in a.rope_scaling.validate()]
-            if a.rotary_dim is not None and a.head_dim is None and a.n_heads >= 1 and a.rotary_dim > self.d_model // a.n_heads:
+            if (
+                a.rotary_dim is not None
+                and a.head_dim is None
+                and a.n_heads >= 1
+                and a.rotary_dim > self.d_model // a.n_heads
+            ):
                 errs.append(f"attention.rotary_dim: {a.rotary_dim} exceeds head_dim={self.d_model // a.n_heads}")
             bad_sw = [i for i in a.sliding_layer_idx if not 0 <= i < self.n_physical or self.mixer_of(i) != "attention"]
             if bad_sw:
-                errs.append(f"attention.sliding_layer_idx: {bad_sw} are not attention layers of the {self.n_physical} physical layers")
+                errs.append(
+                    f"attention.sliding_layer_idx: {bad_sw} are not attention layers of the {self.n_physical} physical layers"
+                )
         uses_mamba = self.mixer == "mamba2" and len(set(self.attn_layer_idx)) < self.n_physical
         if uses_mamba:
             m = self.mamba
             errs += [f"mamba.{e}" for e in m.validate()]
             if m.expand >= 1 and m.headdim >= 1 and (m.expand * self.d_model) % m.headdim:
                 errs.append(f"mamba.headdim: {m.headdim} does not divide d_inner={m.expand * self.d_model}")
-            if m.ngroups >= 1 and m.expand >= 1 and m.headdim >= 1 and ((m.expand * self.d_model) // m.headdim) % m.ngroups:
-                errs.append(f"mamba.ngroups: {m.ngroups} does not divide the number of heads {(m.expand * self.d_model) // m.headdim}")
+            if (
+                m.ngroups >= 1
+                and m.expand >= 1
+                and m.headdim >= 1
+                and ((m.expand * self.d_model) // m.headdim) % m.ngroups
+            ):
+                errs.append(
+                    f"mamba.ngroups: {m.ngroups} does not divide the number of heads {(m.expand * self.d_model) // m.headdim}"
+                )
         if self.pause is not None and self.pause.token_id is not None and self.pause.token_id >= self.vocab_size:
             errs.append(f"pause.token_id: {self.pause.token_id} is outside the vocabulary [0, {self.vocab_size})")
         errs += self.rule.validate()
@@ -363,7 +379,9 @@ def preset_dict(name: str) -> dict:
     return data
 
 
-def load_model_config(spec: "str | Path | dict | ModelConfig", overrides: dict | list[str] | None = None) -> ModelConfig:
+def load_model_config(
+    spec: "str | Path | dict | ModelConfig", overrides: dict | list[str] | None = None
+) -> ModelConfig:
     """Resolve a preset name, a YAML path, a dict or a ``ModelConfig`` plus overrides into a config.
 
     ``overrides`` are ``{"attention.n_heads": 2}`` or ``["attention.n_heads=2", ...]``.

@@ -26,7 +26,9 @@ __all__ = ["BlockModulation", "BranchModulation", "ForwardContext", "LoopContext
 class ForwardContext:
     """Per-forward information shared by every block (built once per forward by the model): ``fctx``."""
 
-    rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # rotary dim -> cos, sin [B, T, rot]
+    rope: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )  # rotary dim -> cos, sin [B, T, rot]
     positions: torch.Tensor | None = None  # [B, T] position of each token (left padding counts real tokens only)
     attn_mask: torch.Tensor | None = None  # bool [B, 1, T, T_past+T]; None = plain causal
     is_causal: bool = True
@@ -136,14 +138,22 @@ def restrict_fctx(fctx: ForwardContext, idx: torch.Tensor) -> ForwardContext:
     pick = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
     return ForwardContext(
         rope={r: (cos.index_select(0, idx), sin.index_select(0, idx)) for r, (cos, sin) in fctx.rope.items()},
-        positions=pick(fctx.positions), attn_mask=pick(fctx.attn_mask), is_causal=fctx.is_causal, pad_mask=pick(fctx.pad_mask),
-    )  # fmt: skip
+        positions=pick(fctx.positions),
+        attn_mask=pick(fctx.attn_mask),
+        is_causal=fctx.is_causal,
+        pad_mask=pick(fctx.pad_mask),
+    )
 
 
 def restrict_context(lctx: LoopContext, idx: torch.Tensor) -> LoopContext:
     """``lctx`` as batch rows ``idx`` see it: their forward context, embeddings, and row views of the cache."""
     pick = lambda t: None if t is None else t.index_select(0, idx)  # noqa: E731
     return replace(
-        lctx, fctx=restrict_fctx(lctx.fctx, idx), cache=None if lctx.cache is None else lctx.cache.rows(idx),
-        embeddings=pick(lctx.embeddings), loops_per_row=pick(lctx.loops_per_row), targets=pick(lctx.targets), core_input=None,
-    )  # fmt: skip
+        lctx,
+        fctx=restrict_fctx(lctx.fctx, idx),
+        cache=None if lctx.cache is None else lctx.cache.rows(idx),
+        embeddings=pick(lctx.embeddings),
+        loops_per_row=pick(lctx.loops_per_row),
+        targets=pick(lctx.targets),
+        core_input=None,
+    )

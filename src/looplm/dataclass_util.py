@@ -81,7 +81,9 @@ def _coerce(value: Any, tp, path: str, errors: list[str]):
         if dataclasses.is_dataclass(value) and isinstance(value, tp):
             return value
         if not isinstance(value, dict):
-            errors.append(f"{path}: expected a mapping for {tp.__name__}, got {type(value).__name__} {brief(value, 60)}")
+            errors.append(
+                f"{path}: expected a mapping for {tp.__name__}, got {type(value).__name__} {brief(value, 60)}"
+            )
             return None
         return _build(tp, value, path, errors)
     origin = get_origin(tp)
@@ -241,8 +243,6 @@ def split_override(o: str) -> tuple[str, str]:
     return k.strip(), v
 
 
-
-
 # nodes a YAML config may have once every alias is expanded: a real config has hundreds; a few
 # hundred bytes of nested aliases ("billion laughs") expand to billions, which every later pass
 # over the value (type checks, copies, error messages) would pay for in time and memory
@@ -279,10 +279,12 @@ def _config_loader():
                         continue
                     if seen is not None:
                         raise ConstructorError(
-                            "while constructing a mapping", node.start_mark,
+                            "while constructing a mapping",
+                            node.start_mark,
                             f"found the key {brief(key)} twice (first on line {seen.line + 1}); a key given twice "
-                            "would silently take its last value: keep one", key_node.start_mark,
-                        )  # fmt: skip
+                            "would silently take its last value: keep one",
+                            key_node.start_mark,
+                        )
                     first[key] = key_node.start_mark
             return super().construct_mapping(node, deep=deep)
 
@@ -305,8 +307,12 @@ def _check_expanded_size(root, limit: int) -> None:
         if key in sizes:
             return sizes[key]
         if key in on_path:
-            raise ComposerError(None, None, "found a recursive alias (a node that contains itself); configs cannot "
-                                "hold one", node.start_mark)
+            raise ComposerError(
+                None,
+                None,
+                "found a recursive alias (a node that contains itself); configs cannot hold one",
+                node.start_mark,
+            )
         on_path.add(key)
         if isinstance(node, yaml.SequenceNode):
             n = 1 + sum(size(c) for c in node.value)
@@ -317,9 +323,12 @@ def _check_expanded_size(root, limit: int) -> None:
         on_path.discard(key)
         if n > limit:
             raise ComposerError(
-                None, None, f"its aliases expand to more than {limit:,} values (an alias bomb?); a config needs far "
-                "fewer: write the values out or use fewer nested aliases", node.start_mark,
-            )  # fmt: skip
+                None,
+                None,
+                f"its aliases expand to more than {limit:,} values (an alias bomb?); a config needs far "
+                "fewer: write the values out or use fewer nested aliases",
+                node.start_mark,
+            )
         sizes[key] = n
         return n
 
@@ -355,8 +364,10 @@ def read_yaml_file(path, what: str) -> dict:
         raise ConfigError([f"{path}: not a config: its values are nested too deeply to read"], what) from e
     if data is None or data == {}:
         raise ConfigError(
-            [f"{path}: the file is empty or holds only comments; write the settings into it (an empty config "
-             "would silently mean all defaults)"],
+            [
+                f"{path}: the file is empty or holds only comments; write the settings into it (an empty config "
+                "would silently mean all defaults)"
+            ],
             what,
         )
     if not isinstance(data, dict):

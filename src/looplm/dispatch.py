@@ -37,9 +37,22 @@ from typing import Any
 from torch import nn
 
 __all__ = [
-    "OPS", "DECODE_STEPS", "DecodeStep", "Op", "decode_steps", "describe", "few_token_calls", "few_token_steps",
-    "offer_kv_fill", "offered_kv_fill", "plain_class", "register", "register_decode_step", "reference_only", "unregister",
-]  # fmt: skip
+    "OPS",
+    "DECODE_STEPS",
+    "DecodeStep",
+    "Op",
+    "decode_steps",
+    "describe",
+    "few_token_calls",
+    "few_token_steps",
+    "offer_kv_fill",
+    "offered_kv_fill",
+    "plain_class",
+    "register",
+    "register_decode_step",
+    "reference_only",
+    "unregister",
+]
 
 OPS: dict[str, "Op"] = {}
 _pending: dict[str, tuple[Callable, str]] = {}  # registrations for ops whose module is not imported yet

@@ -19,8 +19,16 @@ from .config import ModelConfig, load_model_config
 from .model import LoopedLM
 from .pause import PauseLM
 
-__all__ = ["ALLOW_LARGE_ENV", "ModelTooLargeError", "available_memory", "build", "build_for_loading", "check_fits",
-           "model_class", "parameter_bytes"]
+__all__ = [
+    "ALLOW_LARGE_ENV",
+    "ModelTooLargeError",
+    "available_memory",
+    "build",
+    "build_for_loading",
+    "check_fits",
+    "model_class",
+    "parameter_bytes",
+]
 
 ALLOW_LARGE_ENV = "LOOPLM_ALLOW_LARGE"  # =1: build / import models the memory estimate says do not fit
 
@@ -50,7 +58,10 @@ def build(spec="tiny-llama", *, device=None, dtype=None, overrides=None, **kw) -
     meta = str(device) == "meta"
     if device is None or str(device).startswith("cpu"):  # built in fp32 first, whatever ``dtype`` is
         check_fits(parameter_bytes(cfg, torch.float32), f"model {cfg.name!r}")
-    with torch.device(device) if device is not None else contextlib.nullcontext(), _SkipMetaInit() if meta else contextlib.nullcontext():
+    with (
+        torch.device(device) if device is not None else contextlib.nullcontext(),
+        _SkipMetaInit() if meta else contextlib.nullcontext(),
+    ):
         model = model_class(cfg)(cfg)
     if device is not None:
         # buffers computed on the CPU on purpose (RoPE's inverse frequencies, in fp64 like HF) join the
@@ -130,9 +141,16 @@ class _SkipMetaInit(TorchFunctionMode):
     """
 
     _SKIP = frozenset(
-        [nn.init.normal_, nn.init.trunc_normal_, nn.init.uniform_, nn.init.kaiming_uniform_, nn.init.kaiming_normal_,
-         torch.Tensor.normal_, torch.Tensor.uniform_]
-    )  # fmt: skip
+        [
+            nn.init.normal_,
+            nn.init.trunc_normal_,
+            nn.init.uniform_,
+            nn.init.kaiming_uniform_,
+            nn.init.kaiming_normal_,
+            torch.Tensor.normal_,
+            torch.Tensor.uniform_,
+        ]
+    )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -63,7 +63,9 @@ def to_config(hf_cfg, **overrides) -> ModelConfig:
     elif mt == "mamba2":
         d_inner = hf_cfg.expand * hf_cfg.hidden_size
         if hf_cfg.num_heads * hf_cfg.head_dim != d_inner:
-            raise ValueError(f"Mamba2 config: num_heads*head_dim={hf_cfg.num_heads * hf_cfg.head_dim} != expand*hidden_size={d_inner}")
+            raise ValueError(
+                f"Mamba2 config: num_heads*head_dim={hf_cfg.num_heads * hf_cfg.head_dim} != expand*hidden_size={d_inner}"
+            )
         if not getattr(hf_cfg, "rms_norm", True):
             raise ValueError("Mamba2 with rms_norm=False (no gated norm) is not supported")
         d = dict(
@@ -117,8 +119,18 @@ def _key_map(mt: str, n_layers: int, tied: bool) -> dict[str, str]:
         for i in range(n_layers):
             src, dst = f"backbone.layers.{i}.", f"core.stack.blocks.{i}."
             m[src + "norm.weight"] = dst + "mixer_norm.weight"
-            for name in ("in_proj.weight", "in_proj.bias", "conv1d.weight", "conv1d.bias", "dt_bias", "A_log", "D",
-                         "norm.weight", "out_proj.weight", "out_proj.bias"):
+            for name in (
+                "in_proj.weight",
+                "in_proj.bias",
+                "conv1d.weight",
+                "conv1d.bias",
+                "dt_bias",
+                "A_log",
+                "D",
+                "norm.weight",
+                "out_proj.weight",
+                "out_proj.bias",
+            ):
                 m[src + "mixer." + name] = dst + "mixer." + name
     if not tied:
         m["lm_head.weight"] = "lm_head.weight"
@@ -153,7 +165,9 @@ def from_transformers(hf_model, **overrides):
         if dst not in ours:
             raise ValueError(f"transformers parameter {k!r} maps to {dst!r}, which the looplm model does not have")
         if ours[dst].shape != v.shape:
-            raise ValueError(f"shape mismatch for {k!r}: transformers {tuple(v.shape)} vs looplm {tuple(ours[dst].shape)}")
+            raise ValueError(
+                f"shape mismatch for {k!r}: transformers {tuple(v.shape)} vs looplm {tuple(ours[dst].shape)}"
+            )
         new_state[dst] = v
     missing = [k for k in ours if k not in new_state and not (k == "lm_head.weight" and cfg.tie_embeddings)]
     if missing:

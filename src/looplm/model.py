@@ -68,7 +68,9 @@ class LoopedLM(nn.Module):
         # one table builder per rotary dim: the backbone's attention (config) and the rule's own mixers
         a = cfg.attention
         dims = sorted(set(cfg.rope_dims) | set(self.rule.rope_dims))
-        self.rotary = nn.ModuleDict({str(r): RotaryEmbedding(r, a.rope_theta, a.rope_scaling, a.rope_precision) for r in dims})
+        self.rotary = nn.ModuleDict(
+            {str(r): RotaryEmbedding(r, a.rope_theta, a.rope_scaling, a.rope_precision) for r in dims}
+        )
         self.reset_parameters()
 
     # ------------------------------------------------------------------------------------------
@@ -105,13 +107,20 @@ class LoopedLM(nn.Module):
                 n -= self.lm_head.weight.numel()
         return n
 
-    def new_cache(self, batch_size: int, num_loops: int | None = None, capacity: int | None = None,
-                  kv_shared: bool = False) -> LoopCache:
+    def new_cache(
+        self, batch_size: int, num_loops: int | None = None, capacity: int | None = None, kv_shared: bool = False
+    ) -> LoopCache:
         """An empty decoding cache for ``num_loops`` iterations; ``capacity`` tokens preallocates KV slots;
         ``kv_shared``: one KV buffer per layer for every loop (the ``shared`` exit policy)."""
         p = next(self.parameters())
-        cache = LoopCache(num_loops or self.config.n_loops, batch_size, device=p.device, dtype=p.dtype, capacity=capacity,
-                          kv_shared=kv_shared)  # fmt: skip
+        cache = LoopCache(
+            num_loops or self.config.n_loops,
+            batch_size,
+            device=p.device,
+            dtype=p.dtype,
+            capacity=capacity,
+            kv_shared=kv_shared,
+        )
         cache.model_signature = self._cache_signature()
         return cache
 
@@ -119,10 +128,13 @@ class LoopedLM(nn.Module):
         """What a decoding cache's slots depend on (widths, layers, mixers, rule): another model's cache
         does not fit when any of these differ."""
         c = self.config
-        return {"d_model": c.d_model, "layers (p, s, c)": (c.n_prelude, c.n_core, c.n_coda),
-                "mixers": tuple(c.mixer_of(i) for i in range(c.n_physical)),
-                "attention (kv heads, head dim)": (c.attention.n_kv_heads, c.attention.head_dim),
-                "rule": (c.rule.name, repr(sorted(c.rule.options.items())))}
+        return {
+            "d_model": c.d_model,
+            "layers (p, s, c)": (c.n_prelude, c.n_core, c.n_coda),
+            "mixers": tuple(c.mixer_of(i) for i in range(c.n_physical)),
+            "attention (kv heads, head dim)": (c.attention.n_kv_heads, c.attention.head_dim),
+            "rule": (c.rule.name, repr(sorted(c.rule.options.items()))),
+        }
 
     # ------------------------------------------------------------------------------------------
     def _check_inputs(self, input_ids: torch.Tensor, cache: LoopCache | None, attention_mask) -> None:
@@ -218,19 +230,27 @@ class LoopedLM(nn.Module):
             is_causal = False
         elif past > 0:  # one new token attends to everything before it
             is_causal = False
-        return ForwardContext(rope=rope, positions=position_ids, attn_mask=attn_mask, is_causal=is_causal, pad_mask=pad_mask)
+        return ForwardContext(
+            rope=rope, positions=position_ids, attn_mask=attn_mask, is_causal=is_causal, pad_mask=pad_mask
+        )
 
-    def _slots(self, cache: LoopCache | None, stack: Stack, key, batch: int, loop: int | None = None, family=None) -> list | None:
+    def _slots(
+        self, cache: LoopCache | None, stack: Stack, key, batch: int, loop: int | None = None, family=None
+    ) -> list | None:
         """Decoding slots of ``stack``'s blocks under ``(*key, layer)`` (``None`` without a cache); slots of
         loop iteration ``loop`` belong to ``(family, layer)`` (see :mod:`looplm.cache`)."""
         if cache is None:
             return None
         n = cache.batch_size  # a slot holds the whole batch (a loop over some rows views it)
         return [
-            cache.slot((*key, blk.layer_idx), lambda blk=blk: blk.new_cache(n, capacity=cache.capacity),
-                       loop, None if loop is None else (family, blk.layer_idx))
+            cache.slot(
+                (*key, blk.layer_idx),
+                lambda blk=blk: blk.new_cache(n, capacity=cache.capacity),
+                loop,
+                None if loop is None else (family, blk.layer_idx),
+            )
             for blk in stack.blocks
-        ]  # fmt: skip
+        ]
 
     def _embed(self, input_ids: torch.Tensor, head_in_loss: bool) -> torch.Tensor:
         """``embed(input_ids)`` ``[B, T, d]``. When the embedding is tied to the head and the head's dense
@@ -240,9 +260,13 @@ class LoopedLM(nn.Module):
         2-core Xeon (49,152 × 576 rows, 1,024 tokens) become ~1 ms. The sum is the same dense gradient."""
         w = self.embed.weight
         sparse = (
-            head_in_loss and self.config.tie_embeddings and torch.is_grad_enabled() and w.requires_grad
-            and w.device.type == "cpu" and type(w.data) is torch.Tensor  # not a DTensor shard (FSDP2)
-        )  # fmt: skip
+            head_in_loss
+            and self.config.tie_embeddings
+            and torch.is_grad_enabled()
+            and w.requires_grad
+            and w.device.type == "cpu"
+            and type(w.data) is torch.Tensor  # not a DTensor shard (FSDP2)
+        )
         if not sparse:
             return self.embed(input_ids)
         return F.embedding(input_ids, w, sparse=True)
@@ -308,7 +332,9 @@ class LoopedLM(nn.Module):
             raise ValueError("logits_to_keep is for decoding; the loss needs the logits of every position")
         B = input_ids.shape[0]
         r, loops_per_row = self._resolve_loops(num_loops, cache, B)
-        if num_grad_loops is not None and (isinstance(num_grad_loops, bool) or not isinstance(num_grad_loops, int) or num_grad_loops < 1):
+        if num_grad_loops is not None and (
+            isinstance(num_grad_loops, bool) or not isinstance(num_grad_loops, int) or num_grad_loops < 1
+        ):
             raise ValueError(
                 f"num_grad_loops must be None (backprop through every loop) or an int >= 1, got {num_grad_loops!r}"
             )
@@ -317,15 +343,26 @@ class LoopedLM(nn.Module):
         if cache is not None and cache.num_loops != r:
             raise ValueError(f"cache was built for {cache.num_loops} loops, forward asked for {r}")
         fctx = self._forward_context(input_ids, attention_mask, position_ids, cache.seqlen if cache is not None else 0)
-        targets = None if labels is None else F.pad(labels[:, 1:], (0, 1), value=-100)  # [B, T]; shift targets, not logits
+        targets = (
+            None if labels is None else F.pad(labels[:, 1:], (0, 1), value=-100)
+        )  # [B, T]; shift targets, not logits
 
         E = self._embed(input_ids, head_in_loss=labels is not None) * self.embed_multiplier  # [B, T, d]
         x = self.prelude(E, fctx, self._slots(cache, self.prelude, (0,), B))
         lctx = LoopContext(
-            num_loops=r, train_loops=self.config.n_loops, loops_per_row=loops_per_row, fctx=fctx, cache=cache,
-            loop_options=loop_options or {}, embeddings=E, embed_weight=self.embed.weight,
-            embed_multiplier=self.embed_multiplier, targets=targets, readout_fn=self._readout, final_norm=self.norm,
-        )  # fmt: skip
+            num_loops=r,
+            train_loops=self.config.n_loops,
+            loops_per_row=loops_per_row,
+            fctx=fctx,
+            cache=cache,
+            loop_options=loop_options or {},
+            embeddings=E,
+            embed_weight=self.embed.weight,
+            embed_multiplier=self.embed_multiplier,
+            targets=targets,
+            readout_fn=self._readout,
+            final_norm=self.norm,
+        )
         no_grad_until = r - num_grad_loops if num_grad_loops is not None and self.training else 0
         iterations = [] if output_iterations else None
 
@@ -337,7 +374,9 @@ class LoopedLM(nn.Module):
                 active = lctx.active_rows()  # [B] or None: rows whose own loop count is not reached yet
                 state = new_state if active is None else self.rule.select_rows(active, new_state, state)
             if iterations is not None:
-                iterations.append(h if active is None or k == 0 else torch.where(active[:, None, None], h, iterations[-1]))
+                iterations.append(
+                    h if active is None or k == 0 else torch.where(active[:, None, None], h, iterations[-1])
+                )
             if cache is None and k < r - 1 and self._all_halted(state, lctx):
                 break
         y = self.rule.finish(state, lctx)  # [B, T, d]
@@ -359,9 +398,15 @@ class LoopedLM(nn.Module):
             w = self.rule.lm_loss_weight
             loss = (lm if w == 1.0 else w * lm) if aux is None else w * lm + aux
         return LoopedLMOutput(
-            logits=logits, loss=loss, aux_loss=aux, lm_loss=lm, iterations=iterations, hidden=hidden if output_hidden else None,
-            cache=cache, executed_loops=lctx.iteration + 1,
-        )  # fmt: skip
+            logits=logits,
+            loss=loss,
+            aux_loss=aux,
+            lm_loss=lm,
+            iterations=iterations,
+            hidden=hidden if output_hidden else None,
+            cache=cache,
+            executed_loops=lctx.iteration + 1,
+        )
 
     def _all_halted(self, state: dict, lctx: LoopContext) -> bool:
         halted = self.rule.halted(state, lctx)  # [B, T] bool or None

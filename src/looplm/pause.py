@@ -42,8 +42,14 @@ from .config import ModelConfig
 from .model import LoopedLM, LoopedLMOutput
 
 
-def insert_pauses(input_ids: torch.Tensor, n_pause: int, pause_id: int, *, labels: torch.Tensor | None = None,
-                  attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def insert_pauses(
+    input_ids: torch.Tensor,
+    n_pause: int,
+    pause_id: int,
+    *,
+    labels: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """``[B, T] -> [B, T·(1+n)]``: ``n_pause`` pause ids after every token.
 
     Returns ``(ids, labels, attention_mask)``: labels (when given) copied at real positions and
@@ -90,15 +96,24 @@ class PauseLM(LoopedLM):
             kwargs["capacity"] = capacity * (1 + self.n_pause)
         return super().new_cache(batch_size, num_loops, **kwargs)
 
-    def forward(self, input_ids: torch.Tensor, *, labels: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                cache=None, **kwargs) -> LoopedLMOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        labels: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        cache=None,
+        **kwargs,
+    ) -> LoopedLMOutput:
         """Same interface as :meth:`LoopedLM.forward`, on real tokens: logits ``[B, T, V]`` predict the
         next real token (the pause logit is ``-inf``); ``loss`` is the next-token loss on real tokens."""
         if position_ids is not None:
             raise ValueError("PauseLM numbers positions itself (pauses count); do not pass position_ids")
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-            return super().forward(input_ids, labels=labels, attention_mask=attention_mask, cache=cache, **kwargs)  # its errors
+            return super().forward(
+                input_ids, labels=labels, attention_mask=attention_mask, cache=cache, **kwargs
+            )  # its errors
         if not torch.compiler.is_compiling() and bool((input_ids == self.pause_id).any()):
             raise ValueError(f"input_ids contain the pause id {self.pause_id}; PauseLM inserts the pauses itself")
         past = cache.seqlen // (1 + self.n_pause) if cache is not None else 0

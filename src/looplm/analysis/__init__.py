@@ -34,7 +34,9 @@ class Analysis:
 ANALYSES: dict[str, Analysis] = {}
 
 
-def register_analysis(name: str, *, plot: Callable[..., list] | None = None, help: str = "", options: tuple[str, ...] = ()):
+def register_analysis(
+    name: str, *, plot: Callable[..., list] | None = None, help: str = "", options: tuple[str, ...] = ()
+):
     """Decorator: make ``fn(model, batches, options) -> dict`` available as ``looplm analyze --metrics NAME``.
     ``options``: the ``--option KEY=VALUE`` keys ``fn`` reads (``looplm analyze`` refuses any other)."""
 

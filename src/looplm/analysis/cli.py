@@ -59,11 +59,18 @@ def _check_args(args, selected) -> None:
     from ..dataclass_util import ConfigError, _suggest
 
     errs = []
-    for flag, value, low in (("--batches", args.batches, 1), ("--calib-batches", args.calib_batches, 0),
-                             ("--batch-size", args.batch_size, 1), ("--seq-len", args.seq_len, 2),
-                             ("--loops", args.loops, 1)):
+    for flag, value, low in (
+        ("--batches", args.batches, 1),
+        ("--calib-batches", args.calib_batches, 0),
+        ("--batch-size", args.batch_size, 1),
+        ("--seq-len", args.seq_len, 2),
+        ("--loops", args.loops, 1),
+    ):
         if value is not None and value < low:
-            errs.append(f"{flag}: must be >= {low}, got {value}" + (" (leave it out for the trained K)" if flag == "--loops" else ""))
+            errs.append(
+                f"{flag}: must be >= {low}, got {value}"
+                + (" (leave it out for the trained K)" if flag == "--loops" else "")
+            )
     from ..eval.cli_checks import device_errors
 
     errs += device_errors("--device", args.device)
@@ -73,7 +80,9 @@ def _check_args(args, selected) -> None:
             errs.append(f"--option {key}: set by the command line itself (use {CLI_OPTIONS[key]})")
         elif key not in known:
             names = ", ".join(a.name for a in selected)
-            errs.append(f"--option {key}: not read by {names}{_suggest(key, known)}; they read: {', '.join(known) or 'no options'}")
+            errs.append(
+                f"--option {key}: not read by {names}{_suggest(key, known)}; they read: {', '.join(known) or 'no options'}"
+            )
     if errs:
         raise ConfigError(errs, "analyze arguments")
 
@@ -94,9 +103,13 @@ def cmd_analyze(args) -> int:
         from ..dataclass_util import _suggest
 
         hints = "".join(_suggest(m, sorted(analyses)) for m in unknown)
-        raise ValueError(f"--metrics: unknown analysis {unknown or names}{hints}; known: {sorted(analyses)} (or 'list')")
+        raise ValueError(
+            f"--metrics: unknown analysis {unknown or names}{hints}; known: {sorted(analyses)} (or 'list')"
+        )
     if (args.checkpoint is None) == (args.model is None):
-        raise ValueError("give a CHECKPOINT (a checkpoint or run directory) or --model PRESET (random weights), not both")
+        raise ValueError(
+            "give a CHECKPOINT (a checkpoint or run directory) or --model PRESET (random weights), not both"
+        )
     _check_args(args, [analyses[n] for n in names])
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -115,15 +128,27 @@ def cmd_analyze(args) -> int:
         source = f"preset {args.model} (random weights)"
     seq_len = min(args.seq_len, model.config.max_seq_len)
     batches = token_batches(tok, args.data, seq_len, args.batch_size, args.batches + args.calib_batches)
-    options = {"loops": args.loops or model.config.n_loops, "calibration_batches": batches[args.batches :], **_parse_options(args.option)}
+    options = {
+        "loops": args.loops or model.config.n_loops,
+        "calibration_batches": batches[args.batches :],
+        **_parse_options(args.option),
+    }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in names:
         a = analyses[name]
         t0 = time.perf_counter()
         result = a.fn(model, batches[: args.batches], dict(options))
-        result = {"analysis": name, "source": source, "data": args.data, "batches": args.batches,
-                  "batch_size": args.batch_size, "seq_len": seq_len, "time_s": time.perf_counter() - t0, **result}
+        result = {
+            "analysis": name,
+            "source": source,
+            "data": args.data,
+            "batches": args.batches,
+            "batch_size": args.batch_size,
+            "seq_len": seq_len,
+            "time_s": time.perf_counter() - t0,
+            **result,
+        }
         path = out_dir / f"{name}.json"
         path.write_text(json.dumps(result, indent=2))
         figs = a.plot(result, out_dir) if a.plot is not None else []
@@ -149,17 +174,23 @@ def _summary(r: dict) -> str:
 def register(subparsers) -> None:
     """Add ``analyze`` to the ``looplm`` command line."""
     p = subparsers.add_parser("analyze", help="run analyses (state interventions, trajectory metrics) on a checkpoint")
-    p.add_argument("checkpoint", nargs="?", help="checkpoint directory, or a run directory (newest complete checkpoint)")
+    p.add_argument(
+        "checkpoint", nargs="?", help="checkpoint directory, or a run directory (newest complete checkpoint)"
+    )
     p.add_argument("--model", default=None, help="a preset with random weights instead of a checkpoint (smoke runs)")
     p.add_argument("--metrics", required=True, help="comma-separated analyses, or 'list' to list them")
     p.add_argument("--loops", type=int, default=None, help="loop count r (default: the trained K)")
     p.add_argument("--out", default="analysis", help="output directory for JSON and PNG files")
-    p.add_argument("--data", default="stdlib", help="'stdlib' (held-out documents) or a text/jsonl/parquet file, glob or directory")
+    p.add_argument(
+        "--data", default="stdlib", help="'stdlib' (held-out documents) or a text/jsonl/parquet file, glob or directory"
+    )
     p.add_argument("--batches", type=int, default=4, help="evaluation batches")
     p.add_argument("--calib-batches", type=int, default=4, help="further batches for calibration (a separate sample)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=256)
-    p.add_argument("--option", action="append", default=[], metavar="KEY=VALUE", help="extra option for the analyses (repeatable)")
+    p.add_argument(
+        "--option", action="append", default=[], metavar="KEY=VALUE", help="extra option for the analyses (repeatable)"
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights with --model")
     p.set_defaults(func=cmd_analyze)

@@ -121,7 +121,9 @@ def channel_stats(model, batches: list[torch.Tensor], loops: int) -> dict[int, t
     return stats
 
 
-def calibrate(S: torch.Tensor, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor], eps: float = EPS):
+def calibrate(
+    S: torch.Tensor, src: tuple[torch.Tensor, torch.Tensor], dst: tuple[torch.Tensor, torch.Tensor], eps: float = EPS
+):
     """Eq. 15: ``σ_j / (σ_i + ε) · (S − μ_i) + μ_j`` per channel, the same for every token."""
     (mu_i, sd_i), (mu_j, sd_j) = src, dst
     return (sd_j / (sd_i + eps)) * (S - mu_i) + mu_j
@@ -160,7 +162,10 @@ def read_masking(model, batches: list[torch.Tensor], loops: int) -> dict:
         "kinds": ["feedback"] * (r - 1) + ["terminal"],
         "baseline_nll": base,
         "baseline_ppl": _ppl(base),
-        "subset_nll_increase": {"".join("1" if i in M else "0" for i in range(r)): v for M, v in sorted(cache.items(), key=lambda kv: sorted(kv[0]))},
+        "subset_nll_increase": {
+            "".join("1" if i in M else "0" for i in range(r)): v
+            for M, v in sorted(cache.items(), key=lambda kv: sorted(kv[0]))
+        },
         "all_masked_nll_increase": cache.get(frozenset(range(r)), 0.0),
         "shapley": phi,
         "shares": shares,
@@ -169,7 +174,9 @@ def read_masking(model, batches: list[torch.Tensor], loops: int) -> dict:
     }
 
 
-def replace_and_freeze(model, batches: list[torch.Tensor], calibration: list[torch.Tensor], loops: int, eps: float = EPS) -> dict:
+def replace_and_freeze(
+    model, batches: list[torch.Tensor], calibration: list[torch.Tensor], loops: int, eps: float = EPS
+) -> dict:
     """Calibrated single replacement and freezing at every source boundary (Fig. 4b, eq. 15)."""
     _require(model, "state_hook", "state-replace-freeze")
     r = loops
@@ -206,7 +213,15 @@ def replace_and_freeze(model, batches: list[torch.Tensor], calibration: list[tor
         nll = mean_nll(model, batches, r, {"state_hook": replace_hook(i)})
         replace.append({"source": i, "target": i + 1, "nll": nll, "ppl": _ppl(nll), "nll_increase": nll - base})
         nll = mean_nll(model, batches, r, {"state_hook": freeze_hook(i)})
-        freeze.append({"source": i, "targets": [j for j in bounds if j > i], "nll": nll, "ppl": _ppl(nll), "nll_increase": nll - base})
+        freeze.append(
+            {
+                "source": i,
+                "targets": [j for j in bounds if j > i],
+                "nll": nll,
+                "ppl": _ppl(nll),
+                "nll_increase": nll - base,
+            }
+        )
     return {
         "loops": r,
         "epsilon": eps,
@@ -216,7 +231,10 @@ def replace_and_freeze(model, batches: list[torch.Tensor], calibration: list[tor
         "baseline_ppl": _ppl(base),
         "replace": replace,
         "freeze": freeze,
-        "calibration_stats": {str(j): {"mean_abs_mu": float(mu.abs().mean()), "mean_sigma": float(sd.mean())} for j, (mu, sd) in stats.items()},
+        "calibration_stats": {
+            str(j): {"mean_abs_mu": float(mu.abs().mean()), "mean_sigma": float(sd.mean())}
+            for j, (mu, sd) in stats.items()
+        },
     }
 
 
@@ -241,7 +259,10 @@ def _plot_shapley(result: dict, out_dir) -> list:
     for b, s in zip(bars, shares):
         ax.annotate(f"{s:.1f}%", (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("Shapley share of NLL increase (%)")
-    ax.set_title(f"State reads (K = {result['loops']}): feedback {100 * result['feedback_share']:.1f}%, terminal {100 * result['terminal_share']:.1f}%", fontsize=9)
+    ax.set_title(
+        f"State reads (K = {result['loops']}): feedback {100 * result['feedback_share']:.1f}%, terminal {100 * result['terminal_share']:.1f}%",
+        fontsize=9,
+    )
     ax.axhline(0, color="black", lw=0.5)
     fig.tight_layout()
     fig.savefig(out, dpi=150)
@@ -260,7 +281,12 @@ def _plot_replace_freeze(result: dict, out_dir) -> list:
     out = Path(out_dir) / "state-replace-freeze.png"
     fig, ax = plt.subplots(figsize=(4.6, 3.2))
     xs = [e["source"] for e in result["replace"]]
-    ax.plot(xs, [e["ppl"] for e in result["replace"]], "o-", label=r"single replacement $S^{i+1} \leftarrow \hat S^{i\to i+1}$")
+    ax.plot(
+        xs,
+        [e["ppl"] for e in result["replace"]],
+        "o-",
+        label=r"single replacement $S^{i+1} \leftarrow \hat S^{i\to i+1}$",
+    )
     ax.plot(xs, [e["ppl"] for e in result["freeze"]], "s-", label=r"frozen $S^i$ at all $j > i$")
     ax.axhline(result["baseline_ppl"], ls="--", color="gray", label="unmodified")
     ax.set_xlabel("source boundary i")
@@ -273,15 +299,21 @@ def _plot_replace_freeze(result: dict, out_dir) -> list:
     return [out]
 
 
-@register_analysis("state-shapley", plot=_plot_shapley, help="StateLoop read masking: exact Shapley shares of the K state reads (Fig. 4a)")
+@register_analysis(
+    "state-shapley",
+    plot=_plot_shapley,
+    help="StateLoop read masking: exact Shapley shares of the K state reads (Fig. 4a)",
+)
 def state_shapley(model, batches, options) -> dict:
     return read_masking(model, list(batches), _loops(model, options))
 
 
 @register_analysis(
-    "state-replace-freeze", plot=_plot_replace_freeze,
-    help="StateLoop calibrated single replacement and freezing of states (eq. 15, Fig. 4b)", options=("epsilon",),
-)  # fmt: skip
+    "state-replace-freeze",
+    plot=_plot_replace_freeze,
+    help="StateLoop calibrated single replacement and freezing of states (eq. 15, Fig. 4b)",
+    options=("epsilon",),
+)
 def state_replace_freeze(model, batches, options) -> dict:
     """``options['calibration_batches']``: the separate calibration sample (default: the first half of
     ``batches`` calibrates and the second half is evaluated)."""
@@ -289,7 +321,9 @@ def state_replace_freeze(model, batches, options) -> dict:
     calib = options.get("calibration_batches")
     if not calib:
         if len(batches) < 2:
-            raise ValueError("state-replace-freeze needs a separate calibration sample: give calibration_batches or at least 2 batches")
+            raise ValueError(
+                "state-replace-freeze needs a separate calibration sample: give calibration_batches or at least 2 batches"
+            )
         half = len(batches) // 2
         calib, batches = batches[:half], batches[half:]
     return replace_and_freeze(model, batches, list(calib), _loops(model, options), float(options.get("epsilon", EPS)))

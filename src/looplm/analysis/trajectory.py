@@ -122,7 +122,11 @@ class _RecordingRule(RecurrenceRule):
     def __init__(self, inner: RecurrenceRule, sink):
         super().__init__(None)
         self.inner, self.sink = inner, sink
-        self.rope_dims, self.lm_loss_weight, self.loop_options = inner.rope_dims, inner.lm_loss_weight, inner.loop_options
+        self.rope_dims, self.lm_loss_weight, self.loop_options = (
+            inner.rope_dims,
+            inner.lm_loss_weight,
+            inner.loop_options,
+        )
         self.rule_name = inner.rule_name
 
     @staticmethod
@@ -217,7 +221,9 @@ class _Sums:
 
 
 @torch.no_grad()
-def record_trajectory(model, batches: list[torch.Tensor], loops: int | None = None, loop_options: dict | None = None) -> dict:
+def record_trajectory(
+    model, batches: list[torch.Tensor], loops: int | None = None, loop_options: dict | None = None
+) -> dict:
     """Block- and loop-level angles, relative update norms and variances of ``model`` at ``r = loops``
     over ``batches`` (``[B, T]`` token ids). Returns plain lists (JSON-ready); see the module docstring."""
     cfg = model.config
@@ -295,7 +301,9 @@ def skip_response(model, batches: list[torch.Tensor], loops: int, loop_options: 
     cfg = model.config
     p, s, K, L = cfg.n_prelude, cfg.n_core, cfg.n_loops, loops
     if L <= K:
-        raise ValueError(f"the skip response uses pairs beyond the {K} training loops: run it with loops > {K} (got {L})")
+        raise ValueError(
+            f"the skip response uses pairs beyond the {K} training loops: run it with loops > {K} (got {L})"
+        )
     first = K * s  # running core index of the first occurrence beyond the training loops
     n_occ = (L - K) * s
     was_training = model.training
@@ -390,8 +398,12 @@ def _plot_angles(res, out_dir):
     return _plot("angular-distance", draw, out_dir)
 
 
-@register_analysis("angular-distance", plot=_plot_angles,
-                   help="normalised angular distance per block (effective depth) and per loop", options=("grid",))
+@register_analysis(
+    "angular-distance",
+    plot=_plot_angles,
+    help="normalised angular distance per block (effective depth) and per loop",
+    options=("grid",),
+)
 def analyze_angular_distance(model, batches, options) -> dict:
     loops, lopts = _options(options)
     tr = record_trajectory(model, batches, loops, lopts)
@@ -409,8 +421,12 @@ def _plot_update(res, out_dir):
     return _plot("update-norm", draw, out_dir)
 
 
-@register_analysis("update-norm", plot=_plot_update,
-                   help="relative update norm per loop and per block (means of per-sequence ratios)", options=("grid",))
+@register_analysis(
+    "update-norm",
+    plot=_plot_update,
+    help="relative update norm per loop and per block (means of per-sequence ratios)",
+    options=("grid",),
+)
 def analyze_update_norm(model, batches, options) -> dict:
     loops, lopts = _options(options)
     tr = record_trajectory(model, batches, loops, lopts)
@@ -438,13 +454,25 @@ def _plot_variance(res, out_dir):
     return _plot("state-variance", draw, out_dir)
 
 
-@register_analysis("state-variance", plot=_plot_variance,
-                   help="within-token feature variance, normalised at L_tr, and amplification factors", options=("grid",))
+@register_analysis(
+    "state-variance",
+    plot=_plot_variance,
+    help="within-token feature variance, normalised at L_tr, and amplification factors",
+    options=("grid",),
+)
 def analyze_state_variance(model, batches, options) -> dict:
     loops, lopts = _options(options)
     tr = record_trajectory(model, batches, loops, lopts)
-    keep = ("layout", "state_variance", "state_variance_normalised", "input_variance", "core_output_variance",
-            "block_variance_in", "block_variance_out", "amplification")
+    keep = (
+        "layout",
+        "state_variance",
+        "state_variance_normalised",
+        "input_variance",
+        "core_output_variance",
+        "block_variance_in",
+        "block_variance_out",
+        "amplification",
+    )
     return {k: tr[k] for k in keep}
 
 
@@ -452,15 +480,23 @@ def _plot_skip(res, out_dir):
     def draw(plt):
         fig, ax = plt.subplots(figsize=(5, 3.6))
         ax.plot(res["lags"], [max(c, 1e-12) for c in res["C_by_lag"]], marker="o")
-        ax.set(xlabel="loop lag d", ylabel="skip response C(d)", yscale="log",
-               title=f"L = {res['layout']['L']} (D = {res['layout']['effective_depth']})")
+        ax.set(
+            xlabel="loop lag d",
+            ylabel="skip response C(d)",
+            yscale="log",
+            title=f"L = {res['layout']['L']} (D = {res['layout']['effective_depth']})",
+        )
         return fig, ax
 
     return _plot("skip-response", draw, out_dir)
 
 
-@register_analysis("skip-response", plot=_plot_skip, help="skip response C(d) over loop lags beyond the training loops, and C_D",
-                   options=("grid", "lags"))
+@register_analysis(
+    "skip-response",
+    plot=_plot_skip,
+    help="skip response C(d) over loop lags beyond the training loops, and C_D",
+    options=("grid", "lags"),
+)
 def analyze_skip_response(model, batches, options) -> dict:
     loops, lopts = _options(options)
     K = model.config.n_loops

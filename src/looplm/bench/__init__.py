@@ -21,7 +21,10 @@ __all__ = ["DECODE_MODELS", "build_decode_models", "cpu_description", "decode_la
 
 def register(subparsers) -> None:
     """Add ``looplm bench`` (``decode``, ``adaptive``) to the ``looplm`` command line."""
-    p = subparsers.add_parser("bench", help="benchmarks (decode: the StateLoop decoding-latency study, Tab. 3; adaptive: per-token exit and self-speculative decoding; serve: the server under load)")
+    p = subparsers.add_parser(
+        "bench",
+        help="benchmarks (decode: the StateLoop decoding-latency study, Tab. 3; adaptive: per-token exit and self-speculative decoding; serve: the server under load)",
+    )
     sub = p.add_subparsers(dest="bench_command", required=True)
     _register_decode(sub)
     from .adaptive import register as register_adaptive

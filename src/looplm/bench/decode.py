@@ -60,8 +60,15 @@ def cpu_description() -> str:
 def _overrides(name: str, d: int, layers: int, vocab: int, max_len: int) -> dict:
     from ..config import preset_dict, swiglu_hidden
 
-    ov = {"d_model": d, "n_core": layers, "vocab_size": vocab, "max_seq_len": max_len, "d_ff": swiglu_hidden(d),
-          "attention.n_heads": max(1, d // 64), "attention.head_dim": 64 if d >= 64 else d}
+    ov = {
+        "d_model": d,
+        "n_core": layers,
+        "vocab_size": vocab,
+        "max_seq_len": max_len,
+        "d_ff": swiglu_hidden(d),
+        "attention.n_heads": max(1, d // 64),
+        "attention.head_dim": 64 if d >= 64 else d,
+    }
     rule = preset_dict(name).get("rule")
     if rule and rule.get("name") == "stateloop":
         opts = {**rule.get("options", {}), "d_s": d}
@@ -74,8 +81,17 @@ def _overrides(name: str, d: int, layers: int, vocab: int, max_len: int) -> dict
     return ov
 
 
-def build_decode_models(names, *, d_model: int = 512, layers: int = 8, vocab: int = 8192, max_len: int = 2048,
-                        device="cpu", dtype=None, seed: int = 0) -> dict:
+def build_decode_models(
+    names,
+    *,
+    d_model: int = 512,
+    layers: int = 8,
+    vocab: int = 8192,
+    max_len: int = 2048,
+    device="cpu",
+    dtype=None,
+    seed: int = 0,
+) -> dict:
     """``{key: model}`` of the Tab. 3 rows ``names`` (keys of :data:`DECODE_MODELS`) at the given size."""
     import torch
 
@@ -92,10 +108,16 @@ def build_decode_models(names, *, d_model: int = 512, layers: int = 8, vocab: in
         if key not in DECODE_MODELS:
             raise ValueError(f"unknown model {key!r}; choose from {list(DECODE_MODELS)}")
         if key == "vanilla-ffn":  # widen the FFN to the parameter count of StateLoop + Mamba-2 at this size
-            target = build(DECODE_MODELS["stateloop-mamba2"][1], device="meta",
-                           overrides=_overrides(DECODE_MODELS["stateloop-mamba2"][1], d_model, layers, vocab, max_len)).num_params()
-            base = build(DECODE_MODELS["vanilla-k4"][1], device="meta",
-                         overrides=_overrides(DECODE_MODELS["vanilla-k4"][1], d_model, layers, vocab, max_len))
+            target = build(
+                DECODE_MODELS["stateloop-mamba2"][1],
+                device="meta",
+                overrides=_overrides(DECODE_MODELS["stateloop-mamba2"][1], d_model, layers, vocab, max_len),
+            ).num_params()
+            base = build(
+                DECODE_MODELS["vanilla-k4"][1],
+                device="meta",
+                overrides=_overrides(DECODE_MODELS["vanilla-k4"][1], d_model, layers, vocab, max_len),
+            )
             extra_ff = round((target - base.num_params()) / (3 * d_model * layers))
             models[key] = make(key, {"d_ff": base.config.d_ff + extra_ff})
         else:
@@ -103,8 +125,18 @@ def build_decode_models(names, *, d_model: int = 512, layers: int = 8, vocab: in
     return models
 
 
-def decode_latency(models: dict, *, prefill: int = 256, new_tokens: int = 128, runs: int = 5, warmup: int = 1,
-                   seed: int = 0, progress=None, clock: str = "wall", lean: bool = False) -> list[dict]:
+def decode_latency(
+    models: dict,
+    *,
+    prefill: int = 256,
+    new_tokens: int = 128,
+    runs: int = 5,
+    warmup: int = 1,
+    seed: int = 0,
+    progress=None,
+    clock: str = "wall",
+    lean: bool = False,
+) -> list[dict]:
     """Tab. 3 protocol on ``{key: model}``; one dict per model (the first key is the baseline).
 
     Each run prefills every model with the same random prompt (fresh caches), then decodes the
@@ -177,23 +209,57 @@ def decode_latency(models: dict, *, prefill: int = 256, new_tokens: int = 128, r
         t = times[k]
         mean = statistics.mean(t)
         m = models[k]
-        rows.append({
-            "model": DECODE_MODELS.get(k, (k,))[0], "key": k, "loops": m.config.n_loops, "params": m.num_params(),
-            "ms_per_token": mean, "ms_per_token_std": statistics.stdev(t) if len(t) > 1 else 0.0,
-            "ms_per_token_median": statistics.median(t), "tokens_per_s": 1000 / mean,
-            "change_pct": 100 * (mean / base - 1), "change_pct_median": 100 * (statistics.median(t) / base_med - 1),
-            "step_median_ms": statistics.median(steps[k]),
-            "change_pct_step_median": 100 * (statistics.median(steps[k]) / base_step - 1),
-            "prefill_ms": statistics.mean(prefills[k]), "runs": t, "clock": clock, "path": "lean" if lean else "reference",
-        })  # fmt: skip
+        rows.append(
+            {
+                "model": DECODE_MODELS.get(k, (k,))[0],
+                "key": k,
+                "loops": m.config.n_loops,
+                "params": m.num_params(),
+                "ms_per_token": mean,
+                "ms_per_token_std": statistics.stdev(t) if len(t) > 1 else 0.0,
+                "ms_per_token_median": statistics.median(t),
+                "tokens_per_s": 1000 / mean,
+                "change_pct": 100 * (mean / base - 1),
+                "change_pct_median": 100 * (statistics.median(t) / base_med - 1),
+                "step_median_ms": statistics.median(steps[k]),
+                "change_pct_step_median": 100 * (statistics.median(steps[k]) / base_step - 1),
+                "prefill_ms": statistics.mean(prefills[k]),
+                "runs": t,
+                "clock": clock,
+                "path": "lean" if lean else "reference",
+            }
+        )
     return rows
 
 
 def _child_argv(args) -> list[str]:
     """The ``looplm bench decode`` command line of ``args`` (for the re-run in a child process)."""
-    argv = ["bench", "decode", "--d-model", str(args.d_model), "--layers", str(args.layers), "--vocab", str(args.vocab),
-            "--prefill", str(args.prefill), "--new", str(args.new), "--runs", str(args.runs), "--models", args.models,
-            "--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads), "--clock", args.clock]
+    argv = [
+        "bench",
+        "decode",
+        "--d-model",
+        str(args.d_model),
+        "--layers",
+        str(args.layers),
+        "--vocab",
+        str(args.vocab),
+        "--prefill",
+        str(args.prefill),
+        "--new",
+        str(args.new),
+        "--runs",
+        str(args.runs),
+        "--models",
+        args.models,
+        "--dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--threads",
+        str(args.threads),
+        "--clock",
+        args.clock,
+    ]
     return argv + (["--json"] if args.json else []) + (["--lean"] if args.lean else [])
 
 
@@ -203,9 +269,18 @@ def _check_bench_args(args) -> None:
 
     from ..dataclass_util import ConfigError
 
-    errs = [f"{flag}: must be >= 1, got {v}" for flag, v in (
-        ("--prefill", args.prefill), ("--new", args.new), ("--runs", args.runs), ("--d-model", args.d_model),
-        ("--layers", args.layers), ("--vocab", args.vocab)) if v < 1]  # fmt: skip
+    errs = [
+        f"{flag}: must be >= 1, got {v}"
+        for flag, v in (
+            ("--prefill", args.prefill),
+            ("--new", args.new),
+            ("--runs", args.runs),
+            ("--d-model", args.d_model),
+            ("--layers", args.layers),
+            ("--vocab", args.vocab),
+        )
+        if v < 1
+    ]
     if args.threads < 0:
         errs.append(f"--threads: must be >= 1, or 0 for torch's default, got {args.threads}")
     if args.device != "auto":
@@ -223,8 +298,11 @@ def _check_bench_args(args) -> None:
         elif dev is not None and dev.type != "cpu":
             errs.append(f"--device {args.device}: only cpu and cuda devices are supported")
     names = list(DECODE_MODELS) if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
-    errs += [f"--models: unknown model {n!r}; choose from {', '.join(DECODE_MODELS)} (or all)"
-             for n in names if n not in DECODE_MODELS]
+    errs += [
+        f"--models: unknown model {n!r}; choose from {', '.join(DECODE_MODELS)} (or all)"
+        for n in names
+        if n not in DECODE_MODELS
+    ]
     if not names:
         errs.append(f"--models: no model given; choose from {', '.join(DECODE_MODELS)} (or all)")
     if errs:
@@ -240,11 +318,18 @@ def cmd_bench_decode(args) -> int:
 
     _check_bench_args(args)  # before the child process is started or a model is built
     on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
-    if on_cpu and sys.platform.startswith("linux") and "THP_MEM_ALLOC_ENABLE" not in os.environ and not args.same_process:
+    if (
+        on_cpu
+        and sys.platform.startswith("linux")
+        and "THP_MEM_ALLOC_ENABLE" not in os.environ
+        and not args.same_process
+    ):
         # PyTorch reads THP_MEM_ALLOC_ENABLE once, at its first allocation: re-run in a child process with it set
         # (large tensors 2 MB-aligned on transparent huge pages; see the module docstring)
         env = {**os.environ, "THP_MEM_ALLOC_ENABLE": "1"}
-        child = subprocess.run([sys.executable, "-m", "looplm.cli", *_child_argv(args)], env=env, capture_output=True, text=True)
+        child = subprocess.run(
+            [sys.executable, "-m", "looplm.cli", *_child_argv(args)], env=env, capture_output=True, text=True
+        )
         print(child.stdout, end="")
         print(child.stderr, end="", file=sys.stderr)
         return child.returncode
@@ -255,48 +340,85 @@ def cmd_bench_decode(args) -> int:
     names = list(DECODE_MODELS) if args.models == "all" else [m.strip() for m in args.models.split(",") if m.strip()]
     if names[0] != "vanilla-k4":
         names = ["vanilla-k4"] + [n for n in names if n != "vanilla-k4"]  # the baseline is always measured
-    models = build_decode_models(names, d_model=args.d_model, layers=args.layers, vocab=args.vocab,
-                                 max_len=args.prefill + args.new + 1, device=device, dtype=dtype)
+    models = build_decode_models(
+        names,
+        d_model=args.d_model,
+        layers=args.layers,
+        vocab=args.vocab,
+        max_len=args.prefill + args.new + 1,
+        device=device,
+        dtype=dtype,
+    )
     where = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else cpu_description()
     if not args.json:
-        print(f"decode latency: batch 1, prefill {args.prefill}, {args.new} new tokens, {args.runs} runs, {args.dtype}, "
-              f"d={args.d_model} x {args.layers} layers, vocab {args.vocab}, {torch.get_num_threads()} threads, "
-              f"{args.clock} clock, {'lean' if args.lean else 'reference'} path; {where}")
+        print(
+            f"decode latency: batch 1, prefill {args.prefill}, {args.new} new tokens, {args.runs} runs, {args.dtype}, "
+            f"d={args.d_model} x {args.layers} layers, vocab {args.vocab}, {torch.get_num_threads()} threads, "
+            f"{args.clock} clock, {'lean' if args.lean else 'reference'} path; {where}"
+        )
     progress = None if args.json else (lambda i, n: print(f"  run {i}/{n} done", flush=True))
-    rows = decode_latency(models, prefill=args.prefill, new_tokens=args.new, runs=args.runs, progress=progress, clock=args.clock,
-                          lean=args.lean)
+    rows = decode_latency(
+        models,
+        prefill=args.prefill,
+        new_tokens=args.new,
+        runs=args.runs,
+        progress=progress,
+        clock=args.clock,
+        lean=args.lean,
+    )
     for r in rows:
         r["device"] = where
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'model':22s} {'K':>2s} {'params':>11s} {'ms/token':>17s} {'tok/s':>8s} {'change':>9s} {'step median':>17s}")
+    print(
+        f"{'model':22s} {'K':>2s} {'params':>11s} {'ms/token':>17s} {'tok/s':>8s} {'change':>9s} {'step median':>17s}"
+    )
     for r in rows:
         change = "baseline" if r["key"] == rows[0]["key"] else f"{r['change_pct']:+.2f}%"
-        print(f"{r['model']:22s} {r['loops']:2d} {r['params']:11,d} {r['ms_per_token']:8.3f} ± {r['ms_per_token_std']:6.3f} "
-              f"{r['tokens_per_s']:8.2f} {change:>9s} {r['step_median_ms']:8.3f} {r['change_pct_step_median']:+7.2f}%")
+        print(
+            f"{r['model']:22s} {r['loops']:2d} {r['params']:11,d} {r['ms_per_token']:8.3f} ± {r['ms_per_token_std']:6.3f} "
+            f"{r['tokens_per_s']:8.2f} {change:>9s} {r['step_median_ms']:8.3f} {r['change_pct_step_median']:+7.2f}%"
+        )
     return 0
 
 
 def register(sub) -> None:
     """``bench decode`` under ``looplm bench`` (called by :func:`looplm.bench.register`)."""
-    d = sub.add_parser("decode", help="batch-1 decoding latency of Vanilla Looped K=4/5, +FFN and StateLoop (identity / attention / Mamba-2)")
+    d = sub.add_parser(
+        "decode",
+        help="batch-1 decoding latency of Vanilla Looped K=4/5, +FFN and StateLoop (identity / attention / Mamba-2)",
+    )
     d.add_argument("--d-model", type=int, default=512)
     d.add_argument("--layers", type=int, default=8)
     d.add_argument("--vocab", type=int, default=8192)
     d.add_argument("--prefill", type=int, default=256, help="prompt tokens P (the paper: 1024)")
     d.add_argument("--new", type=int, default=128, help="continuation tokens N (the paper: 1024)")
     d.add_argument("--runs", type=int, default=5)
-    d.add_argument("--models", default="all", help=f"comma-separated subset of {','.join(DECODE_MODELS)} (vanilla-k4 is always the baseline)")
+    d.add_argument(
+        "--models",
+        default="all",
+        help=f"comma-separated subset of {','.join(DECODE_MODELS)} (vanilla-k4 is always the baseline)",
+    )
     d.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     d.add_argument("--device", default="auto")
     d.add_argument("--threads", type=int, default=0, help="torch CPU threads (0 = torch's default)")
-    d.add_argument("--clock", choices=["wall", "cpu"], default="wall",
-                   help="wall = latency (the paper); cpu = process CPU time (an overloaded shared CPU; use with --threads 1)")
-    d.add_argument("--lean", action="store_true",
-                   help="decode as generate does (preallocated KV, decode kernels, fused blocks and state mixers); "
-                        "default: the reference forward with growing caches for every model")
+    d.add_argument(
+        "--clock",
+        choices=["wall", "cpu"],
+        default="wall",
+        help="wall = latency (the paper); cpu = process CPU time (an overloaded shared CPU; use with --threads 1)",
+    )
+    d.add_argument(
+        "--lean",
+        action="store_true",
+        help="decode as generate does (preallocated KV, decode kernels, fused blocks and state mixers); "
+        "default: the reference forward with growing caches for every model",
+    )
     d.add_argument("--json", action="store_true", help="print a JSON list, one object per model")
-    d.add_argument("--same-process", action="store_true",
-                   help="on a Linux CPU, do not re-run in a child process with THP_MEM_ALLOC_ENABLE=1")
+    d.add_argument(
+        "--same-process",
+        action="store_true",
+        help="on a Linux CPU, do not re-run in a child process with THP_MEM_ALLOC_ENABLE=1",
+    )
     d.set_defaults(func=cmd_bench_decode)

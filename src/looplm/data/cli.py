@@ -24,15 +24,30 @@ from .tokenizers import load_tokenizer, train_bpe
 
 
 def _add_input_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("inputs", nargs="*", metavar="INPUTS",
-                   help="files, globs, directories (.txt/.md/.jsonl/.parquet) or one 'hf:org/name'")
-    p.add_argument("--stdlib", action="store_true",
-                   help="use the built-in corpus of Python standard-library docstrings instead of INPUTS")
+    p.add_argument(
+        "inputs",
+        nargs="*",
+        metavar="INPUTS",
+        help="files, globs, directories (.txt/.md/.jsonl/.parquet) or one 'hf:org/name'",
+    )
+    p.add_argument(
+        "--stdlib",
+        action="store_true",
+        help="use the built-in corpus of Python standard-library docstrings instead of INPUTS",
+    )
     p.add_argument("--text-field", default="text", help="jsonl field / parquet column with the text (default: text)")
-    p.add_argument("--missing-text", default="error", choices=["error", "skip"],
-                   help="rows without the text field: stop with an error (default) or skip them with a warning")
-    p.add_argument("--split-mode", default="document", choices=["document", "blank_lines", "lines"],
-                   help=".txt files: one document per file (default), per blank-line paragraph, or per line")
+    p.add_argument(
+        "--missing-text",
+        default="error",
+        choices=["error", "skip"],
+        help="rows without the text field: stop with an error (default) or skip them with a warning",
+    )
+    p.add_argument(
+        "--split-mode",
+        default="document",
+        choices=["document", "blank_lines", "lines"],
+        help=".txt files: one document per file (default), per blank-line paragraph, or per line",
+    )
     p.add_argument("--max-docs", type=int, default=None, help="read at most this many documents")
 
 
@@ -42,21 +57,30 @@ def register(subparsers) -> None:
     data_sub = data.add_subparsers(dest="data_command", metavar="{prepare}")
     data_sub.required = True
     prep = data_sub.add_parser(
-        "prepare", help="tokenize documents once into memmap shards (for data.source: memmap)",
+        "prepare",
+        help="tokenize documents once into memmap shards (for data.source: memmap)",
         description="Tokenize documents (no BOS, EOS after each) into tokens-*.bin shards + meta.json. "
-                    "The train split is shuffled with the document buffer; every --val-every-nth "
-                    "document goes to val-*.bin.",
+        "The train split is shuffled with the document buffer; every --val-every-nth "
+        "document goes to val-*.bin.",
     )
     _add_input_args(prep)
     prep.add_argument("--tokenizer", default="byte", help="'byte', a tokenizer.json, a tokenizer dir or hub name")
     prep.add_argument("--out", required=True, help="output directory")
-    prep.add_argument("--seq-len", type=int, default=None,
-                      help="report how many windows of this length the data gives (recorded in meta.json)")
+    prep.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="report how many windows of this length the data gives (recorded in meta.json)",
+    )
     prep.add_argument("--shard-tokens", type=int, default=1 << 28, help="tokens per shard file (default 2^28)")
     prep.add_argument("--shuffle-buffer", type=int, default=10000, help="documents in the shuffle buffer (0 = none)")
     prep.add_argument("--seed", type=int, default=42)
-    prep.add_argument("--val-every-nth", type=int, default=None,
-                      help="hold out every N-th document for validation (default 50; 0 = no val split)")
+    prep.add_argument(
+        "--val-every-nth",
+        type=int,
+        default=None,
+        help="hold out every N-th document for validation (default 50; 0 = no val split)",
+    )
     prep.add_argument("--overwrite", action="store_true", help="replace an existing prepared directory")
     prep.set_defaults(func=cmd_data_prepare)
 
@@ -64,9 +88,10 @@ def register(subparsers) -> None:
     tok_sub = tok.add_subparsers(dest="tokenizer_command", metavar="{train}")
     tok_sub.required = True
     train = tok_sub.add_parser(
-        "train", help="train a byte-level BPE tokenizer",
+        "train",
+        help="train a byte-level BPE tokenizer",
         description="Train a byte-level BPE (tokenizers library) and save tokenizer.json + "
-                    "looplm_tokenizer.json to --out. EOS is <|endoftext|>, pad is <|pad|>.",
+        "looplm_tokenizer.json to --out. EOS is <|endoftext|>, pad is <|pad|>.",
     )
     _add_input_args(train)
     train.add_argument("--vocab-size", type=int, required=True, help="total vocabulary (>= 258)")
@@ -86,8 +111,13 @@ def _data_config(args, **extra) -> DataConfig:
     from looplm.dataclass_util import from_dict
 
     d = {"source": "stdlib"} if args.stdlib else {"source": "files", "paths": list(args.inputs)}
-    d.update(text_field=args.text_field, missing_text=args.missing_text, split_mode=args.split_mode,
-             max_docs=args.max_docs, **extra)
+    d.update(
+        text_field=args.text_field,
+        missing_text=args.missing_text,
+        split_mode=args.split_mode,
+        max_docs=args.max_docs,
+        **extra,
+    )
     return from_dict(DataConfig, d, what="data options")
 
 
@@ -110,12 +140,15 @@ def cmd_data_prepare(args) -> int:
     try:
         cfg = _data_config(args, **extra)
         tok = load_tokenizer(cfg.tokenizer)
-        meta = prepare_memmap(cfg, tok, args.out, shard_tokens=args.shard_tokens, seq_len=args.seq_len,
-                              overwrite=args.overwrite)
+        meta = prepare_memmap(
+            cfg, tok, args.out, shard_tokens=args.shard_tokens, seq_len=args.seq_len, overwrite=args.overwrite
+        )
     except (ValueError, FileNotFoundError, FileExistsError, KeyError, ImportError) as e:
         raise SystemExit(f"error: {e}") from e
-    print(f"prepared {args.out} in {meta['seconds']:.1f}s  (tokenizer {tok.name}, vocab {tok.vocab_size}, "
-          f"dtype {meta['dtype']})")
+    print(
+        f"prepared {args.out} in {meta['seconds']:.1f}s  (tokenizer {tok.name}, vocab {tok.vocab_size}, "
+        f"dtype {meta['dtype']})"
+    )
     for split, info in meta["splits"].items():
         line = f"  {split:5s}: {info['docs']:,} docs, {info['tokens']:,} tokens in {len(info['files'])} shard(s)"
         if args.seq_len:

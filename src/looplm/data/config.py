@@ -48,7 +48,9 @@ class DataConfig:
     paths: list[str] = field(default_factory=list)  # files, globs, directories; or "hf:org/name"
     format: str = "auto"  # "auto" | "text" | "jsonl" | "parquet" | "memmap"
     text_field: str = "text"  # jsonl field / parquet column / hub dataset column holding the text
-    missing_text: str = "error"  # rows whose text_field is missing or null: "error" (count + first line) | "skip" (warn)
+    missing_text: str = (
+        "error"  # rows whose text_field is missing or null: "error" (count + first line) | "skip" (warn)
+    )
     split_mode: str = "document"  # .txt files: "document" (one file = one doc) | "blank_lines" | "lines"
     hf_name: str | None = None  # hub dataset, e.g. "HuggingFaceFW/fineweb-edu"
     hf_config: str | None = None  # hub dataset config ("name" argument of load_dataset)
@@ -133,10 +135,7 @@ class DataConfig:
                     " (1 would send every document to validation)"
                 )
             elif self.val_every_nth > 0 and (self.val_paths or self.val_first_n > 0):
-                errs.append(
-                    "val_every_nth: set only one validation rule "
-                    "(val_paths, val_first_n or val_every_nth)"
-                )
+                errs.append("val_every_nth: set only one validation rule (val_paths, val_first_n or val_every_nth)")
         if self.val_first_n < 0:
             errs.append(f"val_first_n: must be >= 0, got {self.val_first_n}")
         if self.val_first_n > 0 and self.val_paths:

@@ -66,8 +66,9 @@ def _check_meta(meta: dict, directory: Path, where: Path) -> None:
     ``meta.json`` can never make training read a file elsewhere on the machine."""
     fix = "re-run 'looplm data prepare --overwrite'"
     tok = meta.get("tokenizer")
-    if not isinstance(tok, dict) or not all(isinstance(tok.get(k), int) and not isinstance(tok.get(k), bool)
-                                            for k in ("vocab_size", "eos_id")):
+    if not isinstance(tok, dict) or not all(
+        isinstance(tok.get(k), int) and not isinstance(tok.get(k), bool) for k in ("vocab_size", "eos_id")
+    ):
         raise DataError(f"{where}: 'tokenizer' must record the integers vocab_size and eos_id, got {tok!r}; {fix}")
     if meta.get("dtype") not in ("uint16", "uint32"):
         raise DataError(f"{where}: 'dtype' must be 'uint16' or 'uint32', got {meta.get('dtype')!r}; {fix}")
@@ -84,12 +85,16 @@ def _check_meta(meta: dict, directory: Path, where: Path) -> None:
             if not isinstance(name, str) or not name:
                 raise DataError(f"{where}: {entry} is not a file name; {fix}")
             if Path(name).is_absolute():
-                raise DataError(f"{where}: {entry} is an absolute path: shards are read from inside {directory} only; {fix}")
+                raise DataError(
+                    f"{where}: {entry} is an absolute path: shards are read from inside {directory} only; {fix}"
+                )
             target = (directory / name).resolve()
             if not target.is_relative_to(root):
                 how = "a symbolic link" if ".." not in Path(name).parts else "a '..' path"
-                raise DataError(f"{where}: {entry} is {how} leading out of {directory} (to {target}): shards are read "
-                                f"from inside it only; {fix}")
+                raise DataError(
+                    f"{where}: {entry} is {how} leading out of {directory} (to {target}): shards are read "
+                    f"from inside it only; {fix}"
+                )
 
 
 class _TokenArray:
@@ -103,8 +108,10 @@ class _TokenArray:
                 raise FileNotFoundError(f"shard {f} listed in {META_NAME} is missing; re-run 'looplm data prepare'")
             size = f.stat().st_size
             if size % dtype.itemsize:
-                raise DataError(f"shard {f} listed in {META_NAME} has {size} bytes, not a whole number of {dtype.name} "
-                                "tokens (truncated?); re-run 'looplm data prepare --overwrite'")
+                raise DataError(
+                    f"shard {f} listed in {META_NAME} has {size} bytes, not a whole number of {dtype.name} "
+                    "tokens (truncated?); re-run 'looplm data prepare --overwrite'"
+                )
             if size:
                 self.parts.append(np.memmap(f, dtype=dtype.newbyteorder("<"), mode="r"))
         self.offsets = np.cumsum([0] + [len(p) for p in self.parts])
@@ -119,7 +126,7 @@ class _TokenArray:
             part = self.parts[k]
             lo = start + done - int(self.offsets[k])
             n = min(length - done, len(part) - lo)
-            out[done:done + n] = part[lo:lo + n]
+            out[done : done + n] = part[lo : lo + n]
             done += n
             k += 1
         return out
@@ -138,8 +145,17 @@ class MemmapStream(BatchStream):
         epochs: ``None`` = forever, ``1`` = one pass.
     """
 
-    def __init__(self, path: str | os.PathLike, seq_len: int, *, seed: int = 42, split: str = "train",
-                 tokenizer: Tokenizer | None = None, shuffle: bool = True, epochs: int | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        seq_len: int,
+        *,
+        seed: int = 42,
+        split: str = "train",
+        tokenizer: Tokenizer | None = None,
+        shuffle: bool = True,
+        epochs: int | None = None,
+    ):
         self.path = Path(path)
         self.meta = read_meta(self.path)
         if split not in self.meta["splits"]:
@@ -159,8 +175,12 @@ class MemmapStream(BatchStream):
                 "match or re-prepare"
             )
         if tokenizer is not None:  # directories prepared before fingerprints were recorded carry none
-            check_tokenizer_fingerprint(tokenizer, tmeta.get("fingerprint"), f"the memmap directory {str(self.path)!r}",
-                                        fix="re-prepare the directory with this tokenizer")
+            check_tokenizer_fingerprint(
+                tokenizer,
+                tmeta.get("fingerprint"),
+                f"the memmap directory {str(self.path)!r}",
+                fix="re-prepare the directory with this tokenizer",
+            )
         self.seq_len = int(seq_len)
         self.seed = int(seed)
         self.split = split
@@ -171,8 +191,7 @@ class MemmapStream(BatchStream):
         self.n_windows = self.tokens.size // self.seq_len
         if self.n_windows == 0:
             raise EmptyCorpusError(
-                f"{self.path} ({split}) has {self.tokens.size} tokens, fewer than one window of "
-                f"seq_len={self.seq_len}"
+                f"{self.path} ({split}) has {self.tokens.size} tokens, fewer than one window of seq_len={self.seq_len}"
             )
         self.epoch = 0
         self.position = 0  # windows consumed in this epoch
@@ -196,7 +215,7 @@ class MemmapStream(BatchStream):
                     break
                 epoch, pos = epoch + 1, 0
             take = min(n - len(windows), self.n_windows - pos)
-            windows.extend(self._order(epoch)[pos:pos + take].tolist())
+            windows.extend(self._order(epoch)[pos : pos + take].tolist())
             pos += take
         if len(windows) < n and (not windows or not allow_partial):
             raise StreamExhausted(
@@ -207,9 +226,17 @@ class MemmapStream(BatchStream):
         return torch.from_numpy(rows)
 
     def state_dict(self) -> dict:
-        return {"version": STATE_VERSION, "kind": "memmap", "split": self.split, "seq_len": self.seq_len,
-                "seed": self.seed, "shuffle": self.shuffle, "n_windows": self.n_windows,
-                "epoch": self.epoch, "position": self.position}
+        return {
+            "version": STATE_VERSION,
+            "kind": "memmap",
+            "split": self.split,
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "n_windows": self.n_windows,
+            "epoch": self.epoch,
+            "position": self.position,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("kind") != "memmap":

@@ -102,8 +102,12 @@ class ShuffleBuffer:
             yield self.pop()
 
     def state_dict(self) -> dict:
-        return {"size": self.size, "seed": self.seed, "items": list(self.items),
-                "rng": rng_state_to_json(self.rng.getstate())}
+        return {
+            "size": self.size,
+            "seed": self.seed,
+            "items": list(self.items),
+            "rng": rng_state_to_json(self.rng.getstate()),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if int(state["size"]) != self.size:
@@ -167,7 +171,7 @@ def pack_documents(docs_tokens: Iterable[list[int]], seq_len: int, eos_id: int) 
     for toks in docs_tokens:
         p.add_document(toks)
     flat = p.take(p.rows_ready())
-    return [flat[i:i + seq_len] for i in range(0, len(flat), seq_len)]
+    return [flat[i : i + seq_len] for i in range(0, len(flat), seq_len)]
 
 
 # ----------------------------------------------------------------------------------- selection
@@ -217,9 +221,18 @@ class TokenStream(BatchStream):
         split: a label stored in the state (``"train"`` / ``"val"``).
     """
 
-    def __init__(self, source: DocumentSource, tokenizer: Tokenizer, seq_len: int, *,
-                 shuffle_buffer: int = 10000, seed: int = 42, selection: Selection | None = None,
-                 epochs: int | None = None, split: str = "train"):
+    def __init__(
+        self,
+        source: DocumentSource,
+        tokenizer: Tokenizer,
+        seq_len: int,
+        *,
+        shuffle_buffer: int = 10000,
+        seed: int = 42,
+        selection: Selection | None = None,
+        epochs: int | None = None,
+        split: str = "train",
+    ):
         if epochs is not None and epochs < 1:
             raise ValueError(f"epochs must be >= 1 or None (forever), got {epochs}")
         self.source = source
@@ -321,8 +334,12 @@ class TokenStream(BatchStream):
     # -------------------------------------------------------------- state
     def _fingerprint(self) -> dict:
         tok = self.tokenizer
-        return {"split": self.split, "seq_len": self.seq_len, "selection": self.selection.to_json(),
-                "tokenizer": {"name": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id}}
+        return {
+            "split": self.split,
+            "seq_len": self.seq_len,
+            "selection": self.selection.to_json(),
+            "tokenizer": {"name": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id},
+        }
 
     def state_dict(self) -> dict:
         """A JSON-serialisable snapshot; :meth:`load_state_dict` on a fresh stream resumes exactly."""
@@ -352,8 +369,12 @@ class TokenStream(BatchStream):
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"unsupported data state version {state.get('version')} (expected {STATE_VERSION})")
         # states written before fingerprints were recorded carry none: nothing to compare
-        check_tokenizer_fingerprint(self.tokenizer, state.get("tokenizer_fingerprint"), "the saved data state",
-                                    fix="use the tokenizer the state was saved with")
+        check_tokenizer_fingerprint(
+            self.tokenizer,
+            state.get("tokenizer_fingerprint"),
+            "the saved data state",
+            fix="use the tokenizer the state was saved with",
+        )
         mine = self._fingerprint()
         theirs = {k: state.get(k) for k in mine}
         theirs["selection"] = list(theirs["selection"] or [])
@@ -385,8 +406,9 @@ def selection_for(cfg: DataConfig, split: str) -> Selection:
     return Selection()  # separate val files / hub split / no validation: train reads everything
 
 
-def build_stream(cfg: DataConfig, tokenizer: Tokenizer | str | None = None, split: str = "train",
-                 *, epochs: int | None = None):
+def build_stream(
+    cfg: DataConfig, tokenizer: Tokenizer | str | None = None, split: str = "train", *, epochs: int | None = None
+):
     """The batch stream of ``split`` ("train" or "val") for ``cfg``.
 
     ``tokenizer``: a tokenizer, a spec for :func:`load_tokenizer`, or ``None`` (= ``cfg.tokenizer``).
@@ -406,24 +428,35 @@ def build_stream(cfg: DataConfig, tokenizer: Tokenizer | str | None = None, spli
         )
     if cfg.kind == "memmap":
         if split == "train":
-            return MemmapStream(cfg.paths[0], cfg.seq_len, seed=cfg.seed, split="train", tokenizer=tok,
-                                epochs=epochs)
+            return MemmapStream(cfg.paths[0], cfg.seq_len, seed=cfg.seed, split="train", tokenizer=tok, epochs=epochs)
         if rule == "paths":
-            return MemmapStream(cfg.val_paths[0], cfg.seq_len, seed=cfg.seed, split="train",
-                                tokenizer=tok, shuffle=False, epochs=1)
-        return MemmapStream(cfg.paths[0], cfg.seq_len, seed=cfg.seed, split="val", tokenizer=tok,
-                            shuffle=False, epochs=1)
+            return MemmapStream(
+                cfg.val_paths[0], cfg.seq_len, seed=cfg.seed, split="train", tokenizer=tok, shuffle=False, epochs=1
+            )
+        return MemmapStream(
+            cfg.paths[0], cfg.seq_len, seed=cfg.seed, split="val", tokenizer=tok, shuffle=False, epochs=1
+        )
     source = make_source(cfg, split)
     selection = selection_for(cfg, split)
     if split == "val":
-        return TokenStream(source, tok, cfg.seq_len, shuffle_buffer=0, seed=cfg.seed,
-                           selection=selection, epochs=1, split="val")
-    return TokenStream(source, tok, cfg.seq_len, shuffle_buffer=cfg.shuffle_buffer, seed=cfg.seed,
-                       selection=selection, epochs=epochs, split="train")
+        return TokenStream(
+            source, tok, cfg.seq_len, shuffle_buffer=0, seed=cfg.seed, selection=selection, epochs=1, split="val"
+        )
+    return TokenStream(
+        source,
+        tok,
+        cfg.seq_len,
+        shuffle_buffer=cfg.shuffle_buffer,
+        seed=cfg.seed,
+        selection=selection,
+        epochs=epochs,
+        split="train",
+    )
 
 
-def iter_val_batches(cfg: DataConfig, tokenizer: Tokenizer | str | None, n_batches: int | None,
-                     batch_size: int) -> Iterator[torch.Tensor]:
+def iter_val_batches(
+    cfg: DataConfig, tokenizer: Tokenizer | str | None, n_batches: int | None, batch_size: int
+) -> Iterator[torch.Tensor]:
     """Fresh, deterministic validation batches ``[<=batch_size, seq_len]``: the same every call.
 
     Stops after ``n_batches`` (``None`` = the whole validation split); the last batch may be smaller.
@@ -442,4 +475,4 @@ def shard_batch(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor
             "make the global batch size a multiple of the world size"
         )
     per = b // world_size
-    return batch[rank * per:(rank + 1) * per]
+    return batch[rank * per : (rank + 1) * per]

@@ -134,7 +134,7 @@ def prepare_memmap(
     # --overwrite that fails keeps the data it was to replace
     work = out / f".prepare-{os.getpid()}.tmp"
     for stale in out.glob(".prepare-*.tmp"):  # a killed prepare's (kill -9 runs no clean-up)
-        if stale == work or not _alive(stale.name[len(".prepare-"):-len(".tmp")]):
+        if stale == work or not _alive(stale.name[len(".prepare-") : -len(".tmp")]):
             shutil.rmtree(stale, ignore_errors=True)
     work.mkdir()
     try:
@@ -186,13 +186,29 @@ def _prepare(cfg_or_sources, tokenizer, out: Path, shard_tokens: int, seq_len: i
         if cfg.kind == "memmap":
             raise ValueError("the config already reads a memmap directory; give it a document source")
         tok = resolve_tokenizer(cfg, tokenizer)
-        train = TokenStream(make_source(cfg, "train"), tok, cfg.seq_len, shuffle_buffer=cfg.shuffle_buffer,
-                            seed=cfg.seed, selection=selection_for(cfg, "train"), epochs=1, split="train")
+        train = TokenStream(
+            make_source(cfg, "train"),
+            tok,
+            cfg.seq_len,
+            shuffle_buffer=cfg.shuffle_buffer,
+            seed=cfg.seed,
+            selection=selection_for(cfg, "train"),
+            epochs=1,
+            split="train",
+        )
         splits["train"] = train.iter_documents()
         description = train.source.description
         if cfg.holdout()[0] != "none":
-            val = TokenStream(make_source(cfg, "val"), tok, cfg.seq_len, shuffle_buffer=0, seed=cfg.seed,
-                              selection=selection_for(cfg, "val"), epochs=1, split="val")
+            val = TokenStream(
+                make_source(cfg, "val"),
+                tok,
+                cfg.seq_len,
+                shuffle_buffer=0,
+                seed=cfg.seed,
+                selection=selection_for(cfg, "val"),
+                epochs=1,
+                split="val",
+            )
             splits["val"] = val.iter_documents()
         shuffle = cfg.shuffle_buffer
         seed = cfg.seed
@@ -219,8 +235,13 @@ def _prepare(cfg_or_sources, tokenizer, out: Path, shard_tokens: int, seq_len: i
     meta = {
         "format": FORMAT_NAME,
         "version": 1,
-        "tokenizer": {"name": tok.name, "vocab_size": tok.vocab_size, "eos_id": tok.eos_id,
-                      "bos_id": tok.bos_id, "fingerprint": tokenizer_fingerprint(tok)},
+        "tokenizer": {
+            "name": tok.name,
+            "vocab_size": tok.vocab_size,
+            "eos_id": tok.eos_id,
+            "bos_id": tok.bos_id,
+            "fingerprint": tokenizer_fingerprint(tok),
+        },
         "dtype": dtype.name,
         "byte_order": "little",
         "bos_added": False,

@@ -116,9 +116,18 @@ class DatasetsSource(DocumentSource):
             empty documents (skipped by the pipeline), with a :class:`DataWarning`.
     """
 
-    def __init__(self, path: str, data_files: list[str] | None = None, name: str | None = None,
-                 split: str = "train", text_field: str = "text", builder_kwargs: dict | None = None,
-                 strip_newlines: bool = False, max_docs: int | None = None, missing_text: str = "error"):
+    def __init__(
+        self,
+        path: str,
+        data_files: list[str] | None = None,
+        name: str | None = None,
+        split: str = "train",
+        text_field: str = "text",
+        builder_kwargs: dict | None = None,
+        strip_newlines: bool = False,
+        max_docs: int | None = None,
+        missing_text: str = "error",
+    ):
         if missing_text not in MISSING_TEXT_POLICIES:
             raise ValueError(f"missing_text must be one of {list(MISSING_TEXT_POLICIES)}, got {missing_text!r}")
         self.path = path
@@ -171,12 +180,15 @@ class DatasetsSource(DocumentSource):
                     "(source: files) or the built-in corpus (source: stdlib)."
                 ) from e
         if all(os.path.getsize(f) == 0 for f in self.data_files):
-            raise EmptyCorpusError(f"{self.description}: the file(s) are empty (0 bytes); point data.paths at the corpus")
+            raise EmptyCorpusError(
+                f"{self.description}: the file(s) are empty (0 bytes); point data.paths at the corpus"
+            )
         try:  # the json builder reads the first file's start already here
-            return datasets.load_dataset(self.path, data_files=self.data_files, split="train",
-                                         streaming=True, **kwargs)
+            return datasets.load_dataset(self.path, data_files=self.data_files, split="train", streaming=True, **kwargs)
         except (UnicodeDecodeError, ValueError, OSError, EOFError) as e:
-            where = locate_unreadable(self.data_files, jsonl=self.path == "json") if self.path in ("text", "json") else None
+            where = (
+                locate_unreadable(self.data_files, jsonl=self.path == "json") if self.path in ("text", "json") else None
+            )
             if where is None:
                 raise DataError(f"{self.description}: cannot read the data ({type(e).__name__}: {str(e)[:300]})") from e
             raise DataError(where) from e
@@ -203,8 +215,11 @@ class DatasetsSource(DocumentSource):
                 if self.missing_text == "error":
                     raise DataError(self._missing_text_message(index))
                 if skipped == 0:
-                    warnings.warn(f"skipping rows without text (data.missing_text: skip): "
-                                  f"{self._missing_text_where(index)}", DataWarning, stacklevel=2)
+                    warnings.warn(
+                        f"skipping rows without text (data.missing_text: skip): {self._missing_text_where(index)}",
+                        DataWarning,
+                        stacklevel=2,
+                    )
                 skipped += 1
                 text = ""  # an empty document: the pipeline skips it, the source position still counts it
             elif not isinstance(text, str):
@@ -214,8 +229,12 @@ class DatasetsSource(DocumentSource):
                 )
             yield text.strip("\r\n") if self.strip_newlines else text
         if skipped:
-            warnings.warn(f"{self.description}: skipped {skipped} row(s) without a {field!r} value in this pass "
-                          "(data.missing_text: skip)", DataWarning, stacklevel=2)
+            warnings.warn(
+                f"{self.description}: skipped {skipped} row(s) without a {field!r} value in this pass "
+                "(data.missing_text: skip)",
+                DataWarning,
+                stacklevel=2,
+            )
 
     def _read_rows(self, ds) -> Iterator[dict]:
         """The rows of ``ds``; a file that cannot be decoded or parsed becomes a :class:`DataError` naming it."""
@@ -229,7 +248,9 @@ class DatasetsSource(DocumentSource):
                 line_based = self.path in ("text", "json") and self.data_files  # local text / jsonl files
                 where = locate_unreadable(self.data_files, jsonl=self.path == "json") if line_based else None
                 if where is None:
-                    raise DataError(f"{self.description}: cannot read the data ({type(e).__name__}: {str(e)[:300]})") from e
+                    raise DataError(
+                        f"{self.description}: cannot read the data ({type(e).__name__}: {str(e)[:300]})"
+                    ) from e
                 raise DataError(where) from e
             yield row
 
@@ -239,8 +260,10 @@ class DatasetsSource(DocumentSource):
         if found is None:
             return f"{self.description}: document {index} has no {self.text_field!r} value (missing or null)"
         file, line, count, fields = found
-        return (f"{file}: {count} row(s) have no {self.text_field!r} value (missing or null), the first at "
-                f"line {line} (its fields: {fields})")
+        return (
+            f"{file}: {count} row(s) have no {self.text_field!r} value (missing or null), the first at "
+            f"line {line} (its fields: {fields})"
+        )
 
     def _missing_text_message(self, index: int) -> str:
         return (
@@ -280,8 +303,10 @@ def locate_unreadable(files: Sequence[str], jsonl: bool) -> str | None:
         try:
             found = _first_unreadable_line(path, jsonl)
         except (OSError, EOFError, lzma.LZMAError) as e:  # a damaged or mislabelled .gz / .bz2 / .xz
-            return (f"{path} cannot be read as a {path.rsplit('.', 1)[-1]} file ({type(e).__name__}: {e}); "
-                    "fix or re-download it, or drop the compression extension if it is not compressed")
+            return (
+                f"{path} cannot be read as a {path.rsplit('.', 1)[-1]} file ({type(e).__name__}: {e}); "
+                "fix or re-download it, or drop the compression extension if it is not compressed"
+            )
         if found is not None:
             return found
     return None
@@ -293,8 +318,10 @@ def _first_unreadable_line(path: str, jsonl: bool) -> str | None:
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as e:
-            return (f"{path} line {n} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                    "convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8")
+            return (
+                f"{path} line {n} is not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                "convert the file to UTF-8, e.g. iconv -f latin1 -t utf-8"
+            )
         if jsonl and line.strip():
             try:
                 json.loads(line)
@@ -363,13 +390,9 @@ def resolve_files(patterns: Sequence[str]) -> list[str]:
         if any(ch in pat_x for ch in "*?["):
             found = sorted(p for p in _glob.glob(pat_x, recursive=True) if os.path.isfile(p))
         elif os.path.isdir(pat_x):
-            found = sorted(
-                str(p) for p in Path(pat_x).rglob("*") if p.is_file() and format_of(str(p)) is not None
-            )
+            found = sorted(str(p) for p in Path(pat_x).rglob("*") if p.is_file() and format_of(str(p)) is not None)
             if not found:
-                raise FileNotFoundError(
-                    f"directory {pat!r} contains no .txt/.md/.jsonl/.json/.parquet files"
-                )
+                raise FileNotFoundError(f"directory {pat!r} contains no .txt/.md/.jsonl/.json/.parquet files")
         elif os.path.isfile(pat_x):
             found = [pat_x]
         else:
@@ -410,18 +433,32 @@ def file_source(paths: Sequence[str], cfg: DataConfig, max_docs: int | None = No
     if fmt == "text":
         kwargs["sample_by"] = _SAMPLE_BY[cfg.split_mode]
         text_field = "text"
-    return DatasetsSource(_BUILDER_OF_FORMAT[fmt], data_files=files, text_field=text_field,
-                          builder_kwargs=kwargs, strip_newlines=(fmt == "text" and cfg.split_mode != "document"),
-                          max_docs=max_docs, missing_text=cfg.missing_text)
+    return DatasetsSource(
+        _BUILDER_OF_FORMAT[fmt],
+        data_files=files,
+        text_field=text_field,
+        builder_kwargs=kwargs,
+        strip_newlines=(fmt == "text" and cfg.split_mode != "document"),
+        max_docs=max_docs,
+        missing_text=cfg.missing_text,
+    )
 
 
-def hub_source(name: str, config: str | None, split: str, cfg: DataConfig,
-               max_docs: int | None = None) -> DatasetsSource:
+def hub_source(
+    name: str, config: str | None, split: str, cfg: DataConfig, max_docs: int | None = None
+) -> DatasetsSource:
     """A :class:`DatasetsSource` streaming a Hugging Face hub dataset."""
     if not name:
         raise ValueError("a hub dataset needs a name, e.g. 'hf:org/name'")
-    return DatasetsSource(name, data_files=None, name=config, split=split, text_field=cfg.text_field,
-                          max_docs=max_docs, missing_text=cfg.missing_text)
+    return DatasetsSource(
+        name,
+        data_files=None,
+        name=config,
+        split=split,
+        text_field=cfg.text_field,
+        max_docs=max_docs,
+        missing_text=cfg.missing_text,
+    )
 
 
 def make_source(cfg: DataConfig, split: str = "train") -> DocumentSource:

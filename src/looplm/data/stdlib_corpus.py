@@ -65,7 +65,7 @@ STDLIB_DENYLIST: frozenset[str] = frozenset(
 _DENIED_PARTS = frozenset({"__main__", "test", "tests", "idle_test", "_test"})
 
 # Runs in the child interpreter. Reads a JSON config from argv[1], prints one marker line + JSON.
-_CHILD_CODE = r'''
+_CHILD_CODE = r"""
 import contextlib, importlib, inspect, io, json, pkgutil, sys, types, warnings
 cfg = json.loads(sys.argv[1])
 deny = set(cfg["deny"]); deny_parts = set(cfg["deny_parts"]); min_chars = cfg["min_chars"]
@@ -159,7 +159,7 @@ for d in docs:
         seen.add(d); unique.append(d)
 real_stdout.write("\n@@LOOPLM_STDLIB_DOCS@@" + json.dumps(unique) + "\n")
 real_stdout.flush()
-'''
+"""
 
 _MARKER = "@@LOOPLM_STDLIB_DOCS@@"
 _CACHE: dict[tuple, list[str]] = {}
@@ -200,7 +200,7 @@ def collect_stdlib_docs(min_chars: int = 40, timeout: float = 300.0) -> list[str
             f"collecting the stdlib docstring corpus failed (exit code {proc.returncode}) "
             f"with {sys.executable}:\n{tail}"
         )
-    docs = json.loads(proc.stdout[idx + len(_MARKER):].strip())
+    docs = json.loads(proc.stdout[idx + len(_MARKER) :].strip())
     if not docs:
         raise RuntimeError("the stdlib docstring corpus came out empty; use a files source instead")
     _CACHE[key] = docs

@@ -64,7 +64,8 @@ def _vocabulary_digest(vocab: dict[str, int], eos_id: int, bos_id: int | None, p
     """``sha256:<16 hex>`` of the vocabulary (sorted by id) and the special ids: deterministic."""
     canonical = json.dumps(
         {"vocab": sorted(([i, t] for t, i in vocab.items())), "eos_id": eos_id, "bos_id": bos_id, "pad_id": pad_id},
-        ensure_ascii=False, separators=(",", ":"),
+        ensure_ascii=False,
+        separators=(",", ":"),
     )
     return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()[:16]
 
@@ -119,8 +120,16 @@ class HFTokenizer:
     :data:`EOS_CANDIDATES` present in the vocabulary. If none exists, a ``ValueError`` asks for one.
     """
 
-    def __init__(self, backend, name: str, *, kind: str, eos_token: str | None = None,
-                 bos_token: str | None = None, pad_token: str | None = None):
+    def __init__(
+        self,
+        backend,
+        name: str,
+        *,
+        kind: str,
+        eos_token: str | None = None,
+        bos_token: str | None = None,
+        pad_token: str | None = None,
+    ):
         self._tok = backend
         self._kind = kind  # "tokenizers" | "transformers"
         self.name = name
@@ -158,8 +167,14 @@ class HFTokenizer:
         except Exception as e:
             raise ValueError(f"could not read tokenizer file {str(path)!r}: {e}") from e
         meta = _read_meta(path.parent)
-        return cls(backend, str(path), kind="tokenizers", eos_token=eos_token or meta.get("eos_token"),
-                   bos_token=meta.get("bos_token"), pad_token=meta.get("pad_token"))
+        return cls(
+            backend,
+            str(path),
+            kind="tokenizers",
+            eos_token=eos_token or meta.get("eos_token"),
+            bos_token=meta.get("bos_token"),
+            pad_token=meta.get("pad_token"),
+        )
 
     @classmethod
     def from_pretrained(cls, name_or_dir: str, eos_token: str | None = None, **kwargs) -> HFTokenizer:
@@ -359,8 +374,9 @@ def train_bpe(
             f"{len(special_tokens)} special tokens = {minimum} at least"
         )
     if vocab_size > MAX_BPE_VOCAB:  # the trainer allocates per id up front: a typo of a few zeros aborts the process
-        raise ValueError(f"vocab_size={vocab_size} is too large: at most {MAX_BPE_VOCAB:,} (large LM vocabularies are "
-                         "~32k-262k)")
+        raise ValueError(
+            f"vocab_size={vocab_size} is too large: at most {MAX_BPE_VOCAB:,} (large LM vocabularies are ~32k-262k)"
+        )
     if not 0 <= min_frequency < 2**32:  # the trainer takes a u32 (OverflowError past it)
         raise ValueError(f"min_frequency={min_frequency}: must be in [0, 2**32) (merges rarer than it are not learned)")
     if (files is None) == (texts is None):
@@ -388,8 +404,13 @@ def train_bpe(
         tok.train_from_iterator(texts, trainer)
     if tok.get_vocab_size() <= minimum:
         raise ValueError("train_bpe learnt no merges: the training text is empty or too small")
-    out = HFTokenizer(tok, str(out_dir), kind="tokenizers", eos_token=special_tokens[0],
-                      pad_token="<|pad|>" if "<|pad|>" in special_tokens else None)
+    out = HFTokenizer(
+        tok,
+        str(out_dir),
+        kind="tokenizers",
+        eos_token=special_tokens[0],
+        pad_token="<|pad|>" if "<|pad|>" in special_tokens else None,
+    )
     out.save(out_dir)
     return out
 

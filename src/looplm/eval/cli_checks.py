@@ -12,8 +12,11 @@ __all__ = ["at_least", "device_errors", "out_dir_errors", "out_file_errors", "lo
 def at_least(minimum: int, **flags) -> list[str]:
     """``--flag: must be an integer >= minimum`` for each ``flag=value`` below it (``None``: not given, fine).
     Keyword names are the flags with ``_`` for ``-`` (``batch_size`` -> ``--batch-size``)."""
-    return [f"--{name.replace('_', '-')}: must be an integer >= {minimum}, got {v}"
-            for name, v in flags.items() if v is not None and v < minimum]  # fmt: skip
+    return [
+        f"--{name.replace('_', '-')}: must be an integer >= {minimum}, got {v}"
+        for name, v in flags.items()
+        if v is not None and v < minimum
+    ]
 
 
 def _file_above(path: Path) -> Path | None:
@@ -84,6 +87,8 @@ def loops_errors(flag: str, loops, K: int, allow_deep: bool) -> list[str]:
         errs.append(f"{flag}: loop counts must be >= 1, got {bad[0]}")
     deep = [r for r in loops if r > DEEP_LOOPS_FACTOR * K]
     if deep and not allow_deep:
-        errs.append(f"{flag}: {max(deep)} loops is more than {DEEP_LOOPS_FACTOR}x the model's trained K = {K} (at most "
-                    f"{DEEP_LOOPS_FACTOR * K} without asking); pass --allow-deep to run that deep")
+        errs.append(
+            f"{flag}: {max(deep)} loops is more than {DEEP_LOOPS_FACTOR}x the model's trained K = {K} (at most "
+            f"{DEEP_LOOPS_FACTOR * K} without asking); pass --allow-deep to run that deep"
+        )
     return errs

@@ -21,8 +21,9 @@ class FullDepth:
         self.cache = model.new_cache(batch_size, capacity=capacity)
 
     def __call__(self, ids, attention_mask=None, logits_to_keep: int = 1, validate: bool = True):
-        return self.model(ids, cache=self.cache, attention_mask=attention_mask, logits_to_keep=logits_to_keep,
-                          validate=validate).logits  # fmt: skip
+        return self.model(
+            ids, cache=self.cache, attention_mask=attention_mask, logits_to_keep=logits_to_keep, validate=validate
+        ).logits
 
 
 def _now(clock: str):
@@ -54,13 +55,19 @@ def _summary(per_run: dict, last: dict) -> dict:
     for k in names:
         ratios = [a / b for a, b in zip(per_run[k], base)]
         st = getattr(last[k], "stats", None)
-        out[k] = {"ms_per_token": statistics.median(per_run[k]), "ratio": statistics.median(ratios), "ratios": ratios,
-                  "stats": st.summary() if st is not None else None}  # fmt: skip
+        out[k] = {
+            "ms_per_token": statistics.median(per_run[k]),
+            "ratio": statistics.median(ratios),
+            "ratios": ratios,
+            "stats": st.summary() if st is not None else None,
+        }
     return out
 
 
 @torch.inference_mode()
-def decode_timing(model, prompts: torch.Tensor, new_tokens: int, contenders: dict, *, runs: int = 3, clock: str = "wall") -> dict:
+def decode_timing(
+    model, prompts: torch.Tensor, new_tokens: int, contenders: dict, *, runs: int = 3, clock: str = "wall"
+) -> dict:
     """Decode-only time per generated token of each contender (``{name: factory(batch, capacity)}``, the
     first is the baseline): every run prefills each contender with ``prompts [B, P]`` (untimed), then
     decodes ``new_tokens`` greedy tokens, one step of every contender in a rotating order before any
@@ -107,7 +114,9 @@ def _greedy_steps(model, dec, prompts: torch.Tensor, n: int, now) -> float:
 
 
 @torch.inference_mode()
-def generation_timing(model, prompts: torch.Tensor, new_tokens: int, contenders: dict, *, runs: int = 3, clock: str = "wall") -> dict:
+def generation_timing(
+    model, prompts: torch.Tensor, new_tokens: int, contenders: dict, *, runs: int = 3, clock: str = "wall"
+) -> dict:
     """As :func:`decode_timing`, for contenders that decode a whole generation at their own pace (continuous
     depth batching, :class:`looplm.decode.depth_schedule.DepthBatchedDecoder`: rows are at different tokens, so no
     step is the batch's). Each run decodes ``new_tokens`` greedy tokens per row with every contender in a
@@ -138,7 +147,9 @@ def generation_timing(model, prompts: torch.Tensor, new_tokens: int, contenders:
 
 
 @torch.inference_mode()
-def queue_timing(model, prompts: torch.Tensor, rows: int, new_tokens: int, refill, *, runs: int = 3, clock: str = "wall") -> dict:
+def queue_timing(
+    model, prompts: torch.Tensor, rows: int, new_tokens: int, refill, *, runs: int = 3, clock: str = "wall"
+) -> dict:
     """A queue of ``prompts [N, P]`` (``N`` a multiple of ``rows``) through ``rows`` rows: full depth in fixed
     batches of ``rows`` prompts (:class:`FullDepth`, the batches one after another) against ``refill(rows,
     capacity, N)``, a decoder whose ``run`` takes all ``N`` prompts and refills a finished row with the next
@@ -171,8 +182,9 @@ def queue_timing(model, prompts: torch.Tensor, rows: int, new_tokens: int, refil
 
 
 @torch.inference_mode()
-def teacher_forced_timing(model, ids: torch.Tensor, contenders: dict, *, prompt_len: int = 8, runs: int = 1,
-                          clock: str = "wall") -> dict:
+def teacher_forced_timing(
+    model, ids: torch.Tensor, contenders: dict, *, prompt_len: int = 8, runs: int = 1, clock: str = "wall"
+) -> dict:
     """Score ``ids [B, T]`` with every contender (``{name: factory(batch, capacity)}``), the first ``prompt_len``
     tokens as a prompt (untimed) and then one token at a time, the contenders interleaved token by token in a
     rotating order. Returns ``{name: {"ms_per_token", "ratio" (median over runs vs the first), "ratios",

@@ -20,7 +20,13 @@ from pathlib import Path
 from torch import nn
 
 __all__ = [
-    "DepthRow", "parse_loops", "grids_for", "depth_sweep", "depth_table_markdown", "plot_depth", "write_depth_report",
+    "DepthRow",
+    "parse_loops",
+    "grids_for",
+    "depth_sweep",
+    "depth_table_markdown",
+    "plot_depth",
+    "write_depth_report",
     "run_depth_sweep",
 ]
 
@@ -42,14 +48,18 @@ def parse_loops(spec: "str | int", train_loops: int | None = None, allow_deep: b
     for part in filter(None, text.split(",")):
         m = re.fullmatch(r"(\d+)(?:\.\.(\d+))?", part)
         if not m:
-            raise ValueError(f"--loops {spec!r}: expected r, a range a..b, or a comma-separated list (e.g. 1..8 or 1,2,4)")
+            raise ValueError(
+                f"--loops {spec!r}: expected r, a range a..b, or a comma-separated list (e.g. 1..8 or 1,2,4)"
+            )
         a, b = int(m.group(1)), int(m.group(2) or m.group(1))
         if a < 1 or b < a:
             raise ValueError(f"--loops {spec!r}: loop counts must be >= 1 and ranges ascending, got {part!r}")
         if not allow_deep and train_loops is not None and b > DEEP_LOOPS_FACTOR * train_loops:
-            raise ValueError(f"--loops {spec!r}: {b} loops is more than {DEEP_LOOPS_FACTOR}x the model's trained K = "
-                             f"{train_loops} (at most {DEEP_LOOPS_FACTOR * train_loops} without asking); pass --allow-deep "
-                             "to run that deep")  # fmt: skip
+            raise ValueError(
+                f"--loops {spec!r}: {b} loops is more than {DEEP_LOOPS_FACTOR}x the model's trained K = "
+                f"{train_loops} (at most {DEEP_LOOPS_FACTOR * train_loops} without asking); pass --allow-deep "
+                "to run that deep"
+            )
         out += [r for r in range(a, b + 1) if r not in out]
     if not out:
         raise ValueError(f"--loops {spec!r}: no loop count given")
@@ -86,8 +96,19 @@ class DepthRow:
     tokens: int
 
 
-def depth_sweep(model, tokenizer, documents, loops: list[int], *, grid: str = "both", seq_len: int,
-                batch_size: int = 8, max_batches: int | None = None, device=None, precision: str = "fp32") -> list[DepthRow]:
+def depth_sweep(
+    model,
+    tokenizer,
+    documents,
+    loops: list[int],
+    *,
+    grid: str = "both",
+    seq_len: int,
+    batch_size: int = 8,
+    max_batches: int | None = None,
+    device=None,
+    precision: str = "fp32",
+) -> list[DepthRow]:
     """Evaluate ``model`` at every ``r`` in ``loops`` (and grid) on the same documents."""
     from ..info import forward_flops_per_token
     from .ppl import evaluate_documents
@@ -99,18 +120,40 @@ def depth_sweep(model, tokenizer, documents, loops: list[int], *, grid: str = "b
         for g in grids_for(model, grid):
             if g == "prefix" and r > cfg.n_loops:
                 continue  # prefix inference needs r <= K
-            res = evaluate_documents(_AtDepth(model, r, g), tokenizer, docs, seq_len=seq_len, batch_size=batch_size,
-                                     max_batches=max_batches, device=device, precision=precision)
-            rows.append(DepthRow(r=r, grid=g or "-", effective_depth=cfg.effective_depth(r), token_ppl=res.token_ppl,
-                                 loss=res.loss, flops_per_token=forward_flops_per_token(model, r, seq_len), tokens=res.tokens))
+            res = evaluate_documents(
+                _AtDepth(model, r, g),
+                tokenizer,
+                docs,
+                seq_len=seq_len,
+                batch_size=batch_size,
+                max_batches=max_batches,
+                device=device,
+                precision=precision,
+            )
+            rows.append(
+                DepthRow(
+                    r=r,
+                    grid=g or "-",
+                    effective_depth=cfg.effective_depth(r),
+                    token_ppl=res.token_ppl,
+                    loss=res.loss,
+                    flops_per_token=forward_flops_per_token(model, r, seq_len),
+                    tokens=res.tokens,
+                )
+            )
     return rows
 
 
 def depth_table_markdown(rows: list[DepthRow], train_loops: int) -> str:
-    lines = ["| r | grid | effective depth | token PPL | loss | FLOPs / token |", "| ---: | --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| r | grid | effective depth | token PPL | loss | FLOPs / token |",
+        "| ---: | --- | ---: | ---: | ---: | ---: |",
+    ]
     for w in rows:
         mark = " (K)" if w.r == train_loops else ""
-        lines.append(f"| {w.r}{mark} | {w.grid} | {w.effective_depth} | {w.token_ppl:.3f} | {w.loss:.4f} | {w.flops_per_token:,} |")
+        lines.append(
+            f"| {w.r}{mark} | {w.grid} | {w.effective_depth} | {w.token_ppl:.3f} | {w.loss:.4f} | {w.flops_per_token:,} |"
+        )
     return "\n".join(lines)
 
 
@@ -147,16 +190,29 @@ def write_depth_report(rows: list[DepthRow], train_loops: int, out_dir, meta: di
     return js, plot_depth(rows, train_loops, out / "depth.png", title=(meta or {}).get("checkpoint", ""))
 
 
-
 def run_depth_sweep(args, model, tokenizer, documents, loops: list[int], seq_len: int, device, checkpoint) -> int:
     """``looplm eval ppl CKPT --loops SPEC [--grid G] [--out DIR]``: print the depth table (or JSON),
     and with ``--out`` write ``depth.json`` and ``depth.png`` there."""
-    rows = depth_sweep(model, tokenizer, documents, loops, grid=args.grid, seq_len=seq_len, batch_size=args.batch_size,
-                       max_batches=args.batches, device=device, precision=args.precision)
+    rows = depth_sweep(
+        model,
+        tokenizer,
+        documents,
+        loops,
+        grid=args.grid,
+        seq_len=seq_len,
+        batch_size=args.batch_size,
+        max_batches=args.batches,
+        device=device,
+        precision=args.precision,
+    )
     if not rows:
-        raise ValueError(f"--loops {args.loops!r} --grid {args.grid}: nothing to evaluate (prefix inference needs r <= K = {model.config.n_loops})")
+        raise ValueError(
+            f"--loops {args.loops!r} --grid {args.grid}: nothing to evaluate (prefix inference needs r <= K = {model.config.n_loops})"
+        )
     if rows[0].tokens == 0:
-        raise ValueError(f"--data {args.data!r}: no document was evaluated (empty data, or --batches too small for one document)")
+        raise ValueError(
+            f"--data {args.data!r}: no document was evaluated (empty data, or --batches too small for one document)"
+        )
     K = model.config.n_loops
     meta = {"checkpoint": str(checkpoint), "data": args.data, "seq_len": seq_len}
     if args.json:

@@ -93,23 +93,46 @@ class LoopLMEvalModel(TemplateLM):
 
     backend = "causal"
 
-    def __init__(self, pretrained: str | None = None, *, model=None, tokenizer=None, loops: int | str | None = None,
-                 exit_threshold: float | str | None = None, dtype: str = "float32", device: str | None = None,
-                 batch_size: int | str = 8, max_length: int | str | None = None, max_gen_toks: int | str = 256,
-                 prefix_token_id: int | str | None = None, max_batch_size: int | str | None = None,
-                 exit: str | None = None, kv_policy: str | None = None, ssm_policy: str | None = None,
-                 min_loops: int | str | None = None, max_loops: int | str | None = None, speculative: int | str | None = None,
-                 draft_k: int | str | None = None, exit_schedule: str | None = None, draft_exit: str | None = None,
-                 exit_prefill: str | None = None, exit_compile: bool | str | None = None,
-                 allow_deep: bool | str = False, **kwargs):
+    def __init__(
+        self,
+        pretrained: str | None = None,
+        *,
+        model=None,
+        tokenizer=None,
+        loops: int | str | None = None,
+        exit_threshold: float | str | None = None,
+        dtype: str = "float32",
+        device: str | None = None,
+        batch_size: int | str = 8,
+        max_length: int | str | None = None,
+        max_gen_toks: int | str = 256,
+        prefix_token_id: int | str | None = None,
+        max_batch_size: int | str | None = None,
+        exit: str | None = None,
+        kv_policy: str | None = None,
+        ssm_policy: str | None = None,
+        min_loops: int | str | None = None,
+        max_loops: int | str | None = None,
+        speculative: int | str | None = None,
+        draft_k: int | str | None = None,
+        exit_schedule: str | None = None,
+        draft_exit: str | None = None,
+        exit_prefill: str | None = None,
+        exit_compile: bool | str | None = None,
+        allow_deep: bool | str = False,
+        **kwargs,
+    ):
         if TemplateLM is object:
             raise ImportError("the lm-eval harness needs lm-eval: pip install 'looplm[eval]' (or pip install lm-eval)")
         if kwargs:  # before any loading: a misspelt argument (loop=6) must not be silently ignored
             from ..dataclass_util import _suggest
 
             known = sorted(MODEL_ARGS)
-            raise ValueError("looplm model: unknown argument(s) " + "; ".join(
-                f"{k}={v!r}{_suggest(k, known)}" for k, v in kwargs.items()) + f". Known: {', '.join(known)}")
+            raise ValueError(
+                "looplm model: unknown argument(s) "
+                + "; ".join(f"{k}={v!r}{_suggest(k, known)}" for k, v in kwargs.items())
+                + f". Known: {', '.join(known)}"
+            )
         super().__init__()
         if (pretrained is None) == (model is None):
             raise ValueError("LoopLMEvalModel needs pretrained=PATH (a checkpoint, run or export directory) or model=")
@@ -118,11 +141,14 @@ class LoopLMEvalModel(TemplateLM):
         loops, q, max_length = _number(loops, int), _number(exit_threshold, float), _number(max_length, int)
         batch_size = 8 if str(batch_size).startswith("auto") else _number(batch_size, int)
         max_gen_toks = _number(max_gen_toks, int)
-        check_harness_args(loops=loops, exit_threshold=q, batch_size=batch_size, max_length=max_length,
-                           max_gen_toks=max_gen_toks)
+        check_harness_args(
+            loops=loops, exit_threshold=q, batch_size=batch_size, max_length=max_length, max_gen_toks=max_gen_toks
+        )
         prefix_id = _number(prefix_token_id, int)
         if prefix_id is not None and (not _is_int(prefix_id) or prefix_id < 0):
-            raise ValueError(f"prefix_token_id must be a token id >= 0 (default: BOS, else EOS), got {prefix_token_id!r}")
+            raise ValueError(
+                f"prefix_token_id must be a token id >= 0 (default: BOS, else EOS), got {prefix_token_id!r}"
+            )
         if device in (None, "auto"):
             device = "cuda" if torch.cuda.is_available() else "cpu"
         if model is None:
@@ -134,13 +160,25 @@ class LoopLMEvalModel(TemplateLM):
                 raise ValueError("model= needs tokenizer= (a looplm tokenizer or a spec such as 'byte')")
             tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
             seq_len = None
-        dt = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-              "float16": torch.float16, "auto": None}.get(str(dtype))
+        dt = {
+            "float32": torch.float32,
+            "fp32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "bf16": torch.bfloat16,
+            "float16": torch.float16,
+            "auto": None,
+        }.get(str(dtype))
         if str(dtype) not in ("float32", "fp32", "bfloat16", "bf16", "float16", "auto"):
             raise ValueError(f"dtype must be float32, bfloat16, float16 or auto, got {dtype!r}")
         cfg_max = model.config.max_seq_len
-        check_harness_args(loops=loops, exit_threshold=q, batch_size=batch_size, max_length=max_length,
-                           max_gen_toks=max_gen_toks, model_max_length=cfg_max)
+        check_harness_args(
+            loops=loops,
+            exit_threshold=q,
+            batch_size=batch_size,
+            max_length=max_length,
+            max_gen_toks=max_gen_toks,
+            model_max_length=cfg_max,
+        )
         allow_deep = {"true": True, "1": True, "false": False, "0": False}.get(str(allow_deep).lower(), allow_deep)
         if not isinstance(allow_deep, bool):
             raise ValueError(f"allow_deep must be true or false, got {allow_deep!r}")
@@ -151,8 +189,10 @@ class LoopLMEvalModel(TemplateLM):
             if why is not None:
                 raise ValueError(why.replace("(looplm: --allow-deep)", "(looplm eval harness: --allow-deep)"))
         if q is not None and "exit_threshold" not in getattr(model.rule, "loop_options", ()):
-            raise ValueError(f"exit_threshold (--exit-threshold) {q}: this model has no exit gate (its recurrence rule is "
-                             f"{model.config.rule.name!r}); leave it out, or evaluate an exit_gate model")
+            raise ValueError(
+                f"exit_threshold (--exit-threshold) {q}: this model has no exit gate (its recurrence rule is "
+                f"{model.config.rule.name!r}); leave it out, or evaluate an exit_gate model"
+            )
         self.model = model.to(device=device, dtype=dt).eval() if dt is not None else model.to(device).eval()
         self.tok = tokenizer
         self._device = torch.device(device)
@@ -162,12 +202,27 @@ class LoopLMEvalModel(TemplateLM):
         self._max_length = max_length if max_length is not None else min(seq_len or cfg_max, cfg_max)
         self.max_gen_toks = max_gen_toks
         if prefix_id is not None and prefix_id >= self.model.config.vocab_size:
-            raise ValueError(f"prefix_token_id must be a token id in [0, {self.model.config.vocab_size}), got {prefix_token_id}")
+            raise ValueError(
+                f"prefix_token_id must be a token id in [0, {self.model.config.vocab_size}), got {prefix_token_id}"
+            )
         self.custom_prefix_token_id = prefix_id
         # loglikelihood requests scored with exit= (per-token exit in one forward): their depths, token-weighted
         self.depth_stats: dict = {}
-        self.decode_options = adaptive_options(self.model, exit, kv_policy, ssm_policy, min_loops, max_loops, speculative, draft_k,
-                                               exit_schedule, draft_exit, exit_prefill, exit_compile, allow_deep)
+        self.decode_options = adaptive_options(
+            self.model,
+            exit,
+            kv_policy,
+            ssm_policy,
+            min_loops,
+            max_loops,
+            speculative,
+            draft_k,
+            exit_schedule,
+            draft_exit,
+            exit_prefill,
+            exit_compile,
+            allow_deep,
+        )
         e = self.decode_options.get("exit")
         if e is not None and e.schedule == "depth" and not e.is_off(self.model):
             # rows decoded at once = batch_size; the group's other prompts queue for a free row
@@ -219,7 +274,9 @@ class LoopLMEvalModel(TemplateLM):
 
                 if self.loops is not None and e.max_loops is None:
                     e = e.with_policies(max_loops=self.loops)
-                res = adaptive_forward(self.model, ids, e, attention_mask=mask, loop_options=self.loop_options, full_depth_prefix=1)
+                res = adaptive_forward(
+                    self.model, ids, e, attention_mask=mask, loop_options=self.loop_options, full_depth_prefix=1
+                )
                 out = res.logits
                 add_depth_stats(self.depth_stats, res.stats)  # token-weighted over the batches
         return F.log_softmax(out.float(), dim=-1)
@@ -272,9 +329,17 @@ class LoopLMEvalModel(TemplateLM):
 
         out = []
         for (string,) in [req.args for req in requests]:
-            windows = list(map(utils.make_disjoint_window, utils.get_rolling_token_windows(
-                token_list=self.tok_encode(string), prefix_token=self.prefix_token_id,
-                max_seq_len=self.max_length, context_len=1)))  # fmt: skip
+            windows = list(
+                map(
+                    utils.make_disjoint_window,
+                    utils.get_rolling_token_windows(
+                        token_list=self.tok_encode(string),
+                        prefix_token=self.prefix_token_id,
+                        max_seq_len=self.max_length,
+                        context_len=1,
+                    ),
+                )
+            )
             scores = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows], disable_tqdm=True)
             total = sum(s for s, _ in scores)
             out.append(total)
@@ -307,25 +372,34 @@ class LoopLMEvalModel(TemplateLM):
         return results  # type: ignore[return-value]
 
     @torch.no_grad()
-    def _generate(self, contexts: list[str], until: list[str], max_new: int, do_sample: bool, temperature: float) -> list[str]:
+    def _generate(
+        self, contexts: list[str], until: list[str], max_new: int, do_sample: bool, temperature: float
+    ) -> list[str]:
         """Decode a left-padded batch with the per-(loop, layer) cache; cut each text at its first stop string."""
         from ..decode.generate import sample_next
 
         max_new = max(0, min(max_new, self.max_length - 1))
-        prompts = [self.tok_encode(c)[-(self.max_length - max_new):] or [self.eot_token_id] for c in contexts]
+        prompts = [self.tok_encode(c)[-(self.max_length - max_new) :] or [self.eot_token_id] for c in contexts]
         B, T = len(prompts), max(len(p) for p in prompts)
         ids = torch.full((B, T), self.eot_token_id, dtype=torch.long)
         mask = torch.zeros(B, T + max_new, dtype=torch.long)
         for r, p in enumerate(prompts):
-            ids[r, T - len(p):] = torch.tensor(p)
-            mask[r, T - len(p):] = 1
+            ids[r, T - len(p) :] = torch.tensor(p)
+            mask[r, T - len(p) :] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
         padded = bool((mask[:, :T] == 0).any())
         if self.decode_options:  # per-token exit / speculative decoding: looplm's generate, then the same cuts
-            gen = self.model.generate(ids, max_new, attention_mask=mask[:, :T] if padded else None, do_sample=do_sample,
-                                      temperature=temperature, eos_token_id=self.eot_token_id, loop_options=self.loop_options,
-                                      num_loops=self.loops if "exit" in self.decode_options else None,
-                                      **self.decode_options)  # fmt: skip
+            gen = self.model.generate(
+                ids,
+                max_new,
+                attention_mask=mask[:, :T] if padded else None,
+                do_sample=do_sample,
+                temperature=temperature,
+                eos_token_id=self.eot_token_id,
+                loop_options=self.loop_options,
+                num_loops=self.loops if "exit" in self.decode_options else None,
+                **self.decode_options,
+            )
             return [_cut(self.tok_decode(_until_eot(row, self.eot_token_id)), until) for row in gen[:, T:].tolist()]
         r = self.loops or self.model.config.n_loops
         cache = self.model.new_cache(B, r)
@@ -334,8 +408,14 @@ class LoopLMEvalModel(TemplateLM):
         step = ids
         for t in range(max_new):
             n = T + t
-            out = self.model(step, cache=cache, attention_mask=mask[:, :n] if padded else None, num_loops=r,
-                             loop_options=self.loop_options, logits_to_keep=1)
+            out = self.model(
+                step,
+                cache=cache,
+                attention_mask=mask[:, :n] if padded else None,
+                num_loops=r,
+                loop_options=self.loop_options,
+                logits_to_keep=1,
+            )
             nxt = sample_next(out.logits[:, -1], do_sample, temperature, None, None)  # [B]
             for row in range(B):
                 if done[row]:
@@ -378,8 +458,17 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def check_harness_args(*, loops=None, exit_threshold=None, num_fewshot=None, limit=None, batch_size=8, max_length=None,
-                       max_gen_toks=256, model_max_length: int | None = None) -> None:
+def check_harness_args(
+    *,
+    loops=None,
+    exit_threshold=None,
+    num_fewshot=None,
+    limit=None,
+    batch_size=8,
+    max_length=None,
+    max_gen_toks=256,
+    model_max_length: int | None = None,
+) -> None:
     """One ``ConfigError`` naming every bad ``looplm eval harness`` argument, before any work starts
     (a ``max_length`` of 0 would never advance the scoring window)."""
     from ..dataclass_util import ConfigError
@@ -402,8 +491,10 @@ def check_harness_args(*, loops=None, exit_threshold=None, num_fewshot=None, lim
     if max_length is not None:
         top = f" and at most the model's max_seq_len={model_max_length}" if model_max_length else ""
         if not _is_int(max_length) or max_length < 1 or (model_max_length and max_length > model_max_length):
-            errs.append(f"max_length (--max-length): the window of tokens the model reads must be an integer >= 1{top}, "
-                        f"got {max_length!r}")
+            errs.append(
+                f"max_length (--max-length): the window of tokens the model reads must be an integer >= 1{top}, "
+                f"got {max_length!r}"
+            )
     if not _is_int(max_gen_toks) or max_gen_toks < 1:
         errs.append(f"max_gen_toks: must be an integer >= 1, got {max_gen_toks!r}")
     if errs:
@@ -411,15 +502,49 @@ def check_harness_args(*, loops=None, exit_threshold=None, num_fewshot=None, lim
 
 
 # the model arguments LoopLMEvalModel takes (lm-eval adds batch_size, max_batch_size and device itself)
-MODEL_ARGS = ("pretrained", "model", "tokenizer", "loops", "exit_threshold", "dtype", "device", "batch_size",
-              "max_length", "max_gen_toks", "prefix_token_id", "max_batch_size", "exit", "kv_policy", "ssm_policy",
-              "min_loops", "max_loops", "exit_schedule", "speculative", "draft_k", "draft_exit", "exit_prefill", "exit_compile",
-              "allow_deep")
+MODEL_ARGS = (
+    "pretrained",
+    "model",
+    "tokenizer",
+    "loops",
+    "exit_threshold",
+    "dtype",
+    "device",
+    "batch_size",
+    "max_length",
+    "max_gen_toks",
+    "prefix_token_id",
+    "max_batch_size",
+    "exit",
+    "kv_policy",
+    "ssm_policy",
+    "min_loops",
+    "max_loops",
+    "exit_schedule",
+    "speculative",
+    "draft_k",
+    "draft_exit",
+    "exit_prefill",
+    "exit_compile",
+    "allow_deep",
+)
 
 
-def adaptive_options(model, exit=None, kv_policy=None, ssm_policy=None, min_loops=None, max_loops=None, speculative=None,
-                     draft_k=None, exit_schedule=None, draft_exit=None, exit_prefill=None, exit_compile=None,
-                     allow_deep: bool = False) -> dict:
+def adaptive_options(
+    model,
+    exit=None,
+    kv_policy=None,
+    ssm_policy=None,
+    min_loops=None,
+    max_loops=None,
+    speculative=None,
+    draft_k=None,
+    exit_schedule=None,
+    draft_exit=None,
+    exit_prefill=None,
+    exit_compile=None,
+    allow_deep: bool = False,
+) -> dict:
     """``generate()`` keyword arguments from the lm-eval model's string arguments (checked now, before any
     request; :func:`looplm.decode.generate.adaptive_options`): ``{"exit": Exit}``, ``{"speculative": Speculative}`` or ``{}``."""
     from ..decode.generate import adaptive_options as resolve
@@ -431,9 +556,21 @@ def adaptive_options(model, exit=None, kv_policy=None, ssm_policy=None, min_loop
     on = flags.get(exit_compile.lower()) if isinstance(exit_compile, str) else exit_compile or False
     if not isinstance(on, bool):
         raise ValueError(f"exit_compile must be true or false, got {exit_compile!r}")
-    return resolve(model, exit=text(exit), speculative=num(speculative), draft_k=num(draft_k), kv=text(kv_policy),
-                   ssm=text(ssm_policy), min_loops=num(min_loops), max_loops=num(max_loops), schedule=text(exit_schedule),
-                   draft_exit=text(draft_exit), prefill=text(exit_prefill), compile=on or None, allow_deep=allow_deep)  # fmt: skip
+    return resolve(
+        model,
+        exit=text(exit),
+        speculative=num(speculative),
+        draft_k=num(draft_k),
+        kv=text(kv_policy),
+        ssm=text(ssm_policy),
+        min_loops=num(min_loops),
+        max_loops=num(max_loops),
+        schedule=text(exit_schedule),
+        draft_exit=text(draft_exit),
+        prefill=text(exit_prefill),
+        compile=on or None,
+        allow_deep=allow_deep,
+    )
 
 
 def _until_eot(ids: list[int], eot: int) -> list[int]:
@@ -490,43 +627,111 @@ class SuiteTask:
     metric: str = "acc"  # the headline metric
 
 
-_SL8 = [("lambada_openai", "LAMBADA OAI"), ("arc_easy", "ARC-E"), ("arc_challenge", "ARC-C"), ("winogrande", "WinoG."),
-        ("piqa", "PIQA"), ("hellaswag", "Hella."), ("sciq", "SciQ"), ("race", "RACE")]
-BBH14 = ["causal_judgement", "date_understanding", "disambiguation_qa", "hyperbaton", "logical_deduction_five_objects",
-         "logical_deduction_three_objects", "penguins_in_a_table", "reasoning_about_colored_objects",
-         "salient_translation_error_detection", "snarks", "temporal_sequences", "tracking_shuffled_objects_five_objects",
-         "tracking_shuffled_objects_seven_objects", "tracking_shuffled_objects_three_objects"]
+_SL8 = [
+    ("lambada_openai", "LAMBADA OAI"),
+    ("arc_easy", "ARC-E"),
+    ("arc_challenge", "ARC-C"),
+    ("winogrande", "WinoG."),
+    ("piqa", "PIQA"),
+    ("hellaswag", "Hella."),
+    ("sciq", "SciQ"),
+    ("race", "RACE"),
+]
+BBH14 = [
+    "causal_judgement",
+    "date_understanding",
+    "disambiguation_qa",
+    "hyperbaton",
+    "logical_deduction_five_objects",
+    "logical_deduction_three_objects",
+    "penguins_in_a_table",
+    "reasoning_about_colored_objects",
+    "salient_translation_error_detection",
+    "snarks",
+    "temporal_sequences",
+    "tracking_shuffled_objects_five_objects",
+    "tracking_shuffled_objects_seven_objects",
+    "tracking_shuffled_objects_three_objects",
+]
 
 # suite name -> (title, average column header, tasks)
 SUITES: dict[str, tuple[str, str, list[SuiteTask]]] = {
-    "looplm_stateloop8_0shot": ("StateLoop Tab. 2, zero-shot accuracy (%)", "Avg-8", [SuiteTask(t, l, 0) for t, l in _SL8]),
-    "looplm_stateloop8_5shot": ("StateLoop Tab. 2, five-shot accuracy (%)", "Avg-8", [SuiteTask(t, l, 5) for t, l in _SL8]),
-    "looplm_mamba7": ("Looped-Mamba Tab. 4, accuracy (%)", "Avg.", [
-        SuiteTask("piqa", "PIQA", 5), SuiteTask("boolq", "BoolQ", 5), SuiteTask("winogrande", "WinoGrande", 5),
-        SuiteTask("openbookqa", "OBQA", 5), SuiteTask("hellaswag", "HellaSwag", 10),
-        SuiteTask("arc_challenge", "ARC-C", 25), SuiteTask("arc_easy", "ARC-E", 8)]),
-    "looplm_knowledge": ("Recurrence paper, Knowledge group (%)", "Knowledge", [
-        SuiteTask("piqa", "PIQA"), SuiteTask("sciq", "SciQ"), SuiteTask("arc_easy", "ARC-E")]),
-    "looplm_reasoning": ("Recurrence paper, Reasoning group (%)", "Reasoning", [
-        SuiteTask("arc_challenge", "ARC-C"), SuiteTask("hellaswag", "HellaSwag"), SuiteTask("winogrande", "WinoGrande"),
-        SuiteTask("boolq", "BoolQ"), SuiteTask("openbookqa", "OBQA"), SuiteTask("siqa", "SIQA"),
-        SuiteTask("commonsense_qa", "CSQA"), SuiteTask("lambada_openai", "LAMBADA")]),
-    "looplm_bbh14": ("Recurrence paper, 14 BBH subtasks, 3-shot exact match (%)", "BBH-14", [
-        SuiteTask(f"bbh_fewshot_{t}", t, 3, "exact_match") for t in BBH14]),
+    "looplm_stateloop8_0shot": (
+        "StateLoop Tab. 2, zero-shot accuracy (%)",
+        "Avg-8",
+        [SuiteTask(t, name, 0) for t, name in _SL8],
+    ),
+    "looplm_stateloop8_5shot": (
+        "StateLoop Tab. 2, five-shot accuracy (%)",
+        "Avg-8",
+        [SuiteTask(t, name, 5) for t, name in _SL8],
+    ),
+    "looplm_mamba7": (
+        "Looped-Mamba Tab. 4, accuracy (%)",
+        "Avg.",
+        [
+            SuiteTask("piqa", "PIQA", 5),
+            SuiteTask("boolq", "BoolQ", 5),
+            SuiteTask("winogrande", "WinoGrande", 5),
+            SuiteTask("openbookqa", "OBQA", 5),
+            SuiteTask("hellaswag", "HellaSwag", 10),
+            SuiteTask("arc_challenge", "ARC-C", 25),
+            SuiteTask("arc_easy", "ARC-E", 8),
+        ],
+    ),
+    "looplm_knowledge": (
+        "Recurrence paper, Knowledge group (%)",
+        "Knowledge",
+        [SuiteTask("piqa", "PIQA"), SuiteTask("sciq", "SciQ"), SuiteTask("arc_easy", "ARC-E")],
+    ),
+    "looplm_reasoning": (
+        "Recurrence paper, Reasoning group (%)",
+        "Reasoning",
+        [
+            SuiteTask("arc_challenge", "ARC-C"),
+            SuiteTask("hellaswag", "HellaSwag"),
+            SuiteTask("winogrande", "WinoGrande"),
+            SuiteTask("boolq", "BoolQ"),
+            SuiteTask("openbookqa", "OBQA"),
+            SuiteTask("siqa", "SIQA"),
+            SuiteTask("commonsense_qa", "CSQA"),
+            SuiteTask("lambada_openai", "LAMBADA"),
+        ],
+    ),
+    "looplm_bbh14": (
+        "Recurrence paper, 14 BBH subtasks, 3-shot exact match (%)",
+        "BBH-14",
+        [SuiteTask(f"bbh_fewshot_{t}", t, 3, "exact_match") for t in BBH14],
+    ),
 }
 
 # lm-eval task -> its YAML under lm_eval/tasks (included by our wrappers), and the local folder name
 _BUILTIN_YAML = {
-    "lambada_openai": "lambada/lambada_openai.yaml", "arc_easy": "arc/arc_easy.yaml",
-    "arc_challenge": "arc/arc_challenge.yaml", "winogrande": "winogrande/default.yaml", "piqa": "piqa/piqa.yaml",
-    "hellaswag": "hellaswag/hellaswag.yaml", "sciq": "sciq/sciq.yaml", "race": "race/race.yaml",
-    "boolq": "super_glue/boolq/default.yaml", "openbookqa": "openbookqa/openbookqa.yaml", "siqa": "siqa/siqa.yaml",
+    "lambada_openai": "lambada/lambada_openai.yaml",
+    "arc_easy": "arc/arc_easy.yaml",
+    "arc_challenge": "arc/arc_challenge.yaml",
+    "winogrande": "winogrande/default.yaml",
+    "piqa": "piqa/piqa.yaml",
+    "hellaswag": "hellaswag/hellaswag.yaml",
+    "sciq": "sciq/sciq.yaml",
+    "race": "race/race.yaml",
+    "boolq": "super_glue/boolq/default.yaml",
+    "openbookqa": "openbookqa/openbookqa.yaml",
+    "siqa": "siqa/siqa.yaml",
     "commonsense_qa": "commonsense_qa/default.yaml",
     **{f"bbh_fewshot_{t}": f"bbh/fewshot/{t}.yaml" for t in BBH14},
 }
-LOCAL_DIRS = {"lambada_openai": "lambada-openai", "arc_easy": "arc-easy", "arc_challenge": "arc-challenge",
-              "winogrande": "winogrande", "piqa": "piqa", "hellaswag": "hellaswag", "sciq": "sciq", "boolq": "boolq",
-              "openbookqa": "openbookqa"}
+LOCAL_DIRS = {
+    "lambada_openai": "lambada-openai",
+    "arc_easy": "arc-easy",
+    "arc_challenge": "arc-challenge",
+    "winogrande": "winogrande",
+    "piqa": "piqa",
+    "hellaswag": "hellaswag",
+    "sciq": "sciq",
+    "boolq": "boolq",
+    "openbookqa": "openbookqa",
+}
 _LOCAL_FIXES = {"boolq": {"doc_to_target": "{{answer|int}}"}}  # the local copy has a bool `answer`, not `label`
 
 
@@ -542,10 +747,16 @@ def _local_overrides(task: str, data_dir: Path, out_dir: Path) -> dict | None:
         return None
     split = "test" if task == "lambada_openai" else "validation"
     rel = [os.path.relpath(a.resolve(), out_dir.resolve()) for a in arrows]
-    ov = {"dataset_path": "arrow", "dataset_name": None, "custom_dataset": _Function(f"{LOCAL_DATA_MODULE}.load"),
-          "dataset_kwargs": {"data_files": {split: rel}},
-          "training_split": None, "validation_split": split if split == "validation" else None,
-          "test_split": split if split == "test" else None, "fewshot_split": split}
+    ov = {
+        "dataset_path": "arrow",
+        "dataset_name": None,
+        "custom_dataset": _Function(f"{LOCAL_DATA_MODULE}.load"),
+        "dataset_kwargs": {"data_files": {split: rel}},
+        "training_split": None,
+        "validation_split": split if split == "validation" else None,
+        "test_split": split if split == "test" else None,
+        "fewshot_split": split,
+    }
     ov.update(_LOCAL_FIXES.get(task, {}))
     return ov
 
@@ -622,7 +833,9 @@ def _dump_task_yaml(cfg: dict) -> str:
     return yaml.dump(cfg, Dumper=Dumper, sort_keys=False, allow_unicode=True)
 
 
-def write_task_configs(out_dir: str | Path, data_dir: str | Path | None = None) -> dict[str, list[tuple[str, SuiteTask]]]:
+def write_task_configs(
+    out_dir: str | Path, data_dir: str | Path | None = None
+) -> dict[str, list[tuple[str, SuiteTask]]]:
     """Write one task YAML per (suite task, shots) and one group YAML per suite into ``out_dir``; with
     ``data_dir``, also one per plain task name that has a local copy (``arc_easy.yaml``: ``--tasks arc_easy``
     then reads the local data instead of the hub, overriding lm-eval's own definition of that name).
@@ -673,9 +886,12 @@ def write_task_configs(out_dir: str | Path, data_dir: str | Path | None = None) 
                 done.add(name)
             members.append((name, st))
         if members:
-            group = {"group": suite, "task": [m for m, _ in members],
-                     "aggregate_metric_list": [{"metric": tasks[0].metric, "aggregation": "mean", "weight_by_size": False}],
-                     "metadata": {"version": 1.0}}
+            group = {
+                "group": suite,
+                "task": [m for m, _ in members],
+                "aggregate_metric_list": [{"metric": tasks[0].metric, "aggregation": "mean", "weight_by_size": False}],
+                "metadata": {"version": 1.0},
+            }
             (out / f"_{suite}.yaml").write_text(_dump_task_yaml(group))
             written[suite] = members
     if data is not None:  # plain names: lm-eval's task itself on the local copy (its own shots)
@@ -687,6 +903,7 @@ def write_task_configs(out_dir: str | Path, data_dir: str | Path | None = None) 
                 cfg.update(task=task, tag=[])
                 (out / f"{task}.yaml").write_text(_dump_task_yaml(cfg))
     return written
+
 
 def suite_tables(results: dict, suites: dict[str, list[tuple[str, SuiteTask]]], model_name: str = "model") -> str:
     """Markdown tables in the papers' layouts (one row: the model; columns: the tasks; the mean) for
@@ -709,7 +926,7 @@ def suite_tables(results: dict, suites: dict[str, list[tuple[str, SuiteTask]]], 
         if not vals:
             continue
         lines.append(f"**{title}** ({len(vals)} of {len(SUITES[suite][2])} tasks)")
-        lines.append("| Model | " + " | ".join(l for l, _ in cells) + f" | {avg_name} |")
+        lines.append("| Model | " + " | ".join(label for label, _ in cells) + f" | {avg_name} |")
         lines.append("| --- |" + " ---: |" * (len(cells) + 1))
         fmt = [f"{100 * v:.2f}" if isinstance(v, (int, float)) else "–" for _, v in cells]
         lines.append(f"| {model_name} | " + " | ".join(fmt) + f" | {100 * sum(vals) / len(vals):.2f} |")
@@ -718,12 +935,33 @@ def suite_tables(results: dict, suites: dict[str, list[tuple[str, SuiteTask]]], 
 
 
 # ------------------------------------------------------------------------------------------ running
-def run_harness(checkpoint, tasks: list[str], *, loops=None, exit_threshold=None, num_fewshot=None, limit=None,
-                include_path=None, data_dir=None, output_json=None, batch_size=8, device=None, dtype="float32",
-                max_length=None, seed: int = 1234, task_dir=None, include_defaults: bool | None = None,
-                log_samples: bool = False, prefix_token_id: int | None = None, exit: str | None = None,
-                kv_policy: str | None = None, ssm_policy: str | None = None, min_loops: int | None = None,
-                max_loops: int | None = None, allow_deep: bool = False) -> dict:
+def run_harness(
+    checkpoint,
+    tasks: list[str],
+    *,
+    loops=None,
+    exit_threshold=None,
+    num_fewshot=None,
+    limit=None,
+    include_path=None,
+    data_dir=None,
+    output_json=None,
+    batch_size=8,
+    device=None,
+    dtype="float32",
+    max_length=None,
+    seed: int = 1234,
+    task_dir=None,
+    include_defaults: bool | None = None,
+    log_samples: bool = False,
+    prefix_token_id: int | None = None,
+    exit: str | None = None,
+    kv_policy: str | None = None,
+    ssm_policy: str | None = None,
+    min_loops: int | None = None,
+    max_loops: int | None = None,
+    allow_deep: bool = False,
+) -> dict:
     """Evaluate ``checkpoint`` on ``tasks`` (task, group or suite names); returns lm-eval's results dict
     with ``looplm_tables`` (the suites' tables) added, and writes it to ``output_json`` when given.
 
@@ -737,8 +975,14 @@ def run_harness(checkpoint, tasks: list[str], *, loops=None, exit_threshold=None
     depths are in ``adaptive_depth`` (selected / executed depth, their ratio to ``max_loops``)."""
     import tempfile
 
-    check_harness_args(loops=loops, exit_threshold=exit_threshold, num_fewshot=num_fewshot, limit=limit,
-                       batch_size=batch_size, max_length=max_length)
+    check_harness_args(
+        loops=loops,
+        exit_threshold=exit_threshold,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        batch_size=batch_size,
+        max_length=max_length,
+    )
     if log_samples and not output_json:
         raise ValueError("log_samples needs output_json (the samples are written next to it); pass --output-json")
     import lm_eval
@@ -760,26 +1004,64 @@ def run_harness(checkpoint, tasks: list[str], *, loops=None, exit_threshold=None
         raise ValueError(f"unknown task(s) {missing}{hint}")
     if limit is not None and limit >= 1:
         limit = int(limit)
-    lm = LoopLMEvalModel(str(checkpoint), loops=loops, exit_threshold=exit_threshold, dtype=dtype, device=device,
-                         batch_size=batch_size, max_length=max_length, prefix_token_id=prefix_token_id, exit=exit,
-                         kv_policy=kv_policy, ssm_policy=ssm_policy, min_loops=min_loops, max_loops=max_loops,
-                         allow_deep=allow_deep)  # fmt: skip
+    lm = LoopLMEvalModel(
+        str(checkpoint),
+        loops=loops,
+        exit_threshold=exit_threshold,
+        dtype=dtype,
+        device=device,
+        batch_size=batch_size,
+        max_length=max_length,
+        prefix_token_id=prefix_token_id,
+        exit=exit,
+        kv_policy=kv_policy,
+        ssm_policy=ssm_policy,
+        min_loops=min_loops,
+        max_loops=max_loops,
+        allow_deep=allow_deep,
+    )
     t0 = time.perf_counter()
-    results = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                                      task_manager=tm, random_seed=seed, numpy_random_seed=seed,
-                                      torch_random_seed=seed, fewshot_random_seed=seed, log_samples=log_samples)
+    results = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=list(tasks),
+        num_fewshot=num_fewshot,
+        limit=limit,
+        task_manager=tm,
+        random_seed=seed,
+        numpy_random_seed=seed,
+        torch_random_seed=seed,
+        fewshot_random_seed=seed,
+        log_samples=log_samples,
+    )
     if tmp is not None:
         tmp.cleanup()
     ran = {s: m for s, m in suites.items() if s in tasks}
     out = {k: results[k] for k in ("results", "groups", "n-shot", "versions", "n-samples") if k in results}
-    out["config"] = {"checkpoint": str(checkpoint), "tasks": list(tasks), "loops": loops or lm.model.config.n_loops,
-                     "exit_threshold": exit_threshold, "num_fewshot": num_fewshot, "limit": limit,
-                     "data_dir": str(data_dir) if data_dir else None, "max_length": lm.max_length,
-                     "time_s": time.perf_counter() - t0}
+    out["config"] = {
+        "checkpoint": str(checkpoint),
+        "tasks": list(tasks),
+        "loops": loops or lm.model.config.n_loops,
+        "exit_threshold": exit_threshold,
+        "num_fewshot": num_fewshot,
+        "limit": limit,
+        "data_dir": str(data_dir) if data_dir else None,
+        "max_length": lm.max_length,
+        "time_s": time.perf_counter() - t0,
+    }
     out["config"]["prefix_token_id"] = lm.prefix_token_id
     e = lm.decode_options.get("exit")
-    out["config"]["exit"] = None if e is None else {"criterion": e.criterion, "threshold": e.threshold, "kv": e.kv, "ssm": e.ssm,
-                                                    "min_loops": e.min_loops, "max_loops": e.max_loops}  # fmt: skip
+    out["config"]["exit"] = (
+        None
+        if e is None
+        else {
+            "criterion": e.criterion,
+            "threshold": e.threshold,
+            "kv": e.kv,
+            "ssm": e.ssm,
+            "min_loops": e.min_loops,
+            "max_loops": e.max_loops,
+        }
+    )
     if lm.depth_stats:
         out["adaptive_depth"] = dict(lm.depth_stats)
     out["looplm_tables"] = suite_tables(out, ran, model_name=Path(str(checkpoint)).name)

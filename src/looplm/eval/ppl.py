@@ -44,7 +44,9 @@ class PPLResult:
     words: int = 0
     bytes: int = 0
     documents: int = 0
-    depth: dict = field(default_factory=dict)  # exit=: the predicted tokens' depths (adaptive_forward's, token-weighted)
+    depth: dict = field(
+        default_factory=dict
+    )  # exit=: the predicted tokens' depths (adaptive_forward's, token-weighted)
 
     @property
     def token_ppl(self) -> float:
@@ -67,7 +69,13 @@ class PPLResult:
         d = {k: v for k, v in asdict(self).items() if k != "depth"}
         if self.depth:
             d["adaptive_depth"] = dict(self.depth)
-        return {**d, "loss": self.loss, "token_ppl": self.token_ppl, "word_ppl": self.word_ppl, "bits_per_byte": self.bits_per_byte}
+        return {
+            **d,
+            "loss": self.loss,
+            "token_ppl": self.token_ppl,
+            "word_ppl": self.word_ppl,
+            "bits_per_byte": self.bits_per_byte,
+        }
 
 
 def _safe_exp(x: float) -> float:
@@ -141,7 +149,9 @@ def evaluate_documents(
     if hasattr(model, "eval"):
         model.eval()
     autocast = (
-        torch.autocast(device_type=device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+        torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        if precision == "bf16"
+        else contextlib.nullcontext()
     )
     result = PPLResult()
     pending: list[list[int]] = []
@@ -162,11 +172,19 @@ def evaluate_documents(
                 from ..decode.exit_forward import adaptive_forward, add_depth_stats
 
                 lens = torch.tensor([len(w) for w in windows], device=device)
-                mask = torch.arange(L, device=device)[None] < lens[:, None]  # [B, L]: the right-padded windows' own tokens
-                out = adaptive_forward(model, x, exit, attention_mask=None if bool(mask.all()) else mask.long(), full_depth_prefix=1)
+                mask = (
+                    torch.arange(L, device=device)[None] < lens[:, None]
+                )  # [B, L]: the right-padded windows' own tokens
+                out = adaptive_forward(
+                    model, x, exit, attention_mask=None if bool(mask.all()) else mask.long(), full_depth_prefix=1
+                )
                 logits = out.logits
                 add_depth_stats(result.depth, out.stats)
-        return float(F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100, reduction="sum"))
+        return float(
+            F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100, reduction="sum"
+            )
+        )
 
     try:
         for doc in documents:

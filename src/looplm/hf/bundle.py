@@ -54,10 +54,21 @@ ENTRY = "looplm.hf.remote.modeling_looplm"
 ROOTS = (ENTRY, "looplm.hf.remote.configuration_looplm", "looplm.recurrence")  # the rules register in recurrence/
 # looplm's tools: an export's model code must never need them
 NOT_CARRIED = (
-    "looplm.kernels", "looplm.train", "looplm.data", "looplm.eval", "looplm.analysis", "looplm.tasks",
-    "looplm.hf", "looplm.cli", "looplm.bench", "looplm.interop", "looplm.checkpoint_io", "looplm.parallel",
-    "looplm.info", "looplm.utils",
-)  # fmt: skip
+    "looplm.kernels",
+    "looplm.train",
+    "looplm.data",
+    "looplm.eval",
+    "looplm.analysis",
+    "looplm.tasks",
+    "looplm.hf",
+    "looplm.cli",
+    "looplm.bench",
+    "looplm.interop",
+    "looplm.checkpoint_io",
+    "looplm.parallel",
+    "looplm.info",
+    "looplm.utils",
+)
 CARRIED_TOOLS = ("looplm.hf.remote",)  # the remote-code package itself (inside looplm.hf)
 SUBSTITUTES = {"looplm.kernels": "looplm.hf.remote.no_kernels"}  # module -> the source carried in its place
 MANIFEST = "looplm_manifest"
@@ -202,7 +213,7 @@ def _rewrite(name: str, text: str, imports: list[_Import], names: dict[str, str]
     for imp in sorted(imports, key=lambda i: (i.node.lineno, i.node.col_offset), reverse=True):
         n = imp.node
         first, last = n.lineno - 1, n.end_lineno - 1
-        head, tail = lines[first][: n.col_offset], lines[last][n.end_col_offset:]
+        head, tail = lines[first][: n.col_offset], lines[last][n.end_col_offset :]
         if head.strip() or (tail.strip() and not tail.strip().startswith("#")):
             raise BundleError(
                 f"{name} (line {n.lineno}): an import that shares its line with other code cannot be rewritten; "
@@ -284,12 +295,12 @@ def _manifest_text(bundle: Bundle, version: str | None) -> str:
         '"""',
         "",
         "MANIFEST = {",
-        f"    \"looplm_version\": {version!r},",
-        f"    \"source_digest\": {bundle.source_digest!r},",
-        "    \"modules\": {",
+        f'    "looplm_version": {version!r},',
+        f'    "source_digest": {bundle.source_digest!r},',
+        '    "modules": {',
         *[f"        {m!r}: {n!r}," for m, n in bundle.modules.items()],
         "    },",
-        "    \"sources\": {",
+        '    "sources": {',
         *[f"        {m!r}: {s!r}," for m, s in bundle.sources.items()],
         "    },",
         "}",

@@ -27,12 +27,15 @@ def cmd_export_hf(args) -> int:
     refuse_overlap(resolve_checkpoint(args.checkpoint), args.out, "export")  # nor inside the checkpoint it reads
     if args.format == "original":
         if args.loops is not None or args.exit_threshold is not None:
-            raise ValueError("--loops / --exit-threshold are looplm-export options; the original format keeps the "
-                             "model's own total_ut_steps / mean_recurrence and early_exit_threshold")
+            raise ValueError(
+                "--loops / --exit-threshold are looplm-export options; the original format keeps the "
+                "model's own total_ut_steps / mean_recurrence and early_exit_threshold"
+            )
         from .public import export_original
 
-        out = export_original(args.checkpoint, args.out, dtype=args.dtype, reference_code=args.reference_code,
-                              overwrite=args.overwrite)
+        out = export_original(
+            args.checkpoint, args.out, dtype=args.dtype, reference_code=args.reference_code, overwrite=args.overwrite
+        )
         print(f"exported {args.checkpoint} -> {out} (original format: {out / 'config.json'})")
         if args.reference_code:
             print(f"  load with: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)")
@@ -43,11 +46,19 @@ def cmd_export_hf(args) -> int:
         raise ValueError("--reference-code goes with --format original")
     from .export import export_hf
 
-    out = export_hf(args.checkpoint, args.out, num_loops=args.loops, exit_threshold=args.exit_threshold,
-                    dtype=args.dtype, overwrite=args.overwrite)
+    out = export_hf(
+        args.checkpoint,
+        args.out,
+        num_loops=args.loops,
+        exit_threshold=args.exit_threshold,
+        dtype=args.dtype,
+        overwrite=args.overwrite,
+    )
     print(f"exported {args.checkpoint} -> {out}")
-    print(f"  load with: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)"
-          "  (torch + transformers; looplm not needed)")
+    print(
+        f"  load with: AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True)"
+        "  (torch + transformers; looplm not needed)"
+    )
     return 0
 
 
@@ -56,9 +67,17 @@ def cmd_import_hf(args) -> int:
     from .importer import import_hf
 
     overrides = {k: parse_value(v) for k, v in map(split_override, args.set or [])}
-    out = import_hf(args.source, args.out, gguf_file=args.gguf_file, overwrite=args.overwrite, dtype=args.dtype,
-                    allow_nonfinite=args.allow_nonfinite, allow_deep=args.allow_deep, allow_large=args.allow_large,
-                    **overrides)
+    out = import_hf(
+        args.source,
+        args.out,
+        gguf_file=args.gguf_file,
+        overwrite=args.overwrite,
+        dtype=args.dtype,
+        allow_nonfinite=args.allow_nonfinite,
+        allow_deep=args.allow_deep,
+        allow_large=args.allow_large,
+        **overrides,
+    )
     print(f"imported {args.source} -> {out}")
     print(f"  try: looplm generate --checkpoint {out} --prompt 'Hello'")
     return 0
@@ -78,34 +97,66 @@ def register(subparsers) -> None:
     """Add ``export hf`` and ``import hf`` to the ``looplm`` command line."""
     ex = _subparsers(subparsers, "export", "export a checkpoint to another format (hf)")
     if "hf" not in ex.choices:
-        p = ex.add_parser("hf", help="a checkpoint as a Hugging Face model directory (remote code, tokenizer, safetensors)")
+        p = ex.add_parser(
+            "hf", help="a checkpoint as a Hugging Face model directory (remote code, tokenizer, safetensors)"
+        )
         p.add_argument("checkpoint", help="checkpoint directory, or a run directory (newest complete checkpoint)")
         p.add_argument("out", help="output directory (must be empty unless --overwrite)")
-        p.add_argument("--loops", type=int, default=None, help="default loop count r in the exported config (default: trained K)")
+        p.add_argument(
+            "--loops", type=int, default=None, help="default loop count r in the exported config (default: trained K)"
+        )
         p.add_argument("--exit-threshold", type=float, default=None, help="default exit threshold q (exit-gate rules)")
         p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="cast the weights")
-        p.add_argument("--format", choices=["looplm", "original"], default="looplm",
-                       help="looplm: remote-code export of any model (default); original: an Ouro, Huginn or Nanbeige model in "
-                            "its own format (config.json fields and tensor names of its release)")
-        p.add_argument("--reference-code", default=None, metavar="DIR",
-                       help="with --format original: copy the original modelling files from DIR (auto_map)")
+        p.add_argument(
+            "--format",
+            choices=["looplm", "original"],
+            default="looplm",
+            help="looplm: remote-code export of any model (default); original: an Ouro, Huginn or Nanbeige model in "
+            "its own format (config.json fields and tensor names of its release)",
+        )
+        p.add_argument(
+            "--reference-code",
+            default=None,
+            metavar="DIR",
+            help="with --format original: copy the original modelling files from DIR (auto_map)",
+        )
         p.add_argument("--overwrite", action="store_true")
         p.set_defaults(func=cmd_export_hf)
     im = _subparsers(subparsers, "import", "import a checkpoint from another format (hf)")
     if "hf" not in im.choices:
-        p = im.add_parser("hf", help="a Hugging Face directory (looplm export, Llama, Qwen3, Mamba-2, Ouro, Huginn, Nanbeige, GGUF) as a looplm checkpoint")
+        p = im.add_parser(
+            "hf",
+            help="a Hugging Face directory (looplm export, Llama, Qwen3, Mamba-2, Ouro, Huginn, Nanbeige, GGUF) as a looplm checkpoint",
+        )
         p.add_argument("source", help="model directory (config.json + safetensors), or a .gguf file")
         p.add_argument("out", help="output checkpoint directory")
         p.add_argument("--gguf-file", default=None, help="the GGUF file inside SOURCE to load (needs the gguf package)")
-        p.add_argument("--set", action="append", metavar="KEY=VALUE",
-                       help="change the imported config before the weights are copied (e.g. n_loops=2)")
-        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                       help="dtype of the imported weights (default: float32)")
+        p.add_argument(
+            "--set",
+            action="append",
+            metavar="KEY=VALUE",
+            help="change the imported config before the weights are copied (e.g. n_loops=2)",
+        )
+        p.add_argument(
+            "--dtype",
+            choices=["float32", "bfloat16", "float16"],
+            default=None,
+            help="dtype of the imported weights (default: float32)",
+        )
         p.add_argument("--overwrite", action="store_true")
-        p.add_argument("--allow-nonfinite", action="store_true",
-                       help="import weights holding NaN / inf (refused otherwise; for studying broken checkpoints)")
-        p.add_argument("--allow-deep", action="store_true",
-                       help="import a loop count above 4096 (total_ut_steps, mean_recurrence, n_loops); refused otherwise")
-        p.add_argument("--allow-large", action="store_true",
-                       help="import a model whose parameters exceed this machine's available memory (or LOOPLM_ALLOW_LARGE=1)")
+        p.add_argument(
+            "--allow-nonfinite",
+            action="store_true",
+            help="import weights holding NaN / inf (refused otherwise; for studying broken checkpoints)",
+        )
+        p.add_argument(
+            "--allow-deep",
+            action="store_true",
+            help="import a loop count above 4096 (total_ut_steps, mean_recurrence, n_loops); refused otherwise",
+        )
+        p.add_argument(
+            "--allow-large",
+            action="store_true",
+            help="import a model whose parameters exceed this machine's available memory (or LOOPLM_ALLOW_LARGE=1)",
+        )
         p.set_defaults(func=cmd_import_hf)

@@ -81,19 +81,30 @@ def export_hf(
         tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     gated = "exit_threshold" in getattr(model.rule, "loop_options", ())  # the rule reads an exit threshold
     if exit_threshold is not None and not gated:
-        raise ValueError(f"exit_threshold {exit_threshold}: this model has no exit gate (its recurrence rule is "
-                         f"{model.config.rule.name!r}); leave it out")
-    if exit_threshold is not None and (isinstance(exit_threshold, bool) or not isinstance(exit_threshold, (int, float))
-                                       or not 0.0 <= exit_threshold <= 1.0):  # NaN fails too (and is not JSON)
-        raise ValueError(f"exit_threshold must be a number in [0, 1] (the exit gate's rule: options.threshold), "
-                         f"got {exit_threshold!r}")
+        raise ValueError(
+            f"exit_threshold {exit_threshold}: this model has no exit gate (its recurrence rule is "
+            f"{model.config.rule.name!r}); leave it out"
+        )
+    if exit_threshold is not None and (
+        isinstance(exit_threshold, bool)
+        or not isinstance(exit_threshold, (int, float))
+        or not 0.0 <= exit_threshold <= 1.0
+    ):  # NaN fails too (and is not JSON)
+        raise ValueError(
+            f"exit_threshold must be a number in [0, 1] (the exit gate's rule: options.threshold), "
+            f"got {exit_threshold!r}"
+        )
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory")
+        raise FileExistsError(
+            f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory"
+        )
     if num_loops is not None and (isinstance(num_loops, bool) or not isinstance(num_loops, int) or num_loops < 1):
         raise ValueError(f"num_loops must be an int >= 1, got {num_loops!r}")
     dt_ = getattr(torch, str(dtype).removeprefix("torch."), None) if dtype is not None else None
-    if dtype is not None and not (isinstance(dt_, torch.dtype) and dt_.is_floating_point):  # int8 would truncate every weight
+    if dtype is not None and not (
+        isinstance(dt_, torch.dtype) and dt_.is_floating_point
+    ):  # int8 would truncate every weight
         raise ValueError(f"dtype must be a floating-point torch dtype such as 'bfloat16', got {dtype!r}")
     out.mkdir(parents=True, exist_ok=True)
     for stale in [*out.glob("looplm_*.py"), out / "modeling_looplm.py", out / "configuration_looplm.py"]:

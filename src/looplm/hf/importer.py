@@ -32,10 +32,27 @@ from pathlib import Path
 import torch
 
 from .export import PREFIX
-from .weights import (INDEX_FILE, MAX_IMPORT_LOOPS, _read_json, preflight, read_shapes, refuse_mismatch,
-                      refuse_overlap, weight_files)
+from .weights import (
+    INDEX_FILE,
+    MAX_IMPORT_LOOPS,
+    _read_json,
+    preflight,
+    read_shapes,
+    refuse_mismatch,
+    refuse_overlap,
+    weight_files,
+)
 
-__all__ = ["MAX_IMPORT_LOOPS", "import_hf", "preflight", "write_checkpoint", "read_export", "weight_files", "read_shapes"]
+__all__ = [
+    "MAX_IMPORT_LOOPS",
+    "import_hf",
+    "preflight",
+    "write_checkpoint",
+    "read_export",
+    "weight_files",
+    "read_shapes",
+]
+
 
 def write_checkpoint(out: str | Path, model, tokenizer, *, extra: dict | None = None, overwrite: bool = False) -> Path:
     """Write ``model`` (a ``LoopedLM``) and ``tokenizer`` as a complete looplm checkpoint directory."""
@@ -48,7 +65,9 @@ def write_checkpoint(out: str | Path, model, tokenizer, *, extra: dict | None = 
 
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory")
+        raise FileExistsError(
+            f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory"
+        )
     held = looplm_contents(out)
     if held in ("run", "training checkpoint"):  # overwriting an earlier import is what --overwrite is for
         raise FileExistsError(
@@ -69,8 +88,12 @@ def write_checkpoint(out: str | Path, model, tokenizer, *, extra: dict | None = 
     if model.config.tie_embeddings:  # the tied head is the embedding: stored once (checkpoint_io.with_tied_head)
         del sd["lm_head.weight"]
     save_file(sd, str(out / MODEL_FILE), metadata={"format": "pt", "step": "0"})
-    record = {"model": model.config.to_dict(), "tokenizer": tok_spec,
-              "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer), **(extra or {})}
+    record = {
+        "model": model.config.to_dict(),
+        "tokenizer": tok_spec,
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        **(extra or {}),
+    }
     (out / CONFIG_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
     import yaml
 
@@ -116,12 +139,16 @@ def read_export(src: str | Path, *, allow_deep: bool = False, allow_large: bool 
     model = build_for_loading(mcfg)  # on meta: the file's tensors become it
     files = weight_files(src)
     tied = model.config.tie_embeddings
-    expected = {PREFIX + k: tuple(v.shape) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    expected = {
+        PREFIX + k: tuple(v.shape) for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")
+    }
     shapes = read_shapes(files)
     if tied:
         shapes.pop(PREFIX + "lm_head.weight", None)  # an export stores a tied head once; an extra copy is harmless
     refuse_mismatch(
-        src, [k for k in expected if k not in shapes], [k for k in shapes if k not in expected],
+        src,
+        [k for k in expected if k not in shapes],
+        [k for k in shapes if k not in expected],
         [(k, shapes[k], expected[k]) for k in expected if k in shapes and shapes[k] != expected[k]],
         what=f"its looplm config ({model.config.name})",
     )
@@ -145,8 +172,10 @@ def read_export(src: str | Path, *, allow_deep: bool = False, allow_large: bool 
         try:
             backend = PreTrainedTokenizerFast.from_pretrained(str(src), trust_remote_code=False)
         except Exception as e:  # transformers' TypeError / ValueError about a field, naming no file
-            raise ValueError(f"the tokenizer of looplm export {str(src)!r} could not be loaded ({_first_line(e)}): "
-                             "tokenizer_config.json or special_tokens_map.json holds a value of the wrong kind") from e
+            raise ValueError(
+                f"the tokenizer of looplm export {str(src)!r} could not be loaded ({_first_line(e)}): "
+                "tokenizer_config.json or special_tokens_map.json holds a value of the wrong kind"
+            ) from e
         tok = HFTokenizer(backend, str(src), kind="transformers")
     return model.eval(), tok
 
@@ -186,15 +215,24 @@ def _load_transformers(src: Path, gguf_file: str | None):
     try:
         with _transformers_errors_only():
             hf_model, info = AutoModelForCausalLM.from_pretrained(
-                str(src), dtype=torch.float32, output_loading_info=True, ignore_mismatched_sizes=True,
-                trust_remote_code=False, **kw
+                str(src),
+                dtype=torch.float32,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,
+                trust_remote_code=False,
+                **kw,
             )
     except Exception as e:  # transformers' and the file readers' own types; one line naming the source instead
         raise ValueError(f"{what} could not be loaded ({_first_line(e)}): {fix}") from e
     # mismatched_keys: (name, shape in the file, shape of the model) with ignore_mismatched_sizes
     mismatched = [(m[0], tuple(m[1]), tuple(m[2])) for m in info.get("mismatched_keys") or ()]
-    refuse_mismatch(src / gguf_file if gguf_file else src, info.get("missing_keys") or (),
-                    info.get("unexpected_keys") or (), mismatched, what=f"its {hf_model.config.model_type} config")
+    refuse_mismatch(
+        src / gguf_file if gguf_file else src,
+        info.get("missing_keys") or (),
+        info.get("unexpected_keys") or (),
+        mismatched,
+        what=f"its {hf_model.config.model_type} config",
+    )
     if info.get("error_msgs"):
         raise ValueError(f"{what}: transformers reported errors while loading the weights: {info['error_msgs'][:3]}")
     try:
@@ -204,9 +242,18 @@ def _load_transformers(src: Path, gguf_file: str | None):
     return hf_model.eval(), hf_tok
 
 
-def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None, overwrite: bool = False,
-              dtype: str | torch.dtype | None = None, allow_nonfinite: bool = False, allow_deep: bool = False,
-              allow_large: bool = False, **overrides) -> Path:
+def import_hf(
+    src: str | Path,
+    out: str | Path,
+    *,
+    gguf_file: str | None = None,
+    overwrite: bool = False,
+    dtype: str | torch.dtype | None = None,
+    allow_nonfinite: bool = False,
+    allow_deep: bool = False,
+    allow_large: bool = False,
+    **overrides,
+) -> Path:
     """Convert a Hugging Face model directory (or ``src`` = a ``.gguf`` file) into a looplm checkpoint at ``out``.
 
     ``overrides`` change the imported config before the weights are copied (``n_loops=2`` loops the
@@ -227,11 +274,15 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
         raise FileNotFoundError(f"{str(src)!r} is not a Hugging Face model directory (or a .gguf file)")
     refuse_overlap(src, out, "import")
     if Path(out).exists() and any(Path(out).iterdir()) and not overwrite:  # before loading anything
-        raise FileExistsError(f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory")
+        raise FileExistsError(
+            f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory"
+        )
     loops = overrides.get("n_loops")
     if isinstance(loops, int) and not isinstance(loops, bool) and loops > MAX_IMPORT_LOOPS and not allow_deep:
-        raise ValueError(f"n_loops = {loops:,} (--set) is more than {MAX_IMPORT_LOOPS:,} loops: decoding would not "
-                         "finish. If it is meant, pass allow_deep=True (--allow-deep)")
+        raise ValueError(
+            f"n_loops = {loops:,} (--set) is more than {MAX_IMPORT_LOOPS:,} loops: decoding would not "
+            "finish. If it is meant, pass allow_deep=True (--allow-deep)"
+        )
     cfg_path = src / "config.json"
     from .weights import refuse_dangling
 
@@ -250,8 +301,9 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
     elif gguf_file is None and _public_family(hf_cfg) is not None:
         from .public import load_public
 
-        model, tok, origin = load_public(src, dtype=_dtype(dtype), allow_deep=allow_deep, allow_large=allow_large,
-                                         **overrides)
+        model, tok, origin = load_public(
+            src, dtype=_dtype(dtype), allow_deep=allow_deep, allow_large=allow_large, **overrides
+        )
     else:
         if gguf_file is None and not cfg_path.is_file():
             ggufs = sorted(src.glob("*.gguf"))
@@ -280,10 +332,13 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
 
         hf_model, hf_tok = _load_transformers(src, gguf_file)
         model = from_transformers(hf_model, **overrides).eval()
-        tok = HFTokenizer(hf_tok, str(src), kind="transformers",
-                          eos_token=None if hf_tok.eos_token else _guess_eos(hf_tok))
-        origin = {"imported_from": str(src.resolve()) + (f"/{gguf_file}" if gguf_file else ""),
-                  "imported_kind": hf_model.config.model_type}
+        tok = HFTokenizer(
+            hf_tok, str(src), kind="transformers", eos_token=None if hf_tok.eos_token else _guess_eos(hf_tok)
+        )
+        origin = {
+            "imported_from": str(src.resolve()) + (f"/{gguf_file}" if gguf_file else ""),
+            "imported_kind": hf_model.config.model_type,
+        }
     if dtype is not None:
         model = model.to(_dtype(dtype))
     # after the cast: an fp16 cast of large weights overflows to inf
@@ -298,9 +353,22 @@ def import_hf(src: str | Path, out: str | Path, *, gguf_file: str | None = None,
 
 
 # integer fields of a transformers config.json that must be positive where present (Llama / Qwen3 / Mamba-2)
-_POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "head_dim", "max_position_embeddings", "state_size", "expand", "num_heads",
-                  "n_groups", "conv_kernel", "chunk_size")
+_POSITIVE_INTS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "state_size",
+    "expand",
+    "num_heads",
+    "n_groups",
+    "conv_kernel",
+    "chunk_size",
+)
 
 
 def _check_transformers_config(c: dict, path: Path, *, allow_large: bool = False) -> None:
@@ -316,8 +384,15 @@ def _check_transformers_config(c: dict, path: Path, *, allow_large: bool = False
             errs.append(f"{f}: must be a positive integer, got {v!r}")
     for f in ("torch_dtype", "dtype"):  # transformers reads it as getattr(torch, name): a bad one fails far off
         v = c.get(f)
-        if v is not None and v != "auto" and not (isinstance(v, str) and isinstance(getattr(torch, v, None), torch.dtype)
-                                                  and getattr(torch, v).is_floating_point):
+        if (
+            v is not None
+            and v != "auto"
+            and not (
+                isinstance(v, str)
+                and isinstance(getattr(torch, v, None), torch.dtype)
+                and getattr(torch, v).is_floating_point
+            )
+        ):
             errs.append(f"{f}: must name a floating-point torch dtype (float32, bfloat16, float16) or auto, got {v!r}")
     if errs:
         raise ConfigError(errs, f"model config {str(path)!r}")
@@ -330,8 +405,12 @@ def _check_transformers_config(c: dict, path: Path, *, allow_large: bool = False
     else:
         layer = 2 * d * H * hd + 2 * d * kv * hd + 3 * d * (c.get("intermediate_size") or 0)
     n = V * d * (1 if c.get("tie_word_embeddings") else 2) + L * layer
-    check_fits(2 * 4 * n, f"the model of {str(path)!r} (fp32, loaded by transformers then copied)", allow=allow_large,
-               flag="--allow-large")
+    check_fits(
+        2 * 4 * n,
+        f"the model of {str(path)!r} (fp32, loaded by transformers then copied)",
+        allow=allow_large,
+        flag="--allow-large",
+    )
 
 
 def _public_family(hf_cfg: dict) -> str | None:

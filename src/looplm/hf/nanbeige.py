@@ -33,19 +33,59 @@ import torch
 
 FAMILY = "nanbeige"
 ARCHITECTURE = "NanbeigeForCausalLM"
-AUTO_MAP = {"AutoConfig": "configuration_nanbeige.NanbeigeConfig", "AutoModel": "modeling_nanbeige.NanbeigeModel",
-            "AutoModelForCausalLM": "modeling_nanbeige.NanbeigeForCausalLM"}
+AUTO_MAP = {
+    "AutoConfig": "configuration_nanbeige.NanbeigeConfig",
+    "AutoModel": "modeling_nanbeige.NanbeigeModel",
+    "AutoModelForCausalLM": "modeling_nanbeige.NanbeigeForCausalLM",
+}
 
 # fields of the plain looped architecture (read below, or inert for inference)
 _PLAIN = {
-    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "kv_channels", "hidden_act", "max_position_embeddings", "rope_theta", "rope_scaling", "rope_parameters",
-    "attention_bias", "attention_dropout", "mlp_bias", "rms_norm_eps", "num_loops", "loop_loss_weights",
-    "skip_loop_final_norm", "pretraining_tp", "tie_word_embeddings", "initializer_range", "use_cache",
-    "bos_token_id", "eos_token_id", "pad_token_id", "model_type", "architectures", "auto_map", "torch_dtype", "dtype",
-    "transformers_version", "_name_or_path", "return_dict", "output_attentions", "output_hidden_states", "id2label",
-    "label2id", "problem_type", "chunk_size_feed_forward", "is_encoder_decoder", "tokenizer_class",
-    "total_ut_steps", "early_exit_threshold",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "kv_channels",
+    "hidden_act",
+    "max_position_embeddings",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "attention_bias",
+    "attention_dropout",
+    "mlp_bias",
+    "rms_norm_eps",
+    "num_loops",
+    "loop_loss_weights",
+    "skip_loop_final_norm",
+    "pretraining_tp",
+    "tie_word_embeddings",
+    "initializer_range",
+    "use_cache",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "model_type",
+    "architectures",
+    "auto_map",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "_name_or_path",
+    "return_dict",
+    "output_attentions",
+    "output_hidden_states",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "tokenizer_class",
+    "total_ut_steps",
+    "early_exit_threshold",
 }
 
 # features this port does not implement: field -> (is it on?, what it is). Refused when on, naming the field.
@@ -68,16 +108,31 @@ _FEATURES: dict[str, tuple[Any, str]] = {
 _NGRAM = ("emb_neighbor_num", "emb_split_num", "ngram_vocab_size_ratio")
 # sub-options that do nothing while their feature is off
 _INERT = {
-    *_NGRAM, "emb_tp_num", "ngram_layer_downproject_size", "ngram_embedding_hidden_size", "ngram_fused_mode",
-    "ngram_mod_force_prime", "ngram_compressed_tokenizer", "skip_ngram_for_input", "num_residual_streams",
-    "mhc_sinkhorn_iterations", "mhc_init_gating_factor", "enable_h_res_identity", "mhc_identity_nohresparam",
-    "depth_attention_stride", "loop_middle_layers",
+    *_NGRAM,
+    "emb_tp_num",
+    "ngram_layer_downproject_size",
+    "ngram_embedding_hidden_size",
+    "ngram_fused_mode",
+    "ngram_mod_force_prime",
+    "ngram_compressed_tokenizer",
+    "skip_ngram_for_input",
+    "num_residual_streams",
+    "mhc_sinkhorn_iterations",
+    "mhc_init_gating_factor",
+    "enable_h_res_identity",
+    "mhc_identity_nohresparam",
+    "depth_attention_stride",
+    "loop_middle_layers",
 }
 
 
 def _off(v) -> bool:
-    return v is None or v is False or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0) \
+    return (
+        v is None
+        or v is False
+        or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
         or (isinstance(v, (str, list, tuple, dict)) and len(v) == 0)
+    )
 
 
 def _rope_theta(c: dict, errs: list[str]) -> float:
@@ -92,7 +147,9 @@ def _rope_theta(c: dict, errs: list[str]) -> float:
             continue
         kind = rs.get("rope_type", rs.get("type"))
         if kind not in (None, "default"):
-            errs.append(f"{field} with rope_type {kind!r} (scaled RoPE) is not supported: plain RoPE only (rope_scaling: null)")
+            errs.append(
+                f"{field} with rope_type {kind!r} (scaled RoPE) is not supported: plain RoPE only (rope_scaling: null)"
+            )
         if rs.get("rope_theta") is not None:
             if theta is not None and float(rs["rope_theta"]) != float(theta):
                 errs.append(f"{field}.rope_theta={rs['rope_theta']} disagrees with rope_theta={theta}")
@@ -111,12 +168,30 @@ def config_dict(c: dict, errs: list[str]) -> dict:
     from transformers import PretrainedConfig
 
     # (looplm.hf.public imports this module: its helpers are not imported back, the checks are written here)
-    for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "rms_norm_eps", "max_position_embeddings"):
+    for f in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "rms_norm_eps",
+        "max_position_embeddings",
+    ):
         if c.get(f) is None:
             errs.append(f"missing field {f!r}")
-    for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-              "num_key_value_heads", "head_dim", "kv_channels", "max_position_embeddings", "num_loops", "pretraining_tp"):
+    for f in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "kv_channels",
+        "max_position_embeddings",
+        "num_loops",
+        "pretraining_tp",
+    ):
         v = c.get(f)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             errs.append(f"{f} must be a positive integer, got {v!r}")
@@ -125,11 +200,15 @@ def config_dict(c: dict, errs: list[str]) -> dict:
         errs.append(f"rms_norm_eps must be a positive number, got {v!r}")
     for field, (on, what) in _FEATURES.items():
         if field in c and on(c[field]):
-            errs.append(f"{field}={c[field]!r}: {what} is not implemented by looplm's Nanbeige port; "
-                        "only checkpoints that leave it off load")
+            errs.append(
+                f"{field}={c[field]!r}: {what} is not implemented by looplm's Nanbeige port; "
+                "only checkpoints that leave it off load"
+            )
     if all(c.get(f) is not None for f in _NGRAM):
-        errs.append(f"{' / '.join(_NGRAM)} = {[c[f] for f in _NGRAM]}: n-gram embeddings are not implemented by "
-                    "looplm's Nanbeige port; only checkpoints that leave them off (any of the three null) load")
+        errs.append(
+            f"{' / '.join(_NGRAM)} = {[c[f] for f in _NGRAM]}: n-gram embeddings are not implemented by "
+            "looplm's Nanbeige port; only checkpoints that leave them off (any of the three null) load"
+        )
     if c.get("hidden_act", "silu") != "silu":
         errs.append(f"hidden_act {c['hidden_act']!r} is not supported (silu: SwiGLU)")
     skip = c.get("skip_loop_final_norm", False)
@@ -138,8 +217,10 @@ def config_dict(c: dict, errs: list[str]) -> dict:
     known = _PLAIN | set(_FEATURES) | _INERT | set(PretrainedConfig().to_dict())
     for field in sorted(set(c) - known):
         if not _off(c[field]):
-            errs.append(f"{field}={c[field]!r} is not a field looplm's Nanbeige port knows (it may change the math); "
-                        "remove it from config.json if it does not")
+            errs.append(
+                f"{field}={c[field]!r} is not a field looplm's Nanbeige port knows (it may change the math); "
+                "remove it from config.json if it does not"
+            )
     theta = _rope_theta(c, errs)
     if errs:
         return {}
@@ -164,14 +245,18 @@ def config_dict(c: dict, errs: list[str]) -> dict:
     return dict(
         name="nanbeige",
         description=f"Nanbeige (model_type nanbeige): {L} Llama pre-norm layers looped {K} times with shared weights, "
-                    + ("the final norm once at the end" if skip else "the final norm after every pass"),
+        + ("the final norm once at the end" if skip else "the final norm after every pass"),
         vocab_size=int(c["vocab_size"]),
         d_model=d,
-        n_prelude=0, n_core=L, n_loops=K, n_coda=0,
+        n_prelude=0,
+        n_core=L,
+        n_loops=K,
+        n_coda=0,
         d_ff=int(c["intermediate_size"]),
         norm_placement="pre",
-        attention=dict(n_heads=heads, n_kv_heads=kv, head_dim=hd, rope_theta=theta,
-                       rope_precision="fp32"),  # its modelling code computes θ^(-2i/hd) in fp32
+        attention=dict(
+            n_heads=heads, n_kv_heads=kv, head_dim=hd, rope_theta=theta, rope_precision="fp32"
+        ),  # its modelling code computes θ^(-2i/hd) in fp32
         rule=dict(name="vanilla", options=dict(inter_norm=not skip)),
         norm_eps=float(c["rms_norm_eps"]),
         tie_embeddings=bool(c.get("tie_word_embeddings", True)),  # PretrainedConfig's default
@@ -211,9 +296,17 @@ def misfit(cfg) -> list[str]:
 # ------------------------------------------------------------------------------------------------
 
 # theirs (under model.layers.i.) -> ours (under core.stack.blocks.i.)
-_LAYER = {"self_attn.q_proj": "mixer.q_proj", "self_attn.k_proj": "mixer.k_proj", "self_attn.v_proj": "mixer.v_proj",
-          "self_attn.o_proj": "mixer.o_proj", "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj",
-          "mlp.down_proj": "mlp.down_proj", "input_layernorm": "mixer_norm", "post_attention_layernorm": "mlp_norm"}
+_LAYER = {
+    "self_attn.q_proj": "mixer.q_proj",
+    "self_attn.k_proj": "mixer.k_proj",
+    "self_attn.v_proj": "mixer.v_proj",
+    "self_attn.o_proj": "mixer.o_proj",
+    "mlp.gate_proj": "mlp.gate_proj",
+    "mlp.up_proj": "mlp.up_proj",
+    "mlp.down_proj": "mlp.down_proj",
+    "input_layernorm": "mixer_norm",
+    "post_attention_layernorm": "mlp_norm",
+}
 
 
 def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
@@ -223,10 +316,17 @@ def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
     out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, d)}
     for i in range(cfg.n_core):
         p = f"model.layers.{i}."
-        out |= {p + "self_attn.q_proj.weight": (H * hd, d), p + "self_attn.k_proj.weight": (kv * hd, d),
-                p + "self_attn.v_proj.weight": (kv * hd, d), p + "self_attn.o_proj.weight": (d, H * hd),
-                p + "mlp.gate_proj.weight": (ff, d), p + "mlp.up_proj.weight": (ff, d), p + "mlp.down_proj.weight": (d, ff),
-                p + "input_layernorm.weight": (d,), p + "post_attention_layernorm.weight": (d,)}
+        out |= {
+            p + "self_attn.q_proj.weight": (H * hd, d),
+            p + "self_attn.k_proj.weight": (kv * hd, d),
+            p + "self_attn.v_proj.weight": (kv * hd, d),
+            p + "self_attn.o_proj.weight": (d, H * hd),
+            p + "mlp.gate_proj.weight": (ff, d),
+            p + "mlp.up_proj.weight": (ff, d),
+            p + "mlp.down_proj.weight": (d, ff),
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+        }
     out["model.norm.weight"] = (d,)
     if not cfg.tie_embeddings:
         out["lm_head.weight"] = (V, d)
@@ -235,7 +335,10 @@ def expected_shapes(cfg) -> dict[str, tuple[int, ...]]:
 
 def derived(cfg) -> tuple[str, ...]:
     """RoPE buffers a checkpoint may carry (persistent in some re-saved copies): not weights, recomputed."""
-    return ("model.rotary_emb.inv_freq", *(f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(cfg.n_core)))
+    return (
+        "model.rotary_emb.inv_freq",
+        *(f"model.layers.{i}.self_attn.rotary_emb.inv_freq" for i in range(cfg.n_core)),
+    )
 
 
 def to_looplm_state(cfg, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -263,17 +366,34 @@ def to_original_state(cfg, sd: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 def original_config(cfg, tok, dtype: str) -> dict:
     """``config.json`` with the release's field names (Nanbeige4.2-3B's field set, every optional feature off)."""
     a = cfg.attention
-    ids = {"pad_token_id": tok.pad_id, "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id} if tok is not None else {}
+    ids = (
+        {"pad_token_id": tok.pad_id, "bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id} if tok is not None else {}
+    )
     return {
-        "architectures": [ARCHITECTURE], "model_type": FAMILY,
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
-        "num_hidden_layers": cfg.n_core, "num_attention_heads": a.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim, "kv_channels": cfg.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_seq_len, "rope_theta": a.rope_theta, "rope_scaling": None,
-        "attention_bias": False, "attention_dropout": 0.0, "rms_norm_eps": cfg.norm_eps,
-        "num_loops": cfg.n_loops, "loop_loss_weights": [],
+        "architectures": [ARCHITECTURE],
+        "model_type": FAMILY,
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.d_model,
+        "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_core,
+        "num_attention_heads": a.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "kv_channels": cfg.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq_len,
+        "rope_theta": a.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "rms_norm_eps": cfg.norm_eps,
+        "num_loops": cfg.n_loops,
+        "loop_loss_weights": [],
         "skip_loop_final_norm": not cfg.rule.options.get("inter_norm", False),
-        "pretraining_tp": 1, "tie_word_embeddings": cfg.tie_embeddings, **ids, "torch_dtype": dtype,
+        "pretraining_tp": 1,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        **ids,
+        "torch_dtype": dtype,
     }
 
 
@@ -301,6 +421,12 @@ def last_pass_agreement(model, ids: torch.Tensor, thresholds=(1e-3, 1e-2, 5e-2, 
     real = torch.ones_like(kl, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
     kl, top1 = kl[real], (lp[0].argmax(-1) == lp[1].argmax(-1))[real]
     q = torch.quantile(kl.double(), torch.tensor([0.5, 0.9], dtype=torch.float64))
-    return {"tokens": int(kl.numel()), "passes": (K - 1, K), "kl_mean": float(kl.mean()), "kl_median": float(q[0]),
-            "kl_p90": float(q[1]), "top1_agreement": float(top1.float().mean()),
-            "below": {float(e): float((kl < e).float().mean()) for e in thresholds}}
+    return {
+        "tokens": int(kl.numel()),
+        "passes": (K - 1, K),
+        "kl_mean": float(kl.mean()),
+        "kl_median": float(q[0]),
+        "kl_p90": float(q[1]),
+        "top1_agreement": float(top1.float().mean()),
+        "below": {float(e): float((kl < e).float().mean()) for e in thresholds},
+    }

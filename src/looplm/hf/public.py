@@ -105,9 +105,24 @@ def _require(c: dict, fields: list[str | tuple[str, ...]], errs: list[str]) -> N
 
 # sizes that must be >= 1 where present (0 heads would divide by zero, 0 layers / loops build nothing);
 # the layer counts of Huginn's prelude and coda may be 0
-_POSITIVE = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "head_dim", "max_position_embeddings", "total_ut_steps", "sliding_window",
-             "n_embd", "n_heads", "padded_vocab_size", "n_layers_in_recurrent_block", "mean_recurrence", "block_size")
+_POSITIVE = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "total_ut_steps",
+    "sliding_window",
+    "n_embd",
+    "n_heads",
+    "padded_vocab_size",
+    "n_layers_in_recurrent_block",
+    "mean_recurrence",
+    "block_size",
+)
 
 
 def _types(c: dict, ints: tuple[str, ...], numbers: tuple[str, ...], errs: list[str]) -> None:
@@ -145,19 +160,51 @@ def _ouro_rope(c: dict, errs: list[str]) -> tuple[float, dict | None]:
         errs.append("rope_theta is null (the RoPE base is needed)")
         return 10000.0, None
     try:
-        return _rope_params(SimpleNamespace(rope_theta=c.get("rope_theta", 10000.0), rope_scaling=c.get("rope_scaling"),
-                                            rope_parameters=c.get("rope_parameters")))
+        return _rope_params(
+            SimpleNamespace(
+                rope_theta=c.get("rope_theta", 10000.0),
+                rope_scaling=c.get("rope_scaling"),
+                rope_parameters=c.get("rope_parameters"),
+            )
+        )
     except (ValueError, KeyError, TypeError, AttributeError) as e:  # AttributeError: a string where a mapping goes
         errs.append(f"rope_scaling {c.get('rope_scaling')!r}: {e}")
         return float(c.get("rope_theta", 10000.0)), None
 
 
 def _ouro_config(c: dict, errs: list[str]) -> dict:
-    _require(c, ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                 "rms_norm_eps", "max_position_embeddings", "total_ut_steps"], errs)
-    _types(c, ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-               "num_key_value_heads", "head_dim", "max_position_embeddings", "total_ut_steps", "sliding_window",
-               "max_window_layers"), ("rms_norm_eps", "rope_theta"), errs)
+    _require(
+        c,
+        [
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "rms_norm_eps",
+            "max_position_embeddings",
+            "total_ut_steps",
+        ],
+        errs,
+    )
+    _types(
+        c,
+        (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "total_ut_steps",
+            "sliding_window",
+            "max_window_layers",
+        ),
+        ("rms_norm_eps", "rope_theta"),
+        errs,
+    )
     _bools(c, ("tie_word_embeddings", "use_sliding_window", "attention_bias"), errs)
     if errs:
         return {}
@@ -198,7 +245,10 @@ def _ouro_config(c: dict, errs: list[str]) -> dict:
         description=f"Ouro (model_type ouro): {L} sandwich-norm layers looped {K} times, learned exit gate on the normed state",
         vocab_size=int(c["vocab_size"]),
         d_model=int(c["hidden_size"]),
-        n_prelude=0, n_core=L, n_loops=K, n_coda=0,
+        n_prelude=0,
+        n_core=L,
+        n_loops=K,
+        n_coda=0,
         d_ff=int(c["intermediate_size"]),
         norm_placement="sandwich",
         attention=dict(
@@ -211,8 +261,10 @@ def _ouro_config(c: dict, errs: list[str]) -> dict:
             sliding_window=int(window) if window is not None and sliding else None,
             sliding_layer_idx=sliding if window is not None else [],
         ),
-        rule=dict(name="exit_gate", options=dict(gate_norm=True, inter_norm=True, threshold=float(q),
-                                                 objective="expected_logits", beta=0.0)),
+        rule=dict(
+            name="exit_gate",
+            options=dict(gate_norm=True, inter_norm=True, threshold=float(q), objective="expected_logits", beta=0.0),
+        ),
         norm_eps=float(c["rms_norm_eps"]),
         tie_embeddings=bool(c.get("tie_word_embeddings", False)),
         max_seq_len=int(c["max_position_embeddings"]),
@@ -226,22 +278,60 @@ def huginn_values(c: dict) -> dict:
     heads = int(_get(c, "num_attention_heads", "n_heads"))
     iv = c.get("init_values") or {}
     return dict(
-        d=d, heads=heads, kv=int(_get(c, "num_key_value_heads", default=heads)), hd=d // heads,
+        d=d,
+        heads=heads,
+        kv=int(_get(c, "num_key_value_heads", default=heads)),
+        hd=d // heads,
         vocab=int(_get(c, "padded_vocab_size", "vocab_size")),
-        std=float(iv.get("std", math.sqrt(2 / (5 * d)))), embed_scale=float(iv.get("embed_scale", math.sqrt(d))),
+        std=float(iv.get("std", math.sqrt(2 / (5 * d)))),
+        embed_scale=float(iv.get("embed_scale", math.sqrt(d))),
     )
 
 
 def _huginn_config(c: dict, errs: list[str]) -> dict:
-    _require(c, ["n_embd", ("num_attention_heads", "n_heads"), "intermediate_size", ("padded_vocab_size", "vocab_size"),
-                 "n_layers_in_prelude", "n_layers_in_recurrent_block", "n_layers_in_coda", "mean_recurrence",
-                 "norm_eps", "rope_base", "block_size"], errs)
-    _types(c, ("n_embd", "num_attention_heads", "n_heads", "num_key_value_heads", "head_dim", "intermediate_size",
-               "padded_vocab_size", "vocab_size", "n_layers", "n_layers_in_prelude", "n_layers_in_recurrent_block",
-               "n_layers_in_coda", "mean_recurrence", "block_size"), ("norm_eps", "rope_base", "test_time_noise"), errs)
+    _require(
+        c,
+        [
+            "n_embd",
+            ("num_attention_heads", "n_heads"),
+            "intermediate_size",
+            ("padded_vocab_size", "vocab_size"),
+            "n_layers_in_prelude",
+            "n_layers_in_recurrent_block",
+            "n_layers_in_coda",
+            "mean_recurrence",
+            "norm_eps",
+            "rope_base",
+            "block_size",
+        ],
+        errs,
+    )
+    _types(
+        c,
+        (
+            "n_embd",
+            "num_attention_heads",
+            "n_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "padded_vocab_size",
+            "vocab_size",
+            "n_layers",
+            "n_layers_in_prelude",
+            "n_layers_in_recurrent_block",
+            "n_layers_in_coda",
+            "mean_recurrence",
+            "block_size",
+        ),
+        ("norm_eps", "rope_base", "test_time_noise"),
+        errs,
+    )
     _bools(c, ("qk_bias", "bias", "tie_embeddings", "tie_word_embeddings"), errs)
     iv = c.get("init_values")
-    if iv is not None and not (isinstance(iv, dict) and all(isinstance(iv.get(k, 0.0), (int, float)) for k in ("std", "embed_scale"))):
+    if iv is not None and not (
+        isinstance(iv, dict) and all(isinstance(iv.get(k, 0.0), (int, float)) for k in ("std", "embed_scale"))
+    ):
         errs.append(f"init_values must be a mapping with numeric std / embed_scale, got {iv!r}")
     if errs:
         return {}
@@ -252,19 +342,27 @@ def _huginn_config(c: dict, errs: list[str]) -> dict:
     if v["d"] % v["heads"]:
         errs.append(f"num_attention_heads={v['heads']} does not divide n_embd={v['d']}")
     if c.get("head_dim") is not None and v["d"] % v["heads"] == 0 and int(c["head_dim"]) != v["hd"]:
-        errs.append(f"head_dim={c['head_dim']} is not n_embd // num_attention_heads = {v['hd']} (what the modelling code uses)")
+        errs.append(
+            f"head_dim={c['head_dim']} is not n_embd // num_attention_heads = {v['hd']} (what the modelling code uses)"
+        )
     qk_bias = bool(c.get("qk_bias", True))
     if qk_bias and v["kv"] != v["heads"]:
-        errs.append(f"qk_bias with num_key_value_heads={v['kv']} != num_attention_heads={v['heads']} (its k bias has one row per query head)")
+        errs.append(
+            f"qk_bias with num_key_value_heads={v['kv']} != num_attention_heads={v['heads']} (its k bias has one row per query head)"
+        )
     if c.get("bias"):
         errs.append("bias=true (an adapter bias) is not supported: looplm's dense injection is bias-free")
     if c.get("injection_type", "linear") != "linear":
-        errs.append(f"injection_type {c['injection_type']!r} is not supported (linear: the adapter on [state; prelude output])")
+        errs.append(
+            f"injection_type {c['injection_type']!r} is not supported (linear: the adapter on [state; prelude output])"
+        )
     state_init = c.get("state_init", "like-init")
     if state_init not in ("like-init", "zero"):
         errs.append(f"state_init {state_init!r} is not supported (like-init, zero)")
     if float(c.get("test_time_noise", 0) or 0) > 0:
-        errs.append(f"test_time_noise={c['test_time_noise']} (noise injected into every recurrence) is not supported; set it to 0")
+        errs.append(
+            f"test_time_noise={c['test_time_noise']} (noise injected into every recurrence) is not supported; set it to 0"
+        )
     for field, want in (("block_class_name", "SandwichBlock"), ("mlp_class_name", "GatedMLP"), ("nonlin_name", "SiLU")):
         if c.get(field) is not None and c[field] != want:
             errs.append(f"{field} {c[field]!r} is not supported ({want})")
@@ -287,15 +385,24 @@ def _huginn_config(c: dict, errs: list[str]) -> dict:
     return dict(
         name="huginn",
         description=f"Huginn / Raven (model_type huginn_raven): prelude {p}, recurrent core {s} x {K}, coda {cd}; "
-                    "post-sum norms, adapter on [state; prelude output], random initial state",
+        "post-sum norms, adapter on [state; prelude output], random initial state",
         vocab_size=v["vocab"],
         d_model=v["d"],
-        n_prelude=p, n_core=s, n_loops=K, n_coda=cd,
+        n_prelude=p,
+        n_core=s,
+        n_loops=K,
+        n_coda=cd,
         d_ff=int(c["intermediate_size"]),
         norm_placement="post-sum",
         embed_scale=embed_scale,
-        attention=dict(n_heads=v["heads"], n_kv_heads=v["kv"], head_dim=v["hd"], qk_bias=qk_bias,
-                       rope_theta=float(c["rope_base"]), rope_precision="fp32"),
+        attention=dict(
+            n_heads=v["heads"],
+            n_kv_heads=v["kv"],
+            head_dim=v["hd"],
+            qk_bias=qk_bias,
+            rope_theta=float(c["rope_base"]),
+            rope_precision="fp32",
+        ),
         rule=dict(name="injection", options=rule_opts),
         norm_eps=float(c["norm_eps"]),
         tie_embeddings=bool(_get(c, "tie_embeddings", "tie_word_embeddings", default=True)),
@@ -351,9 +458,15 @@ def family_of(cfg) -> str:
     huginn = list(common)
     if cfg.norm_placement != "post-sum":
         huginn.append(f"norm_placement: post-sum (is {cfg.norm_placement})")
-    if cfg.rule.name != "injection" or ro.get("form") != "dense" or not ro.get("finish_norm") \
-            or ro.get("init_state", "prelude") == "prelude":
-        huginn.append(f"rule injection with form dense, finish_norm and init_state normal or zeros (is {cfg.rule.name} {ro})")
+    if (
+        cfg.rule.name != "injection"
+        or ro.get("form") != "dense"
+        or not ro.get("finish_norm")
+        or ro.get("init_state", "prelude") == "prelude"
+    ):
+        huginn.append(
+            f"rule injection with form dense, finish_norm and init_state normal or zeros (is {cfg.rule.name} {ro})"
+        )
     if hd * a.n_heads != cfg.d_model:
         huginn.append(f"head_dim = d_model / n_heads (is {hd})")
     if a.sliding_window is not None:
@@ -365,9 +478,15 @@ def family_of(cfg) -> str:
     nanbeige = _nanbeige.misfit(cfg)
     if not nanbeige:
         return "nanbeige"
-    raise PublicFormatError([f"as Ouro it needs {'; '.join(ouro)}", f"as Huginn it needs {'; '.join(huginn)}",
-                             f"as Nanbeige it needs {'; '.join(nanbeige)}"],
-                            f"model {cfg.name!r}", "cannot be written in an original format")
+    raise PublicFormatError(
+        [
+            f"as Ouro it needs {'; '.join(ouro)}",
+            f"as Huginn it needs {'; '.join(huginn)}",
+            f"as Nanbeige it needs {'; '.join(nanbeige)}",
+        ],
+        f"model {cfg.name!r}",
+        "cannot be written in an original format",
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -391,9 +510,15 @@ def _expected_shapes(fam: str, cfg) -> dict[str, tuple[int, ...]]:
         out["model.embed_tokens.weight"] = (V, d)
         for i in range(cfg.n_core):
             p = f"model.layers.{i}."
-            out |= {p + "self_attn.q_proj.weight": (H * hd, d), p + "self_attn.k_proj.weight": (kv * hd, d),
-                    p + "self_attn.v_proj.weight": (kv * hd, d), p + "self_attn.o_proj.weight": (d, H * hd),
-                    p + "mlp.gate_proj.weight": (ff, d), p + "mlp.up_proj.weight": (ff, d), p + "mlp.down_proj.weight": (d, ff)}
+            out |= {
+                p + "self_attn.q_proj.weight": (H * hd, d),
+                p + "self_attn.k_proj.weight": (kv * hd, d),
+                p + "self_attn.v_proj.weight": (kv * hd, d),
+                p + "self_attn.o_proj.weight": (d, H * hd),
+                p + "mlp.gate_proj.weight": (ff, d),
+                p + "mlp.up_proj.weight": (ff, d),
+                p + "mlp.down_proj.weight": (d, ff),
+            }
             for n in ("input_layernorm", "input_layernorm_2", "post_attention_layernorm", "post_attention_layernorm_2"):
                 out[p + n + ".weight"] = (d,)
         out |= {"model.norm.weight": (d,), "model.early_exit_gate.weight": (1, d), "model.early_exit_gate.bias": (1,)}
@@ -404,8 +529,12 @@ def _expected_shapes(fam: str, cfg) -> dict[str, tuple[int, ...]]:
     for prefix, n in (("prelude", cfg.n_prelude), ("core_block", cfg.n_core), ("coda", cfg.n_coda)):
         for i in range(n):
             p = f"transformer.{prefix}.{i}."
-            out |= {p + "attn.Wqkv.weight": ((H + 2 * kv) * hd, d), p + "attn.proj.weight": (d, H * hd),
-                    p + "mlp.fc.weight": (2 * ff, d), p + "mlp.proj.weight": (d, ff)}
+            out |= {
+                p + "attn.Wqkv.weight": ((H + 2 * kv) * hd, d),
+                p + "attn.proj.weight": (d, H * hd),
+                p + "mlp.fc.weight": (2 * ff, d),
+                p + "mlp.proj.weight": (d, ff),
+            }
             if cfg.attention.qk_bias:
                 out[p + "attn.qk_bias"] = (2, 1, H, hd)
             for k in range(1, 5):
@@ -433,15 +562,27 @@ def to_looplm_state(fam: str, cfg, t: dict[str, torch.Tensor]) -> dict[str, torc
     sd: dict[str, torch.Tensor] = {}
     if fam == "ouro":
         sd["embed.weight"] = t["model.embed_tokens.weight"]
-        names = {"self_attn.q_proj": "mixer.q_proj", "self_attn.k_proj": "mixer.k_proj", "self_attn.v_proj": "mixer.v_proj",
-                 "self_attn.o_proj": "mixer.o_proj", "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj",
-                 "mlp.down_proj": "mlp.down_proj", "input_layernorm": "mixer_norm", "input_layernorm_2": "mixer_out_norm",
-                 "post_attention_layernorm": "mlp_norm", "post_attention_layernorm_2": "mlp_out_norm"}
+        names = {
+            "self_attn.q_proj": "mixer.q_proj",
+            "self_attn.k_proj": "mixer.k_proj",
+            "self_attn.v_proj": "mixer.v_proj",
+            "self_attn.o_proj": "mixer.o_proj",
+            "mlp.gate_proj": "mlp.gate_proj",
+            "mlp.up_proj": "mlp.up_proj",
+            "mlp.down_proj": "mlp.down_proj",
+            "input_layernorm": "mixer_norm",
+            "input_layernorm_2": "mixer_out_norm",
+            "post_attention_layernorm": "mlp_norm",
+            "post_attention_layernorm_2": "mlp_out_norm",
+        }
         for i in range(cfg.n_core):
             for theirs, ours in names.items():
                 sd[f"core.stack.blocks.{i}.{ours}.weight"] = t[f"model.layers.{i}.{theirs}.weight"]
-        sd |= {"norm.weight": t["model.norm.weight"], "rule.gate.weight": t["model.early_exit_gate.weight"],
-               "rule.gate.bias": t["model.early_exit_gate.bias"]}
+        sd |= {
+            "norm.weight": t["model.norm.weight"],
+            "rule.gate.weight": t["model.early_exit_gate.weight"],
+            "rule.gate.bias": t["model.early_exit_gate.bias"],
+        }
         sd["lm_head.weight"] = sd["embed.weight"] if cfg.tie_embeddings else t["lm_head.weight"]
         return sd
     d, H, kv, hd, ff = cfg.d_model, cfg.attention.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
@@ -452,7 +593,9 @@ def to_looplm_state(fam: str, cfg, t: dict[str, torch.Tensor]) -> dict[str, torc
             src = f"transformer.{part}.{i}."
             dst = _huginn_prefix(src)
             wq, wk, wv = t[src + "attn.Wqkv.weight"].split([H * hd, kv * hd, kv * hd], dim=0)
-            sd[dst + "mixer.q_proj.weight"] = wq.view(H, hd, d)[:, perm].reshape(H * hd, d)  # [H·hd, d], half-split rows
+            sd[dst + "mixer.q_proj.weight"] = wq.view(H, hd, d)[:, perm].reshape(
+                H * hd, d
+            )  # [H·hd, d], half-split rows
             sd[dst + "mixer.k_proj.weight"] = wk.view(kv, hd, d)[:, perm].reshape(kv * hd, d)
             sd[dst + "mixer.v_proj.weight"] = wv
             if cfg.attention.qk_bias:
@@ -479,15 +622,27 @@ def to_original_state(fam: str, model) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     if fam == "ouro":
         out["model.embed_tokens.weight"] = sd["embed.weight"]
-        names = {"mixer.q_proj": "self_attn.q_proj", "mixer.k_proj": "self_attn.k_proj", "mixer.v_proj": "self_attn.v_proj",
-                 "mixer.o_proj": "self_attn.o_proj", "mlp.gate_proj": "mlp.gate_proj", "mlp.up_proj": "mlp.up_proj",
-                 "mlp.down_proj": "mlp.down_proj", "mixer_norm": "input_layernorm", "mixer_out_norm": "input_layernorm_2",
-                 "mlp_norm": "post_attention_layernorm", "mlp_out_norm": "post_attention_layernorm_2"}
+        names = {
+            "mixer.q_proj": "self_attn.q_proj",
+            "mixer.k_proj": "self_attn.k_proj",
+            "mixer.v_proj": "self_attn.v_proj",
+            "mixer.o_proj": "self_attn.o_proj",
+            "mlp.gate_proj": "mlp.gate_proj",
+            "mlp.up_proj": "mlp.up_proj",
+            "mlp.down_proj": "mlp.down_proj",
+            "mixer_norm": "input_layernorm",
+            "mixer_out_norm": "input_layernorm_2",
+            "mlp_norm": "post_attention_layernorm",
+            "mlp_out_norm": "post_attention_layernorm_2",
+        }
         for i in range(cfg.n_core):
             for ours, theirs in names.items():
                 out[f"model.layers.{i}.{theirs}.weight"] = sd[f"core.stack.blocks.{i}.{ours}.weight"]
-        out |= {"model.norm.weight": sd["norm.weight"], "model.early_exit_gate.weight": sd["rule.gate.weight"],
-                "model.early_exit_gate.bias": sd["rule.gate.bias"]}
+        out |= {
+            "model.norm.weight": sd["norm.weight"],
+            "model.early_exit_gate.weight": sd["rule.gate.weight"],
+            "model.early_exit_gate.bias": sd["rule.gate.bias"],
+        }
         if not cfg.tie_embeddings:
             out["lm_head.weight"] = sd["lm_head.weight"]
     else:
@@ -506,11 +661,16 @@ def to_original_state(fam: str, model) -> dict[str, torch.Tensor]:
                     kb = sd[src + "mixer.k_proj.bias"].view(H, hd)[:, inv]
                     out[dst + "attn.qk_bias"] = torch.stack([qb, kb])[:, None]  # [2, 1, H, hd]
                 out[dst + "attn.proj.weight"] = sd[src + "mixer.o_proj.weight"]
-                out[dst + "mlp.fc.weight"] = torch.cat([sd[src + "mlp.gate_proj.weight"], sd[src + "mlp.up_proj.weight"]])
+                out[dst + "mlp.fc.weight"] = torch.cat(
+                    [sd[src + "mlp.gate_proj.weight"], sd[src + "mlp.up_proj.weight"]]
+                )
                 out[dst + "mlp.proj.weight"] = sd[src + "mlp.down_proj.weight"]
                 for k, ours in zip(range(1, 5), ("mixer_norm", "mixer_out_norm", "mlp_norm", "mlp_out_norm")):
                     out[dst + f"norm_{k}.weight"] = sd[src + ours + ".weight"]
-        out |= {"transformer.adapter.weight": sd["rule.inject.proj.weight"], "transformer.ln_f.weight": sd["norm.weight"]}
+        out |= {
+            "transformer.adapter.weight": sd["rule.inject.proj.weight"],
+            "transformer.ln_f.weight": sd["norm.weight"],
+        }
         if not cfg.tie_embeddings:
             out["lm_head.weight"] = sd["lm_head.weight"]
         out["freqs_cis"] = _freqs_cis(hd, cfg.max_seq_len, cfg.attention.rope_theta)
@@ -529,8 +689,15 @@ def _freqs_cis(hd: int, n: int, theta: float) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
-def read_tensors(src: Path, expected: dict[str, tuple[int, ...]], derived=(), tied_head: str | None = None,
-                 tie_to: str | None = None, dtype=torch.float32, what: str = "the model") -> dict[str, torch.Tensor]:
+def read_tensors(
+    src: Path,
+    expected: dict[str, tuple[int, ...]],
+    derived=(),
+    tied_head: str | None = None,
+    tie_to: str | None = None,
+    dtype=torch.float32,
+    what: str = "the model",
+) -> dict[str, torch.Tensor]:
     """Every tensor of ``expected`` from ``src``'s safetensors (exactly the files the format names,
     :func:`looplm.hf.weights.weight_files`), cast to ``dtype`` — after checking the names and shapes of all of
     them from the headers: every missing, unexpected and mis-shaped tensor in one error. ``derived`` names may be
@@ -545,8 +712,13 @@ def read_tensors(src: Path, expected: dict[str, tuple[int, ...]], derived=(), ti
     mismatched = [(n, shapes[n], s) for n, s in expected.items() if n in shapes and shapes[n] != s]
     if tied_head and tied_head in shapes and shapes[tied_head] != expected[tie_to]:
         mismatched.append((tied_head, shapes[tied_head], expected[tie_to]))
-    refuse_mismatch(src, [n for n in expected if n not in shapes], [n for n in shapes if n not in expected and n not in optional],
-                    mismatched, what=what)
+    refuse_mismatch(
+        src,
+        [n for n in expected if n not in shapes],
+        [n for n in shapes if n not in expected and n not in optional],
+        mismatched,
+        what=what,
+    )
     out: dict[str, torch.Tensor] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
@@ -559,7 +731,9 @@ def read_tensors(src: Path, expected: dict[str, tuple[int, ...]], derived=(), ti
     if tied_head and tied_head in out:
         head = out.pop(tied_head)
         if not torch.equal(head, out[tie_to]):
-            raise PublicFormatError([f"the config ties the head to {tie_to!r}, but {tied_head!r} holds other values"], str(src))
+            raise PublicFormatError(
+                [f"the config ties the head to {tie_to!r}, but {tied_head!r} holds other values"], str(src)
+            )
     return out
 
 
@@ -581,8 +755,13 @@ def _tokenizer(src: Path):
         backend = PreTrainedTokenizerFast.from_pretrained(str(src), trust_remote_code=False)
     except Exception as e:  # transformers' TypeError / ValueError about a field, naming no file
         first = (str(e).strip().splitlines() or [""])[0][:300]
-        raise PublicFormatError([f"the tokenizer could not be loaded ({type(e).__name__}: {first}): tokenizer_config.json "
-                                 "or special_tokens_map.json holds a value of the wrong kind"], str(src)) from e
+        raise PublicFormatError(
+            [
+                f"the tokenizer could not be loaded ({type(e).__name__}: {first}): tokenizer_config.json "
+                "or special_tokens_map.json holds a value of the wrong kind"
+            ],
+            str(src),
+        ) from e
     guess = None if backend.eos_token else next((t for t in EOS_CANDIDATES if t in backend.get_vocab()), None)
     return HFTokenizer(backend, str(src), kind="transformers", eos_token=guess)
 
@@ -596,15 +775,21 @@ def read_config(src: Path) -> dict:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise PublicFormatError([f"config.json is not valid JSON ({e})"], str(src)) from e
     except RecursionError as e:  # json's parser recurses per nesting level
-        raise PublicFormatError(["config.json nests its arrays / objects too deeply to be read (a corrupted or "
-                                 "hostile file; no real config nests more than a few levels)"], str(src)) from e
+        raise PublicFormatError(
+            [
+                "config.json nests its arrays / objects too deeply to be read (a corrupted or "
+                "hostile file; no real config nests more than a few levels)"
+            ],
+            str(src),
+        ) from e
     if not isinstance(c, dict):
         raise PublicFormatError(["config.json is not a JSON object"], str(src))
     return c
 
 
-def load_public(src: str | Path, *, dtype=torch.float32, allow_deep: bool = False, allow_large: bool = False,
-                **overrides):
+def load_public(
+    src: str | Path, *, dtype=torch.float32, allow_deep: bool = False, allow_large: bool = False, **overrides
+):
     """``(model, tokenizer, origin)`` of an Ouro / Huginn checkpoint directory: the config mapped
     (:func:`public_config`) and checked (:func:`looplm.hf.weights.preflight`: the loop count, the memory),
     every tensor checked, then loaded into a looplm model (in ``dtype``).
@@ -616,15 +801,31 @@ def load_public(src: str | Path, *, dtype=torch.float32, allow_deep: bool = Fals
     hf = read_config(src)
     fam = detect(hf)
     cfg = public_config(hf, str(src / "config.json"), **overrides)
-    loops_field = "n_loops (--set)" if "n_loops" in overrides else {
-        "ouro": "total_ut_steps", "huginn_raven": "mean_recurrence"}.get(fam, "the loop count")
-    preflight(cfg, dtype, where=str(src / "config.json"), loops_field=loops_field, allow_deep=allow_deep,
-              allow_large=allow_large)
+    loops_field = (
+        "n_loops (--set)"
+        if "n_loops" in overrides
+        else {"ouro": "total_ut_steps", "huginn_raven": "mean_recurrence"}.get(fam, "the loop count")
+    )
+    preflight(
+        cfg,
+        dtype,
+        where=str(src / "config.json"),
+        loops_field=loops_field,
+        allow_deep=allow_deep,
+        allow_large=allow_large,
+    )
     expected = _expected_shapes(fam, cfg)
     tie_to = "transformer.wte.weight" if fam == "huginn_raven" else "model.embed_tokens.weight"
     derived = _nanbeige.derived(cfg) if fam == "nanbeige" else _DERIVED[fam]
-    tensors = read_tensors(src, expected, derived, tied_head="lm_head.weight" if cfg.tie_embeddings else None,
-                           tie_to=tie_to, dtype=dtype, what=f"its {FAMILIES[fam]} config")
+    tensors = read_tensors(
+        src,
+        expected,
+        derived,
+        tied_head="lm_head.weight" if cfg.tie_embeddings else None,
+        tie_to=tie_to,
+        dtype=dtype,
+        what=f"its {FAMILIES[fam]} config",
+    )
     if fam == "huginn_raven":
         _check_stored_rope(src, cfg)
     tok = _tokenizer(src)
@@ -640,8 +841,11 @@ def load_public(src: str | Path, *, dtype=torch.float32, allow_deep: bool = Fals
     for rot in model.rotary.values():  # RoPE tables are not weights: computed again off the meta device
         rot.inv_freq = torch.empty(0)
         rot.reset_buffers()
-    origin = {"imported_from": str(src.resolve()), "imported_kind": fam,
-              "original_config": {k: v for k, v in hf.items() if k not in ("auto_map",)}}
+    origin = {
+        "imported_from": str(src.resolve()),
+        "imported_kind": fam,
+        "original_config": {k: v for k, v in hf.items() if k not in ("auto_map",)},
+    }
     return model.eval(), tok, origin
 
 
@@ -660,9 +864,19 @@ def _check_stored_rope(src: Path, cfg) -> None:
             if "freqs_cis" not in fh.keys():
                 continue
             stored = fh.get_tensor("freqs_cis")
-        if stored.dim() != 5 or stored.shape[-1] != 2 or stored.shape[-2] != cfg.head_dim // 2 or not stored.is_floating_point():
-            raise PublicFormatError([f"freqs_cis has shape {list(stored.shape)} and dtype {stored.dtype}; Huginn's RoPE "
-                                     f"table is [1, T, 1, {cfg.head_dim // 2}, 2] floats"], str(src))
+        if (
+            stored.dim() != 5
+            or stored.shape[-1] != 2
+            or stored.shape[-2] != cfg.head_dim // 2
+            or not stored.is_floating_point()
+        ):
+            raise PublicFormatError(
+                [
+                    f"freqs_cis has shape {list(stored.shape)} and dtype {stored.dtype}; Huginn's RoPE "
+                    f"table is [1, T, 1, {cfg.head_dim // 2}, 2] floats"
+                ],
+                str(src),
+            )
         n = stored.shape[1]
         ours = _freqs_cis(cfg.head_dim, n, cfg.attention.rope_theta)
         diff = (stored.float() - ours).abs().max().item() if n else 0.0
@@ -685,56 +899,103 @@ def _original_config(fam: str, cfg, tok, dtype: str) -> dict:
     a = cfg.attention
     if fam == "nanbeige":
         return _nanbeige.original_config(cfg, tok, dtype)
-    ids = {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id} if tok is not None else {}
+    ids = (
+        {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id} if tok is not None else {}
+    )
     if fam == "ouro":
-        sliding = set(cfg.attention.sliding_layer_idx) if a.sliding_window is not None and a.sliding_layer_idx else (
-            set(range(cfg.n_core)) if a.sliding_window is not None else set())
+        sliding = (
+            set(cfg.attention.sliding_layer_idx)
+            if a.sliding_window is not None and a.sliding_layer_idx
+            else (set(range(cfg.n_core)) if a.sliding_window is not None else set())
+        )
         rope_scaling = None
         if a.rope_scaling is not None:
             rope_scaling = {"rope_type": "llama3", **a.rope_scaling.__dict__}
         return {
-            "architectures": ["OuroForCausalLM"], "model_type": "ouro",
-            "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
-            "num_hidden_layers": cfg.n_core, "num_attention_heads": a.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-            "head_dim": cfg.head_dim, "hidden_act": "silu", "max_position_embeddings": cfg.max_seq_len,
-            "rms_norm_eps": cfg.norm_eps, "rope_theta": a.rope_theta, "rope_scaling": rope_scaling,
-            "tie_word_embeddings": cfg.tie_embeddings, "total_ut_steps": cfg.n_loops,
+            "architectures": ["OuroForCausalLM"],
+            "model_type": "ouro",
+            "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.d_model,
+            "intermediate_size": cfg.d_ff,
+            "num_hidden_layers": cfg.n_core,
+            "num_attention_heads": a.n_heads,
+            "num_key_value_heads": cfg.n_kv_heads,
+            "head_dim": cfg.head_dim,
+            "hidden_act": "silu",
+            "max_position_embeddings": cfg.max_seq_len,
+            "rms_norm_eps": cfg.norm_eps,
+            "rope_theta": a.rope_theta,
+            "rope_scaling": rope_scaling,
+            "tie_word_embeddings": cfg.tie_embeddings,
+            "total_ut_steps": cfg.n_loops,
             "early_exit_threshold": float(cfg.rule.options.get("threshold", 1.0)),
-            "use_sliding_window": a.sliding_window is not None, "sliding_window": a.sliding_window,
+            "use_sliding_window": a.sliding_window is not None,
+            "sliding_window": a.sliding_window,
             "max_window_layers": cfg.n_core,
             "layer_types": ["sliding_attention" if i in sliding else "full_attention" for i in range(cfg.n_core)],
-            "attention_dropout": 0.0, "initializer_range": cfg.init_std, "use_cache": True,
-            "torch_dtype": dtype, **ids,
+            "attention_dropout": 0.0,
+            "initializer_range": cfg.init_std,
+            "use_cache": True,
+            "torch_dtype": dtype,
+            **ids,
         }
     ro = cfg.rule.options
     std = float(ro.get("init_std", 0.02)) if ro.get("init_state") == "normal" else 0.0
     d = cfg.d_model
     return {
-        "architectures": ["RavenForCausalLM"], "model_type": "huginn_raven",
-        "n_embd": d, "n_heads": a.n_heads, "num_attention_heads": a.n_heads, "num_key_value_heads": cfg.n_kv_heads,
-        "head_dim": cfg.head_dim, "intermediate_size": cfg.d_ff, "vocab_size": cfg.vocab_size,
-        "padded_vocab_size": cfg.vocab_size, "n_layers": cfg.n_physical,
-        "n_layers_in_prelude": cfg.n_prelude, "n_layers_in_recurrent_block": cfg.n_core, "n_layers_in_coda": cfg.n_coda,
-        "mean_recurrence": cfg.n_loops, "injection_type": "linear",
-        "state_init": "like-init" if std > 0 else "zero", "norm_eps": cfg.norm_eps, "qk_bias": a.qk_bias, "bias": False,
-        "tie_embeddings": cfg.tie_embeddings, "rope_base": a.rope_theta,  # (RavenConfig derives tie_word_embeddings)
-        "block_size": cfg.max_seq_len, "block_class_name": "SandwichBlock", "mlp_class_name": "GatedMLP",
-        "nonlin_name": "SiLU", "norm_class_name": "RMSNorm_llama", "test_time_noise": 0,
+        "architectures": ["RavenForCausalLM"],
+        "model_type": "huginn_raven",
+        "n_embd": d,
+        "n_heads": a.n_heads,
+        "num_attention_heads": a.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim,
+        "intermediate_size": cfg.d_ff,
+        "vocab_size": cfg.vocab_size,
+        "padded_vocab_size": cfg.vocab_size,
+        "n_layers": cfg.n_physical,
+        "n_layers_in_prelude": cfg.n_prelude,
+        "n_layers_in_recurrent_block": cfg.n_core,
+        "n_layers_in_coda": cfg.n_coda,
+        "mean_recurrence": cfg.n_loops,
+        "injection_type": "linear",
+        "state_init": "like-init" if std > 0 else "zero",
+        "norm_eps": cfg.norm_eps,
+        "qk_bias": a.qk_bias,
+        "bias": False,
+        "tie_embeddings": cfg.tie_embeddings,
+        "rope_base": a.rope_theta,  # (RavenConfig derives tie_word_embeddings)
+        "block_size": cfg.max_seq_len,
+        "block_class_name": "SandwichBlock",
+        "mlp_class_name": "GatedMLP",
+        "nonlin_name": "SiLU",
+        "norm_class_name": "RMSNorm_llama",
+        "test_time_noise": 0,
         "init_values": {"std": std, "embedding": std, "embed_scale": math.sqrt(d) if cfg.embed_scale else 1.0},
-        "torch_dtype": dtype, **ids,
+        "torch_dtype": dtype,
+        **ids,
     }
 
 
 _AUTO_MAP = {
     "ouro": {"AutoConfig": "configuration_ouro.OuroConfig", "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM"},
-    "huginn_raven": {"AutoConfig": "raven_config_minimal.RavenConfig",
-                     "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM"},
+    "huginn_raven": {
+        "AutoConfig": "raven_config_minimal.RavenConfig",
+        "AutoModelForCausalLM": "raven_modeling_minimal.RavenForCausalLM",
+    },
     "nanbeige": _nanbeige.AUTO_MAP,
 }
 
 
-def export_original(source, out: str | Path, *, tokenizer=None, dtype: str | torch.dtype | None = None,
-                    reference_code: str | Path | None = None, overwrite: bool = False) -> Path:
+def export_original(
+    source,
+    out: str | Path,
+    *,
+    tokenizer=None,
+    dtype: str | torch.dtype | None = None,
+    reference_code: str | Path | None = None,
+    overwrite: bool = False,
+) -> Path:
     """Write a looplm model of the Ouro or Huginn architecture (an import, or one trained from the
     ``ouro-*`` / ``huginn-0125`` presets) in its original format: ``config.json`` with the original field
     names, ``model.safetensors`` with the original tensor names (Huginn: q/k rows back to interleaved RoPE
@@ -760,10 +1021,14 @@ def export_original(source, out: str | Path, *, tokenizer=None, dtype: str | tor
     fam = family_of(model.config)
     out = Path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory")
+        raise FileExistsError(
+            f"{str(out)!r} exists and is not empty; pass overwrite=True (--overwrite) or another directory"
+        )
     if reference_code is not None:  # checked before anything is written
         ref = Path(reference_code)
-        absent = [m.split(".")[0] + ".py" for m in _AUTO_MAP[fam].values() if not (ref / (m.split(".")[0] + ".py")).is_file()]
+        absent = [
+            m.split(".")[0] + ".py" for m in _AUTO_MAP[fam].values() if not (ref / (m.split(".")[0] + ".py")).is_file()
+        ]
         if absent:
             raise FileNotFoundError(f"reference code directory {str(ref)!r} lacks {absent}")
     out.mkdir(parents=True, exist_ok=True)

@@ -54,16 +54,27 @@ def validate_retrofit(tc, mcfg) -> list[str]:
         want = {"prelude": mcfg.n_prelude, "core": mcfg.n_core, "coda": mcfg.n_coda}
         for part in PARTS:
             layers = m.get(part, [])
-            if not isinstance(layers, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers):
+            if not isinstance(layers, list) or not all(
+                isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in layers
+            ):
                 errs.append(f"train.init_map.{part}: must be a list of pretrained layer indices >= 0, got {layers!r}")
             elif len(layers) != want[part]:
-                errs.append(f"train.init_map.{part}: lists {len(layers)} layer(s) but the model has n_{part}"
-                            f"={want[part]} {part} block(s)")
+                errs.append(
+                    f"train.init_map.{part}: lists {len(layers)} layer(s) but the model has n_{part}"
+                    f"={want[part]} {part} block(s)"
+                )
     sched = tc.loop_schedule
     if sched is not None:
-        ok = isinstance(sched, list) and sched and all(
-            isinstance(e, (list, tuple)) and len(e) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in e)
-            for e in sched)
+        ok = (
+            isinstance(sched, list)
+            and sched
+            and all(
+                isinstance(e, (list, tuple))
+                and len(e) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in e)
+                for e in sched
+            )
+        )
         if not ok:
             errs.append(f"train.loop_schedule: must be a non-empty list of [step, loops] pairs, got {sched!r}")
         else:
@@ -92,7 +103,11 @@ def even_core_map(n_src: int, p: int, s: int, c: int) -> dict[str, list[int]]:
     middle = list(range(p, n_src - c))
     if s > len(middle):
         raise ValueError(f"the core needs {s} layers but only {len(middle)} lie between prelude and coda")
-    core = [middle[round(j * (len(middle) - 1) / max(1, s - 1))] for j in range(s)] if s > 1 else [middle[len(middle) // 2]]
+    core = (
+        [middle[round(j * (len(middle) - 1) / max(1, s - 1))] for j in range(s)]
+        if s > 1
+        else [middle[len(middle) // 2]]
+    )
     return {"prelude": list(range(p)), "core": core, "coda": list(range(n_src - c, n_src))}
 
 
@@ -117,15 +132,19 @@ def apply_layer_map(model, source: str | Path, init_map: dict) -> str:
     for part, first in (("prelude", 0), ("core", cfg.n_prelude), ("coda", cfg.n_prelude + cfg.n_core)):
         for j, i in enumerate(init_map.get(part, [])):
             if not 0 <= i < n_src:
-                raise CheckpointError(f"train.init_map.{part}[{j}] = {i}: the pretrained model has layers 0..{n_src - 1}")
+                raise CheckpointError(
+                    f"train.init_map.{part}[{j}] = {i}: the pretrained model has layers 0..{n_src - 1}"
+                )
             sp, dp = layer_prefix(src_cfg, i), layer_prefix(cfg, first + j)
             names = [k for k in dst if k.startswith(dp)]
             for k in names:
-                sk = sp + k[len(dp):]
+                sk = sp + k[len(dp) :]
                 if sk not in src:
                     raise CheckpointError(f"pretrained layer {i} has no {sk!r} for {k!r}: the block kinds differ")
                 if src[sk].shape != dst[k].shape:
-                    raise CheckpointError(f"{k!r} <- {sk!r}: shape {tuple(dst[k].shape)} vs pretrained {tuple(src[sk].shape)}")
+                    raise CheckpointError(
+                        f"{k!r} <- {sk!r}: shape {tuple(dst[k].shape)} vs pretrained {tuple(src[sk].shape)}"
+                    )
                 new[k] = src[sk]
     for k in ("embed.weight", "norm.weight", "lm_head.weight"):
         if k in dst and k in src:
@@ -140,9 +159,11 @@ def apply_layer_map(model, source: str | Path, init_map: dict) -> str:
     model.load_state_dict(new, strict=False)
     kept = sorted(set(init_map.get("prelude", [])) | set(init_map.get("core", [])) | set(init_map.get("coda", [])))
     dropped = [i for i in range(n_src) if i not in kept]
-    return (f"retrofitted from {ckpt} ({n_src} layers): prelude <- {init_map.get('prelude', [])}, "
-            f"core <- {init_map.get('core', [])} (x{cfg.n_loops} loops), coda <- {init_map.get('coda', [])}, "
-            f"dropped {dropped}")
+    return (
+        f"retrofitted from {ckpt} ({n_src} layers): prelude <- {init_map.get('prelude', [])}, "
+        f"core <- {init_map.get('core', [])} (x{cfg.n_loops} loops), coda <- {init_map.get('coda', [])}, "
+        f"dropped {dropped}"
+    )
 
 
 def retrofit_summary(checkpoint_config: dict) -> list[str]:

@@ -18,8 +18,17 @@ and 5.x alike, without custom code. The token ids are the ones the model was tra
 from __future__ import annotations
 
 BYTE_SPECIALS = ("<eos>", "<bos>", "<pad>")
-_LOAD_OPTIONS = ("is_local", "local_files_only", "cache_dir", "force_download", "token", "revision", "subfolder",
-                 "_commit_hash", "trust_remote_code")  # ids 256, 257, 258 (looplm.data.tokenizers.ByteTokenizer)
+_LOAD_OPTIONS = (
+    "is_local",
+    "local_files_only",
+    "cache_dir",
+    "force_download",
+    "token",
+    "revision",
+    "subfolder",
+    "_commit_hash",
+    "trust_remote_code",
+)  # ids 256, 257, 258 (looplm.data.tokenizers.ByteTokenizer)
 
 
 def byte_backend():
@@ -38,7 +47,9 @@ def byte_backend():
 
 def _bytes_to_unicode() -> dict[int, str]:
     """The byte-level BPE alphabet: printable bytes map to themselves, the rest to chars from U+0100 on."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     out, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -57,15 +68,22 @@ def to_pretrained_tokenizer_fast(tok):
 
     if isinstance(tok, ByteTokenizer):
         return PreTrainedTokenizerFast(
-            tokenizer_object=byte_backend(), eos_token="<eos>", bos_token="<bos>", pad_token="<pad>",
-            split_special_tokens=True, clean_up_tokenization_spaces=False, model_max_length=1 << 30,
-        )  # fmt: skip
+            tokenizer_object=byte_backend(),
+            eos_token="<eos>",
+            bos_token="<bos>",
+            pad_token="<pad>",
+            split_special_tokens=True,
+            clean_up_tokenization_spaces=False,
+            model_max_length=1 << 30,
+        )
     if isinstance(tok, HFTokenizer):
         backend = tok._tok
         if tok._kind == "transformers":
             backend = getattr(backend, "backend_tokenizer", None) or getattr(backend, "_tokenizer", None)
             if backend is None:
-                raise ValueError(f"tokenizer {tok.name!r} is a slow (Python) transformers tokenizer; export needs a fast one")
+                raise ValueError(
+                    f"tokenizer {tok.name!r} is a slow (Python) transformers tokenizer; export needs a fast one"
+                )
         inv = {i: t for t, i in tok._vocab().items()}
         specials = {"eos_token": inv.get(tok.eos_id)}
         if tok.bos_id is not None:
@@ -73,7 +91,9 @@ def to_pretrained_tokenizer_fast(tok):
         if tok.pad_id is not None:  # none is invented: the ids (and looplm's tokenizer fingerprint) stay the same
             specials["pad_token"] = inv.get(tok.pad_id)
         return PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False, **specials)
-    raise TypeError(f"cannot export tokenizer {tok!r}: only the byte tokenizer and Hugging Face tokenizers are supported")
+    raise TypeError(
+        f"cannot export tokenizer {tok!r}: only the byte tokenizer and Hugging Face tokenizers are supported"
+    )
 
 
 def save_pretrained_tokenizer(tok, out_dir) -> None:
@@ -178,5 +198,7 @@ def check_tokenizer_dir(src) -> None:
             Tokenizer.from_file(str(tj))
         except Exception as e:  # the tokenizers library's own exception, which names no file
             first = (str(e).strip().splitlines() or [""])[0][:200]
-            raise ValueError(f"tokenizer file {str(tj)!r}{via} is not a tokenizer the tokenizers library can read "
-                             f"({type(e).__name__}: {first}); it is corrupted or not a tokenizer.json") from e
+            raise ValueError(
+                f"tokenizer file {str(tj)!r}{via} is not a tokenizer the tokenizers library can read "
+                f"({type(e).__name__}: {first}); it is corrupted or not a tokenizer.json"
+            ) from e

@@ -17,8 +17,18 @@ from pathlib import Path
 
 from ..checkpoint_io import MAX_LOOPS
 
-__all__ = ["INDEX_FILE", "MAX_IMPORT_LOOPS", "WEIGHTS_FILE", "preflight", "read_json", "read_shapes", "refuse_dangling",
-           "refuse_mismatch", "refuse_overlap", "weight_files"]
+__all__ = [
+    "INDEX_FILE",
+    "MAX_IMPORT_LOOPS",
+    "WEIGHTS_FILE",
+    "preflight",
+    "read_json",
+    "read_shapes",
+    "refuse_dangling",
+    "refuse_mismatch",
+    "refuse_overlap",
+    "weight_files",
+]
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -30,10 +40,14 @@ def read_json(path: Path, what: str) -> dict:
     try:
         data = json.loads(Path(path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{what} {str(path)!r} is not valid JSON ({e}); the directory is corrupted or incomplete") from e
+        raise ValueError(
+            f"{what} {str(path)!r} is not valid JSON ({e}); the directory is corrupted or incomplete"
+        ) from e
     except RecursionError as e:
-        raise ValueError(f"{what} {str(path)!r} nests its arrays / objects too deeply to be read (a corrupted or "
-                         "hostile file; no real config nests more than a few levels)") from e
+        raise ValueError(
+            f"{what} {str(path)!r} nests its arrays / objects too deeply to be read (a corrupted or "
+            "hostile file; no real config nests more than a few levels)"
+        ) from e
     if not isinstance(data, dict):
         raise ValueError(f"{what} {str(path)!r} is not a JSON object")
     return data
@@ -49,8 +63,10 @@ def refuse_overlap(src: str | Path, out: str | Path, verb: str = "import") -> No
     s, o = Path(src).resolve(), Path(out).resolve()
     if o == s or s in o.parents:
         where = "is the source" if o == s else f"is inside the source {str(s)!r}"
-        raise ValueError(f"output directory {str(out)!r} {where}: {verb} would overwrite or mix into the files it "
-                         "reads (even with --overwrite); pick a directory outside it")
+        raise ValueError(
+            f"output directory {str(out)!r} {where}: {verb} would overwrite or mix into the files it "
+            "reads (even with --overwrite); pick a directory outside it"
+        )
 
 
 def refuse_dangling(*paths: Path) -> None:
@@ -58,8 +74,10 @@ def refuse_dangling(*paths: Path) -> None:
     Face cache, whose files link into its blob store): it exists as a name, so "missing" would mislead."""
     for p in paths:
         if p.is_symlink() and not p.exists():
-            raise FileNotFoundError(f"{str(p)!r} is a symlink to {str(p.resolve())!r}, which does not exist (a cache "
-                                    "or copy that lost its target files): copy the real files")
+            raise FileNotFoundError(
+                f"{str(p)!r} is a symlink to {str(p.resolve())!r}, which does not exist (a cache "
+                "or copy that lost its target files): copy the real files"
+            )
 
 
 def weight_files(src: str | Path) -> list[Path]:
@@ -83,7 +101,9 @@ def weight_files(src: str | Path) -> list[Path]:
         names = sorted(set(weight_map.values()))
         bad = [n for n in names if not isinstance(n, str) or Path(n).name != n or not n.endswith(".safetensors")]
         if bad:
-            raise ValueError(f"weight index {str(index)!r} names shards that are not *.safetensors files beside it: {bad[:5]}")
+            raise ValueError(
+                f"weight index {str(index)!r} names shards that are not *.safetensors files beside it: {bad[:5]}"
+            )
         refuse_dangling(*(src / n for n in names))
         missing = [n for n in names if not (src / n).is_file()]
         if missing:
@@ -93,12 +113,16 @@ def weight_files(src: str | Path) -> list[Path]:
         files = [single]
     else:
         found = sorted(p.name for p in src.glob("*.safetensors"))
-        hint = f"; it has {found}, which the format does not name: rename the one meant to {WEIGHTS_FILE}" if found else ""
+        hint = (
+            f"; it has {found}, which the format does not name: rename the one meant to {WEIGHTS_FILE}" if found else ""
+        )
         raise FileNotFoundError(f"{str(src)!r} has no {WEIGHTS_FILE} nor {INDEX_FILE}{hint}")
     stray = sorted(p.name for p in src.glob("*.safetensors") if p not in files)
     if stray:
-        warnings.warn(f"{str(src)!r}: ignoring {stray} (not named by {files[0].name if len(files) == 1 else INDEX_FILE})",
-                      stacklevel=2)
+        warnings.warn(
+            f"{str(src)!r}: ignoring {stray} (not named by {files[0].name if len(files) == 1 else INDEX_FILE})",
+            stacklevel=2,
+        )
     return files
 
 
@@ -119,7 +143,9 @@ def read_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
             raise CheckpointError(f"weight file {str(f)!r} is truncated or corrupted and cannot be read ({e})") from e
         for k, shape in found.items():
             if k in shapes:
-                raise ValueError(f"tensor {k!r} is in two weight files, {where[k]} and {f.name}: which one is meant is ambiguous")
+                raise ValueError(
+                    f"tensor {k!r} is in two weight files, {where[k]} and {f.name}: which one is meant is ambiguous"
+                )
             shapes[k], where[k] = shape, f.name
     return shapes
 
@@ -151,8 +177,9 @@ def refuse_mismatch(src, missing=(), unexpected=(), mismatched=(), what: str = "
 MAX_IMPORT_LOOPS = MAX_LOOPS
 
 
-def preflight(cfg, dtype=None, *, where: str, loops_field: str = "n_loops", allow_deep: bool = False,
-              allow_large: bool = False) -> None:
+def preflight(
+    cfg, dtype=None, *, where: str, loops_field: str = "n_loops", allow_deep: bool = False, allow_large: bool = False
+) -> None:
     """Checks of an imported model config before any model is built or weight read: a loop count past
     :data:`MAX_IMPORT_LOOPS` (``allow_deep`` lets it through) and parameters that cannot fit in this machine's
     available memory at ``dtype`` (``allow_large``; :func:`looplm.factory.check_fits`)."""
@@ -167,5 +194,9 @@ def preflight(cfg, dtype=None, *, where: str, loops_field: str = "n_loops", allo
             f"the core {cfg.n_loops:,} times: decoding would not finish). If it is meant, pass allow_deep=True "
             "(--allow-deep)"
         )
-    check_fits(parameter_bytes(cfg, dtype), f"{where} ({cfg.name}, {str(dtype).removeprefix('torch.')})",
-               allow=allow_large, flag="--allow-large")
+    check_fits(
+        parameter_bytes(cfg, dtype),
+        f"{where} ({cfg.name}, {str(dtype).removeprefix('torch.')})",
+        allow=allow_large,
+        flag="--allow-large",
+    )

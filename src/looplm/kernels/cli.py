@@ -53,11 +53,21 @@ def _cmd_build(args) -> int:
 
 
 def register(subparsers) -> None:
-    p = subparsers.add_parser("kernels", help="looplm's CPU extension: build it now, or show whether it is built and why not")
+    p = subparsers.add_parser(
+        "kernels", help="looplm's CPU extension: build it now, or show whether it is built and why not"
+    )
     sub = p.add_subparsers(dest="kernels_command", required=True)
-    b = sub.add_parser("build", help="build (once per CPU variant and source version) and load the extension; `make install` runs it")
+    b = sub.add_parser(
+        "build", help="build (once per CPU variant and source version) and load the extension; `make install` runs it"
+    )
     b.set_defaults(func=_cmd_build)
-    s = sub.add_parser("status", help="built or not, the variant for this CPU, the build directory, the reason when it cannot run")
-    s.add_argument("--load", action="store_true", help="also load it (building it if needed) and list who serves each dispatch point")
+    s = sub.add_parser(
+        "status", help="built or not, the variant for this CPU, the build directory, the reason when it cannot run"
+    )
+    s.add_argument(
+        "--load",
+        action="store_true",
+        help="also load it (building it if needed) and list who serves each dispatch point",
+    )
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_cmd_status)

@@ -178,7 +178,9 @@ def eligible(block: nn.Module) -> bool:
     if type(block) is not Block or block.norm_placement != "pre" or not _mixer_eligible(block.mixer):
         return False  # the fused step computes x + f(N(x)): sandwich / post-sum blocks keep the reference
     mlp = block.mlp
-    if mlp is not None and (type(mlp) is not SwiGLU or not all(plain_linear(lin) for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))):
+    if mlp is not None and (
+        type(mlp) is not SwiGLU or not all(plain_linear(lin) for lin in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+    ):
         return False
     return norms_and_params_fit(block, [block.mixer_norm] + ([block.mlp_norm] if mlp is not None else []))
 
@@ -218,19 +220,40 @@ def branch_plan(norm: nn.RMSNorm, mixer: nn.Module) -> BranchPlan:
     if type(mixer) is Mamba2Mixer:
         m = mixer
         named = dict(
-            norm_weight=norm.weight, eps=_eps(norm, dt), w_in=m.in_proj.weight, b_in=m.in_proj.bias, conv_weight=m.conv1d.weight,
-            conv_bias=m.conv1d.bias, dt_bias=m.dt_bias, A_log=m.A_log, D=m.D, gate_norm_weight=m.norm.weight,
-            gate_norm_eps=m.norm.eps, w_out=m.out_proj.weight, b_out=m.out_proj.bias,
-        )  # fmt: skip
+            norm_weight=norm.weight,
+            eps=_eps(norm, dt),
+            w_in=m.in_proj.weight,
+            b_in=m.in_proj.bias,
+            conv_weight=m.conv1d.weight,
+            conv_bias=m.conv1d.bias,
+            dt_bias=m.dt_bias,
+            A_log=m.A_log,
+            D=m.D,
+            gate_norm_weight=m.norm.weight,
+            gate_norm_eps=m.norm.eps,
+            w_out=m.out_proj.weight,
+            b_out=m.out_proj.bias,
+        )
         return BranchPlan("mamba2", op_args(torch.ops.looplm_cpu.decode_mamba2, named, 1, "b_out"), dt)
     a, qn, kn = mixer, mixer.q_norm, mixer.k_norm
     named = dict(
-        norm_weight=norm.weight, eps=_eps(norm, dt), wq=a.q_proj.weight, bq=a.q_proj.bias, wk=a.k_proj.weight, bk=a.k_proj.bias,
-        wv=a.v_proj.weight, bv=a.v_proj.bias, wo=a.o_proj.weight, bo=a.o_proj.bias,
-        q_norm_weight=None if qn is None else qn.weight, k_norm_weight=None if kn is None else kn.weight,
+        norm_weight=norm.weight,
+        eps=_eps(norm, dt),
+        wq=a.q_proj.weight,
+        bq=a.q_proj.bias,
+        wk=a.k_proj.weight,
+        bk=a.k_proj.bias,
+        wv=a.v_proj.weight,
+        bv=a.v_proj.bias,
+        wo=a.o_proj.weight,
+        bo=a.o_proj.bias,
+        q_norm_weight=None if qn is None else qn.weight,
+        k_norm_weight=None if kn is None else kn.weight,
         qk_eps=_eps(qn, dt) if qn is not None else 0.0,
-    )  # fmt: skip
-    return BranchPlan("attention", op_args(torch.ops.looplm_cpu.decode_attention, named, 1, "qk_eps"), dt, a.n_heads, a.rotary_dim)
+    )
+    return BranchPlan(
+        "attention", op_args(torch.ops.looplm_cpu.decode_attention, named, 1, "qk_eps"), dt, a.n_heads, a.rotary_dim
+    )
 
 
 def _step_tables(fctx, B: int, T: int, pos: int, rot: int | None):
@@ -243,7 +266,12 @@ def _step_tables(fctx, B: int, T: int, pos: int, rot: int | None):
     if (T > 1 and pos == 0) or (mask is None and fctx.is_causal and pos > 0):
         return None
     if mask is not None:
-        if mask.dtype != torch.bool or mask.dim() != 4 or tuple(mask.shape[1:]) != (1, T, pos + T) or mask.shape[0] not in (1, B):
+        if (
+            mask.dtype != torch.bool
+            or mask.dim() != 4
+            or tuple(mask.shape[1:]) != (1, T, pos + T)
+            or mask.shape[0] not in (1, B)
+        ):
             return None
         mask = mask.expand(B, 1, T, pos + T).contiguous()
     cos, sin = fctx.rope_for(rot) if rot is not None else (None, None)  # [B, T, rot] fp32
@@ -306,8 +334,12 @@ def _mamba2_step(plan: BranchPlan, x, fctx, state):
         return None  # a masked row view (rows that keep their state): the reference writes it back row by row
     rows = _rows_of(state)
     base = state.base if rows is not None else state
-    if (base.seqlen_offset == 0 or (rows is None and base.conv_state.shape[0] != B) or base.conv_state.dtype != x.dtype
-            or (pad is not None and tuple(pad.shape) != (B, 1))):  # fmt: skip
+    if (
+        base.seqlen_offset == 0
+        or (rows is None and base.conv_state.shape[0] != B)
+        or base.conv_state.dtype != x.dtype
+        or (pad is not None and tuple(pad.shape) != (B, 1))
+    ):
         return None  # an empty state (the prompt's first token), another batch or dtype
     if not base.conv_state.is_contiguous():  # the prompt step leaves views; the op writes in place
         base.conv_state = base.conv_state.contiguous()
@@ -348,9 +380,15 @@ def _swiglu_args(block: Block) -> tuple | None:
         return None
     n = block.mlp_norm
     named = dict(
-        norm_weight=n.weight, eps=_eps(n, n.weight.dtype), w_gate=m.gate_proj.weight, b_gate=m.gate_proj.bias,
-        w_up=m.up_proj.weight, b_up=m.up_proj.bias, w_down=m.down_proj.weight, b_down=m.down_proj.bias,
-    )  # fmt: skip
+        norm_weight=n.weight,
+        eps=_eps(n, n.weight.dtype),
+        w_gate=m.gate_proj.weight,
+        b_gate=m.gate_proj.bias,
+        w_up=m.up_proj.weight,
+        b_up=m.up_proj.bias,
+        w_down=m.down_proj.weight,
+        b_down=m.down_proj.bias,
+    )
     return op_args(torch.ops.looplm_cpu.decode_swiglu, named, 1, "b_down")
 
 
@@ -446,7 +484,13 @@ def _stack_call(stack: Stack, plan: StackPlan, x, fctx, caches=None, mods=None):
     for c in caches:
         bufs = c.append_buffers(B) if type(c) in _KV_SLOTS else None
         p = None if bufs is None else _write_pos(fctx, bufs, cols, T)
-        if p is None or (pos is not None and p != pos) or _rows_of(c) is not rows or _cols_of(c) is not cols or p + T > bufs[0].shape[2]:
+        if (
+            p is None
+            or (pos is not None and p != pos)
+            or _rows_of(c) is not rows
+            or _cols_of(c) is not cols
+            or p + T > bufs[0].shape[2]
+        ):
             return None
         ks.append(bufs[0])
         vs.append(bufs[1])
@@ -459,7 +503,9 @@ def _stack_call(stack: Stack, plan: StackPlan, x, fctx, caches=None, mods=None):
     # [B, T, d]; each block's keys and values written at pos .. pos + T − 1 (in rows `rows` of the buffers
     # under per-token exit; at each row's own column `cols` under continuous depth batching); an offered
     # propagate fill's stand-ins as extra rows of every block's k/v products, written into their buffers
-    y = torch.ops.looplm_cpu.decode_stack(x.contiguous(), plan.plan, ks, vs, pos, *tables, rows=rows, cols=cols, **(extra or {}))
+    y = torch.ops.looplm_cpu.decode_stack(
+        x.contiguous(), plan.plan, ks, vs, pos, *tables, rows=rows, cols=cols, **(extra or {})
+    )
     if extra is not None:
         fill.written = True
     for c in caches:
@@ -500,7 +546,12 @@ def _prepare_norm(norm: nn.Module, batch_size: int | None):
     """A lone ``nn.RMSNorm``'s one-token step (the final norm before the head; an exit criterion's readout;
     a rule's norm of the state): bf16 / fp32 weights on the CPU, with the extension loaded."""
     w = norm.weight
-    if w is None or w.dtype not in (torch.bfloat16, torch.float32) or w.device.type != "cpu" or not extension_available():
+    if (
+        w is None
+        or w.dtype not in (torch.bfloat16, torch.float32)
+        or w.device.type != "cpu"
+        or not extension_available()
+    ):
         return None
     return _eps(norm, w.dtype)
 
@@ -509,7 +560,13 @@ def _norm_step(norm: nn.Module, eps: float, x: torch.Tensor):
     """``decode_norm`` for one new token per row (``x [B, 1, d]`` of the weight's dtype, no autograd), else
     ``None`` (torch's ``rms_norm``): one pass per row instead of a chain of kernels that runs cold after a core
     pass (180 vs ~20 µs at d = 1024 on one EPYC thread, measured in isolation)."""
-    if x.dim() != 3 or x.shape[1] != 1 or x.dtype != norm.weight.dtype or torch.is_grad_enabled() or x.device.type != "cpu":
+    if (
+        x.dim() != 3
+        or x.shape[1] != 1
+        or x.dtype != norm.weight.dtype
+        or torch.is_grad_enabled()
+        or x.device.type != "cpu"
+    ):
         return None
     return torch.ops.looplm_cpu.decode_norm(x.contiguous(), norm.weight, eps)
 
@@ -527,15 +584,37 @@ def register() -> None:
     ``nn.RMSNorm``, and the copy fill of per-token exit (``copy_kv_columns``)."""
     src = "looplm.kernels.decode"
     dispatch.register("copy_kv_columns", _copy_kv_columns, src)
-    dispatch.register_decode_step(dispatch.DecodeStep("fused norm", nn.RMSNorm, _prepare_norm, {"forward": _norm_step}, src))
-    dispatch.register_decode_step(dispatch.DecodeStep("fused block", Block, _prepare_block, {"__call__": _block_call}, src))
-    dispatch.register_decode_step(dispatch.DecodeStep("decode_stack", Stack, _prepare_stack, {"__call__": _stack_call}, src))
     dispatch.register_decode_step(
-        dispatch.DecodeStep("fused residual mixer", ResidualMixer, _prepare_residual_mixer, {"__call__": _residual_mixer_call}, src)
+        dispatch.DecodeStep("fused norm", nn.RMSNorm, _prepare_norm, {"forward": _norm_step}, src)
+    )
+    dispatch.register_decode_step(
+        dispatch.DecodeStep("fused block", Block, _prepare_block, {"__call__": _block_call}, src)
+    )
+    dispatch.register_decode_step(
+        dispatch.DecodeStep("decode_stack", Stack, _prepare_stack, {"__call__": _stack_call}, src)
+    )
+    dispatch.register_decode_step(
+        dispatch.DecodeStep(
+            "fused residual mixer", ResidualMixer, _prepare_residual_mixer, {"__call__": _residual_mixer_call}, src
+        )
     )
 
 
 __all__ = [
-    "BlockPlan", "BranchPlan", "StackPlan", "branch_plan", "branch_step", "eligible", "enabled", "fused_blocks", "fusing",
-    "norms_and_params_fit", "op_args", "plain_linear", "register", "residual_mixer_eligible", "stack_eligible", "stacks_enabled",
-]  # fmt: skip
+    "BlockPlan",
+    "BranchPlan",
+    "StackPlan",
+    "branch_plan",
+    "branch_step",
+    "eligible",
+    "enabled",
+    "fused_blocks",
+    "fusing",
+    "norms_and_params_fit",
+    "op_args",
+    "plain_linear",
+    "register",
+    "residual_mixer_eligible",
+    "stack_eligible",
+    "stacks_enabled",
+]

@@ -270,11 +270,17 @@ class _LinearsFn(torch.autograd.Function):
         gws = [None] * k
         if any(ctx.needs_input_grad[3 : 3 + k]):
             blocks = mm_f32(g.t(), x2).split(ctx.sizes)  # [out_i, in] row blocks of one [Σout, in]
-            gws = [gw.to(dt) if need else None for gw, dt, need in zip(blocks, ctx.w_dtypes, ctx.needs_input_grad[3 : 3 + k])]
+            gws = [
+                gw.to(dt) if need else None
+                for gw, dt, need in zip(blocks, ctx.w_dtypes, ctx.needs_input_grad[3 : 3 + k])
+            ]
         gbs = [None] * k
         if any(ctx.needs_input_grad[3 + k :]):
             sums = g.float().sum(0).split(ctx.sizes)  # [out_i]
-            gbs = [gb.to(dt) if dt is not None and need else None for gb, dt, need in zip(sums, ctx.b_dtypes, ctx.needs_input_grad[3 + k :])]
+            gbs = [
+                gb.to(dt) if dt is not None and need else None
+                for gb, dt, need in zip(sums, ctx.b_dtypes, ctx.needs_input_grad[3 + k :])
+            ]
         return gx, None, None, *gws, *gbs
 
 
@@ -295,7 +301,11 @@ def _weight_copy(linears, dt: torch.dtype, slot: str) -> torch.Tensor:
     if cached is not None and cached[0] == key and all(a is b.weight for a, b in zip(cached[2], linears)):
         return cached[1]
     wc = ws[0].to(dt) if len(ws) == 1 else torch.cat([w.to(dt) for w in ws])  # [Σout, in]
-    linears[0].__dict__[slot] = (key, wc, tuple(lin.weight for lin in linears))  # not a buffer: outside state_dict and .to()
+    linears[0].__dict__[slot] = (
+        key,
+        wc,
+        tuple(lin.weight for lin in linears),
+    )  # not a buffer: outside state_dict and .to()
     return wc
 
 
@@ -347,7 +357,12 @@ def linear_group(x: torch.Tensor, linears) -> tuple[torch.Tensor, ...]:
     ws = [lin.weight for lin in linears]
     dt = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
     has_bias = [lin.bias is not None for lin in linears]
-    if dt != torch.bfloat16 or len({w.dtype for w in ws}) != 1 or len({w.shape[1] for w in ws}) != 1 or any(has_bias) != all(has_bias):
+    if (
+        dt != torch.bfloat16
+        or len({w.dtype for w in ws}) != 1
+        or len({w.shape[1] for w in ws}) != 1
+        or any(has_bias) != all(has_bias)
+    ):
         return reference(x, linears)
     if ws[0].dtype != dt and not torch.is_autocast_enabled("cpu"):
         return reference(x, linears)  # fp32 weights outside autocast: F.linear's promotion rules
@@ -376,4 +391,15 @@ def register() -> None:
     dispatch.register("linear_group", linear_group, "looplm.kernels.gemm")
 
 
-__all__ = ["STRATEGIES", "TunedLinear", "forget", "linear_group", "mm", "mm_f32", "plan", "plans_path", "register", "tuned_linears"]
+__all__ = [
+    "STRATEGIES",
+    "TunedLinear",
+    "forget",
+    "linear_group",
+    "mm",
+    "mm_f32",
+    "plan",
+    "plans_path",
+    "register",
+    "tuned_linears",
+]

@@ -73,7 +73,9 @@ def available() -> bool:
     return kernels_available()
 
 
-def gemv_bf16(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, use_amx: bool = True) -> torch.Tensor:
+def gemv_bf16(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, use_amx: bool = True
+) -> torch.Tensor:
     """The kernels themselves: ``x [M, K]``, ``weight [N, K]``, ``bias [N]`` (contiguous bf16, CPU) ->
     ``[M, N]``; 2-16 rows on AMX where the CPU has it, unless ``use_amx=False`` (the per-row path)."""
     if not available():
@@ -165,8 +167,25 @@ def register() -> None:
     """Register the one-token step of plain linear layers (:func:`looplm.dispatch.decode_steps`)."""
     for cls in _PLAIN_LINEARS:
         dispatch.register_decode_step(
-            dispatch.DecodeStep(f"gemv {cls.__name__}", cls, _prepare_linear, {"forward": _linear_step}, provider=PROVIDER)
+            dispatch.DecodeStep(
+                f"gemv {cls.__name__}", cls, _prepare_linear, {"forward": _linear_step}, provider=PROVIDER
+            )
         )
 
 
-__all__ = ["MAX_ROWS", "amx", "available", "decode_linears", "enabled", "extension_available", "fused_linear_class", "unavailable_reason", "gemv_bf16", "gemv_fp32", "kernel_wins", "linear", "register", "uses_kernel"]
+__all__ = [
+    "MAX_ROWS",
+    "amx",
+    "available",
+    "decode_linears",
+    "enabled",
+    "extension_available",
+    "fused_linear_class",
+    "unavailable_reason",
+    "gemv_bf16",
+    "gemv_fp32",
+    "kernel_wins",
+    "linear",
+    "register",
+    "uses_kernel",
+]

@@ -87,7 +87,16 @@ def variant() -> tuple[str, list[str]]:
     flags = cpuinfo.flags()
     omp = ["-fopenmp"] if sys.platform.startswith("linux") else []  # at::parallel_for's OpenMP regions
     if KERNEL_FLAGS <= flags and os.environ.get("LOOPLM_CPU_KERNELS") != "portable":
-        return "avx512bf16", ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", *omp]
+        return "avx512bf16", [
+            "-O3",
+            "-mavx512f",
+            "-mavx512bw",
+            "-mavx512vl",
+            "-mavx512bf16",
+            "-mamx-tile",
+            "-mamx-bf16",
+            *omp,
+        ]
     if {"avx2", "fma"} <= flags:
         return "avx2", ["-O3", "-mavx2", "-mfma", *omp]
     return "portable", ["-O3", *omp]
@@ -237,7 +246,9 @@ def _build_lock(build_dir: Path):
                     f"pid {_holder(path)}); wait for it, or stop it and run `looplm kernels build`"
                 )
             if waited - said >= 30 or (said == 0 and waited >= 2):
-                _say(f"waiting for pid {_holder(path)}, which is building the CPU kernels (lock {path}; {waited:.0f} s so far)")
+                _say(
+                    f"waiting for pid {_holder(path)}, which is building the CPU kernels (lock {path}; {waited:.0f} s so far)"
+                )
                 said = waited
             time.sleep(0.2)
         os.ftruncate(fd, 0)
@@ -425,6 +436,15 @@ def status(load: bool = False) -> KernelStatus:
 
 
 __all__ = [
-    "KernelStatus", "amx", "enabled", "extension_available", "kernels_available", "load_extension", "mkl_gemm_ready",
-    "status", "switched_off", "unavailable_reason", "variant",
-]  # fmt: skip
+    "KernelStatus",
+    "amx",
+    "enabled",
+    "extension_available",
+    "kernels_available",
+    "load_extension",
+    "mkl_gemm_ready",
+    "status",
+    "switched_off",
+    "unavailable_reason",
+    "variant",
+]

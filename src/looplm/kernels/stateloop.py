@@ -49,22 +49,36 @@ def _update_state(rule: StateLoop, dtype, S: torch.Tensor, h: torch.Tensor):
         return None
     u = rule.update
     return torch.ops.looplm_cpu.decode_stateloop_update(
-        h.contiguous(), S.contiguous(), rule.norm_h.weight, _eps(rule.norm_h, dtype), rule.W_u.weight, u.W_delta.weight, u.b_delta,
+        h.contiguous(),
+        S.contiguous(),
+        rule.norm_h.weight,
+        _eps(rule.norm_h, dtype),
+        rule.W_u.weight,
+        u.W_delta.weight,
+        u.b_delta,
         u.A_log,
-    )  # fmt: skip
+    )
 
 
 def _read(rule: StateLoop, dtype, W, state: dict, lctx, j: int):
     h, S = state["h"], state["S"]
     if not _rows(dtype, h, S) or rule._read_scale(lctx, j) is not None:
         return None
-    return torch.ops.looplm_cpu.decode_stateloop_read(h.contiguous(), S.contiguous(), rule.norm_s.weight, _eps(rule.norm_s, dtype), W.weight)
+    return torch.ops.looplm_cpu.decode_stateloop_read(
+        h.contiguous(), S.contiguous(), rule.norm_s.weight, _eps(rule.norm_s, dtype), W.weight
+    )
 
 
 def register() -> None:
     """Register StateLoop's fused update and reads."""
     dispatch.register_decode_step(
-        dispatch.DecodeStep("stateloop update/read", StateLoop, _prepare, {"update_state": _update_state, "read": _read}, "looplm.kernels.stateloop")
+        dispatch.DecodeStep(
+            "stateloop update/read",
+            StateLoop,
+            _prepare,
+            {"update_state": _update_state, "read": _read},
+            "looplm.kernels.stateloop",
+        )
     )
 
 

@@ -96,7 +96,9 @@ def loss_chunk(h, w, targets, valid, scale, acc, need_grad):
         return _reference("loss_chunk")(h, w, targets, valid, scale, acc, need_grad)
     z = mm(h, w.t())  # [n, V] logits of this chunk only, in the matmul dtype
     if acc == torch.float32 and targets.dtype == torch.long and kernels_available():
-        loss = torch.ops.looplm_cpu.cross_entropy_rows_(z, targets.contiguous(), scale, need_grad).sum()  # z -> dz in place
+        loss = torch.ops.looplm_cpu.cross_entropy_rows_(
+            z, targets.contiguous(), scale, need_grad
+        ).sum()  # z -> dz in place
     else:
         loss = _chunk_softmax_(z, targets, valid, scale, acc, need_grad)
     if not need_grad:
@@ -106,13 +108,17 @@ def loss_chunk(h, w, targets, valid, scale, acc, need_grad):
 
 def grad_norm_applies(grads: list[torch.Tensor]) -> bool:
     """Whether :func:`grad_norm` takes the op: dense contiguous fp32 / bf16 CPU gradients, the extension loaded."""
-    return bool(grads) and extension_available() and all(
-        type(g) is torch.Tensor  # not a DTensor (FSDP2) or another subclass
-        and g.device.type == "cpu"
-        and g.layout == torch.strided
-        and g.dtype in (torch.float32, torch.bfloat16)
-        and g.is_contiguous()
-        for g in grads
+    return (
+        bool(grads)
+        and extension_available()
+        and all(
+            type(g) is torch.Tensor  # not a DTensor (FSDP2) or another subclass
+            and g.device.type == "cpu"
+            and g.layout == torch.strided
+            and g.dtype in (torch.float32, torch.bfloat16)
+            and g.is_contiguous()
+            for g in grads
+        )
     )
 
 
@@ -134,4 +140,12 @@ def register() -> None:
         dispatch.register("grad_norm", grad_norm, "looplm.kernels.training")
 
 
-__all__ = ["CPUAttention", "attention", "cpu_backward_applies", "grad_norm", "grad_norm_applies", "loss_chunk", "register"]
+__all__ = [
+    "CPUAttention",
+    "attention",
+    "cpu_backward_applies",
+    "grad_norm",
+    "grad_norm_applies",
+    "loss_chunk",
+    "register",
+]

@@ -44,8 +44,11 @@ def _copy_kv_columns_reference(src: list, dst: list, rows: torch.Tensor, cols: t
         b[rows, :, cols] = a[rows, :, cols]  # [n, H_kv, hd]
 
 
-copy_kv_columns = dispatch.Op("copy_kv_columns", _copy_kv_columns_reference,
-                              "keys and values copied between caches at per-row columns (per-token exit's copy fill)")
+copy_kv_columns = dispatch.Op(
+    "copy_kv_columns",
+    _copy_kv_columns_reference,
+    "keys and values copied between caches at per-row columns (per-token exit's copy fill)",
+)
 
 
 class KVCache:
@@ -124,8 +127,9 @@ class KVCache:
         ``cols [n]``: each row's own column (rows at different tokens, :mod:`looplm.decode.depth_schedule`)."""
         return KVRows(self, idx, batch, cols)
 
-    def write_rows(self, idx: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, batch: int,
-                   cols: torch.Tensor | None = None) -> None:
+    def write_rows(
+        self, idx: torch.Tensor | None, k: torch.Tensor, v: torch.Tensor, batch: int, cols: torch.Tensor | None = None
+    ) -> None:
         """Write ``k, v [n, H_kv, T, hd]`` for rows ``idx [n]`` (``None``: every row) at columns
         ``seqlen .. seqlen + T`` (pending), or one token per row at its own column ``cols [n]`` (not counted:
         a caller that places rows at their own columns keeps their lengths itself)."""
@@ -146,7 +150,9 @@ class KVCache:
             self._k[:, :, cols] = k
             self._v[:, :, cols] = v
         else:
-            self._k[:, :, cols].index_copy_(0, idx, k if k.dtype == self._k.dtype else k.to(self._k.dtype))  # in place: a view
+            self._k[:, :, cols].index_copy_(
+                0, idx, k if k.dtype == self._k.dtype else k.to(self._k.dtype)
+            )  # in place: a view
             self._v[:, :, cols].index_copy_(0, idx, v if v.dtype == self._v.dtype else v.to(self._v.dtype))
         self.pending = max(self.pending, T)
 
@@ -230,12 +236,20 @@ class KVRows:
         if attn_mask is None and T > 1:  # several new tokens without a mask: causal among themselves
             attn_mask = torch.ones(T, L, dtype=torch.bool, device=q.device).tril(L - T)[None, None].expand(n, 1, T, L)
         if 3 * n < self.batch:  # a few rows of a large buffer: their keys gathered, [n, H_kv, L, hd]
-            return attention(q, K.index_select(0, self.idx), V.index_select(0, self.idx), attn_mask=attn_mask, is_causal=False,
-                             enable_gqa=enable_gqa)  # fmt: skip
+            return attention(
+                q,
+                K.index_select(0, self.idx),
+                V.index_select(0, self.idx),
+                attn_mask=attn_mask,
+                is_causal=False,
+                enable_gqa=enable_gqa,
+            )
         q_all = q.new_zeros(self.batch, *q.shape[1:]).index_copy_(0, self.idx, q)  # [B, H, T, hd]
         mask = None
         if attn_mask is not None:
-            mask = torch.ones(self.batch, 1, T, L, dtype=torch.bool, device=q.device).index_copy_(0, self.idx, attn_mask)
+            mask = torch.ones(self.batch, 1, T, L, dtype=torch.bool, device=q.device).index_copy_(
+                0, self.idx, attn_mask
+            )
         y = attention(q_all, K, V, attn_mask=mask, is_causal=False, enable_gqa=enable_gqa)  # [B, H, T, hd]
         return y.index_select(0, self.idx)
 
@@ -324,7 +338,9 @@ class Attention(nn.Module):
             cos, sin = fctx.rope_for(self.rotary_dim)  # [B, T, rot]
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         gqa = self.n_kv_heads != self.n_heads
-        if cache is not None and hasattr(cache, "attend"):  # rows of a batch (per-token exit): the slot attends in place
+        if cache is not None and hasattr(
+            cache, "attend"
+        ):  # rows of a batch (per-token exit): the slot attends in place
             mask = fctx.attn_mask
             if self.sliding_window is not None:
                 S = cache.seqlen + T

@@ -551,7 +551,9 @@ class Mamba2Mixer(nn.Module):
 
     # -- forward ---------------------------------------------------------------------------------------
 
-    def forward(self, x: Tensor, fctx=None, cache: Mamba2State | None = None, *, pad_mask: Tensor | None = None) -> Tensor:
+    def forward(
+        self, x: Tensor, fctx=None, cache: Mamba2State | None = None, *, pad_mask: Tensor | None = None
+    ) -> Tensor:
         """``x [b, T, d_model]`` -> ``[b, T, d_model]`` (the mixer interface of :mod:`looplm.blocks`).
 
         ``fctx.pad_mask`` (or ``pad_mask``) ``[b, T]`` marks real tokens under left padding; ``cache``
@@ -565,8 +567,13 @@ class Mamba2Mixer(nn.Module):
             return self._step(x, pad_mask, state)
         if state is not None and state.seqlen_offset > 0 and getattr(state, "snapshots", None) is not None:
             # a speculative round records the state after every token: the tokens one step at a time
-            return torch.cat([self._step(x[:, t : t + 1], None if pad_mask is None else pad_mask[:, t : t + 1], state)
-                              for t in range(x.shape[1])], dim=1)  # fmt: skip
+            return torch.cat(
+                [
+                    self._step(x[:, t : t + 1], None if pad_mask is None else pad_mask[:, t : t + 1], state)
+                    for t in range(x.shape[1])
+                ],
+                dim=1,
+            )
         batch, seqlen, _ = x.shape
         kernels = self._kernels_for(x)
         zxbcdt = self.in_proj(x)  # [b,T,d_in_proj]

@@ -16,7 +16,9 @@ from torch import nn
 from ..config import RopeScaling
 
 
-def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None = None, precision: str = "fp64") -> torch.Tensor:
+def rope_inv_freq(
+    rotary_dim: int, theta: float, scaling: RopeScaling | None = None, precision: str = "fp64"
+) -> torch.Tensor:
     """Inverse frequencies ``θ^(-2i/rot)`` for ``i < rot/2``; Llama-3 scaling when ``scaling`` is given.
 
     ``precision``: the arithmetic before the result is rounded to fp32 — ``fp64`` (correctly rounded), or
@@ -59,7 +61,9 @@ class RotaryEmbedding(nn.Module):
 
     def reset_buffers(self) -> None:
         """Recompute ``inv_freq`` (needed after materialising a model built on the meta device)."""
-        self.inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling, self.precision).to(self.inv_freq.device)
+        self.inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling, self.precision).to(
+            self.inv_freq.device
+        )
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # position_ids [B, T] -> cos, sin [B, T, rot] (float32)

@@ -122,7 +122,11 @@ class RecurrenceRule(nn.Module):
 
         params = inspect.signature(cls.__init__).parameters
         known = [p for p in params if p not in ("self", "cfg") and params[p].kind == params[p].KEYWORD_ONLY]
-        return [f"options.{k}: unknown option for rule {cls.rule_name!r}{_suggest(k, known)}" for k in options if k not in known]
+        return [
+            f"options.{k}: unknown option for rule {cls.rule_name!r}{_suggest(k, known)}"
+            for k in options
+            if k not in known
+        ]
 
     def check_loop_options(self, options: dict) -> None:
         """Refuse ``forward(loop_options=...)`` keys this rule does not read, naming the ones it does."""

@@ -79,9 +79,21 @@ class ExitGate(RecurrenceRule):
 
     loop_options = ("exit_threshold",)  # q per forward, instead of the option `threshold`
 
-    def __init__(self, cfg, *, stage: int = 1, beta: float = 0.25, kappa: float = 50.0, gamma: float = 0.005,
-                 bias_init: float = -2.0, threshold: float = 1.0, entropy_eps: float = 1e-10,
-                 objective: str = "expected_loss", gate_norm: bool = False, inter_norm: bool = False):
+    def __init__(
+        self,
+        cfg,
+        *,
+        stage: int = 1,
+        beta: float = 0.25,
+        kappa: float = 50.0,
+        gamma: float = 0.005,
+        bias_init: float = -2.0,
+        threshold: float = 1.0,
+        entropy_eps: float = 1e-10,
+        objective: str = "expected_loss",
+        gate_norm: bool = False,
+        inter_norm: bool = False,
+    ):
         super().__init__(cfg)
         if stage not in (1, 2):
             raise ValueError(f"exit_gate option stage must be 1 or 2, got {stage!r}")
@@ -143,8 +155,12 @@ class ExitGate(RecurrenceRule):
             elif self.stage == 1:
                 state["exp_loss"] = torch.zeros(B, T, **f32)  # Σ_r π^(r) ℓ^(r) − β H (per token)
             else:
-                state.update(bce=torch.zeros(B, T, **f32), n_bce=torch.zeros(B, T, **f32),
-                             prev_logit=torch.zeros(B, T, **f32), prev_loss=torch.zeros(B, T, **f32))
+                state.update(
+                    bce=torch.zeros(B, T, **f32),
+                    n_bce=torch.zeros(B, T, **f32),
+                    prev_logit=torch.zeros(B, T, **f32),
+                    prev_loss=torch.zeros(B, T, **f32),
+                )
         return state
 
     def _last_step(self, lctx: LoopContext, batch: int, device) -> torch.Tensor:
@@ -157,8 +173,9 @@ class ExitGate(RecurrenceRule):
         """``ℓ^(r)`` ``[B, T]``: next-token loss of this step's readout (0 where the target is ignored)."""
         logits = lctx.readout(h)  # [B, T, V]
         B, T, V = logits.shape
-        return F.cross_entropy(logits.reshape(B * T, V).float(), lctx.targets.reshape(-1), ignore_index=-100,
-                               reduction="none").view(B, T)
+        return F.cross_entropy(
+            logits.reshape(B * T, V).float(), lctx.targets.reshape(-1), ignore_index=-100, reduction="none"
+        ).view(B, T)
 
     def next_input(self, state: dict, lctx: LoopContext) -> torch.Tensor:
         """``Z^k``: ``h^(k)``, or ``N(h^(k))`` with ``inter_norm`` (Ouro; ``Z^0 = h_0`` either way)."""
@@ -244,8 +261,9 @@ class ExitGate(RecurrenceRule):
         valid = lctx.targets != -100  # the M valid next-token positions
         if self.stage == 1 and self.objective == "expected_logits":
             z = state["exp_logits"]  # [B, T, V]
-            ce = F.cross_entropy(z.reshape(-1, z.shape[-1]), lctx.targets.reshape(-1), ignore_index=-100,
-                                 reduction="none").view_as(valid)
+            ce = F.cross_entropy(
+                z.reshape(-1, z.shape[-1]), lctx.targets.reshape(-1), ignore_index=-100, reduction="none"
+            ).view_as(valid)
             per_token = ce - self.beta * state["exp_ent"] if self.beta else ce
         elif self.stage == 1:
             per_token = state["exp_loss"]  # Σ_r π ℓ − β H
@@ -271,7 +289,6 @@ class ExitGate(RecurrenceRule):
             "exit_entropy": float((e["entropy"] * real).sum() / n),
             "executed_depth": executed,
         }
-
 
     def train_metrics(self) -> dict:
         """What the trainer logs per update (App. E.5: exit entropy and expected exit step, Fig. 2-3)."""

@@ -120,8 +120,16 @@ class Injection(RecurrenceRule):
 
     loop_options = ("initial_state",)  # a given s_0 [B, T, d] for one forward (Huginn's input_states)
 
-    def __init__(self, cfg, *, form: str = "scalar", init_state: str = "prelude", init_std: float = 0.02,
-                 init_seed: int | None = 0, finish_norm: bool = False):
+    def __init__(
+        self,
+        cfg,
+        *,
+        form: str = "scalar",
+        init_state: str = "prelude",
+        init_std: float = 0.02,
+        init_seed: int | None = 0,
+        finish_norm: bool = False,
+    ):
         super().__init__(cfg)
         self.inject = InjectionAdapter(cfg.d_model, form)
         self.init_state, self.init_std, self.init_seed = init_state, float(init_std), init_seed

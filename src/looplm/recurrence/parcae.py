@@ -100,7 +100,9 @@ class Parcae(RecurrenceRule):
         return self.C(state["h"])  # y = C h_r
 
 
-def sample_sequence_depths(batch_size: int, mean_loops: float, *, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_sequence_depths(
+    batch_size: int, mean_loops: float, *, generator: torch.Generator | None = None
+) -> torch.Tensor:
     """Per-sequence loop counts ``[B]`` as Parcae's "poisson-truncated-full" scheme draws them:
     ``r ~ max(1, Poisson(mean_loops))`` per sequence. Pass them as ``model(x, num_loops=r)``
     (and ``num_grad_loops=m`` for Parcae's truncated backprop through the last ``m`` iterations)."""

@@ -93,7 +93,9 @@ def init_state_errors(options: dict) -> list[str]:
         errs.append(f"options.init_std: must be a number >= 0, got {std!r}")
     seed = options.get("init_seed", 0)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        errs.append(f"options.init_seed: must be an integer (deterministic per position) or null (fresh draws), got {seed!r}")
+        errs.append(
+            f"options.init_seed: must be an integer (deterministic per position) or null (fresh draws), got {seed!r}"
+        )
     if kind != "normal":
         extra = [k for k in ("init_std", "init_seed") if k in options]
         if extra:

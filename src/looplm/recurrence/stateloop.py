@@ -152,19 +152,40 @@ def _option_errors(o: dict) -> list[str]:
     """Value checks of the StateLoop options present in ``o`` (unknown keys are checked by the base class)."""
     errs: list[str] = []
     if "d_s" in o:
-        _check(isinstance(o["d_s"], int) and o["d_s"] >= 0, f"options.d_s: the state width must be an int >= 0 (0 = d_model), got {o['d_s']!r}", errs)
+        _check(
+            isinstance(o["d_s"], int) and o["d_s"] >= 0,
+            f"options.d_s: the state width must be an int >= 0 (0 = d_model), got {o['d_s']!r}",
+            errs,
+        )
     if "update" in o:
         _check(o["update"] in UPDATES, f"options.update: must be one of {list(UPDATES)}, got {o['update']!r}", errs)
     if "mixer" in o:
         _check(o["mixer"] in MIXERS, f"options.mixer: must be one of {list(MIXERS)}, got {o['mixer']!r}", errs)
-    for k in ("mixer_head_dim", "mamba_expand", "mamba_d_state", "mamba_d_conv", "mamba_headdim", "mamba_ngroups", "mamba_chunk_size"):
+    for k in (
+        "mixer_head_dim",
+        "mamba_expand",
+        "mamba_d_state",
+        "mamba_d_conv",
+        "mamba_headdim",
+        "mamba_ngroups",
+        "mamba_chunk_size",
+    ):
         if k in o:
             _check(isinstance(o[k], int) and o[k] >= 1, f"options.{k}: must be an int >= 1, got {o[k]!r}", errs)
     if "init_delta" in o:
-        _check(isinstance(o["init_delta"], (int, float)) and o["init_delta"] > 0, f"options.init_delta: Δ at init must be > 0, got {o['init_delta']!r}", errs)
+        _check(
+            isinstance(o["init_delta"], (int, float)) and o["init_delta"] > 0,
+            f"options.init_delta: Δ at init must be > 0, got {o['init_delta']!r}",
+            errs,
+        )
     if "lambda_range" in o:
         lr = o["lambda_range"]
-        ok = isinstance(lr, (list, tuple)) and len(lr) == 2 and all(isinstance(v, (int, float)) for v in lr) and 0 < lr[0] <= lr[1]
+        ok = (
+            isinstance(lr, (list, tuple))
+            and len(lr) == 2
+            and all(isinstance(v, (int, float)) for v in lr)
+            and 0 < lr[0] <= lr[1]
+        )
         _check(ok, f"options.lambda_range: must be [lo, hi] with 0 < lo <= hi, got {lr!r}", errs)
     return errs
 
@@ -205,15 +226,30 @@ class StateLoop(RecurrenceRule):
         ds = d_s or d
         self.d_s, self.update_kind, self.reset, self.mixer_kind = ds, update, bool(reset), mixer
         errs = _option_errors(
-            dict(d_s=d_s, update=update, mixer=mixer, mixer_head_dim=mixer_head_dim, init_delta=init_delta, lambda_range=list(lambda_range))
+            dict(
+                d_s=d_s,
+                update=update,
+                mixer=mixer,
+                mixer_head_dim=mixer_head_dim,
+                init_delta=init_delta,
+                lambda_range=list(lambda_range),
+            )
         )
         if mixer == "attention" and mixer_head_dim >= 1:
             _check(ds % mixer_head_dim == 0, f"options.mixer_head_dim: {mixer_head_dim} does not divide d_s={ds}", errs)
         if mixer == "mamba2":
             d_inner = mamba_expand * ds
-            _check(d_inner % mamba_headdim == 0, f"options.mamba_headdim: {mamba_headdim} does not divide mamba_expand*d_s={d_inner}", errs)
+            _check(
+                d_inner % mamba_headdim == 0,
+                f"options.mamba_headdim: {mamba_headdim} does not divide mamba_expand*d_s={d_inner}",
+                errs,
+            )
             nheads = d_inner // max(mamba_headdim, 1)
-            _check(nheads % max(mamba_ngroups, 1) == 0, f"options.mamba_ngroups: {mamba_ngroups} does not divide the mixer's {nheads} heads", errs)
+            _check(
+                nheads % max(mamba_ngroups, 1) == 0,
+                f"options.mamba_ngroups: {mamba_ngroups} does not divide the mixer's {nheads} heads",
+                errs,
+            )
         if errs:
             raise ValueError("stateloop rule: " + "; ".join(errs))
 
@@ -234,9 +270,15 @@ class StateLoop(RecurrenceRule):
             )
         elif mixer == "mamba2":
             m = Mamba2Mixer(
-                ds, expand=mamba_expand, d_state=mamba_d_state, d_conv=mamba_d_conv, headdim=mamba_headdim,
-                ngroups=mamba_ngroups, chunk_size=mamba_chunk_size, norm_eps=cfg.norm_eps,
-            )  # fmt: skip
+                ds,
+                expand=mamba_expand,
+                d_state=mamba_d_state,
+                d_conv=mamba_d_conv,
+                headdim=mamba_headdim,
+                ngroups=mamba_ngroups,
+                chunk_size=mamba_chunk_size,
+                norm_eps=cfg.norm_eps,
+            )
             self.mixer = ResidualMixer(ds, m, cfg.norm_eps)
         else:
             self.mixer = None  # X_id (eq. 7): nothing kept across tokens while decoding
@@ -256,7 +298,9 @@ class StateLoop(RecurrenceRule):
         if scales is None:
             return None
         if len(scales) != lctx.num_loops:
-            raise ValueError(f"loop_options['read_scale'] needs one entry per read, {lctx.num_loops}, got {len(scales)}")
+            raise ValueError(
+                f"loop_options['read_scale'] needs one entry per read, {lctx.num_loops}, got {len(scales)}"
+            )
         return scales[j - 1]
 
     def read(self, W: nn.Linear, state: dict, lctx, j: int) -> torch.Tensor:
@@ -282,7 +326,9 @@ class StateLoop(RecurrenceRule):
     def step(self, state, h, lctx):
         S = self.update_state(state["S"], h)  # S̃^{k+1}
         if self.mixer is not None:  # X_ψ, its own decoding slot per iteration (eqs. 8, 9)
-            slot = lctx.loop_slot("stateloop-mixer", lambda: self.mixer.new_cache(lctx.cache.batch_size, lctx.cache.capacity))
+            slot = lctx.loop_slot(
+                "stateloop-mixer", lambda: self.mixer.new_cache(lctx.cache.batch_size, lctx.cache.capacity)
+            )
             S = self.mixer(S, lctx.fctx, slot)
         hook = lctx.loop_options.get("state_hook")
         if hook is not None:

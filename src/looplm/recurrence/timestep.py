@@ -64,7 +64,16 @@ N_FEATURES = 8
 def psi(t: torch.Tensor, dt: torch.Tensor) -> torch.Tensor:
     """``ψ(t, Δt)`` — ``t``, ``Δt``: tensors of the same shape ``S`` -> features ``[*S, 8]``."""
     pi_t = math.pi * t
-    feats = [torch.ones_like(t), t, t * t, torch.sin(pi_t), torch.cos(pi_t), torch.sin(2 * pi_t), torch.cos(2 * pi_t), dt]
+    feats = [
+        torch.ones_like(t),
+        t,
+        t * t,
+        torch.sin(pi_t),
+        torch.cos(pi_t),
+        torch.sin(2 * pi_t),
+        torch.cos(2 * pi_t),
+        dt,
+    ]
     return torch.stack(feats, dim=-1)
 
 
@@ -148,8 +157,13 @@ class TimestepConditioning(RecurrenceRule):
             g = 1 + (self.q @ f.T if per_row else self.q @ f)  # [s, 2, B] or [s, 2]
             if per_row:
                 g = g[..., None, None]  # [s, 2, B, 1, 1]
-            return [BlockModulation(mixer=BranchModulation(gate=g[k, 0]), mlp=BranchModulation(gate=g[k, 1])) for k in range(g.shape[0])]
-        v = 1 + (torch.einsum("kbvdf,Bf->kbvBd", self.W, f)[..., None, :] if per_row else self.W @ f)  # [s, 2, 2, (B, 1,) d]
+            return [
+                BlockModulation(mixer=BranchModulation(gate=g[k, 0]), mlp=BranchModulation(gate=g[k, 1]))
+                for k in range(g.shape[0])
+            ]
+        v = 1 + (
+            torch.einsum("kbvdf,Bf->kbvBd", self.W, f)[..., None, :] if per_row else self.W @ f
+        )  # [s, 2, 2, (B, 1,) d]
         return [
             BlockModulation(
                 mixer=BranchModulation(scale=v[k, 0, 0], gate=v[k, 0, 1]),

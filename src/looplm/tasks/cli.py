@@ -22,8 +22,9 @@ __all__ = ["register"]
 DEFAULT_EVAL_COUNT = {"mano": 2000, "phop": 10000}  # App. C / App. D
 
 
-def export_records(task: str, split: str, count: int, seed: int, *, max_length: int = 10, p: int = 16, n: int = 256,
-                   alphabet: int = 4) -> list[dict]:
+def export_records(
+    task: str, split: str, count: int, seed: int, *, max_length: int = 10, p: int = 16, n: int = 256, alphabet: int = 4
+) -> list[dict]:
     """The records ``looplm task TASK export`` writes."""
     if count < 0:
         raise ValueError(f"--count must be >= 0, got {count}")
@@ -42,7 +43,11 @@ def _cmd_export(args) -> int:
     count = args.count if args.count is not None else DEFAULT_EVAL_COUNT[args.task]
     if count < 1:  # (export_records takes 0 for a library caller; a command that writes an empty file is a typo)
         raise ValueError(f"--count must be >= 1, got {count}: the number of instances to write")
-    kw = {"max_length": args.max_length} if args.task == "mano" else {"p": args.p, "n": args.n, "alphabet": args.alphabet}
+    kw = (
+        {"max_length": args.max_length}
+        if args.task == "mano"
+        else {"p": args.p, "n": args.n, "alphabet": args.alphabet}
+    )
     records = export_records(args.task, args.split, count, args.seed, **kw)
     out = sys.stdout if args.out == "-" else open(args.out, "w")
     try:
@@ -70,14 +75,24 @@ def _cmd_eval(args) -> int:
 
     from ..eval.threshold import format_sweep
 
-    res = evaluate_run(args.run, task=args.task, count=args.count, seed=args.seed, num_loops=args.loops,
-                       thresholds=args.thresholds, device=args.device, png=args.png)
+    res = evaluate_run(
+        args.run,
+        task=args.task,
+        count=args.count,
+        seed=args.seed,
+        num_loops=args.loops,
+        thresholds=args.thresholds,
+        device=args.device,
+        png=args.png,
+    )
     if args.json:
         print(json.dumps(res, indent=2, ensure_ascii=False))
         return 0
     d = res["default"]
-    print(f"{res['model']} on {d['count']} {args.task} eval samples: accuracy {d['accuracy']:.2%} "
-          f"(executed loops {d['executed_loops']}" + (f", selected depth {d['iter']:.2f})" if "iter" in d else ")"))
+    print(
+        f"{res['model']} on {d['count']} {args.task} eval samples: accuracy {d['accuracy']:.2%} "
+        f"(executed loops {d['executed_loops']}" + (f", selected depth {d['iter']:.2f})" if "iter" in d else ")")
+    )
     if res["rows"]:
         print(format_sweep(res["rows"], ("accuracy",)))
     return 0
@@ -87,8 +102,9 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("task", help="synthetic reasoning tasks (Mano, p-hop): export, train, eval")
     tasks = p.add_subparsers(dest="task", required=True)
     for task in ("mano", "phop"):
-        tp = tasks.add_parser(task, help={"mano": "Mano: prefix arithmetic over F_23 (App. C)",
-                                          "phop": "p-hop induction (App. D)"}[task])
+        tp = tasks.add_parser(
+            task, help={"mano": "Mano: prefix arithmetic over F_23 (App. C)", "phop": "p-hop induction (App. D)"}[task]
+        )
         verbs = tp.add_subparsers(dest="verb", required=True)
 
         e = verbs.add_parser("export", help="write instances as JSONL")
@@ -113,10 +129,17 @@ def register(subparsers) -> None:
 
         v = verbs.add_parser("eval", help="exact-match accuracy of a trained run on the deterministic eval set")
         v.add_argument("run", help="run directory written by `looplm task ... train` (its best seed) or a seed dir")
-        v.add_argument("--count", type=int, default=None, help=f"eval instances (default: the run's, paper {DEFAULT_EVAL_COUNT[task]})")
+        v.add_argument(
+            "--count",
+            type=int,
+            default=None,
+            help=f"eval instances (default: the run's, paper {DEFAULT_EVAL_COUNT[task]})",
+        )
         v.add_argument("--seed", type=int, default=None, help="eval seed (default: the run's)")
         v.add_argument("--loops", type=int, nargs="*", default=None, help="forced loop counts r (fixed-loop ablation)")
-        v.add_argument("--thresholds", type=float, nargs="*", default=None, help="exit-gate thresholds q (exit-gate models)")
+        v.add_argument(
+            "--thresholds", type=float, nargs="*", default=None, help="exit-gate thresholds q (exit-gate models)"
+        )
         v.add_argument("--device", default="cpu")
         v.add_argument("--png", default=None, help="accuracy vs selected depth plot (Figure 1 style)")
         v.add_argument("--json", action="store_true")

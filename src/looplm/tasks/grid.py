@@ -106,11 +106,19 @@ def grid_rows(grid: GridConfig, sets: list[str] | None = None) -> list[dict]:
             else:
                 bpl = grid.blocks_per_layer or 1
                 info = model_info(g.model, overrides={**g.overrides, "n_core": N * bpl, "n_loops": R})
-            rows.append({
-                "group": g.name, "N": N, "R": R, "model": f"{'Base' if R == 1 else 'Loop'} ({N}⊗{R})",
-                "relative": f"{N}×/{N * R}×", "params": info["params"], "non_embedding_params": info["non_embedding_params"],
-                "flops_per_token": info["forward_flops_per_token"], "effective_depth": info["effective_depth"],
-            })
+            rows.append(
+                {
+                    "group": g.name,
+                    "N": N,
+                    "R": R,
+                    "model": f"{'Base' if R == 1 else 'Loop'} ({N}⊗{R})",
+                    "relative": f"{N}×/{N * R}×",
+                    "params": info["params"],
+                    "non_embedding_params": info["non_embedding_params"],
+                    "flops_per_token": info["forward_flops_per_token"],
+                    "effective_depth": info["effective_depth"],
+                }
+            )
     return rows
 
 
@@ -127,7 +135,11 @@ def format_table(rows: list[dict], metrics: list[str]) -> str:
         for m in metrics:
             v = r.get(m)
             vals.append("" if v is None else (f"{v:.2%}" if m == "accuracy" else f"{v:.2f}"))
-        out.append(f"| {r['model']} | {r['relative']} | {r['params']:,} | {r['flops_per_token']:,} | " + " | ".join(vals) + " |")
+        out.append(
+            f"| {r['model']} | {r['relative']} | {r['params']:,} | {r['flops_per_token']:,} | "
+            + " | ".join(vals)
+            + " |"
+        )
     return "\n".join(out)
 
 
@@ -143,13 +155,19 @@ def run_grid(grid: GridConfig, out_dir, sets: list[str] | None = None, quiet: bo
             from .train import train_task
 
             res = train_task(_task_cfg(grid, g, r["N"], r["R"], sets or []), run_dir, quiet=quiet)
-            r.update(accuracy=res["best_accuracy"], seeds=[x["accuracy"] for x in res["runs"]],
-                     train_time_s=sum(x["train_time_s"] for x in res["runs"]))
+            r.update(
+                accuracy=res["best_accuracy"],
+                seeds=[x["accuracy"] for x in res["runs"]],
+                train_time_s=sum(x["train_time_s"] for x in res["runs"]),
+            )
         else:
             from ..train import Trainer, load_train_config
 
-            ov = list(sets or []) + [f"model={g.model}", f"model_overrides.n_core={r['N'] * (grid.blocks_per_layer or 1)}",
-                                     f"model_overrides.n_loops={r['R']}"]
+            ov = list(sets or []) + [
+                f"model={g.model}",
+                f"model_overrides.n_core={r['N'] * (grid.blocks_per_layer or 1)}",
+                f"model_overrides.n_loops={r['R']}",
+            ]
             ov += [f"model_overrides.{k}={json.dumps(v)}" for k, v in g.overrides.items()]
             res = Trainer(load_train_config(grid.train_config, ov), run_dir, quiet=quiet).fit()
             r.update(ppl=res.get("val_ppl"), train_time_s=res.get("train_time_s"))

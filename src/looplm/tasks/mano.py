@@ -47,7 +47,9 @@ class ManoVocab:
         if max_length < 1:
             raise ValueError(f"Mano max_length L must be >= 1, got {max_length}")
         self.max_length = max_length
-        self.itos = [str(v) for v in range(P)] + list(OPS) + list(SPECIALS) + [f"<len_{i}>" for i in range(max_length + 1)]
+        self.itos = (
+            [str(v) for v in range(P)] + list(OPS) + list(SPECIALS) + [f"<len_{i}>" for i in range(max_length + 1)]
+        )
         self.stoi = {s: i for i, s in enumerate(self.itos)}
         self.bos, self.ans, self.eos, self.pad = (self.stoi[s] for s in SPECIALS)
 

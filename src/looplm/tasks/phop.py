@@ -164,7 +164,9 @@ def make_instance(rng: random.Random, n: int, p: int, alphabet: int = 4, max_att
         inst = _draw_once(rng, n, p, alphabet)
         if inst is not None:
             return inst
-    raise ValueError(f"could not build a {p}-hop chain in n={n} tokens over {alphabet} symbols; use a larger n or smaller p")
+    raise ValueError(
+        f"could not build a {p}-hop chain in n={n} tokens over {alphabet} symbols; use a larger n or smaller p"
+    )
 
 
 def _rng(split: str, n: int, p: int, alphabet: int, seed: int) -> random.Random:
@@ -181,7 +183,13 @@ def generate(split: str, count: int, n: int = 256, p: int = 16, alphabet: int = 
 
 def instance_record(inst: PhopInstance, vocab: PhopVocab) -> dict:
     """The JSONL record of ``looplm task phop export``."""
-    return {"sequence": inst.sequence, "p": inst.p, "n": len(inst.sequence), "answer": inst.answer, "ids": vocab.encode(inst)}
+    return {
+        "sequence": inst.sequence,
+        "p": inst.p,
+        "n": len(inst.sequence),
+        "answer": inst.answer,
+        "ids": vocab.encode(inst),
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -205,8 +213,15 @@ def labels_for(inst: PhopInstance, vocab: PhopVocab, dense: bool = False) -> lis
 class PhopStream:
     """Online training batches, one instance per row padded to ``seq_len`` (272 in the paper)."""
 
-    def __init__(self, n: int = 256, p: int = 16, alphabet: int = 4, seq_len: int | None = None, seed: int = 0,
-                 dense_target: bool = False):
+    def __init__(
+        self,
+        n: int = 256,
+        p: int = 16,
+        alphabet: int = 4,
+        seq_len: int | None = None,
+        seed: int = 0,
+        dense_target: bool = False,
+    ):
         self.vocab = PhopVocab(alphabet)
         self.n, self.p, self.alphabet, self.dense = n, p, alphabet, dense_target
         self.seq_len = seq_len or n + 3 + 1

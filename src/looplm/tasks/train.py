@@ -32,8 +32,16 @@ import torch
 from ..dataclass_util import ConfigError, apply_overrides, from_dict, read_yaml_file, to_dict
 from ..train.config import OptimConfig, ScheduleConfig
 
-__all__ = ["TaskSpec", "TaskTrainConfig", "TaskRunConfig", "load_task_config", "build_task_model", "task_accuracy",
-           "train_task", "evaluate_run"]
+__all__ = [
+    "TaskSpec",
+    "TaskTrainConfig",
+    "TaskRunConfig",
+    "load_task_config",
+    "build_task_model",
+    "task_accuracy",
+    "train_task",
+    "evaluate_run",
+]
 
 DEFAULT_EVAL_COUNT = {"mano": 2000, "phop": 10000}
 
@@ -214,8 +222,14 @@ def _device(spec: str) -> torch.device:
 
 
 @torch.no_grad()
-def task_accuracy(model, eval_set, batch_size: int = 256, num_loops: int | None = None, loop_options: dict | None = None,
-                  precision: str = "fp32") -> dict:
+def task_accuracy(
+    model,
+    eval_set,
+    batch_size: int = 256,
+    num_loops: int | None = None,
+    loop_options: dict | None = None,
+    precision: str = "fp32",
+) -> dict:
     """Exact match of the argmax at the answer position; with an exit gate also the mean selected
     depth ``iter`` at the answer positions (the executed depth is always the loop count)."""
     ids, pos, answers = eval_set
@@ -224,7 +238,11 @@ def task_accuracy(model, eval_set, batch_size: int = 256, num_loops: int | None 
     model.eval()
     correct, depth_sum = 0, 0.0
     has_gate = hasattr(model.rule, "exit_summary")
-    ac = torch.autocast(dev.type, dtype=torch.bfloat16) if precision == "bf16" else torch.autocast(dev.type, enabled=False)
+    ac = (
+        torch.autocast(dev.type, dtype=torch.bfloat16)
+        if precision == "bf16"
+        else torch.autocast(dev.type, enabled=False)
+    )
     for a in range(0, ids.shape[0], batch_size):
         x, p, y = ids[a : a + batch_size].to(dev), pos[a : a + batch_size].to(dev), answers[a : a + batch_size].to(dev)
         with ac:
@@ -271,21 +289,35 @@ def _train_one_seed(cfg: TaskRunConfig, seed: int, out: Path, eval_set, quiet: b
                     loss = model(x, labels=y).loss.float()
                 (loss * x.shape[0] / tc.batch_size).backward()
                 loss_sum += float(loss.detach()) * x.shape[0] / tc.batch_size
-            gn = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf")))
+            gn = float(
+                torch.nn.utils.clip_grad_norm_(model.parameters(), tc.grad_clip if tc.grad_clip > 0 else float("inf"))
+            )
             if not (math.isfinite(loss_sum) and math.isfinite(gn)):
-                raise FloatingPointError(f"seed {seed} step {step + 1}: loss {loss_sum}, grad norm {gn}; lower optim.lr")
+                raise FloatingPointError(
+                    f"seed {seed} step {step + 1}: loss {loss_sum}, grad norm {gn}; lower optim.lr"
+                )
             opt.step()
             opt.zero_grad(set_to_none=True)
-            rec = {"step": step + 1, "loss": loss_sum, "lr": lr_at(step) * cfg.optim.lr, "grad_norm": gn,
-                   "elapsed_s": time.perf_counter() - t0}
+            rec = {
+                "step": step + 1,
+                "loss": loss_sum,
+                "lr": lr_at(step) * cfg.optim.lr,
+                "grad_norm": gn,
+                "elapsed_s": time.perf_counter() - t0,
+            }
             if tc.eval_every and (step + 1) % tc.eval_every == 0 and step + 1 < tc.steps:
-                rec["eval_accuracy"] = task_accuracy(model, small_eval, tc.eval_batch_size, precision=precision)["accuracy"]
+                rec["eval_accuracy"] = task_accuracy(model, small_eval, tc.eval_batch_size, precision=precision)[
+                    "accuracy"
+                ]
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
             if not quiet and ((step + 1) % tc.log_every == 0 or "eval_accuracy" in rec):
                 acc = f" acc {rec['eval_accuracy']:.4f}" if "eval_accuracy" in rec else ""
-                print(f"[{cfg.label} seed {seed}] step {step + 1}/{tc.steps} loss {loss_sum:.4f}{acc} "
-                      f"({rec['elapsed_s']:.0f}s)", flush=True)
+                print(
+                    f"[{cfg.label} seed {seed}] step {step + 1}/{tc.steps} loss {loss_sum:.4f}{acc} "
+                    f"({rec['elapsed_s']:.0f}s)",
+                    flush=True,
+                )
     finally:
         metrics.close()
     train_s = time.perf_counter() - t0
@@ -293,7 +325,9 @@ def _train_one_seed(cfg: TaskRunConfig, seed: int, out: Path, eval_set, quiet: b
     from safetensors.torch import save_file
 
     save_file({k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps({"task_run": to_dict(cfg), "model": to_dict(model.config), "seed": seed}, indent=2))
+    (out / "config.json").write_text(
+        json.dumps({"task_run": to_dict(cfg), "model": to_dict(model.config), "seed": seed}, indent=2)
+    )
     return {"seed": seed, **res, "final_loss": loss_sum, "train_time_s": train_s, "precision": precision}
 
 
@@ -314,9 +348,14 @@ def train_task(cfg: TaskRunConfig, out_dir, quiet: bool = False) -> dict:
         torch.set_num_threads(threads)
     best = max(runs, key=lambda r: r["accuracy"])
     summary = {
-        "task": to_dict(cfg.task), "model": cfg.label, "params": info["params"],
-        "forward_flops_per_token": info["forward_flops_per_token"], "effective_depth": info["effective_depth"],
-        "runs": runs, "best_seed": best["seed"], "best_accuracy": best["accuracy"],
+        "task": to_dict(cfg.task),
+        "model": cfg.label,
+        "params": info["params"],
+        "forward_flops_per_token": info["forward_flops_per_token"],
+        "effective_depth": info["effective_depth"],
+        "runs": runs,
+        "best_seed": best["seed"],
+        "best_accuracy": best["accuracy"],
         "mean_accuracy": sum(r["accuracy"] for r in runs) / len(runs),
     }
     (out / "results.json").write_text(json.dumps(summary, indent=2))
@@ -333,7 +372,9 @@ def load_task_run(run_dir, device="cpu"):
     if (d / "results.json").exists() and not (d / "model.safetensors").exists():
         d = d / f"seed_{json.loads((d / 'results.json').read_text())['best_seed']}"
     if not (d / "config.json").exists() or not (d / "model.safetensors").exists():
-        raise CheckpointError(f"{str(run_dir)!r} is not a `looplm task ... train` run (no config.json / model.safetensors)")
+        raise CheckpointError(
+            f"{str(run_dir)!r} is not a `looplm task ... train` run (no config.json / model.safetensors)"
+        )
     rec = json.loads((d / "config.json").read_text())
     cfg = from_dict(TaskRunConfig, rec["task_run"], what="task config")
     model = build_task_model(cfg, device)
@@ -341,9 +382,16 @@ def load_task_run(run_dir, device="cpu"):
     return model.eval(), cfg
 
 
-def evaluate_run(run_dir, task: str | None = None, count: int | None = None, seed: int | None = None,
-                 num_loops: list[int] | None = None, thresholds: list[float] | None = None, device: str = "cpu",
-                 png: str | None = None) -> dict:
+def evaluate_run(
+    run_dir,
+    task: str | None = None,
+    count: int | None = None,
+    seed: int | None = None,
+    num_loops: list[int] | None = None,
+    thresholds: list[float] | None = None,
+    device: str = "cpu",
+    png: str | None = None,
+) -> dict:
     """Accuracy of a trained run on the deterministic evaluation set; ``num_loops``: the fixed-loop
     ablation (forced ``r``); ``thresholds``: the exit-gate sweep (accuracy and selected depth ``iter``;
     the executed depth stays ``R``). ``png``: the Figure-1-style plot of both."""

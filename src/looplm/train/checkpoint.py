@@ -202,9 +202,7 @@ def save_checkpoint(
     model_sd = get_model_state_dict(model, options=_state_dict_options(cpu_offload=True))
     optim_sd = {}
     if opts:
-        optim_sd = get_optimizer_state_dict(
-            model, opts, options=_state_dict_options(cpu_offload=True)
-        )
+        optim_sd = get_optimizer_state_dict(model, opts, options=_state_dict_options(cpu_offload=True))
     final = checkpoint_path(root, step)
     error = None
     if get_rank() == 0:
@@ -221,8 +219,15 @@ def save_checkpoint(
     return final if get_rank() == 0 else None
 
 
-def _write_checkpoint(root: Path, final: Path, step: int, model_sd: dict, optim_sd: dict | None,
-                      trainer_state: dict | None, config: dict | None) -> None:
+def _write_checkpoint(
+    root: Path,
+    final: Path,
+    step: int,
+    model_sd: dict,
+    optim_sd: dict | None,
+    trainer_state: dict | None,
+    config: dict | None,
+) -> None:
     """Rank 0's part of :func:`save_checkpoint`. A write that fails (a full disk, a quota, an I/O error)
     removes what it had written of this checkpoint and raises :class:`CheckpointError` naming the file, the
     system's reason and the newest complete checkpoint, which it never touched."""
@@ -288,14 +293,15 @@ def _write_checkpoint(root: Path, final: Path, step: int, model_sd: dict, optim_
         else:
             why = str(e) or type(e).__name__
         prev = latest_checkpoint(root)
-        kept = (f"the previous complete checkpoint {str(prev)!r} is intact" if prev is not None
-                else f"there is no earlier complete checkpoint in {str(root)!r}")
+        kept = (
+            f"the previous complete checkpoint {str(prev)!r} is intact"
+            if prev is not None
+            else f"there is no earlier complete checkpoint in {str(root)!r}"
+        )
         raise CheckpointError(
             f"could not write checkpoint {final.name}: writing {str(current)!r} failed ({why}); removed its partial "
             f"files, {kept}. Free some space (or fix the error) and resume"
         ) from e
-
-
 
 
 def _prune(root: Path, keep_last: int) -> None:
@@ -346,7 +352,9 @@ def load_checkpoint(
 
     distributed = is_distributed() and get_world_size() > 1
     try:
-        set_model_state_dict(model, model_sd, options=_state_dict_options(broadcast_from_rank0=distributed, strict=True))
+        set_model_state_dict(
+            model, model_sd, options=_state_dict_options(broadcast_from_rank0=distributed, strict=True)
+        )
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(
             f"the weights in {str(path / MODEL_FILE)!r} do not fit this model ({e}); check that the model config "

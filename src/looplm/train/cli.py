@@ -114,8 +114,10 @@ def cmd_demo(args) -> int:
                     shutil.rmtree(out / name, ignore_errors=True)
                 for name in ("metrics.jsonl", "run.json", "curves.png"):
                     (out / name).unlink(missing_ok=True)
-            print(f"looplm demo: training {cfg.model} on the embedded '{cfg.data.source}' corpus ({config}) into {out}/",
-                  flush=True)
+            print(
+                f"looplm demo: training {cfg.model} on the embedded '{cfg.data.source}' corpus ({config}) into {out}/",
+                flush=True,
+            )
             t0 = time.perf_counter()
             summary = Trainer(cfg, out, resume=args.resume, lock=lock).fit()
             wall = time.perf_counter() - t0
@@ -131,7 +133,9 @@ def cmd_demo(args) -> int:
     last = recs[-1]["loss"] if recs else float("nan")
     val = summary["val_loss"]
     print("\n=== looplm demo summary ===")
-    print(f"  model          {cfg.model} (K = {cfg.model_config().n_loops} loops), precision {summary['precision']} (config: {cfg.train.precision})")
+    print(
+        f"  model          {cfg.model} (K = {cfg.model_config().n_loops} loops), precision {summary['precision']} (config: {cfg.train.precision})"
+    )
     print(f"  steps          {summary['steps']} ({summary['tokens']:,} tokens)")
     print(f"  train loss     {first:.4f} (step 1) -> {last:.4f} (step {recs[-1]['step'] if recs else 0})")
     if val is not None:
@@ -148,12 +152,17 @@ def register(subparsers) -> None:
     p = subparsers.add_parser("train", help="train a looped LM from a YAML config (resumes automatically)")
     p.add_argument("config", help="training YAML (e.g. configs/train/tiny.yaml)")
     p.add_argument("--out", required=True, help="output directory (metrics, checkpoints, run.json)")
-    p.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. optim.lr=1e-3 (repeatable)")
+    p.add_argument(
+        "--set", action="append", metavar="KEY=VALUE", help="override a config field, e.g. optim.lr=1e-3 (repeatable)"
+    )
     p.add_argument("--max-steps", type=int, default=None, help="= --set train.max_steps=N")
     p.add_argument("--checkpoint-every", type=int, default=None, help="= --set checkpoint.every=N")
     p.add_argument("--no-resume", action="store_true", help="ignore existing checkpoints in OUT/ckpt (start over)")
-    p.add_argument("--allow-model-change", action="store_true",
-                   help="resume a checkpoint whose model config differs from this run's (refused otherwise; the change is recorded in run.json)")
+    p.add_argument(
+        "--allow-model-change",
+        action="store_true",
+        help="resume a checkpoint whose model config differs from this run's (refused otherwise; the change is recorded in run.json)",
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar or log lines")
     p.add_argument("--json", action="store_true", help="print the final summary as JSON")
     p.set_defaults(func=cmd_train)
@@ -168,7 +177,9 @@ def register(subparsers) -> None:
     p.add_argument("--config", default=None, help=f"training YAML (default {DEMO_CONFIG})")
     p.add_argument("--max-steps", type=int, default=None)
     p.add_argument("--set", action="append", metavar="KEY=VALUE")
-    p.add_argument("--resume", action="store_true", help="continue an earlier demo run in --out instead of starting over")
+    p.add_argument(
+        "--resume", action="store_true", help="continue an earlier demo run in --out instead of starting over"
+    )
     p.set_defaults(func=cmd_demo)
 
 

@@ -174,10 +174,16 @@ class TrainLoopConfig:
     seed: int = 42
     device: str = "auto"  # "auto" (cuda if available) | "cpu" | "cuda"
     cpu_threads: int | None = None  # torch.set_num_threads on CPU (None = torch's default)
-    cpu_malloc: bool | str = "auto"  # keep freed memory for reuse (looplm.utils.cpu_malloc): true | false | "auto" (CPU + glibc)
+    cpu_malloc: bool | str = (
+        "auto"  # keep freed memory for reuse (looplm.utils.cpu_malloc): true | false | "auto" (CPU + glibc)
+    )
     activation_checkpointing: bool = False  # recompute each loop iteration in backward
-    compile: bool | str = "auto"  # compile every block (looplm.parallel.compile_blocks): true | false | "auto" (see resolve_compile)
-    cpu_gemm: bool | str = "auto"  # bf16 Linear products in the measured fastest split (looplm.kernels.gemm): true | false | "auto" (CPU + bf16)
+    compile: bool | str = (
+        "auto"  # compile every block (looplm.parallel.compile_blocks): true | false | "auto" (see resolve_compile)
+    )
+    cpu_gemm: bool | str = (
+        "auto"  # bf16 Linear products in the measured fastest split (looplm.kernels.gemm): true | false | "auto" (CPU + bf16)
+    )
     num_grad_loops: int | None = None  # fixed truncated BPTT: backprop through the last m loops only
     random_loops: RandomLoopsConfig | None = None
     nan_policy: str = "stop"  # "stop" | "skip": what to do on a non-finite loss / grad norm
@@ -187,11 +193,21 @@ class TrainLoopConfig:
     debug_nan_at_step: int | None = None  # testing aid: make the loss NaN at this 1-based step
     debug_nan_steps: int = 1  # testing aid: ... and at the steps after it, this many steps in all
     debug_step_sleep_s: float = 0.0  # testing aid: sleep after every step (e.g. to kill a run mid-way)
-    init_from: str | None = None  # start from these model weights (checkpoint or run dir); new rule parameters keep their init
-    freeze: list[str] = field(default_factory=list)  # fnmatch patterns of parameter names: requires_grad off, not in the optimizer
-    init_map: dict[str, list[int]] | None = None  # with init_from: pretrained layers -> {prelude, core, coda} (looplm.hf.retrofit)
-    loop_schedule: list[list[int]] | None = None  # [[step, loops], ...]: the loop count from each step on (looplm.hf.retrofit)
-    allow_model_change: bool = False  # resume a checkpoint whose model config differs (refused otherwise; recorded in run.json)
+    init_from: str | None = (
+        None  # start from these model weights (checkpoint or run dir); new rule parameters keep their init
+    )
+    freeze: list[str] = field(
+        default_factory=list
+    )  # fnmatch patterns of parameter names: requires_grad off, not in the optimizer
+    init_map: dict[str, list[int]] | None = (
+        None  # with init_from: pretrained layers -> {prelude, core, coda} (looplm.hf.retrofit)
+    )
+    loop_schedule: list[list[int]] | None = (
+        None  # [[step, loops], ...]: the loop count from each step on (looplm.hf.retrofit)
+    )
+    allow_model_change: bool = (
+        False  # resume a checkpoint whose model config differs (refused otherwise; recorded in run.json)
+    )
 
     def validate(self) -> list[str]:
         errs = []
@@ -328,15 +344,26 @@ class TrainConfig:
             from ..hf.retrofit import validate_retrofit  # layer map / loop schedule of a retrofit
 
             errs += validate_retrofit(self.train, mcfg)
-        if self.train is not None and self.schedule is not None and self.train.max_steps >= 1 and not self.schedule.validate():
+        if (
+            self.train is not None
+            and self.schedule is not None
+            and self.train.max_steps >= 1
+            and not self.schedule.validate()
+        ):
             from .schedule import build_lr_lambda  # warmup / decay lengths against max_steps, before any setup
 
             try:
                 build_lr_lambda(self.schedule, self.train.max_steps)
             except ValueError as e:
-                errs.append(f"schedule: {e} (train.max_steps={self.train.max_steps}; schedule.warmup_steps / "
-                            "warmup_fraction / decay_fraction)")
-        if self.train is not None and self.train.num_grad_loops is not None and self.train.num_grad_loops > mcfg.n_loops:
+                errs.append(
+                    f"schedule: {e} (train.max_steps={self.train.max_steps}; schedule.warmup_steps / "
+                    "warmup_fraction / decay_fraction)"
+                )
+        if (
+            self.train is not None
+            and self.train.num_grad_loops is not None
+            and self.train.num_grad_loops > mcfg.n_loops
+        ):
             errs.append(f"train.num_grad_loops: {self.train.num_grad_loops} exceeds the model's n_loops={mcfg.n_loops}")
         return errs
 

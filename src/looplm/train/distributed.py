@@ -93,7 +93,9 @@ class DistInfo:
 def _pick_device(requested: str, local_rank: int) -> torch.device:
     if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
-            raise ValueError("train.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'")  # a config error
+            raise ValueError(
+                "train.device is 'cuda' but no CUDA device is available; use 'cpu' or 'auto'"
+            )  # a config error
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -156,8 +158,9 @@ def broadcast_object(obj, src: int = 0):
     return obj
 
 
-def wrap_model(model: nn.Module, mode: str, info: DistInfo, fsdp_granularity: str = "core",
-               find_unused_parameters: bool = False) -> nn.Module:
+def wrap_model(
+    model: nn.Module, mode: str, info: DistInfo, fsdp_granularity: str = "core", find_unused_parameters: bool = False
+) -> nn.Module:
     """Wrap ``model`` for data parallelism.
 
     Args:
@@ -202,4 +205,8 @@ def wrap_model(model: nn.Module, mode: str, info: DistInfo, fsdp_granularity: st
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The module inside a DDP wrapper (FSDP2 modules are their own unwrapped form)."""
-    return model.module if hasattr(model, "module") and isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+    return (
+        model.module
+        if hasattr(model, "module") and isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        else model
+    )

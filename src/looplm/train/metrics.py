@@ -154,9 +154,16 @@ def write_run_json(out_dir: str | os.PathLike, config: dict, extra: dict | None 
 class MetricsLogger:
     """Appends records to ``metrics.jsonl`` and mirrors scalars to TensorBoard / W&B (rank 0 only)."""
 
-    def __init__(self, out_dir: str | os.PathLike, enabled: bool = True, tensorboard: bool = True,
-                 wandb: bool = False, wandb_project: str = "looplm", wandb_run_name: str | None = None,
-                 config: dict | None = None):
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        enabled: bool = True,
+        tensorboard: bool = True,
+        wandb: bool = False,
+        wandb_project: str = "looplm",
+        wandb_run_name: str | None = None,
+        config: dict | None = None,
+    ):
         self.enabled = enabled
         self.path = Path(out_dir) / "metrics.jsonl"
         self._file = None
@@ -172,7 +179,10 @@ class MetricsLogger:
 
                 self._tb = SummaryWriter(log_dir=str(Path(out_dir) / "tensorboard"))
             except ImportError:
-                print("note: tensorboard is not installed; TensorBoard logging is off (pip install tensorboard)", file=sys.stderr)
+                print(
+                    "note: tensorboard is not installed; TensorBoard logging is off (pip install tensorboard)",
+                    file=sys.stderr,
+                )
         if wandb:
             try:
                 import wandb as _wandb
@@ -188,7 +198,9 @@ class MetricsLogger:
         self._file.write(json.dumps(rec) + "\n")
         self._file.flush()
         step = int(rec["step"])
-        scalars = {k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        scalars = {
+            k: v for k, v in rec.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if self._tb is not None:
             for k, v in scalars.items():
                 self._tb.add_scalar(f"train/{k}" if not k.startswith("val_") else f"val/{k[4:]}", v, step)

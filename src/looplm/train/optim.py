@@ -96,7 +96,9 @@ def freeze_parameters(model: nn.Module, patterns: list[str]) -> list[str]:
     take = [pat for pat in patterns if not pat.startswith("!")]
     unmatched = [pat for pat in take + keep if not any(fnmatch.fnmatchcase(n, pat) for n in names)]
     if unmatched:
-        raise ValueError(f"train.freeze: pattern(s) {unmatched} match no parameter of the model (names look like {names[:3]})")
+        raise ValueError(
+            f"train.freeze: pattern(s) {unmatched} match no parameter of the model (names look like {names[:3]})"
+        )
     frozen = []
     for n, p in model.named_parameters():
         if any(fnmatch.fnmatchcase(n, t) for t in take) and not any(fnmatch.fnmatchcase(n, k) for k in keep):
@@ -211,7 +213,9 @@ def build_optimizer(model: nn.Module, cfg, plan: ParamPlan | None = None) -> Mul
     params = dict(model.named_parameters())
     unknown = [n for n in plan.group_of if n not in params]
     if unknown:
-        raise KeyError(f"parameter plan names {unknown[:5]} are not parameters of the model; build the plan on the same model")
+        raise KeyError(
+            f"parameter plan names {unknown[:5]} are not parameters of the model; build the plan on the same model"
+        )
 
     def pick(*groups: str) -> list[torch.Tensor]:
         return [params[n] for n, g in plan.group_of.items() if g in groups]

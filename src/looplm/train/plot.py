@@ -21,18 +21,24 @@ def plot_run(run_dir: str | os.PathLike, out: str | os.PathLike | None = None, s
     from .metrics import read_metrics
 
     run_dir = Path(run_dir)
-    records = [r for r in read_metrics(run_dir)  # a wrong path is said before matplotlib is needed
-               if isinstance(r, dict) and isinstance(r.get("step"), int) and not r.get("skipped")]
+    records = [
+        r
+        for r in read_metrics(run_dir)  # a wrong path is said before matplotlib is needed
+        if isinstance(r, dict) and isinstance(r.get("step"), int) and not r.get("skipped")
+    ]
     if not records:
         where = run_dir / "metrics.jsonl" if run_dir.is_dir() else run_dir
-        raise ValueError(f"{where} has no training steps to plot (no JSON lines with a 'step'); give a `looplm train` "
-                         "output directory")
+        raise ValueError(
+            f"{where} has no training steps to plot (no JSON lines with a 'step'); give a `looplm train` "
+            "output directory"
+        )
     try:
         import matplotlib
     except ImportError as e:
         raise ImportError("plotting needs matplotlib: pip install 'looplm[plot]'") from e
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     steps = [r["step"] for r in records]
     loss = [r.get("loss") for r in records]
     val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]

@@ -68,7 +68,11 @@ class RunDirLock:
             ) from None
         f.seek(0)
         f.truncate()
-        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
+        f.write(
+            json.dumps(
+                {"pid": os.getpid(), "host": socket.gethostname(), "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            )
+        )
         f.flush()
         self._file = f
         return self

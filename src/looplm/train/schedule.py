@@ -31,7 +31,15 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["ScheduleLengths", "schedule_lengths", "wsd_lambda", "cosine_lambda", "constant_lambda", "build_lr_lambda", "apply_lr"]
+__all__ = [
+    "ScheduleLengths",
+    "schedule_lengths",
+    "wsd_lambda",
+    "cosine_lambda",
+    "constant_lambda",
+    "build_lr_lambda",
+    "apply_lr",
+]
 
 
 @dataclass(frozen=True)
@@ -44,7 +52,9 @@ class ScheduleLengths:
     decay: int
 
 
-def schedule_lengths(total: int, warmup_fraction: float = 0.05, warmup_steps: int | None = None, decay_fraction: float = 0.0) -> ScheduleLengths:
+def schedule_lengths(
+    total: int, warmup_fraction: float = 0.05, warmup_steps: int | None = None, decay_fraction: float = 0.0
+) -> ScheduleLengths:
     """Split ``total`` updates into warmup / stable / decay phases (rounded to whole updates).
 
     ``warmup_steps`` (if given) wins over ``warmup_fraction``. ``decay_fraction`` is only used by WSD.
@@ -56,7 +66,9 @@ def schedule_lengths(total: int, warmup_fraction: float = 0.05, warmup_steps: in
     if warmup < 0 or decay < 0:
         raise ValueError(f"phase lengths must be >= 0 (warmup={warmup}, decay={decay})")
     if warmup + decay > total:
-        raise ValueError(f"warmup ({warmup}) + decay ({decay}) exceed the {total} training updates; shorten them or train longer")
+        raise ValueError(
+            f"warmup ({warmup}) + decay ({decay}) exceed the {total} training updates; shorten them or train longer"
+        )
     return ScheduleLengths(total, warmup, total - warmup - decay, decay)
 
 
@@ -66,7 +78,13 @@ def _warmup(t: int, warmup: int) -> float | None:
     return None
 
 
-def wsd_lambda(total: int, warmup_fraction: float = 0.05, decay_fraction: float = 0.1, min_ratio: float = 0.1, warmup_steps: int | None = None) -> Callable[[int], float]:
+def wsd_lambda(
+    total: int,
+    warmup_fraction: float = 0.05,
+    decay_fraction: float = 0.1,
+    min_ratio: float = 0.1,
+    warmup_steps: int | None = None,
+) -> Callable[[int], float]:
     """Warmup-stable-decay multiplier (linear warmup from 0, flat, linear decay to ``min_ratio``)."""
     L = schedule_lengths(total, warmup_fraction, warmup_steps, decay_fraction)
     decay_start = L.warmup + L.stable
@@ -84,7 +102,9 @@ def wsd_lambda(total: int, warmup_fraction: float = 0.05, decay_fraction: float 
     return lam
 
 
-def cosine_lambda(total: int, warmup_fraction: float = 0.1, min_ratio: float = 0.1, warmup_steps: int | None = None) -> Callable[[int], float]:
+def cosine_lambda(
+    total: int, warmup_fraction: float = 0.1, min_ratio: float = 0.1, warmup_steps: int | None = None
+) -> Callable[[int], float]:
     """Linear warmup from 0, then half-cosine from 1 down to ``min_ratio`` at update ``total``."""
     L = schedule_lengths(total, warmup_fraction, warmup_steps, 0.0)
     span = total - L.warmup
@@ -102,7 +122,9 @@ def cosine_lambda(total: int, warmup_fraction: float = 0.1, min_ratio: float = 0
     return lam
 
 
-def constant_lambda(total: int, warmup_fraction: float = 0.0, warmup_steps: int | None = None) -> Callable[[int], float]:
+def constant_lambda(
+    total: int, warmup_fraction: float = 0.0, warmup_steps: int | None = None
+) -> Callable[[int], float]:
     """Linear warmup from 0, then a constant 1."""
     L = schedule_lengths(total, warmup_fraction, warmup_steps, 0.0)
 

@@ -60,7 +60,15 @@ from ..data.tokenizers import check_tokenizer_fingerprint, tokenizer_fingerprint
 from ..dataclass_util import to_dict
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import TrainConfig
-from .distributed import DistInfo, all_reduce_max, all_reduce_mean, broadcast_object, cleanup, init_distributed, wrap_model
+from .distributed import (
+    DistInfo,
+    all_reduce_max,
+    all_reduce_mean,
+    broadcast_object,
+    cleanup,
+    init_distributed,
+    wrap_model,
+)
 from .grad_norm import clip_factor
 from .grad_norm import total_norm as total_grad_norm
 from .metrics import MetricsLogger, truncate_metrics, write_run_json
@@ -123,15 +131,19 @@ def check_resumed_state(state, path: str | os.PathLike, max_steps: int, lr_lambd
 
     f = str(Path(path) / STATE_FILE)
     if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint file {f!r} is corrupted: it holds a {type(state).__name__}, not a JSON object")
+        raise CheckpointError(
+            f"checkpoint file {f!r} is corrupted: it holds a {type(state).__name__}, not a JSON object"
+        )
     for key in ("step", "data"):
         if key not in state:
             raise CheckpointError(f"checkpoint file {f!r} is corrupted: it has no {key!r} entry")
 
     def count(key, value):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise CheckpointError(f"checkpoint file {f!r} has {key}={value!r}: must be a whole number >= 0 (a run never "
-                                  "writes that; restore the file or resume from an earlier checkpoint)")
+            raise CheckpointError(
+                f"checkpoint file {f!r} has {key}={value!r}: must be a whole number >= 0 (a run never "
+                "writes that; restore the file or resume from an earlier checkpoint)"
+            )
         return value
 
     step = count("step", state["step"])
@@ -143,8 +155,10 @@ def check_resumed_state(state, path: str | os.PathLike, max_steps: int, lr_lambd
         raise CheckpointError(f"checkpoint file {f!r} has elapsed_s={el!r}: must be a finite number >= 0")
     name = Path(path).name
     if name.startswith("step_") and name[5:].isdigit() and int(name[5:]) != step:
-        raise CheckpointError(f"checkpoint file {f!r} has step={step}, but the checkpoint is {name}: the file does "
-                              "not belong to it (restore it or resume from another checkpoint)")
+        raise CheckpointError(
+            f"checkpoint file {f!r} has step={step}, but the checkpoint is {name}: the file does "
+            "not belong to it (restore it or resume from another checkpoint)"
+        )
     if step > max_steps:
         raise CheckpointError(
             f"checkpoint file {f!r} has step={step}, beyond train.max_steps={max_steps}: nothing is left to train; "
@@ -217,8 +231,11 @@ class _StopOnSignal:
         if not self.signum:
             self.signum, self._first_at = signum, now
             if self.announce:
-                os.write(2, f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
-                            "(send it again to stop at once, without one)\n".encode())
+                os.write(
+                    2,
+                    f"\n{signal.Signals(signum).name}: finishing this step, then writing a checkpoint "
+                    "(send it again to stop at once, without one)\n".encode(),
+                )
         elif now - self._first_at > DUPLICATE_SIGNAL_S:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)  # the default action: the process ends now
@@ -297,8 +314,15 @@ class Trainer:
     ``fit``); by default ``fit`` takes the lock itself and releases it when it returns.
     """
 
-    def __init__(self, cfg: TrainConfig, out_dir: str | os.PathLike, *, resume: bool = True, quiet: bool = False,
-                 lock: RunDirLock | None = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        out_dir: str | os.PathLike,
+        *,
+        resume: bool = True,
+        quiet: bool = False,
+        lock: RunDirLock | None = None,
+    ):
         self.cfg = cfg
         self.out = Path(out_dir)
         self.resume = resume
@@ -347,7 +371,9 @@ class Trainer:
         # batch geometry
         G, mb, W = tc.global_batch_size, tc.micro_batch_size, info.world_size
         if G % W:
-            raise ValueError(f"train.global_batch_size={G} is not divisible by the {W} processes; make it a multiple of {W}")
+            raise ValueError(
+                f"train.global_batch_size={G} is not divisible by the {W} processes; make it a multiple of {W}"
+            )
         per_rank = G // W
         if per_rank % mb:
             raise ValueError(
@@ -391,7 +417,9 @@ class Trainer:
 
             compile_blocks(model)  # one graph per block shape: the looped core compiles once, not K times
         truncated = tc.random_loops is not None or tc.num_grad_loops is not None
-        self.wrapped: nn.Module = wrap_model(model, tc.parallel, info, tc.fsdp_granularity, find_unused_parameters=truncated)
+        self.wrapped: nn.Module = wrap_model(
+            model, tc.parallel, info, tc.fsdp_granularity, find_unused_parameters=truncated
+        )
         self.is_ddp = isinstance(self.wrapped, torch.nn.parallel.DistributedDataParallel)
         self.is_fsdp = info.distributed and tc.parallel == "fsdp"
         self.optimizer: MultiOptimizer = build_optimizer(model, cfg.optim, self.plan)
@@ -401,7 +429,9 @@ class Trainer:
         self.stream = build_stream(cfg.data, self.tokenizer, split="train")
         self.has_val = cfg.data.holdout()[0] != "none"
         if not self.has_val and (cfg.eval.every or cfg.eval.at_end):
-            self._log("note: the data config has no validation split (data.val_every_nth: 0, no val_paths): evaluation is off")
+            self._log(
+                "note: the data config has no validation split (data.val_every_nth: 0, no val_paths): evaluation is off"
+            )
         if self.has_val and cfg.data.holdout()[0] == "paths" and (cfg.eval.every or cfg.eval.at_end):
             build_stream(cfg.data, self.tokenizer, split="val")  # missing val_paths: now, not after the last step
 
@@ -445,8 +475,12 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _config_record(self) -> dict:
-        return {"train": to_dict(self.cfg), "model": to_dict(self.model_cfg), "tokenizer": self.tokenizer.name,
-                "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer)}
+        return {
+            "train": to_dict(self.cfg),
+            "model": to_dict(self.model_cfg),
+            "tokenizer": self.tokenizer.name,
+            "tokenizer_fingerprint": tokenizer_fingerprint(self.tokenizer),
+        }
 
     # ------------------------------------------------------------------------------ resume
     def _maybe_resume(self) -> None:
@@ -459,13 +493,17 @@ class Trainer:
             if self.info.is_main and metrics_path.exists():
                 dropped = truncate_metrics(metrics_path, 0)  # a fresh start: no stale lines
                 if dropped:
-                    self._log(f"note: no checkpoint in {self.ckpt_root}; starting from scratch and clearing {metrics_path}")
+                    self._log(
+                        f"note: no checkpoint in {self.ckpt_root}; starting from scratch and clearing {metrics_path}"
+                    )
             return
         self._check_model_unchanged(latest)
         state = load_checkpoint(latest, self.wrapped, list(self.optimizer), verify=self.cfg.checkpoint.verify)
         check_resumed_state(state, latest, self.cfg.train.max_steps, self.lr_lambda, self.cfg.optim.lr)
         note = check_tokenizer_fingerprint(
-            self.tokenizer, state.get("tokenizer_fingerprint"), f"checkpoint {latest!r}",
+            self.tokenizer,
+            state.get("tokenizer_fingerprint"),
+            f"checkpoint {latest!r}",
             fix=f"start a new run with this tokenizer (--no-resume, or another --out than {str(self.out)!r})",
         )
         if note:
@@ -490,7 +528,9 @@ class Trainer:
             )
         if self.info.is_main:
             truncate_metrics(metrics_path, self.step)
-        self._log(f"resumed from {latest} (step {self.step}, {self.tokens:,} tokens, saved on {state.get('world_size', '?')} process(es))")
+        self._log(
+            f"resumed from {latest} (step {self.step}, {self.tokens:,} tokens, saved on {state.get('world_size', '?')} process(es))"
+        )
 
     def _check_model_unchanged(self, latest: str) -> None:
         """A resume with another model config than the checkpoint's (``model_overrides.n_loops=5`` on a
@@ -506,7 +546,11 @@ class Trainer:
                 if isinstance(old, dict):
                     changes = model_config_changes(old, to_dict(self.model_cfg))
             except (CheckpointError, AttributeError) as e:
-                error = str(e) if isinstance(e, CheckpointError) else f"checkpoint file {str(Path(latest) / CONFIG_FILE)!r} is corrupted: not a JSON object"
+                error = (
+                    str(e)
+                    if isinstance(e, CheckpointError)
+                    else f"checkpoint file {str(Path(latest) / CONFIG_FILE)!r} is corrupted: not a JSON object"
+                )
         changes, error = broadcast_object((changes, error))
         if error is not None:
             raise CheckpointError(error)
@@ -521,8 +565,10 @@ class Trainer:
                 "(train.allow_model_change=true) to resume with the change, recorded in run.json"
             )
         self.model_changes = {"checkpoint": latest, "changes": {k: list(v) for k, v in changes.items()}}
-        self._log(f"warning: resuming {latest} with a changed model config (train.allow_model_change): "
-                  f"{_describe_changes(changes)}; recorded in {self.out / 'run.json'}")
+        self._log(
+            f"warning: resuming {latest} with a changed model config (train.allow_model_change): "
+            f"{_describe_changes(changes)}; recorded in {self.out / 'run.json'}"
+        )
 
     # ------------------------------------------------------------------------------ one step
     def _loop_counts(self, step: int) -> tuple[int | None, int | None]:
@@ -581,7 +627,9 @@ class Trainer:
                     num_loops = row_loops[i].to(info.device)
                 with self._sync_context(last):
                     with self._autocast():  # the chunked loss: no [B, T, V] logits (LoopedLM.forward return_logits)
-                        out = self.wrapped(x, labels=x, num_loops=num_loops, num_grad_loops=grad_loops, return_logits=False)
+                        out = self.wrapped(
+                            x, labels=x, num_loops=num_loops, num_grad_loops=grad_loops, return_logits=False
+                        )
                     loss = out.loss.float()
                     if out.aux_loss is not None:  # the rule's own term (already inside out.loss), logged on its own
                         aux = out.aux_loss.detach().float()
@@ -645,8 +693,10 @@ class Trainer:
                     "rate, check the data, or resume from an earlier checkpoint."
                 )
             record["skipped"] = True
-            self._log(f"warning: step {step + 1}: the {what}; skipped this update (train.nan_policy=skip, "
-                      f"{self.consecutive_skips} in a row of at most {tc.max_consecutive_skips})")
+            self._log(
+                f"warning: step {step + 1}: the {what}; skipped this update (train.nan_policy=skip, "
+                f"{self.consecutive_skips} in a row of at most {tc.max_consecutive_skips})"
+            )
         else:
             self.consecutive_skips = 0
             self.optimizer.step(grad_factor=grad_factor)
@@ -747,7 +797,12 @@ class Trainer:
             "consecutive_skips": self.consecutive_skips,
         }
         path = save_checkpoint(
-            self.ckpt_root, self.step, self.wrapped, list(self.optimizer), state, self._config_record(),
+            self.ckpt_root,
+            self.step,
+            self.wrapped,
+            list(self.optimizer),
+            state,
+            self._config_record(),
             keep_last=self.cfg.checkpoint.keep_last,
         )
         self.saved_step = self.step
@@ -792,8 +847,13 @@ class Trainer:
                 },
             )
         logger = MetricsLogger(
-            self.out, enabled=info.is_main, tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-            wandb_project=cfg.logging.wandb_project, wandb_run_name=cfg.logging.wandb_run_name, config=to_dict(cfg),
+            self.out,
+            enabled=info.is_main,
+            tensorboard=cfg.logging.tensorboard,
+            wandb=cfg.logging.wandb,
+            wandb_project=cfg.logging.wandb_project,
+            wandb_run_name=cfg.logging.wandb_run_name,
+            config=to_dict(cfg),
         )
         self._log(
             f"training {self.model_cfg.name} ({n_params:,} params) on {info.world_size} x {info.device}, "
@@ -804,8 +864,14 @@ class Trainer:
         if info.is_main and cfg.logging.progress_bar and not self.quiet:
             from tqdm import tqdm
 
-            bar = tqdm(total=tc.max_steps, initial=start_step, unit="step", dynamic_ncols=True, file=sys.stderr,
-                       mininterval=0.1 if sys.stderr.isatty() else 5.0)  # redirected logs: fewer lines
+            bar = tqdm(
+                total=tc.max_steps,
+                initial=start_step,
+                unit="step",
+                dynamic_ncols=True,
+                file=sys.stderr,
+                mininterval=0.1 if sys.stderr.isatty() else 5.0,
+            )  # redirected logs: fewer lines
         first_loss = last_loss = None
         last_eval: dict = {}
         last_ckpt = None

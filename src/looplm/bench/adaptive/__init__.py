@@ -75,7 +75,9 @@ def _numbers(flag: str, text: str, kind, ok, what: str, errs: list[str]) -> list
         try:
             v = kind(part)
         except ValueError:
-            errs.append(f"{flag} {text!r}: {part!r} is not {'an integer' if kind is int else 'a number'}; give {what}, comma-separated")
+            errs.append(
+                f"{flag} {text!r}: {part!r} is not {'an integer' if kind is int else 'a number'}; give {what}, comma-separated"
+            )
             return []
         if not ok(v):
             errs.append(f"{flag} {text!r}: {part!r} is out of range; give {what}, comma-separated")
@@ -145,10 +147,18 @@ def _check_args(args) -> None:
             errs.append(f"--draft-exits {e!r}: a replayed depth drafts every token at one depth: give it in --drafts")
     errs += at_least(1, new=args.new, lm_steps=args.lm_steps) + at_least(0, threads=args.threads)
     errs += [m.replace("--runs:", "--timing-runs:") for m in at_least(1, runs=args.runs)]
-    errs += out_file_errors("--out", args.out) + out_dir_errors("--png-dir", args.png_dir) + out_dir_errors("--runs-dir", args.runs_dir)
-    need_lm = any(x in sections for x in ("quality", "frontier", "timing", "kv_bytes", "speculative", "scale", "prefill"))
+    errs += (
+        out_file_errors("--out", args.out)
+        + out_dir_errors("--png-dir", args.png_dir)
+        + out_dir_errors("--runs-dir", args.runs_dir)
+    )
+    need_lm = any(
+        x in sections for x in ("quality", "frontier", "timing", "kv_bytes", "speculative", "scale", "prefill")
+    )
     if need_lm and not Path(args.data).is_file():
-        errs.append(f"--data {args.data!r}: the LM's corpus is not there (a text file; the LM trains and is scored on it)")
+        errs.append(
+            f"--data {args.data!r}: the LM's corpus is not there (a text file; the LM trains and is scored on it)"
+        )
     if "speculative" in sections and (drafts or ks):
         try:
             K, max_len = _lm_shape(args)
@@ -157,14 +167,18 @@ def _check_args(args) -> None:
         else:
             bad = [r for r in drafts if r >= K]
             if bad:
-                errs.append(f"--drafts {args.drafts!r}: a draft runs fewer loops than the LM's K = {K}; {bad[0]} is not below it "
-                            f"(give r_d in 1..{K - 1})")
+                errs.append(
+                    f"--drafts {args.drafts!r}: a draft runs fewer loops than the LM's K = {K}; {bad[0]} is not below it "
+                    f"(give r_d in 1..{K - 1})"
+                )
             new = 16 if args.quick else args.new
             most = max(max_len - 16 - new, 4)  # (the speculative section's prompts are 16 tokens)
             bad = [k for k in ks if k > most]
             if bad:
-                errs.append(f"--k {args.k!r}: {bad[0]} tokens per round is more than the {most} the LM has room for "
-                            f"(max_seq_len {max_len} - prompt 16 - --new {new})")
+                errs.append(
+                    f"--k {args.k!r}: {bad[0]} tokens per round is more than the {most} the LM has room for "
+                    f"(max_seq_len {max_len} - prompt 16 - --new {new})"
+                )
     if errs:
         raise ConfigError(errs, "bench adaptive arguments")
 
@@ -208,72 +222,126 @@ def cmd_bench_adaptive(args) -> int:
             train_lm(runs, args.data, args.lm_steps, args.lm_config)
         lm, tok = load_lm(runs)
         held = _held_out(tok, args.data, 16 if q else 32, 96 if q else 160)
-        log(f"LM: {lm.config.n_core} blocks x K={lm.config.n_loops}, d={lm.config.d_model}, {lm.num_params():,} parameters")
+        log(
+            f"LM: {lm.config.n_core} blocks x K={lm.config.n_loops}, d={lm.config.d_model}, {lm.num_params():,} parameters"
+        )
     kl_grid = [float(v) for v in args.kl.split(",")]
     conv_grid = [float(v) for v in args.convergence.split(",")]
     policies = [p.strip() for p in args.policies.split(",")]
     depth_pool = None
     if "quality" in sections:
-        rows = section_quality(lm, held, [("kl", e) for e in kl_grid] + [("convergence", e) for e in conv_grid], policies)
+        rows = section_quality(
+            lm, held, [("kl", e) for e in kl_grid] + [("convergence", e) for e in conv_grid], policies
+        )
         report["sections"]["quality"] = rows
         log("\n## quality (teacher-forced, held-out text)\n" + _md(rows, TABLES["quality"]))
         if args.png_dir:
             Path(args.png_dir).mkdir(parents=True, exist_ok=True)
             for crit in ("kl", "convergence"):
                 rs = [r for r in rows if r["criterion"] == crit]
-                plot_frontier(rs, Path(args.png_dir) / f"adaptive-lm-{crit}.png", "ppl", f"LM, {crit} criterion: PPL vs executed loops")
+                plot_frontier(
+                    rs,
+                    Path(args.png_dir) / f"adaptive-lm-{crit}.png",
+                    "ppl",
+                    f"LM, {crit} criterion: PPL vs executed loops",
+                )
     if "frontier" in sections:
         settings = [("kl", e) for e in kl_grid] + [("convergence", e) for e in conv_grid]
         rows = section_frontier(lm, held[:8], settings, "copy", 2 if q else args.runs, args.clock)
         report["sections"]["frontier"] = rows
-        log("\n## LM frontier: PPL vs executed depth vs time (teacher-forced, batch 8, kv=copy)\n" + _md(rows, TABLES["frontier"]))
+        log(
+            "\n## LM frontier: PPL vs executed depth vs time (teacher-forced, batch 8, kv=copy)\n"
+            + _md(rows, TABLES["frontier"])
+        )
         if args.png_dir:
             Path(args.png_dir).mkdir(parents=True, exist_ok=True)
             pts = [dict(r, kv=r["criterion"]) for r in rows]
-            plot_frontier(pts, Path(args.png_dir) / "adaptive-lm-frontier.png", "ppl",
-                          "LM (2x4, d=256): PPL vs executed loops; labels: time / full depth")
+            plot_frontier(
+                pts,
+                Path(args.png_dir) / "adaptive-lm-frontier.png",
+                "ppl",
+                "LM (2x4, d=256): PPL vs executed loops; labels: time / full depth",
+            )
     if "kv_bytes" in sections:
         base = kv_bytes_per_token(lm, "copy")
-        rows = [{"kv": kv, "bytes_per_token": kv_bytes_per_token(lm, kv), "ratio": kv_bytes_per_token(lm, kv) / base}
-                for kv in ("copy", "propagate", "full", "shared")]  # fmt: skip
+        rows = [
+            {"kv": kv, "bytes_per_token": kv_bytes_per_token(lm, kv), "ratio": kv_bytes_per_token(lm, kv) / base}
+            for kv in ("copy", "propagate", "full", "shared")
+        ]
         report["sections"]["kv_bytes"] = rows
         log("\n## KV bytes per token\n" + _md(rows, TABLES["kv_bytes"]))
     if "prefill" in sections:
-        settings = [("kl", e, kv) for e in kl_grid for kv in ("copy", "propagate")] + [("convergence", e, "copy") for e in conv_grid]
+        settings = [("kl", e, kv) for e in kl_grid for kv in ("copy", "propagate")] + [
+            ("convergence", e, "copy") for e in conv_grid
+        ]
         rows = section_prefill(lm, held[:8], settings, 2 if q else args.runs, args.clock, dtypes)
         report["sections"]["prefill"] = rows
-        log("\n## per-token exit in one forward (every token after the first; held-out text, batch 8)\n" + _md(rows, TABLES["prefill"]))
+        log(
+            "\n## per-token exit in one forward (every token after the first; held-out text, batch 8)\n"
+            + _md(rows, TABLES["prefill"])
+        )
     if "timing" in sections or "scale" in sections:
         prompts = {B: _held_out(tok, args.data, B, 32, seed=1) for B in batches}
         settings = [("kl", e, kv) for e in [kl_grid[len(kl_grid) // 2]] for kv in ("copy", "propagate")]
         settings += [("convergence", e, "copy") for e in [conv_grid[len(conv_grid) // 2]]]
         if "timing" in sections:
-            rows = section_timing(lm, prompts, settings, 16 if q else args.new, 2 if q else args.runs, args.clock, dtypes,
-                                  schedules, args.compare_carry)
+            rows = section_timing(
+                lm,
+                prompts,
+                settings,
+                16 if q else args.new,
+                2 if q else args.runs,
+                args.clock,
+                dtypes,
+                schedules,
+                args.compare_carry,
+            )
             report["sections"]["timing"] = rows
             log("\n## timing (decode only, interleaved with full depth)\n" + _md(rows, TABLES["timing"]))
         # the LM's own exit depths at the middle kl threshold (the pool the scale section replays)
         from ...decode.token_schedule import AdaptiveDecoder
 
-        dec = AdaptiveDecoder(lm, held.shape[0], held.shape[1], {"criterion": "kl", "threshold": kl_grid[len(kl_grid) // 2]})
+        dec = AdaptiveDecoder(
+            lm, held.shape[0], held.shape[1], {"criterion": "kl", "threshold": kl_grid[len(kl_grid) // 2]}
+        )
         dec.score(held, 8)
         depth_pool = torch.stack(dec.stats.selected).flatten()
     if "scale" in sections:
-        rows = section_scale(depth_pool, [int(w) for w in args.widths.split(",")], (1, 8), 16 if q else args.new,
-                             2 if q else args.runs, args.clock, dtypes, schedules,
-                             tuple(x.strip() for x in args.scale_mixers.split(",")))
+        rows = section_scale(
+            depth_pool,
+            [int(w) for w in args.widths.split(",")],
+            (1, 8),
+            16 if q else args.new,
+            2 if q else args.runs,
+            args.clock,
+            dtypes,
+            schedules,
+            tuple(x.strip() for x in args.scale_mixers.split(",")),
+        )
         report["sections"]["scale"] = rows
         log("\n## scale (random weights, the LM's exit depths replayed)\n" + _md(rows, TABLES["scale"]))
     if "speculative" in sections:
         prompts = {B: _held_out(tok, args.data, B, 16, seed=2) for B in batches}
-        rows = section_speculative(lm, held, prompts, [int(r) for r in args.drafts.split(",")], [int(k) for k in args.k.split(",")],
-                                   16 if q else args.new, 2 if q else args.runs, args.clock, dtypes,
-                                   [e for e in args.draft_exits.split(",") if e], args.compare_reclaim)
+        rows = section_speculative(
+            lm,
+            held,
+            prompts,
+            [int(r) for r in args.drafts.split(",")],
+            [int(k) for k in args.k.split(",")],
+            16 if q else args.new,
+            2 if q else args.runs,
+            args.clock,
+            dtypes,
+            [e for e in args.draft_exits.split(",") if e],
+            args.compare_reclaim,
+        )
         report["sections"]["speculative"] = rows
         log("\n## self-speculative decoding (greedy)\n" + _md(rows, TABLES["speculative"]))
         if args.compare_reclaim:
-            log("\n## rejected drafts' cache columns: reclaimed (default) vs kept (reclaim=False), cache columns "
-                "per loop and layer\n" + _md(rows, TABLES["reclaim"]))
+            log(
+                "\n## rejected drafts' cache columns: reclaimed (default) vs kept (reclaim=False), cache columns "
+                "per loop and layer\n" + _md(rows, TABLES["reclaim"])
+            )
     if "task" in sections:
         from ...tasks.train import load_task_run
 
@@ -282,13 +350,26 @@ def cmd_bench_adaptive(args) -> int:
             train_phop(runs)
         m, cfg = load_task_run(runs / "phop-gate2")
         qs = [float(v) for v in args.qs.split(",")]
-        rows = section_task(m, cfg, qs, policies[:2] if q else policies, list(range(1, m.config.n_loops)), 8,
-                            2 if q else args.runs, args.clock, count=500 if q else None)
+        rows = section_task(
+            m,
+            cfg,
+            qs,
+            policies[:2] if q else policies,
+            list(range(1, m.config.n_loops)),
+            8,
+            2 if q else args.runs,
+            args.clock,
+            count=500 if q else None,
+        )
         report["sections"]["task"] = rows
         log("\n## p-hop with the exit gate (teacher-forced decoding, accuracy at <ans>)\n" + _md(rows, TABLES["task"]))
         if args.png_dir:
             Path(args.png_dir).mkdir(parents=True, exist_ok=True)
-            plot_task(rows, Path(args.png_dir) / "adaptive-phop-gate.png", "p-hop 1⊗4 (d = 64), two-stage exit gate: accuracy vs executed loops")
+            plot_task(
+                rows,
+                Path(args.png_dir) / "adaptive-phop-gate.png",
+                "p-hop 1⊗4 (d = 64), two-stage exit gate: accuracy vs executed loops",
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     if args.json:
@@ -298,31 +379,65 @@ def cmd_bench_adaptive(args) -> int:
 
 def register(sub) -> None:
     """``bench adaptive`` under ``looplm bench`` (called by :func:`looplm.bench.register`)."""
-    a = sub.add_parser("adaptive", help="per-token exit and self-speculative decoding vs full depth, on models trained here")
-    a.add_argument("--runs-dir", default="runs/adaptive-bench", help="where the trained models live (trained there if missing)")
-    a.add_argument("--train", action="store_true", help="(re)train the models first (the LM resumes from its newest checkpoint)")
+    a = sub.add_parser(
+        "adaptive", help="per-token exit and self-speculative decoding vs full depth, on models trained here"
+    )
+    a.add_argument(
+        "--runs-dir", default="runs/adaptive-bench", help="where the trained models live (trained there if missing)"
+    )
+    a.add_argument(
+        "--train", action="store_true", help="(re)train the models first (the LM resumes from its newest checkpoint)"
+    )
     a.add_argument("--data", default="/work/shared/data/tinyshakespeare.txt", help="the LM's corpus (a text file)")
     a.add_argument("--lm-steps", type=int, default=None, help="override the LM's training steps")
-    a.add_argument("--lm-config", default=LM_CONFIG, help="the LM's training YAML (configs/bench/adaptive-lm-1024.yaml: the "
-                   "wider LM whose decode streams its weights from memory; give it its own --runs-dir)")
+    a.add_argument(
+        "--lm-config",
+        default=LM_CONFIG,
+        help="the LM's training YAML (configs/bench/adaptive-lm-1024.yaml: the "
+        "wider LM whose decode streams its weights from memory; give it its own --runs-dir)",
+    )
     a.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
-    a.add_argument("--kl", default="0.001,0.003,0.01,0.03,0.1", help="ε grid of the kl criterion (the timing section takes the middle one)")
-    a.add_argument("--convergence", default="0.2,0.3,0.4,0.5,0.6", help="ε grid of the convergence criterion (the timing section takes the middle one; on the bench LM updates stay above 0.2 until the last loop)")
+    a.add_argument(
+        "--kl",
+        default="0.001,0.003,0.01,0.03,0.1",
+        help="ε grid of the kl criterion (the timing section takes the middle one)",
+    )
+    a.add_argument(
+        "--convergence",
+        default="0.2,0.3,0.4,0.5,0.6",
+        help="ε grid of the convergence criterion (the timing section takes the middle one; on the bench LM updates stay above 0.2 until the last loop)",
+    )
     a.add_argument("--qs", default="0.3,0.5,0.7,0.9,0.95", help="q grid of the gate criterion (task)")
     a.add_argument("--policies", default="copy,propagate,shared,full", help="KV policies compared")
     a.add_argument("--drafts", default="1,2,3", help="speculative draft loop counts r_d")
     a.add_argument("--k", default="2,4", help="speculative tokens drafted per round")
-    a.add_argument("--draft-exits", default="", help="speculative drafts whose depth an exit criterion picks (at most "
-                   "max(--drafts) loops), comma-separated: kl:0.01,convergence:0.3")
-    a.add_argument("--compare-reclaim", action="store_true", help="also time each speculative setting keeping rejected "
-                   "drafts' cache columns (reclaim=False) in the same alternation, and print their cache sizes")
-    a.add_argument("--compare-carry", action="store_true", help="also time each kv=propagate setting of the timing "
-                   "section with its fills written at the exit (not carried into the next core pass) in the same alternation")
+    a.add_argument(
+        "--draft-exits",
+        default="",
+        help="speculative drafts whose depth an exit criterion picks (at most "
+        "max(--drafts) loops), comma-separated: kl:0.01,convergence:0.3",
+    )
+    a.add_argument(
+        "--compare-reclaim",
+        action="store_true",
+        help="also time each speculative setting keeping rejected "
+        "drafts' cache columns (reclaim=False) in the same alternation, and print their cache sizes",
+    )
+    a.add_argument(
+        "--compare-carry",
+        action="store_true",
+        help="also time each kv=propagate setting of the timing "
+        "section with its fills written at the exit (not carried into the next core pass) in the same alternation",
+    )
     a.add_argument("--widths", default="512,1024", help="backbone widths of the scale section")
     a.add_argument("--scale-mixers", default="attention", help="block kinds of the scale section: attention, mamba2")
-    a.add_argument("--schedules", default="token,depth", help="batch schedules timed at batch 8 beside full depth "
-                   "(token, depth, static: the fixed-shape depth schedule, made for CUDA, static-compiled: its pass "
-                   "through torch.compile)")
+    a.add_argument(
+        "--schedules",
+        default="token,depth",
+        help="batch schedules timed at batch 8 beside full depth "
+        "(token, depth, static: the fixed-shape depth schedule, made for CUDA, static-compiled: its pass "
+        "through torch.compile)",
+    )
     a.add_argument("--dtypes", default="fp32,bf16")
     a.add_argument("--batches", default="1,8", help="batch sizes of the timing and speculative sections")
     a.add_argument("--new", type=int, default=48, help="decoded tokens per timing run")

@@ -69,7 +69,10 @@ def gate_stage(run: Path, out: Path, stage: int, steps: int, lr: float, seed: in
     d = Path(run)
     if (d / "results.json").exists() and not (d / "model.safetensors").exists():
         d = d / f"seed_{json.loads((d / 'results.json').read_text())['best_seed']}"
-    cfg.model_overrides = {**cfg.model_overrides, "rule": {"name": "exit_gate", "options": {"stage": stage, "beta": 0.25, "bias_init": -2.0}}}
+    cfg.model_overrides = {
+        **cfg.model_overrides,
+        "rule": {"name": "exit_gate", "options": {"stage": stage, "beta": 0.25, "bias_init": -2.0}},
+    }
     torch.manual_seed(seed)
     model = build_task_model(cfg)
     missing, _ = model.load_state_dict(load_file(str(d / "model.safetensors")), strict=False)
@@ -79,7 +82,9 @@ def gate_stage(run: Path, out: Path, stage: int, steps: int, lr: float, seed: in
     for n, p in model.named_parameters():
         p.requires_grad_(stage == 1 or n.startswith("rule.gate"))
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / max(1, steps))))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * s / max(1, steps)))
+    )
     stream = cfg.task.stream(seed)
     for _ in range(steps):
         ids, labels = stream.next_batch(cfg.train.batch_size)
@@ -90,7 +95,9 @@ def gate_stage(run: Path, out: Path, stage: int, steps: int, lr: float, seed: in
         opt.zero_grad(set_to_none=True)
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.detach().contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps({"task_run": to_dict(cfg), "model": to_dict(model.config), "seed": seed}, indent=2))
+    (out / "config.json").write_text(
+        json.dumps({"task_run": to_dict(cfg), "model": to_dict(model.config), "seed": seed}, indent=2)
+    )
     return out
 
 
@@ -102,7 +109,9 @@ def _held_out(tok, data: str, n: int, length: int, seed: int = 0) -> torch.Tenso
 
     if not Path(data).exists():
         raise FileNotFoundError(f"--data {data!r}: the LM's corpus is not there (a text file; the LM trains on it)")
-    cfg = DataConfig(source="files", paths=[data], split_mode="blank_lines", seq_len=length, tokenizer="byte", shuffle_buffer=0)
+    cfg = DataConfig(
+        source="files", paths=[data], split_mode="blank_lines", seq_len=length, tokenizer="byte", shuffle_buffer=0
+    )
     rows = torch.cat(list(iter_val_batches(cfg, tok, None, 64)))[: 4 * n]
     g = torch.Generator().manual_seed(seed)
     return rows[torch.randperm(rows.shape[0], generator=g)[:n]]

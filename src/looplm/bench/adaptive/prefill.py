@@ -33,7 +33,9 @@ def section_prefill(model, ids, settings, runs: int, clock: str, dtypes, sequent
         m = model.to(dt)
         specs = {(c, e, kv): {"criterion": c, "threshold": e, "kv": kv} for c, e, kv in settings}
         calls = {"full": lambda: m(ids).logits}
-        calls.update({k: (lambda spec=spec: adaptive_forward(m, ids, spec, full_depth_prefix=1)) for k, spec in specs.items()})
+        calls.update(
+            {k: (lambda spec=spec: adaptive_forward(m, ids, spec, full_depth_prefix=1)) for k, spec in specs.items()}
+        )
         per_run = {k: [] for k in calls}
         last = {}
         for run in range(runs + 1):  # the first run warms up
@@ -47,11 +49,23 @@ def section_prefill(model, ids, settings, runs: int, clock: str, dtypes, sequent
         for k, spec in specs.items():
             out = last[k]
             st = out.stats
-            row = {"dtype": str(dt).replace("torch.", ""), "batch": B, "tokens": T, "criterion": k[0], "threshold": k[1], "kv": k[2],
-                   "selected_depth": st["selected_depth"], "executed_ratio": st["executed_ratio"],
-                   "computed_ratio": st["computed_ratio"], "ppl": math.exp(nll(out.logits)), "ppl_full": ppl_full,
-                   "full_ms": 1000 * full_s, "ms": 1000 * statistics.median(per_run[k]),
-                   "time_ratio": statistics.median([a / b for a, b in zip(per_run[k], per_run["full"])]), "clock": clock}  # fmt: skip
+            row = {
+                "dtype": str(dt).replace("torch.", ""),
+                "batch": B,
+                "tokens": T,
+                "criterion": k[0],
+                "threshold": k[1],
+                "kv": k[2],
+                "selected_depth": st["selected_depth"],
+                "executed_ratio": st["executed_ratio"],
+                "computed_ratio": st["computed_ratio"],
+                "ppl": math.exp(nll(out.logits)),
+                "ppl_full": ppl_full,
+                "full_ms": 1000 * full_s,
+                "ms": 1000 * statistics.median(per_run[k]),
+                "time_ratio": statistics.median([a / b for a, b in zip(per_run[k], per_run["full"])]),
+                "clock": clock,
+            }
             row["target_met"] = row["time_ratio"] <= 1.1 * row["executed_ratio"]
             if sequential:
                 dec = AdaptiveDecoder(m, B, T, spec)

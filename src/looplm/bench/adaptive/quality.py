@@ -14,7 +14,9 @@ from ...eval.decode_timing import FullDepth, decoded_nll, teacher_forced_timing
 
 
 @torch.inference_mode()
-def teacher_forced_quality(model, ids: torch.Tensor, exit, prompt_len: int = 8, ref_logits: torch.Tensor | None = None) -> dict:
+def teacher_forced_quality(
+    model, ids: torch.Tensor, exit, prompt_len: int = 8, ref_logits: torch.Tensor | None = None
+) -> dict:
     """Score ``ids [B, T]`` token by token with exits (:meth:`AdaptiveDecoder.score`) against full depth:
     greedy agreement and ``KL(full ‖ adaptive)`` of every decoded position, PPL of both, the depth summary."""
     from ...decode.token_schedule import AdaptiveDecoder
@@ -30,9 +32,12 @@ def teacher_forced_quality(model, ids: torch.Tensor, exit, prompt_len: int = 8, 
     nll = F.nll_loss(la.reshape(-1, la.shape[-1]), tgt.reshape(-1))
     nll_full = F.nll_loss(lr.reshape(-1, lr.shape[-1]), tgt.reshape(-1))
     return {
-        "agreement": float((a.argmax(-1) == r.argmax(-1)).float().mean()), "kl_to_full": float(kl.mean()),
-        "ppl": math.exp(float(nll)), "ppl_full": math.exp(float(nll_full)), **dec.stats.summary(),
-    }  # fmt: skip
+        "agreement": float((a.argmax(-1) == r.argmax(-1)).float().mean()),
+        "kl_to_full": float(kl.mean()),
+        "ppl": math.exp(float(nll)),
+        "ppl_full": math.exp(float(nll_full)),
+        **dec.stats.summary(),
+    }
 
 
 def kv_bytes_per_token(model, kv: str, batch: int = 1) -> float:
@@ -76,7 +81,17 @@ def section_frontier(model, ids, settings, kv: str, runs: int, clock: str, promp
         nll = decoded_nll(r["logits"], ids, prompt_len)
         st = r["stats"] or {"executed_depth": model.config.n_loops, "selected_depth": model.config.n_loops}
         crit, eps = ("full", None) if key == "full" else key
-        rows.append({"criterion": crit, "threshold": eps, "kv": kv if key != "full" else "-", "ppl": math.exp(nll),
-                     "executed_depth": st["executed_depth"], "selected_depth": st["selected_depth"],
-                     "ms_per_token": r["ms_per_token"], "time_ratio": r["ratio"], "clock": clock})  # fmt: skip
+        rows.append(
+            {
+                "criterion": crit,
+                "threshold": eps,
+                "kv": kv if key != "full" else "-",
+                "ppl": math.exp(nll),
+                "executed_depth": st["executed_depth"],
+                "selected_depth": st["selected_depth"],
+                "ms_per_token": r["ms_per_token"],
+                "time_ratio": r["ratio"],
+                "clock": clock,
+            }
+        )
     return rows

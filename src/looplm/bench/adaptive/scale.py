@@ -19,13 +19,33 @@ def _scale_model(mixer: str, d: int, dt):
     torch.manual_seed(0)
     common = {"d_model": d, "n_core": 2, "n_loops": 4, "vocab_size": 260, "max_seq_len": 1024}
     if mixer == "mamba2":
-        return build("tiny-mamba2", overrides={**common, "mamba.headdim": 64, "mamba.d_state": 64, "mamba.ngroups": 1}, dtype=dt).eval()
-    return build("tiny-llama", overrides={**common, "d_ff": 3 * d, "attention.n_heads": d // 64, "attention.n_kv_heads": d // 64,
-                                          "attention.head_dim": 64}, dtype=dt).eval()  # fmt: skip
+        return build(
+            "tiny-mamba2", overrides={**common, "mamba.headdim": 64, "mamba.d_state": 64, "mamba.ngroups": 1}, dtype=dt
+        ).eval()
+    return build(
+        "tiny-llama",
+        overrides={
+            **common,
+            "d_ff": 3 * d,
+            "attention.n_heads": d // 64,
+            "attention.n_kv_heads": d // 64,
+            "attention.head_dim": 64,
+        },
+        dtype=dt,
+    ).eval()
 
 
-def section_scale(depth_pool: torch.Tensor, widths, batches, new_tokens, runs, clock, dtypes, schedules=("token", "depth"),
-                  mixers=("attention",)) -> list[dict]:
+def section_scale(
+    depth_pool: torch.Tensor,
+    widths,
+    batches,
+    new_tokens,
+    runs,
+    clock,
+    dtypes,
+    schedules=("token", "depth"),
+    mixers=("attention",),
+) -> list[dict]:
     """The timing protocol on larger random-weight backbones (2 blocks × K = 4 like the LM, wider; attention
     or Mamba-2 blocks), every token's depth drawn from the LM's measured exit depths (``depth_pool``): timing
     does not depend on the weights' values, only on how many loops run."""
@@ -42,7 +62,19 @@ def section_scale(depth_pool: torch.Tensor, widths, batches, new_tokens, runs, c
                 for name in list(res)[1:]:
                     r = res[name]
                     ex = r["stats"]["executed_ratio"]
-                    rows.append({"mixer": mixer, "d_model": d, "dtype": str(dt).replace("torch.", ""), "batch": B, "schedule": name.rsplit("/", 1)[1],
-                                 "executed_ratio": ex, "batch_depth": r["stats"]["batch_depth"], "time_ratio": r["ratio"],
-                                 "full_ms_per_token": res["full"]["ms_per_token"], "target_met": r["ratio"] <= 1.1 * ex, "clock": clock})  # fmt: skip
+                    rows.append(
+                        {
+                            "mixer": mixer,
+                            "d_model": d,
+                            "dtype": str(dt).replace("torch.", ""),
+                            "batch": B,
+                            "schedule": name.rsplit("/", 1)[1],
+                            "executed_ratio": ex,
+                            "batch_depth": r["stats"]["batch_depth"],
+                            "time_ratio": r["ratio"],
+                            "full_ms_per_token": res["full"]["ms_per_token"],
+                            "target_met": r["ratio"] <= 1.1 * ex,
+                            "clock": clock,
+                        }
+                    )
     return rows

@@ -10,7 +10,9 @@ from ...eval.decode_timing import FullDepth, decode_timing
 
 
 @torch.inference_mode()
-def section_task(model, cfg, qs, policies, fixed, time_batch: int, runs: int, clock: str, count: int | None = None) -> list[dict]:
+def section_task(
+    model, cfg, qs, policies, fixed, time_batch: int, runs: int, clock: str, count: int | None = None
+) -> list[dict]:
     """p-hop accuracy at <ans> under teacher-forced decoding with exits (every token of the sequence decoded
     one at a time, its own exit), next to the full forward; wall time per token at ``time_batch``."""
     from ...decode.token_schedule import AdaptiveDecoder
@@ -25,8 +27,11 @@ def section_task(model, cfg, qs, policies, fixed, time_batch: int, runs: int, cl
         for crit, v in settings:
             if crit == "full" and kv != policies[0]:
                 continue
-            spec = ({"criterion": "gate", "threshold": 1.0, "kv": "full"} if crit == "full" else
-                    {"criterion": crit, ("threshold" if crit == "gate" else "depths"): v, "kv": kv})  # fmt: skip
+            spec = (
+                {"criterion": "gate", "threshold": 1.0, "kv": "full"}
+                if crit == "full"
+                else {"criterion": crit, ("threshold" if crit == "gate" else "depths"): v, "kv": kv}
+            )
             correct, sel, ex, sel_ans, ex_ans = 0, [], [], [], []
             for a in range(0, ids.shape[0], 250):
                 x, p, y = ids[a : a + 250, :L], pos[a : a + 250], answers[a : a + 250]
@@ -39,10 +44,18 @@ def section_task(model, cfg, qs, policies, fixed, time_batch: int, runs: int, cl
                 ex.append(e.mean())
                 sel_ans.append(s[torch.arange(x.shape[0]), p - 1].mean())
                 ex_ans.append(e[torch.arange(x.shape[0]), p - 1].mean())
-            rows.append({"kv": kv if crit != "full" else "-", "setting": crit, "value": v, "accuracy": correct / ids.shape[0],
-                         "selected_depth": float(torch.stack(sel).mean()), "executed_depth": float(torch.stack(ex).mean()),
-                         "selected_depth_ans": float(torch.stack(sel_ans).mean()),
-                         "executed_depth_ans": float(torch.stack(ex_ans).mean())})  # fmt: skip
+            rows.append(
+                {
+                    "kv": kv if crit != "full" else "-",
+                    "setting": crit,
+                    "value": v,
+                    "accuracy": correct / ids.shape[0],
+                    "selected_depth": float(torch.stack(sel).mean()),
+                    "executed_depth": float(torch.stack(ex).mean()),
+                    "selected_depth_ans": float(torch.stack(sel_ans).mean()),
+                    "executed_depth_ans": float(torch.stack(ex_ans).mean()),
+                }
+            )
     # wall time per token at time_batch: every setting of the first policy against full depth, interleaved
     prompts = ids[:time_batch, :8]
     cont = {"full": lambda b, c: FullDepth(model, b, c)}

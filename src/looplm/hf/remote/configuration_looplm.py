@@ -51,9 +51,16 @@ def derived_fields(cfg: ModelConfig, num_loops: int | None = None) -> dict:
     r = num_loops if num_loops is not None else cfg.n_loops
     n_real = cfg.max_seq_len // (1 + cfg.pause.n_pause) if cfg.pause is not None else cfg.max_seq_len
     s = a.rope_scaling
-    scaling = None if s is None else {
-        "factor": s.factor, "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor,
-        "original_max_position_embeddings": s.original_max_position_embeddings}  # fmt: skip
+    scaling = (
+        None
+        if s is None
+        else {
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    )
     partial = (a.rotary_dim / cfg.head_dim) if a.rotary_dim else 1.0
     out = {
         "vocab_size": cfg.vocab_size,
@@ -64,8 +71,12 @@ def derived_fields(cfg: ModelConfig, num_loops: int | None = None) -> dict:
         "head_dim": cfg.head_dim,
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": a.rope_theta,
-        "rope_parameters": {"rope_type": "default" if scaling is None else "llama3", "rope_theta": a.rope_theta,
-                            **(scaling or {}), "partial_rotary_factor": partial},
+        "rope_parameters": {
+            "rope_type": "default" if scaling is None else "llama3",
+            "rope_theta": a.rope_theta,
+            **(scaling or {}),
+            "partial_rotary_factor": partial,
+        },
         "rope_scaling": None if scaling is None else {"rope_type": "llama3", **scaling},  # transformers 4.x
         "partial_rotary_factor": partial,
         "attention_bias": a.bias,
@@ -79,7 +90,7 @@ def derived_fields(cfg: ModelConfig, num_loops: int | None = None) -> dict:
         "num_coda_layers": cfg.n_coda,
         "trained_num_loops": cfg.n_loops,
         "effective_num_hidden_layers": cfg.effective_depth(r),
-    }  # fmt: skip
+    }
     return out
 
 
@@ -108,7 +119,9 @@ class LoopLMConfig(PretrainedConfig):
         self.looplm = dict(looplm or {})
         cfg = ModelConfig.from_dict(dict(self.looplm))  # every bad field in one error
         if num_loops is not None and (isinstance(num_loops, bool) or not isinstance(num_loops, int) or num_loops < 1):
-            raise ValueError(f"num_loops must be a positive int (or None = the trained {cfg.n_loops}), got {num_loops!r}")
+            raise ValueError(
+                f"num_loops must be a positive int (or None = the trained {cfg.n_loops}), got {num_loops!r}"
+            )
         if looplm_code not in LOOPLM_CODE_CHOICES:
             raise ValueError(f"looplm_code must be one of {LOOPLM_CODE_CHOICES}, got {looplm_code!r}")
         self.num_loops = num_loops

@@ -241,12 +241,15 @@ class LoopLMPreTrainedModel(PreTrainedModel):
             where = args[0] if args else kwargs.get("pretrained_model_name_or_path")
             parts = []
             if missing:
-                parts.append(f"{len(missing)} tensor(s) the model needs are missing ({', '.join(missing[:8])}"
-                             f"{', ...' if len(missing) > 8 else ''}): transformers would leave them as uninitialised memory")
+                parts.append(
+                    f"{len(missing)} tensor(s) the model needs are missing ({', '.join(missing[:8])}"
+                    f"{', ...' if len(missing) > 8 else ''}): transformers would leave them as uninitialised memory"
+                )
             if unexpected:
                 parts.append(f"{len(unexpected)} tensor(s) are not the model's ({', '.join(unexpected[:8])})")
             raise IncompleteExportError(
-                f"the export {str(where)!r} does not fit its config: " + "; ".join(parts)
+                f"the export {str(where)!r} does not fit its config: "
+                + "; ".join(parts)
                 + ". Export the checkpoint again (looplm export hf CHECKPOINT OUT)"
             )
         return (model, info) if want_info else model
@@ -342,7 +345,9 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         and the rule's inference options for this call. ``output_hidden_states``: see the module docstring.
         """
         if inputs_embeds is not None:
-            raise ValueError("LoopLMForCausalLM takes input_ids (a looped model's rules may read the token ids' embeddings)")
+            raise ValueError(
+                "LoopLMForCausalLM takes input_ids (a looped model's rules may read the token ids' embeddings)"
+            )
         if input_ids is None:
             raise ValueError("input_ids is required")
         r = self._loops(num_loops)
@@ -352,7 +357,9 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         inner = cache.inner if cache is not None else None
         if attention_mask is not None and bool(attention_mask.bool().all()):
             attention_mask = None  # no padding: the plain causal path (identical results, faster)
-        want_states = bool(output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states)
+        want_states = bool(
+            output_hidden_states if output_hidden_states is not None else self.config.output_hidden_states
+        )
         with _block_outputs(self.looplm) if want_states else contextlib.nullcontext() as states:
             out = self.looplm(
                 input_ids,
@@ -395,7 +402,7 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         r = self._loops(num_loops)
         c = self._as_loop_cache(cache if cache is not None else past_key_values, input_ids.shape[0], r, use_cache)
         if c is not None and c.get_seq_length() > 0:
-            input_ids = input_ids[:, c.get_seq_length():]
+            input_ids = input_ids[:, c.get_seq_length() :]
         out = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
@@ -418,7 +425,12 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
         gc, model_kwargs = _resolve_generation_config(self, generation_config, kwargs)
         lean = None if not isinstance(ids, torch.Tensor) else self._lean_request(ids, gc, model_kwargs, kwargs)
         n_new = _new_tokens(gc, ids)
-        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and n_new is not None and ids.shape[1] + n_new > self._max_tokens():
+        if (
+            isinstance(ids, torch.Tensor)
+            and ids.dim() == 2
+            and n_new is not None
+            and ids.shape[1] + n_new > self._max_tokens()
+        ):
             raise ValueError(
                 f"generate: prompt length {ids.shape[1]} + {n_new} new tokens exceeds the model's context of "
                 f"{self._max_tokens()} tokens; shorten the prompt or ask for at most "
@@ -483,14 +495,21 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
             extra[k] = v
         dev = self.looplm.embed.weight.device
         return dict(
-            input_ids=ids.to(dev), max_new_tokens=n_new, do_sample=bool(gc.do_sample),
+            input_ids=ids.to(dev),
+            max_new_tokens=n_new,
+            do_sample=bool(gc.do_sample),
             temperature=float(gc.temperature) if gc.temperature is not None else 1.0,
-            top_k=gc.top_k if gc.do_sample else None, top_p=gc.top_p if gc.do_sample else None,
-            eos_token_id=eos, pad_token_id=pad, attention_mask=mask, num_loops=self._loops(num_loops),
-            use_cache=gc.use_cache is not False, **extra,
+            top_k=gc.top_k if gc.do_sample else None,
+            top_p=gc.top_p if gc.do_sample else None,
+            eos_token_id=eos,
+            pad_token_id=pad,
+            attention_mask=mask,
+            num_loops=self._loops(num_loops),
+            use_cache=gc.use_cache is not False,
+            **extra,
             # a per-token exit by the gate takes its q from exit=: the config's default q is not forced on it
             loop_options=self._loop_options(exit_threshold, loop_options, config_q=extra.get("exit") is None),
-        )  # fmt: skip
+        )
 
     def _reorder_cache(self, cache, beam_idx):  # transformers 4.x beam search on legacy caches
         cache.reorder_cache(beam_idx)
@@ -501,16 +520,53 @@ class LoopLMForCausalLM(LoopLMPreTrainedModel, GenerationMixin):
 _LOOPLM_ONLY_ARGUMENTS = ("exit", "speculative", "return_stats")
 # transformers' generate() arguments outside the generation config: any of them means its own loop
 _HF_ONLY_ARGUMENTS = (
-    "logits_processor", "stopping_criteria", "prefix_allowed_tokens_fn", "synced_gpus", "assistant_model",
-    "streamer", "negative_prompt_ids", "negative_prompt_attention_mask", "custom_generate", "tokenizer",
-    "assistant_tokenizer", "inputs_embeds", "past_key_values", "cache",
-)  # fmt: skip
-_SET_BY_US = frozenset({"input_ids", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-                        "pad_token_id", "attention_mask"})
+    "logits_processor",
+    "stopping_criteria",
+    "prefix_allowed_tokens_fn",
+    "synced_gpus",
+    "assistant_model",
+    "streamer",
+    "negative_prompt_ids",
+    "negative_prompt_attention_mask",
+    "custom_generate",
+    "tokenizer",
+    "assistant_tokenizer",
+    "inputs_embeds",
+    "past_key_values",
+    "cache",
+)
+_SET_BY_US = frozenset(
+    {
+        "input_ids",
+        "max_new_tokens",
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "eos_token_id",
+        "pad_token_id",
+        "attention_mask",
+    }
+)
 # generation-config fields the lean path honours; any other field away from its default means transformers' loop
-_LEAN_FIELDS = frozenset({"max_length", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-                          "pad_token_id", "bos_token_id", "decoder_start_token_id", "use_cache", "output_hidden_states",
-                          "output_attentions", "transformers_version"})
+_LEAN_FIELDS = frozenset(
+    {
+        "max_length",
+        "max_new_tokens",
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "eos_token_id",
+        "pad_token_id",
+        "bos_token_id",
+        "decoder_start_token_id",
+        "use_cache",
+        "output_hidden_states",
+        "output_attentions",
+        "transformers_version",
+    }
+)
 
 
 def _resolve_generation_config(model, generation_config, kwargs) -> tuple[GenerationConfig, dict]:
@@ -520,7 +576,9 @@ def _resolve_generation_config(model, generation_config, kwargs) -> tuple[Genera
     prepare = getattr(model, "_prepare_generation_config", None)
     if prepare is not None:
         try:
-            gc, model_kwargs = prepare(copy.deepcopy(generation_config) if generation_config is not None else None, **kw)
+            gc, model_kwargs = prepare(
+                copy.deepcopy(generation_config) if generation_config is not None else None, **kw
+            )
             return gc, dict(model_kwargs)
         except (TypeError, ValueError):
             pass  # another transformers signature, or its own error (raised again by its generate)
@@ -568,7 +626,9 @@ def _block_outputs(model):
     call, in call order: ``{"embeddings": [E], "prelude": [...], "core": [...], "coda": [...]}`` (a rule's
     readouts call the coda too: the final pass is its last ``c`` calls)."""
     rec = {"embeddings": [], "prelude": [], "core": [], "coda": []}
-    handles = [model.embed.register_forward_hook(lambda _m, _a, out: rec["embeddings"].append(out * model.embed_multiplier))]
+    handles = [
+        model.embed.register_forward_hook(lambda _m, _a, out: rec["embeddings"].append(out * model.embed_multiplier))
+    ]
     stacks = {"prelude": model.prelude.blocks, "core": model.core.stack.blocks, "coda": model.coda.blocks}
     for part, blocks in stacks.items():
         for blk in blocks:
@@ -598,5 +658,13 @@ def _hidden_states_tuple(model, rec: dict, final: torch.Tensor, ids: torch.Tenso
     return (E,) + tuple(blocks[:-1]) + (final,)
 
 
-__all__ = ["Implementation", "IncompleteExportError", "LoopLMCache", "LoopLMConfig", "LoopLMForCausalLM",
-           "LoopLMOutput", "LoopLMPreTrainedModel", "looplm_implementation"]
+__all__ = [
+    "Implementation",
+    "IncompleteExportError",
+    "LoopLMCache",
+    "LoopLMConfig",
+    "LoopLMForCausalLM",
+    "LoopLMOutput",
+    "LoopLMPreTrainedModel",
+    "looplm_implementation",
+]
