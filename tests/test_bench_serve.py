@@ -60,8 +60,18 @@ def test_a_rate_load_stops_sending_at_its_duration_and_cancels_what_runs_past_it
     recs, _ = asyncio.run(run_load(s.url, "tiny", PROMPTS, Load("rate", 0.2), 4, 10, 0.5, {"ignore_eos": True}, seed=1))
     assert len(recs) == 1 and recs[0].ok and time.perf_counter() - t < 30
     # a request longer than the bound (duration 0.3 s, so at most ~1.3 s for what is in flight) is cancelled
-    recs, _ = asyncio.run(run_load(s.url, "tiny", PROMPTS, Load("concurrency", 1), 400, 3, 0.3,
-                                   {"ignore_eos": True, "looplm": {"exit": "none"}}))  # fmt: skip
+    recs, _ = asyncio.run(
+        run_load(
+            s.url,
+            "tiny",
+            PROMPTS,
+            Load("concurrency", 1),
+            400,
+            3,
+            0.3,
+            {"ignore_eos": True, "looplm": {"exit": "none"}},
+        )
+    )
     assert len(recs) == 1
     assert recs[0].ok or recs[0].error == "cancelled at the load's time bound"
 
@@ -76,12 +86,26 @@ def test_a_refused_request_is_recorded_not_raised(server):
 
 def test_targets_and_table_from_rows():
     def row(c, load, tps, loops=None, e2e=100.0, **kw):
-        return {"contender": c, "load": load, "sent": 4, "finished": 4, "tokens_per_s": tps, "loops_per_token": loops,
-                "e2e_ms_p50": e2e, **kw}  # fmt: skip
+        return {
+            "contender": c,
+            "load": load,
+            "sent": 4,
+            "finished": 4,
+            "tokens_per_s": tps,
+            "loops_per_token": loops,
+            "e2e_ms_p50": e2e,
+            **kw,
+        }
 
-    rows = [row("full", "c=1", 30.0, 4.0, e2e=210.0), row("full", "c=8", 150.0, 4.0), row("exit", "c=8", 200.0, 2.5),
-            row("one", "c=8", 30.0, 4.0), row("generate", "c=1", 32.0, e2e=200.0, paired_server_e2e_ms_p50=212.0),
-            row("transformers", "c=8", 100.0), row("exit-prefill", "c=8", 240.0, 2.5)]  # fmt: skip
+    rows = [
+        row("full", "c=1", 30.0, 4.0, e2e=210.0),
+        row("full", "c=8", 150.0, 4.0),
+        row("exit", "c=8", 200.0, 2.5),
+        row("one", "c=8", 30.0, 4.0),
+        row("generate", "c=1", 32.0, e2e=200.0, paired_server_e2e_ms_p50=212.0),
+        row("transformers", "c=8", 100.0),
+        row("exit-prefill", "c=8", 240.0, 2.5),
+    ]
     batching = next(t for t in targets(rows, K=4) if "one-at-a-time" in t["target"])
     assert batching["target"].startswith("c=8 streams") and batching["met"] and batching["value"] == "5.00x"
     exit_t = next(t for t in targets(rows, 4) if "exit" in t["target"])
@@ -94,24 +118,36 @@ def test_targets_and_table_from_rows():
     assert ahead["value"] == "1.50x" and ahead["met"]
     table = markdown(rows)
     assert table.count("\n") == len(rows) + 1 and "| exit | c=8 | 4/4 | 200.0 | 1.33 |" in table
-    assert not [t for t in targets(rows, 4) if "vLLM" in t["target"] or "batch" in t["target"]]  # not measured: not judged
+    assert not [
+        t for t in targets(rows, 4) if "vLLM" in t["target"] or "batch" in t["target"]
+    ]  # not measured: not judged
 
 
 def test_engine_targets_against_batched_generate_and_vllm():
     def row(c, load, tps, **kw):
         return {"contender": c, "load": load, "sent": 4, "finished": 4, "tokens_per_s": tps, "e2e_ms_p50": 100.0, **kw}
 
-    rows = [row("full", "c=1", 20.0, ttft_ms_p50=90.0, itl_ms_p50=52.0), row("full", "c=8", 150.0, ttft_ms_p50=300.0),
-            row("generate", "c=1", 21.0, itl_ms_p50=50.0), row("generate", "c=8", 160.0, itl_ms_p50=48.0),
-            row("vllm", "c=1", 21.5, ttft_ms_p50=135.0), row("vllm", "c=8", 126.0, ttft_ms_p50=250.0)]  # fmt: skip
+    rows = [
+        row("full", "c=1", 20.0, ttft_ms_p50=90.0, itl_ms_p50=52.0),
+        row("full", "c=8", 150.0, ttft_ms_p50=300.0),
+        row("generate", "c=1", 21.0, itl_ms_p50=50.0),
+        row("generate", "c=8", 160.0, itl_ms_p50=48.0),
+        row("vllm", "c=1", 21.5, ttft_ms_p50=135.0),
+        row("vllm", "c=8", 126.0, ttft_ms_p50=250.0),
+    ]
     got = {t["target"]: t for t in targets(rows, 1)}
     assert got["c=8: looplm serve >= 0.9x model.generate at batch 8"]["value"] == "0.94x"
     assert got["c=8: looplm serve >= 0.9x model.generate at batch 8"]["met"]
-    assert got["c=8: looplm serve tok/s >= 1.25x vLLM"]["value"] == "1.19x" and not got["c=8: looplm serve tok/s >= 1.25x vLLM"]["met"]
+    assert (
+        got["c=8: looplm serve tok/s >= 1.25x vLLM"]["value"] == "1.19x"
+        and not got["c=8: looplm serve tok/s >= 1.25x vLLM"]["met"]
+    )
     assert not got["c=1: looplm serve tok/s >= 1x vLLM"]["met"]  # 20.0 < 21.5
     assert got["c=1: looplm serve TTFT p50 <= vLLM's"]["met"] and not got["c=8: looplm serve TTFT p50 <= vLLM's"]["met"]
     itl = got["c=1: looplm serve ITL p50 <= 1.05x model.generate's batch-1 step"]
     assert itl["met"] and itl["value"] == "52.0 vs 50.0 ms (1.04x)"
+    rows[0] = row("full", "c=1", float("nan"))  # nothing finished: nothing judged at c=1
+    assert not [t for t in targets(rows, 1) if t["target"].startswith("c=1")]
 
 
 def test_prompts_are_held_out_documents_cut_to_their_length(tmp_path):
@@ -130,19 +166,48 @@ def test_prompts_are_held_out_documents_cut_to_their_length(tmp_path):
 def test_bad_arguments_are_one_error_naming_each():
     from argparse import Namespace
 
-    a = Namespace(concurrency="1,x", rates="", contenders="full,fast", hf_dir=None, requests=0, max_tokens=4,
-                  prompt_len=8, max_batch=4, threads=1, duration_s=-1.0)  # fmt: skip
+    a = Namespace(
+        concurrency="1,x",
+        rates="",
+        contenders="full,fast",
+        hf_dir=None,
+        requests=0,
+        max_tokens=4,
+        prompt_len=8,
+        max_batch=4,
+        threads=1,
+        duration_s=-1.0,
+    )
     with pytest.raises(ValueError) as e:
         _check(a)
     msg = str(e.value)
     for part in ("--concurrency '1,x'", "--contenders 'full,fast'", "--requests 0", "--duration-s -1.0"):
         assert part in msg
     with pytest.raises(ValueError, match="the transformers contender needs --hf-dir"):
-        _check(Namespace(**{**vars(a), "concurrency": "1", "contenders": "full,transformers", "requests": 2, "duration_s": 5.0}))
+        _check(
+            Namespace(
+                **{**vars(a), "concurrency": "1", "contenders": "full,transformers", "requests": 2, "duration_s": 5.0}
+            )
+        )
     with pytest.raises(ValueError) as e:  # vLLM needs the directory and a Python that has it: named before any server
-        _check(Namespace(**{**vars(a), "concurrency": "1", "contenders": "full,vllm", "requests": 2, "duration_s": 5.0,
-                            "vllm_python": sys.executable, "vllm_kv_gib": 0.0}))  # fmt: skip
-    for part in ("the vllm contender needs --hf-dir", f"--vllm-python {sys.executable!r} does not import vllm", "--vllm-kv-gib 0.0"):
+        _check(
+            Namespace(
+                **{
+                    **vars(a),
+                    "concurrency": "1",
+                    "contenders": "full,vllm",
+                    "requests": 2,
+                    "duration_s": 5.0,
+                    "vllm_python": sys.executable,
+                    "vllm_kv_gib": 0.0,
+                }
+            )
+        )
+    for part in (
+        "the vllm contender needs --hf-dir",
+        f"--vllm-python {sys.executable!r} does not import vllm",
+        "--vllm-kv-gib 0.0",
+    ):
         assert part in str(e.value)
     with pytest.raises(ValueError, match="whole number"):
         Load("concurrency", 1.5)
@@ -151,18 +216,55 @@ def test_bad_arguments_are_one_error_naming_each():
 
 def test_the_command_runs_its_contenders_and_writes_table_json_and_plot(tmp_path):
     out, png = tmp_path / "s.json", tmp_path / "s.png"
-    r = subprocess.run([sys.executable, "-m", "looplm.cli", "bench", "serve", "--model", "tiny-coreloop", "--contenders",
-                        "full,one,generate", "--requests", "3", "--max-tokens", "4", "--prompt-len", "8", "--concurrency",
-                        "1,2", "--threads", "1", "--duration-s", "60", "--out", str(out), "--png", str(png)],
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "looplm.cli",
+            "bench",
+            "serve",
+            "--model",
+            "tiny-coreloop",
+            "--contenders",
+            "full,one,generate",
+            "--requests",
+            "3",
+            "--max-tokens",
+            "4",
+            "--prompt-len",
+            "8",
+            "--concurrency",
+            "1,2",
+            "--threads",
+            "1",
+            "--duration-s",
+            "60",
+            "--out",
+            str(out),
+            "--png",
+            str(png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     data = json.loads(out.read_text())
     got = {(x["contender"], x["load"]) for x in data["rows"]}
-    assert got == {("full", "c=1"), ("full", "c=2"), ("one", "c=1"), ("one", "c=2"), ("generate", "c=1"), ("generate", "c=2")}
+    assert got == {
+        ("full", "c=1"),
+        ("full", "c=2"),
+        ("one", "c=1"),
+        ("one", "c=2"),
+        ("generate", "c=1"),
+        ("generate", "c=2"),
+    }
     served = [x for x in data["rows"] if x["load"] == "c=1" or x["contender"] != "generate"]
     assert all(x["finished"] == x["sent"] == 3 for x in served)
     assert all(x["completion_tokens"] == 12 for x in served)
     batched = next(x for x in data["rows"] if x == {**x, "contender": "generate", "load": "c=2"})
-    assert batched["finished"] == 2 and batched["completion_tokens"] == 8 and batched["itl_ms_p50"] > 0  # batch 2, 4 tokens each
+    assert (
+        batched["finished"] == 2 and batched["completion_tokens"] == 8 and batched["itl_ms_p50"] > 0
+    )  # batch 2, 4 tokens each
     assert {t["target"].split(":")[0] for t in data["targets"]} == {"c=2 streams", "1 stream", "c=2", "c=1"}
     assert "| full | c=2 |" in r.stdout and png.stat().st_size > 1000 and data["cpu"] in r.stdout

