@@ -1,0 +1,303 @@
+"""looplm's looped models as vLLM models, built from vLLM's own layers (imports vLLM; see :mod:`looplm.vllm`).
+
+The forward is looplm's driver (:meth:`looplm.model.LoopedLM.forward`) on vLLM's flat batch: vLLM hands the
+model every scheduled token of every request as one ``[N]`` row (``positions [N]``), and the looped
+computation runs on it as looplm's ``[B, T] = [1, N]``::
+
+    E = embed(x)·m                                    [N, d]       (m = √d with embed_scale, StateLoop eq. 1)
+    h0 = prelude(E)                                                 slots 0 .. p−1
+    state = rule.begin(h0)
+    for k < r:  Z^k = rule.next_input(state)                        the rule's own module: looplm.recurrence
+                H^k = core(Z^k, rule.block_modulation(state))       slots of loop k (per-loop) or of the layer (shared)
+                state = rule.step(state, H^k)
+    y = coda(rule.finish(state)); hidden = N(y)                     slots after the core
+    logits = head(hidden)                                            (vLLM's LogitsProcessor, sampled rows only)
+
+Every block is looplm's residual block (:func:`looplm.blocks._branch`: ``pre`` / ``sandwich`` / ``post-sum``
+norms and the rule's modulation hooks) around vLLM layers: ``QKVParallelLinear``, ``RowParallelLinear``,
+``MergedColumnParallelLinear`` + ``SiluAndMul``, ``RMSNorm`` (QK-norm too), ``get_rope`` and ``Attention``. Each
+attention slot of :attr:`looplm.vllm.spec.PluginSpec.slots` is one vLLM ``Attention`` named
+``attn_slots.<index>``, so vLLM pages one KV cache per (loop, layer). The recurrence rules run only where
+:func:`looplm.vllm.spec.refusal` found that they act on each token's own state, so running them on the flat
+batch is exact: no token of one request reaches another's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention import Attention
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.utils import maybe_prefix
+
+from ..blocks import _branch
+from ..config import ModelConfig
+from ..context import BlockModulation, ForwardContext, LoopContext
+from ..recurrence import build_rule
+from .spec import PluginSpec, UnsupportedDesign, design_name, plugin_spec, vllm_param_name
+
+__all__ = ["LoopLMForCausalLM", "OuroForCausalLM", "RavenForCausalLM"]
+
+
+def _rows(norm: nn.Module, d: int):
+    """``norm`` on ``u [..., d]`` as vLLM's ``RMSNorm`` takes it, ``[rows, d]``, reshaped back."""
+    return lambda u: norm(u.reshape(-1, d)).view(u.shape)
+
+
+class VAttention(nn.Module):
+    """looplm's :class:`~looplm.layers.attention.Attention` from vLLM layers, without its KV slot: the
+    block is handed the vLLM ``Attention`` (slot) of the loop it runs in."""
+
+    def __init__(self, cfg: ModelConfig, prefix: str, quant_config=None):
+        super().__init__()
+        a = cfg.attention
+        tp = get_tensor_model_parallel_world_size()
+        self.head_dim = cfg.head_dim
+        self.n_heads, self.n_kv_heads = a.n_heads // tp, max(1, cfg.n_kv_heads // tp)
+        self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        self.qkv_proj = QKVParallelLinear(cfg.d_model, self.head_dim, a.n_heads, cfg.n_kv_heads, bias=a.bias or a.qk_bias,
+                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")  # fmt: skip
+        self.o_proj = RowParallelLinear(a.n_heads * self.head_dim, cfg.d_model, bias=a.bias, quant_config=quant_config,
+                                        prefix=f"{prefix}.o_proj")  # fmt: skip
+        self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if a.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if a.qk_norm else None
+        rope = {"rope_theta": a.rope_theta, "rope_type": "default", "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim}
+        if a.rope_scaling is not None:
+            s = a.rope_scaling
+            rope |= {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
+                     "high_freq_factor": s.high_freq_factor,
+                     "original_max_position_embeddings": s.original_max_position_embeddings}  # fmt: skip
+        self.rotary_emb = get_rope(self.head_dim, max_position=cfg.max_seq_len, is_neox_style=True, rope_parameters=rope)
+
+    def forward(self, u: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
+        # u [N, d] -> [N, d]
+        qkv, _ = self.qkv_proj(u)  # [N, (H + 2 H_kv)·hd]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:  # Qwen3 QK-norm per head, before RoPE
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)  # half-split (neox) on the first rotary_dim channels, as looplm
+        y, _ = self.o_proj(attn(q, k, v))  # softmax(q kᵀ/√hd + causal) v over the slot's paged keys
+        return y
+
+
+class VMLP(nn.Module):
+    """SwiGLU ``down(silu(gate(x)) ⊙ up(x))`` (:class:`looplm.layers.mlp.SwiGLU`) with vLLM's fused gate/up."""
+
+    def __init__(self, cfg: ModelConfig, prefix: str, quant_config=None):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.d_model, [cfg.d_ff] * 2, bias=False, quant_config=quant_config,
+                                                       prefix=f"{prefix}.gate_up_proj")  # fmt: skip
+        self.down_proj = RowParallelLinear(cfg.d_ff, cfg.d_model, bias=False, quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj")  # fmt: skip
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [N, d] -> [N, 2 d_ff] -> [N, d_ff] -> [N, d]
+        y, _ = self.gate_up_proj(x)
+        y, _ = self.down_proj(self.act(y))
+        return y
+
+
+class VBlock(nn.Module):
+    """Physical block ``layer`` (:class:`looplm.blocks.Block`): parameter names as looplm's, so the export's
+    tensors map by name (:func:`looplm.vllm.spec.vllm_param_name`)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, prefix: str, quant_config=None):
+        super().__init__()
+        d, two = cfg.d_model, cfg.norm_placement != "pre"
+        self.d, self.post_sum = d, cfg.norm_placement == "post-sum"
+        self.mixer_norm = RMSNorm(d, eps=cfg.norm_eps)
+        self.mixer = VAttention(cfg, f"{prefix}.mixer", quant_config)
+        self.mixer_out_norm = RMSNorm(d, eps=cfg.norm_eps) if two else None
+        if cfg.d_ff > 0:
+            self.mlp_norm = RMSNorm(d, eps=cfg.norm_eps)
+            self.mlp = VMLP(cfg, f"{prefix}.mlp", quant_config)
+            self.mlp_out_norm = RMSNorm(d, eps=cfg.norm_eps) if two else None
+        else:
+            self.mlp_norm = self.mlp = self.mlp_out_norm = None
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Attention, mod: BlockModulation | None = None):
+        # x [1, N, d] (or the rule's residual carrier) -> same shape
+        m, d = mod if mod is not None else BlockModulation(), self.d
+        out = None if self.mixer_out_norm is None else _rows(self.mixer_out_norm, d)
+        mix = lambda u: self.mixer(u.reshape(-1, d), positions, attn).view(u.shape)  # noqa: E731
+        x = _branch(x, _rows(self.mixer_norm, d), mix, m.mixer, out, self.post_sum)
+        if self.mlp is not None:
+            out = None if self.mlp_out_norm is None else _rows(self.mlp_out_norm, d)
+            mlp = lambda u: self.mlp(u.reshape(-1, d)).view(u.shape)  # noqa: E731
+            x = _branch(x, _rows(self.mlp_norm, d), mlp, m.mlp, out, self.post_sum)
+        return x
+
+
+class _Stack(nn.Module):
+    """``blocks`` of one part (prelude, core, coda) under looplm's names."""
+
+    def __init__(self, cfg: ModelConfig, first: int, n: int, prefix: str, quant_config=None):
+        super().__init__()
+        self.blocks = nn.ModuleList(VBlock(cfg, first + i, f"{prefix}.blocks.{i}", quant_config) for i in range(n))
+
+
+class _Core(nn.Module):
+    def __init__(self, cfg: ModelConfig, prefix: str, quant_config=None):
+        super().__init__()
+        self.stack = _Stack(cfg, cfg.n_prelude, cfg.n_core, f"{prefix}.stack", quant_config)
+
+
+class _LoopedForCausalLM(nn.Module):
+    """The vLLM model of a :class:`~looplm.vllm.spec.PluginSpec` (see the module docstring)."""
+
+    family: str | None = None  # the original format whose tensor names load_weights maps (looplm.hf.public)
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        hf = vllm_config.model_config.hf_config
+        spec = plugin_spec(hf, where=str(getattr(vllm_config.model_config, "model", "config.json")))
+        if get_tensor_model_parallel_world_size() != 1:
+            raise UnsupportedDesign(design_name(spec.config), "tensor parallelism is not built yet (run with "
+                                    "--tensor-parallel-size 1)")  # fmt: skip
+        self.spec, self.config = spec, hf
+        cfg, quant = spec.config, vllm_config.quant_config
+        self.cfg = cfg
+        d, V = cfg.d_model, cfg.vocab_size
+        self.embed = VocabParallelEmbedding(V, d, quant_config=quant, prefix=maybe_prefix(prefix, "embed"))
+        self.embed_multiplier = d**0.5 if cfg.embed_scale else 1.0
+        self.prelude = _Stack(cfg, 0, cfg.n_prelude, maybe_prefix(prefix, "prelude"), quant)
+        self.core = _Core(cfg, maybe_prefix(prefix, "core"), quant)
+        self.coda = _Stack(cfg, cfg.n_prelude + cfg.n_core, cfg.n_coda, maybe_prefix(prefix, "coda"), quant)
+        self.rule = build_rule(cfg)  # looplm's own rule module: its arithmetic, its parameters' names
+        if self.rule.loop_slot_mixers():  # a mixer of its own (refusal() already refuses the known ones)
+            raise UnsupportedDesign(design_name(cfg), "the rule mixes tokens with a module of its own")
+        self.norm = RMSNorm(d, eps=cfg.norm_eps)
+        self.lm_head = ParallelLMHead(V, d, quant_config=quant, prefix=maybe_prefix(prefix, "lm_head"))
+        if cfg.tie_embeddings:
+            self.lm_head = self.lm_head.tie_weights(self.embed)
+        self.logits_processor = LogitsProcessor(V)
+        a, tp = cfg.attention, get_tensor_model_parallel_world_size()
+        self.attn_slots = nn.ModuleList(
+            Attention(a.n_heads // tp, cfg.head_dim, cfg.head_dim**-0.5, num_kv_heads=max(1, cfg.n_kv_heads // tp),
+                      cache_config=vllm_config.cache_config, quant_config=quant,
+                      prefix=f"{maybe_prefix(prefix, 'attn_slots')}.{s.index}")
+            for s in spec.slots
+        )  # fmt: skip
+
+    # --- the looped forward --------------------------------------------------------------------
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed(input_ids)
+
+    def _final_norm(self, h: torch.Tensor) -> torch.Tensor:
+        return self.norm(h.reshape(-1, self.cfg.d_model)).view(h.shape)
+
+    def _readout(self, h: torch.Tensor, lctx: LoopContext) -> torch.Tensor:
+        """Logits ``[1, N, V]`` of an iterate (PonderLM's feedback; refusal() leaves only models without a coda)."""
+        if self.cfg.n_coda:
+            raise UnsupportedDesign(design_name(self.cfg), "a readout through the coda inside the loop")
+        w = self.lm_head.weight[: self.cfg.vocab_size]  # [V, d] (vLLM pads the vocabulary)
+        return self._final_norm(h) @ w.T
+
+    def _part(self, stack: _Stack, part: str, x, positions, loop=None, mods=None):
+        for i, blk in enumerate(stack.blocks):
+            layer = self._first(part) + i
+            attn = self.attn_slots[self.spec.slot_index(part, layer, loop)]
+            x = blk(x, positions, attn, None if mods is None else mods[i])
+        return x
+
+    def _first(self, part: str) -> int:
+        c = self.cfg
+        return {"prelude": 0, "core": c.n_prelude, "coda": c.n_prelude + c.n_core}[part]
+
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
+                inputs_embeds: torch.Tensor | None = None, **_) -> torch.Tensor:
+        """``input_ids, positions [N]`` (every scheduled token of every request) -> hidden states ``[N, d]``."""
+        spec, cfg = self.spec, self.cfg
+        E = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [N, d]
+        if self.embed_multiplier != 1.0:
+            E = E * self.embed_multiplier
+        E = E[None]  # [1, N, d]: looplm's [B, T]
+        x = self._part(self.prelude, "prelude", E, positions)
+        lctx = LoopContext(
+            num_loops=spec.num_loops, train_loops=cfg.n_loops, fctx=ForwardContext(positions=positions[None]),
+            loop_options=dict(spec.loop_options), embeddings=E, embed_weight=self.embed.weight[: cfg.vocab_size],
+            embed_multiplier=self.embed_multiplier, readout_fn=self._readout, final_norm=self._final_norm,
+        )  # fmt: skip
+        state = self.rule.begin(x, lctx)
+        for k in range(spec.num_loops):
+            lctx.iteration = k
+            z = lctx.core_input = self.rule.next_input(state, lctx)  # Z^k  [1, N, d]
+            mods = self.rule.block_modulation(state, lctx)
+            h = self._part(self.core.stack, "core", z, positions, loop=k, mods=mods)  # H^k
+            state = self.rule.step(state, h, lctx)
+        y = self._part(self.coda, "coda", self.rule.finish(state, lctx), positions)  # [1, N, d]
+        return self._final_norm(y)[0]  # [N, d]
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    # --- weights ---------------------------------------------------------------------------------
+    def _looplm_tensors(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[tuple[str, torch.Tensor]]:
+        """``(looplm name, tensor)`` pairs from the directory's tensors (an export: names as stored)."""
+        return weights
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        unknown: list[str] = []
+        for name, w in self._looplm_tensors(weights):
+            pname, shard = vllm_param_name(name)
+            if pname == "lm_head.weight" and self.cfg.tie_embeddings:
+                continue  # the embedding (stored once)
+            if pname not in params:
+                unknown.append(name)
+                continue
+            p = params[pname]
+            loader = getattr(p, "weight_loader", default_weight_loader)
+            loader(p, w) if shard is None else loader(p, w, shard)
+            loaded.add(pname)
+        if unknown:
+            raise ValueError(f"tensors the plugin's {design_name(self.cfg)} model has no place for: {unknown[:8]}"
+                             f"{' ...' if len(unknown) > 8 else ''}; the directory does not match its config.json")
+        if self.cfg.attention.qk_bias:  # biases on q and k only: the fused bias's v part is zero
+            for pname, p in params.items():
+                if pname.endswith("mixer.qkv_proj.bias"):
+                    p.weight_loader(p, torch.zeros(self.cfg.n_kv_heads * self.cfg.head_dim, dtype=p.dtype), "v")
+        return loaded
+
+
+class LoopLMForCausalLM(_LoopedForCausalLM):
+    """looplm's Hugging Face export (``looplm export hf``): tensors ``looplm.<looplm name>``."""
+
+
+class _PublicFormat(_LoopedForCausalLM):
+    """An original-format directory: its tensors are mapped to looplm's names by looplm's own import
+    (:func:`looplm.hf.public.to_looplm_state`, one source of truth), then loaded as an export's."""
+
+    def _looplm_tensors(self, weights):
+        from ..hf.public import to_looplm_state
+
+        t = dict(weights)  # the whole state: the mapping splits and permutes fused original tensors
+        try:
+            sd = to_looplm_state(self.family, self.cfg, t)
+        except KeyError as e:
+            raise ValueError(f"{self.family} checkpoint is missing the tensor {e.args[0]!r}") from None
+        return sd.items()
+
+
+class OuroForCausalLM(_PublicFormat):
+    family = "ouro"
+
+
+class RavenForCausalLM(_PublicFormat):
+    family = "huginn_raven"

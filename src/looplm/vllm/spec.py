@@ -1,0 +1,245 @@
+"""The plugin's pure parts: what a model directory's ``config.json`` becomes inside vLLM, without vLLM.
+
+Everything here is plain looplm and the standard library, so the main test suite checks it where vLLM is
+not installed (``tests/test_vllm_plugin.py``); :mod:`looplm.vllm.model` builds the vLLM modules from it.
+
+* :func:`plugin_spec` — a ``config.json`` (looplm's Hugging Face export, or an Ouro / Huginn directory in its
+  original format) -> :class:`PluginSpec`: the looplm :class:`~looplm.config.ModelConfig`, the loop count
+  ``r`` served, the recurrence rule's inference options, and the attention slots vLLM pages a KV cache
+  for, in the order they run;
+* :func:`refusal` — why a design cannot be served (``None`` when it can); :func:`plugin_spec` raises it as
+  :class:`UnsupportedDesign` before any weight is read;
+* :func:`vllm_param_name` — a looplm parameter name -> the plugin's parameter and its fused shard.
+
+Attention slots (the KV caches vLLM allocates, one per vLLM ``Attention`` layer)::
+
+    per-loop (default)  prelude l (p) | core (k, l) for k < r, l < s | coda l (c)      p + r·s + c slots
+    shared              prelude l (p) | core l, every loop writes and reads it | coda l     p + s + c slots
+
+``shared`` is looplm's ``kv_shared`` cache (:class:`looplm.cache.SharedKV`): each loop overwrites the
+token's entry, so an earlier token is seen at the last loop it ran. Choose it with the config field
+``looplm_kv_policy`` (``vllm serve DIR --hf-overrides '{"looplm_kv_policy": "shared"}'``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import ModelConfig
+
+__all__ = [
+    "ARCHITECTURES",
+    "KV_POLICIES",
+    "AttentionSlot",
+    "PluginSpec",
+    "UnsupportedDesign",
+    "design_name",
+    "plugin_spec",
+    "refusal",
+    "vllm_param_name",
+]
+
+# architecture name in config.json -> the plugin's module:class (vLLM's lazy registration form)
+ARCHITECTURES = {
+    "LoopLMForCausalLM": "looplm.vllm.model:LoopLMForCausalLM",
+    "OuroForCausalLM": "looplm.vllm.model:OuroForCausalLM",
+    "RavenForCausalLM": "looplm.vllm.model:RavenForCausalLM",
+}
+KV_POLICIES = ("per-loop", "shared")
+EXPORT_PREFIX = "looplm."  # looplm.hf.export.PREFIX (not imported: that module imports torch only, but keep this leaf)
+
+# fused vLLM projections: looplm's separate Linear -> (vLLM parameter, shard id)
+_FUSED = {
+    ".mixer.q_proj.": (".mixer.qkv_proj.", "q"),
+    ".mixer.k_proj.": (".mixer.qkv_proj.", "k"),
+    ".mixer.v_proj.": (".mixer.qkv_proj.", "v"),
+    ".mlp.gate_proj.": (".mlp.gate_up_proj.", 0),
+    ".mlp.up_proj.": (".mlp.gate_up_proj.", 1),
+}
+_BLOCK_PARTS = ("prelude.blocks.", "core.stack.blocks.", "coda.blocks.")
+
+
+class UnsupportedDesign(ValueError):
+    """A design the plugin cannot serve exactly; raised when the model loads, naming design and reason."""
+
+    def __init__(self, design: str, reason: str, where: str = "config.json"):
+        self.design, self.reason = design, reason
+        super().__init__(
+            f"{where}: looplm's vLLM plugin cannot serve {design}: {reason}. It is refused rather than served "
+            "differently from looplm; serve it with `looplm serve` instead (docs/vllm.md lists what vLLM runs)"
+        )
+
+
+@dataclass(frozen=True)
+class AttentionSlot:
+    """One vLLM ``Attention`` layer (one paged KV cache): ``index`` is its place in the run order (the one
+    integer in its vLLM layer name), ``part`` ``prelude`` / ``core`` / ``coda``, ``layer`` the physical block
+    (0-based over ``p + s + c``), ``loop`` the core iteration ``k`` (``None`` outside the core, and for every
+    core slot under the ``shared`` policy)."""
+
+    index: int
+    part: str
+    layer: int
+    loop: int | None
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """What the vLLM model is built from (see the module docstring)."""
+
+    config: ModelConfig
+    num_loops: int  # r, every request runs r loops
+    kv_policy: str  # "per-loop" | "shared"
+    loop_options: dict[str, Any] = field(default_factory=dict)  # the rule's inference options (exit_threshold)
+    architecture: str = "LoopLMForCausalLM"
+
+    @property
+    def slots(self) -> tuple[AttentionSlot, ...]:
+        """Every attention slot, in the order the forward runs them."""
+        c, out = self.config, []
+        for i in range(c.n_prelude):
+            out.append(AttentionSlot(len(out), "prelude", i, None))
+        loops = range(self.num_loops) if self.kv_policy == "per-loop" else [None]
+        for k in loops:
+            for i in range(c.n_core):
+                out.append(AttentionSlot(len(out), "core", c.n_prelude + i, k))
+        for i in range(c.n_coda):
+            out.append(AttentionSlot(len(out), "coda", c.n_prelude + c.n_core + i, None))
+        return tuple(out)
+
+    def slot_index(self, part: str, layer: int, loop: int | None = None) -> int:
+        """The slot a block of ``part`` at physical ``layer`` attends with at core iteration ``loop``."""
+        c = self.config
+        if part == "prelude":
+            return layer
+        if part == "core":
+            i = layer - c.n_prelude
+            return c.n_prelude + (i if self.kv_policy == "shared" else loop * c.n_core + i)
+        n_core_slots = c.n_core * (1 if self.kv_policy == "shared" else self.num_loops)
+        return c.n_prelude + n_core_slots + (layer - c.n_prelude - c.n_core)
+
+
+def design_name(cfg: ModelConfig) -> str:
+    """``rule 'vanilla' (p, s, K, c) = (0, 2, 3, 0)`` with the rule's options and mixers, for messages."""
+    opts = ", ".join(f"{k}={v!r}" for k, v in sorted(cfg.rule.options.items()))
+    rule = f"rule {cfg.rule.name!r}" + (f" ({opts})" if opts else "")
+    mixers = sorted({cfg.mixer_of(i) for i in range(cfg.n_physical)})
+    return (f"{cfg.name!r}: {rule}, (p, s, K, c) = ({cfg.n_prelude}, {cfg.n_core}, {cfg.n_loops}, {cfg.n_coda}), "
+            f"mixers {'/'.join(mixers)}")  # fmt: skip
+
+
+def refusal(cfg: ModelConfig, num_loops: int | None = None) -> str | None:
+    """Why the plugin cannot serve ``cfg`` exactly, or ``None``.
+
+    Served: attention blocks at any ``(p, s, K, c)``, every norm placement, GQA, QK-norm, biases, partial
+    RoPE and Llama-3 scaling, and the rules that act on each token's own state (their arithmetic is looplm's
+    rule module itself): ``vanilla``, ``injection`` (seeded states), ``history``, ``timestep``, ``stateloop`` /
+    ``stateloop-state-only`` with the identity mixer, ``hyperloop``, ``mesh``, ``parcae``, ``ponderlm`` without
+    a coda, ``exit_gate`` (every loop runs; the gate selects each token's output)."""
+    non_attn = [i for i in range(cfg.n_physical) if cfg.mixer_of(i) != "attention"]
+    if non_attn:
+        kind = "hybrid Mamba-2/attention" if cfg.uses_attention else "Mamba-2"
+        return (f"{kind} stack (Mamba-2 blocks at physical layers {non_attn}): a looped Mamba-2 block needs one SSM "
+                "state per (loop, layer) in vLLM's Mamba state cache, which the plugin does not build yet")
+    if cfg.pause is not None:
+        return ("pause tokens: looplm inserts pauses after every input token inside the model, which changes the "
+                "sequence vLLM schedules and caches")
+    if cfg.attention.sliding_window is not None:
+        return ("sliding-window attention layers: vLLM's window is not yet checked against looplm's band "
+                f"(window {cfg.attention.sliding_window})")
+    name, o = cfg.rule.name, cfg.rule.options
+    if name in ("stateloop", "stateloop-state-only") and o.get("mixer", "identity") != "identity":
+        return (f"StateLoop's {o['mixer']!r} state mixer mixes tokens with a module of its own, shared across loops "
+                "with one decoding slot per iteration; the plugin has no vLLM layers for it yet (the identity mixer "
+                "is served)")
+    if name == "injection" and o.get("init_state") == "normal" and o.get("init_seed", 0) is None:
+        return ("the initial state is drawn afresh each forward (init_seed null): a request would get different "
+                "random states at prefill and at every decoding step; seed it (init_seed: 0) to serve it")
+    if name == "ponderlm" and cfg.n_coda > 0:
+        return ("PonderLM reads out every iteration through the coda, whose attention would need a KV cache per "
+                f"(iteration, coda layer); served without a coda only (this model has c = {cfg.n_coda})")
+    known = {"vanilla", "injection", "history", "timestep", "stateloop", "stateloop-state-only", "hyperloop", "mesh",
+             "parcae", "ponderlm", "exit_gate"}  # fmt: skip
+    if name not in known:
+        return (f"the recurrence rule {name!r} is not known to the plugin; a rule is served only once it is checked "
+                "to act on each token's own state (no token mixing of its own)")
+    return None
+
+
+def _as_dict(hf_config: Any) -> dict:
+    if isinstance(hf_config, Mapping):
+        return dict(hf_config)
+    if hasattr(hf_config, "to_dict"):
+        return hf_config.to_dict()
+    raise TypeError(f"hf_config must be a config.json dict or a transformers config, got {type(hf_config).__name__}")
+
+
+def _positive_int(v, what: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{what} must be a positive int, got {v!r}")
+    return v
+
+
+def plugin_spec(hf_config: Any, *, kv_policy: str | None = None, where: str = "config.json") -> PluginSpec:
+    """The :class:`PluginSpec` of a model directory's config (a ``config.json`` dict or its transformers
+    config). ``kv_policy`` overrides the config's ``looplm_kv_policy`` (default ``per-loop``).
+
+    Raises :class:`UnsupportedDesign` for a design :func:`refusal` refuses, ``ValueError`` for a config
+    that is not one of :data:`ARCHITECTURES` or is malformed."""
+    c = _as_dict(hf_config)
+    arch = (c.get("architectures") or [None])[0]
+    mt = c.get("model_type")
+    if arch == "LoopLMForCausalLM" or (arch is None and mt == "looplm"):
+        raw = c.get("looplm")
+        if not isinstance(raw, Mapping) or not raw:
+            raise ValueError(f"{where}: a LoopLMForCausalLM config needs the looplm ModelConfig under 'looplm' "
+                             "(written by `looplm export hf`); re-export the checkpoint")
+        cfg = ModelConfig.from_dict(dict(raw))
+        r = c.get("num_loops")
+        r = cfg.n_loops if r is None else _positive_int(r, f"{where}: num_loops")
+        opts = dict(c.get("loop_options") or {})
+        if c.get("exit_threshold") is not None:
+            opts.setdefault("exit_threshold", float(c["exit_threshold"]))
+        arch = "LoopLMForCausalLM"
+    elif arch in ("OuroForCausalLM", "RavenForCausalLM") or mt in ("ouro", "huginn_raven"):
+        from ..hf.public import detect, public_config
+
+        if detect(c) is None:
+            raise ValueError(f"{where}: architecture {arch!r} with model_type {mt!r}; Ouro's is 'ouro', Huginn's "
+                             "'huginn_raven'")
+        cfg = public_config(c, where)
+        r = cfg.n_loops  # total_ut_steps / mean_recurrence: what looplm's import runs by default
+        opts = {}
+        arch = "OuroForCausalLM" if mt == "ouro" else "RavenForCausalLM"
+    else:
+        raise ValueError(f"{where}: architecture {arch!r} (model_type {mt!r}) is not one the looplm plugin serves; "
+                         f"it serves {sorted(ARCHITECTURES)}")
+    policy = kv_policy if kv_policy is not None else c.get("looplm_kv_policy", "per-loop")
+    if policy not in KV_POLICIES:
+        raise ValueError(f"looplm_kv_policy must be one of {list(KV_POLICIES)}, got {policy!r} "
+                         "(set it with --hf-overrides '{\"looplm_kv_policy\": \"shared\"}')")
+    why = refusal(cfg, r)
+    if why is not None:
+        raise UnsupportedDesign(design_name(cfg), why, where)
+    if opts:
+        from ..recurrence import RULES
+
+        unknown = [k for k in opts if k not in RULES[cfg.rule.name].loop_options]
+        if unknown:
+            raise ValueError(f"{where}: loop_options {unknown} are not read by the rule {cfg.rule.name!r} "
+                             f"(it reads {list(RULES[cfg.rule.name].loop_options)})")
+    return PluginSpec(cfg, r, policy, opts, arch)
+
+
+def vllm_param_name(name: str) -> tuple[str, str | int | None]:
+    """A looplm parameter name (``core.stack.blocks.0.mixer.q_proj.weight``; the export's ``looplm.`` prefix
+    accepted) -> the plugin's parameter name and the shard id of a fused vLLM projection (``None``: a plain
+    copy). ``q/k/v_proj`` -> ``qkv_proj`` shards ``q`` / ``k`` / ``v``; ``gate/up_proj`` -> ``gate_up_proj`` 0 / 1."""
+    name = name.removeprefix(EXPORT_PREFIX)
+    if name.startswith(_BLOCK_PARTS):
+        for ours, (theirs, shard) in _FUSED.items():
+            if ours in name:
+                return name.replace(ours, theirs, 1), shard
+    return name, None

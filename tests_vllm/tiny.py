@@ -1,0 +1,63 @@
+"""Tiny random looplm models for the vLLM plugin's tests, exported as vLLM serves them.
+
+Each variant is a shipped tiny preset (or one with another recurrence rule / norm placement) at head dim 32:
+vLLM's CPU attention runs head sizes 32, 64, 80, ... (not the presets' 16). Every parameter is perturbed
+away from its initialisation (the rules' gates and adapters start as the identity: a test of them at their
+init would not see their arithmetic), a little more strongly in the head, so that greedy choices are not
+near-ties between 260 almost equal logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import looplm
+from looplm.hf.export import export_hf
+from looplm.hf.public import export_original
+
+HD32 = {"attention.head_dim": 32}
+VARIANTS: dict[str, tuple[str, dict]] = {
+    # the attention presets
+    "tiny-llama": ("tiny-llama", HD32),
+    "tiny-qwen3": ("tiny-qwen3", HD32),  # QK-norm, tied head
+    "tiny-coreloop": ("tiny-coreloop", HD32),  # (1, 2, 3, 1), Llama-3 RoPE scaling, 1 KV head
+    "tiny-stateloop": ("tiny-stateloop", HD32),  # StateLoop rule (identity mixer), embed scale
+    # other rules and block forms on tiny-llama
+    "injection-dense": ("tiny-llama", {**HD32, "rule": {"name": "injection", "options": {"form": "dense"}}}),
+    "timestep-adaln": ("tiny-llama", {**HD32, "rule": {"name": "timestep", "options": {"gating": "adaln"}}}),
+    "hyperloop": ("tiny-llama", {**HD32, "rule": {"name": "hyperloop", "options": {"n_streams": 2}}}),
+    "exit-gate-sandwich": ("tiny-llama", {**HD32, "norm_placement": "sandwich",
+                                          "rule": {"name": "exit_gate", "options": {"inter_norm": True, "gate_norm": True,
+                                                                                     "threshold": 0.5}}}),
+}
+
+
+def build_tiny(name: str, seed: int = 0) -> looplm.LoopedLM:
+    preset, overrides = VARIANTS[name]
+    torch.manual_seed(seed)
+    cfg = looplm.load_model_config(preset).to_dict()
+    for k, v in overrides.items():
+        if "." in k:
+            a, b = k.split(".")
+            cfg[a] = {**cfg[a], b: v}
+        else:
+            cfg[k] = v
+    model = looplm.build(looplm.ModelConfig.from_dict(cfg)).float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            scale = 0.3 if pname in ("lm_head.weight", "embed.weight") else 0.05
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def write_tiny(name: str, out: Path, seed: int = 0, fmt: str = "looplm") -> tuple[looplm.LoopedLM, Path]:
+    """Build variant ``name`` and write it to ``out`` (``fmt``: looplm's export, or ``original`` for Ouro / Huginn)."""
+    model = build_tiny(name, seed)
+    if fmt == "original":
+        export_original(model, out, tokenizer="byte")
+    else:
+        export_hf(model, out, tokenizer="byte", overwrite=True)
+    return model, out
