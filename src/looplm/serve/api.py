@@ -6,9 +6,16 @@ user's guide; this docstring is the map of the code.
 
 A request goes through four steps:
 
-1. **parse** (:mod:`.protocol`): the JSON body against the request model; unknown fields, bad types, bad
-   values and fields the server does not implement are collected, with the engine's own checks
-   (:meth:`Engine.check`: context length, the ``looplm`` extension), into one 400 naming every field;
+1. **refuse what costs nothing to refuse**, before any parsing: no API key (401), a body that is not
+   ``application/json`` (415: a web page cannot POST JSON to the local server without a CORS preflight), a body
+   over ``max_body_bytes`` (413, read no further);
+   **parse** (:mod:`.protocol`): the JSON body against the request model; unknown fields, bad types, bad
+   values and fields the server does not implement are collected into one 400 naming every field, and nothing
+   is built from a refused request. Then, still before any tokenizing or copying, the sizes: ``n`` × prompts
+   beyond what the engine can ever hold at once (``max_batch + max_waiting``), a prompt of more characters (or
+   token ids) than the context can hold, more messages than that (400). Then, off the event loop (a thread),
+   the chat template, the tokenizer and the engine's own checks (:meth:`Engine.check`: context length, the
+   ``looplm`` extension);
 2. **submit**: one engine request per choice (``n`` per prompt; with a ``seed``, sample ``i`` uses
    ``seed + i``); the engine calls back from its thread and :class:`_Channel` hands each event to the event
    loop (``loop.call_soon_threadsafe``);
@@ -47,7 +54,10 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..data.tokenizers import ByteTokenizer
 
 from .detokenizer import IncrementalText, detokenize_prompt
 from .engine import EngineClosed, FinishEvent, PromptEvent, QueueFull, RequestError, SamplingParams, TokenEvent
@@ -76,9 +86,12 @@ from .protocol import (
     parse_request,
 )
 
-__all__ = ["APIError", "IncrementalText", "Server", "build_app", "run_server"]
+__all__ = ["APIError", "DEFAULT_MAX_BODY_BYTES", "IncrementalText", "Server", "build_app", "run_server"]
 
 log = logging.getLogger("looplm.serve")
+
+DEFAULT_MAX_BODY_BYTES = 8 * 2**20  # a request body's bound (``--max-body-mib``, docs/serving.md)
+_CHARS_MARGIN = 4  # a text prompt may have this many times the characters its context's tokens can decode to
 
 _POLL_S = 0.25  # how often a request waiting for tokens checks its client and its deadline
 
@@ -103,7 +116,15 @@ class APIError(Exception):
         return error_body(self.message, self.type, self.param, self.code, self.fields)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+        return _ErrorResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+class _ErrorResponse(JSONResponse):
+    """An error body in ASCII JSON: a value quoted from the request (a lone surrogate, a control character) is
+    escaped, so the answer can always be encoded (starlette's JSONResponse encodes ``ensure_ascii=False``)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def _is_context_error(f: FieldError) -> bool:
@@ -218,21 +239,20 @@ class _Run:
         self.channel = _Channel(asyncio.get_running_loop())
 
     def submit(self) -> None:
+        """Every choice into the engine at once, or none (:meth:`Engine.submit_group`): a refusal queues nothing."""
         eng = self.state.engine
         try:
-            for c in self.choices:
-                c.handle = eng.submit(c.prompt_ids, c.params, self.channel.callback(c.index))
+            handles = eng.submit_group([(c.prompt_ids, c.params, self.channel.callback(c.index)) for c in self.choices])
         except QueueFull:
-            self.abort()
             raise APIError(429, f"the engine's queue is full ({self.state.engine_config_text('max_waiting')} requests "
                                 "waiting): try again shortly", "rate_limit_error", code="queue_full",
-                           headers={"Retry-After": "1"})  # fmt: skip
+                           headers={"Retry-After": "1"}) from None  # fmt: skip
         except EngineClosed:
-            self.abort()
             raise _closed_error() from None
         except RequestError as e:
-            self.abort()
             raise APIError.bad_fields(e.errors) from None
+        for c, h in zip(self.choices, handles):
+            c.handle = h
 
     def abort(self, reason: str = "abort") -> None:
         for c in self.choices:
@@ -249,9 +269,7 @@ class _Run:
             if now >= self.deadline:
                 self.abort()
                 self.state.metrics.requests.labels(self.state.endpoint_of(self.request), "timeout").inc()
-                raise APIError(504, f"the request did not finish within the server's request timeout "
-                                    f"({self.state.request_timeout_s:g} s): it was aborted; ask for fewer tokens",
-                               "timeout_error", code="request_timeout")  # fmt: skip
+                raise self._timeout_error()
             if now - last_check >= _POLL_S:
                 last_check = now
                 if await self.request.is_disconnected():
@@ -267,6 +285,18 @@ class _Run:
             if c.done:
                 pending -= 1
             yield c
+
+    def _timeout_error(self) -> APIError:
+        """The 504: a request that never got a token waited (in the queue, or behind other prompts' prefill), so
+        fewer tokens would not have helped it; one that was generating ran out of time."""
+        t = f"{self.state.request_timeout_s:g} s"
+        if not any(c.n_generated or c.prompt_event is not None for c in self.choices):
+            msg = (f"the request waited for the engine past the server's request timeout ({t}) without starting: it "
+                   "was aborted; the server is busy: retry later, or send fewer requests at once")  # fmt: skip
+        else:
+            msg = (f"the request did not finish within the server's request timeout ({t}): it was aborted; ask for "
+                   "fewer tokens (max_tokens), or retry when the server is less busy")  # fmt: skip
+        return APIError(504, msg, "timeout_error", code="request_timeout")
 
     def _apply(self, c: _Choice, ev) -> None:
         m = self.state.metrics
@@ -312,13 +342,18 @@ class _Run:
 
 # ------------------------------------------------------------------------------------------------ the app state
 class _ServerState:
-    def __init__(self, engine, tokenizer, model_name: str, api_key: str | None, request_timeout_s: float):
+    def __init__(self, engine, tokenizer, model_name: str, api_key: str | None, request_timeout_s: float,
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
         if not model_name:
             raise ValueError(f"model_name must be a non-empty string (the id of /v1/models), got {model_name!r}")
         if not (isinstance(request_timeout_s, (int, float)) and request_timeout_s > 0):
             raise ValueError(f"request_timeout_s must be a number > 0 (seconds), got {request_timeout_s!r}")
+        if isinstance(max_body_bytes, bool) or not isinstance(max_body_bytes, int) or max_body_bytes < 1024:
+            raise ValueError(f"max_body_bytes must be an int >= 1024 (a request body's bound), got {max_body_bytes!r}")
         self.engine, self.tokenizer, self.model_name = engine, tokenizer, model_name
         self.api_key, self.request_timeout_s = api_key or None, float(request_timeout_s)
+        self.max_body_bytes = max_body_bytes
+        self._max_token_chars: int | None = None
         self.metrics = ServerMetrics(engine, model_name)
         self.draining = False
         self.created = int(time.time())
@@ -328,6 +363,28 @@ class _ServerState:
     def engine_config_text(self, name: str) -> str:
         cfg = getattr(self.engine, "config", None)
         return str(getattr(cfg, name, "?"))
+
+    def capacity(self) -> int | None:
+        """The most engine requests (samples) the engine can ever hold at once: its rows and its queue (None: an
+        engine without an :class:`EngineConfig`)."""
+        cfg = getattr(self.engine, "config", None)
+        b, w = getattr(cfg, "max_batch", None), getattr(cfg, "max_waiting", None)
+        return b + w if isinstance(b, int) and isinstance(w, int) else None
+
+    def context_tokens(self) -> int | None:
+        n = getattr(self.engine, "max_model_len", None)
+        return n if isinstance(n, int) and n > 0 else None
+
+    def max_prompt_chars(self) -> int | None:
+        """The most characters a text prompt (or the messages' text) may have: a longer one cannot fit the context
+        with this tokenizer (its longest token decodes to this many characters; times a margin for normalizers
+        that shrink a text). None: no context known."""
+        ctx = self.context_tokens()
+        if ctx is None:
+            return None
+        if self._max_token_chars is None:
+            self._max_token_chars = _max_token_chars(self.tokenizer)
+        return ctx * self._max_token_chars * _CHARS_MARGIN
 
     @staticmethod
     def endpoint_of(request: Request) -> str:
@@ -345,15 +402,17 @@ class _ServerState:
 
 
 # ------------------------------------------------------------------------------------------------ the app
-def build_app(engine, tokenizer, model_name: str, api_key: str | None = None, request_timeout_s: float = 600.0) -> FastAPI:
+def build_app(engine, tokenizer, model_name: str, api_key: str | None = None, request_timeout_s: float = 600.0,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
     """The OpenAI-compatible app over a started (or not yet started: the app's startup starts it) ``engine``.
 
     ``tokenizer``: looplm's (``encode`` / ``decode`` / ``eos_id``; an :class:`HFTokenizer` of kind
     ``transformers`` with a ``chat_template`` for the chat endpoint). ``model_name``: the id ``/v1/models``
     lists and requests must name. ``api_key``: when set, ``/v1/*`` wants ``Authorization: Bearer KEY``
     (``/health`` and ``/metrics`` stay open). ``request_timeout_s``: a request still running after it is
-    aborted and answered with an error. The engine is shut down with the app (at the latest)."""
-    state = _ServerState(engine, tokenizer, model_name, api_key, request_timeout_s)
+    aborted and answered with an error. ``max_body_bytes``: a larger request body is a 413, read no further. The
+    engine is shut down with the app (at the latest)."""
+    state = _ServerState(engine, tokenizer, model_name, api_key, request_timeout_s, max_body_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -374,11 +433,11 @@ def build_app(engine, tokenizer, model_name: str, api_key: str | None = None, re
     async def _http_error(request: Request, exc: StarletteHTTPException):
         kind = "not_found" if exc.status_code == 404 else "invalid_request_error"
         msg = f"no route {request.method} {request.url.path}" if exc.status_code == 404 else str(exc.detail)
-        return JSONResponse(error_body(msg, kind, code=exc.status_code), status_code=exc.status_code)
+        return _ErrorResponse(error_body(msg, kind, code=exc.status_code), status_code=exc.status_code)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError):
-        return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
+        return _ErrorResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
 
     def guard(request: Request) -> None:
         """401 without the API key, 503 while shutting down."""
@@ -445,16 +504,22 @@ async def _endpoint(state: _ServerState, request: Request, kind: str):
     t0 = time.monotonic()
     try:
         request.app.state.guard(request)
-        req, errors = parse_request(await request.body(), ChatRequest if kind == "chat" else CompletionRequest)
-        if req is not None and req.model is not None and req.model != state.model_name:
-            raise _unknown_model(req.model, state)
-        if req is None:
+        _require_json(request)
+        body = await _read_body(request, state.max_body_bytes)
+        req, errors = parse_request(body, ChatRequest if kind == "chat" else CompletionRequest)
+        del body
+        if errors:
             raise APIError.bad_fields(errors)
-        choices, echo = _choices(state, req, kind, errors)
+        if req.model is not None and req.model != state.model_name:
+            raise _unknown_model(req.model, state)
+        _check_sizes(state, req, kind)
+        # the chat template and the tokenizer take time on a long prompt: off the event loop
+        choices, echo = await run_in_threadpool(_choices, state, req, kind)
         run = _Run(state, request, choices, t0)
         run.submit()
     except APIError as e:
-        outcome = {400: "bad_request", 401: "unauthorized", 404: "bad_request", 429: "rejected", 503: "rejected"}
+        outcome = {400: "bad_request", 401: "unauthorized", 404: "bad_request", 413: "bad_request", 415: "bad_request",
+                   429: "rejected", 503: "rejected"}  # fmt: skip
         state.metrics.requests.labels(kind, outcome.get(e.status, "error")).inc()
         return e.response()
     if req.stream:
@@ -480,12 +545,94 @@ async def _endpoint(state: _ServerState, request: Request, kind: str):
     return JSONResponse(body)
 
 
+# ------------------------------------------------------------------------------------------------ before parsing
+def _require_json(request: Request) -> None:
+    """415 unless the body is declared ``application/json`` (as vLLM: a cross-site form or ``text/plain`` POST,
+    which a browser sends without a preflight, never reaches the model)."""
+    ctype = request.headers.get("content-type", "")
+    if ctype.split(";", 1)[0].strip().lower() != "application/json":
+        raise APIError(415, f"the body must be JSON with the header 'Content-Type: application/json', got "
+                            f"{ctype[:60] or 'no Content-Type'!r} (curl: add -H 'Content-Type: application/json')",
+                       param="Content-Type", code="unsupported_media_type")  # fmt: skip
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, or a 413 as soon as it passes ``limit`` bytes (by its Content-Length, or while it streams in).
+    By hand: neither starlette nor uvicorn bounds a request body."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(int(declared), limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(size, limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"the request body is {'over ' if size > limit else ''}{size} bytes, more than this server's "
+                         f"bound of {limit} bytes (--max-body-mib): send a shorter prompt or fewer prompts per request",
+                    param="body", code="request_too_large")  # fmt: skip
+
+
+def _max_token_chars(tok) -> int:
+    """The most characters one token of ``tok`` decodes to: 1 for bytes; else the longest entry of its vocabulary
+    (a byte-level or SentencePiece entry has at least as many characters as its text); 64 if it has none."""
+    if isinstance(tok, ByteTokenizer):
+        return 1
+    vocab = getattr(tok, "_vocab", None)
+    try:
+        return max(1, max(len(k) for k in vocab()))
+    except Exception:  # no vocabulary to read: a bound generous for any real tokenizer
+        return 64
+
+
+def _check_sizes(state: _ServerState, req, kind: str) -> None:
+    """The 400s that need no tokenizing and no copy: ``n`` × prompts beyond what the engine can ever hold, a text
+    longer than the context can hold in characters, more token ids or more messages than the context's tokens."""
+    cap, ctx, max_chars = state.capacity(), state.context_tokens(), state.max_prompt_chars()
+    errors = []
+    if kind == "chat":
+        n_prompts = 1
+        chars = sum(len(m.text()) + len(m.name or "") for m in req.messages)
+        if ctx is not None and len(req.messages) > ctx:
+            errors.append(FieldError("messages", f"holds {len(req.messages)} messages, more than the model's context "
+                                                 f"of {ctx} tokens can hold: send fewer"))  # fmt: skip
+        elif max_chars is not None and chars > max_chars:
+            errors.append(FieldError("messages", f"hold {chars} characters, more than the model's context of {ctx} "
+                                                 f"tokens can hold with this tokenizer (at most {max_chars}): shorten them"))  # fmt: skip
+    else:
+        prompts = req.prompt_parts()
+        n_prompts = len(prompts)
+        for i, p in enumerate(prompts):
+            name = "prompt" if n_prompts == 1 else f"prompt[{i}]"
+            if isinstance(p, str) and max_chars is not None and len(p) > max_chars:
+                errors.append(FieldError(name, f"is {len(p)} characters, more than the model's context of {ctx} tokens "
+                                               f"can hold with this tokenizer (at most {max_chars}): shorten it"))  # fmt: skip
+            elif not isinstance(p, str) and ctx is not None and len(p) > ctx:
+                errors.append(FieldError(name, f"holds {len(p)} token ids, more than the model's context of {ctx} "
+                                               "tokens: shorten it"))  # fmt: skip
+    if cap is not None and n_prompts * req.n > cap:
+        if n_prompts > cap:
+            errors.append(FieldError("prompt", f"holds {n_prompts} prompts, more than this server can ever hold at once "
+                                               f"({cap} requests: --max-batch + --max-waiting): send at most {cap} per request"))  # fmt: skip
+        else:
+            errors.append(FieldError("n", f"asks for {req.n} samples of {n_prompts} prompt(s) = {n_prompts * req.n} "
+                                          f"engine requests, more than this server can ever hold at once ({cap}: "
+                                          f"--max-batch + --max-waiting): ask for n <= {cap // n_prompts}"))  # fmt: skip
+    if errors:
+        raise APIError.bad_fields(errors)
+
+
 # ------------------------------------------------------------------------------------------------ requests → engine
-def _choices(state: _ServerState, req, kind: str, errors: list[FieldError]) -> tuple[list[_Choice], list]:
-    """The engine requests of ``req`` (its prompts' ids, each ``n`` times) after every check; raises the 400
-    naming every bad field (``errors``: those found while parsing)."""
+def _choices(state: _ServerState, req, kind: str) -> tuple[list[_Choice], list]:
+    """The engine requests of ``req`` (its prompts' ids, each ``n`` times; ``req`` has passed every check of the
+    protocol and :func:`_check_sizes`) after the model's checks; raises the 400 naming every bad field. Runs in
+    a worker thread (the chat template and the tokenizer)."""
     tok, eng = state.tokenizer, state.engine
-    errors = list(errors)
+    errors: list[FieldError] = []
     echo: list = []
     if kind == "chat":
         ids = _chat_prompt(state, req, errors)
@@ -502,6 +649,7 @@ def _choices(state: _ServerState, req, kind: str, errors: list[FieldError]) -> t
     vocab = _vocab_size(state)
     temperature = 1.0 if req.temperature is None else float(req.temperature)
     top_k = None if req.top_k in (None, 0, -1) else req.top_k
+    stops = req.stop_strings()
     lo = req.looplm
     choices = []
     for pi, ids in enumerate(prompts):
@@ -524,11 +672,13 @@ def _choices(state: _ServerState, req, kind: str, errors: list[FieldError]) -> t
                 exit=lo.exit if lo else None, loops=lo.loops if lo else None, kv_policy=lo.kv_policy if lo else None,
                 speculative=lo.speculative if lo else None,
             )  # fmt: skip
-            if i == 0:  # the samples of a prompt differ only in their seed
-                for f in eng.check(ids, params):
-                    errors.append(FieldError(name, f.message) if f.field == "prompt" else f)
-            stops = req.stop_strings()
-            choices.append(_Choice(index=pi * req.n + i, prompt_index=pi, prompt_ids=list(ids), params=params,
+            if i == 0:  # the samples of a prompt differ only in their seed (checked whole by the protocol)
+                errs = [FieldError(name, f.message) if f.field == "prompt" else f for f in eng.check(ids, params)]
+                errors += errs
+                if errs:
+                    break  # (the other samples would say the same)
+            # the samples of a prompt share its ids (the engine copies what it keeps)
+            choices.append(_Choice(index=pi * req.n + i, prompt_index=pi, prompt_ids=ids, params=params,
                                    text=IncrementalText(tok, ids, stops)))  # fmt: skip
     if errors:
         raise APIError.bad_fields(list({(f.field, f.message): f for f in errors}.values()))

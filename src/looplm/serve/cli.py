@@ -77,8 +77,11 @@ def register(subparsers) -> None:
         s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
         s.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: a free one, printed at the start)")
         s.add_argument("--api-key", default=None, metavar="KEY",
-                       help="require 'Authorization: Bearer KEY' on /v1/* (default: the LOOPLM_API_KEY environment "
-                            "variable, else no key)")
+                       help="require 'Authorization: Bearer KEY' on /v1/*. A key on the command line shows in ps "
+                            "to every user of the machine: prefer the LOOPLM_API_KEY environment variable (the "
+                            "default; else no key)")  # fmt: skip
+        s.add_argument("--max-body-mib", type=_positive_float, default=8.0, metavar="MIB",
+                       help="the largest request body, in MiB (default 8): a larger one is a 413, read no further")
         s.add_argument("--served-model-name", default=None, metavar="NAME",
                        help="the model id clients name (default: the run directory's name or the preset)")
         s.add_argument("--grace-s", type=_non_negative_float, default=30.0,
@@ -93,7 +96,9 @@ def register(subparsers) -> None:
                                               "`looplm serve` (--url), or a model served in this process.")
         _add_model_args(p, required=False)
         p.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
-        p.add_argument("--api-key", default=None, help="the server's key (default: LOOPLM_API_KEY, else none)")
+        p.add_argument("--api-key", default=None,
+                       help="the server's key. On the command line it shows in ps to every user of the machine: "
+                            "prefer the LOOPLM_API_KEY environment variable (the default; else none)")  # fmt: skip
         p.add_argument("--max-tokens", type=int, default=256)
         p.add_argument("--temperature", type=float, default=0.7)
         p.add_argument("--system", default=None, help="a system message to start the conversation with")
@@ -185,7 +190,8 @@ def cmd_serve(args) -> int:
     model, tok, name = load_served_model(args)
     engine = _engine(model, tok, cfg).start()  # (its cache allocated and the budget sized before the port opens)
     api_key = args.api_key or os.environ.get("LOOPLM_API_KEY") or None
-    app = build_app(engine, tok, args.served_model_name or name, api_key=api_key, request_timeout_s=args.request_timeout_s)
+    app = build_app(engine, tok, args.served_model_name or name, api_key=api_key, request_timeout_s=args.request_timeout_s,
+                    max_body_bytes=max(1024, int(args.max_body_mib * 2**20)))  # fmt: skip
     print(f"looplm serve: {args.served_model_name or name}: {engine.describe()}{' (API key required)' if api_key else ''}",
           file=sys.stderr, flush=True)  # fmt: skip
     run_server(app, host=args.host, port=args.port, grace_s=args.grace_s, log_level=args.log_level)
@@ -248,21 +254,24 @@ def _chat_loop(client, model_id: str, args) -> None:
             continue
         try:
             if not completion:
-                history.append({"role": "user", "content": line})
-                stream = client.chat.completions.create(model=model_id, messages=history, stream=True,
-                                                        max_tokens=args.max_tokens, temperature=args.temperature)  # fmt: skip
-                reply = "".join(_print_stream(stream, lambda ch: ch.choices[0].delta.content if ch.choices else None))
-                history.append({"role": "assistant", "content": reply})
-            else:
-                stream = client.completions.create(model=model_id, prompt=line, stream=True, max_tokens=args.max_tokens,
-                                                   temperature=args.temperature)  # fmt: skip
-                _print_stream(stream, lambda ch: ch.choices[0].text if ch.choices else None)
-        except openai.BadRequestError as e:
-            if not completion and "chat template" in str(e):
-                print("the model has no chat template: switching to completion mode (plain continuation)", file=sys.stderr)
-                completion, history = True, []
-                continue
-            print(f"error: {e}", file=sys.stderr)
+                try:
+                    stream = client.chat.completions.create(model=model_id, messages=[*history, {"role": "user", "content": line}],
+                                                            stream=True, max_tokens=args.max_tokens,
+                                                            temperature=args.temperature)  # fmt: skip
+                except openai.BadRequestError as e:
+                    if "chat template" not in str(e):
+                        raise
+                    # this line is not lost: it is continued as plain text, and so are the next ones
+                    print(f"the model has no chat template: continuing {line[:40]!r} as plain text (completion mode)",
+                          file=sys.stderr)  # fmt: skip
+                    completion, history = True, []
+                else:
+                    reply = "".join(_print_stream(stream, lambda ch: ch.choices[0].delta.content if ch.choices else None))
+                    history += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
+                    continue
+            stream = client.completions.create(model=model_id, prompt=line, stream=True, max_tokens=args.max_tokens,
+                                               temperature=args.temperature)  # fmt: skip
+            _print_stream(stream, lambda ch: ch.choices[0].text if ch.choices else None)
         except openai.APIError as e:
             print(f"error: {e}", file=sys.stderr)
 

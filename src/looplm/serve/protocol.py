@@ -10,13 +10,14 @@ A request is parsed in two steps, and both collect every problem before answerin
    OpenAI fields the server declares but does not implement beyond their neutral value (``presence_penalty``
    other than 0, a ``logit_bias``, ``tools``, ...).
 
-The engine then checks what depends on the model (context length, the ``looplm`` extension fields:
-:meth:`looplm.serve.engine.Engine.check`). The server answers 400 with all of them at once, in OpenAI's error
-shape (:func:`error_body`) plus a ``fields`` list naming each.
+The server answers 400 with all of them at once, in OpenAI's error shape (:func:`error_body`) plus a ``fields``
+list naming each; only a request without any goes on to the checks that depend on the model (context length,
+vocabulary, the ``looplm`` extension fields: :meth:`looplm.serve.engine.Engine.check`), so a refused field is
+never used to build an engine request.
 
 The response models (:class:`Completion`, :class:`ChatCompletion`, their chunks, :class:`ModelList`) are OpenAI's
 shapes; the extensions are marked where they are declared. This module imports pydantic but neither FastAPI nor
-uvicorn.
+uvicorn, nor torch, nor the engine (``tests/test_serve_hardening.py`` holds it).
 """
 
 from __future__ import annotations
@@ -24,15 +25,24 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+import pydantic_core
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
-from .engine import MAX_LOGPROBS, FieldError
+from .fields import MAX_LOGPROBS, FieldError
 
 __all__ = ["ChatCompletion", "ChatCompletionChunk", "ChatMessage", "ChatRequest", "Completion", "CompletionRequest",
-           "LoopLMOptions", "ModelList", "StreamOptions", "Usage", "error_body", "field_error_message", "parse_request",
-           "pydantic_field_errors"]
+           "FieldError", "LoopLMOptions", "MAX_LOGPROBS", "MAX_N", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "ModelList",
+           "StreamOptions", "Usage", "error_body", "field_error_message", "parse_request", "pydantic_field_errors"]
 
 MAX_N = 64  # the most samples one request may ask for (each is an engine request)
+MAX_STOP_STRINGS = 16  # stop strings per request (OpenAI allows 4; lm-eval's `until` lists are a few short strings)
+MAX_STOP_CHARS = 256  # characters of one stop string
+_SEED_END = 2**63  # seeds are in [0, 2^63) (sample i of n draws from seed + i)
+
+
+def _null_is_default(cls, v, info: ValidationInfo):
+    """``null`` for a field OpenAI types as optional: its default (``"n": null`` is ``n = 1``)."""
+    return cls.model_fields[info.field_name].default if v is None else v
 
 
 class _Strict(BaseModel):
@@ -82,16 +92,22 @@ class _Common(_Strict):
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
 
+    nulls_are_defaults = field_validator("n", "stream", "ignore_eos", mode="before")(classmethod(_null_is_default))
+
     def _common_errors(self) -> list[FieldError]:
         errs = []
-        if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:
-            errs.append(FieldError("temperature", f"must be in [0, 2] (0 = greedy), got {self.temperature!r}"))
+        if self.temperature is not None and not 0.0 <= self.temperature <= 2.0:  # (NaN fails it too)
+            errs.append(FieldError("temperature", f"must be a number in [0, 2] (0 = greedy), got {self.temperature!r}"))
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            errs.append(FieldError("top_p", f"must be in (0, 1] (1 = off), got {self.top_p!r}"))
+            errs.append(FieldError("top_p", f"must be a number in (0, 1] (1 = off), got {self.top_p!r}"))
         if self.top_k is not None and self.top_k < -1:
-            errs.append(FieldError("top_k", f"must be >= 1, or 0 / -1 (off), got {self.top_k!r}"))
-        if not 1 <= self.n <= MAX_N:
+            errs.append(FieldError("top_k", f"must be an int >= 1, or 0 / -1 (off), got {self.top_k!r}"))
+        n_ok = 1 <= self.n <= MAX_N
+        if not n_ok:
             errs.append(FieldError("n", f"must be an int in [1, {MAX_N}] (independent samples), got {self.n!r}"))
+        if self.seed is not None and not (0 <= self.seed and self.seed + (self.n if n_ok else 1) <= _SEED_END):
+            errs.append(FieldError("seed", f"must be an int in [0, 2^63 - n] (sample i of n draws from seed + i), "
+                                           f"got {self.seed!r} with n = {self.n!r}"))  # fmt: skip
         errs += _stop_errors(self.stop)
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             errs.append(FieldError("stop_token_ids", f"token ids are >= 0, got {self.stop_token_ids!r}"))
@@ -116,11 +132,21 @@ class _Common(_Strict):
 
 
 def _stop_errors(stop) -> list[FieldError]:
-    if stop is None or (isinstance(stop, str) and stop):
+    """``stop``: None, a non-empty string or a list of at most :data:`MAX_STOP_STRINGS` of them, each at most
+    :data:`MAX_STOP_CHARS` characters (the bounds keep the stop search cheap)."""
+    if stop is None:
         return []
-    if isinstance(stop, list) and all(isinstance(s, str) and s for s in stop):
-        return []
-    return [FieldError("stop", f"must be a non-empty string or a list of non-empty strings, got {stop!r}")]
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        return [FieldError("stop", f"must be a non-empty string or a list of non-empty strings, got {_short(stop)}")]
+    if len(stops) > MAX_STOP_STRINGS:
+        return [FieldError("stop", f"holds {len(stops)} stop strings, more than this server's bound of "
+                                   f"{MAX_STOP_STRINGS}: send at most {MAX_STOP_STRINGS}")]  # fmt: skip
+    longest = max(len(s) for s in stops) if stops else 0
+    if longest > MAX_STOP_CHARS:
+        return [FieldError("stop", f"holds a stop string of {longest} characters, more than this server's bound of "
+                                   f"{MAX_STOP_CHARS}: shorten it")]  # fmt: skip
+    return []
 
 
 class CompletionRequest(_Common):
@@ -138,6 +164,8 @@ class CompletionRequest(_Common):
     best_of: int | None = None
     suffix: str | None = None
 
+    nulls_are_defaults_completions = field_validator("echo", mode="before")(classmethod(_null_is_default))
+
     def field_errors(self) -> list[FieldError]:
         errs = _prompt_errors(self.prompt) + self._common_errors()
         if self.max_tokens is not None and self.max_tokens < 0:
@@ -149,6 +177,11 @@ class CompletionRequest(_Common):
         if self.suffix:
             errs.append(FieldError("suffix", "is not supported by looplm serve (no insertion): remove it"))
         return errs
+
+    def prompt_parts(self) -> list:
+        """The prompts as sent, without a copy: each a string or a list of token ids (``prompt`` checked)."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or _is_token_ids(p) else p
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a string or a list of token ids (``prompt`` checked by :meth:`field_errors`)."""
@@ -186,7 +219,15 @@ def _prompt_errors(prompt) -> list[FieldError]:
 
 
 def _short(v, n: int = 60) -> str:
-    s = json.dumps(v) if not isinstance(v, str) else repr(v)
+    """``v`` for an error message: JSON, ASCII only (a lone surrogate or a control character is escaped, so the
+    message can always be sent), at most ``n`` characters."""
+    if isinstance(v, (bytes, bytearray)):
+        s = f"{len(v)} bytes"
+    else:
+        try:
+            s = json.dumps(v, ensure_ascii=True, default=lambda o: type(o).__name__)
+        except (RecursionError, ValueError):  # nested too deeply / a circular structure
+            s = f"a {type(v).__name__} nested too deeply to show"
     return s if len(s) <= n else s[: n - 3] + "..."
 
 
@@ -231,6 +272,8 @@ class ChatRequest(_Common):
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True  # extension (vLLM): end the prompt with the assistant's turn header
+
+    nulls_are_defaults_chat = field_validator("logprobs", "add_generation_prompt", mode="before")(classmethod(_null_is_default))
 
     def field_errors(self) -> list[FieldError]:
         errs = self._common_errors()
@@ -305,26 +348,36 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-
 
 
 def parse_request(body: bytes, model: type[_Common]) -> tuple[_Common | None, list[FieldError]]:
-    """The request in ``body`` (JSON) and every error found in it (then the request is None, or its value
-    errors come with it: both kinds are reported together)."""
+    """The request in ``body`` (UTF-8 JSON; a leading BOM is ignored) and every error found in it: the request
+    only when there is none (a refused field is never used)."""
     try:
-        data = json.loads(body or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return None, [FieldError("body", f"is not valid JSON ({e})")]
+        text = bytes(body).decode("utf-8")  # RFC 8259: JSON between systems is UTF-8
+    except UnicodeDecodeError as e:
+        return None, [FieldError("body", f"is not UTF-8 (byte {e.start}: {e.reason}): send the JSON encoded as UTF-8")]
+    if text.startswith("\ufeff"):
+        text = text[1:]
+    try:
+        # pydantic's JSON parser: it refuses a lone surrogate (``"\ud800"``: no tokenizer can encode it) and
+        # nesting deeper than its recursion limit (json.loads raises RecursionError there)
+        data = pydantic_core.from_json(text or "null")
+    except ValueError as e:
+        hint = " (a \\uD800-\\uDFFF escape must be half of a surrogate pair)" if "hex escape" in str(e) else ""
+        return None, [FieldError("body", f"is not valid JSON ({e}){hint}: send one JSON object")]
     if not isinstance(data, dict):
         return None, [FieldError("body", f"must be a JSON object, got {_short(data)}")]
     try:
-        req = model.model_validate_json(body)
+        req = model.model_validate(data)
     except ValidationError as e:
         errs = pydantic_field_errors(e)
         # the value checks of the fields that did parse, so that one answer names every bad field
         bad = {loc[0] for loc in (err["loc"] for err in e.errors(include_url=False)) if loc}
         try:
-            rest = model.model_validate_json(json.dumps({k: v for k, v in data.items() if k not in bad}))
+            rest = model.model_validate({k: v for k, v in data.items() if k not in bad})
         except ValidationError:
             return None, errs
         return None, errs + [f for f in rest.field_errors() if f.field.split(".")[0].split("[")[0] not in bad]
-    return req, req.field_errors()
+    errs = req.field_errors()
+    return (None, errs) if errs else (req, [])
 
 
 def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
