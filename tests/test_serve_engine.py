@@ -298,7 +298,7 @@ def test_preemption_under_a_tiny_budget_keeps_every_output_exact(engine_of, exit
                     prefill=prefill, kv_budget=budget)
     assert eng.stats()["kv_budget_tokens"] == budget and eng.stats()["kv_slots"] == K
     held = []
-    cs = [Collect(then=lambda c: held.append(eng._used())) for _ in prompts]
+    cs = [Collect(then=lambda c: held.append(eng.scheduler.kv_tokens_used())) for _ in prompts]
     for i, (p, c) in enumerate(zip(prompts, cs)):
         eng.submit(p, sp if i == 1 else SamplingParams(max_tokens=N, temperature=0), c)
     for c in cs:
@@ -342,7 +342,7 @@ def test_the_budget_refuses_what_it_cannot_hold_and_reads_memory_sizes(engine_of
     assert big.stats()["kv_budget_tokens"] == big.stats()["kv_tokens_capacity"]
     hyb = _model("tiny-hybrid")  # Mamba-2 layers: their states come off a memory budget first
     h = engine_of(hyb, max_batch=2)
-    ssm = h._ssm_bytes
+    ssm = h.runner.ssm_bytes
     assert ssm > 0
     hb = engine_of(hyb, max_batch=2, kv_budget=f"{ssm + 8192}B")
     assert hb.stats()["kv_budget_tokens"] == int(8192 // (h.stats()["kv_bytes_capacity"] / h.stats()["kv_tokens_capacity"]))
@@ -425,6 +425,76 @@ def test_the_bounded_queue_refuses_with_queue_full(engine_of):
     assert first.wait().finish.reason == "length" and second.wait().finish.reason == "length"
 
 
+def test_a_group_is_admitted_all_at_once_or_not_at_all(engine_of):
+    """``submit_group`` (a request's ``n`` samples): a group larger than the server ever holds is refused as a bad
+    field ``n``, one that does not fit now with QueueFull, one with a bad field with every bad field named once —
+    each before anything is queued, so an ordinary request right after it runs; a group that fits runs whole."""
+    m = _model()
+    eng = engine_of(m, max_batch=2, max_waiting=2)
+    sp = SamplingParams(max_tokens=3, temperature=0)
+    hold, held = threading.Event(), threading.Event()
+
+    def block(c):
+        if len(c.tokens) == 1:
+            held.set()
+            hold.wait(WAIT_S)
+
+    never = Collect()
+    with pytest.raises(RequestError) as e:  # 5 > max_batch 2 + max_waiting 2: never
+        eng.submit_group([([1, 2, 3], sp, never)] * 5)
+    assert [f.field for f in e.value.errors] == ["n"] and "at most 4" in str(e.value)
+    with pytest.raises(RequestError) as e:  # the third sample's field is bad: none is queued
+        eng.submit_group([([1, 2], sp, never), ([3, 4], sp, never), ([5], SamplingParams(max_tokens=-1), never)])
+    assert [f.field for f in e.value.errors] == ["max_tokens"]
+    first = Collect(then=block)
+    eng.submit([1, 2, 3], sp, first)
+    assert held.wait(WAIT_S)  # the engine is held: 1 request in, room for 3
+    with pytest.raises(QueueFull, match="4 more do not fit"):
+        eng.submit_group([([4, 5], sp, never)] * 4)
+    group = [Collect() for _ in range(3)]
+    handles = eng.submit_group([([4, 5], sp, c) for c in group])  # 3 fit: all of them
+    assert len({h.id for h in handles}) == 3
+    with pytest.raises(QueueFull):  # now full: an ordinary request waits its turn
+        eng.submit([6], sp, never)
+    hold.set()
+    ref = _alone(m, [4, 5], 3)[0]
+    assert first.wait().finish.reason == "length" and [c.wait().tokens for c in group] == [ref] * 3
+    assert never.finish is None and not never.tokens  # nothing refused ever ran
+    assert eng.stats()["requests_finished"] == 4
+    c = _run(eng, [[6, 7]], sp)[0]  # capacity is back
+    assert c.finish.reason == "length"
+
+
+def test_a_prefilling_request_counts_once_against_the_queue(engine_of):
+    """Capacity: a request whose prompt is being prefilled holds a row and does not also count as waiting. Two rows,
+    one waiting place: while the first request decodes and the second is still prefilling its long prompt (two
+    tokens a step), a third request waits for a row; a fourth is refused."""
+    m = _model()
+    eng = engine_of(m, max_batch=2, max_waiting=1, prefill_chunk=2)
+    sp = SamplingParams(max_tokens=3, temperature=0)
+    hold, held = threading.Event(), threading.Event()
+
+    def block(c):
+        if len(c.tokens) == 2:
+            held.set()
+            hold.wait(WAIT_S)
+
+    first, long_ = Collect(then=block), Collect()
+    long_prompt = _prompts(1, lens=(60,))[0]
+    eng.submit([1, 2, 3], sp, first)
+    eng.submit(long_prompt, sp, long_)
+    assert held.wait(WAIT_S)
+    assert eng.scheduler.prefilling is not None and eng.scheduler.prefilling.prompt == long_prompt
+    assert eng.stats()["running"] == 2 and eng.stats()["waiting"] == 0
+    third = Collect()
+    eng.submit([4, 5], sp, third)  # (refused before: the prefilling request counted as waiting too)
+    with pytest.raises(QueueFull):
+        eng.submit([6], sp, Collect())
+    hold.set()
+    assert third.wait().tokens == _alone(m, [4, 5], 3)[0]
+    assert long_.wait().tokens == _alone(m, long_prompt, 3)[0] and first.wait().finish.reason == "length"
+
+
 def test_shutdown_finishes_in_grace_and_ends_the_rest(engine_of):
     """A short request finishes within the grace period; a long one is ended with an abort that says why; the
     engine then takes no request."""
@@ -448,7 +518,7 @@ def test_an_engine_error_fails_the_running_requests_and_the_next_one_runs(engine
     prompts = _prompts(2)
     eng = engine_of(m, max_batch=2)
     boom = {"n": 0}
-    real = eng._dec._pass
+    real = eng.runner.step
 
     def failing(*a, **kw):
         boom["n"] += 1
@@ -456,7 +526,7 @@ def test_an_engine_error_fails_the_running_requests_and_the_next_one_runs(engine
             raise RuntimeError("injected")
         return real(*a, **kw)
 
-    eng._dec._pass = failing
+    eng.runner.step = failing
     c = _run(eng, prompts[:1], SamplingParams(max_tokens=8, temperature=0))[0]
     assert c.finish.reason == "error" and "injected" in c.finish.error
     ref = _alone(m, prompts[1], 5)[0]

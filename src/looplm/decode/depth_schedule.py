@@ -74,7 +74,7 @@ from .kv_fill import KVFill
 from ..layers.mamba2 import Mamba2Rows, Mamba2State
 from .sampling import decode_context, eval_mode, sample_next
 
-__all__ = ["DepthBatchedDecoder", "depth_batched_generate", "merge_modulations"]
+__all__ = ["DepthBatchedDecoder", "copy_prompt_rows", "depth_batched_generate", "merge_modulations"]
 
 
 @dataclass
@@ -423,6 +423,28 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             self._fill_core(col, L)
         return exits
 
+    def decode_pass(self, cohorts: list[_Cohort], col, L: int) -> tuple | None:
+        """Public step API (the serving engine's runner): one core pass over ``cohorts`` (:meth:`_pass`; each moves
+        on, emptied cohorts stay for the caller to drop) and the logits of the tokens that exited. Returns
+        ``(rows [e], logits [e, V], depths [e])`` in exit order, or None when no token exited. ``col`` is not moved
+        on (the caller advances the exited rows after reading the logits)."""
+        st = self.stats
+        n0 = len(st.selected)
+        exits = self._pass(cohorts, col, L)
+        if not exits:
+            return None
+        rows = torch.cat([r for r, _, _ in exits]) if len(exits) > 1 else exits[0][0]  # [e]
+        logits = self._logits_of(exits, col, L)  # [e, V]
+        depths = torch.cat(st.selected[n0:])  # [e]
+        return rows, logits, depths
+
+    def settle_stats(self) -> None:
+        """Public step API: add the FLOPs of the tokens decoded since the last call to :attr:`stats` and drop their
+        per-token depth lists, so a caller that decodes without end (a server) keeps totals, not a list per token."""
+        self._count_flops()
+        self.stats.selected.clear()
+        self.stats.executed.clear()
+
     def _exit(self, c: _Cohort, leave, h, col, logits=None):
         """The rows ``leave`` (``None``: all) of cohort ``c`` stop after loop ``c.k``: their outputs, the fills
         of the loops they skip; the cohort keeps the rest. ``logits [n, V]``: the cohort's check readout, when
@@ -567,6 +589,9 @@ def _copy_rows(src, dst, rows: torch.Tensor, P: int) -> None:
     else:  # Mamba2State
         dst.conv_state[rows] = src.conv_state.to(dst.conv_state.dtype)
         dst.ssm_state[rows] = src.ssm_state.to(dst.ssm_state.dtype)
+
+
+copy_prompt_rows = _copy_rows  # (public: the serving engine's runner places prompts with it)
 
 
 def _slice_fctx(f: ForwardContext, a: int, b: int) -> ForwardContext:

@@ -239,21 +239,20 @@ class _Run:
         self.channel = _Channel(asyncio.get_running_loop())
 
     def submit(self) -> None:
+        """Every choice into the engine at once, or none (:meth:`Engine.submit_group`): a refusal queues nothing."""
         eng = self.state.engine
         try:
-            for c in self.choices:
-                c.handle = eng.submit(c.prompt_ids, c.params, self.channel.callback(c.index))
+            handles = eng.submit_group([(c.prompt_ids, c.params, self.channel.callback(c.index)) for c in self.choices])
         except QueueFull:
-            self.abort()
             raise APIError(429, f"the engine's queue is full ({self.state.engine_config_text('max_waiting')} requests "
                                 "waiting): try again shortly", "rate_limit_error", code="queue_full",
-                           headers={"Retry-After": "1"})  # fmt: skip
+                           headers={"Retry-After": "1"}) from None  # fmt: skip
         except EngineClosed:
-            self.abort()
             raise _closed_error() from None
         except RequestError as e:
-            self.abort()
             raise APIError.bad_fields(e.errors) from None
+        for c, h in zip(self.choices, handles):
+            c.handle = h
 
     def abort(self, reason: str = "abort") -> None:
         for c in self.choices:

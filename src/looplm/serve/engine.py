@@ -1,26 +1,33 @@
 """The serving engine: continuous batching of requests that arrive at any time, each row at its own depth.
 
 One engine thread owns the model. Callers (the HTTP server, a test, a load generator) :meth:`Engine.submit`
-a prompt with its :class:`SamplingParams` and a callback; the engine calls it from its thread with a
-:class:`PromptEvent` (only for ``prompt_logprobs``), one :class:`TokenEvent` per generated token and, last,
-one :class:`FinishEvent`. A :class:`RequestHandle` aborts a request from any thread.
+a prompt with its :class:`SamplingParams` and a callback — or :meth:`Engine.submit_group` the samples of one
+request, all at once or none; the engine calls it from its thread with a :class:`PromptEvent` (only for
+``prompt_logprobs``), one :class:`TokenEvent` per generated token and, last, one :class:`FinishEvent`. A
+:class:`RequestHandle` aborts a request from any thread.
 
-The scheduling is iteration-level: every *tick* of the engine thread
+The engine owns the API types, the checks (:meth:`Engine.check`, at submit, before any work), the thread and the
+events; each *step* of its thread is schedule -> run -> sample -> output, each its own module:
 
-    1. takes the new requests and aborts (thread-safe inbox);
-    2. admits waiting requests into free rows: each prompt runs **alone** at full depth in a cache of its own
-       (one chunk of ``prefill_chunk`` tokens per tick, so a long prompt does not stall the rows decoding),
-       then its slots are copied into its row's columns ``< p`` of the batch cache and its first token is
-       picked (:meth:`_ServeDecoder.place`). With ``EngineConfig.prefill='exit'`` a prompt whose request takes
-       exits runs at adaptive depth instead, whole, in one call: its tokens after the first take the exits at the
-       request's threshold, all at once (:func:`looplm.decode.exit_forward.adaptive_forward`, which leaves its
-       cache as decoding the prompt token by token would; ``Exit(prefill='exit')`` of ``model.generate``);
-    3. runs **one core pass** over every row in flight (continuous depth batching,
-       :class:`looplm.decode.depth_schedule.DepthBatchedDecoder`): each row is at its own loop of its own
-       token, rows whose criterion fires leave through the coda and the head, pick their next token with their
-       own sampling parameters and start it at the next pass. ``exit_schedule='token'`` runs the token schedule
-       instead: a row that exits waits until every row of the batch has left, and all start the next token
-       together (the same arithmetic per row, a batch's time set by its deepest row).
+    0. the inbox: new requests (a group at a time) and aborts, thread-safe;
+    1. **schedule** (:mod:`.scheduler`, pure Python): the plan of the step — which rows start their next token
+       (fitted to the KV budget, the youngest requests preempted where they outgrow it) and which prompt chunk
+       runs (the one being prefilled, or the oldest waiting request's, when a row is free and the budget holds it);
+    2. **run** (:mod:`.runner`): the prompt chunk runs **alone** at full depth in a cache of its own (one chunk
+       of ``prefill_chunk`` tokens per step, so a long prompt does not stall the rows decoding); after its last
+       chunk its slots are copied into its row's columns ``< p`` of the batch cache (``place``). With
+       ``EngineConfig.prefill='exit'`` a prompt whose request takes exits runs at adaptive depth instead, whole,
+       in one call: its tokens after the first take the exits at the request's threshold, all at once
+       (:func:`looplm.decode.exit_forward.adaptive_forward`, which leaves its cache as decoding the prompt token
+       by token would; ``Exit(prefill='exit')`` of ``model.generate``). Then **one core pass** over every row in
+       flight (continuous depth batching, :class:`looplm.decode.depth_schedule.DepthBatchedDecoder`): each row is
+       at its own loop of its own token; rows whose criterion fires leave through the coda and the head
+       (``step() -> StepOutput(rows, logits, depths)``). ``exit_schedule='token'`` runs the token schedule instead:
+       a row that exits waits until every row of the batch has left, and all start the next token together (the
+       same arithmetic per row, a batch's time set by its deepest row);
+    3. **sample** (:mod:`.sampler`): each exited row's next token with its own request's parameters and generator,
+       and the prompt's first token after its last chunk (it starts at the next step);
+    4. **output**: the events; a request that ends frees its row (the scheduler).
 
 A row frees the moment its request ends (finished, a stop, an abort or a disconnect): an aborted row whose
 token is still looping leaves when that token exits (at most ``K`` passes later) and its token is dropped.
@@ -47,11 +54,12 @@ import math
 import queue
 import threading
 import time
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
+
+from .scheduler import PrefillChunk, Request, RequestStatus, Scheduler
 
 __all__ = ["Engine", "EngineClosed", "EngineConfig", "FieldError", "FinishEvent", "PromptEvent", "QueueFull",
            "RequestError", "RequestHandle", "SamplingParams", "TokenEvent", "parse_kv_budget"]
@@ -253,172 +261,20 @@ class RequestHandle:
         self._engine._wake.set()
 
 
-# ---------------------------------------------------------------------------------------------- the decoder
-class _RowCriterion:
-    """A cohort's criterion with a threshold per row: ``check`` compares each row with its own ε (a tensor in
-    the criterion's place), and a row whose request runs full depth (ε = 0 under ``kl`` / ``convergence``)
-    never leaves. A cohort of full-depth rows only skips the check (its rows run every loop). ``forced [n]``
-    (None: none): a row's depth fixed in advance (0: its criterion's) — a preempted request replaying the
-    tokens it had generated leaves at the loop each of them left at the first time."""
-
-    def __init__(self, crit, thr: torch.Tensor, check: bool, forced: torch.Tensor | None = None):
-        self.crit, self.thr, self.checks, self.forced = crit, thr, check, forced  # thr, forced [n]
-
-    def __getattr__(self, name):  # readout, logits, flops, value, ...: the criterion's own
-        return getattr(self.crit, name)
-
-    @property
-    def flops(self):
-        return self.crit.flops
-
-    @flops.setter
-    def flops(self, v):
-        self.crit.flops = v
-
-    def check(self, k, h, state, lctx, rows, model, **kw):
-        if not self.checks:
-            leave = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)
-        else:
-            if self.thr is not None:  # (the gate keeps the server's q: the rule selects its output with it too)
-                self.crit.threshold = self.thr if self.thr.numel() != 1 else float(self.thr)  # [n] against [n] distances
-            leave = self.crit.check(k, h, state, lctx, rows, model, **kw)
-        if self.forced is not None:  # [n]: a replayed token leaves where it left before, whatever its criterion says
-            leave = torch.where(self.forced > 0, self.forced == k + 1, leave)
-        return leave
-
-    def take(self, keep):
-        self.crit.take(keep)
-        if self.thr is not None:
-            self.thr = self.thr.index_select(0, keep)
-        if self.forced is not None:
-            self.forced = self.forced.index_select(0, keep)
-
-
-def _serve_decoder_class():
-    """The decoder class, built on first use (``looplm.decode`` is imported when an engine is made, not with
-    ``looplm.serve``)."""
-    from ..decode.depth_schedule import DepthBatchedDecoder, _copy_rows
-    from ..cache import SharedKV
-
-    class _ServeDecoder(DepthBatchedDecoder):
-        """:class:`DepthBatchedDecoder` with rows that take requests one at a time: row ``b`` holds its prompt at
-        columns ``< p_b`` (no padding, position = column) and its ``t``-th token at column ``p_b + t``; every row
-        reads its own columns up to its own under the pass's mask (the depth schedule's per-row columns)."""
-
-        def __init__(self, model, batch_size: int, capacity: int, exit, thresholds: torch.Tensor):
-            super().__init__(model, batch_size, capacity, exit)
-            self.row_thr = thresholds  # [B] each row's ε (its request's), read when its token starts
-            self.row_checks = [True] * batch_size  # whether the row's request takes exits at all
-            dev = next(model.parameters()).device
-            B, cap = batch_size, capacity
-            # the cache's slots, made by one token of every row at full depth (then every row is overwritten by
-            # its prompt's, or masked); the Mamba-2 states become one flat state, as after a prompt
-            self(torch.zeros(B, 1, dtype=torch.long, device=dev), validate=False)
-            for base, _, _ in self.kv_flat.values():
-                base._len = 1
-            self._flat_ssm_states()
-            for slot in self.cache.physical_slots():  # unwritten columns hold zeros (a masked NaN is 0 × NaN)
-                if getattr(slot, "_k", None) is not None:
-                    slot._k.zero_()
-                    slot._v.zero_()
-            self.visible = torch.ones(B, cap, dtype=torch.bool, device=dev)
-            self.pos_shift = torch.zeros(B, dtype=torch.long, device=dev)
-            self.positions = torch.zeros(B, 1, dtype=torch.long, device=dev)
-            self.keys = torch.arange(cap, device=dev)
-            self.rope_at = {int(r): rot(self.keys[:, None]) for r, rot in model.rotary.items()}
-            self.attn_rows = torch.zeros(B, cap, dtype=torch.bool, device=dev)
-            self.attn = self.attn_rows[:, None, None, :]
-            self.yes = torch.ones((), dtype=torch.bool, device=dev)
-            self.exit_keys = []
-            self.col = torch.zeros(B, dtype=torch.long, device=dev)  # each row's token in flight's column
-
-        def prefill(self, part, ids: torch.Tensor, keep: int, exit=None) -> tuple:
-            """``ids [1, T]``, the next chunk of a prompt, at full depth into its own cache ``part`` (made by
-            :meth:`new_part`); or, with ``exit`` (a resolved :class:`~looplm.decode.exits.Exit`, ``prefill='exit'``),
-            the whole prompt into the empty ``part`` at adaptive depth, its first token at every loop.
-            Returns ``(logits of its last keep positions [1, keep, V], the loops its last position ran)``."""
-            self.flush()  # the fills carried into the next pass, before the cache changes hands
-            if exit is not None:
-                from ..decode.exit_forward import adaptive_forward
-
-                out = adaptive_forward(self.model, ids, exit, loop_options=self.loop_options, full_depth_prefix=1,
-                                       cache=part, logits_to_keep=keep)  # fmt: skip
-                return out.logits, int(out.depth[0, -1])
-            main = self.cache
-            self.cache = part
-            try:
-                return self(ids, None, logits_to_keep=keep, validate=False), self.R
-            finally:
-                self.cache = main
-
-        def new_part(self, p: int):
-            return self.model.new_cache(1, self.R, capacity=p, kv_shared=self.cache.kv_shared)
-
-        def place(self, b: int, part, p: int, thr: float, checks: bool) -> None:
-            """Row ``b`` takes a prefilled prompt: ``part``'s slots into its columns ``< p`` of every slot (every
-            loop), its mask and column reset (its first token goes in at column ``p``)."""
-            main, dev = self.cache, self.col.device
-            self.flush()
-            rows = torch.tensor([b], device=dev)
-            for key, src in part.slots.items():
-                if not isinstance(src, SharedKV):
-                    _copy_rows(src, main.slots[key], rows, p)
-            for fam, src in part.shared.items():
-                _copy_rows(src, main.shared[fam], rows, p)
-            self.col[b] = p
-            self.attn_rows[b] = self.keys <= p
-            self.row_thr[b] = thr
-            self.row_checks[b] = checks
-
-        def start(self, rows_h: list, ids: torch.Tensor, L: int, forced: list | None = None):
-            """Rows ``rows_h`` begin tokens ``ids [n]``: a new cohort at loop 0, its criterion per row; ``forced``:
-            each row's fixed depth (0: its criterion's; None: none fixed)."""
-            rows = torch.tensor(rows_h, device=self.col.device)
-            c = self._start(rows, ids[:, None], self.col, torch.zeros_like(rows), L)
-            checks = [self.row_checks[b] for b in rows_h]
-            thr = None if self.exit.criterion == "gate" else self.row_thr.index_select(0, rows)
-            f = None if forced is None else torch.tensor(forced, device=rows.device)
-            c.crit = _RowCriterion(c.crit, thr, any(checks), f)
-            return c
-
-        def advance(self, rows: torch.Tensor) -> None:
-            """Rows whose tokens exited move to their next column (their next token reads its own too)."""
-            c = self.col.index_select(0, rows) + 1
-            self.col.index_copy_(0, rows, c)
-            self.attn_rows.index_put_((rows, c), self.yes)
-
-    return _ServeDecoder
-
-
 # ---------------------------------------------------------------------------------------------- the engine
 @dataclass(eq=False)
-class _Request:
-    """One request inside the engine (its thread's own: no lock)."""
+class _Request(Request):
+    """One request inside the engine (its thread's own: no lock): the scheduler's state
+    (:class:`~looplm.serve.scheduler.Request`) and what the engine needs besides."""
 
-    id: int
-    prompt: list
-    params: SamplingParams
-    on_event: Callable
-    thr: float  # its exit threshold ε (0 under a criterion that is off: full depth)
-    checks: bool  # whether its tokens are checked at all
+    params: SamplingParams = None
+    on_event: Callable = None
+    thr: float = 0.0  # its exit threshold ε (0 under a criterion that is off: full depth)
+    checks: bool = False  # whether its tokens are checked at all
     gen: torch.Generator | None = None  # its own sampling generator (seed)
-    row: int | None = None  # its batch row, from the start of its prefill
-    part: object = None  # its private prefill cache
-    done_prompt: int = 0  # prompt tokens prefilled
     prompt_lp: list | None = None  # (echo) per prompt token: its logprob and top alternatives
     prompt_top: list | None = None
-    made: int = 0  # tokens generated
-    depth_sum: int = 0
-    next_token: int | None = None  # the token its row feeds at its next start (None: in flight)
-    finished: bool = False
-    in_flight: bool = False  # its row has a token looping (the row frees when it exits)
-    placed: bool = False  # its prompt is in its row (it counts its columns; before: its prompt + max_tokens)
-    tokens: list = field(default_factory=list)  # generated token ids
-    depths: list = field(default_factory=list)  # the loops each ran
-    feed: deque = field(default_factory=deque)  # (after a preemption) generated tokens still to replay
-    forced: deque = field(default_factory=deque)  # their depths (the loops the token each produced ran)
-    preempt: bool = False  # to be preempted when its token in flight exits
-    prompt_sent: bool = False  # its prompt was counted (and its PromptEvent sent): not again after a preemption
+    prompt_reported: bool = False  # its prompt was counted (and its PromptEvent sent): not again after a preemption
 
 
 class Engine:
@@ -432,11 +288,13 @@ class Engine:
 
     def __init__(self, model, config: EngineConfig | None = None, eos_token_id: int | None = None):
         from ..decode.exits import Exit
+        from . import sampler
 
         config = EngineConfig() if config is None else config
         if not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__}")
         self.model, self.config, self.eos_token_id = model, config, eos_token_id
+        self._sampler = sampler
         limit = int(model.config.max_seq_len)
         if config.max_model_len is not None and config.max_model_len > limit:
             raise ValueError(f"EngineConfig: max_model_len={config.max_model_len} exceeds the model's max_seq_len={limit}; "
@@ -467,8 +325,8 @@ class Engine:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
         self._ids = itertools.count(1)
-        self._lock = threading.Lock()  # submit's count of waiting requests and the closed flag
-        self._queued = 0  # submitted, not yet given a row (submit's bound)
+        self._lock = threading.Lock()  # submit's count of requests in the inbox and the closed flag
+        self._pending = 0  # submitted, still in the inbox (the scheduler counts the rest: Scheduler.num_held)
         self._closed = False
         self._thread: threading.Thread | None = None
         self._deadline: float | None = None  # shutdown: when the rest are ended
@@ -478,7 +336,8 @@ class Engine:
         self._finished: dict[str, int] = {}  # requests finished, by reason (stop, length, abort, error)
         self._gauges = {"running": 0, "waiting": 0, "kv_tokens_used": 0}
         self.last_error: str | None = None
-        self._dec = None
+        self.runner = None  # the model step (start(): runner.ModelRunner)
+        self.scheduler: Scheduler | None = None  # the queues, rows and KV budget (start())
         self._budget: int | None = None  # cache tokens requests may hold (start(): from config.kv_budget)
         self._S = 1  # loop slots a token keeps per layer (K, or 1 under kv='shared'): its cache tokens
 
@@ -489,12 +348,13 @@ class Engine:
                f"max_model_len={self.max_model_len}")  # fmt: skip
         if self._prefill_exit is not None:
             out += ", prompts at adaptive depth (prefill exit)"
-        if self._dec is not None:
+        if self.runner is not None:
             cap = self.config.max_batch * self.max_model_len * self._S
-            out += (f", KV cache {cap * self._bytes_per_token / 2**20:.1f} MiB ({cap} cache tokens = {self.config.max_batch} rows "
+            per = self.runner.bytes_per_token
+            out += (f", KV cache {cap * per / 2**20:.1f} MiB ({cap} cache tokens = {self.config.max_batch} rows "
                     f"× {self.max_model_len} × {self._S} loop slots)")  # fmt: skip
             if self._budget is not None:
-                out += f", KV budget {self._budget} cache tokens ({self._budget * self._bytes_per_token / 2**20:.1f} MiB)"
+                out += f", KV budget {self._budget} cache tokens ({self._budget * per / 2**20:.1f} MiB)"
         return out
 
     def start(self) -> "Engine":
@@ -504,7 +364,6 @@ class Engine:
             raise RuntimeError("the engine is already started")
         self.model.eval()
         self._build()
-        self._size_budget()
         ready = threading.Event()
         self._thread = threading.Thread(target=self._main, args=(ready,), name="looplm-engine", daemon=True)
         self._thread.start()
@@ -574,26 +433,44 @@ class Engine:
     def submit(self, prompt_ids, params: SamplingParams, on_event: Callable) -> RequestHandle:
         """Queue a request; ``on_event(event)`` is called from the engine thread (keep it short). Raises
         :class:`RequestError` (bad fields), :class:`QueueFull` or :class:`EngineClosed`."""
-        errs = self.check(prompt_ids, params)
+        return self.submit_group([(prompt_ids, params, on_event)])[0]
+
+    def submit_group(self, requests: list) -> list[RequestHandle]:
+        """Queue ``requests`` ``[(prompt_ids, params, on_event)]`` — the samples of one request (``n``, or prompts ×
+        ``n``) — all at once or not at all: every field of every one is checked, then the capacity for the whole
+        group, before any is queued. Raises, with nothing queued, :class:`RequestError` (bad fields, each named once;
+        or a group larger than the server ever holds: ``max_batch + max_waiting``, field ``n``), :class:`QueueFull`
+        (it does not fit now) or :class:`EngineClosed`. Returns their handles, in order."""
+        requests = list(requests)
+        if not requests:
+            raise ValueError("submit_group needs at least one (prompt_ids, params, on_event)")
+        errs: list[FieldError] = []
+        for prompt_ids, params, _ in requests:
+            errs += [e for e in self.check(prompt_ids, params) if e not in errs]
+        n, B, W = len(requests), self.config.max_batch, self.config.max_waiting
+        if not errs and n > B + W:
+            errs.append(FieldError("n", f"this request asks for {n} sequences at once (prompts × n); this server holds at "
+                                        f"most {B + W} (max_batch {B} + max_waiting {W}): ask for at most {B + W}"))  # fmt: skip
         if errs:
             raise RequestError(errs)
-        thr, checks = self._threshold(params.exit)
-        gen = None
-        if params.temperature > 0:
-            gen = torch.Generator(device=next(self.model.parameters()).device)
-            gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, ()).item()))
+        made = []
+        for prompt_ids, params, on_event in requests:
+            thr, checks = self._threshold(params.exit)
+            gen = self._sampler.new_generator(params, next(self.model.parameters()).device)
+            made.append((list(prompt_ids), params, on_event, thr, checks, gen))
         with self._lock:
             if self._closed or self._thread is None or not self._thread.is_alive():
                 raise EngineClosed("the engine is not running (shut down, or not started): it takes no new request")
-            free = sum(r is None for r in self._rows)  # rows a request may take at once (read from the engine's list)
-            if self._queued >= self.config.max_waiting + free:
-                raise QueueFull(f"{self._queued} requests are waiting for {free} free rows (max_waiting={self.config.max_waiting}); "
-                                "try again later")  # fmt: skip
-            self._queued += 1
-            rid = next(self._ids)
-        self._inbox.put(("submit", _Request(rid, list(prompt_ids), params, on_event, thr, checks, gen)))
+            if self.scheduler.room(self._pending) < n:
+                held, free = self._pending + self.scheduler.num_held, self.scheduler.num_free_rows
+                raise QueueFull(f"{held} requests are queued or running for {B} rows (max_waiting={W}, {free} rows free); "
+                                f"{n} more do not fit: try again later")  # fmt: skip
+            self._pending += n
+            reqs = [_Request(next(self._ids), p, params.max_tokens, params=params, on_event=cb, thr=thr, checks=checks, gen=gen)
+                    for p, params, cb, thr, checks, gen in made]  # fmt: skip
+        self._inbox.put(("submit", reqs))
         self._wake.set()
-        return RequestHandle(self, rid)
+        return [RequestHandle(self, r.id) for r in reqs]
 
     def shutdown(self, grace_s: float = 0.0) -> None:
         """Take no new request; let those in flight run for up to ``grace_s`` seconds, then end the rest with
@@ -613,7 +490,7 @@ class Engine:
         requests may hold of it (the capacity without ``--kv-budget``)."""
         g = dict(self._gauges)
         cap = self.config.max_batch * self.max_model_len * self._S
-        per = self._bytes_per_token if self._dec is not None else 0.0
+        per = self.runner.bytes_per_token if self.runner is not None else 0.0
         budget = cap if self._budget is None else self._budget
         return {**g, "max_batch": self.config.max_batch, "K": self.K, "kv_slots": self._S, "kv_tokens_capacity": cap,
                 "kv_budget_tokens": budget, "kv_bytes_used": int(g["kv_tokens_used"] * per), "kv_bytes_capacity": int(cap * per),
@@ -661,46 +538,32 @@ class Engine:
             pass
 
     def _finish(self, req: _Request, reason: str, error: str | None = None) -> None:
-        if req.finished:
-            return
-        req.finished = True
+        """End ``req`` (its row frees now, or when its token in flight exits) and send its :class:`FinishEvent`."""
+        if self.scheduler.finish(req, RequestStatus.of_reason(reason)):
+            self._finished_event(req, reason, error)
+
+    def _finish_all(self, reason: str, error: str) -> None:
+        for req in self.scheduler.finish_all(RequestStatus.of_reason(reason)):
+            self._finished_event(req, reason, error)
+        self._gauges.update(running=0, waiting=0, kv_tokens_used=0)
+
+    def _finished_event(self, req: _Request, reason: str, error: str | None) -> None:
+        self.runner.release(req.id)
         self._totals["requests_finished"] += 1
         self._finished[reason] = self._finished.get(reason, 0) + 1
-        loops = req.depth_sum / req.made if req.made else None
-        self._emit(req, FinishEvent(reason, len(req.prompt), req.made, error, loops))
-        if req.row is not None and not req.in_flight:
-            self._rows[req.row] = None
-            req.row = None
-        req.part = None
+        n = req.num_output_tokens
+        self._emit(req, FinishEvent(reason, len(req.prompt), n, error, sum(req.output_depths) / n if n else None))
 
     # ------------------------------------------------------------------------------------------ the thread
     def _build(self) -> None:
-        B = self.config.max_batch
-        dev = next(self.model.parameters()).device
-        with torch.no_grad():
-            self._dec = _serve_decoder_class()(self.model, B, self.max_model_len, self.exit,
-                                               torch.zeros(B, device=dev))  # fmt: skip
-        self._rows: list[_Request | None] = [None] * B
-        self._col = [0] * B  # host copy of each row's column
-        self._cohorts: list = []
-        self._waiting: deque = deque()
-        seen, total = set(), 0
-        slots = [s for s in self._dec.cache.physical_slots()] + [b for b, _, _ in self._dec.kv_flat.values()]
-        for s in slots:
-            for t in (getattr(s, "_k", None), getattr(s, "_v", None)):
-                if t is not None and t.untyped_storage().data_ptr() not in seen:
-                    seen.add(t.untyped_storage().data_ptr())
-                    total += t.untyped_storage().nbytes()
-        self._S = self._dec.R if any(off for _, _, off in self._dec.kv_flat.values()) else 1
-        self._bytes_per_token = total / (B * self.max_model_len * self._S)  # one column's bytes / S
-        ssm = [e[0] for e in self._dec.flat.values() if hasattr(e[0], "ssm_state")]  # the core's flat Mamba-2 states
-        ssm += [s for s in self._dec.cache.physical_slots() if hasattr(s, "ssm_state")]  # (views of those, and the rest)
-        seen, self._ssm_bytes = set(), 0
-        for st in ssm:
-            for t in (st.conv_state, st.ssm_state):
-                if t is not None and t.untyped_storage().data_ptr() not in seen:
-                    seen.add(t.untyped_storage().data_ptr())
-                    self._ssm_bytes += t.untyped_storage().nbytes()
+        """A fresh model runner (the batch's caches) and scheduler (its queues and rows, under the KV budget)."""
+        from .runner import ModelRunner
+
+        self.runner = ModelRunner(self.model, self.config.max_batch, self.max_model_len, self.exit)
+        self._S = self.runner.slots_per_token
+        self._size_budget()
+        self.scheduler = Scheduler(self.config.max_batch, self.config.max_waiting, self._budget, self._S,
+                                   self.config.prefill_chunk, wait_for_batch=self.config.exit_schedule == "token")  # fmt: skip
 
     def _size_budget(self) -> None:
         """``config.kv_budget`` in cache tokens (a memory size: what is left after the rows' fixed Mamba-2
@@ -710,13 +573,14 @@ class Engine:
             return
         kind, v = parse_kv_budget(self.config.kv_budget)
         cap = self.config.max_batch * self.max_model_len * self._S
+        per, ssm = self.runner.bytes_per_token, self.runner.ssm_bytes
         if kind == "bytes":
-            room = v - self._ssm_bytes
+            room = v - ssm
             if room <= 0:
                 raise ValueError(f"EngineConfig: kv_budget={self.config.kv_budget!r} is {v:.0f} bytes, not more than the "
-                                 f"{self._ssm_bytes} bytes of the {self.config.max_batch} rows' Mamba-2 states; give more "
+                                 f"{ssm} bytes of the {self.config.max_batch} rows' Mamba-2 states; give more "
                                  "than that, or fewer rows (--max-batch)")  # fmt: skip
-            tokens = int(room // self._bytes_per_token) if self._bytes_per_token > 0 else cap
+            tokens = int(room // per) if per > 0 else cap
         else:
             tokens = int(v)
         if tokens < 2 * self._S:
@@ -731,284 +595,124 @@ class Engine:
             ready.set()
             while True:
                 try:
-                    if not self._tick():
+                    if not self._step():
                         if self._deadline is not None:
                             break
                         self._wake.wait(0.05)
                         self._wake.clear()
-                except Exception as e:  # fail what was running; a fresh decoder for what comes next
+                except Exception as e:  # fail what was running; a fresh runner for what comes next
                     self.last_error = f"{type(e).__name__}: {e}"
-                    for req in [r for r in self._rows if r is not None] + list(self._waiting):
-                        req.in_flight = False
-                        self._finish(req, "error", self.last_error)
-                    self._waiting.clear()
-                    self._queued = 0
+                    self._finish_all("error", self.last_error)
                     try:
                         self._build()
                     except Exception:
                         break
-            for req in [r for r in self._rows if r is not None] + list(self._waiting):
-                req.in_flight = False
-                self._finish(req, "abort", "the server is shutting down")
+            self._finish_all("abort", "the server is shutting down")
             self._drain()  # (requests that raced the shutdown)
-            for item in list(self._waiting):
-                self._finish(item, "abort", "the server is shutting down")
-            self._gauges.update(running=0, waiting=0, kv_tokens_used=0)
 
     def _drain(self) -> None:
+        """The inbox: new requests (a group at a time) into the scheduler, aborts, the shutdown."""
         while True:
             try:
                 kind, *rest = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if kind == "submit":
-                req = rest[0]
+                reqs = rest[0]
+                with self._lock:  # (one move: submit reads pending + held)
+                    self._pending -= len(reqs)
+                    for req in reqs:
+                        self.scheduler.add(req)
                 if self._deadline is not None:
-                    with self._lock:
-                        self._queued -= 1
-                    self._finish(req, "abort", "the server is shutting down")
-                else:
-                    self._waiting.append(req)
+                    for req in reqs:
+                        self._finish(req, "abort", "the server is shutting down")
             elif kind == "abort":
                 rid, reason = rest
-                for req in itertools.chain(self._rows, self._waiting):
-                    if req is not None and req.id == rid and not req.finished:
-                        if req in self._waiting:
-                            self._waiting.remove(req)
-                            with self._lock:
-                                self._queued -= 1
-                        self._finish(req, reason)
-                        break
+                req = self.scheduler.get(rid)
+                if req is not None:
+                    self._finish(req, reason)
             elif kind == "shutdown":
                 self._deadline = rest[0]
 
-    def _tick(self) -> bool:
-        """One iteration (module docstring); False when there was nothing to do."""
+    def _step(self) -> bool:
+        """One iteration: schedule -> run (a prefill chunk, one core pass) -> sample -> output (module docstring).
+        False when there was nothing to do."""
         self._drain()
         if self._deadline is not None and time.monotonic() >= self._deadline:
-            for req in [r for r in self._rows if r is not None] + list(self._waiting):
-                req.in_flight = False
-                self._finish(req, "abort", "the server is shutting down: its grace period ended")
-            self._rows = [None] * len(self._rows)
-            self._cohorts, self._waiting = [], deque()
+            self._finish_all("abort", "the server is shutting down: its grace period ended")
             return False
-        worked = self._admit()
-        dec, B = self._dec, len(self._rows)
-        start = [] if (self.config.exit_schedule == "token" and self._cohorts) else [
-            b for b in range(B) if self._rows[b] is not None and self._rows[b].next_token is not None]
-        start = self._fit(start)
-        live = [b for b in range(B) if self._rows[b] is not None and (self._rows[b].in_flight or self._rows[b].next_token is not None)]
-        self._gauges.update(running=sum(r is not None for r in self._rows), waiting=len(self._waiting),
-                            kv_tokens_used=self._used() + self._S * len(start))  # fmt: skip
-        if not start and not self._cohorts:
-            return worked
-        L = max(self._col[b] for b in live) + 1
-        if start:
-            ids = torch.tensor([self._rows[b].next_token for b in start], device=dec.col.device)
-            forced = [self._rows[b].forced.popleft() if self._rows[b].forced else 0 for b in start]
-            self._cohorts.append(dec.start(start, ids, L, forced if any(forced) else None))
-            for b in start:
-                self._rows[b].next_token, self._rows[b].in_flight = None, True
-        st = dec.stats
-        n0 = len(st.selected)
-        exits = dec._pass(self._cohorts, dec.col, L)
-        self._cohorts = [c for c in self._cohorts if c.rows.numel()]
-        if exits:
-            rows = torch.cat([r for r, _, _ in exits]) if len(exits) > 1 else exits[0][0]
-            logits = dec._logits_of(exits, dec.col, L)  # [e, V]
-            dec.advance(rows)
-            depth = torch.cat(st.selected[n0:]).tolist()
-            rows_h = rows.tolist()
-            # the rows whose token is a new one (not aborted, preempted or replayed): only they sample
-            new = [i for i, b in enumerate(rows_h) if not (self._rows[b].finished or self._rows[b].preempt or self._rows[b].feed)]
-            picks = dict(zip(new, self._pick([self._rows[rows_h[i]] for i in new],
-                                             logits if len(new) == len(rows_h) else logits[new]))) if new else {}  # fmt: skip
-            for i, (b, d) in enumerate(zip(rows_h, depth)):
-                req = self._rows[b]
-                self._col[b] += 1
-                req.in_flight = False
-                if req.finished:  # aborted while its token looped: the row frees now, the token is dropped
-                    self._rows[b], req.row = None, None
-                elif req.preempt:  # preempted while its token looped: the token is dropped (recomputed later)
-                    self._preempt(req)
-                elif req.feed:  # replaying after a preemption: the next token is the one it had made
-                    req.next_token = req.feed.popleft()
-                else:
-                    self._exits[d - 1] += 1
-                    self._token(req, picks[i], d)
-        dec._count_flops()
-        st.selected.clear()
-        st.executed.clear()
-        self._gauges.update(running=sum(r is not None for r in self._rows), waiting=len(self._waiting), kv_tokens_used=self._used())
+        sched, runner = self.scheduler, self.runner
+        plan = sched.schedule()
+        self._preempted(plan.preempted)
+        self._gauges.update(running=sched.num_running, waiting=sched.num_waiting, kv_tokens_used=plan.kv_tokens)
+        if plan.empty and not runner.in_flight:
+            return bool(plan.preempted)
+        if plan.prefill is not None:
+            self._prefill(plan.prefill)
+        out = runner.step(plan.decode)
+        if out is not None:
+            self._update(out)
+        self._gauges.update(running=sched.num_running, waiting=sched.num_waiting, kv_tokens_used=sched.kv_tokens_used())
         return True
 
-    def _admit(self) -> bool:
-        """One prefill chunk of the oldest waiting request (its row taken when it starts); a finished prompt
-        joins its row (or, at ``max_tokens = 0``, ends). Returns whether it ran anything."""
-        if not self._waiting:
-            return False
-        req = self._waiting[0]
-        if req.row is None and req.params.max_tokens > 0:
-            free = [b for b in range(len(self._rows)) if self._rows[b] is None]
-            if not free:
-                return False
-            if self._budget is not None and self._used() + (len(req.prompt) + req.params.max_tokens) * self._S > self._budget:
-                return False  # the budget is full: it waits (the oldest first) until rows end or are preempted
-            req.row = free[0]
-            self._rows[req.row] = req
-        dec, P = self._dec, len(req.prompt)
-        echo = req.params.prompt_logprobs and not req.prompt_sent
-        if req.part is None:
-            req.part = dec.new_part(P)
-            if echo:
-                req.prompt_lp, req.prompt_top = [None], [None]
-        a = req.done_prompt
-        n = P - a if self.config.prefill_chunk is None else min(self.config.prefill_chunk, P - a)
-        if P - a - n == 1:  # a 1-token call on a filled cache would decode (with exits): take it now
-            n += 1
-        ids = torch.tensor([req.prompt[a : a + n]], device=dec.col.device)
+    def _prefill(self, chunk: PrefillChunk) -> None:
+        """Run a prompt chunk; after the last, its prompt logprobs (echo), its row (placed) and its first token."""
+        req, P = chunk.request, len(chunk.request.prompt)
+        echo = req.params.prompt_logprobs and not req.prompt_reported
+        if echo and chunk.start == 0:
+            req.prompt_lp, req.prompt_top = [None], [None]
         exit = None  # prefill='exit': the prompt (whole: prefill_chunk is None) at adaptive depth, at its own ε
         if self._prefill_exit is not None and req.checks:
             exit = replace(self._prefill_exit, threshold=req.thr) if req.thr != self._prefill_exit.threshold else self._prefill_exit
-        logits, first_depth = dec.prefill(req.part, ids, n if echo else 1, exit)
-        logits = logits[0]  # [keep, V]
-        req.done_prompt = a + n
-        if echo:
-            lp = torch.log_softmax(logits.float(), -1)  # [n, V]: position a + i predicts token a + i + 1
-            nxt = torch.tensor(req.prompt[a + 1 : a + n + 1], device=lp.device)
-            chosen = lp[: nxt.numel()].gather(1, nxt[:, None])[:, 0].tolist()
-            k = req.params.logprobs or 0
-            tops = _top(lp[: nxt.numel()], k)
-            req.prompt_lp += chosen
-            req.prompt_top += tops
-        if req.done_prompt < P:
-            return True
-        self._waiting.popleft()
-        with self._lock:
-            self._queued -= 1
-        if not req.prompt_sent:
-            req.prompt_sent = True
+        n = chunk.end - chunk.start
+        logits, first_depth = self.runner.prefill(req.id, req.prompt, chunk.start, chunk.end, n if echo else 1, exit)  # [keep, V]
+        if echo:  # position a + i predicts token a + i + 1
+            lp, top = self._sampler.prompt_logprobs(logits, req.prompt[chunk.start + 1 : chunk.end + 1], req.params.logprobs or 0)
+            req.prompt_lp += lp
+            req.prompt_top += top
+        if not chunk.last:
+            return
+        if not req.prompt_reported:
+            req.prompt_reported = True
             self._totals["prompt_tokens_total"] += P
             if echo:
                 self._emit(req, PromptEvent(req.prompt_lp, req.prompt_top))
-        if req.finished:  # aborted during its prefill
-            return True
-        if req.params.max_tokens == 0:
+        if req.max_tokens == 0:
             self._finish(req, "length")
-            return True
-        b = req.row
-        dec.place(b, req.part, P, req.thr, req.checks)
-        req.part, req.placed = None, True
-        self._col[b] = P
-        if req.tokens:  # preempted before: it replays the tokens it had made (_preempt), from the first
-            req.next_token = req.tokens[0]
-        else:
-            self._token(req, self._pick([req], logits[-1:])[0], first_depth)
-        return True
+            return
+        self.scheduler.place(req)
+        self.runner.place(req.id, req.row, P, req.thr, req.checks)
+        if req.next_token is None:  # (preempted before: it replays the tokens it had made, from the first)
+            self._token(req, self._sampler.sample([req.params], [req.gen], logits[-1:])[0], first_depth)
 
-    # ------------------------------------------------------------------------------------------ the budget
-    def _occupied(self, req: _Request) -> int:
-        """The cache tokens a request with a row holds: its columns × S once placed, its prompt's while it
-        prefills (its own prefill cache)."""
-        if not req.placed:
-            return len(req.prompt) * self._S
-        return (self._col[req.row] + req.in_flight) * self._S
+    def _update(self, out) -> None:
+        """A pass's exits: the scheduler moves their rows on; the new tokens are sampled and sent."""
+        sample, preempted = self.scheduler.update_from_output(out.rows)
+        self._preempted(preempted)
+        if not sample:
+            return
+        reqs = [self.scheduler.rows[out.rows[i]] for i in sample]
+        logits = out.logits if len(sample) == len(out.rows) else out.logits[sample]  # [s, V]
+        picks = self._sampler.sample([r.params for r in reqs], [r.gen for r in reqs], logits)
+        for i, req, pick in zip(sample, reqs, picks):
+            self._exits[out.depths[i] - 1] += 1
+            self._token(req, pick, out.depths[i])
 
-    def _used(self) -> int:
-        return sum(self._occupied(r) for r in self._rows if r is not None)
+    def _preempted(self, reqs: list) -> None:
+        for req in reqs:
+            self.runner.release(req.id)
+            self._totals["preempted"] += 1
 
-    def _fit(self, start: list) -> list:
-        """The rows of ``start`` (each about to write one more column) that the budget holds. Where they
-        would outgrow it, the youngest requests are preempted (never the oldest: it always fits, by
-        :meth:`check`) — at once when their row is idle, when their token exits when it is in flight (the rows
-        that do not fit meanwhile wait, the youngest first)."""
-        if self._budget is None or not start:
-            return start
-        S, T = self._S, self._budget
-        reqs = sorted((r for r in self._rows if r is not None), key=lambda r: r.id)  # oldest first
-        used = sum(self._occupied(r) for r in reqs)
-        pending = sum(self._occupied(r) for r in reqs if r.preempt)  # frees when their token exits
-        for r in reversed(reqs[1:]):  # the youngest first
-            if used - pending + S * len(start) <= T:
-                break
-            if r.preempt or r.finished:
-                continue
-            if r.in_flight:
-                r.preempt, pending = True, pending + self._occupied(r)
-            else:
-                used -= self._occupied(r)
-                if r.row in start:
-                    start.remove(r.row)
-                self._preempt(r)
-        while start and used + S * len(start) > T:  # (rows preempted in flight still hold their columns)
-            start.remove(max(start, key=lambda b: self._rows[b].id))
-        return start
-
-    def _preempt(self, req: _Request) -> None:
-        """Free ``req``'s row and queue it first: it is prefilled again later and replays the tokens it had
-        made at the depths they ran (no event, no sampling: its generator is where it was), so it goes on
-        exactly as it would have."""
-        if req.row is not None:
-            self._rows[req.row] = None
-        req.row, req.part, req.done_prompt, req.next_token = None, None, 0, None
-        req.in_flight = req.preempt = req.placed = False
-        req.feed, req.forced = deque(req.tokens[1:]), deque(req.depths[1:])
-        self._totals["preempted"] += 1
-        if req not in self._waiting:  # (one still prefilling is the queue's first already)
-            self._waiting.appendleft(req)
-            with self._lock:
-                self._queued += 1
-
-    def _pick(self, reqs: list, logits: torch.Tensor) -> list:
-        """Each request's next token from its row of ``logits [n, V]``: ``(id, logprob, top)``."""
-        from ..decode.sampling import sample_next
-
-        out = [None] * len(reqs)
-        greedy = [i for i, r in enumerate(reqs) if r.params.temperature == 0]
-        if greedy:
-            ids = sample_next(logits[greedy] if len(greedy) < len(reqs) else logits, False, 0.0, None, None).tolist()
-            for i, t in zip(greedy, ids):
-                out[i] = t
-        for i, r in enumerate(reqs):
-            if out[i] is None:
-                p = r.params
-                top_k = None if p.top_k in (None, 0, -1) else p.top_k
-                out[i] = int(sample_next(logits[i : i + 1], True, float(p.temperature), top_k, p.top_p, r.gen)[0])
-        res = []
-        want = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
-        lp = torch.log_softmax(logits[want].float(), -1) if want else None
-        for i, r in enumerate(reqs):
-            if r.params.logprobs is None:
-                res.append((out[i], None, None))
-            else:
-                row = lp[want.index(i)]
-                res.append((out[i], float(row[out[i]]), _top(row[None], r.params.logprobs)[0] if r.params.logprobs else []))
-        return res
-
-    def _token(self, req: _Request, pick: tuple, depth: int) -> None:
-        """A generated token of ``req``: its event; the request ends (its row frees) or its row feeds it next."""
-        tok, lp, top = pick
+    def _token(self, req: _Request, pick, depth: int) -> None:
+        """A generated token of ``req``: its event; the request ends (its row frees) or its row starts it next."""
         p = req.params
-        req.made += 1
-        req.depth_sum += depth
-        req.tokens.append(tok)
-        req.depths.append(depth)
+        self.scheduler.append_token(req, pick.token_id, depth)
         self._totals["generation_tokens_total"] += 1
-        stop = (tok == self.eos_token_id and not p.ignore_eos) or tok in p.stop_token_ids
-        self._emit(req, TokenEvent(tok, lp, top, depth, stop))
-        if req.finished:  # (its callback aborted it: a stop string)
+        stop = (pick.token_id == self.eos_token_id and not p.ignore_eos) or pick.token_id in p.stop_token_ids
+        self._emit(req, TokenEvent(pick.token_id, pick.logprob, pick.top_logprobs, depth, stop))
+        if req.finished:
             return
         if stop:
             self._finish(req, "stop")
-        elif req.made >= p.max_tokens or len(req.prompt) + req.made >= self.max_model_len:
+        elif req.num_output_tokens >= p.max_tokens or len(req.prompt) + req.num_output_tokens >= self.max_model_len:
             self._finish(req, "length")
-        else:
-            req.next_token = tok
-
-
-def _top(lp: torch.Tensor, k: int) -> list:
-    """The ``k`` most likely ``[(id, logprob)]`` of each row of ``lp [n, V]`` (``k = 0``: empty lists)."""
-    if k <= 0:
-        return [[] for _ in range(lp.shape[0])]
-    v, i = lp.topk(min(k, lp.shape[-1]), -1)
-    return [list(zip(a, b)) for a, b in zip(i.tolist(), v.tolist())]
