@@ -38,11 +38,14 @@ class _Counted:
 
     def __init__(self, engine, tok):
         self.calls = {"submit": 0, "check": 0, "encode": 0, "template": 0}
-        for obj, name in ((engine, "submit"), (engine, "check"), (tok, "encode"), (tok._tok, "apply_chat_template")):
-            self._wrap(obj, name)
+        for obj, name in ((engine, "submit"), (engine, "submit_group"), (engine, "check"), (tok, "encode"),
+                          (tok._tok, "apply_chat_template")):  # fmt: skip
+            if hasattr(obj, name):
+                self._wrap(obj, name)
 
     def _wrap(self, obj, name):
-        inner, key = getattr(obj, name), "template" if name == "apply_chat_template" else name
+        inner = getattr(obj, name)
+        key = {"apply_chat_template": "template", "submit_group": "submit"}.get(name, name)
 
         def counted(*a, **kw):
             self.calls[key] += 1
