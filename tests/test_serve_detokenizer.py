@@ -24,7 +24,9 @@ def bpe():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+    )
     tok.train_from_iterator(TEXTS * 20 + ["the loop runs again and again, the loop ends"] * 20, trainer)
     assert tokenizers
 
@@ -56,7 +58,7 @@ def test_token_by_token_text_equals_the_whole_decode(kind, bpe):
         for text in TEXTS:
             ids = tok.encode(text)
             it, offsets, _ = _stream(tok, ctx, ids)
-            want = tok.decode(ctx + ids)[len(tok.decode(ctx)):]
+            want = tok.decode(ctx + ids)[len(tok.decode(ctx)) :]
             assert it.finish() == want, (kind, text)
             # each token's offset is where its text begins; the text never shows a partial character
             assert offsets == sorted(offsets) and offsets[0] == 0
@@ -95,7 +97,7 @@ def _first_stop(text: str, stops: list[str]) -> str:
         i = text.find(s)
         if i >= 0 and (best is None or (i + len(s), -len(s)) < best):
             best = (i + len(s), -len(s))
-    return text if best is None else text[:best[0] + best[1]]
+    return text if best is None else text[: best[0] + best[1]]
 
 
 def _held(text: str, stops: list[str]) -> int:
@@ -133,7 +135,7 @@ def test_shown_holds_back_the_longest_end_that_begins_a_stop_string():
         text += ch
         if it.stopped:
             break
-        assert it.shown() == text[:len(text) - _held(text, stops)], text
+        assert it.shown() == text[: len(text) - _held(text, stops)], text
     assert it.stopped and it.text == "z"  # "abcab" ended at the 6th character
 
 

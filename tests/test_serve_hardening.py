@@ -124,7 +124,10 @@ def test_refusals_by_size_and_count_come_before_any_work(app):
         r = _post(client, body, "/v1/chat/completions" if "messages" in body else "/v1/completions")
         assert r.status_code == 400, (body, r.text)
         assert field in _fields(r), (field, r.json())
-        assert counted.calls == dict.fromkeys(counted.calls, 0), (field, counted.calls)  # no template, tokenizing, check
+        assert counted.calls == dict.fromkeys(counted.calls, 0), (
+            field,
+            counted.calls,
+        )  # no template, tokenizing, check
         assert time.perf_counter() - t0 < 1.0
     # what is too long in characters may still fit when it is near the bound: it is tokenized and checked
     counted.reset()
@@ -146,7 +149,7 @@ def test_a_body_over_the_bound_is_413_read_no_further(app):
     def chunks():
         for i in range(0, len(big), 8192):
             sent.append(i)
-            yield big[i:i + 8192].encode()
+            yield big[i : i + 8192].encode()
 
     r = client.post("/v1/completions", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413
@@ -163,7 +166,9 @@ def test_content_type_must_be_json(app):
         headers = {"content-type": ctype} if ctype else {}
         r = client.post("/v1/completions", content=body, headers=headers)
         assert r.status_code == 415, ctype
-        assert "application/json" in r.json()["error"]["message"] and r.json()["error"]["code"] == "unsupported_media_type"
+        assert (
+            "application/json" in r.json()["error"]["message"] and r.json()["error"]["code"] == "unsupported_media_type"
+        )
     assert counted.calls == dict.fromkeys(counted.calls, 0)
     r = client.post("/v1/completions", content=body, headers={"content-type": "Application/JSON; charset=utf-8"})
     assert r.status_code == 200

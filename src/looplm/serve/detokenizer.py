@@ -106,14 +106,14 @@ class IncrementalText:
         if self.stopped:
             return offset
         self.ids.append(int(token_id))
-        prefix_text = self.tok.decode(self.ids[self.prefix:self.read])
-        new_text = self.tok.decode(self.ids[self.prefix:])
+        prefix_text = self.tok.decode(self.ids[self.prefix : self.read])
+        new_text = self.tok.decode(self.ids[self.prefix :])
         if new_text.endswith("\ufffd") and len(self.ids) - self.read < _UTF8_MAX:
             # a character not complete yet: hold it back (at most 3 tokens: a UTF-8 character has at most 4 bytes,
             # so a longer run ending in U+FFFD is invalid bytes, shown as they decode)
-            self.tail = new_text[len(prefix_text):]
+            self.tail = new_text[len(prefix_text) :]
         elif len(new_text) > len(prefix_text):
-            self._append(new_text[len(prefix_text):])
+            self._append(new_text[len(prefix_text) :])
             self.prefix, self.read, self.tail = self.read, len(self.ids), ""
             # keep the window short: the last few tokens carry the context a tokenizer needs
             if self.prefix > 4 * CONTEXT_TOKENS:
@@ -129,7 +129,7 @@ class IncrementalText:
         hit = self.matcher.feed(new)
         if hit is not None:
             end, length = hit
-            self.text = self.text[:len(self.text) - len(new) + end - length]
+            self.text = self.text[: len(self.text) - len(new) + end - length]
             self.tail, self.stopped = "", True
 
     def shown(self) -> str:
@@ -137,7 +137,7 @@ class IncrementalText:
         string."""
         if self.stopped or self.matcher is None or not self.matcher.held:
             return self.text
-        return self.text[:len(self.text) - self.matcher.held]
+        return self.text[: len(self.text) - self.matcher.held]
 
     def finish(self) -> str:
         """The final text: a held-back partial character is shown as decoded (``'\\ufffd'``), a stop string
