@@ -506,7 +506,8 @@ async def _endpoint(state: _ServerState, request: Request, kind: str):
         request.app.state.guard(request)
         _require_json(request)
         body = await _read_body(request, state.max_body_bytes)
-        req, errors = parse_request(body, ChatRequest if kind == "chat" else CompletionRequest)
+        req, errors = parse_request(body, ChatRequest if kind == "chat" else CompletionRequest,
+                                    max_messages=state.context_tokens())  # fmt: skip
         del body
         if errors:
             raise APIError.bad_fields(errors)
@@ -561,19 +562,19 @@ async def _read_body(request: Request, limit: int) -> bytes:
     By hand: neither starlette nor uvicorn bounds a request body."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise _too_large(int(declared), limit)
+        raise _too_large(f"{int(declared)} bytes", limit)
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise _too_large(size, limit)
+            raise _too_large("sent without a Content-Length", limit)
         chunks.append(chunk)
     return b"".join(chunks)
 
 
-def _too_large(size: int, limit: int) -> APIError:
-    return APIError(413, f"the request body is {'over ' if size > limit else ''}{size} bytes, more than this server's "
-                         f"bound of {limit} bytes (--max-body-mib): send a shorter prompt or fewer prompts per request",
+def _too_large(size: str, limit: int) -> APIError:
+    return APIError(413, f"the request body ({size}) is over this server's bound of {limit} bytes (--max-body-mib): "
+                         "send a shorter prompt or fewer prompts per request",
                     param="body", code="request_too_large")  # fmt: skip
 
 
@@ -597,10 +598,7 @@ def _check_sizes(state: _ServerState, req, kind: str) -> None:
     if kind == "chat":
         n_prompts = 1
         chars = sum(len(m.text()) + len(m.name or "") for m in req.messages)
-        if ctx is not None and len(req.messages) > ctx:
-            errors.append(FieldError("messages", f"holds {len(req.messages)} messages, more than the model's context "
-                                                 f"of {ctx} tokens can hold: send fewer"))  # fmt: skip
-        elif max_chars is not None and chars > max_chars:
+        if max_chars is not None and chars > max_chars:  # (more messages than the context's tokens: parse_request)
             errors.append(FieldError("messages", f"hold {chars} characters, more than the model's context of {ctx} "
                                                  f"tokens can hold with this tokenizer (at most {max_chars}): shorten them"))  # fmt: skip
     else:

@@ -347,9 +347,10 @@ _UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-
                "ContentPart", "StreamOptions", "LoopLMOptions", "ResponseFormat"}  # fmt: skip
 
 
-def parse_request(body: bytes, model: type[_Common]) -> tuple[_Common | None, list[FieldError]]:
+def parse_request(body: bytes, model: type[_Common], max_messages: int | None = None) -> tuple[_Common | None, list[FieldError]]:
     """The request in ``body`` (UTF-8 JSON; a leading BOM is ignored) and every error found in it: the request
-    only when there is none (a refused field is never used)."""
+    only when there is none (a refused field is never used). ``max_messages``: more messages than this (the
+    context's tokens) are refused before any is validated."""
     try:
         text = bytes(body).decode("utf-8")  # RFC 8259: JSON between systems is UTF-8
     except UnicodeDecodeError as e:
@@ -365,6 +366,10 @@ def parse_request(body: bytes, model: type[_Common]) -> tuple[_Common | None, li
         return None, [FieldError("body", f"is not valid JSON ({e}){hint}: send one JSON object")]
     if not isinstance(data, dict):
         return None, [FieldError("body", f"must be a JSON object, got {_short(data)}")]
+    messages = data.get("messages")
+    if max_messages is not None and isinstance(messages, list) and len(messages) > max_messages:
+        return None, [FieldError("messages", f"holds {len(messages)} messages, more than the model's context of "
+                                             f"{max_messages} tokens can hold: send fewer")]  # fmt: skip
     try:
         req = model.model_validate(data)
     except ValidationError as e:
