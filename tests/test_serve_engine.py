@@ -239,6 +239,44 @@ def test_chunked_prefill_equals_the_whole_prompt(engine_of):
         eng.shutdown()
 
 
+@pytest.mark.parametrize("schedule", ["depth", "token"])
+@pytest.mark.parametrize("exit", [None, "kl:0.004"])
+def test_batched_prefill_equals_generate_alone(engine_of, exit, schedule):
+    """Prompts that wait together are prefilled as one right-padded forward (while the engine was held, four
+    arrive): each request's tokens and depths still equal ``model.generate`` of its prompt alone; models whose
+    prompt caches hold a state that runs over positions (Mamba-2) prefill one prompt at a time."""
+    m = _model()
+    N = 8
+    prompts = _prompts(5)
+    refs = [_alone(m, p, N, exit) for p in prompts]
+    eng = engine_of(m, max_batch=5, exit=exit, exit_schedule=schedule, prefill_chunk=64)
+    assert eng.runner.can_batch_prefill
+    batches = []
+    real = eng.runner.prefill_batch
+    eng.runner.prefill_batch = lambda rids, ps: batches.append(len(rids)) or real(rids, ps)
+    hold, held = threading.Event(), threading.Event()
+
+    def block(c):
+        if len(c.tokens) == 1:
+            held.set()
+            hold.wait(WAIT_S)
+
+    sp = SamplingParams(max_tokens=N, temperature=0)
+    cs = [Collect(then=block)] + [Collect() for _ in prompts[1:]]
+    eng.submit(prompts[0], sp, cs[0])
+    assert held.wait(WAIT_S)
+    for p, c in zip(prompts[1:], cs[1:]):
+        eng.submit(p, sp, c)
+    hold.set()
+    for (toks, depths), c in zip(refs, cs):
+        assert c.wait().tokens == toks
+        if exit is not None:
+            assert c.depths[1:] == depths
+    assert batches == [4]  # the four prompts that waited: one forward (12 × 4 = 48 padded tokens <= 64)
+    assert eng.stats()["prompt_tokens_total"] == sum(map(len, prompts))
+    assert not engine_of(_model("tiny-hybrid"), max_batch=2).runner.can_batch_prefill
+
+
 def test_echo_without_generation_needs_no_row(engine_of):
     """``max_tokens = 0`` with prompt logprobs (lm-eval's loglikelihood request): the prompt's logprobs, no token,
     finish 'length' — even while every row is busy."""
@@ -278,31 +316,35 @@ def test_a_seed_fixes_a_sample_whatever_the_batch(engine_of):
 
 # ------------------------------------------------------------------------------------------------ the KV budget
 @pytest.mark.parametrize("exit,schedule,prefill", [(None, "depth", "full"), ("kl:0.004", "depth", "full"),
-                                                   ("kl:0.004", "token", "full"), ("kl:0.004", "depth", "exit")])
+                                                   ("kl:0.004", "token", "full"), ("kl:0.004", "depth", "exit"),
+                                                   ("kl:0.004", "depth", "batched")])
 def test_preemption_under_a_tiny_budget_keeps_every_output_exact(engine_of, exit, schedule, prefill):
     """Six requests through four rows under a budget that admits two or three of them: the running ones outgrow
     it, the youngest are preempted, prefilled again and replay the tokens they had made at the depths they ran;
     every request's greedy tokens and depths still equal ``model.generate`` alone, a seeded sample equals its
     sample alone, and the cache tokens held never pass the budget (checked at every token, in the engine's
-    thread)."""
+    thread). ``batched``: prompts prefilled together where they wait together (chunks of 64 tokens)."""
     m = _model()
     K, N = m.config.n_loops, 12
     prompts = _prompts(6)
-    ref_exit = exit if prefill == "full" else {"criterion": "kl", "threshold": 0.004, "prefill": "exit"}  # (prompts at adaptive depth)
+    ref_exit = exit if prefill != "exit" else {"criterion": "kl", "threshold": 0.004, "prefill": "exit"}  # (prompts at adaptive depth)
     refs = [_alone(m, p, N, ref_exit) for p in prompts]
     sp = SamplingParams(max_tokens=N, temperature=1.0, top_k=50, seed=5)
     ref_s = _model().generate(torch.tensor([prompts[1]]), N, do_sample=True, temperature=1.0, top_k=50, exit=ref_exit,
                               generator=torch.Generator().manual_seed(5))[0, len(prompts[1]):].tolist()  # fmt: skip
     budget = (max(map(len, prompts)) + N + 10) * K  # cache tokens (kv='copy' keeps K loop slots per token)
-    eng = engine_of(m, max_batch=4, exit=exit, exit_schedule=schedule, prefill_chunk=4 if prefill == "full" else None,
-                    prefill=prefill, kv_budget=budget)
+    eng = engine_of(m, max_batch=4, exit=exit, exit_schedule=schedule, prefill_chunk={"full": 4, "batched": 64}.get(prefill),
+                    prefill="full" if prefill == "batched" else prefill, kv_budget=budget)
     assert eng.stats()["kv_budget_tokens"] == budget and eng.stats()["kv_slots"] == K
-    held = []
+    held, batches = [], []
+    real = eng.runner.prefill_batch
+    eng.runner.prefill_batch = lambda rids, ps: batches.append(len(rids)) or real(rids, ps)
     cs = [Collect(then=lambda c: held.append(eng.scheduler.kv_tokens_used())) for _ in prompts]
-    for i, (p, c) in enumerate(zip(prompts, cs)):
-        eng.submit(p, sp if i == 1 else SamplingParams(max_tokens=N, temperature=0), c)
+    eng.submit_group([(p, sp if i == 1 else SamplingParams(max_tokens=N, temperature=0), c)
+                      for i, (p, c) in enumerate(zip(prompts, cs))])  # fmt: skip
     for c in cs:
         c.wait()
+    assert bool(batches) == (prefill == "batched")  # (the group arrives at once: the first three fit the budget)
     for i, ((toks, depths), c) in enumerate(zip(refs, cs)):
         assert c.finish.reason == "length" and c.finish.completion_tokens == N
         if i == 1:
@@ -484,7 +526,7 @@ def test_a_prefilling_request_counts_once_against_the_queue(engine_of):
     eng.submit([1, 2, 3], sp, first)
     eng.submit(long_prompt, sp, long_)
     assert held.wait(WAIT_S)
-    assert eng.scheduler.prefilling is not None and eng.scheduler.prefilling.prompt == long_prompt
+    assert [r.prompt for r in eng.scheduler.prefilling] == [long_prompt]
     assert eng.stats()["running"] == 2 and eng.stats()["waiting"] == 0
     third = Collect()
     eng.submit([4, 5], sp, third)  # (refused before: the prefilling request counted as waiting too)

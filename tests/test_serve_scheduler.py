@@ -29,6 +29,7 @@ class Sim:
         self.flight: list[int] = []  # rows with a token in flight
         self.prefills: list[tuple] = []  # (request id, start, end) of every chunk run
         self.decoded: list[list] = []  # per step: the (row, token, forced depth) started
+        self.batches: list[list] = []  # the request ids of each batched prefill
 
     def step(self, hold=()):
         """One step; rows in ``hold`` keep their token in flight through this pass."""
@@ -36,8 +37,9 @@ class Sim:
         plan = s.schedule()
         self.decoded.append([(t.row, t.token_id, t.forced_depth) for t in plan.decode])
         self.flight += [t.row for t in plan.decode]
-        c = plan.prefill
-        if c is not None:
+        if len(plan.prefill) > 1:
+            self.batches.append([c.request.id for c in plan.prefill])
+        for c in plan.prefill:
             self.prefills.append((c.request.id, c.start, c.end))
             if c.last:
                 req = c.request
@@ -91,7 +93,7 @@ def test_admission_is_fifo_one_prompt_a_step_and_bounded_by_max_batch():
     sim.step()  # r1 starts its token; r2 takes row 1
     assert sim.decoded[-1] == [(0, 100, 0)] and reqs[1].row == 1
     plan = sim.step()  # no free row: no prefill
-    assert plan.prefill is None and s.num_running == 2 and s.num_waiting == 3
+    assert plan.prefill == [] and s.num_running == 2 and s.num_waiting == 3
     sim.run()
     assert [p[0] for p in sim.prefills] == [1, 2, 3, 4, 5]  # FIFO: nobody overtakes the head
     assert all(r.status is RS.FINISHED_LENGTH and r.output_token_ids == [100, 101, 102, 103, 104] for r in reqs)
@@ -109,7 +111,7 @@ def test_chunked_prefill_plans_never_leave_one_token_and_decoding_rows_keep_movi
         sim.step()
         assert sim.decoded[-1] and sim.decoded[-1][0][0] == a.row
     assert sim.prefills[:4] == [(1, 0, 2), (2, 0, 4), (2, 4, 8), (2, 8, 10)]
-    assert b.status is RS.RUNNING and s.prefilling is None
+    assert b.status is RS.RUNNING and s.prefilling == []
     s.finish(b, RS.FINISHED_ABORTED)
     sim.step()
     sim.step()
@@ -117,7 +119,7 @@ def test_chunked_prefill_plans_never_leave_one_token_and_decoding_rows_keep_movi
     whole = Scheduler(max_batch=1, prefill_chunk=None)
     whole.add(_req(9, prompt_len=50))
     plan = whole.schedule()
-    assert (plan.prefill.start, plan.prefill.end, plan.prefill.last) == (0, 50, True)
+    assert [(c.start, c.end, c.last) for c in plan.prefill] == [(0, 50, True)]
 
 
 def test_a_prefilling_request_holds_a_row_and_does_not_also_wait():
@@ -125,7 +127,7 @@ def test_a_prefilling_request_holds_a_row_and_does_not_also_wait():
     s = Scheduler(max_batch=1, max_waiting=1, prefill_chunk=2)
     s.add(_req(1, prompt_len=12))
     s.schedule()
-    assert s.prefilling is not None and s.num_running == 1 and s.num_waiting == 0 and s.num_held == 1
+    assert len(s.prefilling) == 1 and s.num_running == 1 and s.num_waiting == 0 and s.num_held == 1
     assert s.room() == 1  # one more may wait
     s.add(_req(2))
     assert s.room() == 0 and s.room(pending=1) == -1
@@ -144,7 +146,7 @@ def test_the_kv_budget_holds_a_request_back_until_rows_free():
     assert plan.kv_tokens == 4 * S and a.row is not None  # a prefilling: its prompt
     assert s.kv_tokens_used() == 4 * S  # placed: its 4 columns, nothing in flight
     plan = sim.step()  # a starts a token: 5 columns held in flight; b needs 10 × S more: over the budget
-    assert plan.prefill is None and plan.kv_tokens == 5 * S and b.status is RS.WAITING
+    assert plan.prefill == [] and plan.kv_tokens == 5 * S and b.status is RS.WAITING
     sim.run()
     assert a.finished and b.finished and b.num_preemptions == 0
     assert [p[0] for p in sim.prefills] == [1, 2]
@@ -221,9 +223,9 @@ def test_aborts_free_capacity_wherever_the_request_is():
     assert s.room() == 1 and w2 not in s.waiting
     row = pre.row
     s.finish(pre, RS.FINISHED_STOPPED)  # prefilling: its row frees at once
-    assert s.rows[row] is None and s.prefilling is None and s.room() == 2
+    assert s.rows[row] is None and s.prefilling == [] and s.room() == 2
     plan = s.schedule()  # run starts a token (in flight now); w1 takes the freed row
-    assert plan.prefill.request is w1 and [t.row for t in plan.decode] == [run.row]
+    assert [c.request for c in plan.prefill] == [w1] and [t.row for t in plan.decode] == [run.row]
     s.finish(run, RS.FINISHED_ABORTED)  # in flight: the row is held until its token exits
     assert s.rows[run.row] is run and s.room() == 2
     sample, _ = s.update_from_output([0])
@@ -240,7 +242,7 @@ def test_echo_requests_prefill_without_a_row_and_the_token_schedule_waits_for_th
     s.add(echo)
     sim.step()
     plan = sim.step()  # the one row is busy: the max_tokens = 0 request prefills anyway, without a row
-    assert plan.prefill.request is echo and echo.row is None and echo.status is RS.FINISHED_LENGTH
+    assert [c.request for c in plan.prefill] == [echo] and echo.row is None and echo.status is RS.FINISHED_LENGTH
     tok = Scheduler(max_batch=2, wait_for_batch=True)
     sim = Sim(tok)
     a, b = _req(1, max_tokens=4), _req(2, max_tokens=4)
@@ -252,6 +254,51 @@ def test_echo_requests_prefill_without_a_row_and_the_token_schedule_waits_for_th
     assert sim.step(hold=[0]).decode == []  # a's token in flight: b may not start (the token schedule)
     assert sim.step().decode == []  # (a's token exits at this step's pass)
     assert sorted(t.row for t in sim.step().decode) == [0, 1]  # then the batch starts together
+
+
+def test_batched_prefill_packs_whole_prompts_in_order_within_the_chunk():
+    """Whole prompts join the head's in one batch while rows, the budget and ``requests × longest <= prefill_chunk``
+    hold them; an echo request, one without a row (``max_tokens = 0``) or a prompt longer than a chunk runs alone,
+    and nobody overtakes the queue's head."""
+    s = Scheduler(max_batch=4, prefill_chunk=12, batch_prefill=True)
+    sim = Sim(s)
+    lens = [3, 4, 3, 5, 2]
+    reqs = [_req(i + 1, prompt_len=n, max_tokens=2) for i, n in enumerate(lens)]
+    for r in reqs:
+        s.add(r)
+    plan = sim.step()  # 3 × 4 = 12 tokens: the first three; the fourth would make 4 × 5 = 20
+    assert [c.request.id for c in plan.prefill] == [1, 2, 3] and all(c.last and c.start == 0 for c in plan.prefill)
+    assert [r.row for r in reqs[:3]] == [0, 1, 2] and all(r.status is RS.RUNNING for r in reqs[:3])
+    plan = sim.step()  # one row left: the fourth alone
+    assert [c.request.id for c in plan.prefill] == [4]
+    sim.run()
+    assert sim.batches == [[1, 2, 3]] and all(r.output_token_ids == [100, 101] for r in reqs)
+
+    s = Scheduler(max_batch=4, prefill_chunk=12, batch_prefill=True)
+    sim = Sim(s)
+    echo, zero = _req(2, prompt_len=2), _req(4, prompt_len=2, max_tokens=0)
+    echo.echo = True
+    for r in (_req(1, prompt_len=2), echo, _req(3, prompt_len=2), zero, _req(5, prompt_len=2), _req(6, prompt_len=20)):
+        s.add(r)
+    ids = [[c.request.id for c in sim.step().prefill] for _ in range(6)]
+    assert ids == [[1], [2], [3], [4], [5], [6]]  # each next one is echo, max_tokens = 0 or longer than a chunk
+    assert [c.end for c in sim.step().prefill] == [20]  # (6 in chunks of 12: 12, then the last 8)
+    sim.run()
+    for flag, chunk in ((False, 12), (True, None)):  # off, or no chunk: one prompt a step
+        s = Scheduler(max_batch=4, prefill_chunk=chunk, batch_prefill=flag)
+        for i in range(3):
+            s.add(_req(i + 1, prompt_len=2))
+        assert len(s.schedule().prefill) == 1
+
+
+def test_batched_prefill_stops_at_the_budget():
+    S = 2
+    s = Scheduler(max_batch=4, kv_budget=(4 + 3) * S * 2, slots_per_token=S, prefill_chunk=64, batch_prefill=True)
+    for i in range(3):
+        s.add(_req(i + 1, prompt_len=4, max_tokens=3))
+    plan = s.schedule()  # each needs (4 + 3) × S beside the prompts admitted before it: two fit
+    assert [c.request.id for c in plan.prefill] == [1, 2] and s.kv_tokens_used() == 2 * 4 * S
+    assert s.waiting[0].id == 3 and s.waiting[0].row is None
 
 
 def test_finish_all_ends_everything_and_frees_every_row():

@@ -12,10 +12,14 @@ events; each *step* of its thread is schedule -> run -> sample -> output, each i
     0. the inbox: new requests (a group at a time) and aborts, thread-safe;
     1. **schedule** (:mod:`.scheduler`, pure Python): the plan of the step — which rows start their next token
        (fitted to the KV budget, the youngest requests preempted where they outgrow it) and which prompt chunk
-       runs (the one being prefilled, or the oldest waiting request's, when a row is free and the budget holds it);
-    2. **run** (:mod:`.runner`): the prompt chunk runs **alone** at full depth in a cache of its own (one chunk
-       of ``prefill_chunk`` tokens per step, so a long prompt does not stall the rows decoding); after its last
-       chunk its slots are copied into its row's columns ``< p`` of the batch cache (``place``). With
+       runs (the one being prefilled, or the oldest waiting request's, when a row is free and the budget holds it),
+       or which whole prompts run together (batched prefill: the waiting prompts, in order, whose padded tokens fit
+       in one chunk);
+    2. **run** (:mod:`.runner`): the prompt chunk runs at full depth in a cache of its own (one chunk of
+       ``prefill_chunk`` tokens per step, so a long prompt does not stall the rows decoding), or the batch of whole
+       prompts as one right-padded forward (each prompt's tokens before its padding: under causal attention they
+       compute as alone; only where a prompt's caches are attention KV, no Mamba-2 state); after its last chunk a
+       prompt's slots are copied into its row's columns ``< p`` of the batch cache (``place``). With
        ``EngineConfig.prefill='exit'`` a prompt whose request takes exits runs at adaptive depth instead, whole,
        in one call: its tokens after the first take the exits at the request's threshold, all at once
        (:func:`looplm.decode.exit_forward.adaptive_forward`, which leaves its cache as decoding the prompt token
@@ -41,10 +45,11 @@ another ``loops``, ``speculative`` — is refused by :meth:`Engine.check` with a
 field, before any work.
 
 Exactness: a row's arithmetic depends only on its own tokens (per-row columns, masks and positions; the
-prompt prefilled alone), and sampling draws from the request's own generator (``seed``), so a request's output
+prompt prefilled alone, or before its padding in a batch of prompts), and sampling draws from the request's own generator (``seed``), so a request's output
 does not depend on the other requests in the batch; in fp32 greedy output equals ``model.generate`` of the
 prompt alone, at full depth and under each criterion (with ``prefill='exit'``: ``generate`` with
-``Exit(prefill='exit')``), up to the row count of the products (``tests/test_serve_engine.py``).
+``Exit(prefill='exit')``; with batched prefill too), up to the row count of the products
+(``tests/test_serve_engine.py``).
 """
 
 from __future__ import annotations
@@ -163,7 +168,8 @@ class EngineConfig:
     ``prefill``: ``'full'`` (a prompt at every loop, the default) or ``'exit'`` (a prompt whose request takes exits
     at adaptive depth, whole: ``prefill_chunk`` must then be None);
     ``max_waiting``: the bounded queue (a request beyond it gets :class:`QueueFull`); ``prefill_chunk``: the
-    most prompt tokens prefilled per tick (None: a whole prompt); ``kv_budget``: the cache tokens requests may
+    most prompt tokens prefilled per step: one prompt's chunk, or whole prompts prefilled together (requests ×
+    the longest prompt; None: one whole prompt a step); ``kv_budget``: the cache tokens requests may
     hold (:func:`parse_kv_budget`: an int or ``'4096'`` in cache tokens — one token's keys and values at one loop
     slot of every layer — or ``'2GiB'`` / ``'512MiB'`` / ``'1.5GB'`` of memory; None: the whole cache block).
     A request counts ``(prompt + max_tokens) × S`` cache tokens at its admission, ``S`` the loop slots its
@@ -198,7 +204,7 @@ class EngineConfig:
             errs.append(f"max_waiting must be an int >= 0 (the bounded queue), got {self.max_waiting!r}")
         if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int)
                                                or self.prefill_chunk < 2):  # fmt: skip
-            errs.append(f"prefill_chunk must be an int >= 2 (prompt tokens per tick) or None (whole prompts), got {self.prefill_chunk!r}")
+            errs.append(f"prefill_chunk must be an int >= 2 (prompt tokens per step) or None (whole prompts), got {self.prefill_chunk!r}")
         if self.prefill not in ("full", "exit"):
             errs.append(f"prefill must be 'full' (a prompt at every loop) or 'exit' (its tokens after the first take the "
                         f"exits), got {self.prefill!r}")  # fmt: skip
@@ -466,8 +472,8 @@ class Engine:
                 raise QueueFull(f"{held} requests are queued or running for {B} rows (max_waiting={W}, {free} rows free); "
                                 f"{n} more do not fit: try again later")  # fmt: skip
             self._pending += n
-            reqs = [_Request(next(self._ids), p, params.max_tokens, params=params, on_event=cb, thr=thr, checks=checks, gen=gen)
-                    for p, params, cb, thr, checks, gen in made]  # fmt: skip
+            reqs = [_Request(next(self._ids), p, params.max_tokens, echo=params.prompt_logprobs, params=params, on_event=cb,
+                             thr=thr, checks=checks, gen=gen) for p, params, cb, thr, checks, gen in made]  # fmt: skip
         self._inbox.put(("submit", reqs))
         self._wake.set()
         return [RequestHandle(self, r.id) for r in reqs]
@@ -563,7 +569,8 @@ class Engine:
         self._S = self.runner.slots_per_token
         self._size_budget()
         self.scheduler = Scheduler(self.config.max_batch, self.config.max_waiting, self._budget, self._S,
-                                   self.config.prefill_chunk, wait_for_batch=self.config.exit_schedule == "token")  # fmt: skip
+                                   self.config.prefill_chunk, wait_for_batch=self.config.exit_schedule == "token",
+                                   batch_prefill=self.runner.can_batch_prefill and self._prefill_exit is None)  # fmt: skip
 
     def _size_budget(self) -> None:
         """``config.kv_budget`` in cache tokens (a memory size: what is left after the rows' fixed Mamba-2
@@ -647,8 +654,10 @@ class Engine:
         self._gauges.update(running=sched.num_running, waiting=sched.num_waiting, kv_tokens_used=plan.kv_tokens)
         if plan.empty and not runner.in_flight:
             return bool(plan.preempted)
-        if plan.prefill is not None:
-            self._prefill(plan.prefill)
+        if len(plan.prefill) == 1:
+            self._prefill(plan.prefill[0])
+        elif plan.prefill:
+            self._prefill_batch(plan.prefill)
         out = runner.step(plan.decode)
         if out is not None:
             self._update(out)
@@ -657,7 +666,7 @@ class Engine:
 
     def _prefill(self, chunk: PrefillChunk) -> None:
         """Run a prompt chunk; after the last, its prompt logprobs (echo), its row (placed) and its first token."""
-        req, P = chunk.request, len(chunk.request.prompt)
+        req = chunk.request
         echo = req.params.prompt_logprobs and not req.prompt_reported
         if echo and chunk.start == 0:
             req.prompt_lp, req.prompt_top = [None], [None]
@@ -670,20 +679,37 @@ class Engine:
             lp, top = self._sampler.prompt_logprobs(logits, req.prompt[chunk.start + 1 : chunk.end + 1], req.params.logprobs or 0)
             req.prompt_lp += lp
             req.prompt_top += top
-        if not chunk.last:
-            return
-        if not req.prompt_reported:
-            req.prompt_reported = True
-            self._totals["prompt_tokens_total"] += P
-            if echo:
-                self._emit(req, PromptEvent(req.prompt_lp, req.prompt_top))
-        if req.max_tokens == 0:
-            self._finish(req, "length")
-            return
-        self.scheduler.place(req)
-        self.runner.place(req.id, req.row, P, req.thr, req.checks)
-        if req.next_token is None:  # (preempted before: it replays the tokens it had made, from the first)
-            self._token(req, self._sampler.sample([req.params], [req.gen], logits[-1:])[0], first_depth)
+        if chunk.last:
+            self._prefilled([req], logits[-1:], first_depth)
+
+    def _prefill_batch(self, chunks: list) -> None:
+        """Whole prompts as one forward (the scheduler's batched prefill: no echo among them), then each placed."""
+        reqs = [c.request for c in chunks]
+        logits, depth = self.runner.prefill_batch([r.id for r in reqs], [r.prompt for r in reqs])  # [n, V]
+        self._prefilled(reqs, logits, depth)
+
+    def _prefilled(self, reqs: list, last_logits: torch.Tensor, depth: int) -> None:
+        """Prompts that ran whole: each is counted (and echoed) once, placed in its row and given its first token
+        from its row of ``last_logits [n, V]`` (a preempted request replays the tokens it had made instead)."""
+        new = []
+        for i, req in enumerate(reqs):
+            if not req.prompt_reported:
+                req.prompt_reported, req.echo = True, False  # (a preempted request's prompt runs again, echo or not)
+                self._totals["prompt_tokens_total"] += len(req.prompt)
+                if req.params.prompt_logprobs:
+                    self._emit(req, PromptEvent(req.prompt_lp, req.prompt_top))
+            if req.max_tokens == 0:
+                self._finish(req, "length")
+                continue
+            self.scheduler.place(req)
+            self.runner.place(req.id, req.row, len(req.prompt), req.thr, req.checks)
+            if req.next_token is None:  # (preempted before: it replays the tokens it had made, from the first)
+                new.append(i)
+        if new:
+            picks = self._sampler.sample([reqs[i].params for i in new], [reqs[i].gen for i in new],
+                                         last_logits if len(new) == len(reqs) else last_logits[new])  # fmt: skip
+            for i, pick in zip(new, picks):
+                self._token(reqs[i], pick, depth)
 
     def _update(self, out) -> None:
         """A pass's exits: the scheduler moves their rows on; the new tokens are sampled and sent."""

@@ -6,6 +6,11 @@ tokens in flight, each row's column and the prompts' own prefill caches. The eng
 
 * :meth:`ModelRunner.prefill` — a chunk of a prompt, alone, at full depth into the request's own cache (or, with
   ``prefill='exit'``, the whole prompt at adaptive depth): its logits;
+* :meth:`ModelRunner.prefill_batch` — several whole prompts as one forward, right-padded to the longest: each
+  row's tokens come before its padding, so under causal attention they compute as the prompt alone would
+  (positions from 0, no mask); a row's logits are read at its own last position. Only where every cache slot of
+  a prompt is attention KV (:attr:`ModelRunner.can_batch_prefill`: a Mamba-2 state would run on through the
+  padding);
 * :meth:`ModelRunner.place` — a prefilled prompt into its batch row (its slots copied into the row's columns);
 * :meth:`ModelRunner.step` — the rows given start their next tokens, and **one core pass** runs over every row in
   flight: a :class:`StepOutput` of the rows whose token exited, their logits and the loops each ran.
@@ -22,6 +27,7 @@ import torch
 
 from ..cache import SharedKV
 from ..decode.depth_schedule import DepthBatchedDecoder, copy_prompt_rows
+from ..layers.attention import KVCache
 
 __all__ = ["ModelRunner", "ServeDecoder", "StepOutput"]
 
@@ -127,21 +133,24 @@ class ServeDecoder(DepthBatchedDecoder):
         finally:
             self.cache = main
 
-    def new_part(self, p: int):
-        """A prompt's own cache: one row, ``p`` columns, every loop."""
-        return self.model.new_cache(1, self.R, capacity=p, kv_shared=self.cache.kv_shared)
+    def new_part(self, p: int, rows: int = 1):
+        """A prompt's own cache (or a batch of prompts'): ``rows`` rows, ``p`` columns, every loop."""
+        return self.model.new_cache(rows, self.R, capacity=p, kv_shared=self.cache.kv_shared)
 
-    def place(self, b: int, part, p: int, thr: float, checks: bool) -> None:
-        """Row ``b`` takes a prefilled prompt: ``part``'s slots into its columns ``< p`` of every slot (every
-        loop), its mask and column reset (its first token goes in at column ``p``)."""
+    def place(self, b: int, part, p: int, thr: float, checks: bool, src_row: int | None = None) -> None:
+        """Row ``b`` takes a prefilled prompt: ``part``'s slots (``src_row`` of a batch's KV slots; None: a one-row
+        part's, whatever their kind) into its columns ``< p`` of every slot (every loop), its mask and column reset
+        (its first token goes in at column ``p``)."""
         main, dev = self.cache, self.col.device
         self.flush()
         rows = torch.tensor([b], device=dev)
-        for key, src in part.slots.items():
-            if not isinstance(src, SharedKV):
-                copy_prompt_rows(src, main.slots[key], rows, p)
-        for fam, src in part.shared.items():
-            copy_prompt_rows(src, main.shared[fam], rows, p)
+        pairs = [(src, main.slots[key]) for key, src in part.slots.items() if not isinstance(src, SharedKV)]
+        pairs += [(src, main.shared[fam]) for fam, src in part.shared.items()]
+        for src, dst in pairs:
+            if src_row is None:
+                copy_prompt_rows(src, dst, rows, p)
+            else:
+                _place_kv(src, dst, src_row, b, p)
         self.col[b] = p
         self.attn_rows[b] = self.keys <= p
         self.row_thr[b] = thr
@@ -165,11 +174,21 @@ class ServeDecoder(DepthBatchedDecoder):
         self.attn_rows.index_put_((rows, c), self.yes)
 
 
+def _place_kv(src: KVCache, dst: KVCache, i: int, b: int, p: int) -> None:
+    """Row ``i`` of a batch's KV slot ``src``, columns ``< p``, into row ``b`` of ``dst`` (a view of a flat buffer
+    writes the buffer)."""
+    if src._k is None:  # (a slot the prompts never wrote)
+        return
+    dst._k[b, :, :p] = src._k[i, :, :p].to(dst._k.dtype)  # [H_kv, p, hd]
+    dst._v[b, :, :p] = src._v[i, :, :p].to(dst._v.dtype)
+
+
 class ModelRunner:
     """The batch's model step (module docstring): ``max_batch`` rows of ``max_model_len`` columns at every loop
     slot, under the resolved exit ``exit``. ``slots_per_token`` (``S``): the cache tokens a token position holds
     (the loops' K slots, or 1 under ``kv='shared'``); ``bytes_per_token``: one cache token's bytes; ``ssm_bytes``:
-    the rows' fixed Mamba-2 states."""
+    the rows' fixed Mamba-2 states; ``can_batch_prefill``: every slot of a prompt's cache is attention KV, so
+    prompts may run as one right-padded batch (:meth:`prefill_batch`)."""
 
     def __init__(self, model, max_batch: int, max_model_len: int, exit):
         B = max_batch
@@ -179,7 +198,12 @@ class ModelRunner:
         self.col = [0] * B  # host copy of each row's column
         self.cohorts: list = []  # the tokens in flight, one cohort per start
         self.in_flight: set = set()  # rows with a token in flight
-        self.parts: dict = {}  # request id -> its prompt's own prefill cache
+        self.parts: dict = {}  # request id -> (its prompt's prefill cache, its row there: None for a one-row cache)
+        probe = dec.new_part(2)  # which slots a prompt writes: attention KV only, or state that runs over positions
+        with torch.no_grad():
+            dec.prefill(probe, torch.zeros(1, 2, dtype=torch.long, device=dec.col.device), 1)
+        self.can_batch_prefill = (all(isinstance(v, (KVCache, SharedKV)) for v in probe.slots.values())
+                                  and all(isinstance(v, KVCache) for v in probe.shared.values()))  # fmt: skip
         seen, total = set(), 0
         for s in list(dec.cache.physical_slots()) + [b for b, _, _ in dec.kv_flat.values()]:
             for t in (getattr(s, "_k", None), getattr(s, "_v", None)):
@@ -209,19 +233,42 @@ class ModelRunner:
             raise ValueError(f"prefill of prompt tokens [{start}, {end}) keeping {keep} logits: out of the "
                              f"{len(prompt)}-token prompt")  # fmt: skip
         if start == 0:
-            self.parts[rid] = self.decoder.new_part(len(prompt))
+            self.parts[rid] = (self.decoder.new_part(len(prompt)), None)
         elif rid not in self.parts:
             raise ValueError(f"request {rid} continues a prefill at token {start} that never started")
         ids = torch.tensor([prompt[start:end]], device=self.device)  # [1, T]
-        logits, depth = self.decoder.prefill(self.parts[rid], ids, keep, exit)  # [1, keep, V]
+        logits, depth = self.decoder.prefill(self.parts[rid][0], ids, keep, exit)  # [1, keep, V]
         return logits[0], depth
+
+    def prefill_batch(self, rids: list, prompts: list) -> tuple:
+        """Whole prompts of requests ``rids`` as one forward at full depth, right-padded to the longest (module
+        docstring), into one cache their rows share. Returns ``(logits [n, V] at each prompt's last position, the
+        loops they ran)``."""
+        if not self.can_batch_prefill:
+            raise ValueError("this model's prompt caches hold more than attention KV (a Mamba-2 or rule state runs on "
+                             "through padding): prefill its prompts one at a time")  # fmt: skip
+        if len(rids) != len(prompts) or not prompts or any(not p for p in prompts):
+            raise ValueError(f"prefill_batch needs as many non-empty prompts as requests, got {len(prompts)} for {len(rids)}")
+        lens = [len(p) for p in prompts]
+        n, T = len(prompts), max(lens)
+        ids = torch.zeros(n, T, dtype=torch.long)  # [n, T]: each prompt, then padding (token 0) after it
+        for i, p in enumerate(prompts):
+            ids[i, : lens[i]] = torch.tensor(p)
+        part = self.decoder.new_part(T, rows=n)
+        keep = T - min(lens) + 1  # the last positions that hold every prompt's last token
+        logits, depth = self.decoder.prefill(part, ids.to(self.device), keep)  # [n, keep, V]
+        at = torch.tensor([L - 1 - (T - keep) for L in lens], device=logits.device)  # [n]
+        for i, rid in enumerate(rids):
+            self.parts[rid] = (part, i)
+        return logits[torch.arange(n, device=logits.device), at], depth  # [n, V]
 
     def place(self, rid: int, row: int, prompt_len: int, thr: float, checks: bool) -> None:
         """Request ``rid``'s prefilled prompt into row ``row`` (its first token goes in at column ``prompt_len``);
         ``thr`` / ``checks``: its exit threshold and whether its tokens take exits."""
         if row in self.in_flight:
             raise ValueError(f"row {row} still has a token in flight")
-        self.decoder.place(row, self.parts.pop(rid), prompt_len, thr, checks)
+        part, i = self.parts.pop(rid)
+        self.decoder.place(row, part, prompt_len, thr, checks, i)
         self.col[row] = prompt_len
 
     def release(self, rid: int) -> None:

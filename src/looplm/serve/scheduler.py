@@ -21,8 +21,13 @@ The rules (each step):
 3. **Prefill.** The prompt being prefilled gets its next chunk (``prefill_chunk`` tokens; None: whole); else the
    oldest waiting request (FIFO: no request overtakes the head) takes a free row when the budget holds its
    ``(prompt + max_tokens) × S`` beside what the rows hold and grow by this step. A request with ``max_tokens = 0``
-   (prompt logprobs only) is prefilled without a row. One prompt is prefilled per step. A chunk never leaves a
-   single prompt token for the next (a one-token call on a filled cache would decode it).
+   (prompt logprobs only) is prefilled without a row. A chunk never leaves a single prompt token for the next (a
+   one-token call on a filled cache would decode it).
+4. **Batched prefill** (``batch_prefill``, with a ``prefill_chunk``): when the head's whole prompt fits in one
+   chunk, the next waiting requests join it, in order, while each takes a free row under the budget and the
+   batch's padded tokens (``requests × longest prompt``) stay within ``prefill_chunk``: their prompts run as one
+   forward, whole. A request whose prompt logprobs are asked (``echo``: every position's logits) or with no row
+   (``max_tokens = 0``) runs alone. Otherwise one prompt is prefilled per step.
 
 A prompt whose last chunk ran is :meth:`place` d in its row and starts its first decoded token at the next step.
 
@@ -95,6 +100,7 @@ class Request:
     replay_tokens: deque = field(default_factory=deque)  # after a preemption: generated tokens still to replay
     replay_depths: deque = field(default_factory=deque)  # the depth each replayed token's pass left at
     num_preemptions: int = 0
+    echo: bool = False  # its prompt's logprobs are asked: every position's logits (its prompt runs alone)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -140,28 +146,29 @@ class PrefillChunk:
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan: ``prefill`` (None: none), the rows starting a token (``decode``), the requests preempted at
-    once (their rows were idle; the engine drops their prefill state), and ``kv_tokens``: the cache tokens the rows
-    hold while the step runs."""
+    """One step's plan: ``prefill`` (one chunk of one prompt, several whole prompts to run as one batch, or none),
+    the rows starting a token (``decode``), the requests preempted at once (their rows were idle; the engine drops
+    their prefill state), and ``kv_tokens``: the cache tokens the rows hold while the step runs."""
 
-    prefill: PrefillChunk | None = None
+    prefill: list = field(default_factory=list)  # [PrefillChunk]
     decode: list = field(default_factory=list)  # [ScheduledToken]
     preempted: list = field(default_factory=list)  # [Request]
     kv_tokens: int = 0
 
     @property
     def empty(self) -> bool:
-        return self.prefill is None and not self.decode
+        return not self.prefill and not self.decode
 
 
 class Scheduler:
     """Queues, rows, the KV budget and each step's plan (module docstring). ``max_batch``: rows; ``max_waiting``:
     requests that may wait for a row beside them (:meth:`room`); ``kv_budget``: cache tokens the requests may hold (None: no bound); ``slots_per_token`` (``S``): cache tokens
     per token position; ``prefill_chunk``: prompt tokens per step (None: whole prompts, >= 2); ``wait_for_batch``:
-    the token schedule (rows start tokens only when none is in flight)."""
+    the token schedule (rows start tokens only when none is in flight); ``batch_prefill``: whole prompts that fit
+    in one chunk run together (rule 4; off without a ``prefill_chunk``)."""
 
     def __init__(self, max_batch: int, max_waiting: int = 64, kv_budget: int | None = None, slots_per_token: int = 1,
-                 prefill_chunk: int | None = None, wait_for_batch: bool = False):  # fmt: skip
+                 prefill_chunk: int | None = None, wait_for_batch: bool = False, batch_prefill: bool = False):  # fmt: skip
         errs = []
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             errs.append(f"max_batch must be an int >= 1, got {max_batch!r}")
@@ -178,9 +185,10 @@ class Scheduler:
             raise ValueError("Scheduler: " + "; ".join(errs))
         self.max_batch, self.max_waiting, self.budget, self.S = max_batch, max_waiting, kv_budget, slots_per_token
         self.prefill_chunk, self.wait_for_batch = prefill_chunk, wait_for_batch
+        self.batch_prefill = batch_prefill and prefill_chunk is not None
         self.rows: list[Request | None] = [None] * max_batch
         self.waiting: deque[Request] = deque()
-        self.prefilling: Request | None = None  # the request whose prompt runs chunk by chunk
+        self.prefilling: list[Request] = []  # requests whose prompts run (one chunk by chunk, or a batch's, whole)
         self.requests: dict[int, Request] = {}  # unfinished requests by id
         self.num_held = 0  # requests waiting or holding a row (read by submitting threads: one int, no lock)
         self.num_preemptions = 0
@@ -227,8 +235,7 @@ class Scheduler:
     def unfinished(self) -> list:
         """Every request not finished, plus finished ones whose token is still in flight (they hold rows)."""
         out = [r for r in self.rows if r is not None]
-        if self.prefilling is not None and self.prefilling.row is None:
-            out.append(self.prefilling)
+        out += [r for r in self.prefilling if r.row is None]
         return out + list(self.waiting)
 
     # ------------------------------------------------------------------------------------------ requests in
@@ -259,8 +266,8 @@ class Scheduler:
         if was in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
             self.waiting.remove(req)
             self.num_held -= 1
-        elif self.prefilling is req:
-            self.prefilling = None
+        elif req in self.prefilling:
+            self.prefilling.remove(req)
             self._release(req)
         elif not req.in_flight:
             self._release(req)
@@ -287,7 +294,7 @@ class Scheduler:
                 out.append(req)
         self.rows = [None] * self.max_batch
         self.waiting.clear()
-        self.prefilling, self.num_held = None, 0
+        self.prefilling, self.num_held = [], 0
         return out
 
     # ------------------------------------------------------------------------------------------ the plan
@@ -301,27 +308,49 @@ class Scheduler:
             forced = r.replay_depths.popleft() if r.replay_depths else 0
             out.decode.append(ScheduledToken(r.row, r.next_token, forced))
             r.next_token, r.in_flight = None, True
-        out.prefill = self._next_chunk()
+        out.prefill = self._prefills()
         out.kv_tokens = self.kv_tokens_used()
         return out
 
-    def _next_chunk(self) -> PrefillChunk | None:
-        req = self.prefilling
-        if req is None:
-            if not self.waiting:
-                return None
+    def _prefills(self) -> list:
+        if self.prefilling:  # (a prompt that runs chunk by chunk: one at a time)
+            return [self._chunk(self.prefilling[0])]
+        if not self.waiting or not self._admit(self.waiting[0]):
+            return []
+        first = self._chunk(self.waiting[0])
+        self.waiting.popleft()
+        out = [first]
+        head = first.request
+        if not (self.batch_prefill and first.last and head.row is not None and not head.echo):
+            return out
+        longest = len(head.prompt)
+        while self.waiting:  # whole prompts join it (rule 4) while rows, the budget and the chunk hold them
             req = self.waiting[0]
-            if req.max_tokens > 0:
-                free = [b for b, r in enumerate(self.rows) if r is None]
-                if not free:
-                    return None
-                if self.budget is not None and self.kv_tokens_used() + (len(req.prompt) + req.max_tokens) * self.S > self.budget:
-                    return None  # the budget is full: it waits (the oldest first) until rows end or are preempted
-                req.row = free[0]
-                self.rows[req.row] = req
+            longest = max(longest, len(req.prompt))
+            if (req.echo or req.max_tokens == 0 or (len(out) + 1) * longest > self.prefill_chunk
+                    or not self._admit(req)):  # fmt: skip
+                break
+            out.append(self._chunk(req))
             self.waiting.popleft()
-            req.status, req.num_prefilled = RequestStatus.PREFILLING, 0
-            self.prefilling = req
+        return out
+
+    def _admit(self, req: Request) -> bool:
+        """``req`` (the queue's first) takes a free row when the budget holds it (one with ``max_tokens = 0`` takes
+        none) and starts its prefill."""
+        if req.max_tokens > 0:
+            free = [b for b, r in enumerate(self.rows) if r is None]
+            if not free:
+                return False
+            if self.budget is not None and self.kv_tokens_used() + (len(req.prompt) + req.max_tokens) * self.S > self.budget:
+                return False  # the budget is full: it waits (the oldest first) until rows end or are preempted
+            req.row = free[0]
+            self.rows[req.row] = req
+        req.status, req.num_prefilled = RequestStatus.PREFILLING, 0
+        self.prefilling.append(req)
+        return True
+
+    def _chunk(self, req: Request) -> PrefillChunk:
+        """The next chunk of ``req``'s prompt (``prefill_chunk`` tokens; never a single token left for the next)."""
         P, a = len(req.prompt), req.num_prefilled
         n = P - a if self.prefill_chunk is None else min(self.prefill_chunk, P - a)
         if P - a - n == 1:  # a 1-token call on a filled cache would decode (with exits): take it now
@@ -360,8 +389,8 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Free ``req``'s row and queue it first: prefilled again later, it replays the tokens it had made at the
         depths they ran (depth of the pass each token started: the next one's), then goes on."""
-        if self.prefilling is req:
-            self.prefilling = None
+        if req in self.prefilling:
+            self.prefilling.remove(req)
         if req.row is not None:
             self.rows[req.row] = None
         req.row, req.num_prefilled, req.num_cached, req.next_token, req.in_flight = None, 0, 0, None, False
@@ -377,12 +406,12 @@ class Scheduler:
         """``req``'s last prompt chunk ran: its prompt is in its row (``RUNNING``). A request that had made tokens
         before a preemption replays them from the first; else the engine gives it its first token
         (:meth:`append_token`)."""
-        if self.prefilling is not req or req.num_prefilled != len(req.prompt):
+        if req not in self.prefilling or req.num_prefilled != len(req.prompt):
             raise ValueError(f"request {req.id} has no finished prompt to place ({req.status.value}, "
                              f"{req.num_prefilled}/{len(req.prompt)} prompt tokens prefilled)")  # fmt: skip
         if req.row is None:
             raise ValueError(f"request {req.id} has no row (max_tokens={req.max_tokens}): finish it instead")
-        self.prefilling = None
+        self.prefilling.remove(req)
         req.status, req.num_cached = RequestStatus.RUNNING, len(req.prompt)
         if req.output_token_ids:
             req.next_token = req.output_token_ids[0]
