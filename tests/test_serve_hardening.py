@@ -350,3 +350,16 @@ def test_chat_without_a_template_continues_the_first_message(monkeypatch, capsys
         server.stop()
     err = capsys.readouterr().err
     assert "continuing" in err and "first line" in err
+
+
+def test_a_100000_turn_chat_is_refused_before_validating_a_message(monkeypatch):
+    from looplm.serve.protocol import ChatRequest, parse_request
+
+    body = json.dumps({"messages": [{"role": "user", "content": "hi"}] * 100_000}).encode()
+
+    def no_validation(*a, **kw):
+        raise AssertionError("the messages were validated")
+
+    monkeypatch.setattr(ChatRequest, "model_validate", no_validation)
+    req, errs = parse_request(body, ChatRequest, max_messages=64)
+    assert req is None and [e.field for e in errs] == ["messages"] and "100000" in errs[0].message
