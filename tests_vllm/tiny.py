@@ -18,6 +18,8 @@ from looplm.hf.export import export_hf
 from looplm.hf.public import export_original
 
 HD32 = {"attention.head_dim": 32}
+SMALL = {"vocab_size": 260, "d_model": 64, "n_core": 2, "n_loops": 3, "d_ff": 128, "attention.n_heads": 2,
+         "attention.n_kv_heads": 2, "attention.head_dim": 32, "max_seq_len": 512}
 VARIANTS: dict[str, tuple[str, dict]] = {
     # the attention presets
     "tiny-llama": ("tiny-llama", HD32),
@@ -28,23 +30,20 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "injection-dense": ("tiny-llama", {**HD32, "rule": {"name": "injection", "options": {"form": "dense"}}}),
     "timestep-adaln": ("tiny-llama", {**HD32, "rule": {"name": "timestep", "options": {"gating": "adaln"}}}),
     "hyperloop": ("tiny-llama", {**HD32, "rule": {"name": "hyperloop", "options": {"n_streams": 2}}}),
-    "exit-gate-sandwich": ("tiny-llama", {**HD32, "norm_placement": "sandwich",
-                                          "rule": {"name": "exit_gate", "options": {"inter_norm": True, "gate_norm": True,
-                                                                                     "threshold": 0.5}}}),
+    "exit-gate-sandwich": ("tiny-llama", {**HD32, "norm_placement": "sandwich", "rule": {
+        "name": "exit_gate", "options": {"inter_norm": True, "gate_norm": True, "threshold": 0.5}}}),
+    # Ouro's and Huginn's architectures, small (written in their original formats by the tests)
+    "ouro": ("ouro-1.4b", {**SMALL, "rule.options.threshold": 0.7}),
+    "huginn": ("huginn-0125", {**SMALL, "n_prelude": 1, "n_coda": 1, "init_std": 0.02}),
+    # refused: Mamba-2 blocks
+    "tiny-hybrid": ("tiny-hybrid", {}),
 }
 
 
 def build_tiny(name: str, seed: int = 0) -> looplm.LoopedLM:
     preset, overrides = VARIANTS[name]
     torch.manual_seed(seed)
-    cfg = looplm.load_model_config(preset).to_dict()
-    for k, v in overrides.items():
-        if "." in k:
-            a, b = k.split(".")
-            cfg[a] = {**cfg[a], b: v}
-        else:
-            cfg[k] = v
-    model = looplm.build(looplm.ModelConfig.from_dict(cfg)).float().eval()
+    model = looplm.build(looplm.load_model_config(preset, overrides)).float().eval()
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for pname, p in model.named_parameters():

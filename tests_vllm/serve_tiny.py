@@ -1,0 +1,72 @@
+"""Serve model directories with vLLM's offline ``LLM`` and write what it produced, as JSON.
+
+Run by the tests as ``python serve_tiny.py JOB.json OUT.json`` (a subprocess: vLLM's engine state stays
+out of pytest). The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni``
+executor), so one process serves every directory of the job in turn, a few seconds each.
+
+Job: ``{"runs": [{"name", "dir", "prompts": [[ids]], "max_tokens", "alone": bool, "hf_overrides": {} | null}]}``.
+Each run's result: the greedy tokens, their logprobs and the prompt logprobs of every prompt submitted
+together (one batch), and, with ``alone``, of each prompt submitted by itself; or ``error`` when the model
+did not load (the plugin's refusals).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+
+
+def _out(o) -> dict:
+    c = o.outputs[0]
+    toks = list(c.token_ids)
+    prompt = list(o.prompt_token_ids)
+    return {
+        "tokens": toks,
+        "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, toks)],
+        "prompt_logprobs": [None] + [pl[t].logprob for pl, t in zip(o.prompt_logprobs[1:], prompt[1:])],
+    }
+
+
+def main(job_path: str, out_path: str) -> None:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from vllm import LLM, ModelRegistry, SamplingParams
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+    import looplm.vllm
+
+    looplm.vllm.register()  # again (vLLM's plugin loader calls it too): must be harmless
+    looplm.vllm.register()
+    job = json.loads(open(job_path).read())
+    results = {"registered": {a: a in ModelRegistry.get_supported_archs() for a in looplm.vllm.ARCHITECTURES}, "runs": []}
+    for r in job["runs"]:
+        res, t0 = {"name": r["name"]}, time.time()
+        llm = None
+        try:
+            llm = LLM(model=r["dir"], dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=512,
+                      max_num_seqs=16, seed=0, distributed_executor_backend="uni", hf_overrides=r.get("hf_overrides"))
+            sp = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], logprobs=0, prompt_logprobs=0,
+                                detokenize=False, ignore_eos=True)
+            prompts = [{"prompt_token_ids": p} for p in r["prompts"]]
+            res["together"] = [_out(o) for o in llm.generate(prompts, sp, use_tqdm=False)]
+            if r.get("alone"):
+                res["alone"] = [_out(llm.generate([p], sp, use_tqdm=False)[0]) for p in prompts]
+        except Exception as e:  # a refusal: the message is what the test checks
+            res["error"] = f"{type(e).__name__}: {e}"
+        res["seconds"] = round(time.time() - t0, 2)
+        # code from a model directory would be imported as transformers_modules.*: none may be
+        res["remote_modules"] = sorted(m for m in sys.modules if m.startswith("transformers_modules"))
+        results["runs"].append(res)
+        print(f"{r['name']}: {res['seconds']} s{' (refused)' if 'error' in res else ''}", file=sys.stderr, flush=True)
+        del llm
+        gc.collect()
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    with open(out_path, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
