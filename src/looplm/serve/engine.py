@@ -64,12 +64,12 @@ from typing import Callable
 
 import torch
 
+from .fields import MAX_LOGPROBS, FieldError  # (torch-free, for the wire format; re-exported here)
 from .scheduler import PrefillChunk, Request, RequestStatus, Scheduler
 
 __all__ = ["Engine", "EngineClosed", "EngineConfig", "FieldError", "FinishEvent", "PromptEvent", "QueueFull",
            "RequestError", "RequestHandle", "SamplingParams", "TokenEvent", "parse_kv_budget"]
 
-MAX_LOGPROBS = 20  # the most top log-probabilities a token may ask for (OpenAI's limit)
 SERVED_CRITERIA = ("kl", "convergence", "gate")  # the exit criteria a batch can run (per-row thresholds or q)
 
 
@@ -133,14 +133,6 @@ class FinishEvent:
     completion_tokens: int
     error: str | None = None
     loops: float | None = None
-
-
-@dataclass(frozen=True)
-class FieldError:
-    """One bad field of a request: its name as the request spells it, and what to do."""
-
-    field: str
-    message: str
 
 
 class RequestError(ValueError):
