@@ -240,7 +240,7 @@ def _ref_attention_decode(m, ids, depths, kv):
     R, blocks = m.config.n_loops, list(m.core.stack.blocks)
     keys, vals, out = {}, {}, []
     for t in range(ids.shape[1]):
-        fctx = m._forward_context(ids[:, t : t + 1], None, None, t)
+        fctx = m.forward_context(ids[:, t : t + 1], None, None, t)
         h = m.embed(ids[:, t : t + 1]) * m.embed_multiplier  # [1, 1, d]
         r = R if t == 0 else int(depths[0, t - 1])
 

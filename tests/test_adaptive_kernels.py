@@ -94,7 +94,7 @@ def test_row_index_is_checked_by_the_op():
     k = torch.zeros(4, 2, 8, 16)  # [cache rows, G, capacity, hd]
     v = torch.zeros(4, 2, 8, 16)
     x = torch.randn(2, 1, 64)
-    fctx = m._forward_context(torch.zeros(2, 1, dtype=torch.long), None, None, 3)
+    fctx = m.forward_context(torch.zeros(2, 1, dtype=torch.long), None, None, 3)
     cos, sin = fctx.rope_for(blk.mixer.rotary_dim)
     with torch.no_grad():
         with pytest.raises(RuntimeError, match="outside the caches' 4 rows"):

@@ -140,3 +140,33 @@ def test_import_looplm_loads_no_kernel_and_no_dynamo():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "[]"
+
+
+def _private_model_calls(tree: ast.AST, private: set[str]) -> list[tuple[int, str]]:
+    """``X._name`` where ``_name`` is one of LoopedLM's own private methods (whatever ``X`` is called)."""
+    return [
+        (n.lineno, n.attr)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Attribute) and n.attr in private and not (isinstance(n.value, ast.Name) and n.value.id == "self")
+    ]
+
+
+def test_no_code_outside_the_model_calls_a_private_model_method():
+    """decode/, serve/ and every other driver go through LoopedLM's public step API (check_inputs,
+    forward_context, embed_tokens, cache_slots, loop_iteration, readout): no ``model._x`` outside model.py."""
+    from looplm.model import LoopedLM
+
+    private = {
+        name for name, v in vars(LoopedLM).items() if name.startswith("_") and not name.startswith("__") and callable(v)
+    }
+    assert {"_embed", "_resolve_loops"} <= private  # the check is about something
+    found = {}
+    for mod, path in _modules().items():
+        if mod == "looplm.model":
+            continue
+        hits = _private_model_calls(ast.parse(path.read_text()), private)
+        if hits:
+            found[mod] = hits
+    assert not found, f"private LoopedLM methods called outside model.py: {found}"
+    planted = ast.parse("def f(m):\n    return m._embed(1, False)\n")
+    assert _private_model_calls(planted, private) == [(2, "_embed")]  # the checker finds one

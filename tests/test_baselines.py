@@ -129,7 +129,7 @@ def test_parcae_injection_is_the_discretised_system():
     x = torch.randint(0, model.config.vocab_size, (2, 7))
     with torch.no_grad():
         Z, out = core_inputs(model, x)
-        fctx = model._forward_context(x, None, None, 0)
+        fctx = model.forward_context(x, None, None, 0)
         e = rule.prelude_norm(model.prelude(model.embed(x) * model.embed_multiplier, fctx))
         a_bar, delta = rule.transition()
         inject = delta * (e @ rule.B.T)  # B̄ e
@@ -200,7 +200,7 @@ def test_mesh_buffer_is_a_highway_of_every_write():
     x = torch.randint(0, model.config.vocab_size, (2, 7))
     with torch.no_grad():
         Z, out = core_inputs(model, x)
-        fctx = model._forward_context(x, None, None, 0)
+        fctx = model.forward_context(x, None, None, 0)
         acc = model.prelude(model.embed(x) * model.embed_multiplier, fctx)
         for k, z in enumerate(Z):
             torch.testing.assert_close(z, acc)

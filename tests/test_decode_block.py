@@ -213,8 +213,8 @@ def test_fused_block_is_bitwise_where_the_reference_rounds_the_same(qk_norm, bia
     blk = _block(torch.bfloat16, qk_norm=qk_norm, bias=bias)
     model = looplm.build("tiny-llama", overrides={"attention.n_heads": 4, "attention.n_kv_heads": 2})
     B, P = 2, 9
-    fctx_p = model._forward_context(torch.zeros(B, P, dtype=torch.long), None, None, 0)
-    fctx = model._forward_context(torch.zeros(B, 1, dtype=torch.long), None, None, P)
+    fctx_p = model.forward_context(torch.zeros(B, P, dtype=torch.long), None, None, 0)
+    fctx = model.forward_context(torch.zeros(B, 1, dtype=torch.long), None, None, P)
     ref_cache = KVCache(capacity=16)
     with torch.no_grad(), gemv.decode_linears(blk, batch_size=B):
         blk(torch.randn(B, P, 64).to(torch.bfloat16), fctx_p, ref_cache)
@@ -239,8 +239,8 @@ def test_fused_attention_long_masked_context_fp32():
     B, P = 2, 300
     mask = torch.ones(B, P + 1, dtype=torch.long)
     mask[1, :250] = 0
-    fctx_p = model._forward_context(torch.zeros(B, P, dtype=torch.long), mask[:, :-1], None, 0)
-    fctx = model._forward_context(torch.zeros(B, 1, dtype=torch.long), mask, None, P)
+    fctx_p = model.forward_context(torch.zeros(B, P, dtype=torch.long), mask[:, :-1], None, 0)
+    fctx = model.forward_context(torch.zeros(B, 1, dtype=torch.long), mask, None, P)
     ref_cache = KVCache(capacity=P + 1)
     with torch.no_grad():
         blk(torch.randn(B, P, 64), fctx_p, ref_cache)
@@ -579,8 +579,8 @@ def test_mamba2_step_of_a_padding_row(dtype):
     model = _model("tiny-mamba2", dtype)
     blk = model.core.stack.blocks[0]
     B, P = 2, 6
-    fctx_p = model._forward_context(torch.zeros(B, P, dtype=torch.long), None, None, 0)
-    fctx = model._forward_context(torch.zeros(B, 1, dtype=torch.long), None, None, P)
+    fctx_p = model.forward_context(torch.zeros(B, P, dtype=torch.long), None, None, 0)
+    fctx = model.forward_context(torch.zeros(B, 1, dtype=torch.long), None, None, P)
     fctx.pad_mask = torch.tensor([[True], [False]])
     ref_state = blk.new_cache(B)
     with torch.no_grad():

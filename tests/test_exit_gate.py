@@ -138,7 +138,7 @@ def test_selection_matches_a_reference_from_the_iterates(base):
         m.rule.gate.weight.normal_(0, 1.0)  # spread the exit distribution
         m.rule.gate.bias.fill_(0.0)
     x = torch.randint(0, m.config.vocab_size, (2, 8))
-    fctx = m._forward_context(x, None, None, 0)
+    fctx = m.forward_context(x, None, None, 0)
     with torch.no_grad():
         its = m(x, output_iterations=True).iterations  # H^1..H^R (all run)
         lam = torch.stack([torch.sigmoid(m.rule.gate(h).squeeze(-1)) for h in its])  # [R, B, T]
@@ -252,7 +252,7 @@ def test_stage1_loss_equals_a_reference_from_readouts():
     m = _gate_model(base="tiny-coreloop", stage=1, beta=0.25)
     x = torch.randint(0, m.config.vocab_size, (2, 9))
     out = m(x, labels=x, output_iterations=True)
-    fctx = m._forward_context(x, None, None, 0)
+    fctx = m.forward_context(x, None, None, 0)
     tgt = F.pad(x[:, 1:], (0, 1), value=-100)
     with torch.no_grad():
         ells, lams = [], []

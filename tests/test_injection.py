@@ -36,7 +36,7 @@ def _perturb(model, scale=0.3):
 
 def _unroll(model, x, r, transition):
     """Logits of ``r`` loops with ``Z^ℓ = transition(ℓ, h_ℓ, h_0, [h_1..h_{ℓ-1}])`` (BaseLoop: p = c = 0)."""
-    fctx = model._forward_context(x, None, None, 0)
+    fctx = model.forward_context(x, None, None, 0)
     h0 = model.embed(x) * model.embed_multiplier
     h, states = h0, []
     for ell in range(r):

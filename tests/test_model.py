@@ -17,7 +17,7 @@ def test_loop_equals_unrolled_core_calls(name):
     with torch.no_grad():
         ref = model(x).logits
         # unrolled by hand: embed -> prelude -> core K times -> coda -> norm -> head
-        fctx = model._forward_context(x, None, None, 0)
+        fctx = model.forward_context(x, None, None, 0)
         h = model.embed(x) * model.embed_multiplier
         for blk in model.prelude.blocks:
             h = blk(h, fctx)

@@ -689,7 +689,7 @@ def test_vanilla_inter_norm_option_is_the_norm_between_passes():
     m = looplm.build("tiny-llama", overrides={"n_loops": 2, "rule.options.inter_norm": True}).eval()
     x = torch.randint(0, 260, (2, 6))
     with torch.no_grad():
-        fctx = m._forward_context(x, None, None, 0)
+        fctx = m.forward_context(x, None, None, 0)
         h = m.embed(x)
         for _ in range(2):
             for b in m.core.stack.blocks:

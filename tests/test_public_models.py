@@ -813,7 +813,7 @@ def test_norm_placements_are_the_formulas_with_exact_sizes():
         for norm in (b.mixer_out_norm, b.mlp_out_norm):
             if norm is not None:
                 norm.weight.data.uniform_(0.5, 1.5)
-        fctx = m._forward_context(torch.zeros(2, 5, dtype=torch.long), None, None, 0)
+        fctx = m.forward_context(torch.zeros(2, 5, dtype=torch.long), None, None, 0)
         att = lambda u: b.mixer(u, fctx)  # noqa: E731
         if p == "pre":
             h = x + att(b.mixer_norm(x))

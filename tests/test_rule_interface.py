@@ -357,7 +357,7 @@ def test_rule_reads_embeddings_and_core_input(base):
         torch.testing.assert_close(model.rule.seen["E"], E)  # E is taken before the prelude
         Z = model.rule.seen["Z"]  # Z^k as the driver set it before each step
         assert len(Z) == model.config.n_loops
-        torch.testing.assert_close(Z[0], model.prelude(E, model._forward_context(x, None, None, 0)))
+        torch.testing.assert_close(Z[0], model.prelude(E, model.forward_context(x, None, None, 0)))
         for k in range(1, len(Z)):  # Z^k = H^{k-1} + a·E + b·Z^{k-1}
             torch.testing.assert_close(Z[k], out.iterations[k - 1] + model.rule.a * E + model.rule.b * Z[k - 1])
     assert_cached_equals_full(model)
@@ -369,7 +369,7 @@ def test_auxiliary_loss_from_intermediate_readouts():
     x = torch.randint(0, 260, (2, 9))
     out = model(x, labels=x, output_iterations=True)
     # recompute the intermediate losses by hand through coda -> norm -> head
-    model_fctx = model._forward_context(x, None, None, 0)
+    model_fctx = model.forward_context(x, None, None, 0)
     targets = F.pad(x[:, 1:], (0, 1), value=-100)
     ref = []
     for h in out.iterations[:-1]:

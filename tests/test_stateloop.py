@@ -110,7 +110,7 @@ def _randomise(model, scale=0.3):
 def _reference(model, x, r, update):
     """Eqs. 1-10 written out: ``update(S, U, P) -> S̃`` is the state update under test."""
     rule = model.rule
-    fctx = model._forward_context(x, None, None, 0)
+    fctx = model.forward_context(x, None, None, 0)
     E = model.embed(x) * math.sqrt(model.config.d_model)  # eq. 1
     H = model.core(E, fctx)  # H^0 = T(E)
     S = torch.zeros(*x.shape, rule.d_s)  # S^0 = 0
@@ -182,7 +182,7 @@ def test_state_only_feedback_is_eq13():
     rule = model.rule
     x = torch.randint(0, 128, (2, 6))
     with torch.no_grad():
-        fctx = model._forward_context(x, None, None, 0)
+        fctx = model.forward_context(x, None, None, 0)
         H = model.core(model.embed(x) * math.sqrt(model.config.d_model), fctx)  # H^0 = T(E)
         X = torch.zeros_like(H)  # X^0 = 0
         for _ in range(2):  # k = 0 … K−2
@@ -255,7 +255,7 @@ def test_mixers_mix_tokens_and_identity_does_not():
             h = torch.randn(2, 6, model.config.d_model)
             h[1, 1:] = h[0, 1:]
             lctx = looplm.recurrence.LoopContext(
-                fctx=model._forward_context(torch.zeros(2, 6, dtype=torch.long), None, None, 0),
+                fctx=model.forward_context(torch.zeros(2, 6, dtype=torch.long), None, None, 0),
                 loop_options={"state_hook": hook},
             )
             state = model.rule.step(model.rule.begin(h, lctx), h, lctx)

@@ -54,7 +54,7 @@ def _psi_by_hand(t: float, dt: float) -> torch.Tensor:
 
 def _reference(model, x, r, T):
     """Logits of ``r`` loops on the grid ``t_ℓ = ℓ / T``, ``Δt = 1 / T`` (p = c = 0)."""
-    rule, fctx = model.rule, model._forward_context(x, None, None, 0)
+    rule, fctx = model.rule, model.forward_context(x, None, None, 0)
     h = model.embed(x) * model.embed_multiplier
     for ell in range(r):
         f = _psi_by_hand(ell / T, 1 / T)

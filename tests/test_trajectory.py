@@ -164,7 +164,7 @@ def test_skip_response_of_one_pair_by_hand():
     model = _model("qwen3-0.6b-baseloop-4x7", n_core=1, n_loops=2)
     (ids,) = _batches(n=1)
     res = skip_response(model, [ids], loops=4)
-    fctx = model._forward_context(ids, None, None, 0)
+    fctx = model.forward_context(ids, None, None, 0)
     blk = model.core.stack.blocks[0]
     with torch.no_grad():
         h = model.embed(ids) * model.embed_multiplier
@@ -223,7 +223,7 @@ def test_coreloop_positions_and_skip_lags():
     assert tr["layout"]["effective_depth"] == 1 + 2 * 4 + 1 and len(tr["block_angle"]) == 10
     assert all(v is not None for v in tr["block_angle"] + tr["block_variance_out"])
     with torch.no_grad():
-        fctx = model._forward_context(ids, None, None, 0)
+        fctx = model.forward_context(ids, None, None, 0)
         x0 = model.prelude(model.embed(ids) * model.embed_multiplier, fctx)
         out = model(ids, num_loops=4, output_iterations=True)
     assert tr["state_variance"][0] == pytest.approx(float(token_variance(x0).mean()), rel=1e-9)

@@ -187,7 +187,7 @@ class LoopCache:
         self.seqlen = 0  # tokens absorbed so far
         self.slots: dict[Any, Any] = {}
         # the shapes of the model it belongs to (set by new_cache or the first forward): a cache of
-        # another model is refused up front (LoopedLM._check_inputs), not deep inside a block
+        # another model is refused up front (LoopedLM.check_inputs), not deep inside a block
         self.model_signature: dict | None = None
         self.kv_shared = kv_shared
         if kv_shared and capacity is None:

@@ -137,7 +137,21 @@ class LoopedLM(nn.Module):
         }
 
     # ------------------------------------------------------------------------------------------
-    def _check_inputs(self, input_ids: torch.Tensor, cache: LoopCache | None, attention_mask) -> None:
+    # ------------------------------------------------------------------------------ the public step API
+    # The pieces ``forward`` is made of, for drivers that run the loop their own way (looplm.decode's token /
+    # depth / static schedules, the one-forward exit, looplm.serve's runner, the vLLM plugin): they call these
+    # and never a private method, so the arithmetic of a step lives here once.
+    #
+    #   check_inputs(ids, cache, mask)          refuse bad ids / shapes / another model's cache (host sync)
+    #   forward_context(ids, mask, pos, past)   rope, positions and the attention mask of a call -> ForwardContext
+    #   embed_tokens(ids)                       E = embed(ids) · embed_multiplier           [B, T, d]
+    #   cache_slots(cache, stack, key, B, ...)  the decoding slots of a stack's blocks (None without a cache)
+    #   loop_iteration(state, lctx, B)          Z^k = rule.next_input, H^k = core(Z^k), rule.step -> (H^k, state)
+    #   readout(h, lctx)                        logits of an intermediate iterate: coda -> norm -> head
+    def check_inputs(self, input_ids: torch.Tensor, cache: LoopCache | None = None, attention_mask=None) -> None:
+        """Refuse what ``forward`` cannot run, naming the value: ids that are no ``[B, T]`` integer tensor, a
+        length past ``max_seq_len``, a mask of the wrong shape, another model's cache, ids outside the vocabulary
+        (the last one reads the ids on the host)."""
         cfg = self.config
         if not isinstance(input_ids, torch.Tensor):
             raise TypeError(f"input_ids must be a torch.Tensor of token ids, got {type(input_ids).__name__}")
@@ -205,7 +219,9 @@ class LoopedLM(nn.Module):
             raise ValueError(f"num_loops must be >= 1, got {num_loops}")
         return num_loops, None
 
-    def _forward_context(self, input_ids, attention_mask, position_ids, past: int) -> ForwardContext:
+    def forward_context(self, input_ids, attention_mask=None, position_ids=None, past: int = 0) -> ForwardContext:
+        """The per-call context every block reads: rotary ``cos, sin [B, T, rot]`` at the tokens' positions (left
+        padding counts real tokens only), the attention mask (``None``: causal / everything before), the pad mask."""
         B, T = input_ids.shape
         dev = input_ids.device
         if position_ids is None:
@@ -234,7 +250,7 @@ class LoopedLM(nn.Module):
             rope=rope, positions=position_ids, attn_mask=attn_mask, is_causal=is_causal, pad_mask=pad_mask
         )
 
-    def _slots(
+    def cache_slots(
         self, cache: LoopCache | None, stack: Stack, key, batch: int, loop: int | None = None, family=None
     ) -> list | None:
         """Decoding slots of ``stack``'s blocks under ``(*key, layer)`` (``None`` without a cache); slots of
@@ -271,14 +287,21 @@ class LoopedLM(nn.Module):
             return self.embed(input_ids)
         return F.embedding(input_ids, w, sparse=True)
 
-    def _readout(self, h: torch.Tensor, lctx: LoopContext, family: str = "readout") -> torch.Tensor:
+    def embed_tokens(self, input_ids: torch.Tensor, head_in_loss: bool = False) -> torch.Tensor:
+        """``E = embed(input_ids) · embed_multiplier`` ``[B, T, d]``: the prelude's input and the rule's ``e``
+        (``head_in_loss``: the training path's sparse lookup gradient, :meth:`_embed`)."""
+        return self._embed(input_ids, head_in_loss) * self.embed_multiplier
+
+    def readout(self, h: torch.Tensor, lctx: LoopContext, family: str = "readout") -> torch.Tensor:
         """Logits of an intermediate iterate (``lctx.readout``): coda -> final norm -> head. During decoding
         the coda has slots of its own per iteration, ``(family, k, layer)``."""
         k = lctx.iteration
-        y = self.coda(h, lctx.fctx, self._slots(lctx.cache, self.coda, (family, k), h.shape[0], loop=k, family=family))
+        y = self.coda(
+            h, lctx.fctx, self.cache_slots(lctx.cache, self.coda, (family, k), h.shape[0], loop=k, family=family)
+        )
         return self.lm_head(self.norm(y))
 
-    def _iteration(self, state, lctx: LoopContext, batch: int):
+    def loop_iteration(self, state, lctx: LoopContext, batch: int):
         """Loop iteration ``k = lctx.iteration`` of ``batch`` rows: the core's input ``Z^k`` from the rule
         (kept as ``lctx.core_input``), ``H^k = core(Z^k)`` with the rule's block modulation and the cache
         slots of loop ``k``, then the rule's step. Returns ``(H^k, state)``. One place for the body of every
@@ -286,7 +309,7 @@ class LoopedLM(nn.Module):
         k = lctx.iteration
         z = lctx.core_input = self.rule.next_input(state, lctx)  # Z^k  [batch, T, d]
         mods = self.rule.block_modulation(state, lctx)
-        slots = self._slots(lctx.cache, self.core.stack, (k,), batch, loop=k, family="core")
+        slots = self.cache_slots(lctx.cache, self.core.stack, (k,), batch, loop=k, family="core")
         h = self.core(z, lctx.fctx, slots, mods)  # H^k
         return h, self.rule.step(state, h, lctx)
 
@@ -327,7 +350,7 @@ class LoopedLM(nn.Module):
                 prompt once and skips it for the tokens it sampled itself.
         """
         if validate:
-            self._check_inputs(input_ids, cache, attention_mask)
+            self.check_inputs(input_ids, cache, attention_mask)
         if logits_to_keep is not None and labels is not None:
             raise ValueError("logits_to_keep is for decoding; the loss needs the logits of every position")
         B = input_ids.shape[0]
@@ -342,13 +365,13 @@ class LoopedLM(nn.Module):
             self.rule.check_loop_options(loop_options)
         if cache is not None and cache.num_loops != r:
             raise ValueError(f"cache was built for {cache.num_loops} loops, forward asked for {r}")
-        fctx = self._forward_context(input_ids, attention_mask, position_ids, cache.seqlen if cache is not None else 0)
+        fctx = self.forward_context(input_ids, attention_mask, position_ids, cache.seqlen if cache is not None else 0)
         targets = (
             None if labels is None else F.pad(labels[:, 1:], (0, 1), value=-100)
         )  # [B, T]; shift targets, not logits
 
-        E = self._embed(input_ids, head_in_loss=labels is not None) * self.embed_multiplier  # [B, T, d]
-        x = self.prelude(E, fctx, self._slots(cache, self.prelude, (0,), B))
+        E = self.embed_tokens(input_ids, head_in_loss=labels is not None)  # [B, T, d]
+        x = self.prelude(E, fctx, self.cache_slots(cache, self.prelude, (0,), B))
         lctx = LoopContext(
             num_loops=r,
             train_loops=self.config.n_loops,
@@ -360,7 +383,7 @@ class LoopedLM(nn.Module):
             embed_weight=self.embed.weight,
             embed_multiplier=self.embed_multiplier,
             targets=targets,
-            readout_fn=self._readout,
+            readout_fn=self.readout,
             final_norm=self.norm,
         )
         no_grad_until = r - num_grad_loops if num_grad_loops is not None and self.training else 0
@@ -370,7 +393,7 @@ class LoopedLM(nn.Module):
         for k in range(r):
             lctx.iteration = k
             with torch.set_grad_enabled(torch.is_grad_enabled() and k >= no_grad_until):
-                h, new_state = self._iteration(state, lctx, B)  # H^k [B, T, d], the rule's state after it
+                h, new_state = self.loop_iteration(state, lctx, B)  # H^k [B, T, d], the rule's state after it
                 active = lctx.active_rows()  # [B] or None: rows whose own loop count is not reached yet
                 state = new_state if active is None else self.rule.select_rows(active, new_state, state)
             if iterations is not None:
@@ -380,7 +403,7 @@ class LoopedLM(nn.Module):
             if cache is None and k < r - 1 and self._all_halted(state, lctx):
                 break
         y = self.rule.finish(state, lctx)  # [B, T, d]
-        y = self.coda(y, fctx, self._slots(cache, self.coda, (0,), B))
+        y = self.coda(y, fctx, self.cache_slots(cache, self.coda, (0,), B))
         hidden = self.norm(y)
         if cache is not None:
             cache.commit(input_ids.shape[1])

@@ -121,7 +121,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         (:meth:`_flat_ssm_states`)."""
         m, cache, R, B, cap = self.model, self.cache, self.R, self.cache.batch_size, self.cache.capacity
         p = next(m.parameters())
-        by_loop = [m._slots(cache, m.core.stack, (k,), B, loop=k, family="core") for k in range(R)]
+        by_loop = [m.cache_slots(cache, m.core.stack, (k,), B, loop=k, family="core") for k in range(R)]
         flat = {}
         self.loop_kv = [[] for _ in range(R)]  # loop k's core attention caches (views of the flat buffers), K and V
         for j, blk in enumerate(m.core.stack.blocks):
@@ -162,7 +162,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             raise ValueError(f"{type(self).__name__} decodes {B} rows; input_ids has {N} (give at least {B} prompts, "
                              f"or build the decoder for {N} rows)")  # fmt: skip
         if N > B:  # the queued prompts are checked now too (their rows prefill them later, unchecked)
-            self.model._check_inputs(input_ids, None, attention_mask)
+            self.model.check_inputs(input_ids, None, attention_mask)
         self.prompt_seconds = 0.0
         out, col, made, done = self._prefill(input_ids, max_new_tokens, attention_mask, pick, eos_token_id, pad_token_id)
         if max_new_tokens == 0:
@@ -362,9 +362,9 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         pos = self.pos_shift.index_select(0, rows) + col.index_select(0, rows)  # [n]
         self.positions.index_copy_(0, rows, pos[:, None])
         f = self._fctx(rows, col, L)
-        E = m._embed(ids, head_in_loss=False) * m.embed_multiplier  # [n, 1, d]
+        E = m.embed_tokens(ids)  # [n, 1, d]
         view = self.cache.rows(rows, col[rows])
-        x = m.prelude(E, f, m._slots(view, m.prelude, (0,), rows.shape[0])) if len(m.prelude.blocks) else E
+        x = m.prelude(E, f, m.cache_slots(view, m.prelude, (0,), rows.shape[0])) if len(m.prelude.blocks) else E
         lctx = self._context(f, E)
         lctx.cache, lctx.iteration = view, 0
         crit = make_criterion(self.exit)
@@ -574,7 +574,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         m = self.model
         if len(m.coda.blocks):  # (an empty stack is the identity)
             view = self.cache.rows(rows, col[rows])
-            y = m.coda(y, self._fctx(rows, col, L), m._slots(view, m.coda, (0,), rows.shape[0]))
+            y = m.coda(y, self._fctx(rows, col, L), m.cache_slots(view, m.coda, (0,), rows.shape[0]))
         return m.lm_head(m.norm(y)[:, -1])  # (the norm of [e, 1, d]: one new token per row, a decode step's shape)
 
 

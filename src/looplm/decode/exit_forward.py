@@ -146,7 +146,7 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
                     f"{', kv_shared' if cache.kv_shared else ''}")  # fmt: skip
     if errs:
         raise ValueError("exit: " + "; ".join(errs))
-    m._check_inputs(input_ids, cache, attention_mask)
+    m.check_inputs(input_ids, cache, attention_mask)
     opts = dict(loop_options or {})
     if e.criterion == "gate":  # the rule's own output selection agrees with the criterion's q (as AdaptiveDecoder)
         q = opts.get("exit_threshold")
@@ -158,9 +158,9 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
     R, full, dev = e.max_loops, e.kv == "full", input_ids.device
     p = next(m.parameters())
 
-    fctx = m._forward_context(input_ids, attention_mask, None, 0)  # rope [B, T, rot], the mask of the plain forward
-    E = m._embed(input_ids, head_in_loss=False) * m.embed_multiplier  # [B, T, d]
-    x = m.prelude(E, fctx, m._slots(cache, m.prelude, (0,), B))  # [B, T, d]: once over the text (no exit before the core)
+    fctx = m.forward_context(input_ids, attention_mask, None, 0)  # rope [B, T, rot], the mask of the plain forward
+    E = m.embed_tokens(input_ids)  # [B, T, d]
+    x = m.prelude(E, fctx, m.cache_slots(cache, m.prelude, (0,), B))  # [B, T, d]: once over the text (no exit before the core)
     dm = x.shape[-1]
     N = B * T
     tok_b = torch.arange(B, device=dev).repeat_interleave(T)  # [N] the row of token i (row-major: i = b·T + t)
@@ -172,7 +172,7 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
     lctx = LoopContext(num_loops=R, train_loops=m.config.n_loops, fctx=ForwardContext(
         rope={r: (flat(c), flat(s)) for r, (c, s) in fctx.rope.items()}, positions=flat(fctx.positions), is_causal=False),
         loop_options=opts, embeddings=flat(E), embed_weight=m.embed.weight, embed_multiplier=m.embed_multiplier,
-        readout_fn=m._readout, final_norm=m.norm)  # fmt: skip
+        readout_fn=m.readout, final_norm=m.norm)  # fmt: skip
 
     # one key/value buffer per core attention layer for every loop; column T: the packs' scratch column
     bufs = _kv_buffers(m.core.stack.blocks, B, T, p.dtype, dev)
@@ -277,7 +277,7 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
         for cr in codas.values():  # the loops a readout reached, then those after the last that ran (as they stand)
             cr.keep(cache, last, R)
     Y = y.reshape(B, T, dm)
-    Y = m.coda(Y, fctx, m._slots(cache, m.coda, (0,), B))  # once over the text: a token's coda reads the earlier tokens' outputs
+    Y = m.coda(Y, fctx, m.cache_slots(cache, m.coda, (0,), B))  # once over the text: a token's coda reads the earlier tokens' outputs
     if cache is not None:
         cache.commit(T)
     Y = Y if logits_to_keep is None else Y[:, -logits_to_keep:]
@@ -396,7 +396,7 @@ def _loop_slots(m, cache, k: int, B: int, stack=None, family: str = "core") -> l
     stack = m.core.stack if stack is None else stack
     if cache is None:
         return [None] * len(stack.blocks)
-    return m._slots(cache, stack, (k,) if family == "core" else (family, k), B, loop=k, family=family)
+    return m.cache_slots(cache, stack, (k,) if family == "core" else (family, k), B, loop=k, family=family)
 
 
 def _keep_loop(slots: list, bufs: list, T: int, ran: bool = True) -> None:

@@ -485,9 +485,9 @@ def _probe(model, batch: int):
     p = next(model.parameters())
     K = model.config.n_loops
     h0 = torch.zeros(batch, 1, model.config.d_model, device=p.device, dtype=p.dtype)
-    fctx = model._forward_context(torch.zeros(batch, 1, dtype=torch.long, device=p.device), None, None, 0)
+    fctx = model.forward_context(torch.zeros(batch, 1, dtype=torch.long, device=p.device), None, None, 0)
     lctx = LoopContext(num_loops=K, train_loops=K, fctx=fctx, embeddings=h0, embed_weight=model.embed.weight,
-                       embed_multiplier=model.embed_multiplier, final_norm=model.norm, readout_fn=model._readout)  # fmt: skip
+                       embed_multiplier=model.embed_multiplier, final_norm=model.norm, readout_fn=model.readout)  # fmt: skip
     return h0, lctx
 
 
@@ -584,7 +584,7 @@ class KLCriterion(_SuccessiveCriterion):
 
     def measure(self, h, lctx, model):  # log p^r [n, V], uncounted (the static schedule counts per pass)
         # every position reads out (a prompt's readout slots need each token); the last one is compared
-        read = lctx.check_readout or (lambda x, c: model._readout(x, c, family="exit-check"))
+        read = lctx.check_readout or (lambda x, c: model.readout(x, c, family="exit-check"))
         self.logits = read(h, lctx)[:, -1]  # [n, V] (an exit's own: readout_is_output)
         return torch.log_softmax(self.logits.float(), -1)  # [n, V]
 
@@ -647,7 +647,7 @@ def _rule_reads_out(model) -> bool:
     calls = []
     with torch.no_grad():
         h0, lctx = _probe(model, 1)
-        lctx.readout_fn = lambda h, c: calls.append(1) or model._readout(h, replace(c, cache=None))
+        lctx.readout_fn = lambda h, c: calls.append(1) or model.readout(h, replace(c, cache=None))
         state = model.rule.begin(h0, lctx)
         lctx.core_input = model.rule.next_input(state, lctx)
         model.rule.block_modulation(state, lctx)

@@ -167,9 +167,9 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         self.key_sum += (col + 1).sum()
         # start: the token in flight of every row (rows that exited last pass start it; the others rewrite
         # its prelude keys at the same column with the same values)
-        E = m._embed(out.gather(1, col[:, None]), head_in_loss=False) * m.embed_multiplier  # [B, 1, d]
+        E = m.embed_tokens(out.gather(1, col[:, None]))  # [B, 1, d]
         view = self.cache.rows(ar, col)
-        x = m.prelude(E, fctx, m._slots(view, m.prelude, (0,), B)) if len(m.prelude.blocks) else E
+        x = m.prelude(E, fctx, m.cache_slots(view, m.prelude, (0,), B)) if len(m.prelude.blocks) else E
         ctxs = []
         for j in range(R):  # loop j's context for every row (the rule is called once per loop index)
             c = self._context(fctx, E)
@@ -198,7 +198,7 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         y = _by_loop(at, [rule.finish(outs[j], ctxs[j]) for j in range(R)])  # [B, 1, d]
         self._fill_static(leave, k, col, at, outs, ctxs, fctx)
         if len(m.coda.blocks):
-            y = m.coda(y, fctx, m._slots(view, m.coda, (0,), B))
+            y = m.coda(y, fctx, m.cache_slots(view, m.coda, (0,), B))
         nxt = pick(m.lm_head(m.norm(y[:, -1])))  # [B]: kept where a row exits
         self.sel.index_copy_(0, self.pass_idx, torch.where(leave, k + 1, 0)[None])
         self.at_col.index_copy_(0, self.pass_idx, col[None])

@@ -167,7 +167,7 @@ class AdaptiveDecoder:
                  validate: bool = True) -> torch.Tensor:
         m = self.model
         if validate:
-            m._check_inputs(input_ids, self.cache, attention_mask)
+            m.check_inputs(input_ids, self.cache, attention_mask)
         B, T = input_ids.shape
         cache = self.cache
         decoding = T == 1 and cache.seqlen > 0  # the prompt (the first call, any length) runs at full depth ...
@@ -177,7 +177,7 @@ class AdaptiveDecoder:
             return self._prefill_exit(input_ids, attention_mask, logits_to_keep)
         ctx = cache.seqlen + T  # keys each attention layer reads (the last position)
         fctx, lctx = self._enter(input_ids, attention_mask, cache.seqlen)
-        x = m.prelude(lctx.embeddings, fctx, m._slots(cache, m.prelude, (0,), B))  # [B, T, d]
+        x = m.prelude(lctx.embeddings, fctx, m.cache_slots(cache, m.prelude, (0,), B))  # [B, T, d]
         y, depth, executed, loops, exit_logits = self._loops(x, lctx, allow_exit=decoding)
         st = self.stats
         if exit_logits is not None and logits_to_keep == 1:
@@ -291,8 +291,8 @@ class AdaptiveDecoder:
         return y, depth, executed, loops, exit_logits
 
     def _iterate(self, state, lctx: LoopContext, n: int):
-        """``model._iteration`` of ``n`` rows, offered the fill carried from the last token (:meth:`_offering`)."""
-        return self._offering(lambda: self.model._iteration(state, lctx, n))
+        """``model.loop_iteration`` of ``n`` rows, offered the fill carried from the last token (:meth:`_offering`)."""
+        return self._offering(lambda: self.model.loop_iteration(state, lctx, n))
 
     def _offering(self, core_call):
         """``core_call()`` (a call that runs the core) with the carried fill offered to it (:mod:`looplm.decode.kv_fill`):
@@ -428,11 +428,11 @@ class AdaptiveDecoder:
         m, cache, rule = self.model, self.cache, self.model.rule
         B = input_ids.shape[0]
         fctx, lctx = self._enter(input_ids, attention_mask, cache.seqlen)
-        x = m.prelude(lctx.embeddings, fctx, m._slots(cache, m.prelude, (0,), B))
+        x = m.prelude(lctx.embeddings, fctx, m.cache_slots(cache, m.prelude, (0,), B))
         state = rule.begin(x, lctx)
         for k in range(loops):
             lctx.iteration = k
-            h, state = m._iteration(state, lctx, B)
+            h, state = m.loop_iteration(state, lctx, B)
         logits = None
         if readout:  # the coda's slots are rolled back to the round's start before verification anyway
             out = rule.exit_rows(state, torch.ones(B, 1, dtype=torch.bool, device=x.device), lctx)
@@ -451,7 +451,7 @@ class AdaptiveDecoder:
         m, cache = self.model, self.cache
         B = input_ids.shape[0]
         fctx, lctx = self._enter(input_ids, attention_mask, cache.seqlen)
-        x = m.prelude(lctx.embeddings, fctx, m._slots(cache, m.prelude, (0,), B))  # [B, 1, d]
+        x = m.prelude(lctx.embeddings, fctx, m.cache_slots(cache, m.prelude, (0,), B))  # [B, 1, d]
         record: list = []
         y, depth, executed, _, exit_logits = self._loops(x, lctx, allow_exit=True, cap=cap, record=record)
         logits = exit_logits[:, None] if exit_logits is not None else self._head(y, fctx)  # [B, 1, V]
@@ -471,29 +471,29 @@ class AdaptiveDecoder:
         state = rule.cat_tokens(states)  # [B, n, ...]
         for k in range(start, self.R):
             lctx.iteration = k
-            h, state = m._iteration(state, lctx, B)
+            h, state = m.loop_iteration(state, lctx, B)
         return self._head(rule.finish(state, lctx), fctx, n)  # [B, n, V]
 
     def _enter(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, past: int):
         """The forward context of ``input_ids`` after ``past`` cached tokens and the loop context holding
         their scaled embeddings ``E [B, T, d]`` (``lctx.embeddings``, what the prelude reads)."""
         m = self.model
-        fctx = m._forward_context(input_ids, attention_mask, None, past)
-        E = m._embed(input_ids, head_in_loss=False) * m.embed_multiplier  # [B, T, d]
+        fctx = m.forward_context(input_ids, attention_mask, None, past)
+        E = m.embed_tokens(input_ids)  # [B, T, d]
         return fctx, self._context(fctx, E)
 
     def _head(self, y: torch.Tensor, fctx, keep: int = 1) -> torch.Tensor:
         """Logits ``[B, keep, V]`` of the loop output ``y``: the coda (its slots), then the final norm and the
         head on the last ``keep`` positions."""
         m = self.model
-        y = m.coda(y, fctx, m._slots(self.cache, m.coda, (0,), y.shape[0]))
+        y = m.coda(y, fctx, m.cache_slots(self.cache, m.coda, (0,), y.shape[0]))
         return m.lm_head(m.norm(y[:, -keep:]))
 
     def _context(self, fctx, E) -> LoopContext:
         m = self.model
         return LoopContext(
             num_loops=self.R, train_loops=m.config.n_loops, fctx=fctx, cache=self.cache, loop_options=self.loop_options,
-            embeddings=E, embed_weight=m.embed.weight, embed_multiplier=m.embed_multiplier, readout_fn=m._readout,
+            embeddings=E, embed_weight=m.embed.weight, embed_multiplier=m.embed_multiplier, readout_fn=m.readout,
             final_norm=m.norm,
         )  # fmt: skip
 
