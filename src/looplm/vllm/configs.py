@@ -35,12 +35,20 @@ class _PublicConfig(PretrainedConfig):
                 setattr(self, k, v)
 
 
+# transformers 5 makes config classes dataclasses: a subclass without an __init__ of its own would get a generated
+# one instead of _PublicConfig's
 class OuroConfig(_PublicConfig):
     model_type = "ouro"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
 
 
 class HuginnRavenConfig(_PublicConfig):
     model_type = "huginn_raven"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
 
 
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {

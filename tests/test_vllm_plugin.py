@@ -1,0 +1,182 @@
+"""looplm's vLLM plugin, its pure parts (looplm.vllm.spec, looplm.vllm.configs): no vLLM needed or imported.
+
+The plugin served by vLLM is tested against looplm by ``make test-vllm`` (tests_vllm/, its own venv)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+import looplm
+from looplm.config import load_model_config
+from looplm.vllm.spec import (
+    ARCHITECTURES,
+    UnsupportedDesign,
+    design_name,
+    plugin_spec,
+    refusal,
+    vllm_param_name,
+)
+
+
+def _export_config(preset: str, overrides: dict | None = None, **top) -> dict:
+    """A config.json as `looplm export hf` writes it (the fields the plugin reads)."""
+    cfg = load_model_config(preset, overrides)
+    return {"architectures": ["LoopLMForCausalLM"], "model_type": "looplm", "looplm": cfg.to_dict(),
+            "num_loops": cfg.n_loops, **top}
+
+
+def test_importing_the_plugin_imports_no_vllm():
+    import looplm.vllm  # noqa: F401
+    import looplm.vllm.configs  # noqa: F401
+
+    assert "vllm" not in sys.modules
+    assert all(not m.startswith("vllm.") for m in sys.modules)
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", "import looplm, sys; print('looplm.vllm' in sys.modules, 'vllm' in sys.modules)"],
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]  # `import looplm` never imports the plugin
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3", "tiny-coreloop", "tiny-stateloop"])
+def test_attention_presets_map(preset):
+    spec = plugin_spec(_export_config(preset))
+    c = spec.config
+    assert c == load_model_config(preset)
+    assert spec.num_loops == c.n_loops and spec.kv_policy == "per-loop" and spec.architecture == "LoopLMForCausalLM"
+    slots = spec.slots
+    assert len(slots) == c.n_prelude + c.n_loops * c.n_core + c.n_coda  # one Attention per (loop, layer)
+    assert [s.index for s in slots] == list(range(len(slots)))
+    for s in slots:
+        assert spec.slot_index(s.part, s.layer, s.loop) == s.index
+
+
+def test_slots_in_run_order_per_loop_and_shared():
+    raw = _export_config("tiny-coreloop")  # (p, s, K, c) = (1, 2, 3, 1)
+    per_loop = plugin_spec(raw)
+    assert [(s.part, s.layer, s.loop) for s in per_loop.slots] == [
+        ("prelude", 0, None), ("core", 1, 0), ("core", 2, 0), ("core", 1, 1), ("core", 2, 1), ("core", 1, 2),
+        ("core", 2, 2), ("coda", 3, None)]  # fmt: skip
+    shared = plugin_spec({**raw, "looplm_kv_policy": "shared"})
+    assert [(s.part, s.layer, s.loop) for s in shared.slots] == [
+        ("prelude", 0, None), ("core", 1, None), ("core", 2, None), ("coda", 3, None)]
+    assert {shared.slot_index("core", 2, k) for k in range(3)} == {2}  # every loop writes the layer's one slot
+    assert shared.slot_index("coda", 3) == 3 and per_loop.slot_index("coda", 3) == 7
+    assert plugin_spec(raw, kv_policy="shared").kv_policy == "shared"  # the argument wins over the config
+
+
+def test_served_loop_count_and_exit_threshold_come_from_the_config():
+    spec = plugin_spec(_export_config("tiny-llama", num_loops=5))
+    assert spec.num_loops == 5 and len(spec.slots) == 5 * 2
+    assert plugin_spec({**_export_config("tiny-llama"), "num_loops": None}).num_loops == 3  # None = K
+    gate = {"rule": {"name": "exit_gate", "options": {"threshold": 0.5}}}
+    spec = plugin_spec(_export_config("tiny-llama", gate, exit_threshold=0.8))
+    assert spec.loop_options == {"exit_threshold": 0.8}
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"num_loops": 0}, "num_loops must be a positive int, got 0"),
+    ({"num_loops": True}, "num_loops must be a positive int, got True"),
+    ({"looplm_kv_policy": "per_loop"}, "looplm_kv_policy must be one of ['per-loop', 'shared'], got 'per_loop'"),
+    ({"loop_options": {"grid": "prefix"}}, "loop_options ['grid'] are not read by the rule 'vanilla'"),
+    ({"looplm": {}}, "needs the looplm ModelConfig under 'looplm'"),
+    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "architecture 'LlamaForCausalLM'"),
+])  # fmt: skip
+def test_bad_configs_are_refused_with_the_value(bad, message):
+    with pytest.raises(ValueError) as e:
+        plugin_spec({**_export_config("tiny-llama"), **bad})
+    assert message in str(e.value)
+
+
+_SERVED = [
+    ("tiny-llama", {"rule": {"name": "injection", "options": {"form": "dense", "init_state": "normal"}}}),
+    ("tiny-llama", {"rule": {"name": "history", "options": {"window": 2}}}),
+    ("tiny-llama", {"rule": {"name": "timestep", "options": {"gating": "branch"}}}),
+    ("tiny-llama", {"rule": {"name": "hyperloop", "options": {"n_streams": 2}}}),
+    ("tiny-llama", {"rule": {"name": "mesh", "options": {"n_slots": 3}}}),
+    ("tiny-llama", {"rule": {"name": "parcae"}}),
+    ("tiny-llama", {"rule": {"name": "ponderlm"}}),
+    ("tiny-llama", {"rule": {"name": "exit_gate"}, "norm_placement": "sandwich"}),
+    ("tiny-llama", {"rule": {"name": "vanilla", "options": {"inter_norm": True}}, "norm_placement": "post-sum"}),
+    ("tiny-llama", {"attention.qk_bias": True, "attention.rotary_dim": 8, "embed_scale": True}),
+]
+
+
+@pytest.mark.parametrize("preset, overrides", _SERVED)
+def test_per_token_rules_are_served(preset, overrides):
+    cfg = load_model_config(preset, overrides)
+    assert refusal(cfg) is None
+    assert plugin_spec(_export_config(preset, overrides)).config.rule.name == cfg.rule.name
+
+
+_REFUSED = [
+    ("tiny-mamba2", {}, "Mamba-2 stack"),
+    ("tiny-hybrid", {}, "hybrid Mamba-2/attention stack (Mamba-2 blocks at physical layers [0, 2])"),
+    ("tiny-stateloop", {"rule.options.mixer": "attention"}, "StateLoop's 'attention' state mixer mixes tokens"),
+    ("tiny-stateloop", {"rule.options.mixer": "mamba2"}, "StateLoop's 'mamba2' state mixer"),
+    ("tiny-llama", {"pause": {"n_pause": 2}}, "pause tokens"),
+    ("tiny-llama", {"attention.sliding_window": 8}, "sliding-window attention"),
+    ("tiny-llama", {"rule": {"name": "injection", "options": {"form": "dense", "init_state": "normal",
+                                                               "init_seed": None}}}, "drawn afresh each forward"),
+    ("tiny-coreloop", {"rule": {"name": "ponderlm"}}, "PonderLM reads out every iteration through the coda"),
+]
+
+
+@pytest.mark.parametrize("preset, overrides, reason", _REFUSED)
+def test_unservable_designs_are_refused_by_name_and_reason(preset, overrides, reason):
+    cfg = load_model_config(preset, overrides)
+    with pytest.raises(UnsupportedDesign) as e:
+        plugin_spec(_export_config(preset, overrides), where="/models/x/config.json")
+    msg = str(e.value)
+    assert msg.startswith(f"/models/x/config.json: looplm's vLLM plugin cannot serve {design_name(cfg)}: ")
+    assert reason in msg and f"rule {cfg.rule.name!r}" in msg and "looplm serve" in msg
+    assert e.value.design == design_name(cfg) and reason in e.value.reason
+
+
+def test_weight_names_map_to_the_fused_vllm_projections():
+    assert vllm_param_name("looplm.core.stack.blocks.1.mixer.q_proj.weight") == ("core.stack.blocks.1.mixer.qkv_proj.weight", "q")
+    assert vllm_param_name("prelude.blocks.0.mixer.k_proj.bias") == ("prelude.blocks.0.mixer.qkv_proj.bias", "k")
+    assert vllm_param_name("coda.blocks.0.mixer.v_proj.weight") == ("coda.blocks.0.mixer.qkv_proj.weight", "v")
+    assert vllm_param_name("looplm.core.stack.blocks.0.mlp.gate_proj.weight") == ("core.stack.blocks.0.mlp.gate_up_proj.weight", 0)
+    assert vllm_param_name("core.stack.blocks.0.mlp.up_proj.weight") == ("core.stack.blocks.0.mlp.gate_up_proj.weight", 1)
+    for plain in ("looplm.embed.weight", "norm.weight", "lm_head.weight", "core.stack.blocks.0.mixer.o_proj.weight",
+                  "core.stack.blocks.0.mixer.q_norm.weight", "core.stack.blocks.0.mlp_out_norm.weight",
+                  "rule.inject.proj.weight", "rule.W_pre.0.weight"):
+        assert vllm_param_name(plain) == (plain.removeprefix("looplm."), None)
+
+
+@pytest.mark.parametrize("preset", ["tiny-coreloop", "tiny-qwen3"])
+def test_every_looplm_tensor_has_one_place(preset):
+    from looplm.hf.export import hf_state_dict
+
+    model = looplm.build(preset)
+    names = list(hf_state_dict(model))  # what the export stores
+    targets = [vllm_param_name(n) for n in names]
+    assert len(set(targets)) == len(targets)  # no two tensors load into the same place
+    fused = {t for t in targets if t[1] is not None}
+    c = model.config
+    blocks = c.n_physical
+    assert len([t for t in fused if t[0].endswith("qkv_proj.weight")]) == 3 * blocks
+    assert len([t for t in fused if t[0].endswith("gate_up_proj.weight")]) == 2 * blocks
+    assert ("lm_head.weight", None) not in targets if c.tie_embeddings else ("lm_head.weight", None) in targets
+
+
+@pytest.mark.parametrize("family, arch", [("ouro", "OuroForCausalLM"), ("huginn", "RavenForCausalLM")])
+def test_original_formats_map_as_looplm_imports_them(tmp_path, family, arch):
+    from looplm.hf.public import export_original, public_config
+    from looplm.vllm.configs import CONFIG_CLASSES
+
+    preset, over = {"ouro": ("ouro-1.4b", {}), "huginn": ("huginn-0125", {"n_prelude": 1, "n_coda": 1})}[family]
+    over = {**over, "vocab_size": 260, "d_model": 64, "n_core": 2, "n_loops": 3, "d_ff": 128, "attention.n_heads": 2,
+            "attention.n_kv_heads": 2, "attention.head_dim": 32, "max_seq_len": 512}
+    export_original(looplm.build(load_model_config(preset, over)), tmp_path, tokenizer="byte")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    spec = plugin_spec(raw)
+    assert spec.architecture == arch == raw["architectures"][0] and ARCHITECTURES[arch].endswith(f":{arch}")
+    assert spec.config == public_config(raw) and spec.num_loops == 3
+    hf = CONFIG_CLASSES[raw["model_type"]](**{k: v for k, v in raw.items() if k != "model_type"})
+    assert (hf.hidden_size, hf.num_attention_heads, hf.max_position_embeddings, hf.vocab_size) == (64, 2, 512, 260)
+    assert plugin_spec(hf).config == spec.config  # the config object vLLM holds maps the same
