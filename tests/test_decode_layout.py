@@ -43,6 +43,7 @@ FLOORS = {
     "exits": 0,
     "kv_fill": 0,
     "sampling": 0,
+    "scheduler": 0,
     "exit_forward": 1,
     "token_schedule": 2,
     "depth_schedule": 3,

@@ -8,6 +8,8 @@ import torch
 
 import looplm
 from looplm.decode.depth_schedule import DepthBatchedDecoder
+from looplm.decode.scheduler import Request, RequestStatus, Scheduler
+from looplm.serve.scheduler import Scheduler as ServedScheduler
 from looplm.eval.decode_timing import queue_timing
 
 from helpers import assert_refused_before_any_work
@@ -123,3 +125,78 @@ def test_queue_timing_times_refill_against_full_depth_batches():
     assert res["refill"]["stats"]["tokens"] == 4 * 4 and res["refill"]["stats"]["executed_depth"] == 2
     with pytest.raises(ValueError, match="do not split into batches of rows=3"):
         queue_timing(m, torch.randint(0, 250, (4, 4)), 3, 5, mk, runs=1)
+
+
+def _scheduled_admissions(N, rows, P, T, depths):
+    """A :class:`Scheduler` driven with no model, as the offline run drives it: prompt ``i`` is a request of ``T``
+    tokens; a token of prompt ``i`` with decoded-token index ``j`` exits ``depths[i, j]`` passes after it starts
+    (the replay criterion), the cohorts' exits in start order. Returns the admissions: per admission, ``[(prompt,
+    row)]``."""
+    s = Scheduler(max_batch=rows, max_waiting=N, prefill_chunk=N * P, batch_prefill=True)
+    for i in range(N):
+        s.add(Request(i, [1] * P, T))
+    admissions, cohorts = [], []  # cohorts: [[row, passes left]], the oldest first
+    while True:
+        while plan := s.schedule_prefill():
+            admissions.append([(c.request.id, c.request.row) for c in plan])
+            for c in plan:
+                s.place(c.request)
+                s.append_token(c.request, 0, 4)
+        start = s.schedule_decode()
+        if not s.in_flight:
+            return admissions
+        if start:
+            cohorts.append([[t.row, int(depths[s.rows[t.row].id, s.rows[t.row].num_output_tokens - 1])] for t in start])
+        exited = []
+        for c in cohorts:
+            for e in c:
+                e[1] -= 1
+            exited += [b for b, left in c if left == 0]
+            c[:] = [e for e in c if e[1] > 0]
+        cohorts = [c for c in cohorts if c]
+        sample, _ = s.update_from_output(exited)
+        for i in sample:
+            req = s.rows[exited[i]]
+            s.append_token(req, 0, 1)
+            if req.num_output_tokens >= T:
+                s.finish(req, RequestStatus.FINISHED_LENGTH)
+
+
+def test_the_offline_run_admits_and_refills_through_the_engines_scheduler(monkeypatch):
+    """One scheduler (issue 60): the offline run's admissions — which prompts take which rows, and in which order —
+    are those of the serving engine's Scheduler (looplm.serve.scheduler, at home in looplm.decode.scheduler), driven
+    here directly with no model, with the same prompts and each token's replayed depth. The run is spied through the
+    Scheduler it builds, so a run that schedules on its own (or admits in another order) fails."""
+    import looplm.decode.depth_schedule as db
+
+    assert ServedScheduler is Scheduler
+    seen = []  # the run's admissions
+
+    class Spy(Scheduler):
+        def schedule_prefill(self):
+            plan = super().schedule_prefill()
+            if plan:
+                seen.append([(c.request.id, c.request.row) for c in plan])
+            return plan
+
+    refilled = []  # what the run's refills ran: [(prompt, row)]
+    real = db.DepthBatchedDecoder._refill
+
+    def refill(self, rows_h, input_ids, attention_mask, idx_h, *args):
+        refilled.append(list(zip(idx_h, rows_h)))
+        return real(self, rows_h, input_ids, attention_mask, idx_h, *args)
+
+    monkeypatch.setattr(db, "Scheduler", Spy)
+    monkeypatch.setattr(db.DepthBatchedDecoder, "_refill", refill)
+    m = _model("tiny-llama")
+    N, P, T, rows = 8, 6, 5, 3
+    ids, mask, _ = _batch(N=N, P=P)
+    depths = torch.tensor([[2, 2, 2, 2, 1], [3, 3, 3, 2, 1], [1, 1, 2, 1, 2], [2, 2, 1, 3, 3],
+                           [1, 1, 2, 1, 2], [2, 2, 2, 3, 2], [3, 1, 3, 2, 2], [3, 2, 3, 1, 2]])  # [N, T] loops (K = 3)  # fmt: skip
+    ex = dict(criterion="replay", depths=depths, kv="copy", schedule="depth")
+    out = m.generate(ids, T, attention_mask=mask, exit={**ex, "max_batch": rows})
+    want = _scheduled_admissions(N, rows, P, T, depths)
+    assert seen == want and refilled == want[1:]
+    assert want[0] == [(0, 0), (1, 1), (2, 2)] and len(want) > 2  # the first rows together, then refills
+    assert any(r != sorted(r) for r in ([b for _, b in a] for a in want))  # rows taken in the order they freed
+    assert torch.equal(out, m.generate(ids, T, attention_mask=mask, exit=ex))  # and each prompt decodes as in one batch

@@ -14,7 +14,8 @@ import pytest
 from looplm.serve.scheduler import Request, RequestStatus, Scheduler
 
 RS = RequestStatus
-SCHEDULER_PY = Path(__file__).resolve().parents[1] / "src" / "looplm" / "serve" / "scheduler.py"
+# its home (looplm.serve.scheduler re-exports it)
+SCHEDULER_PY = Path(__file__).resolve().parents[1] / "src" / "looplm" / "decode" / "scheduler.py"
 
 
 def _req(rid, prompt_len=4, max_tokens=3):
@@ -79,6 +80,10 @@ def test_the_scheduler_imports_no_torch():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert importlib.util.find_spec("looplm.serve.scheduler") is not None
+    import looplm.decode.scheduler as home
+    import looplm.serve.scheduler as served
+
+    assert served.Scheduler is home.Scheduler and served.Request is home.Request  # one scheduler, two import paths
 
 
 def test_admission_is_fifo_one_prompt_a_step_and_bounded_by_max_batch():
@@ -159,7 +164,11 @@ def test_the_youngest_is_preempted_at_once_when_idle_and_replays_its_tokens():
     S = 2
     s = Scheduler(max_batch=2, kv_budget=12 * S, slots_per_token=S)
     sim = Sim(s)
-    a, b, c = _req(1, prompt_len=2, max_tokens=8), _req(2, prompt_len=2, max_tokens=6), _req(3, prompt_len=2, max_tokens=2)
+    a, b, c = (
+        _req(1, prompt_len=2, max_tokens=8),
+        _req(2, prompt_len=2, max_tokens=6),
+        _req(3, prompt_len=2, max_tokens=2),
+    )
     for r in (a, b, c):
         s.add(r)
     preempted = []
@@ -231,7 +240,11 @@ def test_aborts_free_capacity_wherever_the_request_is():
     sample, _ = s.update_from_output([0])
     assert sample == [] and s.rows[0] is None and s.room() == 3
     assert s.get(run.id) is None and s.get(w1.id) is w1
-    assert [r.status.finish_reason for r in (run, pre, w2)] == ["abort", "stop", "abort"] and w1.status.finish_reason is None
+    assert [r.status.finish_reason for r in (run, pre, w2)] == [
+        "abort",
+        "stop",
+        "abort",
+    ] and w1.status.finish_reason is None
 
 
 def test_echo_requests_prefill_without_a_row_and_the_token_schedule_waits_for_the_batch():
@@ -299,6 +312,25 @@ def test_batched_prefill_stops_at_the_budget():
     plan = s.schedule()  # each needs (4 + 3) × S beside the prompts admitted before it: two fit
     assert [c.request.id for c in plan.prefill] == [1, 2] and s.kv_tokens_used() == 2 * 4 * S
     assert s.waiting[0].id == 3 and s.waiting[0].row is None
+
+
+def test_a_free_row_is_taken_in_the_order_rows_were_freed():
+    """Admission takes the row freed first (the offline depth-batched run's refill order, looplm.decode.depth_schedule),
+    not the lowest free one; schedule_decode and schedule_prefill are the two halves of schedule."""
+    s = Scheduler(max_batch=3, max_waiting=8, prefill_chunk=64, batch_prefill=True)
+    reqs = [_req(i, prompt_len=3, max_tokens=5) for i in range(5)]
+    for r in reqs:
+        s.add(r)
+    assert [(c.request.id, c.request.row) for c in s.schedule_prefill()] == [(0, 0), (1, 1), (2, 2)]
+    for r in reqs[:3]:
+        s.place(r)
+        s.append_token(r, 7, 1)
+    assert [t.row for t in s.schedule_decode()] == [0, 1, 2] and s.schedule_prefill() == []  # no free row
+    assert s.update_from_output([2, 0, 1]) == ([0, 1, 2], [])
+    s.finish(reqs[2], RS.FINISHED_STOPPED)  # row 2 frees first, then row 0
+    s.finish(reqs[0], RS.FINISHED_LENGTH)
+    assert list(s.free_rows) == [2, 0] and s.num_free_rows == 2
+    assert [(c.request.id, c.request.row) for c in s.schedule_prefill()] == [(3, 2), (4, 0)]
 
 
 def test_finish_all_ends_everything_and_frees_every_row():

@@ -17,6 +17,8 @@ imports go one way, down the floors (``tests/test_decode_layout.py`` holds it)::
     floor 0  exits            the Exit spec, its checks, the criteria (gate, kl, convergence, replay)
              kv_fill          the fills of skipped loops carried into the next core call (kv='propagate')
              sampling         picking a token (greedy, temperature, top-k / top-p), eval mode, the fused decode steps
+             scheduler        pure Python: rows, queue, admission, refill, KV budget, preemption (depth_schedule's run
+                              and looplm.serve's engine both schedule through it)
 
 Which path runs (``model.generate(ids, n, exit=..., speculative=...)``):
 

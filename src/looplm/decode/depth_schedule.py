@@ -52,8 +52,14 @@ What it does not run (refused by :meth:`looplm.decode.exits.Exit.resolved`): Mam
 sliding-window attention, rules with their own per-loop slots
 (StateLoop's state mixers), rules that replace a block's residual stream, and ``kv='full'``. Prefill runs
 at full depth, or takes the exits with ``prefill='exit'`` (as under the token schedule: the decoder's first
-call). The rows' columns, token counts and flags live on the host: a
-pass reads the exits' rows and tokens once, and each checking cohort's exit flags (on CUDA each read is a
+call).
+
+Scheduling — which prompt takes which row and when (the first ``B`` prompts together, then request refill: a
+finished row takes the next prompt), which rows start a token at a pass, when a row is done (``eos`` or
+``max_new_tokens``) — is the serving engine's scheduler's (:class:`looplm.decode.scheduler.Scheduler`, also
+:mod:`looplm.serve.scheduler`), driven by :meth:`DepthBatchedDecoder.run` as the engine drives it: admit and
+place, ``schedule_decode``, one pass, ``update_from_output``, finish. Its requests keep the rows' columns, token
+counts and states on the host: a pass reads the exits' rows, tokens and depths once, and each checking cohort's exit flags (on CUDA each read is a
 synchronisation: :mod:`looplm.decode.static_schedule` reads none). Host work per
 pass, measured: ``docs/adaptive-depth.md``.
 """
@@ -73,6 +79,7 @@ from ..cache import SharedKV
 from .kv_fill import KVFill
 from ..layers.mamba2 import Mamba2Rows, Mamba2State
 from .sampling import decode_context, eval_mode, sample_next
+from .scheduler import Request, RequestStatus, Scheduler
 
 __all__ = ["DepthBatchedDecoder", "copy_prompt_rows", "depth_batched_generate", "merge_modulations"]
 
@@ -95,8 +102,9 @@ class DepthBatchedDecoder(AdaptiveDecoder):
 
     schedule = "depth"  # the Exit.schedule it runs (looplm.decode.static_schedule's subclass: 'static')
 
-    def __init__(self, model, batch_size: int, capacity: int, exit, loop_options: dict | None = None,
-                 prompts: int | None = None):
+    def __init__(
+        self, model, batch_size: int, capacity: int, exit, loop_options: dict | None = None, prompts: int | None = None
+    ):
         super().__init__(model, batch_size, capacity, exit, loop_options, prompts)
         if self.exit.schedule != self.schedule:
             raise ValueError(f"{type(self).__name__} runs exit schedule {self.schedule!r}, got {self.exit.schedule!r}")
@@ -104,7 +112,8 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         self.kv_flat = {j: v for j, v in self.flat.items() if isinstance(v[0], KVCache)}  # the attention layers'
         self.pending: list = []  # (rows, exit loop, stand-in, columns) whose core fills this pass still owes (_fill_core)
         self.modulated = _modulates(model.rule)  # blocks differ per loop: propagation per loop (_fill)
-        self.copy_bytes = sum(2 * b._k[0, :, 0].numel() * b._k.element_size() for b, _, _ in self.kv_flat.values())  # per (row, loop)
+        # bytes of one (row, loop)'s K and V column
+        self.copy_bytes = sum(2 * b._k[0, :, 0].numel() * b._k.element_size() for b, _, _ in self.kv_flat.values())
         # Mamba-2 core layers whose skipped loops take ssm='propagate' / 'decay' (AdaptiveDecoder._fill, per exit)
         self.ssm_fills = self.exit.ssm != "freeze" and len(self.kv_flat) < len(self.flat)
         # an exit whose output is its core output H^k and whose fills are the core's copies needs no rule state
@@ -145,8 +154,16 @@ class DepthBatchedDecoder(AdaptiveDecoder):
 
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def run(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None, pick,
-            eos_token_id: int | None, pad_token_id: int, now=time.perf_counter) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        attention_mask: torch.Tensor | None,
+        pick,
+        eos_token_id: int | None,
+        pad_token_id: int,
+        now=time.perf_counter,
+    ) -> torch.Tensor:
         """The prompt at full depth, then ``max_new_tokens`` tokens per row, each row at its own pace;
         ``pick(logits [n, V]) -> [n]`` chooses a token. Returns ``[N, P + n]`` ids (``n``: the most any row
         generated; a row that emitted ``eos_token_id`` is padded with ``pad_token_id`` after it).
@@ -154,8 +171,12 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         ``input_ids [N, P]`` may hold more prompts than the decoder's ``B`` rows (request refill): the first
         ``B`` start together, and whenever rows finish the next prompts take them — their prompts at full
         depth into those rows (:meth:`_refill`), their tokens beside the other rows' at the next pass.
-        ``decode_seconds``: the time after the prompts, on the clock ``now`` (a host clock: CPU time); the
-        refills' prompts are left out of it as the first prompts are (``prompt_seconds``)."""
+        Which prompt takes which row, and which rows start a token at a pass, is the serving engine's scheduler's
+        (:class:`~looplm.decode.scheduler.Scheduler`, :attr:`scheduler` after the run; :meth:`_scheduler`): each
+        prompt is a request of ``max_new_tokens`` tokens, admitted in order into the row freed first, placed after
+        its prompt ran, and finished at ``eos_token_id`` or its length. ``decode_seconds``: the time after the
+        prompts, on the clock ``now`` (a host clock: CPU time); the refills' prompts are left out of it as the
+        first prompts are (``prompt_seconds``)."""
         N, P = input_ids.shape
         B = self.cache.batch_size
         if N < B:
@@ -164,73 +185,96 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         if N > B:  # the queued prompts are checked now too (their rows prefill them later, unchecked)
             self.model.check_inputs(input_ids, None, attention_mask)
         self.prompt_seconds = 0.0
-        out, col, made, done = self._prefill(input_ids, max_new_tokens, attention_mask, pick, eos_token_id, pad_token_id)
         if max_new_tokens == 0:
-            return out
-        m, cache = self.model, self.cache
+            return self._prefill(input_ids, 0, attention_mask, pick, eos_token_id, pad_token_id)[0]
+        sched = self.scheduler = self._scheduler(input_ids, max_new_tokens)
+        reqs = list(sched.waiting)  # request i: prompt i (its output row)
+        first = [c.request for c in sched.schedule_prefill()]  # the first B prompts, together
+        if [(r.id, r.row) for r in first] != [(b, b) for b in range(B)]:  # (the scheduler's order: rows 0 .. B − 1)
+            raise RuntimeError(f"the scheduler admitted {[(r.id, r.row) for r in first]} first, not prompts 0 .. {B - 1} "
+                               f"into rows 0 .. {B - 1}")  # fmt: skip
+        out, col, _, _ = self._prefill(input_ids, max_new_tokens, attention_mask, pick, eos_token_id, pad_token_id)
+        self._took_first(sched, first, out[:B, P].tolist(), eos_token_id)
+        m, cache, st = self.model, self.cache, self.stats
         dev = input_ids.device
-        # per row, on the host (a pass reads the exits' rows and tokens once): its column, tokens made, whether
-        # it is done, whether its next token waits to start (the device keeps col for the pass's gathers)
-        col_h, made_h, done_h = [P] * B, made.tolist(), done.tolist()
-        waiting_h = [not d for d in done_h]
-        # request refill: the prompts from queue_h on wait; most: the most tokens any prompt made so far
-        queue_h, most = B, max(made_h)
-        req = torch.arange(B, device=dev) if N > B else None  # each row's prompt, its output row (None: row b is out[b])
+        req_of_row = torch.arange(B, device=dev) if N > B else None  # [B] each row's prompt (None: row b is prompt b)
         if N > B:
             self._check_refill()
-        refill = [b for b in range(B) if done_h[b]]
         cohorts: list[_Cohort] = []
         t0 = now()
         with decode_context(m, B):
             while True:
-                while refill and queue_h < N:  # finished rows take the next prompts (a first token may end them)
-                    n = min(len(refill), N - queue_h)
-                    rows_h, refill = refill[:n], refill[n:]
-                    first = self._refill(rows_h, input_ids, attention_mask, queue_h, out, col, pick, now)
-                    for b, t in zip(rows_h, first):
-                        col_h[b], made_h[b] = P, 1
-                        done_h[b] = max_new_tokens <= 1 or t == eos_token_id
-                        waiting_h[b] = not done_h[b]
-                        if done_h[b]:
-                            refill.append(b)
-                    req.index_copy_(0, torch.tensor(rows_h, device=dev), torch.arange(queue_h, queue_h + n, device=dev))
-                    queue_h += n
-                if not (any(waiting_h) or cohorts):
+                # request refill: finished rows take the next prompts (a first token may end them: again)
+                while admitted := [c.request for c in sched.schedule_prefill()]:
+                    rows_h, idx_h = [r.row for r in admitted], [r.id for r in admitted]
+                    tokens = self._refill(rows_h, input_ids, attention_mask, idx_h, out, col, pick, now)
+                    self._took_first(sched, admitted, tokens, eos_token_id)
+                    req_of_row.index_copy_(0, torch.tensor(rows_h, device=dev), torch.tensor(idx_h, device=dev))
+                start = sched.schedule_decode()  # the rows whose next token waits, in row order: in flight now
+                if not sched.in_flight:
                     break
-                L = max(c for c, d in zip(col_h, done_h) if not d) + 1  # keys of the furthest row in flight
-                start_h = [b for b in range(B) if waiting_h[b]]
-                if start_h:
-                    start = torch.tensor(start_h, device=dev)
-                    token = torch.tensor([made_h[b] - 1 for b in start_h], device=dev)  # each row's decoded-token index
-                    orow = start if req is None else req.index_select(0, start)
-                    cohorts.append(self._start(start, out[orow, col.index_select(0, start)][:, None], col, token, L,
-                                               None if req is None else orow))  # fmt: skip
-                    for b in start_h:
-                        waiting_h[b] = False
+                L = max(r.num_cached for r in sched.rows if r is not None) + 1  # keys of the furthest row in flight
+                if start:
+                    running = [sched.rows[t.row] for t in start]
+                    rows = torch.tensor([t.row for t in start], device=dev)  # [n]
+                    ids = torch.tensor([[t.token_id] for t in start], dtype=input_ids.dtype, device=dev)  # [n, 1]
+                    # [n] each row's decoded-token index (a replay criterion's depths are read there)
+                    token = torch.tensor([r.num_output_tokens - 1 for r in running], device=dev)
+                    orow = None if req_of_row is None else torch.tensor([r.id for r in running], device=dev)  # [n]
+                    cohorts.append(self._start(rows, ids, col, token, L, orow))
+                n0 = len(st.selected)
                 exits = self._pass(cohorts, col, L)  # [(rows, y, logits or None)] of the tokens that exited
                 cohorts = [c for c in cohorts if c.rows.numel()]
                 if not exits:
                     continue
-                rows = torch.cat([r for r, _, _ in exits]) if len(exits) > 1 else exits[0][0]
+                rows = torch.cat([r for r, _, _ in exits]) if len(exits) > 1 else exits[0][0]  # [e]
                 nxt = pick(self._logits_of(exits, col, L))  # [e]
                 c = col.index_select(0, rows) + 1  # their next tokens' columns
                 col.index_copy_(0, rows, c)
-                out[rows if req is None else req.index_select(0, rows), c] = nxt
+                out[rows if req_of_row is None else req_of_row.index_select(0, rows), c] = nxt
                 self.attn_rows.index_put_((rows, c), self.yes)  # a row's next token reads its own column too
-                for b, t in zip(*torch.stack((rows, nxt.to(rows.dtype))).tolist()):
-                    col_h[b] += 1
-                    made_h[b] += 1
-                    done_h[b] = made_h[b] >= max_new_tokens or t == eos_token_id
-                    waiting_h[b] = not done_h[b]
-                    if done_h[b]:
-                        most = max(most, made_h[b])
-                        if queue_h < N:
-                            refill.append(b)
+                depth = torch.cat(st.selected[n0:])  # [e] the loops each exited token ran
+                rows_l, nxt_l, depth_l = torch.stack((rows, nxt.to(rows.dtype), depth)).tolist()
+                # each row holds one more column; no budget, so none is preempted: every row picks its next token
+                sample, _ = sched.update_from_output(rows_l)
+                for i in sample:
+                    req = sched.rows[rows_l[i]]
+                    sched.append_token(req, nxt_l[i], depth_l[i])
+                    self._finish_if_done(sched, req, nxt_l[i], eos_token_id)
             self.flush()  # the last pass's fills (looplm.decode.kv_fill)
         self.decode_seconds = now() - t0 - self.prompt_seconds  # after the prompts
         self._count_flops()
+        most = max(r.num_output_tokens for r in reqs)  # the most tokens any prompt made
         cache.seqlen = P + most - 1  # the columns written (rows that stopped early: holes, masked)
         return out[:, : P + most]
+
+    def _scheduler(self, input_ids: torch.Tensor, max_new_tokens: int) -> Scheduler:
+        """The run's scheduler, the engine's: ``B`` rows, no KV budget (the cache holds ``P + max_new_tokens``
+        columns of every row), one request of ``max_new_tokens`` tokens per prompt, queued in order, and batched
+        prefill of whole prompts (a chunk of ``N × P`` tokens: every free row takes a prompt at once)."""
+        N, P = input_ids.shape
+        sched = Scheduler(
+            max_batch=self.cache.batch_size, max_waiting=N, prefill_chunk=max(2, N * P), batch_prefill=True
+        )
+        for i, prompt in enumerate(input_ids.tolist()):
+            sched.add(Request(i, prompt, max_new_tokens))
+        return sched
+
+    def _took_first(self, sched: Scheduler, admitted: list, tokens: list, eos_token_id: int | None) -> None:
+        """The prompts of ``admitted`` ran: each request is placed in its row with its first token (picked from the
+        prompt's logits, at full depth), and finished when that token ends it."""
+        for req, t in zip(admitted, tokens):
+            sched.place(req)
+            sched.append_token(req, t, self.R)
+            self._finish_if_done(sched, req, t, eos_token_id)
+
+    @staticmethod
+    def _finish_if_done(sched: Scheduler, req: Request, token: int, eos_token_id: int | None) -> None:
+        """``req`` ends at ``eos_token_id`` (stop) or at its ``max_tokens`` (length): its row frees for the next prompt."""
+        if token == eos_token_id:
+            sched.finish(req, RequestStatus.FINISHED_STOPPED)
+        elif req.num_output_tokens >= req.max_tokens:
+            sched.finish(req, RequestStatus.FINISHED_LENGTH)
 
     def _check_refill(self) -> None:
         """Request refill copies a prompt's slots into a row of each of this cache's: attention KV (per loop or
@@ -240,16 +284,17 @@ class DepthBatchedDecoder(AdaptiveDecoder):
                 raise TypeError(f"request refill (exit max_batch) cannot copy a prompt into cache slot {key!r} "
                                 f"({type(s).__name__}); give max_batch=None (the whole batch at once)")  # fmt: skip
 
-    def _refill(self, rows_h: list, input_ids, attention_mask, q: int, out, col, pick, now) -> list:
-        """Rows ``rows_h`` (finished) take prompts ``q, q + 1, ...``: those prompts at full depth in a cache of
-        their own (:meth:`AdaptiveDecoder.__call__`, the first prompts' path), its slots copied into the rows'
-        columns ``< P`` of every slot (every loop), the rows' visible columns, position shift and mask reset,
+    def _refill(self, rows_h: list, input_ids, attention_mask, idx_h: list, out, col, pick, now) -> list:
+        """Rows ``rows_h`` (finished) take prompts ``idx_h`` (the scheduler's admission): those prompts at full depth
+        in a cache of their own (:meth:`AdaptiveDecoder.__call__`, the first prompts' path), its slots copied into the
+        rows' columns ``< P`` of every slot (every loop), the rows' visible columns, position shift and mask reset,
         each first token picked into ``out``. Returns the first tokens (a host list)."""
         m, main, n, P = self.model, self.cache, len(rows_h), input_ids.shape[1]
         dev = input_ids.device
-        rows = torch.tensor(rows_h, device=dev)
-        ids = input_ids[q : q + n]
-        mask = None if attention_mask is None else attention_mask[q : q + n]
+        rows = torch.tensor(rows_h, device=dev)  # [n]
+        idx = torch.tensor(idx_h, device=dev)  # [n]
+        ids = input_ids.index_select(0, idx)  # [n, P]
+        mask = None if attention_mask is None else attention_mask.index_select(0, idx)  # [n, P]
         t = now()
         self.flush()  # the fills carried into the next pass, before rows change hands
         self.cache = m.new_cache(n, self.R, capacity=P, kv_shared=main.kv_shared)
@@ -264,7 +309,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         for fam, src in part.shared.items():
             _copy_rows(src, main.shared[fam], rows, P)
         first = pick(logits[:, -1])  # [n]
-        out[q : q + n, P] = first
+        out[idx, P] = first
         col.index_fill_(0, rows, P)
         vis = self.visible.index_select(0, rows)
         vis[:, :P] = True if mask is None else mask.bool()
@@ -303,7 +348,9 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         if attention_mask is not None:
             self.visible[:, :P] = attention_mask.bool()
         # the position of column P: the row's real prompt tokens (left padding does not count)
-        self.pos_shift = (self.visible[:, :P].long().sum(-1) if attention_mask is not None else torch.full((B,), P, device=dev)) - P
+        self.pos_shift = (
+            self.visible[:, :P].long().sum(-1) if attention_mask is not None else torch.full((B,), P, device=dev)
+        ) - P
         self.positions = torch.zeros(B, 1, dtype=torch.long, device=dev)  # per row: its token in flight's position
         self.keys = torch.arange(P + max_new_tokens, device=dev)
         # every position's rotary tables [P + n, 1, rot] (a row's position is under P + n), read at the rows' positions
@@ -329,13 +376,19 @@ class DepthBatchedDecoder(AdaptiveDecoder):
             if self.flat[blk.layer_idx][0] is not None:
                 continue
             loops = [self.cache.slots[(k, blk.layer_idx)] for k in range(R)]
-            big = Mamba2State(torch.cat([s.conv_state for s in loops]), torch.cat([s.ssm_state for s in loops]).float(),
-                              loops[0].seqlen_offset)  # (contiguous, fp32: a fused step never rebinds them)
+            # (contiguous, fp32: a fused step never rebinds them)
+            big = Mamba2State(
+                torch.cat([s.conv_state for s in loops]),
+                torch.cat([s.ssm_state for s in loops]).float(),
+                loops[0].seqlen_offset,
+            )
             for k, s in enumerate(loops):
                 s.conv_state, s.ssm_state = big.conv_state[k * B : (k + 1) * B], big.ssm_state[k * B : (k + 1) * B]
             self.flat[blk.layer_idx] = (big, R * B, B)
 
-    def _core_slots(self, idx_loop: torch.Tensor, idx_row: torch.Tensor, cols: torch.Tensor, keep: torch.Tensor | None = None) -> list:
+    def _core_slots(
+        self, idx_loop: torch.Tensor, idx_row: torch.Tensor, cols: torch.Tensor, keep: torch.Tensor | None = None
+    ) -> list:
         """The core blocks' slots of a pass: the flat buffers' row views at buffer rows ``idx_loop`` (``k·B + b``)
         or, for ``kv='shared'``'s one KV buffer, ``idx_row`` (``b``), each row at its column ``cols``; ``keep``:
         the rows whose Mamba-2 states the pass may change (the others' are written back unchanged)."""
@@ -351,7 +404,9 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         mask = self.attn[..., :L].index_select(0, rows)  # [n, 1, 1, L]: visible columns up to col[rows] (run keeps it)
         pos = self.positions.index_select(0, rows)  # [n, 1]
         at = pos[:, 0]
-        rope = {r: (cos.index_select(0, at), sin.index_select(0, at)) for r, (cos, sin) in self.rope_at.items()}  # [n, 1, rot]
+        rope = {
+            r: (cos.index_select(0, at), sin.index_select(0, at)) for r, (cos, sin) in self.rope_at.items()
+        }  # [n, 1, rot]
         return ForwardContext(rope=rope, positions=pos, attn_mask=mask, is_causal=False, pad_mask=None)
 
     def _start(self, rows, ids, col, token, L, req=None) -> _Cohort:
@@ -476,9 +531,12 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         # the core's fills, once for every exit of the pass (_fill_core): copies; propagation's stand-ins Z^{k+1}
         mine = self.exit.kv == "copy" or (self.exit.kv == "propagate" and not self.modulated)
         if mine and c.k < self.R - 1:
-            z = None if self.exit.kv == "copy" else rule.next_input(st_out, replace(ctx_out, iteration=c.k + 1))  # [e, 1, d]
+            # [e, 1, d] (copy: none)
+            z = None if self.exit.kv == "copy" else rule.next_input(st_out, replace(ctx_out, iteration=c.k + 1))
             self.pending.append((g, c.k, z, cg))
-        if not mine or self.ssm_fills or len(self.cache.loop_slots) > len(self.flat):  # the rest: readouts' coda layers,
+        if (
+            not mine or self.ssm_fills or len(self.cache.loop_slots) > len(self.flat)
+        ):  # the rest: readouts' coda layers,
             # modulated blocks, the Mamba-2 core layers' states
             self._fill(g, c.k, st_out, ctx_out, h_out, cols=cg, skip_core=mine)
         depth = torch.full((g.shape[0],), c.k + 1, dtype=torch.long, device=dev)
@@ -505,7 +563,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         if not self.exit_keys:
             return
         keys = torch.cat(self.exit_keys).double() + 1  # [tokens]
-        depth = torch.cat(st.selected[-len(self.exit_keys):]).double()
+        depth = torch.cat(st.selected[-len(self.exit_keys) :]).double()
         (w, a), (ow, oa) = self._core_terms, self._other_terms
         n, k_sum = keys.numel(), float(keys.sum())
         st.core_flops += w * float(depth.sum()) + a * float((depth * keys).sum())
@@ -540,7 +598,7 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         Z = torch.cat([p[2] for p in self.pending])  # [e, 1, d] their stand-ins
         self.pending = []
         # carried into the next pass's core call (looplm.decode.kv_fill): no row reads them before that pass is over
-        blocks = [b for b in m.core.stack.blocks if b.layer_idx in self.kv_flat]  # (Mamba-2 layers: AdaptiveDecoder._fill's)
+        blocks = [b for b in m.core.stack.blocks if b.layer_idx in self.kv_flat]  # (Mamba-2: AdaptiveDecoder._fill's)
         fill = KVFill(m.core.stack, blocks, [[self.flat[b.layer_idx][0]] for b in blocks])
         fill.add(Z, self._fctx(G, col, L).rope, [(0, dst, cc, src)])
         if self.carry_fills:
@@ -640,19 +698,36 @@ def merge_modulations(mods: list, rows: list[int], n_blocks: int, combine):
 
 
 @torch.no_grad()
-def depth_batched_generate(model, input_ids, max_new_tokens, exit, do_sample, temperature, top_k, top_p, eos_token_id,
-                           pad_token_id, attention_mask, generator, loop_options, return_stats, decoder=None):
+def depth_batched_generate(
+    model,
+    input_ids,
+    max_new_tokens,
+    exit,
+    do_sample,
+    temperature,
+    top_k,
+    top_p,
+    eos_token_id,
+    pad_token_id,
+    attention_mask,
+    generator,
+    loop_options,
+    return_stats,
+    decoder=None,
+):
     """:func:`looplm.decode.generate.generate` under ``exit`` with ``schedule='depth'`` (module docstring), or with
     another decoder class of the same ``run`` (``decoder``: :class:`looplm.decode.static_schedule.StaticDepthDecoder`)."""
     if pad_token_id is None:
         pad_token_id = eos_token_id if eos_token_id is not None else 0
     N, P = input_ids.shape
-    exit = Exit.parse(exit)  # (generate's: the Exit it resolved, returned as it is; the decoder does not check it again)
+    # (generate's: the Exit it resolved, returned as it is; the decoder does not check it again)
+    exit = Exit.parse(exit)
     mb = exit.max_batch
     rows = N if mb is None else min(N, mb)  # request refill: N prompts through `rows` rows
     with eval_mode(model):
-        dec = (decoder or DepthBatchedDecoder)(model, rows, P + max_new_tokens, exit, loop_options, **({} if rows == N else {"prompts": N}))
+        dec = (decoder or DepthBatchedDecoder)(
+            model, rows, P + max_new_tokens, exit, loop_options, **({} if rows == N else {"prompts": N})
+        )
         ids = dec.run(input_ids, max_new_tokens, attention_mask,
                       lambda logits: sample_next(logits, do_sample, temperature, top_k, top_p, generator), eos_token_id, pad_token_id)  # fmt: skip
     return (ids, dec.stats) if return_stats else ids
-

@@ -1,10 +1,18 @@
-"""The engine's scheduler: which requests hold the batch's rows, and what each step runs. Pure Python (no torch).
+"""One scheduler for every batch of rows: which requests hold the rows, and what each step runs. Pure Python (no torch).
 
-It owns the waiting queue, the batch's ``max_batch`` rows, the KV budget, admission, prefill chunks and preemption,
-and each request's :class:`RequestStatus`. Each engine step asks it for a plan (:meth:`Scheduler.schedule` ->
-:class:`SchedulerOutput`), runs the plan on the model (:mod:`.runner`), samples (:mod:`.sampler`) and tells it what
-came out (:meth:`Scheduler.place` after a prompt's last chunk, :meth:`Scheduler.update_from_output` after a core
-pass, :meth:`Scheduler.finish`). It never touches a tensor, so it is tested without a model
+Both continuous-batching loops drive it, so the two cannot drift apart: the serving engine (:mod:`looplm.serve.engine`,
+re-exported as :mod:`looplm.serve.scheduler`) and the offline depth-batched decoder
+(:meth:`looplm.decode.depth_schedule.DepthBatchedDecoder.run`: ``model.generate`` with ``Exit(schedule='depth')``,
+its request refill when there are more prompts than rows). It lives on decode/'s floor 0 because it imports nothing:
+decode/ must not import serve/ (serve/ imports decode/).
+
+It owns the waiting queue, the batch's ``max_batch`` rows (free rows are taken in the order they were freed), the KV
+budget, admission, prefill chunks and preemption, and each request's :class:`RequestStatus`. Each engine step asks it
+for a plan (:meth:`Scheduler.schedule` -> :class:`SchedulerOutput`; or its two halves, :meth:`Scheduler.schedule_decode`
+and :meth:`Scheduler.schedule_prefill`, in the order a loop needs them: the offline decoder admits and places refilled
+prompts before the pass their first tokens join), runs the plan on the model, samples and tells it what came out
+(:meth:`Scheduler.place` after a prompt's last chunk, :meth:`Scheduler.update_from_output` after a core pass,
+:meth:`Scheduler.finish`). It never touches a tensor, so it is tested without a model
 (``tests/test_serve_scheduler.py``), the way vLLM tests its scheduler.
 
 The rules (each step):
@@ -19,7 +27,7 @@ The rules (each step):
    dropped). A preempted request goes to the head of the queue; it is prefilled again later and replays the tokens
    it had made, at the depths they ran, so it goes on exactly as it would have.
 3. **Prefill.** The prompt being prefilled gets its next chunk (``prefill_chunk`` tokens; None: whole); else the
-   oldest waiting request (FIFO: no request overtakes the head) takes a free row when the budget holds its
+   oldest waiting request (FIFO: no request overtakes the head) takes a free row (the one freed first) when the budget holds its
    ``(prompt + max_tokens) × S`` beside what the rows hold and grow by this step. A request with ``max_tokens = 0``
    (prompt logprobs only) is prefilled without a row. A chunk never leaves a single prompt token for the next (a
    one-token call on a filled cache would decode it).
@@ -187,6 +195,7 @@ class Scheduler:
         self.prefill_chunk, self.wait_for_batch = prefill_chunk, wait_for_batch
         self.batch_prefill = batch_prefill and prefill_chunk is not None
         self.rows: list[Request | None] = [None] * max_batch
+        self.free_rows: deque[int] = deque(range(max_batch))  # free rows, the first freed first (admission takes it)
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []  # requests whose prompts run (one chunk by chunk, or a batch's, whole)
         self.requests: dict[int, Request] = {}  # unfinished requests by id
@@ -205,7 +214,7 @@ class Scheduler:
 
     @property
     def num_free_rows(self) -> int:
-        return sum(r is None for r in self.rows)
+        return len(self.free_rows)
 
     @property
     def in_flight(self) -> bool:
@@ -278,9 +287,14 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         if req.row is not None:
-            self.rows[req.row] = None
+            self._free(req.row)
             req.row = None
         self.num_held -= 1
+
+    def _free(self, b: int) -> None:
+        """Row ``b`` is free: the last of the free rows to be taken."""
+        self.rows[b] = None
+        self.free_rows.append(b)
 
     def finish_all(self, status: RequestStatus) -> list:
         """Finish every request (error, shutdown), tokens in flight included: the rows are all free after it.
@@ -293,26 +307,42 @@ class Scheduler:
             elif self.finish(req, status):
                 out.append(req)
         self.rows = [None] * self.max_batch
+        self.free_rows = deque(range(self.max_batch))
         self.waiting.clear()
         self.prefilling, self.num_held = [], 0
         return out
 
     # ------------------------------------------------------------------------------------------ the plan
     def schedule(self) -> SchedulerOutput:
-        """This step's plan (module docstring): decode starts fitted to the budget, then one prefill chunk."""
+        """This step's plan (module docstring): decode starts fitted to the budget (:meth:`schedule_decode`), then
+        one prefill chunk or a batch of whole prompts (:meth:`schedule_prefill`)."""
         out = SchedulerOutput()
-        ready = [] if (self.wait_for_batch and self.in_flight) else [
-            r for r in self.rows if r is not None and r.status is RequestStatus.RUNNING and r.next_token is not None]
-        ready = self._fit(ready, out.preempted)
-        for r in ready:
-            forced = r.replay_depths.popleft() if r.replay_depths else 0
-            out.decode.append(ScheduledToken(r.row, r.next_token, forced))
-            r.next_token, r.in_flight = None, True
-        out.prefill = self._prefills()
+        out.decode = self.schedule_decode(out.preempted)
+        out.prefill = self.schedule_prefill()
         out.kv_tokens = self.kv_tokens_used()
         return out
 
-    def _prefills(self) -> list:
+    def schedule_decode(self, preempted: list | None = None) -> list:
+        """Rules 1 and 2: the rows that start their next token now (in row order), fitted to the KV budget; they are
+        in flight after it. Requests preempted at once (their rows were idle) are appended to ``preempted``."""
+        ready = (
+            []
+            if (self.wait_for_batch and self.in_flight)
+            else [
+                r for r in self.rows if r is not None and r.status is RequestStatus.RUNNING and r.next_token is not None
+            ]
+        )
+        ready = self._fit(ready, [] if preempted is None else preempted)
+        out = []
+        for r in ready:
+            forced = r.replay_depths.popleft() if r.replay_depths else 0
+            out.append(ScheduledToken(r.row, r.next_token, forced))
+            r.next_token, r.in_flight = None, True
+        return out
+
+    def schedule_prefill(self) -> list:
+        """Rules 3 and 4: the prompt chunks that run now (:class:`PrefillChunk`: one chunk of one prompt, several whole
+        prompts to run as one batch, or none); their requests hold their rows (``PREFILLING``) after it."""
         if self.prefilling:  # (a prompt that runs chunk by chunk: one at a time)
             return [self._chunk(self.prefilling[0])]
         if not self.waiting or not self._admit(self.waiting[0]):
@@ -338,12 +368,14 @@ class Scheduler:
         """``req`` (the queue's first) takes a free row when the budget holds it (one with ``max_tokens = 0`` takes
         none) and starts its prefill."""
         if req.max_tokens > 0:
-            free = [b for b, r in enumerate(self.rows) if r is None]
-            if not free:
+            if not self.free_rows:
                 return False
-            if self.budget is not None and self.kv_tokens_used() + (len(req.prompt) + req.max_tokens) * self.S > self.budget:
+            if (
+                self.budget is not None
+                and self.kv_tokens_used() + (len(req.prompt) + req.max_tokens) * self.S > self.budget
+            ):
                 return False  # the budget is full: it waits (the oldest first) until rows end or are preempted
-            req.row = free[0]
+            req.row = self.free_rows.popleft()
             self.rows[req.row] = req
         req.status, req.num_prefilled = RequestStatus.PREFILLING, 0
         self.prefilling.append(req)
@@ -392,7 +424,7 @@ class Scheduler:
         if req in self.prefilling:
             self.prefilling.remove(req)
         if req.row is not None:
-            self.rows[req.row] = None
+            self._free(req.row)
         req.row, req.num_prefilled, req.num_cached, req.next_token, req.in_flight = None, 0, 0, None, False
         req.replay_tokens = deque(req.output_token_ids[1:])
         req.replay_depths = deque(req.output_depths[1:])
@@ -437,7 +469,8 @@ class Scheduler:
             req.in_flight = False
             req.num_cached += 1
             if req.finished:  # ended while its token looped: the row frees now, the token is dropped
-                self.rows[b], req.row = None, None
+                self._free(b)
+                req.row = None
                 self.num_held -= 1
             elif req.status is RequestStatus.PREEMPTING:  # the token is dropped (recomputed later)
                 self._preempt(req)
