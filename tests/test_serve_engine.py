@@ -277,6 +277,54 @@ def test_batched_prefill_equals_generate_alone(engine_of, exit, schedule):
     assert not engine_of(_model("tiny-hybrid"), max_batch=2).runner.can_batch_prefill
 
 
+def test_batched_prefill_runs_the_head_at_each_prompts_last_position_only():
+    """ModelRunner.prefill_batch asks the decoder for one position per row (``logits_at``): the final norm and the head
+    see ``[n, 1, d]`` — not the last ``longest − shortest + 1`` positions of every prompt — and each row's logits are
+    its prompt's last position's (to 1e-5 against the prompt alone). The decoder's ``logits_at`` reads the same logits
+    as ``logits_to_keep`` over the whole prompt, at full depth and with ``prefill='exit'``; bad positions are refused,
+    named, before any work."""
+    from looplm.decode.exits import Exit
+    from looplm.decode.token_schedule import AdaptiveDecoder
+    from looplm.serve.runner import ModelRunner
+
+    m = _model()
+    runner = ModelRunner(m, 4, 64, Exit(criterion="convergence", threshold=0.0, schedule="depth").resolved(m, 4))
+    prompts = _prompts(3, lens=(5, 12, 3))
+    seen = []
+    hook = m.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(tuple(inp[0].shape)))
+    try:
+        logits, depth = runner.prefill_batch([1, 2, 3], prompts)  # [3, V]
+    finally:
+        hook.remove()
+    assert seen == [(3, 1, m.config.d_model)] and logits.shape == (3, m.config.vocab_size) and depth == runner.K
+    for i, p in enumerate(prompts):
+        alone, _ = runner.prefill(10 + i, p, 0, len(p), 1)  # [1, V]: the prompt alone, its last position
+        torch.testing.assert_close(logits[i], alone[0], atol=1e-5, rtol=1e-5)
+
+    ids = torch.randint(0, 250, (3, 7), generator=torch.Generator().manual_seed(2))
+    at = torch.tensor([6, 2, 4])  # [3]
+    for prefill in ("full", "exit"):
+        spec = Exit(criterion="kl", threshold=0.05, prefill=prefill)
+        every = AdaptiveDecoder(m, 3, 7, spec)(ids, logits_to_keep=7)  # [3, 7, V]
+        dec = AdaptiveDecoder(m, 3, 7, spec)
+        picked = dec(ids, logits_at=at)  # [3, 1, V]
+        assert picked.shape == (3, 1, m.config.vocab_size)
+        torch.testing.assert_close(picked[:, 0], every[torch.arange(3), at], atol=1e-5, rtol=1e-5)
+    for bad, match in [
+        (torch.tensor([1, 2]), r"logits_at must be a \[3\] integer tensor .* shape \(2,\)"),
+        (torch.tensor([1.0, 2.0, 3.0]), "logits_at must be a .*torch.float32"),
+        ([1, 2, 3], r"logits_at must be a .*\[1, 2, 3\]"),
+        (torch.tensor([0, 7, 2]), r"logits_at holds positions 0 \.\. 7; input_ids has 7 positions"),
+        (torch.tensor([-1, 0, 2]), r"logits_at holds positions -1 \.\. 2"),
+    ]:
+        fresh = AdaptiveDecoder(m, 3, 7, Exit(criterion="kl", threshold=0.05))
+        with pytest.raises(ValueError, match=match):
+            fresh(ids, logits_at=bad)
+        assert fresh.cache.seqlen == 0  # refused before the prompt ran
+    with pytest.raises(ValueError, match="runs at full depth"):
+        runner.decoder.prefill(runner.decoder.new_part(7, rows=3), ids, 1, exit=spec, at=at)
+
+
 def test_echo_without_generation_needs_no_row(engine_of):
     """``max_tokens = 0`` with prompt logprobs (lm-eval's loglikelihood request): the prompt's logprobs, no token,
     finish 'length' — even while every row is busy."""

@@ -164,27 +164,37 @@ class AdaptiveDecoder:
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, logits_to_keep: int = 1,
-                 validate: bool = True) -> torch.Tensor:
+                 validate: bool = True, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+        """One call: the prompt (the first call; full depth, or the exits with ``prefill='exit'``) or one decoded token
+        per row. Returns the logits of the last ``logits_to_keep`` positions ``[B, keep, V]``; with ``logits_at [B]``
+        (positions, one per row) the final norm and the head run at row ``b``'s position ``logits_at[b]`` only:
+        ``[B, 1, V]`` (a batch of right-padded prompts, each read at its own last position)."""
         m = self.model
+        B, T = input_ids.shape
+        if logits_at is not None:
+            _check_positions(logits_at, B, T)
         if validate:
             m.check_inputs(input_ids, self.cache, attention_mask)
-        B, T = input_ids.shape
         cache = self.cache
         decoding = T == 1 and cache.seqlen > 0  # the prompt (the first call, any length) runs at full depth ...
         if not decoding:
             self.flush()
         if cache.seqlen == 0 and T > 1 and self.exit.prefill == "exit":  # ... or takes the exits (its tokens after the first)
-            return self._prefill_exit(input_ids, attention_mask, logits_to_keep)
+            if logits_at is None:
+                return self._prefill_exit(input_ids, attention_mask, logits_to_keep)
+            keep = T - int(logits_at.min())  # the last positions that hold every row's asked one
+            logits = self._prefill_exit(input_ids, attention_mask, keep)  # [B, keep, V]
+            return logits[torch.arange(B, device=logits.device), logits_at - (T - keep)][:, None]  # [B, 1, V]
         ctx = cache.seqlen + T  # keys each attention layer reads (the last position)
         fctx, lctx = self._enter(input_ids, attention_mask, cache.seqlen)
         x = m.prelude(lctx.embeddings, fctx, m.cache_slots(cache, m.prelude, (0,), B))  # [B, T, d]
         y, depth, executed, loops, exit_logits = self._loops(x, lctx, allow_exit=decoding)
         st = self.stats
-        if exit_logits is not None and logits_to_keep == 1:
+        if exit_logits is not None and logits_to_keep == 1 and logits_at is None:
             logits = exit_logits[:, None]  # [B, 1, V]: the check's readout of the exit loop
             st.reused_flops += B * self._head_flops
         else:
-            logits = self._head(y, fctx, logits_to_keep)  # [B, keep, V]
+            logits = self._head(y, fctx, logits_to_keep, logits_at)  # [B, keep, V], or [B, 1, V] at logits_at
         if decoding:  # the statistics are of decoded tokens (a prompt runs at full depth)
             st.other_flops += B * (self._other_terms[0] + self._other_terms[1] * ctx)
             st.selected.append(depth)
@@ -482,12 +492,16 @@ class AdaptiveDecoder:
         E = m.embed_tokens(input_ids)  # [B, T, d]
         return fctx, self._context(fctx, E)
 
-    def _head(self, y: torch.Tensor, fctx, keep: int = 1) -> torch.Tensor:
-        """Logits ``[B, keep, V]`` of the loop output ``y``: the coda (its slots), then the final norm and the
-        head on the last ``keep`` positions."""
+    def _head(self, y: torch.Tensor, fctx, keep: int = 1, at: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[B, keep, V]`` of the loop output ``y [B, T, d]``: the coda (its slots, every position), then the
+        final norm and the head on the last ``keep`` positions — or, with ``at [B]``, on row ``b``'s position
+        ``at[b]`` only (gathered before the norm): ``[B, 1, V]``."""
         m = self.model
-        y = m.coda(y, fctx, m.cache_slots(self.cache, m.coda, (0,), y.shape[0]))
-        return m.lm_head(m.norm(y[:, -keep:]))
+        y = m.coda(y, fctx, m.cache_slots(self.cache, m.coda, (0,), y.shape[0]))  # [B, T, d]
+        if at is None:
+            return m.lm_head(m.norm(y[:, -keep:]))  # [B, keep, V]
+        y = y[torch.arange(y.shape[0], device=y.device), at][:, None]  # [B, 1, d]
+        return m.lm_head(m.norm(y))  # [B, 1, V]
 
     def _context(self, fctx, E) -> LoopContext:
         m = self.model
@@ -513,3 +527,12 @@ class AdaptiveDecoder:
             out[:, t] = self(input_ids[:, t : t + 1], validate=False)[:, -1].float()
         self.flush()
         return out
+
+def _check_positions(at, B: int, T: int) -> None:
+    """``at`` must be a ``[B]`` integer tensor of positions in ``[0, T)`` (one per row of a ``[B, T]`` call)."""
+    if not isinstance(at, torch.Tensor) or at.dtype not in (torch.int32, torch.int64) or tuple(at.shape) != (B,):
+        what = f"a {at.dtype} tensor of shape {tuple(at.shape)}" if isinstance(at, torch.Tensor) else repr(at)
+        raise ValueError(f"logits_at must be a [{B}] integer tensor of positions (one per row), got {what}")
+    lo, hi = int(at.min()), int(at.max())
+    if lo < 0 or hi >= T:
+        raise ValueError(f"logits_at holds positions {lo} .. {hi}; input_ids has {T} positions per row (0 .. {T - 1})")

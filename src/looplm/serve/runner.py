@@ -8,8 +8,8 @@ tokens in flight, each row's column and the prompts' own prefill caches. The eng
   ``prefill='exit'``, the whole prompt at adaptive depth): its logits;
 * :meth:`ModelRunner.prefill_batch` — several whole prompts as one forward, right-padded to the longest: each
   row's tokens come before its padding, so under causal attention they compute as the prompt alone would
-  (positions from 0, no mask); a row's logits are read at its own last position. Only where every cache slot of
-  a prompt is attention KV (:attr:`ModelRunner.can_batch_prefill`: a Mamba-2 state would run on through the
+  (positions from 0, no mask); the final norm and the head run at each row's own last position only. Only where
+  every cache slot of a prompt is attention KV (:attr:`ModelRunner.can_batch_prefill`: a Mamba-2 state would run on through the
   padding);
 * :meth:`ModelRunner.place` — a prefilled prompt into its batch row (its slots copied into the row's columns);
 * :meth:`ModelRunner.step` — the rows given start their next tokens, and **one core pass** runs over every row in
@@ -68,7 +68,8 @@ class _RowCriterion:
             leave = torch.zeros(h.shape[0], dtype=torch.bool, device=h.device)  # [n]
         else:
             if self.thr is not None:  # (the gate keeps the server's q: the rule selects its output with it too)
-                self.crit.threshold = self.thr if self.thr.numel() != 1 else float(self.thr)  # [n] against [n] distances
+                # [n] against [n] distances
+                self.crit.threshold = self.thr if self.thr.numel() != 1 else float(self.thr)
             leave = self.crit.check(k, h, state, lctx, rows, model, **kw)
         if self.forced is not None:  # [n]: a replayed token leaves where it left before, whatever its criterion says
             leave = torch.where(self.forced > 0, self.forced == k + 1, leave)
@@ -114,11 +115,16 @@ class ServeDecoder(DepthBatchedDecoder):
         self.exit_keys = []
         self.col = torch.zeros(B, dtype=torch.long, device=dev)  # [B] each row's token in flight's column
 
-    def prefill(self, part, ids: torch.Tensor, keep: int, exit=None) -> tuple:
-        """``ids [1, T]``, the next chunk of a prompt, at full depth into its own cache ``part`` (made by
-        :meth:`new_part`); or, with ``exit`` (a resolved :class:`~looplm.decode.exits.Exit`, ``prefill='exit'``),
-        the whole prompt into the empty ``part`` at adaptive depth, its first token at every loop.
-        Returns ``(logits of its last keep positions [1, keep, V], the loops its last position ran)``."""
+    def prefill(self, part, ids: torch.Tensor, keep: int, exit=None, at: torch.Tensor | None = None) -> tuple:
+        """``ids [n, T]``, the next chunk of a prompt (or ``n`` prompts), at full depth into its own cache ``part``
+        (made by :meth:`new_part`); or, with ``exit`` (a resolved :class:`~looplm.decode.exits.Exit`,
+        ``prefill='exit'``), the whole prompt into the empty ``part`` at adaptive depth, its first token at every
+        loop. Returns ``(logits of its last keep positions [n, keep, V], the loops its last position ran)``; with
+        ``at [n]`` (full depth only) the final norm and the head run at row ``i``'s position ``at[i]`` alone:
+        ``[n, 1, V]``."""
+        if exit is not None and at is not None:
+            raise ValueError("prefill at positions (at) runs at full depth; a prompt at adaptive depth (exit) keeps "
+                             "its last positions")  # fmt: skip
         self.flush()  # the fills carried into the next pass, before the cache changes hands
         if exit is not None:
             from ..decode.exit_forward import adaptive_forward
@@ -129,7 +135,7 @@ class ServeDecoder(DepthBatchedDecoder):
         main = self.cache
         self.cache = part
         try:
-            return self(ids, None, logits_to_keep=keep, validate=False), self.R
+            return self(ids, None, logits_to_keep=keep, validate=False, logits_at=at), self.R
         finally:
             self.cache = main
 
@@ -248,19 +254,20 @@ class ModelRunner:
             raise ValueError("this model's prompt caches hold more than attention KV (a Mamba-2 or rule state runs on "
                              "through padding): prefill its prompts one at a time")  # fmt: skip
         if len(rids) != len(prompts) or not prompts or any(not p for p in prompts):
-            raise ValueError(f"prefill_batch needs as many non-empty prompts as requests, got {len(prompts)} for {len(rids)}")
+            raise ValueError(
+                f"prefill_batch needs as many non-empty prompts as requests, got {len(prompts)} for {len(rids)}"
+            )
         lens = [len(p) for p in prompts]
         n, T = len(prompts), max(lens)
         ids = torch.zeros(n, T, dtype=torch.long)  # [n, T]: each prompt, then padding (token 0) after it
         for i, p in enumerate(prompts):
             ids[i, : lens[i]] = torch.tensor(p)
         part = self.decoder.new_part(T, rows=n)
-        keep = T - min(lens) + 1  # the last positions that hold every prompt's last token
-        logits, depth = self.decoder.prefill(part, ids.to(self.device), keep)  # [n, keep, V]
-        at = torch.tensor([L - 1 - (T - keep) for L in lens], device=logits.device)  # [n]
+        at = torch.tensor([L - 1 for L in lens], device=self.device)  # [n]: each prompt's last position
+        logits, depth = self.decoder.prefill(part, ids.to(self.device), 1, at=at)  # [n, 1, V]: the head at `at` only
         for i, rid in enumerate(rids):
             self.parts[rid] = (part, i)
-        return logits[torch.arange(n, device=logits.device), at], depth  # [n, V]
+        return logits[:, 0], depth  # [n, V]
 
     def place(self, rid: int, row: int, prompt_len: int, thr: float, checks: bool) -> None:
         """Request ``rid``'s prefilled prompt into row ``row`` (its first token goes in at column ``prompt_len``);
