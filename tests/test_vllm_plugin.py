@@ -180,3 +180,6 @@ def test_original_formats_map_as_looplm_imports_them(tmp_path, family, arch):
     hf = CONFIG_CLASSES[raw["model_type"]](**{k: v for k, v in raw.items() if k != "model_type"})
     assert (hf.hidden_size, hf.num_attention_heads, hf.max_position_embeddings, hf.vocab_size) == (64, 2, 512, 260)
     assert plugin_spec(hf).config == spec.config  # the config object vLLM holds maps the same
+    assert CONFIG_CLASSES[raw["model_type"]]().to_dict()["model_type"] == raw["model_type"]  # transformers makes a default one
+    assert json.loads(hf.to_json_string())["n_layers" if family == "huginn" else "num_hidden_layers"] == raw[
+        "n_layers" if family == "huginn" else "num_hidden_layers"]

@@ -67,9 +67,9 @@ def _reference(model, prompts, n: int, kv_shared: bool = False) -> list[dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm-plugin")
+def serve_all(root: Path):
+    """Write every model under ``root``, compute looplm's references, serve them all with vLLM (one subprocess):
+    ``(references, vLLM runs by name, the whole vLLM result)``."""
     runs, refs = [], {}
     for name in EXACT:
         fmt = "original" if name in ORIGINAL else "looplm"
@@ -91,9 +91,14 @@ def served(tmp_path_factory):
     proc = subprocess.run([sys.executable, str(HERE / "serve_tiny.py"), str(job), str(result)], env=env,
                           capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
-        pytest.fail(f"serve_tiny.py failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+        raise RuntimeError(f"serve_tiny.py failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     res = json.loads(result.read_text())
     return refs, {r["name"]: r for r in res["runs"]}, res
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    return serve_all(tmp_path_factory.mktemp("vllm-plugin"))
 
 
 def _served(served, name):
@@ -157,3 +162,21 @@ def test_mamba_design_refused_at_load(served):
     err = runs["tiny-hybrid"].get("error")
     assert err is not None, "a hybrid Mamba-2 model was served"
     assert "cannot serve 'tiny-hybrid'" in err and "Mamba-2" in err, err
+
+
+if __name__ == "__main__":  # the exactness table of docs/vllm.md: python tests_vllm/test_plugin_exact.py
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        refs, runs, _ = serve_all(Path(tmp))
+    print("| model | greedy tokens equal | max abs diff, prompt logprobs | max abs diff, generated logprobs "
+          "| batched = alone (tokens) |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, ref in refs.items():
+        run = runs[name]
+        tog = run["together"]
+        same = sum(r["tokens"] == v["tokens"] for r, v in zip(ref, tog))
+        dp = max(_max_diff(r["prompt_logprobs"], v["prompt_logprobs"]) for r, v in zip(ref, tog))
+        dg = max(_max_diff(r["logprobs"], v["logprobs"]) for r, v in zip(ref, tog) if r["tokens"] == v["tokens"])
+        alone = "—" if "alone" not in run else f"{sum(t['tokens'] == a['tokens'] for t, a in zip(tog, run['alone']))}/16"
+        print(f"| {name} | {same}/{len(ref)} | {dp:.1e} | {dg:.1e} | {alone} |")

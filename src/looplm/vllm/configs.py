@@ -28,6 +28,8 @@ class _PublicConfig(PretrainedConfig):
         from ..hf.public import public_config
 
         super().__init__(**kwargs)
+        if not kwargs.keys() & {"hidden_size", "n_embd"}:
+            return  # a default-constructed config (transformers makes one to diff against): no model to map
         original = {**kwargs, "model_type": self.model_type}
         cfg = public_config(original)  # every unsupported or missing field named (PublicFormatError)
         for k, v in derived_fields(cfg).items():
