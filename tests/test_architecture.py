@@ -147,7 +147,9 @@ def _private_model_calls(tree: ast.AST, private: set[str]) -> list[tuple[int, st
     return [
         (n.lineno, n.attr)
         for n in ast.walk(tree)
-        if isinstance(n, ast.Attribute) and n.attr in private and not (isinstance(n.value, ast.Name) and n.value.id == "self")
+        if isinstance(n, ast.Attribute)
+        and n.attr in private
+        and not (isinstance(n.value, ast.Name) and n.value.id == "self")
     ]
 
 

@@ -191,8 +191,18 @@ def test_the_offline_run_admits_and_refills_through_the_engines_scheduler(monkey
     m = _model("tiny-llama")
     N, P, T, rows = 8, 6, 5, 3
     ids, mask, _ = _batch(N=N, P=P)
-    depths = torch.tensor([[2, 2, 2, 2, 1], [3, 3, 3, 2, 1], [1, 1, 2, 1, 2], [2, 2, 1, 3, 3],
-                           [1, 1, 2, 1, 2], [2, 2, 2, 3, 2], [3, 1, 3, 2, 2], [3, 2, 3, 1, 2]])  # [N, T] loops (K = 3)  # fmt: skip
+    depths = torch.tensor(
+        [
+            [2, 2, 2, 2, 1],
+            [3, 3, 3, 2, 1],
+            [1, 1, 2, 1, 2],
+            [2, 2, 1, 3, 3],
+            [1, 1, 2, 1, 2],
+            [2, 2, 2, 3, 2],
+            [3, 1, 3, 2, 2],
+            [3, 2, 3, 1, 2],
+        ]
+    )  # [N, T] loops (K = 3)
     ex = dict(criterion="replay", depths=depths, kv="copy", schedule="depth")
     out = m.generate(ids, T, attention_mask=mask, exit={**ex, "max_batch": rows})
     want = _scheduled_admissions(N, rows, P, T, depths)

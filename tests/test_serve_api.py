@@ -45,10 +45,13 @@ def _chat_tokenizer() -> HFTokenizer:
     """Bytes, with the special tokens and a chat template (a transformers tokenizer, as a run's would be)."""
     from looplm.hf.tokenizer import byte_backend
 
-    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=byte_backend(), eos_token="<eos>", bos_token="<bos>",
-                                                pad_token="<pad>")  # fmt: skip
-    fast.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
-                          "{% if add_generation_prompt %}<|assistant|>{% endif %}")  # fmt: skip
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=byte_backend(), eos_token="<eos>", bos_token="<bos>", pad_token="<pad>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     return HFTokenizer(fast, "bytes-chat", kind="transformers")
 
 
@@ -80,8 +83,10 @@ def served():
 
 def _alone(ref, tok, prompt_ids, n=N, exit=EXIT, **kw):
     """``generate`` of one prompt alone: its new tokens, up to (not with) an EOS."""
-    out = ref.generate(torch.tensor([prompt_ids]), n, exit=exit, eos_token_id=tok.eos_id, **kw)[0, len(prompt_ids):].tolist()
-    return out[:out.index(tok.eos_id)] if tok.eos_id in out else out
+    out = ref.generate(torch.tensor([prompt_ids]), n, exit=exit, eos_token_id=tok.eos_id, **kw)[
+        0, len(prompt_ids) :
+    ].tolist()
+    return out[: out.index(tok.eos_id)] if tok.eos_id in out else out
 
 
 PROMPTS = ["The loop ", "Once upon a time", "x", "A looped model runs its core again and again, ", "12345 "]
@@ -103,7 +108,9 @@ def test_models_and_greedy_completions_equal_generate_alone(served):
     # a batch of prompts in one request (token ids and strings), choices in prompt order
     ids = tok.encode(PROMPTS[1])
     r = client.completions.create(model="tiny", prompt=[PROMPTS[0], PROMPTS[3]], max_tokens=N, temperature=0)
-    assert [c.text for c in r.choices] == [tok.decode(_alone(ref, tok, tok.encode(p))) for p in (PROMPTS[0], PROMPTS[3])]
+    assert [c.text for c in r.choices] == [
+        tok.decode(_alone(ref, tok, tok.encode(p))) for p in (PROMPTS[0], PROMPTS[3])
+    ]
     r = client.completions.create(model="tiny", prompt=ids, max_tokens=N, temperature=0)
     assert r.choices[0].text == tok.decode(_alone(ref, tok, ids))
 
@@ -111,8 +118,9 @@ def test_models_and_greedy_completions_equal_generate_alone(served):
 def test_chat_applies_the_template_and_equals_generate_alone(served):
     server, client, ref, tok = served
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is a loop?"}]
-    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=N, temperature=0, logprobs=True,
-                                       top_logprobs=2)  # fmt: skip
+    r = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=N, temperature=0, logprobs=True, top_logprobs=2
+    )
     prompt = tok.encode(tok._tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True))
     want = _alone(ref, tok, prompt)
     assert r.choices[0].message.role == "assistant" and r.choices[0].message.content == tok.decode(want)
@@ -121,8 +129,16 @@ def test_chat_applies_the_template_and_equals_generate_alone(served):
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
     assert r.usage.prompt_tokens == len(prompt)
     # streamed: the same text, a role chunk first, usage last
-    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=N, temperature=0, stream=True,
-                                                 stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=msgs,
+            max_tokens=N,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == tok.decode(want)
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == r.usage.completion_tokens
@@ -144,8 +160,17 @@ def test_streaming_completions_end_with_done_and_equal_the_whole_answer(served):
     server, client, ref, tok = served
     p = PROMPTS[3]
     whole = client.completions.create(model="tiny", prompt=p, max_tokens=N, temperature=0, logprobs=1)
-    chunks = list(client.completions.create(model="tiny", prompt=p, max_tokens=N, temperature=0, logprobs=1, stream=True,
-                                            stream_options={"include_usage": True}))  # fmt: skip
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=p,
+            max_tokens=N,
+            temperature=0,
+            logprobs=1,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].text for c in chunks if c.choices)
     assert text == whole.choices[0].text
     toks = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
@@ -155,8 +180,12 @@ def test_streaming_completions_end_with_done_and_equal_the_whole_answer(served):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].usage.model_dump() == whole.usage.model_dump()
     # the wire: server-sent events ending with [DONE]
-    with httpx.stream("POST", server.url + "/v1/completions", timeout=30,
-                      json={"prompt": p, "max_tokens": 4, "temperature": 0, "stream": True}) as r:  # fmt: skip
+    with httpx.stream(
+        "POST",
+        server.url + "/v1/completions",
+        timeout=30,
+        json={"prompt": p, "max_tokens": 4, "temperature": 0, "stream": True},
+    ) as r:
         assert r.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]" and all(ln.startswith("data: ") for ln in lines)
@@ -213,10 +242,11 @@ def test_stop_strings_cut_the_text_also_across_tokens(served):
     p = PROMPTS[3]
     full = tok.decode(_alone(ref, tok, tok.encode(p), n=24))
     stop = full[5:8]  # three characters: spans tokens (one byte each)
-    cut = full[:full.index(stop)]
+    cut = full[: full.index(stop)]
     for stream in (False, True):
-        r = client.completions.create(model="tiny", prompt=p, max_tokens=24, temperature=0, stop=[stop, "\x00never"],
-                                      stream=stream)  # fmt: skip
+        r = client.completions.create(
+            model="tiny", prompt=p, max_tokens=24, temperature=0, stop=[stop, "\x00never"], stream=stream
+        )
         chunks = list(r) if stream else [r]
         assert "".join(c.choices[0].text for c in chunks if c.choices) == cut, stream
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
@@ -254,8 +284,15 @@ def test_a_stop_token_has_its_logprob_after_an_echoed_prompt(served):
     server, client, ref, tok = served
     ids = tok.encode(PROMPTS[1])
     nxt = _alone(ref, tok, ids, n=1, exit=None)[0]  # the greedy next token: made a stop token here
-    r = client.completions.create(model="tiny", prompt=[ids], max_tokens=1, echo=True, logprobs=1, temperature=0,
-                                  extra_body={"stop_token_ids": [nxt], "looplm": {"exit": "none"}})  # fmt: skip
+    r = client.completions.create(
+        model="tiny",
+        prompt=[ids],
+        max_tokens=1,
+        echo=True,
+        logprobs=1,
+        temperature=0,
+        extra_body={"stop_token_ids": [nxt], "looplm": {"exit": "none"}},
+    )
     c = r.choices[0]
     assert c.finish_reason == "stop" and c.text == PROMPTS[1] and r.usage.completion_tokens == 1
     lp = c.logprobs
@@ -264,23 +301,32 @@ def test_a_stop_token_has_its_logprob_after_an_echoed_prompt(served):
         want = torch.log_softmax(ref(torch.tensor([ids])).logits[0].double(), -1)  # [T, V]
     assert lp.token_logprobs[-1] == pytest.approx(want[-1, nxt].item(), abs=1e-5)
     # the continuation's score, as lm-eval sums it (token_logprobs[ctxlen:-1]), is the prompt's own
-    assert sum(lp.token_logprobs[2:-1]) == pytest.approx(sum(want[i - 1, ids[i]].item() for i in range(2, len(ids))), abs=1e-4)
+    assert sum(lp.token_logprobs[2:-1]) == pytest.approx(
+        sum(want[i - 1, ids[i]].item() for i in range(2, len(ids))), abs=1e-4
+    )
 
 
 def test_the_looplm_extension_fields(served):
     server, client, ref, tok = served
     ids = tok.encode(PROMPTS[0])
     K = ref.config.n_loops
-    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0,
-                                  extra_body={"looplm": {"exit": "none", "loops": K}})  # fmt: skip
+    r = client.completions.create(
+        model="tiny",
+        prompt=PROMPTS[0],
+        max_tokens=N,
+        temperature=0,
+        extra_body={"looplm": {"exit": "none", "loops": K}},
+    )
     assert r.choices[0].text == tok.decode(_alone(ref, tok, ids, exit=None))
     assert r.choices[0].model_extra["looplm"]["loops"] == K
-    r = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0,
-                                  extra_body={"looplm": {"exit": "kl:0.002"}})  # fmt: skip
+    r = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=N, temperature=0, extra_body={"looplm": {"exit": "kl:0.002"}}
+    )
     assert r.choices[0].text == tok.decode(_alone(ref, tok, ids, exit="kl:0.002"))
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt="x", extra_body={"looplm": {"loops": K + 1, "exit": "gate:0.5",
-                                                                                   "speed": 3}})  # fmt: skip
+        client.completions.create(
+            model="tiny", prompt="x", extra_body={"looplm": {"loops": K + 1, "exit": "gate:0.5", "speed": 3}}
+        )
     assert "looplm.speed" in e.value.body["param"]
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model="tiny", prompt="x", extra_body={"looplm": {"loops": K + 1, "exit": "gate:0.5"}})
@@ -326,8 +372,16 @@ def test_sixteen_concurrent_clients_are_each_exact(served):
 def test_bad_fields_are_one_400_naming_each(served):
     server, client, ref, tok = served
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="tiny", prompt="x", temperature=5, top_p=0, n=0, max_tokens=-1,
-                                  presence_penalty=0.5, extra_body={"mystery": 1})  # fmt: skip
+        client.completions.create(
+            model="tiny",
+            prompt="x",
+            temperature=5,
+            top_p=0,
+            n=0,
+            max_tokens=-1,
+            presence_penalty=0.5,
+            extra_body={"mystery": 1},
+        )
     body = e.value.body
     named = set(body["param"].split(", "))
     assert {"temperature", "top_p", "n", "max_tokens", "presence_penalty", "mystery"} <= named, body
@@ -337,7 +391,9 @@ def test_bad_fields_are_one_400_naming_each(served):
         client.completions.create(model="tiny", prompt="y" * (ref.config.max_seq_len + 5), max_tokens=1)
     assert e.value.body["code"] == "context_length_exceeded" and "prompt" in e.value.body["param"]
     # not JSON at all
-    r = httpx.post(server.url + "/v1/completions", content=b"{nope", timeout=10, headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.url + "/v1/completions", content=b"{nope", timeout=10, headers={"content-type": "application/json"}
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="other", prompt="x", max_tokens=1)
@@ -382,7 +438,7 @@ def test_a_full_queue_is_429_a_timeout_504_and_a_disconnect_frees_its_row():
         body = {"prompt": "hello", "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
             it = r.iter_lines()
-            assert next(l for l in it if l.startswith("data: "))  # the first token: the row is taken
+            assert next(line for line in it if line.startswith("data: "))  # the first token: the row is taken
             assert _metric(server, "looplm_requests_running") == 1
             busy = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=10)
             assert busy.status_code == 429 and busy.headers["retry-after"] == "1"
@@ -390,7 +446,9 @@ def test_a_full_queue_is_429_a_timeout_504_and_a_disconnect_frees_its_row():
         # the stream was closed after a few tokens: the row frees long before 400 × 20 ms
         assert _until(lambda: _metric(server, "looplm_requests_running") == 0, 5.0)
         assert _until(lambda: _metric(server, "looplm_choices_finished_total", '{reason="abort"}') == 1, 5.0)
-        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 0}, timeout=10)
+        r = httpx.post(
+            server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2, "temperature": 0}, timeout=10
+        )
         assert r.status_code == 200  # the row is free again
         t0 = time.monotonic()
         r = httpx.post(server.url + "/v1/completions", json={**body, "stream": False}, timeout=30)
@@ -398,9 +456,16 @@ def test_a_full_queue_is_429_a_timeout_504_and_a_disconnect_frees_its_row():
         assert time.monotonic() - t0 < 5.0
         assert _until(lambda: _metric(server, "looplm_requests_running") == 0, 5.0)
         text = httpx.get(server.url + "/metrics", timeout=10).text
-        for name in ("looplm_time_to_first_token_seconds_bucket", "looplm_inter_token_latency_seconds_bucket",
-                     "looplm_kv_tokens_used", "looplm_kv_budget_tokens", "looplm_kv_usage_ratio", "looplm_preemptions_total",
-                     "looplm_exits_total", "looplm_generation_tokens_total"):  # fmt: skip
+        for name in (
+            "looplm_time_to_first_token_seconds_bucket",
+            "looplm_inter_token_latency_seconds_bucket",
+            "looplm_kv_tokens_used",
+            "looplm_kv_budget_tokens",
+            "looplm_kv_usage_ratio",
+            "looplm_preemptions_total",
+            "looplm_exits_total",
+            "looplm_generation_tokens_total",
+        ):
             assert name in text, name
     finally:
         server.stop()
@@ -443,9 +508,25 @@ def test_looplm_serve_on_sigterm_finishes_in_flight_and_exits_0():
     """The command: ``looplm serve PRESET --port 0`` (127.0.0.1), a streamed request in flight when SIGTERM comes
     finishes whole, the process exits 0 within the grace period."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "looplm.cli", "serve", "tiny-coreloop", "--port", "0", "--grace-s", "20",
-                             "--log-level", "warning"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-                            env=env)  # fmt: skip
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "looplm.cli",
+            "serve",
+            "tiny-coreloop",
+            "--port",
+            "0",
+            "--grace-s",
+            "20",
+            "--log-level",
+            "warning",
+        ],
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
     try:
         url, t_end = None, time.monotonic() + 120
         while url is None and time.monotonic() < t_end and proc.poll() is None:

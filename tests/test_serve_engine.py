@@ -11,8 +11,17 @@ import pytest
 import torch
 
 import looplm
-from looplm.serve import (Engine, EngineClosed, EngineConfig, FinishEvent, PromptEvent, QueueFull, RequestError,
-                          SamplingParams, TokenEvent)
+from looplm.serve import (
+    Engine,
+    EngineClosed,
+    EngineConfig,
+    FinishEvent,
+    PromptEvent,
+    QueueFull,
+    RequestError,
+    SamplingParams,
+    TokenEvent,
+)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,9 +81,9 @@ def _alone(m, prompt, n, exit=None, **kw):
     """``model.generate`` of one prompt alone: its new tokens and (under an exit) each decoded token's depth."""
     ids = torch.tensor([prompt])
     if exit is None:
-        return m.generate(ids, n, **kw)[0, len(prompt):].tolist(), None
+        return m.generate(ids, n, **kw)[0, len(prompt) :].tolist(), None
     out, st = m.generate(ids, n, exit=exit, return_stats=True, **kw)
-    return out[0, len(prompt):].tolist(), [int(d) for d in torch.cat([s.reshape(-1) for s in st.selected])]
+    return out[0, len(prompt) :].tolist(), [int(d) for d in torch.cat([s.reshape(-1) for s in st.selected])]
 
 
 @pytest.fixture
@@ -131,8 +140,10 @@ def test_prompts_at_adaptive_depth_equal_generate_alone(engine_of, schedule):
     K, N = m.config.n_loops, 10
     prompts = _prompts()
     thr = [0.004, 0.004, 0.02, 0.004, 0.0]  # per request (0: exit='none', full depth)
-    refs = [_alone(m, p, N, {"criterion": "kl", "threshold": t, "prefill": "exit"}) if t else _alone(m, p, N)
-            for p, t in zip(prompts, thr)]  # fmt: skip
+    refs = [
+        _alone(m, p, N, {"criterion": "kl", "threshold": t, "prefill": "exit"}) if t else _alone(m, p, N)
+        for p, t in zip(prompts, thr)
+    ]
     eng = engine_of(m, max_batch=3, exit="kl:0.004", exit_schedule=schedule, prefill="exit", prefill_chunk=None)
     params = [SamplingParams(max_tokens=N, temperature=0, exit=f"kl:{t}" if t else "none") for t in thr]
     outs = _run(eng, prompts, params)
@@ -173,8 +184,9 @@ def test_state_carrying_cores_equal_generate_alone(engine_of, name, exit):
     m = _model(name)
     prompts, N = _prompts(4), 8
     refs = [_alone(m, p, N, exit)[0] for p in prompts]
-    outs = _run(engine_of(m, max_batch=2, prefill_chunk=4, exit=exit), prompts,
-                SamplingParams(max_tokens=N, temperature=0))
+    outs = _run(
+        engine_of(m, max_batch=2, prefill_chunk=4, exit=exit), prompts, SamplingParams(max_tokens=N, temperature=0)
+    )
     assert [c.tokens for c in outs] == refs
 
 
@@ -235,7 +247,9 @@ def test_chunked_prefill_equals_the_whole_prompt(engine_of):
         assert c.prompt.token_logprobs[0] is None and len(c.prompt.token_logprobs) == len(prompt)
         assert c.prompt.token_logprobs[1:] == pytest.approx(want_prompt, abs=1e-5)
         assert c.logprobs == pytest.approx(want_gen, abs=1e-5)
-        assert all(len(t) == 3 and t[0][0] == tok for t, tok in zip(c.tops, c.tokens))  # greedy: the top token is chosen
+        assert all(
+            len(t) == 3 and t[0][0] == tok for t, tok in zip(c.tops, c.tokens)
+        )  # greedy: the top token is chosen
         eng.shutdown()
 
 
@@ -347,25 +361,49 @@ def test_a_seed_fixes_a_sample_whatever_the_batch(engine_of):
     N = 16
     prompts = _prompts(4)
     sp = SamplingParams(max_tokens=N, temperature=1.0, top_k=50, top_p=0.95, seed=7)
-    ref = m.generate(torch.tensor([prompts[0]]), N, do_sample=True, temperature=1.0, top_k=50, top_p=0.95,
-                     generator=torch.Generator().manual_seed(7))[0, len(prompts[0]):].tolist()  # fmt: skip
+    ref = m.generate(
+        torch.tensor([prompts[0]]),
+        N,
+        do_sample=True,
+        temperature=1.0,
+        top_k=50,
+        top_p=0.95,
+        generator=torch.Generator().manual_seed(7),
+    )[0, len(prompts[0]) :].tolist()
     eng = engine_of(m, max_batch=4, exit="kl:0.004")
     m2 = _model()  # (the reference under the exit, on a model the engine does not hold)
-    ref_exit = m2.generate(torch.tensor([prompts[0]]), N, do_sample=True, temperature=1.0, top_k=50, top_p=0.95, exit="kl:0.004",
-                           generator=torch.Generator().manual_seed(7))[0, len(prompts[0]):].tolist()  # fmt: skip
+    ref_exit = m2.generate(
+        torch.tensor([prompts[0]]),
+        N,
+        do_sample=True,
+        temperature=1.0,
+        top_k=50,
+        top_p=0.95,
+        exit="kl:0.004",
+        generator=torch.Generator().manual_seed(7),
+    )[0, len(prompts[0]) :].tolist()
     alone = _run(eng, prompts[:1], sp)[0].tokens
     others = [SamplingParams(max_tokens=N, temperature=0.8, seed=s) for s in (1, 2, 3)]
     together = _run(eng, prompts, [sp] + others)
     assert alone == together[0].tokens == ref_exit
-    assert together[1].tokens != _run(eng, prompts[1:2], SamplingParams(max_tokens=N, temperature=0.8, seed=99))[0].tokens
+    assert (
+        together[1].tokens != _run(eng, prompts[1:2], SamplingParams(max_tokens=N, temperature=0.8, seed=99))[0].tokens
+    )
     full = engine_of(_model(), max_batch=2)
     assert _run(full, prompts[:1], sp)[0].tokens == ref
 
 
 # ------------------------------------------------------------------------------------------------ the KV budget
-@pytest.mark.parametrize("exit,schedule,prefill", [(None, "depth", "full"), ("kl:0.004", "depth", "full"),
-                                                   ("kl:0.004", "token", "full"), ("kl:0.004", "depth", "exit"),
-                                                   ("kl:0.004", "depth", "batched")])
+@pytest.mark.parametrize(
+    "exit,schedule,prefill",
+    [
+        (None, "depth", "full"),
+        ("kl:0.004", "depth", "full"),
+        ("kl:0.004", "token", "full"),
+        ("kl:0.004", "depth", "exit"),
+        ("kl:0.004", "depth", "batched"),
+    ],
+)
 def test_preemption_under_a_tiny_budget_keeps_every_output_exact(engine_of, exit, schedule, prefill):
     """Six requests through four rows under a budget that admits two or three of them: the running ones outgrow
     it, the youngest are preempted, prefilled again and replay the tokens they had made at the depths they ran;
@@ -375,21 +413,45 @@ def test_preemption_under_a_tiny_budget_keeps_every_output_exact(engine_of, exit
     m = _model()
     K, N = m.config.n_loops, 12
     prompts = _prompts(6)
-    ref_exit = exit if prefill != "exit" else {"criterion": "kl", "threshold": 0.004, "prefill": "exit"}  # (prompts at adaptive depth)
+    ref_exit = (
+        exit if prefill != "exit" else {"criterion": "kl", "threshold": 0.004, "prefill": "exit"}
+    )  # (prompts at adaptive depth)
     refs = [_alone(m, p, N, ref_exit) for p in prompts]
     sp = SamplingParams(max_tokens=N, temperature=1.0, top_k=50, seed=5)
-    ref_s = _model().generate(torch.tensor([prompts[1]]), N, do_sample=True, temperature=1.0, top_k=50, exit=ref_exit,
-                              generator=torch.Generator().manual_seed(5))[0, len(prompts[1]):].tolist()  # fmt: skip
+    ref_s = (
+        _model()
+        .generate(
+            torch.tensor([prompts[1]]),
+            N,
+            do_sample=True,
+            temperature=1.0,
+            top_k=50,
+            exit=ref_exit,
+            generator=torch.Generator().manual_seed(5),
+        )[0, len(prompts[1]) :]
+        .tolist()
+    )
     budget = (max(map(len, prompts)) + N + 10) * K  # cache tokens (kv='copy' keeps K loop slots per token)
-    eng = engine_of(m, max_batch=4, exit=exit, exit_schedule=schedule, prefill_chunk={"full": 4, "batched": 64}.get(prefill),
-                    prefill="full" if prefill == "batched" else prefill, kv_budget=budget)
+    eng = engine_of(
+        m,
+        max_batch=4,
+        exit=exit,
+        exit_schedule=schedule,
+        prefill_chunk={"full": 4, "batched": 64}.get(prefill),
+        prefill="full" if prefill == "batched" else prefill,
+        kv_budget=budget,
+    )
     assert eng.stats()["kv_budget_tokens"] == budget and eng.stats()["kv_slots"] == K
     held, batches = [], []
     real = eng.runner.prefill_batch
     eng.runner.prefill_batch = lambda rids, ps: batches.append(len(rids)) or real(rids, ps)
     cs = [Collect(then=lambda c: held.append(eng.scheduler.kv_tokens_used())) for _ in prompts]
-    eng.submit_group([(p, sp if i == 1 else SamplingParams(max_tokens=N, temperature=0), c)
-                      for i, (p, c) in enumerate(zip(prompts, cs))])  # fmt: skip
+    eng.submit_group(
+        [
+            (p, sp if i == 1 else SamplingParams(max_tokens=N, temperature=0), c)
+            for i, (p, c) in enumerate(zip(prompts, cs))
+        ]
+    )
     for c in cs:
         c.wait()
     assert bool(batches) == (prefill == "batched")  # (the group arrives at once: the first three fit the budget)
@@ -435,7 +497,9 @@ def test_the_budget_refuses_what_it_cannot_hold_and_reads_memory_sizes(engine_of
     ssm = h.runner.ssm_bytes
     assert ssm > 0
     hb = engine_of(hyb, max_batch=2, kv_budget=f"{ssm + 8192}B")
-    assert hb.stats()["kv_budget_tokens"] == int(8192 // (h.stats()["kv_bytes_capacity"] / h.stats()["kv_tokens_capacity"]))
+    assert hb.stats()["kv_budget_tokens"] == int(
+        8192 // (h.stats()["kv_bytes_capacity"] / h.stats()["kv_tokens_capacity"])
+    )
     with pytest.raises(ValueError, match="Mamba-2 states"):
         Engine(hyb, EngineConfig(max_batch=2, kv_budget=f"{ssm}B")).start()
     with pytest.raises(ValueError, match="fewer than one request"):
@@ -459,7 +523,9 @@ def test_stop_tokens_and_eos_end_a_request():
         assert c.tokens == ref[: i + 1] and c.stops == [False] * i + [True] and c.finish.reason == "stop"
         c = _run(eng, [prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True))[0]
         assert c.tokens == ref and not any(c.stops) and c.finish.reason == "length"
-        c = _run(eng, [prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=(ref[0],)))[0]
+        c = _run(
+            eng, [prompt], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, stop_token_ids=(ref[0],))
+        )[0]
         assert c.tokens == ref[:1] and c.stops == [True] and c.finish.reason == "stop"
     finally:
         eng.shutdown()
@@ -627,11 +693,33 @@ def test_an_engine_error_fails_the_running_requests_and_the_next_one_runs(engine
 def test_check_names_every_bad_field_before_any_work(engine_of):
     m = _model()
     eng = engine_of(m, max_batch=1, exit="kl:0.01")
-    sp = SamplingParams(max_tokens=-1, temperature=-0.5, top_p=1.5, top_k=-3, seed=-1, logprobs=21, stop_token_ids=(10**6,),
-                        exit="gate:0.5", loops=7, kv_policy="shared", speculative=2)  # fmt: skip
+    sp = SamplingParams(
+        max_tokens=-1,
+        temperature=-0.5,
+        top_p=1.5,
+        top_k=-3,
+        seed=-1,
+        logprobs=21,
+        stop_token_ids=(10**6,),
+        exit="gate:0.5",
+        loops=7,
+        kv_policy="shared",
+        speculative=2,
+    )
     names = {e.field for e in eng.check([1, 2], sp)}
-    assert names == {"max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "stop_token_ids", "looplm.exit",
-                     "looplm.loops", "looplm.kv_policy", "looplm.speculative"}  # fmt: skip
+    assert names == {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "seed",
+        "logprobs",
+        "stop_token_ids",
+        "looplm.exit",
+        "looplm.loops",
+        "looplm.kv_policy",
+        "looplm.speculative",
+    }
     with pytest.raises(RequestError) as e:
         eng.submit([1, 2], sp, Collect())
     assert len(e.value.errors) == 11 and "max_tokens" in str(e.value)

@@ -38,8 +38,13 @@ class _Counted:
 
     def __init__(self, engine, tok):
         self.calls = {"submit": 0, "check": 0, "encode": 0, "template": 0}
-        for obj, name in ((engine, "submit"), (engine, "submit_group"), (engine, "check"), (tok, "encode"),
-                          (tok._tok, "apply_chat_template")):  # fmt: skip
+        for obj, name in (
+            (engine, "submit"),
+            (engine, "submit_group"),
+            (engine, "check"),
+            (tok, "encode"),
+            (tok._tok, "apply_chat_template"),
+        ):
             if hasattr(obj, name):
                 self._wrap(obj, name)
 
@@ -237,8 +242,11 @@ def test_null_is_the_default_where_openai_allows_it(app):
     client, _ = app
     r = _post(client, {"prompt": "hi", "max_tokens": 1, "n": None, "stream": None, "echo": None, "ignore_eos": None})
     assert r.status_code == 200 and len(r.json()["choices"]) == 1
-    r = _post(client, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "n": None, "logprobs": None,
-                       "stream": None}, "/v1/chat/completions")  # fmt: skip
+    r = _post(
+        client,
+        {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1, "n": None, "logprobs": None, "stream": None},
+        "/v1/chat/completions",
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
 
 
@@ -269,8 +277,12 @@ def test_the_chat_template_and_the_tokenizer_run_off_the_event_loop(app):
     tok._tok.apply_chat_template = lambda *a, **kw: (seen.append(("template", on_loop())), template(*a, **kw))[1]
     tok.encode = lambda *a, **kw: (seen.append(("encode", on_loop())), encode(*a, **kw))[1]
     try:
-        assert _post(client, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
-                     "/v1/chat/completions").status_code == 200  # fmt: skip
+        assert (
+            _post(
+                client, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}, "/v1/chat/completions"
+            ).status_code
+            == 200
+        )
         assert _post(client, {"prompt": "hi", "max_tokens": 1}).status_code == 200
     finally:
         tok._tok.apply_chat_template, tok.encode = template, encode

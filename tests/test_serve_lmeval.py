@@ -42,10 +42,18 @@ def _task(d):
 
     rows = [{"q": f"{a} plus {a} is", "choices": [f" {2 * a}", f" {2 * a + 1}", " blue"], "label": 0} for a in range(6)]
     (d / "mc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    task = {"task": "serve_mc", "dataset_path": "json", "test_split": "train", "metadata": {"version": 1.0},
-            "dataset_kwargs": {"data_files": {"train": str(d / "mc.jsonl")}}, "output_type": "multiple_choice",
-            "doc_to_text": "{{q}}", "doc_to_choice": "{{choices}}", "doc_to_target": "{{label}}",
-            "metric_list": [{"metric": "acc"}]}  # fmt: skip
+    task = {
+        "task": "serve_mc",
+        "dataset_path": "json",
+        "test_split": "train",
+        "metadata": {"version": 1.0},
+        "dataset_kwargs": {"data_files": {"train": str(d / "mc.jsonl")}},
+        "output_type": "multiple_choice",
+        "doc_to_text": "{{q}}",
+        "doc_to_choice": "{{choices}}",
+        "doc_to_target": "{{label}}",
+        "metric_list": [{"metric": "acc"}],
+    }
     (d / "serve_mc.yaml").write_text(yaml.safe_dump(task))
 
 
@@ -56,20 +64,28 @@ def test_local_completions_loglikelihoods_equal_looplm_eval_harness(tmp_path):
 
     _task(tmp_path)
     tok_dir = tmp_path / "tok"  # the served tokenizer, as lm-eval's huggingface tokenizer backend loads it
-    transformers.PreTrainedTokenizerFast(tokenizer_object=byte_backend(), eos_token="<eos>", bos_token="<bos>",
-                                        pad_token="<pad>").save_pretrained(str(tok_dir))  # fmt: skip
+    transformers.PreTrainedTokenizerFast(
+        tokenizer_object=byte_backend(), eos_token="<eos>", bos_token="<bos>", pad_token="<pad>"
+    ).save_pretrained(str(tok_dir))
     tm = TaskManager(include_path=str(tmp_path), include_defaults=False)
     register_lm_eval_model()
     tok = ByteTokenizer()
-    ref = lm_eval.simple_evaluate(model=LoopLMEvalModel(model=_model(), tokenizer=tok, batch_size=4), tasks=["serve_mc"],
-                                  task_manager=tm, log_samples=True)  # fmt: skip
+    ref = lm_eval.simple_evaluate(
+        model=LoopLMEvalModel(model=_model(), tokenizer=tok, batch_size=4),
+        tasks=["serve_mc"],
+        task_manager=tm,
+        log_samples=True,
+    )
     # the server runs a kl exit: it applies to generated tokens, never to the echoed prompt's scores
     engine = Engine(_model(), EngineConfig(max_batch=4, exit="kl:0.01"), eos_token_id=tok.eos_id)
     with Server(build_app(engine, tok, "tiny"), host="127.0.0.1", port=0) as server:
-        args = (f"base_url={server.url}/v1/completions,model=tiny,tokenizer_backend=huggingface,tokenizer={tok_dir},"
-                "tokenized_requests=True,num_concurrent=2,max_retries=1")  # fmt: skip
-        got = lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=["serve_mc"], task_manager=tm,
-                                      log_samples=True)  # fmt: skip
+        args = (
+            f"base_url={server.url}/v1/completions,model=tiny,tokenizer_backend=huggingface,tokenizer={tok_dir},"
+            "tokenized_requests=True,num_concurrent=2,max_retries=1"
+        )
+        got = lm_eval.simple_evaluate(
+            model="local-completions", model_args=args, tasks=["serve_mc"], task_manager=tm, log_samples=True
+        )
     want = {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in ref["samples"]["serve_mc"]}
     have = {s["doc_id"]: [float(r[0]) for r in s["filtered_resps"]] for s in got["samples"]["serve_mc"]}
     assert sorted(have) == sorted(want) == list(range(6))

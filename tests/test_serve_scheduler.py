@@ -73,10 +73,12 @@ class Sim:
 
 def test_the_scheduler_imports_no_torch():
     """scheduler.py loaded alone (no package import) leaves torch unimported: it is pure Python."""
-    code = ("import importlib.util, sys\n"
-            f"spec = importlib.util.spec_from_file_location('sched', {str(SCHEDULER_PY)!r})\n"
-            "mod = importlib.util.module_from_spec(spec); sys.modules['sched'] = mod; spec.loader.exec_module(mod)\n"
-            "assert mod.Scheduler and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]\n")  # fmt: skip
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('sched', {str(SCHEDULER_PY)!r})\n"
+        "mod = importlib.util.module_from_spec(spec); sys.modules['sched'] = mod; spec.loader.exec_module(mod)\n"
+        "assert mod.Scheduler and 'torch' not in sys.modules, sorted(m for m in sys.modules if 'torch' in m)[:3]\n"
+    )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert importlib.util.find_spec("looplm.serve.scheduler") is not None

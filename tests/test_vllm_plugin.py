@@ -24,8 +24,13 @@ from looplm.vllm.spec import (
 def _export_config(preset: str, overrides: dict | None = None, **top) -> dict:
     """A config.json as `looplm export hf` writes it (the fields the plugin reads)."""
     cfg = load_model_config(preset, overrides)
-    return {"architectures": ["LoopLMForCausalLM"], "model_type": "looplm", "looplm": cfg.to_dict(),
-            "num_loops": cfg.n_loops, **top}
+    return {
+        "architectures": ["LoopLMForCausalLM"],
+        "model_type": "looplm",
+        "looplm": cfg.to_dict(),
+        "num_loops": cfg.n_loops,
+        **top,
+    }
 
 
 def test_importing_the_plugin_imports_no_vllm():
@@ -36,8 +41,12 @@ def test_importing_the_plugin_imports_no_vllm():
     assert all(not m.startswith("vllm.") for m in sys.modules)
     import subprocess
 
-    out = subprocess.run([sys.executable, "-c", "import looplm, sys; print('looplm.vllm' in sys.modules, 'vllm' in sys.modules)"],
-                         capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", "import looplm, sys; print('looplm.vllm' in sys.modules, 'vllm' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     assert out == ["False", "False"]  # `import looplm` never imports the plugin
 
 
@@ -58,11 +67,22 @@ def test_slots_in_run_order_per_loop_and_shared():
     raw = _export_config("tiny-coreloop")  # (p, s, K, c) = (1, 2, 3, 1)
     per_loop = plugin_spec(raw)
     assert [(s.part, s.layer, s.loop) for s in per_loop.slots] == [
-        ("prelude", 0, None), ("core", 1, 0), ("core", 2, 0), ("core", 1, 1), ("core", 2, 1), ("core", 1, 2),
-        ("core", 2, 2), ("coda", 3, None)]  # fmt: skip
+        ("prelude", 0, None),
+        ("core", 1, 0),
+        ("core", 2, 0),
+        ("core", 1, 1),
+        ("core", 2, 1),
+        ("core", 1, 2),
+        ("core", 2, 2),
+        ("coda", 3, None),
+    ]
     shared = plugin_spec({**raw, "looplm_kv_policy": "shared"})
     assert [(s.part, s.layer, s.loop) for s in shared.slots] == [
-        ("prelude", 0, None), ("core", 1, None), ("core", 2, None), ("coda", 3, None)]
+        ("prelude", 0, None),
+        ("core", 1, None),
+        ("core", 2, None),
+        ("coda", 3, None),
+    ]
     assert {shared.slot_index("core", 2, k) for k in range(3)} == {2}  # every loop writes the layer's one slot
     assert shared.slot_index("coda", 3) == 3 and per_loop.slot_index("coda", 3) == 7
     assert plugin_spec(raw, kv_policy="shared").kv_policy == "shared"  # the argument wins over the config
@@ -77,14 +97,17 @@ def test_served_loop_count_and_exit_threshold_come_from_the_config():
     assert spec.loop_options == {"exit_threshold": 0.8}
 
 
-@pytest.mark.parametrize("bad, message", [
-    ({"num_loops": 0}, "num_loops must be a positive int, got 0"),
-    ({"num_loops": True}, "num_loops must be a positive int, got True"),
-    ({"looplm_kv_policy": "per_loop"}, "looplm_kv_policy must be one of ['per-loop', 'shared'], got 'per_loop'"),
-    ({"loop_options": {"grid": "prefix"}}, "loop_options ['grid'] are not read by the rule 'vanilla'"),
-    ({"looplm": {}}, "needs the looplm ModelConfig under 'looplm'"),
-    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "architecture 'LlamaForCausalLM'"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ({"num_loops": 0}, "num_loops must be a positive int, got 0"),
+        ({"num_loops": True}, "num_loops must be a positive int, got True"),
+        ({"looplm_kv_policy": "per_loop"}, "looplm_kv_policy must be one of ['per-loop', 'shared'], got 'per_loop'"),
+        ({"loop_options": {"grid": "prefix"}}, "loop_options ['grid'] are not read by the rule 'vanilla'"),
+        ({"looplm": {}}, "needs the looplm ModelConfig under 'looplm'"),
+        ({"architectures": ["LlamaForCausalLM"], "model_type": "llama"}, "architecture 'LlamaForCausalLM'"),
+    ],
+)
 def test_bad_configs_are_refused_with_the_value(bad, message):
     with pytest.raises(ValueError) as e:
         plugin_spec({**_export_config("tiny-llama"), **bad})
@@ -119,8 +142,11 @@ _REFUSED = [
     ("tiny-stateloop", {"rule.options.mixer": "mamba2"}, "StateLoop's 'mamba2' state mixer"),
     ("tiny-llama", {"pause": {"n_pause": 2}}, "pause tokens"),
     ("tiny-llama", {"attention.sliding_window": 8}, "sliding-window attention"),
-    ("tiny-llama", {"rule": {"name": "injection", "options": {"form": "dense", "init_state": "normal",
-                                                               "init_seed": None}}}, "drawn afresh each forward"),
+    (
+        "tiny-llama",
+        {"rule": {"name": "injection", "options": {"form": "dense", "init_state": "normal", "init_seed": None}}},
+        "drawn afresh each forward",
+    ),
     ("tiny-coreloop", {"rule": {"name": "ponderlm"}}, "PonderLM reads out every iteration through the coda"),
 ]
 
@@ -137,14 +163,30 @@ def test_unservable_designs_are_refused_by_name_and_reason(preset, overrides, re
 
 
 def test_weight_names_map_to_the_fused_vllm_projections():
-    assert vllm_param_name("looplm.core.stack.blocks.1.mixer.q_proj.weight") == ("core.stack.blocks.1.mixer.qkv_proj.weight", "q")
+    assert vllm_param_name("looplm.core.stack.blocks.1.mixer.q_proj.weight") == (
+        "core.stack.blocks.1.mixer.qkv_proj.weight",
+        "q",
+    )
     assert vllm_param_name("prelude.blocks.0.mixer.k_proj.bias") == ("prelude.blocks.0.mixer.qkv_proj.bias", "k")
     assert vllm_param_name("coda.blocks.0.mixer.v_proj.weight") == ("coda.blocks.0.mixer.qkv_proj.weight", "v")
-    assert vllm_param_name("looplm.core.stack.blocks.0.mlp.gate_proj.weight") == ("core.stack.blocks.0.mlp.gate_up_proj.weight", 0)
-    assert vllm_param_name("core.stack.blocks.0.mlp.up_proj.weight") == ("core.stack.blocks.0.mlp.gate_up_proj.weight", 1)
-    for plain in ("looplm.embed.weight", "norm.weight", "lm_head.weight", "core.stack.blocks.0.mixer.o_proj.weight",
-                  "core.stack.blocks.0.mixer.q_norm.weight", "core.stack.blocks.0.mlp_out_norm.weight",
-                  "rule.inject.proj.weight", "rule.W_pre.0.weight"):
+    assert vllm_param_name("looplm.core.stack.blocks.0.mlp.gate_proj.weight") == (
+        "core.stack.blocks.0.mlp.gate_up_proj.weight",
+        0,
+    )
+    assert vllm_param_name("core.stack.blocks.0.mlp.up_proj.weight") == (
+        "core.stack.blocks.0.mlp.gate_up_proj.weight",
+        1,
+    )
+    for plain in (
+        "looplm.embed.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "core.stack.blocks.0.mixer.o_proj.weight",
+        "core.stack.blocks.0.mixer.q_norm.weight",
+        "core.stack.blocks.0.mlp_out_norm.weight",
+        "rule.inject.proj.weight",
+        "rule.W_pre.0.weight",
+    ):
         assert vllm_param_name(plain) == (plain.removeprefix("looplm."), None)
 
 
@@ -170,8 +212,18 @@ def test_original_formats_map_as_looplm_imports_them(tmp_path, family, arch):
     from looplm.vllm.configs import CONFIG_CLASSES
 
     preset, over = {"ouro": ("ouro-1.4b", {}), "huginn": ("huginn-0125", {"n_prelude": 1, "n_coda": 1})}[family]
-    over = {**over, "vocab_size": 260, "d_model": 64, "n_core": 2, "n_loops": 3, "d_ff": 128, "attention.n_heads": 2,
-            "attention.n_kv_heads": 2, "attention.head_dim": 32, "max_seq_len": 512}
+    over = {
+        **over,
+        "vocab_size": 260,
+        "d_model": 64,
+        "n_core": 2,
+        "n_loops": 3,
+        "d_ff": 128,
+        "attention.n_heads": 2,
+        "attention.n_kv_heads": 2,
+        "attention.head_dim": 32,
+        "max_seq_len": 512,
+    }
     export_original(looplm.build(load_model_config(preset, over)), tmp_path, tokenizer="byte")
     raw = json.loads((tmp_path / "config.json").read_text())
     spec = plugin_spec(raw)
@@ -180,6 +232,10 @@ def test_original_formats_map_as_looplm_imports_them(tmp_path, family, arch):
     hf = CONFIG_CLASSES[raw["model_type"]](**{k: v for k, v in raw.items() if k != "model_type"})
     assert (hf.hidden_size, hf.num_attention_heads, hf.max_position_embeddings, hf.vocab_size) == (64, 2, 512, 260)
     assert plugin_spec(hf).config == spec.config  # the config object vLLM holds maps the same
-    assert CONFIG_CLASSES[raw["model_type"]]().to_dict()["model_type"] == raw["model_type"]  # transformers makes a default one
-    assert json.loads(hf.to_json_string())["n_layers" if family == "huginn" else "num_hidden_layers"] == raw[
-        "n_layers" if family == "huginn" else "num_hidden_layers"]
+    assert (
+        CONFIG_CLASSES[raw["model_type"]]().to_dict()["model_type"] == raw["model_type"]
+    )  # transformers makes a default one
+    assert (
+        json.loads(hf.to_json_string())["n_layers" if family == "huginn" else "num_hidden_layers"]
+        == raw["n_layers" if family == "huginn" else "num_hidden_layers"]
+    )

@@ -40,15 +40,33 @@ def main(job_path: str, out_path: str) -> None:
     looplm.vllm.register()  # again (vLLM's plugin loader calls it too): must be harmless
     looplm.vllm.register()
     job = json.loads(open(job_path).read())
-    results = {"registered": {a: a in ModelRegistry.get_supported_archs() for a in looplm.vllm.ARCHITECTURES}, "runs": []}
+    results = {
+        "registered": {a: a in ModelRegistry.get_supported_archs() for a in looplm.vllm.ARCHITECTURES},
+        "runs": [],
+    }
     for r in job["runs"]:
         res, t0 = {"name": r["name"]}, time.time()
         llm = None
         try:
-            llm = LLM(model=r["dir"], dtype="float32", enforce_eager=True, skip_tokenizer_init=True, max_model_len=512,
-                      max_num_seqs=16, seed=0, distributed_executor_backend="uni", hf_overrides=r.get("hf_overrides"))
-            sp = SamplingParams(temperature=0.0, max_tokens=r["max_tokens"], logprobs=0, prompt_logprobs=0,
-                                detokenize=False, ignore_eos=True)
+            llm = LLM(
+                model=r["dir"],
+                dtype="float32",
+                enforce_eager=True,
+                skip_tokenizer_init=True,
+                max_model_len=512,
+                max_num_seqs=16,
+                seed=0,
+                distributed_executor_backend="uni",
+                hf_overrides=r.get("hf_overrides"),
+            )
+            sp = SamplingParams(
+                temperature=0.0,
+                max_tokens=r["max_tokens"],
+                logprobs=0,
+                prompt_logprobs=0,
+                detokenize=False,
+                ignore_eos=True,
+            )
             prompts = [{"prompt_token_ids": p} for p in r["prompts"]]
             res["together"] = [_out(o) for o in llm.generate(prompts, sp, use_tqdm=False)]
             if r.get("alone"):

@@ -62,7 +62,7 @@ def _reference(model, prompts, n: int, kv_shared: bool = False) -> list[dict]:
             lps.append(float(lp[t]))
             logits = model(torch.tensor([[t]]), cache=cache, logits_to_keep=1).logits
         if not kv_shared:  # the incremental loop above is looplm's generate
-            assert model.generate(ids, max_new_tokens=n)[0, len(p):].tolist() == toks
+            assert model.generate(ids, max_new_tokens=n)[0, len(p) :].tolist() == toks
         out.append({"tokens": toks, "logprobs": lps, "prompt_logprobs": prompt_lp})
     return out
 
@@ -80,16 +80,28 @@ def serve_all(root: Path):
         runs.append({"name": name, "dir": str(d), "prompts": PROMPTS, "max_tokens": N_NEW, "alone": True})
         if name == "tiny-coreloop":
             refs["tiny-coreloop/shared"] = _reference(model, PROMPTS, N_NEW, kv_shared=True)
-            runs.append({"name": "tiny-coreloop/shared", "dir": str(d), "prompts": PROMPTS, "max_tokens": N_NEW,
-                         "hf_overrides": {"looplm_kv_policy": "shared"}})
+            runs.append(
+                {
+                    "name": "tiny-coreloop/shared",
+                    "dir": str(d),
+                    "prompts": PROMPTS,
+                    "max_tokens": N_NEW,
+                    "hf_overrides": {"looplm_kv_policy": "shared"},
+                }
+            )
     _, d = write_tiny("tiny-hybrid", root / "tiny-hybrid")
     runs.append({"name": "tiny-hybrid", "dir": str(d), "prompts": PROMPTS[:1], "max_tokens": 2})
     job, result = root / "job.json", root / "result.json"
     job.write_text(json.dumps({"runs": runs}))
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    proc = subprocess.run([sys.executable, str(HERE / "serve_tiny.py"), str(job), str(result)], env=env,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "serve_tiny.py"), str(job), str(result)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"serve_tiny.py failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     res = json.loads(result.read_text())
@@ -150,8 +162,8 @@ def test_shared_kv_policy_equals_looplm_kv_shared(served):
     ref, run = _served(served, "tiny-coreloop/shared")
     per_loop = served[0]["tiny-coreloop"]
     assert any(r["tokens"] != p["tokens"] for r, p in zip(ref, per_loop)) or any(
-        _max_diff(r["logprobs"], p["logprobs"]) > TOL for r, p in zip(ref, per_loop)), \
-        "the shared policy must differ from per-loop slots here, or this test cannot tell them apart"
+        _max_diff(r["logprobs"], p["logprobs"]) > TOL for r, p in zip(ref, per_loop)
+    ), "the shared policy must differ from per-loop slots here, or this test cannot tell them apart"
     for i, (r, v) in enumerate(zip(ref, run["together"])):
         assert v["tokens"] == r["tokens"], f"prompt {i}"
         assert _max_diff(r["logprobs"], v["logprobs"]) <= TOL
@@ -169,8 +181,10 @@ if __name__ == "__main__":  # the exactness table of docs/vllm.md: python tests_
 
     with tempfile.TemporaryDirectory() as tmp:
         refs, runs, _ = serve_all(Path(tmp))
-    print("| model | greedy tokens equal | max abs diff, prompt logprobs | max abs diff, generated logprobs "
-          "| batched = alone (tokens) |")
+    print(
+        "| model | greedy tokens equal | max abs diff, prompt logprobs | max abs diff, generated logprobs "
+        "| batched = alone (tokens) |"
+    )
     print("| --- | --- | --- | --- | --- |")
     for name, ref in refs.items():
         run = runs[name]
@@ -178,5 +192,7 @@ if __name__ == "__main__":  # the exactness table of docs/vllm.md: python tests_
         same = sum(r["tokens"] == v["tokens"] for r, v in zip(ref, tog))
         dp = max(_max_diff(r["prompt_logprobs"], v["prompt_logprobs"]) for r, v in zip(ref, tog))
         dg = max(_max_diff(r["logprobs"], v["logprobs"]) for r, v in zip(ref, tog) if r["tokens"] == v["tokens"])
-        alone = "—" if "alone" not in run else f"{sum(t['tokens'] == a['tokens'] for t, a in zip(tog, run['alone']))}/16"
+        alone = (
+            "—" if "alone" not in run else f"{sum(t['tokens'] == a['tokens'] for t, a in zip(tog, run['alone']))}/16"
+        )
         print(f"| {name} | {same}/{len(ref)} | {dp:.1e} | {dg:.1e} | {alone} |")

@@ -18,8 +18,17 @@ from looplm.hf.export import export_hf
 from looplm.hf.public import export_original
 
 HD32 = {"attention.head_dim": 32}
-SMALL = {"vocab_size": 260, "d_model": 64, "n_core": 2, "n_loops": 3, "d_ff": 128, "attention.n_heads": 2,
-         "attention.n_kv_heads": 2, "attention.head_dim": 32, "max_seq_len": 512}
+SMALL = {
+    "vocab_size": 260,
+    "d_model": 64,
+    "n_core": 2,
+    "n_loops": 3,
+    "d_ff": 128,
+    "attention.n_heads": 2,
+    "attention.n_kv_heads": 2,
+    "attention.head_dim": 32,
+    "max_seq_len": 512,
+}
 VARIANTS: dict[str, tuple[str, dict]] = {
     # the attention presets
     "tiny-llama": ("tiny-llama", HD32),
@@ -30,8 +39,14 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "injection-dense": ("tiny-llama", {**HD32, "rule": {"name": "injection", "options": {"form": "dense"}}}),
     "timestep-adaln": ("tiny-llama", {**HD32, "rule": {"name": "timestep", "options": {"gating": "adaln"}}}),
     "hyperloop": ("tiny-llama", {**HD32, "rule": {"name": "hyperloop", "options": {"n_streams": 2}}}),
-    "exit-gate-sandwich": ("tiny-llama", {**HD32, "norm_placement": "sandwich", "rule": {
-        "name": "exit_gate", "options": {"inter_norm": True, "gate_norm": True, "threshold": 0.5}}}),
+    "exit-gate-sandwich": (
+        "tiny-llama",
+        {
+            **HD32,
+            "norm_placement": "sandwich",
+            "rule": {"name": "exit_gate", "options": {"inter_norm": True, "gate_norm": True, "threshold": 0.5}},
+        },
+    ),
     # Ouro's and Huginn's architectures, small (written in their original formats by the tests)
     "ouro": ("ouro-1.4b", {**SMALL, "rule.options.threshold": 0.7}),
     "huginn": ("huginn-0125", {**SMALL, "n_prelude": 1, "n_coda": 1, "init_std": 0.02}),

@@ -118,8 +118,12 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         self.ssm_fills = self.exit.ssm != "freeze" and len(self.kv_flat) < len(self.flat)
         # an exit whose output is its core output H^k and whose fills are the core's copies needs no rule state
         # or loop context of its rows (the base rule under kv='copy', attention cores, no readout coda)
-        self.lean_exit = (self.exit.kv == "copy" and not self.ssm_fills and len(self.cache.loop_slots) == len(self.flat)
-                          and output_is_core(model))  # fmt: skip
+        self.lean_exit = (
+            self.exit.kv == "copy"
+            and not self.ssm_fills
+            and len(self.cache.loop_slots) == len(self.flat)
+            and output_is_core(model)
+        )
         self.stats.batch_size = batch_size
 
     def _flat_core_slots(self) -> dict:
@@ -180,8 +184,10 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         N, P = input_ids.shape
         B = self.cache.batch_size
         if N < B:
-            raise ValueError(f"{type(self).__name__} decodes {B} rows; input_ids has {N} (give at least {B} prompts, "
-                             f"or build the decoder for {N} rows)")  # fmt: skip
+            raise ValueError(
+                f"{type(self).__name__} decodes {B} rows; input_ids has {N} (give at least {B} prompts, "
+                f"or build the decoder for {N} rows)"
+            )
         if N > B:  # the queued prompts are checked now too (their rows prefill them later, unchecked)
             self.model.check_inputs(input_ids, None, attention_mask)
         self.prompt_seconds = 0.0
@@ -191,8 +197,10 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         reqs = list(sched.waiting)  # request i: prompt i (its output row)
         first = [c.request for c in sched.schedule_prefill()]  # the first B prompts, together
         if [(r.id, r.row) for r in first] != [(b, b) for b in range(B)]:  # (the scheduler's order: rows 0 .. B − 1)
-            raise RuntimeError(f"the scheduler admitted {[(r.id, r.row) for r in first]} first, not prompts 0 .. {B - 1} "
-                               f"into rows 0 .. {B - 1}")  # fmt: skip
+            raise RuntimeError(
+                f"the scheduler admitted {[(r.id, r.row) for r in first]} first, not prompts 0 .. {B - 1} "
+                f"into rows 0 .. {B - 1}"
+            )
         out, col, _, _ = self._prefill(input_ids, max_new_tokens, attention_mask, pick, eos_token_id, pad_token_id)
         self._took_first(sched, first, out[:B, P].tolist(), eos_token_id)
         m, cache, st = self.model, self.cache, self.stats
@@ -281,8 +289,10 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         ``kv='shared'``'s one buffer) and Mamba-2 states; another kind of slot is refused here, before decoding."""
         for key, s in self.cache.slots.items():
             if not isinstance(s, (KVCache, SharedKV, Mamba2State)):
-                raise TypeError(f"request refill (exit max_batch) cannot copy a prompt into cache slot {key!r} "
-                                f"({type(s).__name__}); give max_batch=None (the whole batch at once)")  # fmt: skip
+                raise TypeError(
+                    f"request refill (exit max_batch) cannot copy a prompt into cache slot {key!r} "
+                    f"({type(s).__name__}); give max_batch=None (the whole batch at once)"
+                )
 
     def _refill(self, rows_h: list, input_ids, attention_mask, idx_h: list, out, col, pick, now) -> list:
         """Rows ``rows_h`` (finished) take prompts ``idx_h`` (the scheduler's admission): those prompts at full depth
@@ -613,8 +623,12 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         need = [(r, y) for r, y, lg in exits if lg is None]
         head = None
         if need:
-            head = self._head_rows(torch.cat([y for _, y in need]) if len(need) > 1 else need[0][1],
-                                   torch.cat([r for r, _ in need]) if len(need) > 1 else need[0][0], col, L)  # fmt: skip
+            head = self._head_rows(
+                torch.cat([y for _, y in need]) if len(need) > 1 else need[0][1],
+                torch.cat([r for r, _ in need]) if len(need) > 1 else need[0][0],
+                col,
+                L,
+            )
             if len(need) == len(exits):
                 return head
         parts, o = [], 0
@@ -654,8 +668,13 @@ copy_prompt_rows = _copy_rows  # (public: the serving engine's runner places pro
 
 def _slice_fctx(f: ForwardContext, a: int, b: int) -> ForwardContext:
     """Rows ``a .. b − 1`` of ``f`` (views)."""
-    return ForwardContext(rope={r: (cos[a:b], sin[a:b]) for r, (cos, sin) in f.rope.items()}, positions=f.positions[a:b],
-                          attn_mask=f.attn_mask[a:b], is_causal=f.is_causal, pad_mask=None)  # fmt: skip
+    return ForwardContext(
+        rope={r: (cos[a:b], sin[a:b]) for r, (cos, sin) in f.rope.items()},
+        positions=f.positions[a:b],
+        attn_mask=f.attn_mask[a:b],
+        is_causal=f.is_causal,
+        pad_mask=None,
+    )
 
 
 def _cat_modulations(mods: list, sizes: list[int], n_blocks: int):
@@ -679,8 +698,12 @@ def merge_modulations(mods: list, rows: list[int], n_blocks: int, combine):
         for name in ("mixer", "mlp"):
             fields = {}
             for f, ident in (("scale", 1.0), ("shift", 0.0), ("gate", 1.0)):
-                vals = [None if ms is None or ms[j] is None or getattr(ms[j], name) is None else getattr(getattr(ms[j], name), f)
-                        for ms in mods]  # fmt: skip
+                vals = [
+                    None
+                    if ms is None or ms[j] is None or getattr(ms[j], name) is None
+                    else getattr(getattr(ms[j], name), f)
+                    for ms in mods
+                ]
                 if all(v is None for v in vals):
                     fields[f] = None
                     continue
@@ -728,6 +751,12 @@ def depth_batched_generate(
         dec = (decoder or DepthBatchedDecoder)(
             model, rows, P + max_new_tokens, exit, loop_options, **({} if rows == N else {"prompts": N})
         )
-        ids = dec.run(input_ids, max_new_tokens, attention_mask,
-                      lambda logits: sample_next(logits, do_sample, temperature, top_k, top_p, generator), eos_token_id, pad_token_id)  # fmt: skip
+        ids = dec.run(
+            input_ids,
+            max_new_tokens,
+            attention_mask,
+            lambda logits: sample_next(logits, do_sample, temperature, top_k, top_p, generator),
+            eos_token_id,
+            pad_token_id,
+        )
     return (ids, dec.stats) if return_stats else ids

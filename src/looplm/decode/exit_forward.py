@@ -99,8 +99,10 @@ class PositionKV:
         C = self.k.shape[2]
         # row (b, h, cols[b, j]) of the buffer seen as [B·H·C, hd]: one contiguous hd-vector per (head, query)
         # (2-3x faster than a scatter along dim 2; padding writes the scratch column, several writers, never read)
-        at = ((torch.arange(B, device=k.device)[:, None, None] * H + torch.arange(H, device=k.device)[None, :, None]) * C
-              + self.cols[:, None, :]).reshape(-1)  # [B·H·T_a]  # fmt: skip
+        at = (
+            (torch.arange(B, device=k.device)[:, None, None] * H + torch.arange(H, device=k.device)[None, :, None]) * C
+            + self.cols[:, None, :]
+        ).reshape(-1)  # [B·H·T_a]
         self.k.view(-1, hd).index_copy_(0, at, k.reshape(-1, hd).to(self.k.dtype))
         self.v.view(-1, self.v.shape[-1]).index_copy_(0, at, v.reshape(-1, v.shape[-1]).to(self.v.dtype))
         return attention(q, self.k, self.v, attn_mask=attn_mask, is_causal=False, enable_gqa=enable_gqa)
@@ -112,9 +114,17 @@ class PositionKV:
 
 
 @torch.no_grad()
-def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: torch.Tensor | None = None,
-                     loop_options: dict | None = None, full_depth_prefix: int = 0, cache=None,
-                     logits_to_keep: int | None = None) -> AdaptiveForward:
+def adaptive_forward(
+    model,
+    input_ids: torch.Tensor,
+    exit,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    loop_options: dict | None = None,
+    full_depth_prefix: int = 0,
+    cache=None,
+    logits_to_keep: int | None = None,
+) -> AdaptiveForward:
     """Next-token logits of every position of ``input_ids [B, T]`` with per-token exit (module docstring).
 
     ``exit``: an :class:`~looplm.decode.exits.Exit` (or its string / dict; its ``schedule`` and ``max_batch`` are
@@ -136,14 +146,20 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
     e = Exit.parse(exit).for_one_forward().resolved(m, B)  # (a decoder's prefill: resolved at its entry, not again)
     errs = forward_support(m, e)
     if isinstance(full_depth_prefix, bool) or not isinstance(full_depth_prefix, int) or not 0 <= full_depth_prefix <= T:
-        errs.append(f"full_depth_prefix must be an int in [0, {T}] (positions run at every loop), got {full_depth_prefix!r}")
+        errs.append(
+            f"full_depth_prefix must be an int in [0, {T}] (positions run at every loop), got {full_depth_prefix!r}"
+        )
     d = e.depths
     if isinstance(d, torch.Tensor) and d.dim() == 2 and d.shape[1] < T:
         errs.append(f"exit depths give {d.shape[1]} positions per row; the text has {T}")
-    if cache is not None and (cache.seqlen != 0 or cache.num_loops != e.max_loops or cache.batch_size != B or cache.kv_shared):
-        errs.append(f"cache: an empty cache of {B} rows and {e.max_loops} loops with a slot per loop is written here; got "
-                    f"{cache.batch_size} rows, {cache.num_loops} loops, {cache.seqlen} tokens"
-                    f"{', kv_shared' if cache.kv_shared else ''}")  # fmt: skip
+    if cache is not None and (
+        cache.seqlen != 0 or cache.num_loops != e.max_loops or cache.batch_size != B or cache.kv_shared
+    ):
+        errs.append(
+            f"cache: an empty cache of {B} rows and {e.max_loops} loops with a slot per loop is written here; got "
+            f"{cache.batch_size} rows, {cache.num_loops} loops, {cache.seqlen} tokens"
+            f"{', kv_shared' if cache.kv_shared else ''}"
+        )
     if errs:
         raise ValueError("exit: " + "; ".join(errs))
     m.check_inputs(input_ids, cache, attention_mask)
@@ -151,7 +167,9 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
     if e.criterion == "gate":  # the rule's own output selection agrees with the criterion's q (as AdaptiveDecoder)
         q = opts.get("exit_threshold")
         if q is not None and float(q) != e.threshold:
-            raise ValueError(f"exit='gate:{e.threshold}' and loop_options exit_threshold={q} disagree: give one of them (or the same q)")
+            raise ValueError(
+                f"exit='gate:{e.threshold}' and loop_options exit_threshold={q} disagree: give one of them (or the same q)"
+            )
         opts["exit_threshold"] = e.threshold
     if opts:
         rule.check_loop_options(opts)
@@ -160,7 +178,9 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
 
     fctx = m.forward_context(input_ids, attention_mask, None, 0)  # rope [B, T, rot], the mask of the plain forward
     E = m.embed_tokens(input_ids)  # [B, T, d]
-    x = m.prelude(E, fctx, m.cache_slots(cache, m.prelude, (0,), B))  # [B, T, d]: once over the text (no exit before the core)
+    x = m.prelude(
+        E, fctx, m.cache_slots(cache, m.prelude, (0,), B)
+    )  # [B, T, d]: once over the text (no exit before the core)
     dm = x.shape[-1]
     N = B * T
     tok_b = torch.arange(B, device=dev).repeat_interleave(T)  # [N] the row of token i (row-major: i = b·T + t)
@@ -169,10 +189,21 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
     real = vis.reshape(N)
     forced = (tok_t < full_depth_prefix) & real  # never exit
     flat = lambda t: t.reshape(N, 1, *t.shape[2:])  # noqa: E731  [B, T, ...] -> [N, 1, ...]: tokens as rows
-    lctx = LoopContext(num_loops=R, train_loops=m.config.n_loops, fctx=ForwardContext(
-        rope={r: (flat(c), flat(s)) for r, (c, s) in fctx.rope.items()}, positions=flat(fctx.positions), is_causal=False),
-        loop_options=opts, embeddings=flat(E), embed_weight=m.embed.weight, embed_multiplier=m.embed_multiplier,
-        readout_fn=m.readout, final_norm=m.norm)  # fmt: skip
+    lctx = LoopContext(
+        num_loops=R,
+        train_loops=m.config.n_loops,
+        fctx=ForwardContext(
+            rope={r: (flat(c), flat(s)) for r, (c, s) in fctx.rope.items()},
+            positions=flat(fctx.positions),
+            is_causal=False,
+        ),
+        loop_options=opts,
+        embeddings=flat(E),
+        embed_weight=m.embed.weight,
+        embed_multiplier=m.embed_multiplier,
+        readout_fn=m.readout,
+        final_norm=m.norm,
+    )
 
     # one key/value buffer per core attention layer for every loop; column T: the packs' scratch column
     bufs = _kv_buffers(m.core.stack.blocks, B, T, p.dtype, dev)
@@ -205,12 +236,21 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
         Ta = int(counts.max())  # (the pack's width: one host read per loop)
         # each row's looping tokens in order, right-aligned in the pack (its padding first: a Mamba-2 layer's
         # left padding, which leaves its state and conv window as they were)
-        j_of = torch.arange(n, device=dev) - (counts.cumsum(0) - counts).index_select(0, b_of) + (Ta - counts).index_select(0, b_of)
+        j_of = (
+            torch.arange(n, device=dev)
+            - (counts.cumsum(0) - counts).index_select(0, b_of)
+            + (Ta - counts).index_select(0, b_of)
+        )
         cols = torch.full((B, Ta), T, dtype=torch.long, device=dev)  # [B, T_a]: each query's column (T: padding)
         cols[b_of, j_of] = t_of
         at = cols.clamp(max=T - 1)
-        rope = {r: (c.gather(1, at[..., None].expand(-1, -1, c.shape[-1])), s.gather(1, at[..., None].expand(-1, -1, s.shape[-1])))
-                for r, (c, s) in fctx.rope.items()}  # [B, T_a, rot]: the queries' own positions  # fmt: skip
+        rope = {
+            r: (
+                c.gather(1, at[..., None].expand(-1, -1, c.shape[-1])),
+                s.gather(1, at[..., None].expand(-1, -1, s.shape[-1])),
+            )
+            for r, (c, s) in fctx.rope.items()
+        }  # [B, T_a, rot]: the queries' own positions
         q_col = cols[:, None, :, None]  # [B, 1, T_a, 1]
         mask = ((keys <= q_col) & vis_ext) | (keys == q_col)  # [B, 1, T_a, T + 1]: visible columns up to its own
         fk = ForwardContext(rope=rope, positions=fctx.positions.gather(1, at), attn_mask=mask, is_causal=False)
@@ -277,7 +317,9 @@ def adaptive_forward(model, input_ids: torch.Tensor, exit, *, attention_mask: to
         for cr in codas.values():  # the loops a readout reached, then those after the last that ran (as they stand)
             cr.keep(cache, last, R)
     Y = y.reshape(B, T, dm)
-    Y = m.coda(Y, fctx, m.cache_slots(cache, m.coda, (0,), B))  # once over the text: a token's coda reads the earlier tokens' outputs
+    Y = m.coda(
+        Y, fctx, m.cache_slots(cache, m.coda, (0,), B)
+    )  # once over the text: a token's coda reads the earlier tokens' outputs
     if cache is not None:
         cache.commit(T)
     Y = Y if logits_to_keep is None else Y[:, -logits_to_keep:]
@@ -425,7 +467,12 @@ def _pack_modulations(mods, n: int, b_of, j_of, B: int, Ta: int):
         return out
 
     def branch(bm):
-        return None if bm is None else BranchModulation(scale=pack(bm.scale), shift=pack(bm.shift), gate=pack(bm.gate),
-                                                        read=bm.read, write=bm.write)  # fmt: skip
+        return (
+            None
+            if bm is None
+            else BranchModulation(
+                scale=pack(bm.scale), shift=pack(bm.shift), gate=pack(bm.gate), read=bm.read, write=bm.write
+            )
+        )
 
     return [None if mo is None else BlockModulation(mixer=branch(mo.mixer), mlp=branch(mo.mlp)) for mo in mods]

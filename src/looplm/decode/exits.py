@@ -70,7 +70,19 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.nn.functional as F
 
-__all__ = ["CRITERIA", "DEEP_LOOPS_FACTOR", "Exit", "KV_POLICIES", "PREFILLS", "SCHEDULES", "SSM_POLICIES", "finish_rest", "forward_support", "keep_staying", "make_criterion"]
+__all__ = [
+    "CRITERIA",
+    "DEEP_LOOPS_FACTOR",
+    "Exit",
+    "KV_POLICIES",
+    "PREFILLS",
+    "SCHEDULES",
+    "SSM_POLICIES",
+    "finish_rest",
+    "forward_support",
+    "keep_staying",
+    "make_criterion",
+]
 
 CRITERIA = ("gate", "kl", "convergence", "replay")
 KV_POLICIES = ("copy", "propagate", "shared", "full")
@@ -87,8 +99,10 @@ def deep_loops_error(name: str, value: int, K: int, allow_deep: bool = False) ->
     """Why ``value`` loops (asked for as ``name``) are refused on a model trained with ``K``, or ``None``."""
     if allow_deep or value <= DEEP_LOOPS_FACTOR * K:
         return None
-    return (f"{name}={value} is more than {DEEP_LOOPS_FACTOR}x the model's trained K = {K} loops (at most "
-            f"{DEEP_LOOPS_FACTOR * K} without asking); pass allow_deep=True (looplm: --allow-deep) to run that deep")
+    return (
+        f"{name}={value} is more than {DEEP_LOOPS_FACTOR}x the model's trained K = {K} loops (at most "
+        f"{DEEP_LOOPS_FACTOR * K} without asking); pass allow_deep=True (looplm: --allow-deep) to run that deep"
+    )
 
 
 @dataclass(frozen=True)
@@ -135,7 +149,9 @@ class Exit:
             name, _, value = spec.partition(":")
             name = name.strip()
             if name not in CRITERIA:
-                raise ValueError(f"exit criterion {name!r} is unknown; use one of {list(CRITERIA)} (e.g. 'gate:0.8', 'kl:5e-4')")
+                raise ValueError(
+                    f"exit criterion {name!r} is unknown; use one of {list(CRITERIA)} (e.g. 'gate:0.8', 'kl:5e-4')"
+                )
             if not value:
                 return cls(criterion=name)
             try:
@@ -149,12 +165,28 @@ class Exit:
             return cls(criterion=name, threshold=num)
         raise TypeError(f"exit must be an Exit, a dict or a string like 'gate:0.8', got {type(spec).__name__}")
 
-    def with_policies(self, kv: str | None = None, ssm: str | None = None, min_loops: int | None = None,
-                      max_loops: int | None = None, schedule: str | None = None, prefill: str | None = None,
-                      compile: bool | None = None, allow_deep: bool | None = None) -> "Exit":
+    def with_policies(
+        self,
+        kv: str | None = None,
+        ssm: str | None = None,
+        min_loops: int | None = None,
+        max_loops: int | None = None,
+        schedule: str | None = None,
+        prefill: str | None = None,
+        compile: bool | None = None,
+        allow_deep: bool | None = None,
+    ) -> "Exit":
         """A copy with the given fields replaced (``None`` keeps them)."""
-        kw = dict(kv=kv, ssm=ssm, min_loops=min_loops, max_loops=max_loops, schedule=schedule, prefill=prefill, compile=compile,
-                  allow_deep=allow_deep)
+        kw = dict(
+            kv=kv,
+            ssm=ssm,
+            min_loops=min_loops,
+            max_loops=max_loops,
+            schedule=schedule,
+            prefill=prefill,
+            compile=compile,
+            allow_deep=allow_deep,
+        )
         kw = {k: v for k, v in kw.items() if v is not None}
         return replace(self, **kw)
 
@@ -210,15 +242,21 @@ class Exit:
                     f"{model.config.rule.name!r}: use 'kl:EPS' or 'convergence:EPS'"
                 )
         elif self.criterion in ("kl", "convergence"):
-            if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0 or math.isinf(t)):
-                errs.append(f"exit threshold ε must be a finite number >= 0 for the {self.criterion} criterion (0 = every loop), got {t!r}")
+            if t is not None and (
+                isinstance(t, bool) or not isinstance(t, (int, float)) or not t >= 0 or math.isinf(t)
+            ):
+                errs.append(
+                    f"exit threshold ε must be a finite number >= 0 for the {self.criterion} criterion (0 = every loop), got {t!r}"
+                )
         if self.criterion == "replay":
             d = self.depths
             if d is None:
                 errs.append("exit criterion 'replay' needs depths (an int, a [B] or a [B, N] integer tensor)")
             elif isinstance(d, torch.Tensor):
                 if d.dtype.is_floating_point or d.dtype == torch.bool or d.dim() not in (1, 2):
-                    errs.append(f"exit depths must be an integer tensor [B] or [B, N], got dtype {d.dtype} shape {tuple(d.shape)}")
+                    errs.append(
+                        f"exit depths must be an integer tensor [B] or [B, N], got dtype {d.dtype} shape {tuple(d.shape)}"
+                    )
                 elif batch_size is not None and d.shape[0] != batch_size:
                     errs.append(f"exit depths have {d.shape[0]} rows, the batch has {batch_size}")
                 elif d.numel() and int(d.min()) < 1:
@@ -240,12 +278,20 @@ class Exit:
         deepest = None
         if self.criterion == "replay" and isinstance(d, int) and not isinstance(d, bool) and d >= 1:
             deepest = d
-        elif self.criterion == "replay" and isinstance(d, torch.Tensor) and d.numel() and not d.dtype.is_floating_point and d.dtype != torch.bool:
+        elif (
+            self.criterion == "replay"
+            and isinstance(d, torch.Tensor)
+            and d.numel()
+            and not d.dtype.is_floating_point
+            and d.dtype != torch.bool
+        ):
             deepest = int(d.max())
         if deepest is not None and deepest > R:
             bound = f"the model's trained K = {K}" if self.max_loops is None else f"max_loops = {R}"
-            errs.append(f"exit replay depth {deepest} exceeds {bound}: ask for at most {R} loops, or raise max_loops "
-                        f"(looplm: --max-loops {deepest})")
+            errs.append(
+                f"exit replay depth {deepest} exceeds {bound}: ask for at most {R} loops, or raise max_loops "
+                f"(looplm: --max-loops {deepest})"
+            )
         if isinstance(self.min_loops, bool) or not isinstance(self.min_loops, int) or not 1 <= self.min_loops:
             errs.append(f"exit min_loops must be an int >= 1, got {self.min_loops!r}")
         elif self.min_loops > R:
@@ -261,20 +307,30 @@ class Exit:
             if isinstance(mb, bool) or not isinstance(mb, int) or mb < 1:
                 errs.append(f"exit max_batch must be an int >= 1 (rows decoded at once) or None, got {mb!r}")
             elif self.schedule != "depth":
-                errs.append(f"exit max_batch (request refill) runs under schedule='depth' only, got schedule={self.schedule!r}")
+                errs.append(
+                    f"exit max_batch (request refill) runs under schedule='depth' only, got schedule={self.schedule!r}"
+                )
         if not isinstance(self.compile, bool):
             errs.append(f"exit compile must be True or False, got {self.compile!r}")
         elif self.compile and self.schedule != "static":
-            errs.append(f"exit compile=True compiles the fixed-shape pass of schedule 'static'; the schedule is {self.schedule!r}: use "
-                        "schedule='static', or compile=False (looplm generate --compile compiles the blocks instead)")  # fmt: skip
+            errs.append(
+                f"exit compile=True compiles the fixed-shape pass of schedule 'static'; the schedule is {self.schedule!r}: use "
+                "schedule='static', or compile=False (looplm generate --compile compiles the blocks instead)"
+            )
         if self.prefill not in PREFILLS:
-            errs.append(f"exit prefill {self.prefill!r} is unknown; use one of {list(PREFILLS)} ('exit': the prompt's tokens "
-                        "take the exits too)")  # fmt: skip
+            errs.append(
+                f"exit prefill {self.prefill!r} is unknown; use one of {list(PREFILLS)} ('exit': the prompt's tokens "
+                "take the exits too)"
+            )
         elif self.prefill == "exit" and isinstance(self.depths, torch.Tensor) and self.depths.dim() == 2:
-            errs.append("exit prefill='exit' with per-token replay depths [B, N]: those index decoded tokens, not the "
-                        "prompt's; give an int or [B] depths, or prefill='full'")  # fmt: skip
+            errs.append(
+                "exit prefill='exit' with per-token replay depths [B, N]: those index decoded tokens, not the "
+                "prompt's; give an int or [B] depths, or prefill='full'"
+            )
         if getattr(model, "n_pause", 0):
-            errs.append("per-token exit does not run pause-token models (PauseLM inserts pause positions in its own forward)")
+            errs.append(
+                "per-token exit does not run pause-token models (PauseLM inserts pause positions in its own forward)"
+            )
         if not errs:
             errs += _policy_support(model, self.kv, self.ssm)
         if not errs and self.schedule in ("depth", "static"):
@@ -292,7 +348,9 @@ class Exit:
         """No token can exit before the trained depth and the caches are the ordinary ones: ``generate``
         then takes today's path (the same ops, bit for bit)."""
         e = self.resolved(model)
-        off = {"gate": e.threshold == 1.0, "kl": e.threshold == 0.0, "convergence": e.threshold == 0.0}.get(e.criterion, False)
+        off = {"gate": e.threshold == 1.0, "kl": e.threshold == 0.0, "convergence": e.threshold == 0.0}.get(
+            e.criterion, False
+        )
         return off and e.max_loops == model.config.n_loops and e.kv != "shared"
 
 
@@ -309,7 +367,13 @@ def _policy_support(model, kv: str, ssm: str) -> list[str]:
 
     errs = []
     for mixer in model.rule.loop_slot_mixers():
-        kind = "attention" if isinstance(mixer, Attention) else "mamba2" if isinstance(mixer, Mamba2Mixer) else type(mixer).__name__
+        kind = (
+            "attention"
+            if isinstance(mixer, Attention)
+            else "mamba2"
+            if isinstance(mixer, Mamba2Mixer)
+            else type(mixer).__name__
+        )
         if kind == "attention" and kv == "propagate":
             errs.append(
                 f"kv policy 'propagate' cannot fill the rule {model.config.rule.name!r}'s own attention slots (its state "
@@ -333,22 +397,34 @@ def _depth_schedule_support(model, kv: str, schedule: str = "depth") -> list[str
     """Why ``model`` cannot decode under ``schedule`` (``depth`` or ``static``) with policy ``kv`` (empty: it can)."""
     cfg, errs = model.config, []
     if kv == "full":
-        errs.append(f"schedule {schedule!r} batches rows by the loops they skip; kv='full' runs every loop (nothing to skip): "
-                    "use kv='copy', 'propagate' or 'shared', or schedule='token'")  # fmt: skip
+        errs.append(
+            f"schedule {schedule!r} batches rows by the loops they skip; kv='full' runs every loop (nothing to skip): "
+            "use kv='copy', 'propagate' or 'shared', or schedule='token'"
+        )
     ssm_layers = _ssm_layers(cfg)
     core = range(model.core.stack.first, model.core.stack.first + len(model.core.stack.blocks))
     outside = [i for i in ssm_layers if i not in core]
     if outside:
-        errs.append(f"schedule {schedule!r} runs Mamba-2 layers in the core only (a prelude or coda state is one per row, "
-                    f"rewritten as rows start and exit); layers {outside} are Mamba-2: use schedule='token'")  # fmt: skip
-    windowed = [i for i in range(cfg.n_physical) if cfg.mixer_of(i) == "attention" and cfg.sliding_window_of(i) is not None]
+        errs.append(
+            f"schedule {schedule!r} runs Mamba-2 layers in the core only (a prelude or coda state is one per row, "
+            f"rewritten as rows start and exit); layers {outside} are Mamba-2: use schedule='token'"
+        )
+    windowed = [
+        i for i in range(cfg.n_physical) if cfg.mixer_of(i) == "attention" and cfg.sliding_window_of(i) is not None
+    ]
     if windowed:
-        errs.append(f"schedule {schedule!r} has no sliding-window band for rows at different tokens (layers {windowed}): use schedule='token'")
+        errs.append(
+            f"schedule {schedule!r} has no sliding-window band for rows at different tokens (layers {windowed}): use schedule='token'"
+        )
     if model.rule.loop_slot_mixers():
-        errs.append(f"schedule {schedule!r} cannot run the rule {cfg.rule.name!r}'s own per-loop slots (its state mixers): use schedule='token'")
+        errs.append(
+            f"schedule {schedule!r} cannot run the rule {cfg.rule.name!r}'s own per-loop slots (its state mixers): use schedule='token'"
+        )
     if _modulation_owns_carrier(model):
-        errs.append(f"schedule {schedule!r} needs plain block inputs; the rule {cfg.rule.name!r} replaces a block's residual "
-                    "stream (read / write hooks): use schedule='token'")  # fmt: skip
+        errs.append(
+            f"schedule {schedule!r} needs plain block inputs; the rule {cfg.rule.name!r} replaces a block's residual "
+            "stream (read / write hooks): use schedule='token'"
+        )
     return errs
 
 
@@ -359,31 +435,43 @@ def forward_support(model, e: Exit) -> list[str]:
 
     cfg, errs = model.config, []
     if e.kv == "shared":
-        errs.append("kv policy 'shared' gives every loop one slot, so a token reads the earlier tokens at the last loop "
-                    "they ran: tokens one after another, not one loop over all of them; use kv='copy', 'propagate' or "
-                    "'full', or score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+        errs.append(
+            "kv policy 'shared' gives every loop one slot, so a token reads the earlier tokens at the last loop "
+            "they ran: tokens one after another, not one loop over all of them; use kv='copy', 'propagate' or "
+            "'full', or score the text token by token (AdaptiveDecoder.score)"
+        )
     core = model.core.stack.blocks
     # the coda runs per loop too when a readout goes through it: the kl check's, or the rule's own (PonderLM)
     read = len(model.coda.blocks) > 0 and (e.criterion == "kl" or _rule_reads_out(model))
     looped = list(core) + (list(model.coda.blocks) if read else [])
     ssm = [b.layer_idx for b in looped if not isinstance(b.mixer, Attention)]
     if ssm and e.ssm != "freeze" and e.kv != "full":
-        errs.append(f"ssm policy {e.ssm!r} feeds an exited token's stand-in into each skipped loop's scan; in one forward "
-                    f"the Mamba-2 layers {ssm} of each loop scan the looping tokens only (an exited token leaves the scan: "
-                    "'freeze'): use ssm='freeze' or kv='full', or score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+        errs.append(
+            f"ssm policy {e.ssm!r} feeds an exited token's stand-in into each skipped loop's scan; in one forward "
+            f"the Mamba-2 layers {ssm} of each loop scan the looping tokens only (an exited token leaves the scan: "
+            "'freeze'): use ssm='freeze' or kv='full', or score the text token by token (AdaptiveDecoder.score)"
+        )
     windowed = [b.layer_idx for b in looped if isinstance(b.mixer, Attention) and b.mixer.sliding_window is not None]
     if windowed:
-        errs.append(f"a per-token exit in one forward has no sliding-window band for the packed positions (layers "
-                    f"{windowed}): score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+        errs.append(
+            f"a per-token exit in one forward has no sliding-window band for the packed positions (layers "
+            f"{windowed}): score the text token by token (AdaptiveDecoder.score)"
+        )
     if model.rule.loop_slot_mixers():
-        errs.append(f"a per-token exit in one forward cannot run the rule {cfg.rule.name!r}'s own per-loop slots (its state "
-                    "mixers): score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+        errs.append(
+            f"a per-token exit in one forward cannot run the rule {cfg.rule.name!r}'s own per-loop slots (its state "
+            "mixers): score the text token by token (AdaptiveDecoder.score)"
+        )
     if _modulation_owns_carrier(model):
-        errs.append(f"a per-token exit in one forward needs plain block inputs; the rule {cfg.rule.name!r} replaces a "
-                    "block's residual stream (read / write hooks): score the text token by token (AdaptiveDecoder.score)")  # fmt: skip
+        errs.append(
+            f"a per-token exit in one forward needs plain block inputs; the rule {cfg.rule.name!r} replaces a "
+            "block's residual stream (read / write hooks): score the text token by token (AdaptiveDecoder.score)"
+        )
     if e.kv == "propagate" and _modulates(model.rule):
-        errs.append(f"kv policy 'propagate' writes one stand-in per exited token for every loop it skips; the rule "
-                    f"{cfg.rule.name!r} modulates its blocks per loop: use kv='copy' or 'full'")  # fmt: skip
+        errs.append(
+            f"kv policy 'propagate' writes one stand-in per exited token for every loop it skips; the rule "
+            f"{cfg.rule.name!r} modulates its blocks per loop: use kv='copy' or 'full'"
+        )
     return errs
 
 
@@ -392,18 +480,26 @@ def _static_schedule_support(model, kv: str, criterion: str, ssm: str = "freeze"
     cfg, errs = model.config, []
     if _modulates(model.rule):  # per-loop blocks
         if kv == "propagate":
-            errs.append(f"schedule 'static' propagates one stand-in per row for every skipped loop; the rule {cfg.rule.name!r} "
-                        "modulates its blocks per loop: use kv='copy' or 'shared', or schedule='depth'")  # fmt: skip
+            errs.append(
+                f"schedule 'static' propagates one stand-in per row for every skipped loop; the rule {cfg.rule.name!r} "
+                "modulates its blocks per loop: use kv='copy' or 'shared', or schedule='depth'"
+            )
         if ssm != "freeze" and _ssm_layers(cfg):
-            errs.append(f"schedule 'static' fills the Mamba-2 layers' skipped loops with one stand-in per row; the rule "
-                        f"{cfg.rule.name!r} modulates its blocks per loop: use ssm='freeze', or schedule='depth'")  # fmt: skip
+            errs.append(
+                f"schedule 'static' fills the Mamba-2 layers' skipped loops with one stand-in per row; the rule "
+                f"{cfg.rule.name!r} modulates its blocks per loop: use ssm='freeze', or schedule='depth'"
+            )
     if criterion == "kl" and len(model.coda.blocks):
-        errs.append("schedule 'static' reads out every row once per pass; the kl criterion's coda layers keep a readout "
-                    "slot per loop: use criterion 'convergence', or schedule='depth'")  # fmt: skip
+        errs.append(
+            "schedule 'static' reads out every row once per pass; the kl criterion's coda layers keep a readout "
+            "slot per loop: use criterion 'convergence', or schedule='depth'"
+        )
     why = _state_varies_over_loops(model)
     if why:
-        errs.append(f"schedule 'static' merges each row's own loop's state with the rule's select_rows; the rule "
-                    f"{cfg.rule.name!r}'s state {why}: use schedule='depth'")  # fmt: skip
+        errs.append(
+            f"schedule 'static' merges each row's own loop's state with the rule's select_rows; the rule "
+            f"{cfg.rule.name!r}'s state {why}: use schedule='depth'"
+        )
     return errs
 
 
@@ -486,8 +582,16 @@ def _probe(model, batch: int):
     K = model.config.n_loops
     h0 = torch.zeros(batch, 1, model.config.d_model, device=p.device, dtype=p.dtype)
     fctx = model.forward_context(torch.zeros(batch, 1, dtype=torch.long, device=p.device), None, None, 0)
-    lctx = LoopContext(num_loops=K, train_loops=K, fctx=fctx, embeddings=h0, embed_weight=model.embed.weight,
-                       embed_multiplier=model.embed_multiplier, final_norm=model.norm, readout_fn=model.readout)  # fmt: skip
+    lctx = LoopContext(
+        num_loops=K,
+        train_loops=K,
+        fctx=fctx,
+        embeddings=h0,
+        embed_weight=model.embed.weight,
+        embed_multiplier=model.embed_multiplier,
+        final_norm=model.norm,
+        readout_fn=model.readout,
+    )
     return h0, lctx
 
 
@@ -503,7 +607,11 @@ def _modulation_owns_carrier(model) -> bool:
     with torch.no_grad():
         h0, lctx = _probe(model, 1)
         mods = model.rule.block_modulation(model.rule.begin(h0, lctx), lctx) or []
-    return any(m is not None and b is not None and (b.read is not None or b.write is not None) for m in mods for b in (m.mixer, m.mlp))
+    return any(
+        m is not None and b is not None and (b.read is not None or b.write is not None)
+        for m in mods
+        for b in (m.mixer, m.mlp)
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -593,7 +701,9 @@ class KLCriterion(_SuccessiveCriterion):
         if self.terms is None:
             self.terms = stack_flop_terms(model.coda), 2.0 * model.lm_head.weight.numel()
         (w, a), head = self.terms
-        self.flops += h.shape[0] * h.shape[1] * (w + a * (lctx.cache.seqlen + 1 if lctx.cache is not None else 1) + head)
+        self.flops += (
+            h.shape[0] * h.shape[1] * (w + a * (lctx.cache.seqlen + 1 if lctx.cache is not None else 1) + head)
+        )
         return logp
 
     def distance(self, prev, cur):  # KL(p^{r−1} ‖ p^r) = Σ p^{r−1} (log p^{r−1} − log p^r)

@@ -9,7 +9,9 @@ import torch
 from .sampling import decode_context, eval_mode, sample_next, sampling_probs  # noqa: F401  (re-exported: looplm.decode.generate.sample_next)
 
 
-def _check_generate_args(model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, attention_mask) -> None:
+def _check_generate_args(
+    model, input_ids, max_new_tokens, do_sample, temperature, top_k, top_p, attention_mask
+) -> None:
     """Fail before any decoding work, naming the argument and the valid range."""
     errs = []
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
@@ -26,7 +28,9 @@ def _check_generate_args(model, input_ids, max_new_tokens, do_sample, temperatur
     if attention_mask is not None and (
         not isinstance(attention_mask, torch.Tensor) or tuple(attention_mask.shape) != tuple(input_ids.shape)
     ):
-        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        shape = (
+            tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        )
         errs.append(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
     elif attention_mask is not None:
         errs += _mask_errors(attention_mask)
@@ -53,12 +57,16 @@ def _mask_errors(attention_mask: torch.Tensor) -> list[str]:
     errs = []
     empty = (m.sum(1) == 0).nonzero()[:, 0].tolist()
     if empty:
-        errs.append(f"attention_mask row(s) {empty[:8]} are all 0 (no token to continue): give each row at least one token")
+        errs.append(
+            f"attention_mask row(s) {empty[:8]} are all 0 (no token to continue): give each row at least one token"
+        )
     if m.shape[1] > 1:
         right = (m[:, 1:] < m[:, :-1]).any(1).nonzero()[:, 0].tolist()  # a 0 after a 1: padding on the right
         if right:
-            errs.append(f"attention_mask row(s) {right[:8]} are right-padded (a 0 after a 1); decoding appends new tokens "
-                        "on the right: left-pad the batch (padding_side='left': 0s first, then the row's tokens)")
+            errs.append(
+                f"attention_mask row(s) {right[:8]} are right-padded (a 0 after a 1); decoding appends new tokens "
+                "on the right: left-pad the batch (padding_side='left': 0s first, then the row's tokens)"
+            )
     return errs
 
 
@@ -132,7 +140,9 @@ def generate(
     if exit is not None and speculative is not None:
         raise ValueError("generate: pass exit= or speculative=, not both (a speculative draft takes its own depth)")
     if (exit is not None or speculative is not None) and not use_cache:
-        raise ValueError("generate: exit= / speculative= decode with the cache; use_cache=False is the full-forward reference")
+        raise ValueError(
+            "generate: exit= / speculative= decode with the cache; use_cache=False is the full-forward reference"
+        )
     if return_stats and exit is None and speculative is None:  # full depth, counted by the adaptive driver
         from .exits import Exit
 
@@ -141,18 +151,33 @@ def generate(
         from .speculative import speculative_generate
 
         if num_loops is not None and num_loops != model.config.n_loops:
-            raise ValueError(f"generate: speculative decoding verifies at the model's K = {model.config.n_loops} loops; num_loops={num_loops!r} cannot change it")
+            raise ValueError(
+                f"generate: speculative decoding verifies at the model's K = {model.config.n_loops} loops; num_loops={num_loops!r} cannot change it"
+            )
 
         return speculative_generate(
-            model, input_ids, max_new_tokens, speculative, do_sample=do_sample, temperature=temperature, top_k=top_k,
-            top_p=top_p, eos_token_id=eos_token_id, pad_token_id=pad_token_id, attention_mask=attention_mask,
-            generator=generator, loop_options=loop_options, return_stats=return_stats,
-        )  # fmt: skip
+            model,
+            input_ids,
+            max_new_tokens,
+            speculative,
+            do_sample=do_sample,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            attention_mask=attention_mask,
+            generator=generator,
+            loop_options=loop_options,
+            return_stats=return_stats,
+        )
     if exit is not None:
         from .exits import Exit
 
         if isinstance(num_loops, torch.Tensor):
-            raise ValueError("generate: exit= decides each token's depth; per-sequence num_loops cannot be combined with it")
+            raise ValueError(
+                "generate: exit= decides each token's depth; per-sequence num_loops cannot be combined with it"
+            )
         e = Exit.parse(exit)  # (an Exit a front end resolved comes back as it is: checked once, not here again)
         if allow_deep and not e.allow_deep:
             e = e.with_policies(allow_deep=True)  # (checked anew)
@@ -163,12 +188,40 @@ def generate(
             from .depth_schedule import depth_batched_generate
             from .static_schedule import StaticDepthDecoder
 
-            return depth_batched_generate(model, input_ids, max_new_tokens, e, do_sample, temperature, top_k, top_p, eos_token_id,
-                                          pad_token_id, attention_mask, generator, loop_options, return_stats,
-                                          decoder=StaticDepthDecoder if e.schedule == "static" else None)  # fmt: skip
+            return depth_batched_generate(
+                model,
+                input_ids,
+                max_new_tokens,
+                e,
+                do_sample,
+                temperature,
+                top_k,
+                top_p,
+                eos_token_id,
+                pad_token_id,
+                attention_mask,
+                generator,
+                loop_options,
+                return_stats,
+                decoder=StaticDepthDecoder if e.schedule == "static" else None,
+            )
         if not e.is_off(model) or return_stats:
-            return _generate_adaptive(model, input_ids, max_new_tokens, e, do_sample, temperature, top_k, top_p, eos_token_id,
-                                      pad_token_id, attention_mask, generator, loop_options, return_stats)  # fmt: skip
+            return _generate_adaptive(
+                model,
+                input_ids,
+                max_new_tokens,
+                e,
+                do_sample,
+                temperature,
+                top_k,
+                top_p,
+                eos_token_id,
+                pad_token_id,
+                attention_mask,
+                generator,
+                loop_options,
+                return_stats,
+            )
     # the lean path: output ids and mask preallocated, KV slots preallocated for T + max_new_tokens,
     # the head applied to the last position only, token ids checked once (for the prompt), and no
     # host synchronisation per token except the all-rows-finished check when an eos id is given
@@ -179,17 +232,54 @@ def generate(
 
         def step(i: int, ids: torch.Tensor, step_mask: torch.Tensor | None) -> torch.Tensor:
             if use_cache:  # the prompt first, then the newest token against the cache
-                return model(ids if i == 0 else ids[:, -1:], cache=cache, attention_mask=step_mask, num_loops=num_loops,
-                             logits_to_keep=1, validate=i == 0, loop_options=loop_options).logits  # fmt: skip
-            return model(ids, attention_mask=step_mask, num_loops=num_loops, logits_to_keep=1, validate=i == 0,
-                         loop_options=loop_options).logits  # fmt: skip
+                return model(
+                    ids if i == 0 else ids[:, -1:],
+                    cache=cache,
+                    attention_mask=step_mask,
+                    num_loops=num_loops,
+                    logits_to_keep=1,
+                    validate=i == 0,
+                    loop_options=loop_options,
+                ).logits
+            return model(
+                ids,
+                attention_mask=step_mask,
+                num_loops=num_loops,
+                logits_to_keep=1,
+                validate=i == 0,
+                loop_options=loop_options,
+            ).logits
 
-        return _decode(model, input_ids, max_new_tokens, attention_mask, step, do_sample, temperature, top_k, top_p,
-                       generator, eos_token_id, pad_token_id)  # fmt: skip
+        return _decode(
+            model,
+            input_ids,
+            max_new_tokens,
+            attention_mask,
+            step,
+            do_sample,
+            temperature,
+            top_k,
+            top_p,
+            generator,
+            eos_token_id,
+            pad_token_id,
+        )
 
 
-def _decode(model, input_ids, max_new_tokens, attention_mask, step, do_sample, temperature, top_k, top_p, generator,
-            eos_token_id, pad_token_id) -> torch.Tensor:
+def _decode(
+    model,
+    input_ids,
+    max_new_tokens,
+    attention_mask,
+    step,
+    do_sample,
+    temperature,
+    top_k,
+    top_p,
+    generator,
+    eos_token_id,
+    pad_token_id,
+) -> torch.Tensor:
     """The token loop of both decode paths: ``step(i, ids [B, n], mask [B, n] | None)`` returns the logits
     whose last position picks token ``i``; a row that has emitted ``eos_token_id`` pads from there on; the
     loop ends early once every row has. Output ids and mask are preallocated for ``T + max_new_tokens``, and
@@ -220,24 +310,61 @@ def _decode(model, input_ids, max_new_tokens, attention_mask, step, do_sample, t
 
 
 @torch.no_grad()
-def _generate_adaptive(model, input_ids, max_new_tokens, exit, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
-                       attention_mask, generator, loop_options, return_stats):
+def _generate_adaptive(
+    model,
+    input_ids,
+    max_new_tokens,
+    exit,
+    do_sample,
+    temperature,
+    top_k,
+    top_p,
+    eos_token_id,
+    pad_token_id,
+    attention_mask,
+    generator,
+    loop_options,
+    return_stats,
+):
     """:func:`generate` with per-token exit (:class:`looplm.decode.token_schedule.AdaptiveDecoder`): the prompt at full
     depth, every new token with its own exit."""
     from .token_schedule import AdaptiveDecoder
 
     with eval_mode(model):
         dec = AdaptiveDecoder(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, exit, loop_options)
-        ids = _decode(model, input_ids, max_new_tokens, attention_mask, lambda i, ids, m: dec(ids if i == 0 else ids[:, -1:], m, validate=i == 0),
-                      do_sample, temperature, top_k, top_p, generator, eos_token_id, pad_token_id)  # fmt: skip
+        ids = _decode(
+            model,
+            input_ids,
+            max_new_tokens,
+            attention_mask,
+            lambda i, ids, m: dec(ids if i == 0 else ids[:, -1:], m, validate=i == 0),
+            do_sample,
+            temperature,
+            top_k,
+            top_p,
+            generator,
+            eos_token_id,
+            pad_token_id,
+        )
         dec.flush()  # the last token's propagate fills, carried for its next token (looplm.decode.kv_fill)
     return (ids, dec.stats) if return_stats else ids
 
 
-def adaptive_options(model, exit=None, speculative=None, draft_k: int | None = None, kv: str | None = None, ssm: str | None = None,
-                     min_loops: int | None = None, max_loops: int | None = None, schedule: str | None = None,
-                     draft_exit: str | None = None, prefill: str | None = None, compile: bool | None = None,
-                     allow_deep: bool = False) -> dict:
+def adaptive_options(
+    model,
+    exit=None,
+    speculative=None,
+    draft_k: int | None = None,
+    kv: str | None = None,
+    ssm: str | None = None,
+    min_loops: int | None = None,
+    max_loops: int | None = None,
+    schedule: str | None = None,
+    draft_exit: str | None = None,
+    prefill: str | None = None,
+    compile: bool | None = None,
+    allow_deep: bool = False,
+) -> dict:
     """``generate()``'s adaptive-depth keyword arguments from a front end's options (``looplm generate``'s
     flags, the lm-eval model's arguments), checked against ``model`` before any decoding: ``{"exit": Exit}``
     (``exit`` with the policies and loop bounds), ``{"speculative": Speculative}`` (``speculative`` draft
@@ -247,20 +374,33 @@ def adaptive_options(model, exit=None, speculative=None, draft_k: int | None = N
     from .exits import Exit
     from .speculative import Speculative
 
-    policy = {"kv": kv, "ssm": ssm, "min_loops": min_loops, "max_loops": max_loops, "schedule": schedule, "prefill": prefill,
-              "compile": compile}  # fmt: skip
+    policy = {
+        "kv": kv,
+        "ssm": ssm,
+        "min_loops": min_loops,
+        "max_loops": max_loops,
+        "schedule": schedule,
+        "prefill": prefill,
+        "compile": compile,
+    }
     if exit is not None and speculative is not None:
-        raise ValueError("exit (--exit / exit=) and speculative decoding (--speculative / speculative=) cannot be combined "
-                         "(the draft takes its own depth): give one, not both")  # fmt: skip
+        raise ValueError(
+            "exit (--exit / exit=) and speculative decoding (--speculative / speculative=) cannot be combined "
+            "(the draft takes its own depth): give one, not both"
+        )
     if exit is not None:
         e = Exit.parse(exit).with_policies(**policy, allow_deep=True if allow_deep else None)
         return {"exit": e.resolved(model)}  # generate() does not check it again
     if any(v is not None for v in policy.values()):
-        raise ValueError("--kv-policy / --ssm-policy / --min-loops / --max-loops / --exit-schedule / --exit-prefill (kv_policy= ... exit_compile=) "
-                         "are options of --exit (exit=): give an exit criterion too")  # fmt: skip
+        raise ValueError(
+            "--kv-policy / --ssm-policy / --min-loops / --max-loops / --exit-schedule / --exit-prefill (kv_policy= ... exit_compile=) "
+            "are options of --exit (exit=): give an exit criterion too"
+        )
     if draft_exit is not None and speculative is None:
-        raise ValueError("--draft-exit (draft_exit=) is the exit criterion of a speculative draft: give --speculative R_D "
-                         "(speculative=, the draft's most loops) too")  # fmt: skip
+        raise ValueError(
+            "--draft-exit (draft_exit=) is the exit criterion of a speculative draft: give --speculative R_D "
+            "(speculative=, the draft's most loops) too"
+        )
     if speculative is not None:
         sp = Speculative(draft_loops=speculative, k=4 if draft_k is None else draft_k, exit=draft_exit)
         return {"speculative": sp.resolved(model)}

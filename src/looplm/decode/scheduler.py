@@ -175,8 +175,16 @@ class Scheduler:
     the token schedule (rows start tokens only when none is in flight); ``batch_prefill``: whole prompts that fit
     in one chunk run together (rule 4; off without a ``prefill_chunk``)."""
 
-    def __init__(self, max_batch: int, max_waiting: int = 64, kv_budget: int | None = None, slots_per_token: int = 1,
-                 prefill_chunk: int | None = None, wait_for_batch: bool = False, batch_prefill: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        max_batch: int,
+        max_waiting: int = 64,
+        kv_budget: int | None = None,
+        slots_per_token: int = 1,
+        prefill_chunk: int | None = None,
+        wait_for_batch: bool = False,
+        batch_prefill: bool = False,
+    ):
         errs = []
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             errs.append(f"max_batch must be an int >= 1, got {max_batch!r}")
@@ -186,8 +194,9 @@ class Scheduler:
             errs.append(f"kv_budget must be an int >= 1 (cache tokens) or None, got {kv_budget!r}")
         if isinstance(slots_per_token, bool) or not isinstance(slots_per_token, int) or slots_per_token < 1:
             errs.append(f"slots_per_token must be an int >= 1, got {slots_per_token!r}")
-        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
-                                          or prefill_chunk < 2):  # fmt: skip
+        if prefill_chunk is not None and (
+            isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or prefill_chunk < 2
+        ):
             errs.append(f"prefill_chunk must be an int >= 2 or None, got {prefill_chunk!r}")
         if errs:
             raise ValueError("Scheduler: " + "; ".join(errs))
@@ -357,8 +366,7 @@ class Scheduler:
         while self.waiting:  # whole prompts join it (rule 4) while rows, the budget and the chunk hold them
             req = self.waiting[0]
             longest = max(longest, len(req.prompt))
-            if (req.echo or req.max_tokens == 0 or (len(out) + 1) * longest > self.prefill_chunk
-                    or not self._admit(req)):  # fmt: skip
+            if req.echo or req.max_tokens == 0 or (len(out) + 1) * longest > self.prefill_chunk or not self._admit(req):
                 break
             out.append(self._chunk(req))
             self.waiting.popleft()
@@ -439,8 +447,10 @@ class Scheduler:
         before a preemption replays them from the first; else the engine gives it its first token
         (:meth:`append_token`)."""
         if req not in self.prefilling or req.num_prefilled != len(req.prompt):
-            raise ValueError(f"request {req.id} has no finished prompt to place ({req.status.value}, "
-                             f"{req.num_prefilled}/{len(req.prompt)} prompt tokens prefilled)")  # fmt: skip
+            raise ValueError(
+                f"request {req.id} has no finished prompt to place ({req.status.value}, "
+                f"{req.num_prefilled}/{len(req.prompt)} prompt tokens prefilled)"
+            )
         if req.row is None:
             raise ValueError(f"request {req.id} has no row (max_tokens={req.max_tokens}): finish it instead")
         self.prefilling.remove(req)

@@ -68,10 +68,10 @@ DEFAULT_DRAFT_K = 4  # tokens drafted per round unless told (Speculative.k)
 @dataclass(frozen=True)
 class Speculative:
     """``draft_loops`` (``r_d``, ``1 <= r_d < K``) and ``k`` drafted tokens per round; ``exit``: a draft
-    whose depth an exit criterion picks per token and row (``'kl:0.01'``, ``'convergence:0.3'``, ``'gate:0.5'``,
-    an :class:`~looplm.decode.exits.Exit` or its dict, with its ``kv`` / ``ssm`` fill policies and ``min_loops``), at
-    most ``draft_loops`` loops (module docstring, "A draft with an exit criterion"); ``reclaim``: crop and compact
-the rejected drafts' cache columns (module docstring, "Reclaiming the holes")."""
+        whose depth an exit criterion picks per token and row (``'kl:0.01'``, ``'convergence:0.3'``, ``'gate:0.5'``,
+        an :class:`~looplm.decode.exits.Exit` or its dict, with its ``kv`` / ``ssm`` fill policies and ``min_loops``), at
+        most ``draft_loops`` loops (module docstring, "A draft with an exit criterion"); ``reclaim``: crop and compact
+    the rejected drafts' cache columns (module docstring, "Reclaiming the holes")."""
 
     draft_loops: int
     k: int = DEFAULT_DRAFT_K
@@ -87,7 +87,9 @@ the rejected drafts' cache columns (module docstring, "Reclaiming the holes").""
         if isinstance(spec, dict):
             unknown = sorted(set(spec) - {"draft_loops", "k", "exit", "reclaim"})
             if unknown:
-                raise ValueError(f"speculative: unknown option(s) {unknown}; options are ['draft_loops', 'exit', 'k', 'reclaim']")
+                raise ValueError(
+                    f"speculative: unknown option(s) {unknown}; options are ['draft_loops', 'exit', 'k', 'reclaim']"
+                )
             if "draft_loops" not in spec:
                 raise ValueError("speculative: give draft_loops (the draft's loop count r_d < K)")
             return cls(**spec)
@@ -109,19 +111,29 @@ the rejected drafts' cache columns (module docstring, "Reclaiming the holes").""
         errs = []
         r = self.draft_loops
         if K < 2:  # no draft depth below K exists
-            errs.append(f"self-speculative decoding needs a model with K >= 2 loops (a draft of fewer loops than K verified "
-                        f"with all K); this model has K = {K}: decode without speculative (looplm: leave out --speculative)")
+            errs.append(
+                f"self-speculative decoding needs a model with K >= 2 loops (a draft of fewer loops than K verified "
+                f"with all K); this model has K = {K}: decode without speculative (looplm: leave out --speculative)"
+            )
         elif isinstance(r, bool) or not isinstance(r, int) or not 1 <= r < K:
-            errs.append(f"speculative draft_loops must be an int in [1, {K - 1}] (fewer than the model's K = {K} loops), got {r!r}")
+            errs.append(
+                f"speculative draft_loops must be an int in [1, {K - 1}] (fewer than the model's K = {K} loops), got {r!r}"
+            )
         if isinstance(self.k, bool) or not isinstance(self.k, int) or self.k < 1:
-            errs.append(f"speculative k (tokens drafted per round) must be an int >= 1 (looplm: --draft-k), got {self.k!r}")
+            errs.append(
+                f"speculative k (tokens drafted per round) must be an int >= 1 (looplm: --draft-k), got {self.k!r}"
+            )
         if not isinstance(self.reclaim, bool):
             errs.append(f"speculative reclaim must be True or False, got {self.reclaim!r}")
         if getattr(model, "n_pause", 0):
-            errs.append("speculative decoding does not run pause-token models (PauseLM inserts pause positions in its own forward)")
+            errs.append(
+                "speculative decoding does not run pause-token models (PauseLM inserts pause positions in its own forward)"
+            )
         if any(getattr(mod, "sliding_window", None) for mod in model.modules()):
-            errs.append("speculative decoding does not run sliding-window attention (the masked columns of rejected drafts "
-                        "would count in the window)")
+            errs.append(
+                "speculative decoding does not run sliding-window attention (the masked columns of rejected drafts "
+                "would count in the window)"
+            )
         e = None
         if self.exit is not None and not errs:
             e, why = self._draft_exit(model, r)
@@ -156,16 +168,24 @@ the rejected drafts' cache columns (module docstring, "Reclaiming the holes").""
             return None, [f"speculative exit: {err}"]
         why = []
         if e.criterion == "replay":
-            why.append("speculative exit: a replayed depth drafts every token at one depth: give it as draft_loops instead")
+            why.append(
+                "speculative exit: a replayed depth drafts every token at one depth: give it as draft_loops instead"
+            )
         if e.kv == "shared":
-            why.append("speculative exit: kv policy 'shared' overwrites a loop's entry with later loops' (what verification "
-                       "resumes from): use 'copy', 'propagate' or 'full'")
+            why.append(
+                "speculative exit: kv policy 'shared' overwrites a loop's entry with later loops' (what verification "
+                "resumes from): use 'copy', 'propagate' or 'full'"
+            )
         if e.schedule != "token" or e.max_batch is not None:
-            why.append(f"speculative exit: the draft runs under the token schedule; schedule={e.schedule!r} / max_batch are "
-                       "options of exit= decoding")
+            why.append(
+                f"speculative exit: the draft runs under the token schedule; schedule={e.schedule!r} / max_batch are "
+                "options of exit= decoding"
+            )
         if e.max_loops not in (None, model.config.n_loops):  # (K: the resolved exit's, the cache's every loop)
-            why.append(f"speculative exit: the draft's most loops are draft_loops={cap}; leave the exit's max_loops "
-                       f"(got {e.max_loops!r}) unset")
+            why.append(
+                f"speculative exit: the draft's most loops are draft_loops={cap}; leave the exit's max_loops "
+                f"(got {e.max_loops!r}) unset"
+            )
         if isinstance(e.min_loops, int) and e.min_loops > cap:
             why.append(f"speculative exit: min_loops={e.min_loops} exceeds draft_loops={cap}")
         if why:
@@ -229,7 +249,9 @@ class SpeculativeStats:
         if self.exit is not None:
             out["draft_exit"] = self.exit
             out["mean_draft_depth"] = float(torch.stack(self.depths).float().mean())
-            out["mean_verify_start"] = sum(self.starts) / len(self.starts) + 1.0  # the first loop verification runs (1-based)
+            out["mean_verify_start"] = (
+                sum(self.starts) / len(self.starts) + 1.0
+            )  # the first loop verification runs (1-based)
         return out
 
 
@@ -292,9 +314,23 @@ def speculative_generate(model, input_ids, max_new_tokens, spec, **kwargs):
         return _speculative_generate(model, input_ids, max_new_tokens, spec, **kwargs)
 
 
-def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=False, temperature=1.0, top_k=None, top_p=None,
-                          eos_token_id=None, pad_token_id=None, attention_mask=None, generator=None, loop_options=None,
-                          return_stats=False):
+def _speculative_generate(
+    model,
+    input_ids,
+    max_new_tokens,
+    spec,
+    *,
+    do_sample=False,
+    temperature=1.0,
+    top_k=None,
+    top_p=None,
+    eos_token_id=None,
+    pad_token_id=None,
+    attention_mask=None,
+    generator=None,
+    loop_options=None,
+    return_stats=False,
+):
     from .token_schedule import AdaptiveDecoder
     from .exits import Exit
     from .sampling import decode_context, sample_next, sampling_probs, small_row_products
@@ -351,8 +387,10 @@ def _speculative_generate(model, input_ids, max_new_tokens, spec, *, do_sample=F
         if sp.reclaim:
             missing = cache.lacking("keep_columns")
             if missing:
-                raise ValueError(f"speculative reclaim: cache slots {missing} cannot drop columns (no keep_columns(idx, "
-                                 "length)); give them one, or pass speculative={..., 'reclaim': False}")
+                raise ValueError(
+                    f"speculative reclaim: cache slots {missing} cannot drop columns (no keep_columns(idx, "
+                    "length)); give them one, or pass speculative={..., 'reclaim': False}"
+                )
         lens = mask[:, :T].sum(1)  # each row's committed columns
         t0 = sample_next(logits[:, -1], do_sample, temperature, top_k, top_p, generator)  # [B]
         emit(t0[:, None], torch.ones_like(n_out))

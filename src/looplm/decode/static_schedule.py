@@ -66,31 +66,55 @@ class StaticDepthDecoder(DepthBatchedDecoder):
 
     schedule = "static"
 
-    def __init__(self, model, batch_size: int, capacity: int, exit, loop_options: dict | None = None, lag: int | None = None,
-                 cuda_graphs: bool = False):
+    def __init__(
+        self,
+        model,
+        batch_size: int,
+        capacity: int,
+        exit,
+        loop_options: dict | None = None,
+        lag: int | None = None,
+        cuda_graphs: bool = False,
+    ):
         p = next(model.parameters())
         if lag is not None and (isinstance(lag, bool) or not isinstance(lag, int) or lag < 0):
             raise ValueError(f"lag must be an int >= 0 passes, got {lag!r}")
         if cuda_graphs and Exit.parse(exit).compile is True:  # before the cache is allocated
-            raise ValueError("cuda_graphs=True and exit compile=True both take the pass out of eager mode: give one "
-                             "(cuda_graphs replays one captured pass; compile fuses its kernels)")  # fmt: skip
+            raise ValueError(
+                "cuda_graphs=True and exit compile=True both take the pass out of eager mode: give one "
+                "(cuda_graphs replays one captured pass; compile fuses its kernels)"
+            )
         if cuda_graphs and p.device.type != "cuda":
-            raise ValueError(f"cuda_graphs=True captures the pass as a CUDA graph; the model is on {p.device}: use a CUDA device "
-                             "or cuda_graphs=False")  # fmt: skip
+            raise ValueError(
+                f"cuda_graphs=True captures the pass as a CUDA graph; the model is on {p.device}: use a CUDA device "
+                "or cuda_graphs=False"
+            )
         super().__init__(model, batch_size, capacity, exit, loop_options)
         self.lag = (self.R if p.device.type == "cuda" else 0) if lag is None else lag
         self.cuda_graphs, self.graph = bool(cuda_graphs), None
 
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def run(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None, pick,
-            eos_token_id: int | None, pad_token_id: int, now=time.perf_counter) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int,
+        attention_mask: torch.Tensor | None,
+        pick,
+        eos_token_id: int | None,
+        pad_token_id: int,
+        now=time.perf_counter,
+    ) -> torch.Tensor:
         """As :meth:`DepthBatchedDecoder.run` (the same arguments and result), every pass at fixed shapes."""
         d = self.exit.depths
         if isinstance(d, torch.Tensor) and d.dim() == 2 and d.shape[1] < max_new_tokens - 1:
-            raise ValueError(f"exit depths give {d.shape[1]} tokens per row; max_new_tokens={max_new_tokens} decodes "
-                             f"{max_new_tokens - 1} after the prompt's: give at least that many")  # fmt: skip
-        out, col, made, done = self._prefill(input_ids, max_new_tokens, attention_mask, pick, eos_token_id, pad_token_id)
+            raise ValueError(
+                f"exit depths give {d.shape[1]} tokens per row; max_new_tokens={max_new_tokens} decodes "
+                f"{max_new_tokens - 1} after the prompt's: give at least that many"
+            )
+        out, col, made, done = self._prefill(
+            input_ids, max_new_tokens, attention_mask, pick, eos_token_id, pad_token_id
+        )
         if max_new_tokens == 0:
             return out
         m, cache, R = self.model, self.cache, self.R
@@ -162,8 +186,13 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         m, rule, R, e, B, ar = self.model, self.model.rule, self.R, self.exit, self.cache.batch_size, self.ar
         pos = (self.pos_shift + col)[:, None]  # [B, 1]: each row's position of its token in flight
         mask = self.visible & (self.keys[None] <= col[:, None])  # [B, capacity]: its columns up to its own
-        fctx = ForwardContext(rope={int(r): rot(pos) for r, rot in m.rotary.items()}, positions=pos,
-                              attn_mask=mask[:, None, None, :], is_causal=False, pad_mask=None)  # fmt: skip
+        fctx = ForwardContext(
+            rope={int(r): rot(pos) for r, rot in m.rotary.items()},
+            positions=pos,
+            attn_mask=mask[:, None, None, :],
+            is_causal=False,
+            pad_mask=None,
+        )
         self.key_sum += (col + 1).sum()
         # start: the token in flight of every row (rows that exited last pass start it; the others rewrite
         # its prelude keys at the same column with the same values)
@@ -183,7 +212,9 @@ class StaticDepthDecoder(DepthBatchedDecoder):
             zs.append(rule.next_input(src[j], ctxs[j]))  # Z^j of every row  [B, 1, d]
             ctxs[j].core_input = zs[j]
         z = _by_loop(at, zs)  # [B, 1, d]: row b's Z^{k_b}
-        mods = _by_loop_modulations(at, [rule.block_modulation(src[j], ctxs[j]) for j in range(R)], len(m.core.stack.blocks))
+        mods = _by_loop_modulations(
+            at, [rule.block_modulation(src[j], ctxs[j]) for j in range(R)], len(m.core.stack.blocks)
+        )
         # each row's buffer row k_b·B + b (kv='shared': b), its column; a finished row's Mamba-2 states stay as they are
         slots = self._core_slots(k * B + ar, ar, col, keep=~done)
         h = m.core(z, fctx, slots, mods)  # [B, 1, d]: H^{k_b} of row b
@@ -220,7 +251,9 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         if e.criterion == "gate":
             from ..recurrence.exit_gate import reaches
 
-            log_S = _by_loop(at, [m.rule.exit_log_survival(news[j], ctxs[j])[:, -1] for j in range(self.R)])  # [B] float64
+            log_S = _by_loop(
+                at, [m.rule.exit_log_survival(news[j], ctxs[j])[:, -1] for j in range(self.R)]
+            )  # [B] float64
             return reaches(log_S, e.threshold)
         if e.criterion == "replay":
             d = e.depths
@@ -230,7 +263,9 @@ class StaticDepthDecoder(DepthBatchedDecoder):
             depth = d if d.dim() == 1 else d.gather(1, (made - 1).clamp(max=d.shape[1] - 1)[:, None])[:, 0]
             return depth <= k + 1
         crit = self.criterion  # kl / convergence: successive iterates of each row's token
-        cur = crit.measure(h, ctxs[0], m)  # [B, V] log-probabilities (no coda: the same readout at every loop) or [B, d]
+        cur = crit.measure(
+            h, ctxs[0], m
+        )  # [B, V] log-probabilities (no coda: the same readout at every loop) or [B, d]
         prev = mem["prev"]
         if prev is None:  # the first pass: every row is at loop 0
             mem["prev"] = cur.clone()
@@ -247,7 +282,9 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         ``freeze``, nothing; ``propagate`` / ``decay``, the stand-in absorbed into each pair's state, kept
         where the pair is skipped (a masked row view)."""
         kv, ssm, B, R, m = self.exit.kv, self.exit.ssm, self.cache.batch_size, self.R, self.model
-        ssm_blocks = [blk for blk in m.core.stack.blocks if blk.layer_idx not in self.kv_flat] if ssm != "freeze" else []
+        ssm_blocks = (
+            [blk for blk in m.core.stack.blocks if blk.layer_idx not in self.kv_flat] if ssm != "freeze" else []
+        )
         if R == 1 or (kv == "shared" and not ssm_blocks):
             return
         b, j = self.deeper  # [(R−1)·B]
@@ -275,7 +312,9 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         for blk in ssm_blocks:
             mix, u = blk.mixer, blk.mixer_norm(stand)  # [B, 1, d]
             zx = mix.in_proj(u[:, 0]) if ssm == "propagate" else None  # [B, d_in_proj], once per row
-            mix.absorb(u[b], Mamba2Rows(self.flat[blk.layer_idx][0], dst, keep=w), ssm, zxbcdt=None if zx is None else zx[b])
+            mix.absorb(
+                u[b], Mamba2Rows(self.flat[blk.layer_idx][0], dst, keep=w), ssm, zxbcdt=None if zx is None else zx[b]
+            )
 
     def _count_static(self, passes: int) -> None:
         """Statistics from the passes: each exit's depth and column; FLOPs of what ran — every row, every
@@ -295,8 +334,11 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         st.full_core_flops += self.R * (w * keys.numel() + a * float(keys.sum()))
         st.fill_bytes += self.copy_bytes * float(self.pairs) if self.exit.kv == "copy" else 0.0
         if self.exit.kv == "propagate":  # one stand-in projection per layer for every row, every pass
-            st.fill_flops += rows_run * sum(2.0 * (b.mixer.k_proj.weight.numel() + b.mixer.v_proj.weight.numel())
-                                            for b in m.core.stack.blocks if b.layer_idx in self.kv_flat)  # fmt: skip
+            st.fill_flops += rows_run * sum(
+                2.0 * (b.mixer.k_proj.weight.numel() + b.mixer.v_proj.weight.numel())
+                for b in m.core.stack.blocks
+                if b.layer_idx in self.kv_flat
+            )
         ssm = self.exit.ssm
         if ssm != "freeze":  # every row's stand-in through in_proj (or its dt rows), every pair's state update
             for b in m.core.stack.blocks:
@@ -305,7 +347,12 @@ class StaticDepthDecoder(DepthBatchedDecoder):
                 mix = b.mixer
                 w_rows = mix.in_proj.weight if ssm == "propagate" else mix.in_proj.weight[-mix.nheads :]
                 st.fill_flops += rows_run * 2.0 * w_rows.numel()
-                st.fill_flops += passes * (self.R - 1) * self.cache.batch_size * (2.0 * mix.conv_dim * mix.d_conv + 4.0 * mix.nheads * mix.headdim * mix.d_state)
+                st.fill_flops += (
+                    passes
+                    * (self.R - 1)
+                    * self.cache.batch_size
+                    * (2.0 * mix.conv_dim * mix.d_conv + 4.0 * mix.nheads * mix.headdim * mix.d_state)
+                )
         crit = self.exit.criterion  # the check of every row, every pass
         per_row = {"gate": 2.0 * d, "kl": 2.0 * m.lm_head.weight.numel(), "convergence": 4.0 * d}.get(crit, 0.0)
         st.check_flops += rows_run * per_row

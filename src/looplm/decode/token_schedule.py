@@ -87,8 +87,11 @@ class DepthStats:
         sel = torch.cat([t.reshape(-1) for t in self.selected]).float()
         ex = torch.cat([t.reshape(-1) for t in self.executed]).float()
         n = sel.numel()
-        batch_depth = (self.core_calls * self.batch_size / n if self.core_calls
-                       else float(sum(self.batch_loops)) / len(self.batch_loops))  # fmt: skip
+        batch_depth = (
+            self.core_calls * self.batch_size / n
+            if self.core_calls
+            else float(sum(self.batch_loops)) / len(self.batch_loops)
+        )
         total = self.core_flops + self.fill_flops + self.check_flops + self.other_flops - self.reused_flops
         full = self.full_core_flops + self.other_flops
         return {
@@ -120,8 +123,16 @@ class AdaptiveDecoder:
     speculative draft's gate, :mod:`looplm.decode.speculative`: verification's output must stay full depth's).
     """
 
-    def __init__(self, model, batch_size: int, capacity: int, exit, loop_options: dict | None = None,
-                 prompts: int | None = None, rule_selects_at_exit: bool = True):
+    def __init__(
+        self,
+        model,
+        batch_size: int,
+        capacity: int,
+        exit,
+        loop_options: dict | None = None,
+        prompts: int | None = None,
+        rule_selects_at_exit: bool = True,
+    ):
         self.model = model
         # prompts: how many the decoder will see (request refill, looplm.decode.depth_schedule: more than its rows)
         self.exit = e = Exit.parse(exit).resolved(model, batch_size if prompts is None else prompts)
@@ -163,8 +174,14 @@ class AdaptiveDecoder:
 
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, logits_to_keep: int = 1,
-                 validate: bool = True, logits_at: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 1,
+        validate: bool = True,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """One call: the prompt (the first call; full depth, or the exits with ``prefill='exit'``) or one decoded token
         per row. Returns the logits of the last ``logits_to_keep`` positions ``[B, keep, V]``; with ``logits_at [B]``
         (positions, one per row) the final norm and the head run at row ``b``'s position ``logits_at[b]`` only:
@@ -179,7 +196,9 @@ class AdaptiveDecoder:
         decoding = T == 1 and cache.seqlen > 0  # the prompt (the first call, any length) runs at full depth ...
         if not decoding:
             self.flush()
-        if cache.seqlen == 0 and T > 1 and self.exit.prefill == "exit":  # ... or takes the exits (its tokens after the first)
+        if (
+            cache.seqlen == 0 and T > 1 and self.exit.prefill == "exit"
+        ):  # ... or takes the exits (its tokens after the first)
             if logits_at is None:
                 return self._prefill_exit(input_ids, attention_mask, logits_to_keep)
             keep = T - int(logits_at.min())  # the last positions that hold every row's asked one
@@ -211,15 +230,26 @@ class AdaptiveDecoder:
         prompt token by token after its first would); the statistics in ``stats.prefill``."""
         from .exit_forward import adaptive_forward, add_depth_stats
 
-        out = adaptive_forward(self.model, input_ids, self.exit, attention_mask=attention_mask, loop_options=self.loop_options,
-                               full_depth_prefix=1, cache=self.cache, logits_to_keep=logits_to_keep)  # fmt: skip
+        out = adaptive_forward(
+            self.model,
+            input_ids,
+            self.exit,
+            attention_mask=attention_mask,
+            loop_options=self.loop_options,
+            full_depth_prefix=1,
+            cache=self.cache,
+            logits_to_keep=logits_to_keep,
+        )
         st = out.stats
-        self.stats.prefill = st if self.stats.prefill is None else add_depth_stats(self.stats.prefill, st)  # (request refill:
+        self.stats.prefill = (
+            st if self.stats.prefill is None else add_depth_stats(self.stats.prefill, st)
+        )  # (request refill:
         return out.logits  # every prompt's exits, token-weighted)
 
     # ------------------------------------------------------------------------------------------
-    def _loops(self, x: torch.Tensor, lctx: LoopContext, allow_exit: bool, cap: int | None = None,
-               record: list | None = None):
+    def _loops(
+        self, x: torch.Tensor, lctx: LoopContext, allow_exit: bool, cap: int | None = None, record: list | None = None
+    ):
         """The loops of one call: ``(y [B, T, d] for the coda, depth [B], executed [B], loops the batch ran, the
         logits [B, V] when every row left at a check whose readout is its logits (``reuse_readout``) or None)``.
         ``cap``: at most that many loops (a speculative draft, :meth:`draft_exit`; the skipped loops are filled
@@ -262,7 +292,9 @@ class AdaptiveDecoder:
                 leave = leave & ~exited[rows]
             if not bool(leave.any()):  # the host reads one flag per loop (the row count of the next loop)
                 continue
-            every = sub is lctx and (B == 1 or bool(leave.all()))  # the whole batch leaves together (batch 1): no gather
+            every = sub is lctx and (
+                B == 1 or bool(leave.all())
+            )  # the whole batch leaves together (batch 1): no gather
             out = rows if every else leave.nonzero()[:, 0]  # local ids of the rows leaving now
             g = rows if every else rows.index_select(0, out)
             st_out = state if every else rule.take_rows(state, out, n)
@@ -336,8 +368,17 @@ class AdaptiveDecoder:
         return self._deferred
 
     # ------------------------------------------------------------------------------------------
-    def _fill(self, g: torch.Tensor, k_exit: int, state: dict, lctx: LoopContext, h_exit: torch.Tensor,
-              cols: torch.Tensor | None = None, skip_core: bool = False, upto: int | None = None) -> None:
+    def _fill(
+        self,
+        g: torch.Tensor,
+        k_exit: int,
+        state: dict,
+        lctx: LoopContext,
+        h_exit: torch.Tensor,
+        cols: torch.Tensor | None = None,
+        skip_core: bool = False,
+        upto: int | None = None,
+    ) -> None:
         """The slots of loops ``k_exit + 1 .. R − 1`` for rows ``g`` that exited after loop ``k_exit`` (their
         token at column ``seqlen``, or at each row's own column ``cols [n]``: :mod:`looplm.decode.depth_schedule`, which
         fills the core's attention slots itself: ``skip_core``). ``upto``: a draft capped at ``upto`` loops fills
@@ -422,9 +463,13 @@ class AdaptiveDecoder:
                 else:
                     mix = blk.mixer
                     mix.absorb(u[0], dst.rows(g, B), e.ssm, zxbcdt=u[1])
-                    st.fill_flops += n * (2.0 * mix.conv_dim * mix.d_conv + 4.0 * mix.nheads * mix.headdim * mix.d_state)
+                    st.fill_flops += n * (
+                        2.0 * mix.conv_dim * mix.d_conv + 4.0 * mix.nheads * mix.headdim * mix.d_state
+                    )
         if copies[0]:  # every (layer, skipped loop) pair in one call (a kernel on the CPU: looplm.kernels.decode)
-            copy_kv_columns(*copies, g, cols if cols is not None else torch.full((1,), pos, dtype=torch.long, device=g.device))
+            copy_kv_columns(
+                *copies, g, cols if cols is not None else torch.full((1,), pos, dtype=torch.long, device=g.device)
+            )
 
     # ------------------------------------------------------------------------------------------
     # self-speculative decoding (looplm.decode.speculative): a draft that stops at r_d, a verification that resumes
@@ -506,10 +551,17 @@ class AdaptiveDecoder:
     def _context(self, fctx, E) -> LoopContext:
         m = self.model
         return LoopContext(
-            num_loops=self.R, train_loops=m.config.n_loops, fctx=fctx, cache=self.cache, loop_options=self.loop_options,
-            embeddings=E, embed_weight=m.embed.weight, embed_multiplier=m.embed_multiplier, readout_fn=m.readout,
+            num_loops=self.R,
+            train_loops=m.config.n_loops,
+            fctx=fctx,
+            cache=self.cache,
+            loop_options=self.loop_options,
+            embeddings=E,
+            embed_weight=m.embed.weight,
+            embed_multiplier=m.embed_multiplier,
+            readout_fn=m.readout,
             final_norm=m.norm,
-        )  # fmt: skip
+        )
 
     # ------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -527,6 +579,7 @@ class AdaptiveDecoder:
             out[:, t] = self(input_ids[:, t : t + 1], validate=False)[:, -1].float()
         self.flush()
         return out
+
 
 def _check_positions(at, B: int, T: int) -> None:
     """``at`` must be a ``[B]`` integer tensor of positions in ``[0, T)`` (one per row of a ``[B, T]`` call)."""

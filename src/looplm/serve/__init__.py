@@ -19,5 +19,16 @@ from .engine import (  # noqa: F401
     TokenEvent,
 )
 
-__all__ = ["Engine", "EngineClosed", "EngineConfig", "FieldError", "FinishEvent", "PromptEvent", "QueueFull",
-           "RequestError", "RequestHandle", "SamplingParams", "TokenEvent"]
+__all__ = [
+    "Engine",
+    "EngineClosed",
+    "EngineConfig",
+    "FieldError",
+    "FinishEvent",
+    "PromptEvent",
+    "QueueFull",
+    "RequestError",
+    "RequestHandle",
+    "SamplingParams",
+    "TokenEvent",
+]

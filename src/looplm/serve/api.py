@@ -101,8 +101,17 @@ class APIError(Exception):
     """An answer in OpenAI's error shape: ``status`` (400, 401, 404, 429, 503, 504, 500), ``message``, ``type``,
     ``param`` / ``fields`` (the bad fields), ``code`` and extra ``headers`` (``Retry-After``)."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", *, param: str | None = None,
-                 code: str | None = None, fields: list[FieldError] | None = None, headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        fields: list[FieldError] | None = None,
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.fields, self.headers = fields, headers
@@ -110,7 +119,9 @@ class APIError(Exception):
     @classmethod
     def bad_fields(cls, fields: list[FieldError]) -> APIError:
         ctx = any(_is_context_error(f) for f in fields)
-        return cls(400, field_error_message(fields), fields=fields, code="context_length_exceeded" if ctx else "invalid_field")
+        return cls(
+            400, field_error_message(fields), fields=fields, code="context_length_exceeded" if ctx else "invalid_field"
+        )
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code, self.fields)
@@ -128,12 +139,16 @@ class _ErrorResponse(JSONResponse):
 
 
 def _is_context_error(f: FieldError) -> bool:
-    return f.field.split("[")[0] in ("prompt", "messages", "max_tokens", "max_completion_tokens") and "context" in f.message
+    return (
+        f.field.split("[")[0] in ("prompt", "messages", "max_tokens", "max_completion_tokens")
+        and "context" in f.message
+    )
 
 
 def _closed_error() -> APIError:
-    return APIError(503, "the server is shutting down: it takes no new requests", "server_shutting_down",
-                    code="shutting_down")  # fmt: skip
+    return APIError(
+        503, "the server is shutting down: it takes no new requests", "server_shutting_down", code="shutting_down"
+    )
 
 
 # ------------------------------------------------------------------------------------------------ a request
@@ -187,7 +202,7 @@ class _Choice:
     def visible_tokens(self, upto_chars: int, final: bool) -> list[_Tok]:
         """The unsent tokens whose text begins before ``upto_chars`` (all of them at the end of an uncut text)."""
         out = []
-        for t in self.tokens[self.sent_tokens:]:
+        for t in self.tokens[self.sent_tokens :]:
             if t.offset < upto_chars or (final and not self.text.stopped):
                 out.append(t)
             else:
@@ -209,6 +224,7 @@ class _Channel:
                 self.loop.call_soon_threadsafe(self._put, (index, ev))
             except RuntimeError:  # the loop is closed: nobody waits for this request any more
                 pass
+
         return on_event
 
     def _put(self, item) -> None:
@@ -244,9 +260,14 @@ class _Run:
         try:
             handles = eng.submit_group([(c.prompt_ids, c.params, self.channel.callback(c.index)) for c in self.choices])
         except QueueFull:
-            raise APIError(429, f"the engine's queue is full ({self.state.engine_config_text('max_waiting')} requests "
-                                "waiting): try again shortly", "rate_limit_error", code="queue_full",
-                           headers={"Retry-After": "1"}) from None  # fmt: skip
+            raise APIError(
+                429,
+                f"the engine's queue is full ({self.state.engine_config_text('max_waiting')} requests "
+                "waiting): try again shortly",
+                "rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            ) from None
         except EngineClosed:
             raise _closed_error() from None
         except RequestError as e:
@@ -291,11 +312,15 @@ class _Run:
         fewer tokens would not have helped it; one that was generating ran out of time."""
         t = f"{self.state.request_timeout_s:g} s"
         if not any(c.n_generated or c.prompt_event is not None for c in self.choices):
-            msg = (f"the request waited for the engine past the server's request timeout ({t}) without starting: it "
-                   "was aborted; the server is busy: retry later, or send fewer requests at once")  # fmt: skip
+            msg = (
+                f"the request waited for the engine past the server's request timeout ({t}) without starting: it "
+                "was aborted; the server is busy: retry later, or send fewer requests at once"
+            )
         else:
-            msg = (f"the request did not finish within the server's request timeout ({t}): it was aborted; ask for "
-                   "fewer tokens (max_tokens), or retry when the server is less busy")  # fmt: skip
+            msg = (
+                f"the request did not finish within the server's request timeout ({t}): it was aborted; ask for "
+                "fewer tokens (max_tokens), or retry when the server is less busy"
+            )
         return APIError(504, msg, "timeout_error", code="request_timeout")
 
     def _apply(self, c: _Choice, ev) -> None:
@@ -335,15 +360,26 @@ class _Run:
         if c.text.stopped or f.reason in ("stop", "length"):
             return
         if f.reason == "abort":
-            raise APIError(503, f"the request was aborted: {f.error or 'aborted by the server'}", "server_shutting_down"
-                           if "shutting down" in (f.error or "") else "aborted", code="aborted")  # fmt: skip
+            raise APIError(
+                503,
+                f"the request was aborted: {f.error or 'aborted by the server'}",
+                "server_shutting_down" if "shutting down" in (f.error or "") else "aborted",
+                code="aborted",
+            )
         raise APIError(500, f"the engine failed on this request: {f.error}", "server_error", code="engine_error")
 
 
 # ------------------------------------------------------------------------------------------------ the app state
 class _ServerState:
-    def __init__(self, engine, tokenizer, model_name: str, api_key: str | None, request_timeout_s: float,
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    def __init__(
+        self,
+        engine,
+        tokenizer,
+        model_name: str,
+        api_key: str | None,
+        request_timeout_s: float,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ):
         if not model_name:
             raise ValueError(f"model_name must be a non-empty string (the id of /v1/models), got {model_name!r}")
         if not (isinstance(request_timeout_s, (int, float)) and request_timeout_s > 0):
@@ -402,8 +438,14 @@ class _ServerState:
 
 
 # ------------------------------------------------------------------------------------------------ the app
-def build_app(engine, tokenizer, model_name: str, api_key: str | None = None, request_timeout_s: float = 600.0,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def build_app(
+    engine,
+    tokenizer,
+    model_name: str,
+    api_key: str | None = None,
+    request_timeout_s: float = 600.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> FastAPI:
     """The OpenAI-compatible app over a started (or not yet started: the app's startup starts it) ``engine``.
 
     ``tokenizer``: looplm's (``encode`` / ``decode`` / ``eos_id``; an :class:`HFTokenizer` of kind
@@ -421,8 +463,13 @@ def build_app(engine, tokenizer, model_name: str, api_key: str | None = None, re
         yield
         await asyncio.to_thread(state.drain, 0.0)
 
-    app = FastAPI(title="looplm serve", summary="an OpenAI-compatible server of a looped language model",
-                  lifespan=lifespan, docs_url=None, redoc_url=None)  # fmt: skip
+    app = FastAPI(
+        title="looplm serve",
+        summary="an OpenAI-compatible server of a looped language model",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
     app.state.looplm = state
 
     @app.exception_handler(APIError)
@@ -445,9 +492,13 @@ def build_app(engine, tokenizer, model_name: str, api_key: str | None = None, re
             auth = request.headers.get("authorization", "")
             scheme, _, key = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), state.api_key.encode()):
-                raise APIError(401, "a valid API key is required: send the header 'Authorization: Bearer KEY' (the "
-                                    "key the server was started with, --api-key)", "authentication_error",
-                               code="invalid_api_key")  # fmt: skip
+                raise APIError(
+                    401,
+                    "a valid API key is required: send the header 'Authorization: Bearer KEY' (the "
+                    "key the server was started with, --api-key)",
+                    "authentication_error",
+                    code="invalid_api_key",
+                )
         if state.draining:
             raise _closed_error()
 
@@ -463,8 +514,12 @@ def build_app(engine, tokenizer, model_name: str, api_key: str | None = None, re
 
     def model_card() -> ModelCard:
         describe = getattr(engine, "describe", None)
-        return ModelCard(id=state.model_name, created=state.created, max_model_len=getattr(engine, "max_model_len", None),
-                         looplm={"K": getattr(engine, "K", None), "engine": describe() if describe else None})
+        return ModelCard(
+            id=state.model_name,
+            created=state.created,
+            max_model_len=getattr(engine, "max_model_len", None),
+            looplm={"K": getattr(engine, "K", None), "engine": describe() if describe else None},
+        )
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -496,8 +551,13 @@ def _engine_running(engine) -> bool:
 
 
 def _unknown_model(name, state) -> APIError:
-    return APIError(404, f"the model {name!r} does not exist: this server serves {state.model_name!r} "
-                         "(GET /v1/models)", "invalid_request_error", param="model", code="model_not_found")  # fmt: skip
+    return APIError(
+        404,
+        f"the model {name!r} does not exist: this server serves {state.model_name!r} (GET /v1/models)",
+        "invalid_request_error",
+        param="model",
+        code="model_not_found",
+    )
 
 
 async def _endpoint(state: _ServerState, request: Request, kind: str):
@@ -506,8 +566,9 @@ async def _endpoint(state: _ServerState, request: Request, kind: str):
         request.app.state.guard(request)
         _require_json(request)
         body = await _read_body(request, state.max_body_bytes)
-        req, errors = parse_request(body, ChatRequest if kind == "chat" else CompletionRequest,
-                                    max_messages=state.context_tokens())  # fmt: skip
+        req, errors = parse_request(
+            body, ChatRequest if kind == "chat" else CompletionRequest, max_messages=state.context_tokens()
+        )
         del body
         if errors:
             raise APIError.bad_fields(errors)
@@ -519,8 +580,15 @@ async def _endpoint(state: _ServerState, request: Request, kind: str):
         run = _Run(state, request, choices, t0)
         run.submit()
     except APIError as e:
-        outcome = {400: "bad_request", 401: "unauthorized", 404: "bad_request", 413: "bad_request", 415: "bad_request",
-                   429: "rejected", 503: "rejected"}  # fmt: skip
+        outcome = {
+            400: "bad_request",
+            401: "unauthorized",
+            404: "bad_request",
+            413: "bad_request",
+            415: "bad_request",
+            429: "rejected",
+            503: "rejected",
+        }
         state.metrics.requests.labels(kind, outcome.get(e.status, "error")).inc()
         return e.response()
     if req.stream:
@@ -552,9 +620,13 @@ def _require_json(request: Request) -> None:
     which a browser sends without a preflight, never reaches the model)."""
     ctype = request.headers.get("content-type", "")
     if ctype.split(";", 1)[0].strip().lower() != "application/json":
-        raise APIError(415, f"the body must be JSON with the header 'Content-Type: application/json', got "
-                            f"{ctype[:60] or 'no Content-Type'!r} (curl: add -H 'Content-Type: application/json')",
-                       param="Content-Type", code="unsupported_media_type")  # fmt: skip
+        raise APIError(
+            415,
+            f"the body must be JSON with the header 'Content-Type: application/json', got "
+            f"{ctype[:60] or 'no Content-Type'!r} (curl: add -H 'Content-Type: application/json')",
+            param="Content-Type",
+            code="unsupported_media_type",
+        )
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -573,9 +645,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def _too_large(size: str, limit: int) -> APIError:
-    return APIError(413, f"the request body ({size}) is over this server's bound of {limit} bytes (--max-body-mib): "
-                         "send a shorter prompt or fewer prompts per request",
-                    param="body", code="request_too_large")  # fmt: skip
+    return APIError(
+        413,
+        f"the request body ({size}) is over this server's bound of {limit} bytes (--max-body-mib): "
+        "send a shorter prompt or fewer prompts per request",
+        param="body",
+        code="request_too_large",
+    )
 
 
 def _max_token_chars(tok) -> int:
@@ -599,27 +675,50 @@ def _check_sizes(state: _ServerState, req, kind: str) -> None:
         n_prompts = 1
         chars = sum(len(m.text()) + len(m.name or "") for m in req.messages)
         if max_chars is not None and chars > max_chars:  # (more messages than the context's tokens: parse_request)
-            errors.append(FieldError("messages", f"hold {chars} characters, more than the model's context of {ctx} "
-                                                 f"tokens can hold with this tokenizer (at most {max_chars}): shorten them"))  # fmt: skip
+            errors.append(
+                FieldError(
+                    "messages",
+                    f"hold {chars} characters, more than the model's context of {ctx} "
+                    f"tokens can hold with this tokenizer (at most {max_chars}): shorten them",
+                )
+            )
     else:
         prompts = req.prompt_parts()
         n_prompts = len(prompts)
         for i, p in enumerate(prompts):
             name = "prompt" if n_prompts == 1 else f"prompt[{i}]"
             if isinstance(p, str) and max_chars is not None and len(p) > max_chars:
-                errors.append(FieldError(name, f"is {len(p)} characters, more than the model's context of {ctx} tokens "
-                                               f"can hold with this tokenizer (at most {max_chars}): shorten it"))  # fmt: skip
+                errors.append(
+                    FieldError(
+                        name,
+                        f"is {len(p)} characters, more than the model's context of {ctx} tokens "
+                        f"can hold with this tokenizer (at most {max_chars}): shorten it",
+                    )
+                )
             elif not isinstance(p, str) and ctx is not None and len(p) > ctx:
-                errors.append(FieldError(name, f"holds {len(p)} token ids, more than the model's context of {ctx} "
-                                               "tokens: shorten it"))  # fmt: skip
+                errors.append(
+                    FieldError(
+                        name, f"holds {len(p)} token ids, more than the model's context of {ctx} tokens: shorten it"
+                    )
+                )
     if cap is not None and n_prompts * req.n > cap:
         if n_prompts > cap:
-            errors.append(FieldError("prompt", f"holds {n_prompts} prompts, more than this server can ever hold at once "
-                                               f"({cap} requests: --max-batch + --max-waiting): send at most {cap} per request"))  # fmt: skip
+            errors.append(
+                FieldError(
+                    "prompt",
+                    f"holds {n_prompts} prompts, more than this server can ever hold at once "
+                    f"({cap} requests: --max-batch + --max-waiting): send at most {cap} per request",
+                )
+            )
         else:
-            errors.append(FieldError("n", f"asks for {req.n} samples of {n_prompts} prompt(s) = {n_prompts * req.n} "
-                                          f"engine requests, more than this server can ever hold at once ({cap}: "
-                                          f"--max-batch + --max-waiting): ask for n <= {cap // n_prompts}"))  # fmt: skip
+            errors.append(
+                FieldError(
+                    "n",
+                    f"asks for {req.n} samples of {n_prompts} prompt(s) = {n_prompts * req.n} "
+                    f"engine requests, more than this server can ever hold at once ({cap}: "
+                    f"--max-batch + --max-waiting): ask for n <= {cap // n_prompts}",
+                )
+            )
     if errors:
         raise APIError.bad_fields(errors)
 
@@ -663,21 +762,35 @@ def _choices(state: _ServerState, req, kind: str) -> tuple[list[_Choice], list]:
             max_tokens = max(int(getattr(eng, "max_model_len", 0) or 0) - len(ids), 1)
         for i in range(req.n):
             params = SamplingParams(
-                max_tokens=max_tokens, temperature=temperature, top_p=req.top_p, top_k=top_k,
-                seed=None if req.seed is None else req.seed + i, stop_token_ids=tuple(req.stop_token_ids or ()),
-                ignore_eos=req.ignore_eos, logprobs=logprobs,
+                max_tokens=max_tokens,
+                temperature=temperature,
+                top_p=req.top_p,
+                top_k=top_k,
+                seed=None if req.seed is None else req.seed + i,
+                stop_token_ids=tuple(req.stop_token_ids or ()),
+                ignore_eos=req.ignore_eos,
+                logprobs=logprobs,
                 prompt_logprobs=kind == "completions" and req.echo and logprobs is not None,
-                exit=lo.exit if lo else None, loops=lo.loops if lo else None, kv_policy=lo.kv_policy if lo else None,
+                exit=lo.exit if lo else None,
+                loops=lo.loops if lo else None,
+                kv_policy=lo.kv_policy if lo else None,
                 speculative=lo.speculative if lo else None,
-            )  # fmt: skip
+            )
             if i == 0:  # the samples of a prompt differ only in their seed (checked whole by the protocol)
                 errs = [FieldError(name, f.message) if f.field == "prompt" else f for f in eng.check(ids, params)]
                 errors += errs
                 if errs:
                     break  # (the other samples would say the same)
             # the samples of a prompt share its ids (the engine copies what it keeps)
-            choices.append(_Choice(index=pi * req.n + i, prompt_index=pi, prompt_ids=ids, params=params,
-                                   text=IncrementalText(tok, ids, stops)))  # fmt: skip
+            choices.append(
+                _Choice(
+                    index=pi * req.n + i,
+                    prompt_index=pi,
+                    prompt_ids=ids,
+                    params=params,
+                    text=IncrementalText(tok, ids, stops),
+                )
+            )
     if errors:
         raise APIError.bad_fields(list({(f.field, f.message): f for f in errors}.values()))
     return choices, echo
@@ -694,13 +807,19 @@ def _chat_prompt(state: _ServerState, req: ChatRequest, errors: list[FieldError]
     backend = getattr(tok, "_tok", None)
     template = getattr(backend, "chat_template", None) if getattr(tok, "_kind", None) == "transformers" else None
     if not template:
-        raise APIError(400, f"the served tokenizer ({getattr(tok, 'name', type(tok).__name__)}) has no chat template, "
-                            "so this server cannot answer /v1/chat/completions: use /v1/completions with your own "
-                            "prompt format, or serve with --tokenizer a Hugging Face tokenizer directory whose "
-                            "tokenizer_config.json has a chat_template", param="messages", code="no_chat_template")  # fmt: skip
+        raise APIError(
+            400,
+            f"the served tokenizer ({getattr(tok, 'name', type(tok).__name__)}) has no chat template, "
+            "so this server cannot answer /v1/chat/completions: use /v1/completions with your own "
+            "prompt format, or serve with --tokenizer a Hugging Face tokenizer directory whose "
+            "tokenizer_config.json has a chat_template",
+            param="messages",
+            code="no_chat_template",
+        )
     try:
-        text = backend.apply_chat_template(req.conversation(), tokenize=False,
-                                           add_generation_prompt=req.add_generation_prompt)  # fmt: skip
+        text = backend.apply_chat_template(
+            req.conversation(), tokenize=False, add_generation_prompt=req.add_generation_prompt
+        )
     except Exception as e:  # the template's own checks (roles must alternate, ...) raise
         errors.append(FieldError("messages", f"the chat template refused them: {e}"))
         return None
@@ -719,10 +838,11 @@ def _top_dict(state, top, chosen: int, chosen_lp) -> dict[str, float]:
 def _completion_logprobs(state, c: _Choice, toks: list[_Tok], base: int) -> CompletionLogprobs:
     tok = state.tokenizer
     return CompletionLogprobs(
-        tokens=[tok.decode([t.id]) for t in toks], token_logprobs=[_num(t.logprob) for t in toks],
+        tokens=[tok.decode([t.id]) for t in toks],
+        token_logprobs=[_num(t.logprob) for t in toks],
         top_logprobs=[_top_dict(state, t.top, t.id, t.logprob) if t.logprob is not None else None for t in toks],
         text_offset=[base + t.offset for t in toks],
-    )  # fmt: skip
+    )
 
 
 def _num(x):
@@ -766,18 +886,30 @@ def _completion_body(state, run: _Run, req: CompletionRequest, echo_src: list) -
             toks = c.tokens
             if req.logprobs is not None:
                 lp_p = _completion_logprobs(state, c, ptoks, 0)
-                lp_g = _completion_logprobs(state, c, [t for t in toks if t.offset < len(text) or not c.text.stopped], len(ptext))
-                logprobs = CompletionLogprobs(tokens=lp_p.tokens + lp_g.tokens,
-                                              token_logprobs=lp_p.token_logprobs + lp_g.token_logprobs,
-                                              top_logprobs=lp_p.top_logprobs + lp_g.top_logprobs,
-                                              text_offset=lp_p.text_offset + lp_g.text_offset)  # fmt: skip
+                lp_g = _completion_logprobs(
+                    state, c, [t for t in toks if t.offset < len(text) or not c.text.stopped], len(ptext)
+                )
+                logprobs = CompletionLogprobs(
+                    tokens=lp_p.tokens + lp_g.tokens,
+                    token_logprobs=lp_p.token_logprobs + lp_g.token_logprobs,
+                    top_logprobs=lp_p.top_logprobs + lp_g.top_logprobs,
+                    text_offset=lp_p.text_offset + lp_g.text_offset,
+                )
             text = ptext + text
         elif req.logprobs is not None:
             logprobs = _completion_logprobs(state, c, c.visible_tokens(len(text), final=True), 0)
-        choices.append(CompletionChoice(index=c.index, text=text, logprobs=logprobs, finish_reason=c.finish_reason(),
-                                        looplm=ChoiceStats(loops=c.mean_loops())))  # fmt: skip
-    return Completion(id=_new_id("cmpl"), created=int(time.time()), model=state.model_name, choices=choices,
-                      usage=_usage(run)).model_dump()  # fmt: skip
+        choices.append(
+            CompletionChoice(
+                index=c.index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=c.finish_reason(),
+                looplm=ChoiceStats(loops=c.mean_loops()),
+            )
+        )
+    return Completion(
+        id=_new_id("cmpl"), created=int(time.time()), model=state.model_name, choices=choices, usage=_usage(run)
+    ).model_dump()
 
 
 def _chat_logprobs(state, toks: list[_Tok]) -> ChatLogprobs:
@@ -785,21 +917,41 @@ def _chat_logprobs(state, toks: list[_Tok]) -> ChatLogprobs:
     content = []
     for t in toks:
         s = tok.decode([t.id])
-        tops = [TopLogprob(token=(a := tok.decode([int(i)])), logprob=_num(lp), bytes=list(a.encode()))
-                for i, lp in (t.top or [])]  # fmt: skip
-        content.append(TokenLogprob(token=s, logprob=_num(t.logprob if t.logprob is not None else 0.0), bytes=list(s.encode()),
-                                    top_logprobs=tops))  # fmt: skip
+        tops = [
+            TopLogprob(token=(a := tok.decode([int(i)])), logprob=_num(lp), bytes=list(a.encode()))
+            for i, lp in (t.top or [])
+        ]
+        content.append(
+            TokenLogprob(
+                token=s,
+                logprob=_num(t.logprob if t.logprob is not None else 0.0),
+                bytes=list(s.encode()),
+                top_logprobs=tops,
+            )
+        )
     return ChatLogprobs(content=content)
 
 
 def _chat_body(state, run: _Run) -> dict:
     choices = []
     for c in run.choices:
-        lp = _chat_logprobs(state, c.visible_tokens(len(c.text.text), final=True)) if c.params.logprobs is not None else None
-        choices.append(ChatChoice(index=c.index, message=AssistantMessage(content=c.text.text), logprobs=lp,
-                                  finish_reason=c.finish_reason(), looplm=ChoiceStats(loops=c.mean_loops())))  # fmt: skip
-    return ChatCompletion(id=_new_id("chatcmpl"), created=int(time.time()), model=state.model_name, choices=choices,
-                          usage=_usage(run)).model_dump()  # fmt: skip
+        lp = (
+            _chat_logprobs(state, c.visible_tokens(len(c.text.text), final=True))
+            if c.params.logprobs is not None
+            else None
+        )
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=AssistantMessage(content=c.text.text),
+                logprobs=lp,
+                finish_reason=c.finish_reason(),
+                looplm=ChoiceStats(loops=c.mean_loops()),
+            )
+        )
+    return ChatCompletion(
+        id=_new_id("chatcmpl"), created=int(time.time()), model=state.model_name, choices=choices, usage=_usage(run)
+    ).model_dump()
 
 
 # ------------------------------------------------------------------------------------------------ streaming
@@ -823,7 +975,7 @@ async def _stream(state, run: _Run, kind: str, first_chunks, chunk_of, usage_chu
                 run.check_finished(c)
             shown = c.text.text if c.done else c.text.shown()
             if len(shown) > c.shown or c.done:
-                delta, c.shown = shown[c.shown:], len(shown)
+                delta, c.shown = shown[c.shown :], len(shown)
                 toks = c.visible_tokens(len(shown), final=c.done)
                 if delta or c.done or toks:
                     yield _sse(chunk_of(c, delta, toks, c.done))
@@ -869,8 +1021,17 @@ def _stream_completion(state, run: _Run, req: CompletionRequest, echo_src: list)
             delta = ptext + delta
         else:
             lp = _completion_logprobs(state, c, toks, bases.get(c.index, 0)) if req.logprobs is not None else None
-        return chunk([CompletionChoice(index=c.index, text=delta, logprobs=lp, finish_reason=c.finish_reason() if final else None,
-                                       looplm=ChoiceStats(loops=c.mean_loops()) if final else None)])  # fmt: skip
+        return chunk(
+            [
+                CompletionChoice(
+                    index=c.index,
+                    text=delta,
+                    logprobs=lp,
+                    finish_reason=c.finish_reason() if final else None,
+                    looplm=ChoiceStats(loops=c.mean_loops()) if final else None,
+                )
+            ]
+        )
 
     _echoed: set[int] = set()
     usage = (lambda: chunk([], _usage(run))) if req.include_usage() else None
@@ -881,7 +1042,9 @@ def _stream_chat(state, run: _Run, req: ChatRequest):
     rid, created = _new_id("chatcmpl"), int(time.time())
 
     def chunk(choices, usage=None):
-        return ChatCompletionChunk(id=rid, created=created, model=state.model_name, choices=choices, usage=usage).model_dump()
+        return ChatCompletionChunk(
+            id=rid, created=created, model=state.model_name, choices=choices, usage=usage
+        ).model_dump()
 
     def first_chunks():
         for c in run.choices:
@@ -889,9 +1052,17 @@ def _stream_chat(state, run: _Run, req: ChatRequest):
 
     def chunk_of(c: _Choice, delta: str, toks, final: bool):
         lp = _chat_logprobs(state, toks) if c.params.logprobs is not None and toks else None
-        return chunk([ChatChunkChoice(index=c.index, delta={"content": delta} if delta else {}, logprobs=lp,
-                                      finish_reason=c.finish_reason() if final else None,
-                                      looplm=ChoiceStats(loops=c.mean_loops()) if final else None)])  # fmt: skip
+        return chunk(
+            [
+                ChatChunkChoice(
+                    index=c.index,
+                    delta={"content": delta} if delta else {},
+                    logprobs=lp,
+                    finish_reason=c.finish_reason() if final else None,
+                    looplm=ChoiceStats(loops=c.mean_loops()) if final else None,
+                )
+            ]
+        )
 
     usage = (lambda: chunk([], _usage(run))) if req.include_usage() else None
     return _stream(state, run, "chat", first_chunks, chunk_of, usage)
@@ -938,18 +1109,23 @@ def _uvicorn_server_class():
 def _config(app: FastAPI, host: str, port: int, log_level: str, **kw):
     import uvicorn
 
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                          timeout_graceful_shutdown=5, **kw)  # fmt: skip
+    return uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, lifespan="on", timeout_graceful_shutdown=5, **kw
+    )
 
 
-def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, grace_s: float = 30.0,
-               log_level: str = "info") -> None:
+def run_server(
+    app: FastAPI, host: str = "127.0.0.1", port: int = 8000, grace_s: float = 30.0, log_level: str = "info"
+) -> None:
     """Serve ``app`` (from :func:`build_app`) in the foreground until SIGTERM / SIGINT, then drain: new
     requests get 503, the requests in flight get up to ``grace_s`` seconds, the rest an error, and it returns."""
     sock = _bind(host, port)
     port = sock.getsockname()[1]
-    print(f"looplm serve: listening on http://{host}:{port}/v1 (Ctrl-C or SIGTERM drains and stops, grace {grace_s:g} s)",
-          file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"looplm serve: listening on http://{host}:{port}/v1 (Ctrl-C or SIGTERM drains and stops, grace {grace_s:g} s)",
+        file=sys.stderr,
+        flush=True,
+    )
     server = _uvicorn_server_class()(_config(app, host, port, log_level), app.state.looplm, grace_s)
     try:
         server.run(sockets=[sock])
@@ -981,8 +1157,9 @@ class Server:
     ``with Server(app) as s: openai.OpenAI(base_url=s.url + "/v1", ...)``; :meth:`stop` drains like SIGTERM
     (``grace_s``) and joins the thread."""
 
-    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, grace_s: float = 5.0,
-                 log_level: str = "warning"):
+    def __init__(
+        self, app: FastAPI, host: str = "127.0.0.1", port: int = 0, grace_s: float = 5.0, log_level: str = "warning"
+    ):
         self.app, self.host, self.grace_s = app, host, grace_s
         self._sock = _bind(host, port)
         self.port = self._sock.getsockname()[1]
@@ -994,8 +1171,9 @@ class Server:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> Server:
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._sock]},
-                                        name="looplm-uvicorn", daemon=True)  # fmt: skip
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]}, name="looplm-uvicorn", daemon=True
+        )
         self._thread.start()
         t_end = time.monotonic() + timeout_s
         while not self._server.started:

@@ -67,8 +67,20 @@ import torch
 from .fields import MAX_LOGPROBS, FieldError  # (torch-free, for the wire format; re-exported here)
 from .scheduler import PrefillChunk, Request, RequestStatus, Scheduler
 
-__all__ = ["Engine", "EngineClosed", "EngineConfig", "FieldError", "FinishEvent", "PromptEvent", "QueueFull",
-           "RequestError", "RequestHandle", "SamplingParams", "TokenEvent", "parse_kv_budget"]
+__all__ = [
+    "Engine",
+    "EngineClosed",
+    "EngineConfig",
+    "FieldError",
+    "FinishEvent",
+    "PromptEvent",
+    "QueueFull",
+    "RequestError",
+    "RequestHandle",
+    "SamplingParams",
+    "TokenEvent",
+    "parse_kv_budget",
+]
 
 SERVED_CRITERIA = ("kl", "convergence", "gate")  # the exit criteria a batch can run (per-row thresholds or q)
 
@@ -187,37 +199,62 @@ class EngineConfig:
                 errs.append(str(e))
         if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
             errs.append(f"max_batch must be an int >= 1 (rows decoded at once), got {self.max_batch!r}")
-        if self.max_model_len is not None and (isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int)
-                                               or self.max_model_len < 2):  # fmt: skip
-            errs.append(f"max_model_len must be an int >= 2 or None (the model's max_seq_len), got {self.max_model_len!r}")
+        if self.max_model_len is not None and (
+            isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) or self.max_model_len < 2
+        ):
+            errs.append(
+                f"max_model_len must be an int >= 2 or None (the model's max_seq_len), got {self.max_model_len!r}"
+            )
         if self.exit_schedule not in ("depth", "token"):
-            errs.append(f"exit_schedule must be 'depth' (each row at its own loop) or 'token', got {self.exit_schedule!r}")
+            errs.append(
+                f"exit_schedule must be 'depth' (each row at its own loop) or 'token', got {self.exit_schedule!r}"
+            )
         if isinstance(self.max_waiting, bool) or not isinstance(self.max_waiting, int) or self.max_waiting < 0:
             errs.append(f"max_waiting must be an int >= 0 (the bounded queue), got {self.max_waiting!r}")
-        if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int)
-                                               or self.prefill_chunk < 2):  # fmt: skip
-            errs.append(f"prefill_chunk must be an int >= 2 (prompt tokens per step) or None (whole prompts), got {self.prefill_chunk!r}")
+        if self.prefill_chunk is not None and (
+            isinstance(self.prefill_chunk, bool) or not isinstance(self.prefill_chunk, int) or self.prefill_chunk < 2
+        ):
+            errs.append(
+                f"prefill_chunk must be an int >= 2 (prompt tokens per step) or None (whole prompts), got {self.prefill_chunk!r}"
+            )
         if self.prefill not in ("full", "exit"):
-            errs.append(f"prefill must be 'full' (a prompt at every loop) or 'exit' (its tokens after the first take the "
-                        f"exits), got {self.prefill!r}")  # fmt: skip
+            errs.append(
+                f"prefill must be 'full' (a prompt at every loop) or 'exit' (its tokens after the first take the "
+                f"exits), got {self.prefill!r}"
+            )
         elif self.prefill == "exit" and self.exit is None:
-            errs.append("prefill='exit' needs an exit criterion (exit='kl:0.01', ...): at full depth there is none to take")
+            errs.append(
+                "prefill='exit' needs an exit criterion (exit='kl:0.01', ...): at full depth there is none to take"
+            )
         elif self.prefill == "exit" and self.prefill_chunk is not None:
-            errs.append(f"prefill='exit' runs each prompt whole, in one call (its exits over the whole prompt at once); "
-                        f"set prefill_chunk=None (got {self.prefill_chunk!r})")  # fmt: skip
+            errs.append(
+                f"prefill='exit' runs each prompt whole, in one call (its exits over the whole prompt at once); "
+                f"set prefill_chunk=None (got {self.prefill_chunk!r})"
+            )
         if errs:
             raise ValueError("EngineConfig: " + "; ".join(errs))
 
 
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30,
-          "tib": 2**40}  # fmt: skip
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_kv_budget(value) -> tuple[str, float]:
     """``--kv-budget``: ``('tokens', n)`` for an int or a number of cache tokens (``'4096'``, ``'4096 tokens'``),
     ``('bytes', n)`` for a memory size (``'2GiB'``, ``'512 MiB'``, ``'1.5GB'``). Raises ValueError naming it."""
-    what = (f"kv_budget must be a number of cache tokens (an int >= 1, e.g. 4096) or a memory size such as '2GiB' "
-            f"or '512MiB', got {value!r}")  # fmt: skip
+    what = (
+        f"kv_budget must be a number of cache tokens (an int >= 1, e.g. 4096) or a memory size such as '2GiB' "
+        f"or '512MiB', got {value!r}"
+    )
     if isinstance(value, bool):
         raise ValueError(what)
     if isinstance(value, int):
@@ -228,7 +265,7 @@ def parse_kv_budget(value) -> tuple[str, float]:
         raise ValueError(what)
     text = value.strip().lower().replace("_", "")
     num = text.rstrip("abcdefghijklmnopqrstuvwxyz ").strip()
-    unit = text[len(num):].strip() or "tokens"  # fmt: skip
+    unit = text[len(num) :].strip() or "tokens"
     try:
         n = float(num)
     except ValueError:
@@ -295,8 +332,10 @@ class Engine:
         self._sampler = sampler
         limit = int(model.config.max_seq_len)
         if config.max_model_len is not None and config.max_model_len > limit:
-            raise ValueError(f"EngineConfig: max_model_len={config.max_model_len} exceeds the model's max_seq_len={limit}; "
-                             f"give at most {limit}")  # fmt: skip
+            raise ValueError(
+                f"EngineConfig: max_model_len={config.max_model_len} exceeds the model's max_seq_len={limit}; "
+                f"give at most {limit}"
+            )
         self.max_model_len = config.max_model_len or limit
         policies = dict(kv=config.kv_policy, ssm=config.ssm_policy, schedule="depth", prefill="full")
         if config.exit is None:  # full depth: an ε of 0 that is never checked
@@ -305,17 +344,24 @@ class Engine:
         else:
             spec = Exit.parse(config.exit)
             if spec.criterion not in SERVED_CRITERIA:
-                raise ValueError(f"EngineConfig: exit criterion {spec.criterion!r} cannot be served; give 'kl:EPS', "
-                                 "'convergence:EPS', 'gate:Q' or None (full depth)")  # fmt: skip
+                raise ValueError(
+                    f"EngineConfig: exit criterion {spec.criterion!r} cannot be served; give 'kl:EPS', "
+                    "'convergence:EPS', 'gate:Q' or None (full depth)"
+                )
             if spec.max_batch is not None or spec.compile or spec.min_loops != 1:
-                raise ValueError("EngineConfig: exit may not set max_batch (EngineConfig.max_batch is the batch), "
-                                 "compile or min_loops when served")  # fmt: skip
+                raise ValueError(
+                    "EngineConfig: exit may not set max_batch (EngineConfig.max_batch is the batch), "
+                    "compile or min_loops when served"
+                )
             self.criterion = spec.criterion
         try:
             self.exit = spec.with_policies(**policies).resolved(model, config.max_batch)
             # a prompt at adaptive depth (prefill='exit'): the same exit over one prompt alone, checked here once
-            self._prefill_exit = (spec.with_policies(**{**policies, "prefill": "exit"}).resolved(model, 1)
-                                  if config.prefill == "exit" else None)  # fmt: skip
+            self._prefill_exit = (
+                spec.with_policies(**{**policies, "prefill": "exit"}).resolved(model, 1)
+                if config.prefill == "exit"
+                else None
+            )
         except ValueError as e:
             raise ValueError(f"looplm serve cannot run this model with these options: {e}") from None
         self.K = int(self.exit.max_loops)
@@ -328,8 +374,7 @@ class Engine:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._deadline: float | None = None  # shutdown: when the rest are ended
-        self._totals = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished": 0,
-                        "preempted": 0}  # fmt: skip
+        self._totals = {"prompt_tokens_total": 0, "generation_tokens_total": 0, "requests_finished": 0, "preempted": 0}
         self._exits = [0] * self.K  # generated tokens by the loops they ran
         self._finished: dict[str, int] = {}  # requests finished, by reason (stop, length, abort, error)
         self._gauges = {"running": 0, "waiting": 0, "kv_tokens_used": 0}
@@ -342,15 +387,19 @@ class Engine:
     # ------------------------------------------------------------------------------------------ public
     def describe(self) -> str:
         crit = "full depth" if self.criterion is None else f"exit {self.criterion}:{self.threshold:g}"
-        out = (f"K={self.K}, {crit}, {self.config.exit_schedule} schedule, kv={self.exit.kv}, max_batch={self.config.max_batch}, "
-               f"max_model_len={self.max_model_len}")  # fmt: skip
+        out = (
+            f"K={self.K}, {crit}, {self.config.exit_schedule} schedule, kv={self.exit.kv}, max_batch={self.config.max_batch}, "
+            f"max_model_len={self.max_model_len}"
+        )
         if self._prefill_exit is not None:
             out += ", prompts at adaptive depth (prefill exit)"
         if self.runner is not None:
             cap = self.config.max_batch * self.max_model_len * self._S
             per = self.runner.bytes_per_token
-            out += (f", KV cache {cap * per / 2**20:.1f} MiB ({cap} cache tokens = {self.config.max_batch} rows "
-                    f"× {self.max_model_len} × {self._S} loop slots)")  # fmt: skip
+            out += (
+                f", KV cache {cap * per / 2**20:.1f} MiB ({cap} cache tokens = {self.config.max_batch} rows "
+                f"× {self.max_model_len} × {self._S} loop slots)"
+            )
             if self._budget is not None:
                 out += f", KV budget {self._budget} cache tokens ({self._budget * per / 2**20:.1f} MiB)"
         return out
@@ -381,9 +430,15 @@ class Engine:
 
         if not is_int(p.max_tokens) or p.max_tokens < 0:
             bad("max_tokens", f"must be an int >= 0, got {p.max_tokens!r}")
-        if isinstance(p.temperature, bool) or not isinstance(p.temperature, (int, float)) or not 0 <= p.temperature < math.inf:
+        if (
+            isinstance(p.temperature, bool)
+            or not isinstance(p.temperature, (int, float))
+            or not 0 <= p.temperature < math.inf
+        ):
             bad("temperature", f"must be a finite number >= 0 (0 = greedy), got {p.temperature!r}")
-        if p.top_p is not None and (isinstance(p.top_p, bool) or not isinstance(p.top_p, (int, float)) or not 0 < p.top_p <= 1):
+        if p.top_p is not None and (
+            isinstance(p.top_p, bool) or not isinstance(p.top_p, (int, float)) or not 0 < p.top_p <= 1
+        ):
             bad("top_p", f"must be in (0, 1] (1 = off), got {p.top_p!r}")
         if p.top_k is not None and (not is_int(p.top_k) or p.top_k < -1):
             bad("top_k", f"must be an int >= 0 (0 or -1 = off), got {p.top_k!r}")
@@ -401,31 +456,49 @@ class Engine:
             bad("prompt", f"holds a token id outside the model's vocabulary [0, {V})")
         elif is_int(p.max_tokens) and p.max_tokens >= 0 and len(ids) + p.max_tokens > self.max_model_len:
             room = self.max_model_len - len(ids)
-            bad("prompt" if room <= 0 else "max_tokens",
+            bad(
+                "prompt" if room <= 0 else "max_tokens",
                 f"the prompt's {len(ids)} tokens + max_tokens {p.max_tokens} exceed the model's context of {self.max_model_len} "
-                f"tokens; " + ("shorten the prompt" if room <= 0 else f"ask for at most {room} tokens or shorten the prompt"))
-        elif (self._budget is not None and is_int(p.max_tokens) and p.max_tokens >= 0
-              and (len(ids) + p.max_tokens) * self._S > self._budget):  # fmt: skip
+                f"tokens; "
+                + ("shorten the prompt" if room <= 0 else f"ask for at most {room} tokens or shorten the prompt"),
+            )
+        elif (
+            self._budget is not None
+            and is_int(p.max_tokens)
+            and p.max_tokens >= 0
+            and (len(ids) + p.max_tokens) * self._S > self._budget
+        ):
             room = self._budget // self._S - len(ids)
-            bad("prompt" if room <= 0 else "max_tokens",
+            bad(
+                "prompt" if room <= 0 else "max_tokens",
                 f"the prompt's {len(ids)} tokens + max_tokens {p.max_tokens} need {(len(ids) + p.max_tokens) * self._S} cache "
                 f"tokens ({self._S} loop slots per token), more than this server's KV budget of {self._budget}; "
                 + ("shorten the prompt" if room <= 0 else f"ask for at most {room} tokens or shorten the prompt")
-                + " (or start the server with a larger --kv-budget)")  # fmt: skip
+                + " (or start the server with a larger --kv-budget)",
+            )
         if p.exit is not None:
             try:
                 self._threshold(p.exit)
             except ValueError as e:
                 bad("looplm.exit", str(e))
         if p.loops is not None and (not is_int(p.loops) or p.loops != self.K):
-            bad("looplm.loops", f"this server runs every token's loops up to K={self.K} (its exit criterion picks "
-                                f"fewer); got {p.loops!r}: leave it out or give {self.K}")  # fmt: skip
+            bad(
+                "looplm.loops",
+                f"this server runs every token's loops up to K={self.K} (its exit criterion picks "
+                f"fewer); got {p.loops!r}: leave it out or give {self.K}",
+            )
         if p.kv_policy is not None and p.kv_policy != self.exit.kv:
-            bad("looplm.kv_policy", f"this server's caches run kv_policy {self.exit.kv!r} (every row of a batch shares "
-                                    f"them); got {p.kv_policy!r}: leave it out, or start a server with --kv-policy {p.kv_policy}")  # fmt: skip
+            bad(
+                "looplm.kv_policy",
+                f"this server's caches run kv_policy {self.exit.kv!r} (every row of a batch shares "
+                f"them); got {p.kv_policy!r}: leave it out, or start a server with --kv-policy {p.kv_policy}",
+            )
         if p.speculative not in (None, False, 0):
-            bad("looplm.speculative", f"self-speculative decoding is not served (it decodes one request per batch); "
-                                      f"got {p.speculative!r}: leave it out, or use `looplm generate --speculative`")  # fmt: skip
+            bad(
+                "looplm.speculative",
+                f"self-speculative decoding is not served (it decodes one request per batch); "
+                f"got {p.speculative!r}: leave it out, or use `looplm generate --speculative`",
+            )
         return errs
 
     def submit(self, prompt_ids, params: SamplingParams, on_event: Callable) -> RequestHandle:
@@ -447,8 +520,13 @@ class Engine:
             errs += [e for e in self.check(prompt_ids, params) if e not in errs]
         n, B, W = len(requests), self.config.max_batch, self.config.max_waiting
         if not errs and n > B + W:
-            errs.append(FieldError("n", f"this request asks for {n} sequences at once (prompts × n); this server holds at "
-                                        f"most {B + W} (max_batch {B} + max_waiting {W}): ask for at most {B + W}"))  # fmt: skip
+            errs.append(
+                FieldError(
+                    "n",
+                    f"this request asks for {n} sequences at once (prompts × n); this server holds at "
+                    f"most {B + W} (max_batch {B} + max_waiting {W}): ask for at most {B + W}",
+                )
+            )
         if errs:
             raise RequestError(errs)
         made = []
@@ -461,11 +539,25 @@ class Engine:
                 raise EngineClosed("the engine is not running (shut down, or not started): it takes no new request")
             if self.scheduler.room(self._pending) < n:
                 held, free = self._pending + self.scheduler.num_held, self.scheduler.num_free_rows
-                raise QueueFull(f"{held} requests are queued or running for {B} rows (max_waiting={W}, {free} rows free); "
-                                f"{n} more do not fit: try again later")  # fmt: skip
+                raise QueueFull(
+                    f"{held} requests are queued or running for {B} rows (max_waiting={W}, {free} rows free); "
+                    f"{n} more do not fit: try again later"
+                )
             self._pending += n
-            reqs = [_Request(next(self._ids), p, params.max_tokens, echo=params.prompt_logprobs, params=params, on_event=cb,
-                             thr=thr, checks=checks, gen=gen) for p, params, cb, thr, checks, gen in made]  # fmt: skip
+            reqs = [
+                _Request(
+                    next(self._ids),
+                    p,
+                    params.max_tokens,
+                    echo=params.prompt_logprobs,
+                    params=params,
+                    on_event=cb,
+                    thr=thr,
+                    checks=checks,
+                    gen=gen,
+                )
+                for p, params, cb, thr, checks, gen in made
+            ]
         self._inbox.put(("submit", reqs))
         self._wake.set()
         return [RequestHandle(self, r.id) for r in reqs]
@@ -490,32 +582,53 @@ class Engine:
         cap = self.config.max_batch * self.max_model_len * self._S
         per = self.runner.bytes_per_token if self.runner is not None else 0.0
         budget = cap if self._budget is None else self._budget
-        return {**g, "max_batch": self.config.max_batch, "K": self.K, "kv_slots": self._S, "kv_tokens_capacity": cap,
-                "kv_budget_tokens": budget, "kv_bytes_used": int(g["kv_tokens_used"] * per), "kv_bytes_capacity": int(cap * per),
-                "kv_budget_bytes": int(budget * per), **self._totals, "exits_by_depth": list(self._exits),
-                "finished_by_reason": dict(self._finished)}  # fmt: skip
+        return {
+            **g,
+            "max_batch": self.config.max_batch,
+            "K": self.K,
+            "kv_slots": self._S,
+            "kv_tokens_capacity": cap,
+            "kv_budget_tokens": budget,
+            "kv_bytes_used": int(g["kv_tokens_used"] * per),
+            "kv_bytes_capacity": int(cap * per),
+            "kv_budget_bytes": int(budget * per),
+            **self._totals,
+            "exits_by_depth": list(self._exits),
+            "finished_by_reason": dict(self._finished),
+        }
 
     # ------------------------------------------------------------------------------------------ requests
     def _threshold(self, spec) -> tuple[float, bool]:
         """A request's ``(ε, checks)`` from its ``exit`` field (None: the server's)."""
         if spec is None:
-            return (self.threshold or 0.0, self.criterion is not None and self.criterion != "gate" and self.threshold > 0
-                    or self.criterion == "gate")  # fmt: skip
+            return (
+                self.threshold or 0.0,
+                self.criterion is not None
+                and self.criterion != "gate"
+                and self.threshold > 0
+                or self.criterion == "gate",
+            )
         if not isinstance(spec, str):
             raise ValueError(f"give a string such as '{self.criterion or 'kl'}:0.01' or 'none', got {spec!r}")
         if spec.strip().lower() in ("none", "full"):
             if self.criterion == "gate":
-                raise ValueError("under the gate criterion every row runs the server's q (the rule selects its output "
-                                 f"with it): leave looplm.exit out, or give 'gate:{self.threshold:g}'")  # fmt: skip
+                raise ValueError(
+                    "under the gate criterion every row runs the server's q (the rule selects its output "
+                    f"with it): leave looplm.exit out, or give 'gate:{self.threshold:g}'"
+                )
             return 0.0, False
         name, _, value = spec.partition(":")
         name = name.strip()
         if self.criterion is None:
-            raise ValueError(f"this server runs full depth; got {spec!r}: leave it out or give 'none', or start a "
-                             "server with --exit kl:0.01 whose requests may set their own threshold")  # fmt: skip
+            raise ValueError(
+                f"this server runs full depth; got {spec!r}: leave it out or give 'none', or start a "
+                "server with --exit kl:0.01 whose requests may set their own threshold"
+            )
         if name != self.criterion:
-            raise ValueError(f"this server's rows are checked by the {self.criterion} criterion (one per batch); got "
-                             f"{spec!r}: give '{self.criterion}:VALUE' or 'none'")  # fmt: skip
+            raise ValueError(
+                f"this server's rows are checked by the {self.criterion} criterion (one per batch); got "
+                f"{spec!r}: give '{self.criterion}:VALUE' or 'none'"
+            )
         try:
             t = float(value) if value else self.threshold
         except ValueError:
@@ -524,8 +637,10 @@ class Engine:
             raise ValueError(f"{spec!r}: the threshold must be a finite number >= 0 (0 = full depth)")
         if self.criterion == "gate":
             if t != self.threshold:
-                raise ValueError(f"under the gate criterion every row runs the server's q={self.threshold:g} (the rule "
-                                 f"selects its output with it); got {spec!r}")  # fmt: skip
+                raise ValueError(
+                    f"under the gate criterion every row runs the server's q={self.threshold:g} (the rule "
+                    f"selects its output with it); got {spec!r}"
+                )
             return t, True
         return t, t > 0
 
@@ -560,9 +675,15 @@ class Engine:
         self.runner = ModelRunner(self.model, self.config.max_batch, self.max_model_len, self.exit)
         self._S = self.runner.slots_per_token
         self._size_budget()
-        self.scheduler = Scheduler(self.config.max_batch, self.config.max_waiting, self._budget, self._S,
-                                   self.config.prefill_chunk, wait_for_batch=self.config.exit_schedule == "token",
-                                   batch_prefill=self.runner.can_batch_prefill and self._prefill_exit is None)  # fmt: skip
+        self.scheduler = Scheduler(
+            self.config.max_batch,
+            self.config.max_waiting,
+            self._budget,
+            self._S,
+            self.config.prefill_chunk,
+            wait_for_batch=self.config.exit_schedule == "token",
+            batch_prefill=self.runner.can_batch_prefill and self._prefill_exit is None,
+        )
 
     def _size_budget(self) -> None:
         """``config.kv_budget`` in cache tokens (a memory size: what is left after the rows' fixed Mamba-2
@@ -576,15 +697,19 @@ class Engine:
         if kind == "bytes":
             room = v - ssm
             if room <= 0:
-                raise ValueError(f"EngineConfig: kv_budget={self.config.kv_budget!r} is {v:.0f} bytes, not more than the "
-                                 f"{ssm} bytes of the {self.config.max_batch} rows' Mamba-2 states; give more "
-                                 "than that, or fewer rows (--max-batch)")  # fmt: skip
+                raise ValueError(
+                    f"EngineConfig: kv_budget={self.config.kv_budget!r} is {v:.0f} bytes, not more than the "
+                    f"{ssm} bytes of the {self.config.max_batch} rows' Mamba-2 states; give more "
+                    "than that, or fewer rows (--max-batch)"
+                )
             tokens = int(room // per) if per > 0 else cap
         else:
             tokens = int(v)
         if tokens < 2 * self._S:
-            raise ValueError(f"EngineConfig: kv_budget={self.config.kv_budget!r} holds {tokens} cache tokens, fewer than one "
-                             f"request of two tokens needs ({2 * self._S}: {self._S} loop slots per token); give more")  # fmt: skip
+            raise ValueError(
+                f"EngineConfig: kv_budget={self.config.kv_budget!r} holds {tokens} cache tokens, fewer than one "
+                f"request of two tokens needs ({2 * self._S}: {self._S} loop slots per token); give more"
+            )
         self._budget = min(tokens, cap)
 
     def _main(self, ready: threading.Event) -> None:
@@ -664,11 +789,19 @@ class Engine:
             req.prompt_lp, req.prompt_top = [None], [None]
         exit = None  # prefill='exit': the prompt (whole: prefill_chunk is None) at adaptive depth, at its own ε
         if self._prefill_exit is not None and req.checks:
-            exit = replace(self._prefill_exit, threshold=req.thr) if req.thr != self._prefill_exit.threshold else self._prefill_exit
+            exit = (
+                replace(self._prefill_exit, threshold=req.thr)
+                if req.thr != self._prefill_exit.threshold
+                else self._prefill_exit
+            )
         n = chunk.end - chunk.start
-        logits, first_depth = self.runner.prefill(req.id, req.prompt, chunk.start, chunk.end, n if echo else 1, exit)  # [keep, V]
+        logits, first_depth = self.runner.prefill(
+            req.id, req.prompt, chunk.start, chunk.end, n if echo else 1, exit
+        )  # [keep, V]
         if echo:  # position a + i predicts token a + i + 1
-            lp, top = self._sampler.prompt_logprobs(logits, req.prompt[chunk.start + 1 : chunk.end + 1], req.params.logprobs or 0)
+            lp, top = self._sampler.prompt_logprobs(
+                logits, req.prompt[chunk.start + 1 : chunk.end + 1], req.params.logprobs or 0
+            )
             req.prompt_lp += lp
             req.prompt_top += top
         if chunk.last:
@@ -698,8 +831,11 @@ class Engine:
             if req.next_token is None:  # (preempted before: it replays the tokens it had made, from the first)
                 new.append(i)
         if new:
-            picks = self._sampler.sample([reqs[i].params for i in new], [reqs[i].gen for i in new],
-                                         last_logits if len(new) == len(reqs) else last_logits[new])  # fmt: skip
+            picks = self._sampler.sample(
+                [reqs[i].params for i in new],
+                [reqs[i].gen for i in new],
+                last_logits if len(new) == len(reqs) else last_logits[new],
+            )
             for i, pick in zip(new, picks):
                 self._token(reqs[i], pick, depth)
 

@@ -59,29 +59,42 @@ class _EngineCollector:
 
     def collect(self):
         s = self.engine.stats()
-        for name, key, doc in (("looplm_requests_running", "running", "engine requests in a batch row"),
-                               ("looplm_requests_waiting", "waiting", "engine requests queued for a row"),
-                               ("looplm_max_batch", "max_batch", "rows decoded at once"),
-                               ("looplm_kv_slots", "kv_slots", "loop slots a token keeps per layer (its cache tokens)"),
-                               ("looplm_kv_tokens_used", "kv_tokens_used", "KV cache tokens in use"),
-                               ("looplm_kv_tokens_capacity", "kv_tokens_capacity", "KV cache tokens allocated"),
-                               ("looplm_kv_budget_tokens", "kv_budget_tokens", "KV cache tokens requests may hold"),
-                               ("looplm_kv_bytes_used", "kv_bytes_used", "KV-cache bytes in use"),
-                               ("looplm_kv_bytes_capacity", "kv_bytes_capacity", "KV-cache bytes allocated"),
-                               ("looplm_kv_budget_bytes", "kv_budget_bytes", "KV-cache bytes requests may hold")):  # fmt: skip
+        for name, key, doc in (
+            ("looplm_requests_running", "running", "engine requests in a batch row"),
+            ("looplm_requests_waiting", "waiting", "engine requests queued for a row"),
+            ("looplm_max_batch", "max_batch", "rows decoded at once"),
+            ("looplm_kv_slots", "kv_slots", "loop slots a token keeps per layer (its cache tokens)"),
+            ("looplm_kv_tokens_used", "kv_tokens_used", "KV cache tokens in use"),
+            ("looplm_kv_tokens_capacity", "kv_tokens_capacity", "KV cache tokens allocated"),
+            ("looplm_kv_budget_tokens", "kv_budget_tokens", "KV cache tokens requests may hold"),
+            ("looplm_kv_bytes_used", "kv_bytes_used", "KV-cache bytes in use"),
+            ("looplm_kv_bytes_capacity", "kv_bytes_capacity", "KV-cache bytes allocated"),
+            ("looplm_kv_budget_bytes", "kv_budget_bytes", "KV-cache bytes requests may hold"),
+        ):
             if key in s and s[key] is not None:
                 yield GaugeMetricFamily(name, doc, value=float(s[key]))
         cap = s.get("kv_budget_tokens") or s.get("kv_tokens_capacity") or 0
-        yield GaugeMetricFamily("looplm_kv_usage_ratio", "KV cache tokens used / budget (the KV budget used)",
-                                value=float(s.get("kv_tokens_used", 0)) / cap if cap else 0.0)
-        yield CounterMetricFamily("looplm_preemptions", "requests preempted (recomputed later)", value=float(s.get("preempted", 0)))
-        yield CounterMetricFamily("looplm_prompt_tokens", "prompt tokens prefilled", value=float(s.get("prompt_tokens_total", 0)))
-        yield CounterMetricFamily("looplm_generation_tokens", "tokens generated", value=float(s.get("generation_tokens_total", 0)))
+        yield GaugeMetricFamily(
+            "looplm_kv_usage_ratio",
+            "KV cache tokens used / budget (the KV budget used)",
+            value=float(s.get("kv_tokens_used", 0)) / cap if cap else 0.0,
+        )
+        yield CounterMetricFamily(
+            "looplm_preemptions", "requests preempted (recomputed later)", value=float(s.get("preempted", 0))
+        )
+        yield CounterMetricFamily(
+            "looplm_prompt_tokens", "prompt tokens prefilled", value=float(s.get("prompt_tokens_total", 0))
+        )
+        yield CounterMetricFamily(
+            "looplm_generation_tokens", "tokens generated", value=float(s.get("generation_tokens_total", 0))
+        )
         exits = CounterMetricFamily("looplm_exits", "generated tokens by the loops they ran", labels=["loops"])
         for i, count in enumerate(s.get("exits_by_depth") or []):
             exits.add_metric([str(i + 1)], float(count))
         yield exits
-        done = CounterMetricFamily("looplm_choices_finished", "engine requests (choices) by finish reason", labels=["reason"])
+        done = CounterMetricFamily(
+            "looplm_choices_finished", "engine requests (choices) by finish reason", labels=["reason"]
+        )
         for reason, count in sorted((s.get("finished_by_reason") or {}).items()):
             done.add_metric([reason], float(count))
         yield done
@@ -96,14 +109,30 @@ class ServerMetrics:
         K = int(getattr(engine, "K", 0) or 0)
         loop_buckets = tuple(float(r) for r in range(1, max(K, 1) + 1))
         r = self.registry
-        self.ttft = Histogram("looplm_time_to_first_token_seconds", "request arrival to its first generated token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("looplm_inter_token_latency_seconds", "time between a request's successive tokens",
-                             buckets=_LATENCY_BUCKETS, registry=r)
-        self.token_loops = Histogram("looplm_token_loops", "loops each generated token ran", buckets=loop_buckets, registry=r)
-        self.duration = Histogram("looplm_request_duration_seconds", "request arrival to its last event",
-                                  buckets=_DURATION_BUCKETS, registry=r)
-        self.requests = Counter("looplm_requests", "HTTP requests by endpoint and outcome", ["endpoint", "outcome"], registry=r)
+        self.ttft = Histogram(
+            "looplm_time_to_first_token_seconds",
+            "request arrival to its first generated token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "looplm_inter_token_latency_seconds",
+            "time between a request's successive tokens",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.token_loops = Histogram(
+            "looplm_token_loops", "loops each generated token ran", buckets=loop_buckets, registry=r
+        )
+        self.duration = Histogram(
+            "looplm_request_duration_seconds",
+            "request arrival to its last event",
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            "looplm_requests", "HTTP requests by endpoint and outcome", ["endpoint", "outcome"], registry=r
+        )
         info = Gauge("looplm_model_info", "the served model (value 1)", ["model"], registry=r)
         info.labels(model=model_name).set(1)
 

@@ -30,9 +30,27 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from .fields import MAX_LOGPROBS, FieldError
 
-__all__ = ["ChatCompletion", "ChatCompletionChunk", "ChatMessage", "ChatRequest", "Completion", "CompletionRequest",
-           "FieldError", "LoopLMOptions", "MAX_LOGPROBS", "MAX_N", "MAX_STOP_CHARS", "MAX_STOP_STRINGS", "ModelList",
-           "StreamOptions", "Usage", "error_body", "field_error_message", "parse_request", "pydantic_field_errors"]
+__all__ = [
+    "ChatCompletion",
+    "ChatCompletionChunk",
+    "ChatMessage",
+    "ChatRequest",
+    "Completion",
+    "CompletionRequest",
+    "FieldError",
+    "LoopLMOptions",
+    "MAX_LOGPROBS",
+    "MAX_N",
+    "MAX_STOP_CHARS",
+    "MAX_STOP_STRINGS",
+    "ModelList",
+    "StreamOptions",
+    "Usage",
+    "error_body",
+    "field_error_message",
+    "parse_request",
+    "pydantic_field_errors",
+]
 
 MAX_N = 64  # the most samples one request may ask for (each is an engine request)
 MAX_STOP_STRINGS = 16  # stop strings per request (OpenAI allows 4; lm-eval's `until` lists are a few short strings)
@@ -106,8 +124,13 @@ class _Common(_Strict):
         if not n_ok:
             errs.append(FieldError("n", f"must be an int in [1, {MAX_N}] (independent samples), got {self.n!r}"))
         if self.seed is not None and not (0 <= self.seed and self.seed + (self.n if n_ok else 1) <= _SEED_END):
-            errs.append(FieldError("seed", f"must be an int in [0, 2^63 - n] (sample i of n draws from seed + i), "
-                                           f"got {self.seed!r} with n = {self.n!r}"))  # fmt: skip
+            errs.append(
+                FieldError(
+                    "seed",
+                    f"must be an int in [0, 2^63 - n] (sample i of n draws from seed + i), "
+                    f"got {self.seed!r} with n = {self.n!r}",
+                )
+            )
         errs += _stop_errors(self.stop)
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             errs.append(FieldError("stop_token_ids", f"token ids are >= 0, got {self.stop_token_ids!r}"))
@@ -116,7 +139,9 @@ class _Common(_Strict):
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if v not in (None, 0, 0.0):
-                errs.append(FieldError(name, f"is not supported by looplm serve (only 0 / absent), got {v!r}: remove it"))
+                errs.append(
+                    FieldError(name, f"is not supported by looplm serve (only 0 / absent), got {v!r}: remove it")
+                )
         if self.logit_bias:
             errs.append(FieldError("logit_bias", "is not supported by looplm serve (only {} / absent): remove it"))
         return errs
@@ -140,12 +165,22 @@ def _stop_errors(stop) -> list[FieldError]:
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         return [FieldError("stop", f"must be a non-empty string or a list of non-empty strings, got {_short(stop)}")]
     if len(stops) > MAX_STOP_STRINGS:
-        return [FieldError("stop", f"holds {len(stops)} stop strings, more than this server's bound of "
-                                   f"{MAX_STOP_STRINGS}: send at most {MAX_STOP_STRINGS}")]  # fmt: skip
+        return [
+            FieldError(
+                "stop",
+                f"holds {len(stops)} stop strings, more than this server's bound of "
+                f"{MAX_STOP_STRINGS}: send at most {MAX_STOP_STRINGS}",
+            )
+        ]
     longest = max(len(s) for s in stops) if stops else 0
     if longest > MAX_STOP_CHARS:
-        return [FieldError("stop", f"holds a stop string of {longest} characters, more than this server's bound of "
-                                   f"{MAX_STOP_CHARS}: shorten it")]  # fmt: skip
+        return [
+            FieldError(
+                "stop",
+                f"holds a stop string of {longest} characters, more than this server's bound of "
+                f"{MAX_STOP_CHARS}: shorten it",
+            )
+        ]
     return []
 
 
@@ -173,7 +208,11 @@ class CompletionRequest(_Common):
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             errs.append(FieldError("logprobs", f"must be an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}"))
         if self.best_of is not None and self.best_of != self.n:
-            errs.append(FieldError("best_of", f"is not supported other than best_of = n ({self.n}), got {self.best_of!r}: remove it"))
+            errs.append(
+                FieldError(
+                    "best_of", f"is not supported other than best_of = n ({self.n}), got {self.best_of!r}: remove it"
+                )
+            )
         if self.suffix:
             errs.append(FieldError("suffix", "is not supported by looplm serve (no insertion): remove it"))
         return errs
@@ -212,7 +251,9 @@ def _prompt_errors(prompt) -> list[FieldError]:
         if isinstance(x, str):
             continue
         if not _is_token_ids(x) or not x:
-            errs.append(FieldError(f"prompt[{i}]", f"must be a string or a non-empty list of token ids, got {_short(x)}"))
+            errs.append(
+                FieldError(f"prompt[{i}]", f"must be a string or a non-empty list of token ids, got {_short(x)}")
+            )
         elif min(x) < 0:
             errs.append(FieldError(f"prompt[{i}]", "token ids must be >= 0"))
     return errs
@@ -273,7 +314,9 @@ class ChatRequest(_Common):
     parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True  # extension (vLLM): end the prompt with the assistant's turn header
 
-    nulls_are_defaults_chat = field_validator("logprobs", "add_generation_prompt", mode="before")(classmethod(_null_is_default))
+    nulls_are_defaults_chat = field_validator("logprobs", "add_generation_prompt", mode="before")(
+        classmethod(_null_is_default)
+    )
 
     def field_errors(self) -> list[FieldError]:
         errs = self._common_errors()
@@ -281,20 +324,35 @@ class ChatRequest(_Common):
             v = getattr(self, name)
             if v is not None and v < 1:
                 errs.append(FieldError(name, f"must be >= 1, got {v!r}"))
-        if (self.max_tokens is not None and self.max_completion_tokens is not None
-                and self.max_tokens != self.max_completion_tokens):  # fmt: skip
-            errs.append(FieldError("max_completion_tokens", f"differs from max_tokens ({self.max_tokens}): give one of them"))
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
+            errs.append(
+                FieldError("max_completion_tokens", f"differs from max_tokens ({self.max_tokens}): give one of them")
+            )
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= MAX_LOGPROBS:
-                errs.append(FieldError("top_logprobs", f"must be an int in [0, {MAX_LOGPROBS}], got {self.top_logprobs!r}"))
+                errs.append(
+                    FieldError("top_logprobs", f"must be an int in [0, {MAX_LOGPROBS}], got {self.top_logprobs!r}")
+                )
             elif not self.logprobs:
                 errs.append(FieldError("top_logprobs", "needs logprobs=true"))
         if self.response_format is not None and self.response_format.type != "text":
-            errs.append(FieldError("response_format", f"only {{'type': 'text'}} is supported, got type {self.response_format.type!r}"))
+            errs.append(
+                FieldError(
+                    "response_format", f"only {{'type': 'text'}} is supported, got type {self.response_format.type!r}"
+                )
+            )
         if self.tools:
             errs.append(FieldError("tools", "tool calls are not supported by looplm serve: remove tools"))
         if self.tool_choice not in (None, "none"):
-            errs.append(FieldError("tool_choice", f"tool calls are not supported by looplm serve, got {_short(self.tool_choice)}"))
+            errs.append(
+                FieldError(
+                    "tool_choice", f"tool calls are not supported by looplm serve, got {_short(self.tool_choice)}"
+                )
+            )
         if self.parallel_tool_calls:
             errs.append(FieldError("parallel_tool_calls", "tool calls are not supported by looplm serve: remove it"))
         return errs
@@ -329,7 +387,9 @@ def pydantic_field_errors(err: ValidationError) -> list[FieldError]:
     """One :class:`FieldError` per distinct bad field of a pydantic error (unions' per-member errors merged)."""
     seen: dict[str, FieldError] = {}
     for e in err.errors(include_url=False):
-        loc = tuple(p for p in e["loc"] if isinstance(p, int) or not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS)))
+        loc = tuple(
+            p for p in e["loc"] if isinstance(p, int) or not (isinstance(p, str) and ("[" in p or p in _UNION_TAGS))
+        )
         name = _loc_name(loc)
         if name in seen:
             continue
@@ -343,11 +403,26 @@ def pydantic_field_errors(err: ValidationError) -> list[FieldError]:
     return list(seen.values())
 
 
-_UNION_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before",
-               "ContentPart", "StreamOptions", "LoopLMOptions", "ResponseFormat"}  # fmt: skip
+_UNION_TAGS = {
+    "str",
+    "int",
+    "float",
+    "bool",
+    "list",
+    "dict",
+    "none",
+    "function-after",
+    "function-before",
+    "ContentPart",
+    "StreamOptions",
+    "LoopLMOptions",
+    "ResponseFormat",
+}
 
 
-def parse_request(body: bytes, model: type[_Common], max_messages: int | None = None) -> tuple[_Common | None, list[FieldError]]:
+def parse_request(
+    body: bytes, model: type[_Common], max_messages: int | None = None
+) -> tuple[_Common | None, list[FieldError]]:
     """The request in ``body`` (UTF-8 JSON; a leading BOM is ignored) and every error found in it: the request
     only when there is none (a refused field is never used). ``max_messages``: more messages than this (the
     context's tokens) are refused before any is validated."""
@@ -368,8 +443,13 @@ def parse_request(body: bytes, model: type[_Common], max_messages: int | None = 
         return None, [FieldError("body", f"must be a JSON object, got {_short(data)}")]
     messages = data.get("messages")
     if max_messages is not None and isinstance(messages, list) and len(messages) > max_messages:
-        return None, [FieldError("messages", f"holds {len(messages)} messages, more than the model's context of "
-                                             f"{max_messages} tokens can hold: send fewer")]  # fmt: skip
+        return None, [
+            FieldError(
+                "messages",
+                f"holds {len(messages)} messages, more than the model's context of "
+                f"{max_messages} tokens can hold: send fewer",
+            )
+        ]
     try:
         req = model.model_validate(data)
     except ValidationError as e:
@@ -385,8 +465,13 @@ def parse_request(body: bytes, model: type[_Common], max_messages: int | None = 
     return (None, errs) if errs else (req, [])
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | int | None = None, fields: list[FieldError] | None = None) -> dict:
+def error_body(
+    message: str,
+    type: str = "invalid_request_error",
+    param: str | None = None,
+    code: str | int | None = None,
+    fields: list[FieldError] | None = None,
+) -> dict:
     """OpenAI's error JSON ``{"error": {message, type, param, code}}``; ``fields``: every bad field (their names
     in ``param``, joined by ``", "``, and each with its message in ``error.fields``)."""
     err: dict[str, Any] = {"message": message, "type": type, "param": param, "code": code}

@@ -123,14 +123,23 @@ class ServeDecoder(DepthBatchedDecoder):
         ``at [n]`` (full depth only) the final norm and the head run at row ``i``'s position ``at[i]`` alone:
         ``[n, 1, V]``."""
         if exit is not None and at is not None:
-            raise ValueError("prefill at positions (at) runs at full depth; a prompt at adaptive depth (exit) keeps "
-                             "its last positions")  # fmt: skip
+            raise ValueError(
+                "prefill at positions (at) runs at full depth; a prompt at adaptive depth (exit) keeps "
+                "its last positions"
+            )
         self.flush()  # the fills carried into the next pass, before the cache changes hands
         if exit is not None:
             from ..decode.exit_forward import adaptive_forward
 
-            out = adaptive_forward(self.model, ids, exit, loop_options=self.loop_options, full_depth_prefix=1,
-                                   cache=part, logits_to_keep=keep)  # fmt: skip
+            out = adaptive_forward(
+                self.model,
+                ids,
+                exit,
+                loop_options=self.loop_options,
+                full_depth_prefix=1,
+                cache=part,
+                logits_to_keep=keep,
+            )
             return out.logits, int(out.depth[0, -1])
         main = self.cache
         self.cache = part
@@ -208,8 +217,9 @@ class ModelRunner:
         probe = dec.new_part(2)  # which slots a prompt writes: attention KV only, or state that runs over positions
         with torch.no_grad():
             dec.prefill(probe, torch.zeros(1, 2, dtype=torch.long, device=dec.col.device), 1)
-        self.can_batch_prefill = (all(isinstance(v, (KVCache, SharedKV)) for v in probe.slots.values())
-                                  and all(isinstance(v, KVCache) for v in probe.shared.values()))  # fmt: skip
+        self.can_batch_prefill = all(isinstance(v, (KVCache, SharedKV)) for v in probe.slots.values()) and all(
+            isinstance(v, KVCache) for v in probe.shared.values()
+        )
         seen, total = set(), 0
         for s in list(dec.cache.physical_slots()) + [b for b, _, _ in dec.kv_flat.values()]:
             for t in (getattr(s, "_k", None), getattr(s, "_v", None)):
@@ -236,8 +246,10 @@ class ModelRunner:
         or with ``exit`` (``prefill='exit'``: ``start = 0``, ``end = len(prompt)``) at adaptive depth. Returns
         ``(logits [keep, V] of the chunk's last keep positions, the loops its last position ran)``."""
         if not 0 <= start < end <= len(prompt) or not 1 <= keep <= end - start:
-            raise ValueError(f"prefill of prompt tokens [{start}, {end}) keeping {keep} logits: out of the "
-                             f"{len(prompt)}-token prompt")  # fmt: skip
+            raise ValueError(
+                f"prefill of prompt tokens [{start}, {end}) keeping {keep} logits: out of the "
+                f"{len(prompt)}-token prompt"
+            )
         if start == 0:
             self.parts[rid] = (self.decoder.new_part(len(prompt)), None)
         elif rid not in self.parts:
@@ -251,8 +263,10 @@ class ModelRunner:
         docstring), into one cache their rows share. Returns ``(logits [n, V] at each prompt's last position, the
         loops they ran)``."""
         if not self.can_batch_prefill:
-            raise ValueError("this model's prompt caches hold more than attention KV (a Mamba-2 or rule state runs on "
-                             "through padding): prefill its prompts one at a time")  # fmt: skip
+            raise ValueError(
+                "this model's prompt caches hold more than attention KV (a Mamba-2 or rule state runs on "
+                "through padding): prefill its prompts one at a time"
+            )
         if len(rids) != len(prompts) or not prompts or any(not p for p in prompts):
             raise ValueError(
                 f"prefill_batch needs as many non-empty prompts as requests, got {len(prompts)} for {len(rids)}"

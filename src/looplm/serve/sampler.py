@@ -39,8 +39,10 @@ def new_generator(params, device) -> torch.Generator | None:
 def sample(params: list, generators: list, logits: torch.Tensor) -> list[Pick]:
     """Each row's next token from ``logits [n, V]`` under its request's ``params[i]`` and ``generators[i]``."""
     if logits.dim() != 2 or logits.shape[0] != len(params) or len(generators) != len(params):
-        raise ValueError(f"sample needs logits [n, V] and n params and generators; got logits {tuple(logits.shape)}, "
-                         f"{len(params)} params, {len(generators)} generators")  # fmt: skip
+        raise ValueError(
+            f"sample needs logits [n, V] and n params and generators; got logits {tuple(logits.shape)}, "
+            f"{len(params)} params, {len(generators)} generators"
+        )
     n = len(params)
     out: list = [None] * n
     greedy = [i for i, p in enumerate(params) if p.temperature == 0]

@@ -30,6 +30,9 @@ def register() -> None:
     have = getattr(ModelRegistry, "models", {})
     for arch, target in ARCHITECTURES.items():
         current = have.get(arch)
-        if current is not None and f"{getattr(current, 'module_name', '')}:{getattr(current, 'class_name', '')}" == target:
+        if (
+            current is not None
+            and f"{getattr(current, 'module_name', '')}:{getattr(current, 'class_name', '')}" == target
+        ):
             continue  # already ours
         ModelRegistry.register_model(arch, target)

@@ -44,7 +44,7 @@ from ..blocks import _branch
 from ..config import ModelConfig
 from ..context import BlockModulation, ForwardContext, LoopContext
 from ..recurrence import build_rule
-from .spec import PluginSpec, UnsupportedDesign, design_name, plugin_spec, vllm_param_name
+from .spec import UnsupportedDesign, design_name, plugin_spec, vllm_param_name
 
 __all__ = ["LoopLMForCausalLM", "OuroForCausalLM", "RavenForCausalLM"]
 
@@ -65,19 +65,37 @@ class VAttention(nn.Module):
         self.head_dim = cfg.head_dim
         self.n_heads, self.n_kv_heads = a.n_heads // tp, max(1, cfg.n_kv_heads // tp)
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        self.qkv_proj = QKVParallelLinear(cfg.d_model, self.head_dim, a.n_heads, cfg.n_kv_heads, bias=a.bias or a.qk_bias,
-                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")  # fmt: skip
-        self.o_proj = RowParallelLinear(a.n_heads * self.head_dim, cfg.d_model, bias=a.bias, quant_config=quant_config,
-                                        prefix=f"{prefix}.o_proj")  # fmt: skip
+        self.qkv_proj = QKVParallelLinear(
+            cfg.d_model,
+            self.head_dim,
+            a.n_heads,
+            cfg.n_kv_heads,
+            bias=a.bias or a.qk_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.qkv_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            a.n_heads * self.head_dim, cfg.d_model, bias=a.bias, quant_config=quant_config, prefix=f"{prefix}.o_proj"
+        )
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if a.qk_norm else None
-        rope = {"rope_theta": a.rope_theta, "rope_type": "default", "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim}
+        rope = {
+            "rope_theta": a.rope_theta,
+            "rope_type": "default",
+            "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim,
+        }
         if a.rope_scaling is not None:
             s = a.rope_scaling
-            rope |= {"rope_type": "llama3", "factor": s.factor, "low_freq_factor": s.low_freq_factor,
-                     "high_freq_factor": s.high_freq_factor,
-                     "original_max_position_embeddings": s.original_max_position_embeddings}  # fmt: skip
-        self.rotary_emb = get_rope(self.head_dim, max_position=cfg.max_seq_len, is_neox_style=True, rope_parameters=rope)
+            rope |= {
+                "rope_type": "llama3",
+                "factor": s.factor,
+                "low_freq_factor": s.low_freq_factor,
+                "high_freq_factor": s.high_freq_factor,
+                "original_max_position_embeddings": s.original_max_position_embeddings,
+            }
+        self.rotary_emb = get_rope(
+            self.head_dim, max_position=cfg.max_seq_len, is_neox_style=True, rope_parameters=rope
+        )
 
     def forward(self, u: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
         # u [N, d] -> [N, d]
@@ -96,10 +114,12 @@ class VMLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig, prefix: str, quant_config=None):
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.d_model, [cfg.d_ff] * 2, bias=False, quant_config=quant_config,
-                                                       prefix=f"{prefix}.gate_up_proj")  # fmt: skip
-        self.down_proj = RowParallelLinear(cfg.d_ff, cfg.d_model, bias=False, quant_config=quant_config,
-                                           prefix=f"{prefix}.down_proj")  # fmt: skip
+        self.gate_up_proj = MergedColumnParallelLinear(
+            cfg.d_model, [cfg.d_ff] * 2, bias=False, quant_config=quant_config, prefix=f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(
+            cfg.d_ff, cfg.d_model, bias=False, quant_config=quant_config, prefix=f"{prefix}.down_proj"
+        )
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -164,8 +184,9 @@ class _LoopedForCausalLM(nn.Module):
         hf = vllm_config.model_config.hf_config
         spec = plugin_spec(hf, where=str(getattr(vllm_config.model_config, "model", "config.json")))
         if get_tensor_model_parallel_world_size() != 1:
-            raise UnsupportedDesign(design_name(spec.config), "tensor parallelism is not built yet (run with "
-                                    "--tensor-parallel-size 1)")  # fmt: skip
+            raise UnsupportedDesign(
+                design_name(spec.config), "tensor parallelism is not built yet (run with --tensor-parallel-size 1)"
+            )
         self.spec, self.config = spec, hf
         cfg, quant = spec.config, vllm_config.quant_config
         self.cfg = cfg
@@ -185,11 +206,17 @@ class _LoopedForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(V)
         a, tp = cfg.attention, get_tensor_model_parallel_world_size()
         self.attn_slots = nn.ModuleList(
-            Attention(a.n_heads // tp, cfg.head_dim, cfg.head_dim**-0.5, num_kv_heads=max(1, cfg.n_kv_heads // tp),
-                      cache_config=vllm_config.cache_config, quant_config=quant,
-                      prefix=f"{maybe_prefix(prefix, 'attn_slots')}.{s.index}")
+            Attention(
+                a.n_heads // tp,
+                cfg.head_dim,
+                cfg.head_dim**-0.5,
+                num_kv_heads=max(1, cfg.n_kv_heads // tp),
+                cache_config=vllm_config.cache_config,
+                quant_config=quant,
+                prefix=f"{maybe_prefix(prefix, 'attn_slots')}.{s.index}",
+            )
             for s in spec.slots
-        )  # fmt: skip
+        )
 
     # --- the looped forward --------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -219,8 +246,14 @@ class _LoopedForCausalLM(nn.Module):
         c = self.cfg
         return {"prelude": 0, "core": c.n_prelude, "coda": c.n_prelude + c.n_core}[part]
 
-    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, intermediate_tensors=None,
-                inputs_embeds: torch.Tensor | None = None, **_) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+        **_,
+    ) -> torch.Tensor:
         """``input_ids, positions [N]`` (every scheduled token of every request) -> hidden states ``[N, d]``."""
         spec, cfg = self.spec, self.cfg
         E = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [N, d]
@@ -229,10 +262,16 @@ class _LoopedForCausalLM(nn.Module):
         E = E[None]  # [1, N, d]: looplm's [B, T]
         x = self._part(self.prelude, "prelude", E, positions)
         lctx = LoopContext(
-            num_loops=spec.num_loops, train_loops=cfg.n_loops, fctx=ForwardContext(positions=positions[None]),
-            loop_options=dict(spec.loop_options), embeddings=E, embed_weight=self.embed.weight[: cfg.vocab_size],
-            embed_multiplier=self.embed_multiplier, readout_fn=self._readout, final_norm=self._final_norm,
-        )  # fmt: skip
+            num_loops=spec.num_loops,
+            train_loops=cfg.n_loops,
+            fctx=ForwardContext(positions=positions[None]),
+            loop_options=dict(spec.loop_options),
+            embeddings=E,
+            embed_weight=self.embed.weight[: cfg.vocab_size],
+            embed_multiplier=self.embed_multiplier,
+            readout_fn=self._readout,
+            final_norm=self._final_norm,
+        )
         state = self.rule.begin(x, lctx)
         for k in range(spec.num_loops):
             lctx.iteration = k
@@ -267,8 +306,10 @@ class _LoopedForCausalLM(nn.Module):
             loader(p, w) if shard is None else loader(p, w, shard)
             loaded.add(pname)
         if unknown:
-            raise ValueError(f"tensors the plugin's {design_name(self.cfg)} model has no place for: {unknown[:8]}"
-                             f"{' ...' if len(unknown) > 8 else ''}; the directory does not match its config.json")
+            raise ValueError(
+                f"tensors the plugin's {design_name(self.cfg)} model has no place for: {unknown[:8]}"
+                f"{' ...' if len(unknown) > 8 else ''}; the directory does not match its config.json"
+            )
         if self.cfg.attention.qk_bias:  # biases on q and k only: the fused bias's v part is zero
             for pname, p in params.items():
                 if pname.endswith("mixer.qkv_proj.bias"):

@@ -126,8 +126,10 @@ def design_name(cfg: ModelConfig) -> str:
     opts = ", ".join(f"{k}={v!r}" for k, v in sorted(cfg.rule.options.items()))
     rule = f"rule {cfg.rule.name!r}" + (f" ({opts})" if opts else "")
     mixers = sorted({cfg.mixer_of(i) for i in range(cfg.n_physical)})
-    return (f"{cfg.name!r}: {rule}, (p, s, K, c) = ({cfg.n_prelude}, {cfg.n_core}, {cfg.n_loops}, {cfg.n_coda}), "
-            f"mixers {'/'.join(mixers)}")  # fmt: skip
+    return (
+        f"{cfg.name!r}: {rule}, (p, s, K, c) = ({cfg.n_prelude}, {cfg.n_core}, {cfg.n_loops}, {cfg.n_coda}), "
+        f"mixers {'/'.join(mixers)}"
+    )
 
 
 def refusal(cfg: ModelConfig, num_loops: int | None = None) -> str | None:
@@ -141,30 +143,55 @@ def refusal(cfg: ModelConfig, num_loops: int | None = None) -> str | None:
     non_attn = [i for i in range(cfg.n_physical) if cfg.mixer_of(i) != "attention"]
     if non_attn:
         kind = "hybrid Mamba-2/attention" if cfg.uses_attention else "Mamba-2"
-        return (f"{kind} stack (Mamba-2 blocks at physical layers {non_attn}): a looped Mamba-2 block needs one SSM "
-                "state per (loop, layer) in vLLM's Mamba state cache, which the plugin does not build yet")
+        return (
+            f"{kind} stack (Mamba-2 blocks at physical layers {non_attn}): a looped Mamba-2 block needs one SSM "
+            "state per (loop, layer) in vLLM's Mamba state cache, which the plugin does not build yet"
+        )
     if cfg.pause is not None:
-        return ("pause tokens: looplm inserts pauses after every input token inside the model, which changes the "
-                "sequence vLLM schedules and caches")
+        return (
+            "pause tokens: looplm inserts pauses after every input token inside the model, which changes the "
+            "sequence vLLM schedules and caches"
+        )
     if cfg.attention.sliding_window is not None:
-        return ("sliding-window attention layers: vLLM's window is not yet checked against looplm's band "
-                f"(window {cfg.attention.sliding_window})")
+        return (
+            "sliding-window attention layers: vLLM's window is not yet checked against looplm's band "
+            f"(window {cfg.attention.sliding_window})"
+        )
     name, o = cfg.rule.name, cfg.rule.options
     if name in ("stateloop", "stateloop-state-only") and o.get("mixer", "identity") != "identity":
-        return (f"StateLoop's {o['mixer']!r} state mixer mixes tokens with a module of its own, shared across loops "
-                "with one decoding slot per iteration; the plugin has no vLLM layers for it yet (the identity mixer "
-                "is served)")
+        return (
+            f"StateLoop's {o['mixer']!r} state mixer mixes tokens with a module of its own, shared across loops "
+            "with one decoding slot per iteration; the plugin has no vLLM layers for it yet (the identity mixer "
+            "is served)"
+        )
     if name == "injection" and o.get("init_state") == "normal" and o.get("init_seed", 0) is None:
-        return ("the initial state is drawn afresh each forward (init_seed null): a request would get different "
-                "random states at prefill and at every decoding step; seed it (init_seed: 0) to serve it")
+        return (
+            "the initial state is drawn afresh each forward (init_seed null): a request would get different "
+            "random states at prefill and at every decoding step; seed it (init_seed: 0) to serve it"
+        )
     if name == "ponderlm" and cfg.n_coda > 0:
-        return ("PonderLM reads out every iteration through the coda, whose attention would need a KV cache per "
-                f"(iteration, coda layer); served without a coda only (this model has c = {cfg.n_coda})")
-    known = {"vanilla", "injection", "history", "timestep", "stateloop", "stateloop-state-only", "hyperloop", "mesh",
-             "parcae", "ponderlm", "exit_gate"}  # fmt: skip
+        return (
+            "PonderLM reads out every iteration through the coda, whose attention would need a KV cache per "
+            f"(iteration, coda layer); served without a coda only (this model has c = {cfg.n_coda})"
+        )
+    known = {
+        "vanilla",
+        "injection",
+        "history",
+        "timestep",
+        "stateloop",
+        "stateloop-state-only",
+        "hyperloop",
+        "mesh",
+        "parcae",
+        "ponderlm",
+        "exit_gate",
+    }
     if name not in known:
-        return (f"the recurrence rule {name!r} is not known to the plugin; a rule is served only once it is checked "
-                "to act on each token's own state (no token mixing of its own)")
+        return (
+            f"the recurrence rule {name!r} is not known to the plugin; a rule is served only once it is checked "
+            "to act on each token's own state (no token mixing of its own)"
+        )
     return None
 
 
@@ -194,8 +221,10 @@ def plugin_spec(hf_config: Any, *, kv_policy: str | None = None, where: str = "c
     if arch == "LoopLMForCausalLM" or (arch is None and mt == "looplm"):
         raw = c.get("looplm")
         if not isinstance(raw, Mapping) or not raw:
-            raise ValueError(f"{where}: a LoopLMForCausalLM config needs the looplm ModelConfig under 'looplm' "
-                             "(written by `looplm export hf`); re-export the checkpoint")
+            raise ValueError(
+                f"{where}: a LoopLMForCausalLM config needs the looplm ModelConfig under 'looplm' "
+                "(written by `looplm export hf`); re-export the checkpoint"
+            )
         cfg = ModelConfig.from_dict(dict(raw))
         r = c.get("num_loops")
         r = cfg.n_loops if r is None else _positive_int(r, f"{where}: num_loops")
@@ -207,19 +236,24 @@ def plugin_spec(hf_config: Any, *, kv_policy: str | None = None, where: str = "c
         from ..hf.public import detect, public_config
 
         if detect(c) is None:
-            raise ValueError(f"{where}: architecture {arch!r} with model_type {mt!r}; Ouro's is 'ouro', Huginn's "
-                             "'huginn_raven'")
+            raise ValueError(
+                f"{where}: architecture {arch!r} with model_type {mt!r}; Ouro's is 'ouro', Huginn's 'huginn_raven'"
+            )
         cfg = public_config(c, where)
         r = cfg.n_loops  # total_ut_steps / mean_recurrence: what looplm's import runs by default
         opts = {}
         arch = "OuroForCausalLM" if mt == "ouro" else "RavenForCausalLM"
     else:
-        raise ValueError(f"{where}: architecture {arch!r} (model_type {mt!r}) is not one the looplm plugin serves; "
-                         f"it serves {sorted(ARCHITECTURES)}")
+        raise ValueError(
+            f"{where}: architecture {arch!r} (model_type {mt!r}) is not one the looplm plugin serves; "
+            f"it serves {sorted(ARCHITECTURES)}"
+        )
     policy = kv_policy if kv_policy is not None else c.get("looplm_kv_policy", "per-loop")
     if policy not in KV_POLICIES:
-        raise ValueError(f"looplm_kv_policy must be one of {list(KV_POLICIES)}, got {policy!r} "
-                         "(set it with --hf-overrides '{\"looplm_kv_policy\": \"shared\"}')")
+        raise ValueError(
+            f"looplm_kv_policy must be one of {list(KV_POLICIES)}, got {policy!r} "
+            '(set it with --hf-overrides \'{"looplm_kv_policy": "shared"}\')'
+        )
     why = refusal(cfg, r)
     if why is not None:
         raise UnsupportedDesign(design_name(cfg), why, where)
@@ -228,8 +262,10 @@ def plugin_spec(hf_config: Any, *, kv_policy: str | None = None, where: str = "c
 
         unknown = [k for k in opts if k not in RULES[cfg.rule.name].loop_options]
         if unknown:
-            raise ValueError(f"{where}: loop_options {unknown} are not read by the rule {cfg.rule.name!r} "
-                             f"(it reads {list(RULES[cfg.rule.name].loop_options)})")
+            raise ValueError(
+                f"{where}: loop_options {unknown} are not read by the rule {cfg.rule.name!r} "
+                f"(it reads {list(RULES[cfg.rule.name].loop_options)})"
+            )
     return PluginSpec(cfg, r, policy, opts, arch)
 
 
