@@ -162,6 +162,44 @@ def test_unservable_designs_are_refused_by_name_and_reason(preset, overrides, re
     assert e.value.design == design_name(cfg) and reason in e.value.reason
 
 
+@pytest.mark.parametrize(
+    "preset, overrides, tp",
+    [
+        ("tiny-llama", {}, 2),  # 4 query heads, 2 KV heads: 2 and 1 per rank
+        ("tiny-llama", {}, 4),  # 1 and 1, the 2 KV heads each replicated on 2 ranks
+        ("tiny-coreloop", {}, 2),  # 1 KV head replicated on both ranks (vLLM's QKVParallelLinear does)
+        ("tiny-qwen3", {"rule": {"name": "injection", "options": {"form": "dense"}}}, 2),  # rule weights replicated
+        ("tiny-llama", {"rule": {"name": "timestep", "options": {"gating": "adaln"}}}, 2),
+    ],
+)
+def test_tensor_parallel_sizes_that_split_are_served(preset, overrides, tp):
+    cfg = load_model_config(preset, overrides)
+    assert refusal(cfg, tp=tp) is None
+    assert plugin_spec(_export_config(preset, overrides), tp=tp).config == cfg
+
+
+_TP_REFUSED = [
+    ("tiny-llama", {"attention.n_heads": 6, "attention.n_kv_heads": 2, "attention.head_dim": 16}, 4, "6 query heads"),
+    ("tiny-llama", {"attention.n_heads": 6, "attention.n_kv_heads": 3, "attention.head_dim": 16}, 2, "3 KV heads"),
+    ("tiny-llama", {"d_ff": 170}, 4, "d_ff = 170"),
+    ("tiny-llama", {"rule": {"name": "ponderlm"}}, 2, "PonderLM feeds back softmax(logits)"),
+]
+
+
+@pytest.mark.parametrize("preset, overrides, tp, reason", _TP_REFUSED)
+def test_tensor_parallel_sizes_that_do_not_split_are_refused_by_name(preset, overrides, tp, reason):
+    cfg = load_model_config(preset, overrides)
+    assert refusal(cfg) is None  # served at TP 1
+    with pytest.raises(UnsupportedDesign) as e:
+        plugin_spec(_export_config(preset, overrides), tp=tp, where="/models/x/config.json")
+    msg = str(e.value)
+    assert msg.startswith(f"/models/x/config.json: looplm's vLLM plugin cannot serve {design_name(cfg)}: ")
+    assert reason in msg and "tensor-parallel" in msg, msg
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="tensor-parallel size must be a positive int"):
+            refusal(cfg, tp=bad)
+
+
 def test_weight_names_map_to_the_fused_vllm_projections():
     assert vllm_param_name("looplm.core.stack.blocks.1.mixer.q_proj.weight") == (
         "core.stack.blocks.1.mixer.qkv_proj.weight",

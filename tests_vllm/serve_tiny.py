@@ -4,7 +4,10 @@ Run by the tests as ``python serve_tiny.py JOB.json OUT.json`` (a subprocess: vL
 out of pytest). The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni``
 executor), so one process serves every directory of the job in turn, a few seconds each.
 
-Job: ``{"runs": [{"name", "dir", "prompts": [[ids]], "max_tokens", "alone": bool, "hf_overrides": {} | null}]}``.
+Job: ``{"runs": [{"name", "dir", "prompts": [[ids]], "max_tokens", "alone": bool, "hf_overrides": {} | null,
+"tensor_parallel_size": int}]}``. A run with ``tensor_parallel_size`` > 1 uses vLLM's multiprocess executor (one
+spawned worker per rank, bound to the cores of ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0|1``); the others run in
+this process.
 Each run's result: the greedy tokens, their logprobs and the prompt logprobs of every prompt submitted
 together (one batch), and, with ``alone``, of each prompt submitted by itself; or ``error`` when the model
 did not load (the plugin's refusals).
@@ -47,6 +50,7 @@ def main(job_path: str, out_path: str) -> None:
     for r in job["runs"]:
         res, t0 = {"name": r["name"]}, time.time()
         llm = None
+        tp = r.get("tensor_parallel_size", 1)
         try:
             llm = LLM(
                 model=r["dir"],
@@ -56,9 +60,11 @@ def main(job_path: str, out_path: str) -> None:
                 max_model_len=512,
                 max_num_seqs=16,
                 seed=0,
-                distributed_executor_backend="uni",
+                tensor_parallel_size=tp,
+                distributed_executor_backend="uni" if tp == 1 else "mp",
                 hf_overrides=r.get("hf_overrides"),
             )
+            res["tensor_parallel_size"] = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
             sp = SamplingParams(
                 temperature=0.0,
                 max_tokens=r["max_tokens"],

@@ -53,10 +53,18 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # refused: Mamba-2 blocks
     "tiny-hybrid": ("tiny-hybrid", {}),
 }
+# served at --tensor-parallel-size 2 (test_tensor_parallel.py): 4 query heads and 2 KV heads, so each rank
+# gets 2 and 1; d_ff 176 splits into 88 per rank; the rules' parameters stay whole on each rank
+KV2 = {**HD32, "attention.n_kv_heads": 2}
+TP_VARIANTS: dict[str, tuple[str, dict]] = {
+    "tp-coreloop": ("tiny-coreloop", KV2),  # (1, 2, 3, 1), Llama-3 RoPE scaling
+    "tp-timestep-adaln": ("tiny-llama", {**KV2, "rule": {"name": "timestep", "options": {"gating": "adaln"}}}),
+    "tp-injection-qwen3": ("tiny-qwen3", {**KV2, "rule": {"name": "injection", "options": {"form": "dense"}}}),
+}
 
 
 def build_tiny(name: str, seed: int = 0) -> looplm.LoopedLM:
-    preset, overrides = VARIANTS[name]
+    preset, overrides = {**VARIANTS, **TP_VARIANTS}[name]
     torch.manual_seed(seed)
     model = looplm.build(looplm.load_model_config(preset, overrides)).float().eval()
     g = torch.Generator().manual_seed(seed + 1)

@@ -20,6 +20,14 @@ attention slot of :attr:`looplm.vllm.spec.PluginSpec.slots` is one vLLM ``Attent
 ``attn_slots.<index>``, so vLLM pages one KV cache per (loop, layer). The recurrence rules run only where
 :func:`looplm.vllm.spec.refusal` found that they act on each token's own state, so running them on the flat
 batch is exact: no token of one request reaches another's.
+
+Tensor parallelism (``--tensor-parallel-size tp``): the vLLM layers shard themselves — each rank holds
+``n_heads / tp`` query heads and ``n_kv_heads / tp`` KV heads (one KV head replicated on ``tp / n_kv_heads``
+ranks when there are fewer), ``d_ff / tp`` MLP channels and a ``V / tp`` slice of the embedding and the head,
+and each tensor loads through its parameter's ``weight_loader``, which cuts the rank's shard from the full
+tensor. ``o_proj`` and ``down_proj`` (``RowParallelLinear``) and the embedding all-reduce, so every block returns
+the full ``[N, d]`` on every rank: the norms (QK-norm is per head), the rule modules and their parameters are
+replicated and load whole. What does not split is refused by name first (:func:`looplm.vllm.spec.tp_refusal`).
 """
 
 from __future__ import annotations
@@ -182,11 +190,10 @@ class _LoopedForCausalLM(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         hf = vllm_config.model_config.hf_config
-        spec = plugin_spec(hf, where=str(getattr(vllm_config.model_config, "model", "config.json")))
-        if get_tensor_model_parallel_world_size() != 1:
-            raise UnsupportedDesign(
-                design_name(spec.config), "tensor parallelism is not built yet (run with --tensor-parallel-size 1)"
-            )
+        tp = get_tensor_model_parallel_world_size()
+        # refused by name before any layer is built or weight read (tp_refusal: heads, d_ff, PonderLM)
+        spec = plugin_spec(hf, where=str(getattr(vllm_config.model_config, "model", "config.json")), tp=tp)
+        self.tp = tp
         self.spec, self.config = spec, hf
         cfg, quant = spec.config, vllm_config.quant_config
         self.cfg = cfg
@@ -204,7 +211,7 @@ class _LoopedForCausalLM(nn.Module):
         if cfg.tie_embeddings:
             self.lm_head = self.lm_head.tie_weights(self.embed)
         self.logits_processor = LogitsProcessor(V)
-        a, tp = cfg.attention, get_tensor_model_parallel_world_size()
+        a = cfg.attention
         self.attn_slots = nn.ModuleList(
             Attention(
                 a.n_heads // tp,
@@ -267,7 +274,8 @@ class _LoopedForCausalLM(nn.Module):
             fctx=ForwardContext(positions=positions[None]),
             loop_options=dict(spec.loop_options),
             embeddings=E,
-            embed_weight=self.embed.weight[: cfg.vocab_size],
+            # the rank's vocabulary shard under TP: only PonderLM reads it, and tp_refusal refuses it there
+            embed_weight=self.embed.weight[: cfg.vocab_size] if self.tp == 1 else None,
             embed_multiplier=self.embed_multiplier,
             readout_fn=self._readout,
             final_norm=self._final_norm,

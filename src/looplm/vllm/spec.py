@@ -38,6 +38,7 @@ __all__ = [
     "design_name",
     "plugin_spec",
     "refusal",
+    "tp_refusal",
     "vllm_param_name",
 ]
 
@@ -132,14 +133,18 @@ def design_name(cfg: ModelConfig) -> str:
     )
 
 
-def refusal(cfg: ModelConfig, num_loops: int | None = None) -> str | None:
-    """Why the plugin cannot serve ``cfg`` exactly, or ``None``.
+def refusal(cfg: ModelConfig, num_loops: int | None = None, tp: int = 1) -> str | None:
+    """Why the plugin cannot serve ``cfg`` exactly on ``tp`` tensor-parallel ranks, or ``None``.
 
     Served: attention blocks at any ``(p, s, K, c)``, every norm placement, GQA, QK-norm, biases, partial
     RoPE and Llama-3 scaling, and the rules that act on each token's own state (their arithmetic is looplm's
     rule module itself): ``vanilla``, ``injection`` (seeded states), ``history``, ``timestep``, ``stateloop`` /
     ``stateloop-state-only`` with the identity mixer, ``hyperloop``, ``mesh``, ``parcae``, ``ponderlm`` without
-    a coda, ``exit_gate`` (every loop runs; the gate selects each token's output)."""
+    a coda, ``exit_gate`` (every loop runs; the gate selects each token's output).
+
+    Tensor parallelism (``tp > 1``, :func:`tp_refusal`): vLLM's parallel layers shard the heads, the MLP
+    and the vocabulary, and every ``RowParallelLinear`` all-reduces, so each rank holds the full hidden state
+    ``[N, d]``; the rule modules act on it and stay replicated (each rank loads their full weights)."""
     non_attn = [i for i in range(cfg.n_physical) if cfg.mixer_of(i) != "attention"]
     if non_attn:
         kind = "hybrid Mamba-2/attention" if cfg.uses_attention else "Mamba-2"
@@ -192,6 +197,37 @@ def refusal(cfg: ModelConfig, num_loops: int | None = None) -> str | None:
             f"the recurrence rule {name!r} is not known to the plugin; a rule is served only once it is checked "
             "to act on each token's own state (no token mixing of its own)"
         )
+    return tp_refusal(cfg, tp)
+
+
+def tp_refusal(cfg: ModelConfig, tp: int) -> str | None:
+    """Why ``cfg`` cannot be split over ``tp`` tensor-parallel ranks, or ``None``.
+
+    vLLM's ``QKVParallelLinear`` gives each rank ``n_heads / tp`` query heads and ``n_kv_heads / tp`` KV heads
+    (or one KV head replicated on ``tp / n_kv_heads`` ranks when ``tp`` is a multiple of ``n_kv_heads``), and
+    ``MergedColumnParallelLinear`` ``d_ff / tp`` MLP channels: anything else does not split. PonderLM's
+    feedback ``softmax(logits) · W_E`` needs the whole vocabulary on each rank, which vLLM shards."""
+    if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1:
+        raise ValueError(f"the tensor-parallel size must be a positive int, got {tp!r}")
+    if tp == 1:
+        return None
+    a, kv = cfg.attention, cfg.n_kv_heads
+    fix = f"serve it with --tensor-parallel-size 1, or a size that divides it (tensor-parallel size {tp})"
+    if a.n_heads % tp:
+        return f"its {a.n_heads} query heads do not split over {tp} tensor-parallel ranks; {fix}"
+    if kv % tp and tp % kv:
+        return (
+            f"its {kv} KV heads neither split over {tp} tensor-parallel ranks nor replicate evenly on them "
+            f"(vLLM needs n_kv_heads % tp == 0 or tp % n_kv_heads == 0); {fix}"
+        )
+    if cfg.d_ff > 0 and cfg.d_ff % tp:
+        return f"its MLP width d_ff = {cfg.d_ff} does not split over {tp} tensor-parallel ranks; {fix}"
+    if cfg.rule.name == "ponderlm":
+        return (
+            "PonderLM feeds back softmax(logits) · W_E, which needs the whole vocabulary on each rank, and "
+            f"vLLM shards the embedding and the head over the {tp} tensor-parallel ranks; serve it with "
+            "--tensor-parallel-size 1"
+        )
     return None
 
 
@@ -209,9 +245,10 @@ def _positive_int(v, what: str) -> int:
     return v
 
 
-def plugin_spec(hf_config: Any, *, kv_policy: str | None = None, where: str = "config.json") -> PluginSpec:
+def plugin_spec(hf_config: Any, *, kv_policy: str | None = None, where: str = "config.json", tp: int = 1) -> PluginSpec:
     """The :class:`PluginSpec` of a model directory's config (a ``config.json`` dict or its transformers
-    config). ``kv_policy`` overrides the config's ``looplm_kv_policy`` (default ``per-loop``).
+    config), served on ``tp`` tensor-parallel ranks. ``kv_policy`` overrides the config's ``looplm_kv_policy``
+    (default ``per-loop``).
 
     Raises :class:`UnsupportedDesign` for a design :func:`refusal` refuses, ``ValueError`` for a config
     that is not one of :data:`ARCHITECTURES` or is malformed."""
@@ -254,7 +291,7 @@ def plugin_spec(hf_config: Any, *, kv_policy: str | None = None, where: str = "c
             f"looplm_kv_policy must be one of {list(KV_POLICIES)}, got {policy!r} "
             '(set it with --hf-overrides \'{"looplm_kv_policy": "shared"}\')'
         )
-    why = refusal(cfg, r)
+    why = refusal(cfg, r, tp)
     if why is not None:
         raise UnsupportedDesign(design_name(cfg), why, where)
     if opts:

@@ -1,0 +1,80 @@
+"""looplm's vLLM plugin at ``--tensor-parallel-size 2`` on vLLM's CPU build (docs/vllm.md, issue 61).
+
+vLLM's parallel layers shard the heads, the MLP and the vocabulary over the ranks and all-reduce after every
+``RowParallelLinear``, so each rank holds the whole hidden state and runs looplm's rule modules replicated.
+Tiny random models with 4 query and 2 KV heads (``tiny.TP_VARIANTS``: CoreLoop with a prelude and a coda, a
+rule with parameters — timestep AdaLN —, and QK-norm + tied head + dense injection) are served by vLLM's
+offline ``LLM`` at TP 1 (in-process) and at TP 2 (two spawned workers, one core each:
+``VLLM_CPU_OMP_THREADS_BIND='0|1'``), in one subprocess (``serve_tiny.py``). Checked:
+
+* TP 2's greedy tokens equal TP 1's and looplm ``generate``'s, for every prompt submitted together;
+* TP 2's prompt and generated log-probabilities are within 1e-4 of looplm's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_plugin_exact import TOL, _max_diff, _prompts, _reference  # noqa: E402
+from tiny import TP_VARIANTS, write_tiny  # noqa: E402
+
+HERE = Path(__file__).parent
+PROMPTS = _prompts(8, seed=1)
+N_NEW = 8
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-tp")
+    refs, runs = {}, []
+    for name in TP_VARIANTS:
+        model, d = write_tiny(name, root / name)
+        refs[name] = _reference(model, PROMPTS, N_NEW)  # asserts generate's tokens too
+        for tp in (1, 2):
+            runs.append(
+                {
+                    "name": f"{name}/tp{tp}",
+                    "dir": str(d),
+                    "prompts": PROMPTS,
+                    "max_tokens": N_NEW,
+                    "tensor_parallel_size": tp,
+                }
+            )
+    job, result = root / "job.json", root / "result.json"
+    job.write_text(json.dumps({"runs": runs}))
+    # one core per rank; the TP 1 runs use the in-process executor, which does not read the bind
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "serve_tiny.py"), str(job), str(result)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"serve_tiny.py failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    runs = {r["name"]: r for r in json.loads(result.read_text())["runs"]}
+    print("\nvLLM load + generate, seconds:", {n: r["seconds"] for n, r in runs.items()})
+    return refs, runs
+
+
+@pytest.mark.parametrize("name", list(TP_VARIANTS))
+def test_tp2_equals_tp1_and_looplm(served, name):
+    refs, runs = served
+    tp1, tp2 = runs[f"{name}/tp1"], runs[f"{name}/tp2"]
+    assert "error" not in tp1, f"{name} at TP 1: {tp1['error']}"
+    assert "error" not in tp2, f"{name} at TP 2: {tp2['error']}"
+    assert (tp1["tensor_parallel_size"], tp2["tensor_parallel_size"]) == (1, 2)
+    for i, (r, a, b) in enumerate(zip(refs[name], tp1["together"], tp2["together"], strict=True)):
+        assert a["tokens"] == r["tokens"], f"{name}, prompt {i}: TP 1 differs from looplm"
+        assert b["tokens"] == a["tokens"], f"{name}, prompt {i}: TP 2 differs from TP 1"
+        assert _max_diff(r["prompt_logprobs"], b["prompt_logprobs"]) <= TOL, f"{name}, prompt {i}: prompt logprobs"
+        assert _max_diff(r["logprobs"], b["logprobs"]) <= TOL, f"{name}, prompt {i}: generated logprobs"
