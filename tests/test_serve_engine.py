@@ -291,6 +291,23 @@ def test_batched_prefill_equals_generate_alone(engine_of, exit, schedule):
     assert not engine_of(_model("tiny-hybrid"), max_batch=2).runner.can_batch_prefill
 
 
+def test_a_decode_pass_hands_the_head_one_position_per_row(engine_of):
+    """The rows that leave a pass reach the final norm and the head as ``[e, 1, d]``, the shape of a decode step, so
+    the head takes the GEMV decode step where ``generate``'s does (looplm.kernels.gemv: only 3-D calls of one
+    position per row do); a 2-D call would fall back to torch's matmul on every token."""
+    m = _model("tiny-llama")
+    e = engine_of(m, max_batch=4)
+    seen = []
+    hook = m.lm_head.register_forward_hook(lambda mod, inp, out: seen.append(tuple(inp[0].shape)))
+    try:
+        _run(e, _prompts(3), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    finally:
+        hook.remove()
+    decode = [s for s in seen if s[0] <= 4 and s[1:] == (1, m.config.d_model)]
+    assert seen and all(len(s) == 3 for s in seen), seen
+    assert len(decode) >= 3, seen  # (the tokens after the first come from decode passes)
+
+
 def test_batched_prefill_runs_the_head_at_each_prompts_last_position_only():
     """ModelRunner.prefill_batch asks the decoder for one position per row (``logits_at``): the final norm and the head
     see ``[n, 1, d]`` — not the last ``longest − shortest + 1`` positions of every prompt — and each row's logits are

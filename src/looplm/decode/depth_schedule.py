@@ -647,7 +647,9 @@ class DepthBatchedDecoder(AdaptiveDecoder):
         if len(m.coda.blocks):  # (an empty stack is the identity)
             view = self.cache.rows(rows, col[rows])
             y = m.coda(y, self._fctx(rows, col, L), m.cache_slots(view, m.coda, (0,), rows.shape[0]))
-        return m.lm_head(m.norm(y)[:, -1])  # (the norm of [e, 1, d]: one new token per row, a decode step's shape)
+        return m.lm_head(m.norm(y))[
+            :, -1
+        ]  # [e, 1, d] -> [e, V]: a decode step's shape, so the head takes the GEMV step
 
 
 def _copy_rows(src, dst, rows: torch.Tensor, P: int) -> None:

@@ -230,7 +230,7 @@ class StaticDepthDecoder(DepthBatchedDecoder):
         self._fill_static(leave, k, col, at, outs, ctxs, fctx)
         if len(m.coda.blocks):
             y = m.coda(y, fctx, m.cache_slots(view, m.coda, (0,), B))
-        nxt = pick(m.lm_head(m.norm(y[:, -1])))  # [B]: kept where a row exits
+        nxt = pick(m.lm_head(m.norm(y[:, -1:]))[:, -1])  # [B]: kept where a row exits
         self.sel.index_copy_(0, self.pass_idx, torch.where(leave, k + 1, 0)[None])
         self.at_col.index_copy_(0, self.pass_idx, col[None])
         self.pass_idx += 1
