@@ -200,6 +200,50 @@ def test_tensor_parallel_sizes_that_do_not_split_are_refused_by_name(preset, ove
             refusal(cfg, tp=bad)
 
 
+def test_exit_setting_maps_to_looplm_exit():
+    raw = _export_config("tiny-coreloop", looplm_exit={"criterion": "convergence", "threshold": 0.5})
+    assert plugin_spec(raw).exit == {"criterion": "convergence", "threshold": 0.5, "kv": "copy", "min_loops": 1}
+    assert plugin_spec(_export_config("tiny-coreloop")).exit is None  # default: every token runs every loop
+    over = {"rule": {"name": "exit_gate", "options": {"threshold": 0.5}}}
+    raw = _export_config("tiny-llama", over, exit_threshold=0.5, looplm_exit={"criterion": "gate", "threshold": 0.3})
+    spec = plugin_spec(raw)
+    assert spec.exit["criterion"] == "gate" and spec.loop_options["exit_threshold"] == 0.3  # q selects the output too
+    raw = _export_config("tiny-llama", looplm_exit={"criterion": "kl", "threshold": 0.1, "min_loops": 2})
+    assert plugin_spec(raw).exit["min_loops"] == 2
+
+
+@pytest.mark.parametrize(
+    "setting, message",
+    [
+        ("kl", "looplm_exit must be a dict"),
+        ({"criterion": "entropy", "threshold": 1.0}, "criterion must be one of ['gate', 'kl', 'convergence']"),
+        ({"criterion": "kl"}, "threshold for 'kl' must be a number, ε >= 0; got None"),
+        ({"criterion": "kl", "threshold": -1}, "got -1"),
+        ({"criterion": "kl", "threshold": 0.1, "kv": "propagate"}, "kv must be one of ['copy']"),
+        ({"criterion": "kl", "threshold": 0.1, "min_loops": 9}, "min_loops must be an int in [1, 3], got 9"),
+        ({"criterion": "kl", "threshold": 0.1, "when": 1}, "unknown keys ['when']"),
+    ],
+)
+def test_bad_exit_settings_are_refused_with_the_value(setting, message):
+    with pytest.raises(ValueError) as e:
+        plugin_spec(_export_config("tiny-llama", looplm_exit=setting))
+    assert message in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "preset, setting, top, reason",
+    [
+        ("tiny-llama", {"criterion": "gate", "threshold": 0.5}, {}, "reads the exit gate of rule 'exit_gate'"),
+        ("tiny-coreloop", {"criterion": "kl", "threshold": 0.1}, {}, "reads out every loop through the coda"),
+        ("tiny-llama", {"criterion": "kl", "threshold": 0.1}, {"looplm_kv_policy": "shared"}, "per-loop KV policy"),
+    ],
+)
+def test_exits_a_model_cannot_take_are_refused_by_name(preset, setting, top, reason):
+    with pytest.raises(UnsupportedDesign) as e:
+        plugin_spec(_export_config(preset, looplm_exit=setting, **top))
+    assert reason in str(e.value) and design_name(load_model_config(preset)) in str(e.value)
+
+
 def test_weight_names_map_to_the_fused_vllm_projections():
     assert vllm_param_name("looplm.core.stack.blocks.1.mixer.q_proj.weight") == (
         "core.stack.blocks.1.mixer.qkv_proj.weight",

@@ -58,7 +58,7 @@ def _install(model):
         b.register_forward_pre_hook(pre_core)
 
     def pre(mod, args, kwargs):
-        cur.update(t0=time.perf_counter(), attn=0.0, core_blocks=0)
+        cur.update(t0=time.perf_counter(), attn=0.0, core_blocks=0)  # (with exits: core block calls, any rows)
 
     def post(mod, args, kwargs, out):
         n = int(out.shape[0])
@@ -95,9 +95,29 @@ def _install(model):
     model.register_forward_hook(post, with_kwargs=True)
 
 
+# (name, looplm_exit): full depth; the exit path with no exit (ε = 0: its overhead); every decode token exiting
+# after loop 2 or 3 of 4 (ε huge: the criterion holds from loop 2 on, min_loops 3 holds it back one loop)
+SETTINGS = [
+    ("full depth", None),
+    ("exit path, ε = 0", {"criterion": "convergence", "threshold": 0.0}),
+    ("exit after loop 3", {"criterion": "convergence", "threshold": 1e9, "min_loops": 3}),
+    ("exit after loop 2", {"criterion": "convergence", "threshold": 1e9}),
+]
+
+
+def _stats(model) -> dict:
+    return {"steps": model._exit_probe["steps"], "context": model._exit_probe["context"], **model.exit_stats}
+
+
+def _reset(model) -> None:
+    model._exit_probe["steps"].clear()
+    model.exit_stats.update(decode_tokens=0, executed_loops=0, forwards=0)
+
+
 def main(batch: int = 8, prompt_len: int = 64, new: int = 32) -> None:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    sys.path.insert(0, str(Path(__file__).parent))
+    import gc
+
     import torch
 
     import looplm
@@ -106,52 +126,53 @@ def main(batch: int = 8, prompt_len: int = 64, new: int = 32) -> None:
     torch.manual_seed(0)
     model = looplm.build(looplm.load_model_config("tiny-llama", LM1024)).float().eval()
     from vllm import LLM, SamplingParams
+    from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
 
+    g = torch.Generator().manual_seed(0)
+    prompts = [{"prompt_token_ids": torch.randint(0, 256, (prompt_len,), generator=g).tolist()} for _ in range(batch)]
+    sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
+    K = LM1024["n_loops"]
+    print(f"batch {batch}, prompt {prompt_len}, {new} new tokens each; K = {K}")
+    print("| setting | tokens/s | ms per decode step | of it attention | loops per decode token |")
+    print("| --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         export_hf(model, Path(tmp) / "lm1024", tokenizer="byte", overwrite=True)
         del model
-        llm = LLM(
-            model=str(Path(tmp) / "lm1024"),
-            dtype="float32",
-            enforce_eager=True,
-            skip_tokenizer_init=True,
-            max_model_len=512,
-            max_num_seqs=batch,
-            seed=0,
-            distributed_executor_backend="uni",
-        )
-        llm.apply_model(_install)
-        g = torch.Generator().manual_seed(0)
-        prompts = [
-            {"prompt_token_ids": torch.randint(0, 256, (prompt_len,), generator=g).tolist()} for _ in range(batch)
-        ]
-        sp = SamplingParams(temperature=0.0, max_tokens=new, ignore_eos=True, detokenize=False)
-        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, detokenize=False), use_tqdm=False)
-        llm.apply_model(lambda m: m._exit_probe["steps"].clear())
-        t0 = time.perf_counter()
-        llm.generate(prompts, sp, use_tqdm=False)
-        wall = time.perf_counter() - t0
-        st = llm.apply_model(lambda m: m._exit_probe)[0]
-    dec = [s for s in st["steps"] if s["requests"] == s["tokens"] == batch]
-    fwd = sum(s["seconds"] for s in dec)
-    att = sum(s["attention_seconds"] for s in dec)
+        for name, ex in SETTINGS:
+            llm = LLM(
+                model=str(Path(tmp) / "lm1024"),
+                dtype="float32",
+                enforce_eager=True,
+                skip_tokenizer_init=True,
+                max_model_len=512,
+                max_num_seqs=batch,
+                seed=0,
+                distributed_executor_backend="uni",
+                enable_prefix_caching=False,
+                enable_chunked_prefill=False,
+                hf_overrides=None if ex is None else {"looplm_exit": ex},
+            )
+            llm.apply_model(_install)
+            llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=2, detokenize=False), use_tqdm=False)
+            llm.apply_model(_reset)
+            t0 = time.perf_counter()
+            llm.generate(prompts, sp, use_tqdm=False)
+            wall = time.perf_counter() - t0
+            st = llm.apply_model(_stats)[0]
+            dec = [s for s in st["steps"] if s["requests"] == s["tokens"] == batch]
+            fwd = sum(s["seconds"] for s in dec)
+            att = sum(s["attention_seconds"] for s in dec)
+            loops = st["executed_loops"] / st["decode_tokens"] if st["decode_tokens"] else float(K)
+            print(
+                f"| {name} | {batch * new / wall:.1f} | {1e3 * fwd / len(dec):.1f} | {100 * att / fwd:.0f} % | "
+                f"{loops:.2f} |",
+                flush=True,
+            )
+            del llm
+            gc.collect()
+            destroy_model_parallel()
+            destroy_distributed_environment()
     print(f"forward context: {st['context']}")
-    print(
-        f"batch {batch}, prompt {prompt_len}, {new} new tokens each: wall {wall:.2f} s, {batch * new / wall:.1f} tokens/s"
-    )
-    print(f"loops per forward: {sorted({s['loops'] for s in st['steps']})} (K = {LM1024['n_loops']})")
-    print(
-        f"{len(dec)} full decode steps: forward {1e3 * fwd / len(dec):.1f} ms/step, of it attention "
-        f"{1e3 * att / len(dec):.1f} ms ({100 * att / fwd:.0f} %), the rest {1e3 * (fwd - att) / len(dec):.1f} ms"
-    )
-    for m in (1, 2, 3):
-        K = LM1024["n_loops"]
-        keep = att + (fwd - att) * m / K  # attention for every token, the rest for the loops run
-        sliced = fwd * m / K
-        print(
-            f"  mean depth {m}/{K}: without metadata slicing (attention for all) {fwd / keep:.2f}x full depth, "
-            f"with it {fwd / sliced:.2f}x (prelude/coda/head ignored: none here)"
-        )
 
 
 if __name__ == "__main__":  # python tests_vllm/exit_probe.py [BATCH PROMPT_LEN NEW]

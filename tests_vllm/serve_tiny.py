@@ -5,9 +5,10 @@ out of pytest). The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSIN
 executor), so one process serves every directory of the job in turn, a few seconds each.
 
 Job: ``{"runs": [{"name", "dir", "prompts": [[ids]], "max_tokens", "alone": bool, "hf_overrides": {} | null,
-"tensor_parallel_size": int}]}``. A run with ``tensor_parallel_size`` > 1 uses vLLM's multiprocess executor (one
+"tensor_parallel_size": int, "llm_kwargs": {}, "exit_stats": bool}]}``. A run with ``tensor_parallel_size`` > 1 uses vLLM's multiprocess executor (one
 spawned worker per rank, bound to the cores of ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0|1``); the others run in
-this process.
+this process. ``llm_kwargs`` go to ``LLM`` as given; with ``exit_stats`` the result holds the model's per-token
+exit counters (``LoopLMForCausalLM.exit_stats``) after the batch.
 Each run's result: the greedy tokens, their logprobs and the prompt logprobs of every prompt submitted
 together (one batch), and, with ``alone``, of each prompt submitted by itself; or ``error`` when the model
 did not load (the plugin's refusals).
@@ -31,6 +32,10 @@ def _out(o) -> dict:
         "logprobs": [lp[t].logprob for lp, t in zip(c.logprobs, toks)],
         "prompt_logprobs": [None] + [pl[t].logprob for pl, t in zip(o.prompt_logprobs[1:], prompt[1:])],
     }
+
+
+def _exit_stats(model) -> dict:
+    return dict(model.exit_stats)
 
 
 def main(job_path: str, out_path: str) -> None:
@@ -63,6 +68,7 @@ def main(job_path: str, out_path: str) -> None:
                 tensor_parallel_size=tp,
                 distributed_executor_backend="uni" if tp == 1 else "mp",
                 hf_overrides=r.get("hf_overrides"),
+                **r.get("llm_kwargs", {}),
             )
             res["tensor_parallel_size"] = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
             sp = SamplingParams(
@@ -75,6 +81,8 @@ def main(job_path: str, out_path: str) -> None:
             )
             prompts = [{"prompt_token_ids": p} for p in r["prompts"]]
             res["together"] = [_out(o) for o in llm.generate(prompts, sp, use_tqdm=False)]
+            if r.get("exit_stats"):
+                res["exit_stats"] = llm.apply_model(_exit_stats)[0]
             if r.get("alone"):
                 res["alone"] = [_out(llm.generate([p], sp, use_tqdm=False)[0]) for p in prompts]
         except Exception as e:  # a refusal: the message is what the test checks

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -50,7 +51,8 @@ from vllm.model_executor.models.utils import maybe_prefix
 
 from ..blocks import _branch
 from ..config import ModelConfig
-from ..context import BlockModulation, ForwardContext, LoopContext
+from ..context import BlockModulation, ForwardContext, LoopContext, restrict_context
+from ..decode.exits import Exit, finish_rest, keep_staying, make_criterion
 from ..recurrence import build_rule
 from .spec import UnsupportedDesign, design_name, plugin_spec, vllm_param_name
 
@@ -105,15 +107,28 @@ class VAttention(nn.Module):
             self.head_dim, max_position=cfg.max_seq_len, is_neox_style=True, rope_parameters=rope
         )
 
-    def forward(self, u: torch.Tensor, positions: torch.Tensor, attn: Attention) -> torch.Tensor:
-        # u [N, d] -> [N, d]
-        qkv, _ = self.qkv_proj(u)  # [N, (H + 2 H_kv)·hd]
+    def forward(
+        self, u: torch.Tensor, positions: torch.Tensor, attn: Attention, rows=None, store=None, n_all: int = 0
+    ) -> torch.Tensor:
+        """``u [n, d]`` -> ``[n, d]``. With ``rows [n]`` (per-token exit: the tokens still looping, of ``n_all``)
+        the attention call still covers every token of vLLM's batch, as its metadata says: a token that exited
+        carries the key and value it computed at its exit loop in this layer (``store``, kept across the loops)
+        and a zero query whose output is dropped, so the call writes looplm's ``copy`` fill into its slot."""
+        qkv, _ = self.qkv_proj(u)  # [n, (H + 2 H_kv)·hd]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:  # Qwen3 QK-norm per head, before RoPE
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         q, k = self.rotary_emb(positions, q, k)  # half-split (neox) on the first rotary_dim channels, as looplm
-        y, _ = self.o_proj(attn(q, k, v))  # softmax(q kᵀ/√hd + causal) v over the slot's paged keys
+        if rows is None:
+            y, _ = self.o_proj(attn(q, k, v))  # softmax(q kᵀ/√hd + causal) v over the slot's paged keys
+            return y
+        if "k" not in store:
+            store["k"], store["v"] = k.new_zeros(n_all, self.kv_size), v.new_zeros(n_all, self.kv_size)
+        store["k"].index_copy_(0, rows, k.reshape(-1, self.kv_size))
+        store["v"].index_copy_(0, rows, v.reshape(-1, self.kv_size))
+        qf = q.new_zeros(n_all, self.q_size).index_copy_(0, rows, q.reshape(-1, self.q_size))
+        y, _ = self.o_proj(attn(qf, store["k"], store["v"]).index_select(0, rows))
         return y
 
 
@@ -155,11 +170,20 @@ class VBlock(nn.Module):
         else:
             self.mlp_norm = self.mlp = self.mlp_out_norm = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: Attention, mod: BlockModulation | None = None):
-        # x [1, N, d] (or the rule's residual carrier) -> same shape
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        attn: Attention,
+        mod: BlockModulation | None = None,
+        rows=None,
+        store=None,
+        n_all: int = 0,
+    ):
+        # x [1, N, d] or [n, 1, d] (per-token exit: the rows still looping; or the rule's residual carrier)
         m, d = mod if mod is not None else BlockModulation(), self.d
         out = None if self.mixer_out_norm is None else _rows(self.mixer_out_norm, d)
-        mix = lambda u: self.mixer(u.reshape(-1, d), positions, attn).view(u.shape)  # noqa: E731
+        mix = lambda u: self.mixer(u.reshape(-1, d), positions, attn, rows, store, n_all).view(u.shape)  # noqa: E731
         x = _branch(x, _rows(self.mixer_norm, d), mix, m.mixer, out, self.post_sum)
         if self.mlp is not None:
             out = None if self.mlp_out_norm is None else _rows(self.mlp_out_norm, d)
@@ -194,6 +218,11 @@ class _LoopedForCausalLM(nn.Module):
         # refused by name before any layer is built or weight read (tp_refusal: heads, d_ff, PonderLM)
         spec = plugin_spec(hf, where=str(getattr(vllm_config.model_config, "model", "config.json")), tp=tp)
         self.tp = tp
+        self.exit = spec.exit
+        if spec.exit is not None:
+            self._check_exit_scheduling(vllm_config, spec)
+        # per-token exit: decode tokens seen and the core loops they ran (read by tests_vllm/exit_probe.py)
+        self.exit_stats = {"decode_tokens": 0, "executed_loops": 0, "forwards": 0}
         self.spec, self.config = spec, hf
         cfg, quant = spec.config, vllm_config.quant_config
         self.cfg = cfg
@@ -242,12 +271,126 @@ class _LoopedForCausalLM(nn.Module):
         w = self.lm_head.weight[: self.cfg.vocab_size]  # [V, d] (vLLM pads the vocabulary)
         return self._final_norm(h) @ w.T
 
-    def _part(self, stack: _Stack, part: str, x, positions, loop=None, mods=None):
+    def _part(self, stack: _Stack, part: str, x, positions, loop=None, mods=None, rows=None, stores=None):
+        n_all = 0 if rows is None else stores["n_all"]
         for i, blk in enumerate(stack.blocks):
             layer = self._first(part) + i
             attn = self.attn_slots[self.spec.slot_index(part, layer, loop)]
-            x = blk(x, positions, attn, None if mods is None else mods[i])
+            store = None if rows is None else stores.setdefault(layer, {})
+            x = blk(x, positions, attn, None if mods is None else mods[i], rows, store, n_all)
         return x
+
+    @staticmethod
+    def _check_exit_scheduling(vllm_config: VllmConfig, spec) -> None:
+        """Per-token exit tells a prompt token from a decode token by its request's query length (one new token
+        after at least one cached: decode). A prompt cut into chunks, or one whose prefix came from the prefix
+        cache, could run one token after cached ones and take exits that looplm's ``prefill='full'`` never
+        takes: both are refused by name."""
+        on = []
+        if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+            on.append("prefix caching (pass --no-enable-prefix-caching / enable_prefix_caching=False)")
+        if getattr(vllm_config.scheduler_config, "enable_chunked_prefill", False):
+            on.append("chunked prefill (pass --no-enable-chunked-prefill / enable_chunked_prefill=False)")
+        if on:
+            raise ValueError(
+                f"looplm_exit {spec.exit} needs every prompt scheduled whole and computed here; turn off "
+                + " and ".join(on)
+            )
+
+    def _decode_mask(self, n: int) -> torch.Tensor | None:
+        """``[n]`` bool: the tokens that may exit — each the one new token of a request with cached tokens
+        before it (from the step's attention metadata: ``query_start_loc``, ``seq_lens``); ``None`` when the
+        step has none (or no metadata: vLLM's profiling run)."""
+        if not is_forward_context_available():
+            return None
+        md = get_forward_context().attn_metadata
+        if not isinstance(md, dict) or not md:
+            return None
+        m = md.get(self.attn_slots[0].layer_name)
+        qsl, seq = getattr(m, "query_start_loc", None), getattr(m, "seq_lens", None)
+        if qsl is None or seq is None:
+            return None
+        qlen = (qsl[1:] - qsl[:-1]).long()  # [requests]
+        dec = (qlen == 1) & (seq[: qlen.numel()] > 1)
+        if not bool(dec.any()):
+            return None
+        tok = torch.repeat_interleave(dec, qlen)
+        out = torch.zeros(n, dtype=torch.bool, device=tok.device)
+        out[: min(n, tok.numel())] = tok[:n]
+        return out
+
+    def _check_readout(self, h: torch.Tensor, lctx: LoopContext) -> torch.Tensor:
+        """The ``kl`` check's readout ``[n, T, V]`` of an iterate (no coda: exit_spec refuses kl with one)."""
+        w = self.lm_head.weight[: self.cfg.vocab_size]
+        return self._final_norm(h) @ w.T
+
+    def _exit_loops(self, E: torch.Tensor, positions: torch.Tensor, may_exit: torch.Tensor) -> torch.Tensor:
+        """The looped forward with per-token exit (looplm's token schedule, :mod:`looplm.decode.token_schedule`,
+        on vLLM's batch): every token is a row ``[N, 1, d]`` (the served rules act on each token's own state);
+        after each loop the criterion lets the rows of ``may_exit`` stop (from ``min_loops``), their output is the
+        rule's ``finish`` of the exit state, and the later loops run on the rows still looping only — except each
+        attention call, which covers the whole batch so that an exited token's slot gets its exit loop's key
+        and value (looplm's ``copy``). Prompt tokens run every loop. -> ``[N, 1, d]`` for the coda."""
+        spec, cfg, rule, ex = self.spec, self.cfg, self.rule, self.exit
+        N = E.shape[0]
+        x = self._part(self.prelude, "prelude", E[:, None], positions)  # [N, 1, d]
+        lctx = LoopContext(
+            num_loops=spec.num_loops,
+            train_loops=cfg.n_loops,
+            fctx=ForwardContext(positions=positions[:, None]),
+            loop_options=dict(spec.loop_options),
+            embeddings=E[:, None],
+            embed_weight=self.embed.weight[: cfg.vocab_size] if self.tp == 1 else None,
+            embed_multiplier=self.embed_multiplier,
+            readout_fn=self._readout,
+            final_norm=self._final_norm,
+            check_readout=self._check_readout,
+        )
+        crit = make_criterion(Exit(criterion=ex["criterion"], threshold=ex["threshold"]))
+        crit.begin(0)
+        state = rule.begin(x, lctx)
+        rows, sub, y = torch.arange(N, device=E.device), lctx, None
+        stores: dict = {"n_all": N}
+        executed = torch.zeros(N, dtype=torch.long, device=E.device)
+        R = spec.num_loops
+        for k in range(R):
+            sub.iteration = k
+            n = rows.numel()
+            z = sub.core_input = rule.next_input(state, sub)  # Z^k [n, 1, d]
+            mods = rule.block_modulation(state, sub)
+            h = self._part(self.core.stack, "core", z, positions.index_select(0, rows), k, mods, rows, stores)
+            state = rule.step(state, h, sub)
+            executed.index_add_(0, rows, torch.ones_like(rows))
+            if k == R - 1:
+                break
+            leave = crit.check(k, h, state, sub, rows, self)  # [n]: the criterion of the rows still looping
+            if k + 1 < ex["min_loops"]:
+                continue
+            leave = leave & may_exit.index_select(0, rows)
+            if not bool(leave.any()):
+                continue
+            out = leave.nonzero()[:, 0]
+            g = rows.index_select(0, out)
+            ctx_out = restrict_context(lctx, g)
+            ctx_out.iteration = k
+            st_out = rule.exit_rows(
+                rule.take_rows(state, out, n), torch.ones(out.numel(), 1, dtype=torch.bool, device=E.device), ctx_out
+            )
+            if y is None:
+                y = x.new_zeros(N, 1, x.shape[-1])
+            y.index_copy_(0, g, rule.finish(st_out, ctx_out))
+            state, rows, sub = keep_staying(rule, crit, lctx, state, rows, leave)
+            if rows.numel() == 0:
+                break
+        if rows.numel():
+            if y is None:
+                y = rule.finish(state, sub)
+            else:
+                finish_rest(rule, y, state, sub, rows, None)
+        st = self.exit_stats
+        st["decode_tokens"] += int(may_exit.sum())
+        st["executed_loops"] += int(executed[may_exit].sum())
+        return y
 
     def _first(self, part: str) -> int:
         c = self.cfg
@@ -266,6 +409,11 @@ class _LoopedForCausalLM(nn.Module):
         E = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [N, d]
         if self.embed_multiplier != 1.0:
             E = E * self.embed_multiplier
+        self.exit_stats["forwards"] += 1
+        may_exit = None if self.exit is None else self._decode_mask(E.shape[0])
+        if may_exit is not None:  # per-token exit: the decode tokens of this step may stop early
+            y = self._exit_loops(E, positions, may_exit)
+            return self._final_norm(self._part(self.coda, "coda", y, positions))[:, 0]  # [N, d]
         E = E[None]  # [1, N, d]: looplm's [B, T]
         x = self._part(self.prelude, "prelude", E, positions)
         lctx = LoopContext(

@@ -36,6 +36,7 @@ __all__ = [
     "PluginSpec",
     "UnsupportedDesign",
     "design_name",
+    "exit_spec",
     "plugin_spec",
     "refusal",
     "tp_refusal",
@@ -95,6 +96,9 @@ class PluginSpec:
     kv_policy: str  # "per-loop" | "shared"
     loop_options: dict[str, Any] = field(default_factory=dict)  # the rule's inference options (exit_threshold)
     architecture: str = "LoopLMForCausalLM"
+    exit: dict | None = (
+        None  # per-token exit (config field looplm_exit; exit_spec): criterion, threshold, kv, min_loops
+    )
 
     @property
     def slots(self) -> tuple[AttentionSlot, ...]:
@@ -231,6 +235,70 @@ def tp_refusal(cfg: ModelConfig, tp: int) -> str | None:
     return None
 
 
+EXIT_CRITERIA = ("gate", "kl", "convergence")
+EXIT_KV = ("copy",)
+
+
+def exit_spec(
+    raw: Any, cfg: ModelConfig, num_loops: int, *, tp: int = 1, kv_policy: str = "per-loop", where: str = "config.json"
+) -> dict | None:
+    """The per-token exit of the config field ``looplm_exit`` (``None``: every token runs every loop), as
+    ``{"criterion", "threshold", "kv", "min_loops"}`` — looplm's :class:`~looplm.decode.exits.Exit` with the token
+    schedule and ``prefill='full'``: decode tokens stop at the criterion, prompt tokens run every loop.
+
+    ``criterion``: ``gate`` (the exit gate's ``q`` in (0, 1]), ``kl`` or ``convergence`` (``ε >= 0``);
+    ``kv``: ``copy`` (each skipped loop's KV slot holds the exit loop's key and value); ``min_loops`` >= 1.
+    Raises ``ValueError`` for a malformed setting, :class:`UnsupportedDesign` for a model it cannot apply to."""
+    if raw is None:
+        return None
+    if not isinstance(raw, Mapping):
+        raise ValueError(
+            f"{where}: looplm_exit must be a dict such as {{'criterion': 'kl', 'threshold': 0.01}}, got {raw!r}"
+        )
+    unknown = sorted(set(raw) - {"criterion", "threshold", "kv", "min_loops"})
+    if unknown:
+        raise ValueError(
+            f"{where}: looplm_exit has unknown keys {unknown}; it takes criterion, threshold, kv, min_loops"
+        )
+    crit = raw.get("criterion")
+    if crit not in EXIT_CRITERIA:
+        raise ValueError(f"{where}: looplm_exit criterion must be one of {list(EXIT_CRITERIA)}, got {crit!r}")
+    t = raw.get("threshold")
+    if isinstance(t, bool) or not isinstance(t, (int, float)) or t < 0 or (crit == "gate" and not 0 < t <= 1):
+        want = "q in (0, 1]" if crit == "gate" else "ε >= 0"
+        raise ValueError(f"{where}: looplm_exit threshold for {crit!r} must be a number, {want}; got {t!r}")
+    kv = raw.get("kv", "copy")
+    if kv not in EXIT_KV:
+        raise ValueError(
+            f"{where}: looplm_exit kv must be one of {list(EXIT_KV)} (the plugin does not build looplm's "
+            f"'propagate' fill yet), got {kv!r}"
+        )
+    m = raw.get("min_loops", 1)
+    if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= num_loops:
+        raise ValueError(f"{where}: looplm_exit min_loops must be an int in [1, {num_loops}], got {m!r}")
+    why = None
+    if crit == "gate" and cfg.rule.name != "exit_gate":
+        why = (
+            f"the 'gate' exit criterion reads the exit gate of rule 'exit_gate'; this model's rule is {cfg.rule.name!r}"
+        )
+    elif crit == "kl" and cfg.n_coda:
+        why = (
+            f"the 'kl' exit criterion reads out every loop through the coda ({cfg.n_coda} layers), whose attention "
+            "would need a KV write per loop; use 'convergence' here"
+        )
+    elif crit == "kl" and tp > 1:
+        why = (
+            f"the 'kl' exit criterion reads out the whole vocabulary, which is sharded over {tp} tensor-parallel ranks"
+        )
+    elif kv_policy != "per-loop":
+        why = f"per-token exit is checked against looplm with the per-loop KV policy only (this is {kv_policy!r})"
+    elif cfg.rule.name in ("ponderlm",):
+        why = "PonderLM's per-loop readout is not checked with per-token exit"
+    if why is not None:
+        raise UnsupportedDesign(design_name(cfg), why, where)
+    return {"criterion": crit, "threshold": float(t), "kv": kv, "min_loops": m}
+
+
 def _as_dict(hf_config: Any) -> dict:
     if isinstance(hf_config, Mapping):
         return dict(hf_config)
@@ -303,7 +371,12 @@ def plugin_spec(hf_config: Any, *, kv_policy: str | None = None, where: str = "c
                 f"{where}: loop_options {unknown} are not read by the rule {cfg.rule.name!r} "
                 f"(it reads {list(RULES[cfg.rule.name].loop_options)})"
             )
-    return PluginSpec(cfg, r, policy, opts, arch)
+    ex = exit_spec(c.get("looplm_exit"), cfg, r, tp=tp, kv_policy=policy, where=where)
+    if ex is not None and ex["criterion"] == "gate":
+        # its q is also the gate's output selection, as in looplm's generate: it replaces the config's
+        # exit_threshold (an export writes the rule's trained default there)
+        opts["exit_threshold"] = ex["threshold"]
+    return PluginSpec(cfg, r, policy, opts, arch, ex)
 
 
 def vllm_param_name(name: str) -> tuple[str, str | int | None]:

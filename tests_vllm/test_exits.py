@@ -1,0 +1,125 @@
+"""Per-token exit inside vLLM (docs/vllm.md#exits) against looplm's ``generate(exit=...)``, fp32, CPU build.
+
+The config field ``looplm_exit`` (here through ``hf_overrides``) sets a server-wide criterion; decode tokens
+stop looping when it holds, the loops they skip run only their attention call, which writes each skipped slot
+with the key and value of the exit loop (looplm's ``copy``); prompt tokens run every loop (``prefill='full'``).
+Three tiny random models, each criterion once, at a threshold where the tokens' depths differ:
+
+* ``tiny-coreloop`` (prelude, coda, 1 KV head) with ``convergence``;
+* ``timestep-adaln`` (per-loop block modulation) with ``kl``;
+* ``exit-gate-sandwich`` with ``gate``.
+
+Checked: the greedy tokens of 8 prompts served together equal each prompt's looplm ``generate`` with the same
+``Exit(criterion, threshold, kv='copy')``, and differ from full depth somewhere (the exits and fills matter);
+the loops vLLM ran for the decode tokens equal looplm's executed depths, and are fewer than full depth's; a
+server with prefix caching or chunked prefill on is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_plugin_exact import _prompts  # noqa: E402
+from tiny import write_tiny  # noqa: E402
+
+from looplm.decode.exits import Exit  # noqa: E402
+
+HERE = Path(__file__).parent
+PROMPTS = _prompts(8, seed=2)
+N_NEW = 8
+CASES = {  # model -> (criterion, threshold): thresholds where the random models' depths differ per token
+    "tiny-coreloop": ("convergence", 0.6),
+    "timestep-adaln": ("kl", 0.55),
+    "exit-gate-sandwich": ("gate", 0.2),
+}
+NO_SHARING = {"enable_prefix_caching": False, "enable_chunked_prefill": False}
+
+
+@torch.no_grad()
+def _looplm(model, crit: str, t: float) -> tuple[list, list, int]:
+    """Each prompt alone: tokens with the exit, tokens at full depth, the core loops its decode tokens ran."""
+    toks, full, loops = [], [], 0
+    for p in PROMPTS:
+        ids = torch.tensor([p])
+        out, st = model.generate(
+            ids, max_new_tokens=N_NEW, exit=Exit(criterion=crit, threshold=t, kv="copy"), return_stats=True
+        )
+        toks.append(out[0, len(p) :].tolist())
+        full.append(model.generate(ids, max_new_tokens=N_NEW)[0, len(p) :].tolist())
+        loops += int(sum(int(e.sum()) for e in st.executed))
+    return toks, full, loops
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-exits")
+    refs, runs = {}, []
+    for name, (crit, t) in CASES.items():
+        model, d = write_tiny(name, root / name)
+        refs[name] = _looplm(model, crit, t)
+        exit_cfg = {"looplm_exit": {"criterion": crit, "threshold": t, "kv": "copy"}}
+        runs.append(
+            {
+                "name": name,
+                "dir": str(d),
+                "prompts": PROMPTS,
+                "max_tokens": N_NEW,
+                "hf_overrides": exit_cfg,
+                "llm_kwargs": NO_SHARING,
+                "exit_stats": True,
+            }
+        )
+    first = next(iter(CASES))
+    runs.append(  # prefix caching left on: refused
+        {
+            "name": "prefix-caching",
+            "dir": str(root / first),
+            "prompts": PROMPTS[:1],
+            "max_tokens": 2,
+            "hf_overrides": {"looplm_exit": {"criterion": "convergence", "threshold": 0.6}},
+        }
+    )
+    job, result = root / "job.json", root / "result.json"
+    job.write_text(json.dumps({"runs": runs}))
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "serve_tiny.py"), str(job), str(result)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"serve_tiny.py failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    runs = {r["name"]: r for r in json.loads(result.read_text())["runs"]}
+    print("\nvLLM load + generate, seconds:", {n: r["seconds"] for n, r in runs.items()})
+    return refs, runs
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_exits_equal_looplm_generate(served, name):
+    refs, runs = served
+    toks, full, loops = refs[name]
+    run = runs[name]
+    assert "error" not in run, f"{name}: {run['error']}"
+    assert toks != full, f"{name}: the exits change no token here; pick a threshold where they do"
+    for i, (r, v) in enumerate(zip(toks, run["together"], strict=True)):
+        assert v["tokens"] == r, f"{name}, prompt {i} (length {len(PROMPTS[i])}): vLLM with exits differs from looplm"
+    R = 3
+    st = run["exit_stats"]
+    assert st["decode_tokens"] == len(PROMPTS) * (N_NEW - 1)
+    assert st["executed_loops"] == loops < R * st["decode_tokens"], st
+
+
+def test_exits_refuse_prefix_caching(served):
+    err = served[1]["prefix-caching"].get("error", "")
+    assert "prefix caching" in err and "enable_prefix_caching=False" in err, err
