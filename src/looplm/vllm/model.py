@@ -28,6 +28,12 @@ and each tensor loads through its parameter's ``weight_loader``, which cuts the 
 tensor. ``o_proj`` and ``down_proj`` (``RowParallelLinear``) and the embedding all-reduce, so every block returns
 the full ``[N, d]`` on every rank: the norms (QK-norm is per head), the rule modules and their parameters are
 replicated and load whole. What does not split is refused by name first (:func:`looplm.vllm.spec.tp_refusal`).
+
+Per-token exit (config field ``looplm_exit``, :func:`looplm.vllm.spec.exit_spec`; docs/vllm.md#exits): in a step
+with decode tokens the loops run as looplm's token schedule on rows ``[N, 1, d]`` (:meth:`_exit_loops`): decode
+tokens stop when the criterion holds; later loops run the blocks on the rows still looping only, but every
+attention call keeps the whole batch (vLLM's metadata lists every token), an exited token carrying its exit
+loop's key and value — the call writes looplm's ``copy`` fill into the skipped slot — and a zero query.
 """
 
 from __future__ import annotations
