@@ -1,17 +1,15 @@
-"""What a per-token exit inside vLLM could save: where a served looped model's decode step spends its time.
+"""Per-token exit inside vLLM on a d = 1024 LM: the decode step's time at full depth and at forced depths.
 
-``python tests_vllm/exit_probe.py [BATCH PROMPT_LEN NEW]`` (default 8 64 32; in ``.venv-vllm``; docs/vllm.md#exits) serves a random model of the
-bench LM's architecture (``configs/bench/adaptive-lm-1024.yaml``: 2 shared blocks x K = 4 loops, d = 1024,
-16 heads of 64, d_ff 2816, byte vocabulary) with vLLM's offline ``LLM`` through the plugin, in this process
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor), and times through ``LLM.apply_model`` hooks:
-
-* each decode step's model forward, and within it the time spent in the vLLM ``Attention`` calls (the KV write
-  and the paged attention of every slot) — the part a design without metadata slicing keeps for exited tokens;
-* the loops each token runs (core passes per forward): ``K`` for every token today;
-* what the forward context offers the model (the per-slot attention metadata and slot mappings).
-
-Random weights: the exit criteria's depths on them mean nothing, so no exit is run; the split says what each
-design could save at a given mean depth. Not a test (pytest does not collect it).
+``python tests_vllm/exit_probe.py [BATCH PROMPT_LEN NEW]`` (default 8 64 32; in ``.venv-vllm``; docs/vllm.md#exits)
+serves a random model of the bench LM's architecture (``configs/bench/adaptive-lm-1024.yaml``: 2 shared blocks x
+K = 4 loops, d = 1024, 16 heads of 64, d_ff 2816, byte vocabulary) with vLLM's offline ``LLM`` through the plugin,
+in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the ``uni`` executor), once per setting of ``SETTINGS``:
+full depth, the exit path with no exit (its overhead), and every decode token exiting after loop 3 or 2. Random
+weights give a criterion's depths no meaning, so the depth is forced (``convergence`` at a huge ε, ``min_loops``).
+Through ``LLM.apply_model`` hooks it times each decode step's forward and the vLLM ``Attention`` calls in it (the
+KV write and paged attention of every slot, which the exited tokens still run), and reads the model's exit
+counters (decode tokens, the core loops they ran). It also prints what the forward context offers the model.
+Not a test (pytest does not collect it).
 """
 
 from __future__ import annotations

@@ -8,7 +8,8 @@ offline ``LLM`` at TP 1 (in-process) and at TP 2 (two spawned workers, one core 
 ``VLLM_CPU_OMP_THREADS_BIND='0|1'``), in one subprocess (``serve_tiny.py``). Checked:
 
 * TP 2's greedy tokens equal TP 1's and looplm ``generate``'s, for every prompt submitted together;
-* TP 2's prompt and generated log-probabilities are within 1e-4 of looplm's.
+* TP 2's prompt and generated log-probabilities are within 1e-4 of looplm's;
+* per-token exit (``looplm_exit``, convergence) at TP 2 equals looplm's ``generate(exit=...)``.
 """
 
 from __future__ import annotations
@@ -22,12 +23,14 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+import test_exits  # noqa: E402
 from test_plugin_exact import TOL, _max_diff, _prompts, _reference  # noqa: E402
 from tiny import TP_VARIANTS, write_tiny  # noqa: E402
 
 HERE = Path(__file__).parent
 PROMPTS = _prompts(8, seed=1)
 N_NEW = 8
+EXIT = ("convergence", 0.6)
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +48,19 @@ def served(tmp_path_factory):
                     "prompts": PROMPTS,
                     "max_tokens": N_NEW,
                     "tensor_parallel_size": tp,
+                }
+            )
+        if name == "tp-coreloop":  # per-token exit, each rank running the exit path on its heads
+            refs["exit"] = test_exits._looplm(model, *EXIT)
+            runs.append(
+                {
+                    "name": "tp-coreloop/tp2-exit",
+                    "dir": str(d),
+                    "prompts": test_exits.PROMPTS,
+                    "max_tokens": test_exits.N_NEW,
+                    "tensor_parallel_size": 2,
+                    "hf_overrides": {"looplm_exit": {"criterion": EXIT[0], "threshold": EXIT[1]}},
+                    "llm_kwargs": test_exits.NO_SHARING,
                 }
             )
     job, result = root / "job.json", root / "result.json"
@@ -78,3 +94,14 @@ def test_tp2_equals_tp1_and_looplm(served, name):
         assert b["tokens"] == a["tokens"], f"{name}, prompt {i}: TP 2 differs from TP 1"
         assert _max_diff(r["prompt_logprobs"], b["prompt_logprobs"]) <= TOL, f"{name}, prompt {i}: prompt logprobs"
         assert _max_diff(r["logprobs"], b["logprobs"]) <= TOL, f"{name}, prompt {i}: generated logprobs"
+
+
+def test_tp2_exits_equal_looplm(served):
+    refs, runs = served
+    run = runs["tp-coreloop/tp2-exit"]
+    assert "error" not in run, run["error"]
+    assert run["tensor_parallel_size"] == 2
+    toks, full, _ = refs["exit"]
+    assert toks != full, "the exits change no token here; pick a threshold where they do"
+    for i, (r, v) in enumerate(zip(toks, run["together"], strict=True)):
+        assert v["tokens"] == r, f"prompt {i}: TP 2 with exits differs from looplm generate(exit=...)"
