@@ -219,7 +219,7 @@ def test_exit_setting_maps_to_looplm_exit():
         ({"criterion": "entropy", "threshold": 1.0}, "criterion must be one of ['gate', 'kl', 'convergence']"),
         ({"criterion": "kl"}, "threshold for 'kl' must be a number, ε >= 0; got None"),
         ({"criterion": "kl", "threshold": -1}, "got -1"),
-        ({"criterion": "kl", "threshold": 0.1, "kv": "propagate"}, "kv must be one of ['copy']"),
+        ({"criterion": "kl", "threshold": 0.1, "kv": "shared"}, "kv must be one of ['copy', 'propagate']"),
         ({"criterion": "kl", "threshold": 0.1, "min_loops": 9}, "min_loops must be an int in [1, 3], got 9"),
         ({"criterion": "kl", "threshold": 0.1, "when": 1}, "unknown keys ['when']"),
     ],
@@ -242,6 +242,15 @@ def test_exits_a_model_cannot_take_are_refused_by_name(preset, setting, top, rea
     with pytest.raises(UnsupportedDesign) as e:
         plugin_spec(_export_config(preset, looplm_exit=setting, **top))
     assert reason in str(e.value) and design_name(load_model_config(preset)) in str(e.value)
+
+
+def test_propagate_fill_only_where_no_rule_modulates_the_blocks():
+    ok = _export_config("tiny-coreloop", looplm_exit={"criterion": "convergence", "threshold": 0.5, "kv": "propagate"})
+    assert plugin_spec(ok).exit["kv"] == "propagate"
+    over = {"rule": {"name": "timestep", "options": {"gating": "adaln"}}}
+    bad = _export_config("tiny-llama", over, looplm_exit={"criterion": "kl", "threshold": 0.1, "kv": "propagate"})
+    with pytest.raises(UnsupportedDesign, match="per-loop block modulation"):
+        plugin_spec(bad)
 
 
 def test_weight_names_map_to_the_fused_vllm_projections():

@@ -2,15 +2,17 @@
 
 The config field ``looplm_exit`` (here through ``hf_overrides``) sets a server-wide criterion; decode tokens
 stop looping when it holds, the loops they skip run only their attention call, which writes each skipped slot
-with the key and value of the exit loop (looplm's ``copy``); prompt tokens run every loop (``prefill='full'``).
-Three tiny random models, each criterion once, at a threshold where the tokens' depths differ:
+with the key and value of the exit loop (looplm's ``copy``) or of the stand-in ``Z^{r+1}`` (``propagate``); prompt
+tokens run every loop (``prefill='full'``). Three tiny random models, each criterion once, at a threshold where
+the tokens' depths differ:
 
-* ``tiny-coreloop`` (prelude, coda, 1 KV head) with ``convergence``;
-* ``timestep-adaln`` (per-loop block modulation) with ``kl``;
-* ``exit-gate-sandwich`` with ``gate``.
+* ``tiny-coreloop`` (prelude, coda, 1 KV head) with ``convergence``, ``copy`` and ``propagate``;
+* ``timestep-adaln`` (per-loop block modulation) with ``kl``, ``copy``;
+* ``exit-gate-sandwich`` with ``gate``, ``copy`` and ``propagate``.
 
 Checked: the greedy tokens of 8 prompts served together equal each prompt's looplm ``generate`` with the same
-``Exit(criterion, threshold, kv='copy')``, and differ from full depth somewhere (the exits and fills matter);
+``Exit(criterion, threshold, kv)``, and differ from full depth somewhere (the exits and fills matter), and
+``propagate``'s from ``copy``'s (tiny-coreloop);
 the loops vLLM ran for the decode tokens equal looplm's executed depths, and are fewer than full depth's; a
 server with prefix caching or chunked prefill on is refused.
 """
@@ -35,22 +37,24 @@ from looplm.decode.exits import Exit  # noqa: E402
 HERE = Path(__file__).parent
 PROMPTS = _prompts(8, seed=2)
 N_NEW = 8
-CASES = {  # model -> (criterion, threshold): thresholds where the random models' depths differ per token
-    "tiny-coreloop": ("convergence", 0.6),
-    "timestep-adaln": ("kl", 0.55),
-    "exit-gate-sandwich": ("gate", 0.2),
+CASES = {  # run -> (model, criterion, threshold, kv): thresholds where the random models' depths differ per token
+    "tiny-coreloop": ("tiny-coreloop", "convergence", 0.6, "copy"),
+    "timestep-adaln": ("timestep-adaln", "kl", 0.55, "copy"),
+    "exit-gate-sandwich": ("exit-gate-sandwich", "gate", 0.2, "copy"),
+    "tiny-coreloop/propagate": ("tiny-coreloop", "convergence", 0.6, "propagate"),
+    "exit-gate-sandwich/propagate": ("exit-gate-sandwich", "gate", 0.2, "propagate"),
 }
 NO_SHARING = {"enable_prefix_caching": False, "enable_chunked_prefill": False}
 
 
 @torch.no_grad()
-def _looplm(model, crit: str, t: float) -> tuple[list, list, int]:
+def _looplm(model, crit: str, t: float, kv: str = "copy") -> tuple[list, list, int]:
     """Each prompt alone: tokens with the exit, tokens at full depth, the core loops its decode tokens ran."""
     toks, full, loops = [], [], 0
     for p in PROMPTS:
         ids = torch.tensor([p])
         out, st = model.generate(
-            ids, max_new_tokens=N_NEW, exit=Exit(criterion=crit, threshold=t, kv="copy"), return_stats=True
+            ids, max_new_tokens=N_NEW, exit=Exit(criterion=crit, threshold=t, kv=kv), return_stats=True
         )
         toks.append(out[0, len(p) :].tolist())
         full.append(model.generate(ids, max_new_tokens=N_NEW)[0, len(p) :].tolist())
@@ -62,10 +66,11 @@ def _looplm(model, crit: str, t: float) -> tuple[list, list, int]:
 def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-exits")
     refs, runs = {}, []
-    for name, (crit, t) in CASES.items():
-        model, d = write_tiny(name, root / name)
-        refs[name] = _looplm(model, crit, t)
-        exit_cfg = {"looplm_exit": {"criterion": crit, "threshold": t, "kv": "copy"}}
+    for name, (variant, crit, t, kv) in CASES.items():
+        d = root / variant
+        model, _ = write_tiny(variant, d)
+        refs[name] = _looplm(model, crit, t, kv)
+        exit_cfg = {"looplm_exit": {"criterion": crit, "threshold": t, "kv": kv}}
         runs.append(
             {
                 "name": name,
@@ -118,6 +123,11 @@ def test_exits_equal_looplm_generate(served, name):
     st = run["exit_stats"]
     assert st["decode_tokens"] == len(PROMPTS) * (N_NEW - 1)
     assert st["executed_loops"] == loops < R * st["decode_tokens"], st
+
+
+def test_propagate_differs_from_copy(served):
+    refs, _ = served  # (the gate model's tokens happen to agree under both fills)
+    assert refs["tiny-coreloop"][0] != refs["tiny-coreloop/propagate"][0], "propagate's fill changes no token here"
 
 
 def test_exits_refuse_prefix_caching(served):

@@ -33,12 +33,14 @@ Per-token exit (config field ``looplm_exit``, :func:`looplm.vllm.spec.exit_spec`
 with decode tokens the loops run as looplm's token schedule on rows ``[N, 1, d]`` (:meth:`_exit_loops`): decode
 tokens stop when the criterion holds; later loops run the blocks on the rows still looping only, but every
 attention call keeps the whole batch (vLLM's metadata lists every token), an exited token carrying its exit
-loop's key and value — the call writes looplm's ``copy`` fill into the skipped slot — and a zero query.
+loop's key and value (``copy``) or its stand-in's (``propagate``) — the call writes looplm's fill into the
+skipped slot — and a zero query.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -112,6 +114,16 @@ class VAttention(nn.Module):
         self.rotary_emb = get_rope(
             self.head_dim, max_position=cfg.max_seq_len, is_neox_style=True, rope_parameters=rope
         )
+
+    def kv(self, u: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value ``[n, H_kv·hd]`` this layer writes for normed inputs ``u [n, d]`` (QK-norm, RoPE):
+        the ``propagate`` fill of a stand-in."""
+        qkv, _ = self.qkv_proj(u)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.k_norm is not None:
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        _, k = self.rotary_emb(positions, q, k)
+        return k.reshape(-1, self.kv_size), v.reshape(-1, self.kv_size)
 
     def forward(
         self, u: torch.Tensor, positions: torch.Tensor, attn: Attention, rows=None, store=None, n_all: int = 0
@@ -325,6 +337,17 @@ class _LoopedForCausalLM(nn.Module):
         out[: min(n, tok.numel())] = tok[:n]
         return out
 
+    def _propagate(self, z: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, stores: dict) -> None:
+        """looplm's ``propagate`` fill (:mod:`looplm.decode.kv_fill`) for rows ``g`` leaving with stand-ins
+        ``z [n, 1, d]``: each core layer's key and value of ``mixer_norm(z)`` replace the rows' kept ones, so the
+        later loops' attention calls write them into the skipped slots (the rule modulates no block: exit_spec)."""
+        pos, d = positions.index_select(0, g), self.cfg.d_model
+        for i, blk in enumerate(self.core.stack.blocks):
+            k, v = blk.mixer.kv(blk.mixer_norm(z.reshape(-1, d)), pos)
+            store = stores[self.cfg.n_prelude + i]
+            store["k"].index_copy_(0, g, k)
+            store["v"].index_copy_(0, g, v)
+
     def _check_readout(self, h: torch.Tensor, lctx: LoopContext) -> torch.Tensor:
         """The ``kl`` check's readout ``[n, T, V]`` of an iterate (no coda: exit_spec refuses kl with one)."""
         w = self.lm_head.weight[: self.cfg.vocab_size]
@@ -385,6 +408,8 @@ class _LoopedForCausalLM(nn.Module):
             if y is None:
                 y = x.new_zeros(N, 1, x.shape[-1])
             y.index_copy_(0, g, rule.finish(st_out, ctx_out))
+            if ex["kv"] == "propagate":  # the skipped loops' slots: the stand-in Z^{k+1} through each core layer
+                self._propagate(rule.next_input(st_out, replace(ctx_out, iteration=k + 1)), g, positions, stores)
             state, rows, sub = keep_staying(rule, crit, lctx, state, rows, leave)
             if rows.numel() == 0:
                 break

@@ -236,7 +236,7 @@ def tp_refusal(cfg: ModelConfig, tp: int) -> str | None:
 
 
 EXIT_CRITERIA = ("gate", "kl", "convergence")
-EXIT_KV = ("copy",)
+EXIT_KV = ("copy", "propagate")
 
 
 def exit_spec(
@@ -247,7 +247,9 @@ def exit_spec(
     schedule and ``prefill='full'``: decode tokens stop at the criterion, prompt tokens run every loop.
 
     ``criterion``: ``gate`` (the exit gate's ``q`` in (0, 1]), ``kl`` or ``convergence`` (``ε >= 0``);
-    ``kv``: ``copy`` (each skipped loop's KV slot holds the exit loop's key and value); ``min_loops`` >= 1.
+    ``kv``: ``copy`` (each skipped loop's KV slot holds the exit loop's key and value) or ``propagate`` (the key
+    and value of the stand-in ``Z^{r+1}`` through each core layer's norm and K/V projections; rules without
+    per-loop block modulation); ``min_loops`` >= 1.
     Raises ``ValueError`` for a malformed setting, :class:`UnsupportedDesign` for a model it cannot apply to."""
     if raw is None:
         return None
@@ -270,8 +272,8 @@ def exit_spec(
     kv = raw.get("kv", "copy")
     if kv not in EXIT_KV:
         raise ValueError(
-            f"{where}: looplm_exit kv must be one of {list(EXIT_KV)} (the plugin does not build looplm's "
-            f"'propagate' fill yet), got {kv!r}"
+            f"{where}: looplm_exit kv must be one of {list(EXIT_KV)} (looplm's 'shared' and 'full' are not exits "
+            f"the plugin runs), got {kv!r}"
         )
     m = raw.get("min_loops", 1)
     if isinstance(m, bool) or not isinstance(m, int) or not 1 <= m <= num_loops:
@@ -292,11 +294,25 @@ def exit_spec(
         )
     elif kv_policy != "per-loop":
         why = f"per-token exit is checked against looplm with the per-loop KV policy only (this is {kv_policy!r})"
+    elif kv == "propagate" and _modulates_blocks(cfg.rule.name):
+        why = (
+            f"the 'propagate' fill of rule {cfg.rule.name!r}, whose per-loop block modulation would need the "
+            "stand-in's key and value once per skipped loop: not built; use kv 'copy'"
+        )
     elif cfg.rule.name in ("ponderlm",):
         why = "PonderLM's per-loop readout is not checked with per-token exit"
     if why is not None:
         raise UnsupportedDesign(design_name(cfg), why, where)
     return {"criterion": crit, "threshold": float(t), "kv": kv, "min_loops": m}
+
+
+def _modulates_blocks(rule: str) -> bool:
+    """Whether rule ``rule`` overrides ``block_modulation`` (its blocks may differ per loop), as
+    :func:`looplm.decode.exits._modulates` asks of a built rule."""
+    from ..recurrence import RULES
+    from ..recurrence.base import RecurrenceRule
+
+    return RULES[rule].block_modulation is not RecurrenceRule.block_modulation
 
 
 def _as_dict(hf_config: Any) -> dict:
