@@ -130,8 +130,8 @@ class VAttention(nn.Module):
     ) -> torch.Tensor:
         """``u [n, d]`` -> ``[n, d]``. With ``rows [n]`` (per-token exit: the tokens still looping, of ``n_all``)
         the attention call still covers every token of vLLM's batch, as its metadata says: a token that exited
-        carries the key and value it computed at its exit loop in this layer (``store``, kept across the loops)
-        and a zero query whose output is dropped, so the call writes looplm's ``copy`` fill into its slot."""
+        carries the key and value kept for it in ``store`` (its exit loop's in this layer, or its ``propagate``
+        stand-in's) and a zero query whose output is dropped, so the call writes looplm's fill into its slot."""
         qkv, _ = self.qkv_proj(u)  # [n, (H + 2 H_kv)·hd]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:  # Qwen3 QK-norm per head, before RoPE
@@ -303,16 +303,19 @@ class _LoopedForCausalLM(nn.Module):
         """Per-token exit tells a prompt token from a decode token by its request's query length (one new token
         after at least one cached: decode). A prompt cut into chunks, or one whose prefix came from the prefix
         cache, could run one token after cached ones and take exits that looplm's ``prefill='full'`` never
-        takes: both are refused by name."""
+        takes: both are refused by name. So is a compiled forward (torch.compile / CUDA graphs would trace one
+        path through the data-dependent exits): exits run with ``--enforce-eager``."""
         on = []
+        if getattr(vllm_config.compilation_config, "mode", 0) != 0:  # CompilationMode.NONE
+            on.append("compilation (pass --enforce-eager / enforce_eager=True)")
         if getattr(vllm_config.cache_config, "enable_prefix_caching", False):
             on.append("prefix caching (pass --no-enable-prefix-caching / enable_prefix_caching=False)")
         if getattr(vllm_config.scheduler_config, "enable_chunked_prefill", False):
             on.append("chunked prefill (pass --no-enable-chunked-prefill / enable_chunked_prefill=False)")
         if on:
             raise ValueError(
-                f"looplm_exit {spec.exit} needs every prompt scheduled whole and computed here; turn off "
-                + " and ".join(on)
+                f"looplm_exit {spec.exit} needs an eager forward and every prompt scheduled whole and computed "
+                "here; turn off " + " and ".join(on)
             )
 
     def _decode_mask(self, n: int) -> torch.Tensor | None:
@@ -348,18 +351,14 @@ class _LoopedForCausalLM(nn.Module):
             store["k"].index_copy_(0, g, k)
             store["v"].index_copy_(0, g, v)
 
-    def _check_readout(self, h: torch.Tensor, lctx: LoopContext) -> torch.Tensor:
-        """The ``kl`` check's readout ``[n, T, V]`` of an iterate (no coda: exit_spec refuses kl with one)."""
-        w = self.lm_head.weight[: self.cfg.vocab_size]
-        return self._final_norm(h) @ w.T
-
     def _exit_loops(self, E: torch.Tensor, positions: torch.Tensor, may_exit: torch.Tensor) -> torch.Tensor:
         """The looped forward with per-token exit (looplm's token schedule, :mod:`looplm.decode.token_schedule`,
         on vLLM's batch): every token is a row ``[N, 1, d]`` (the served rules act on each token's own state);
         after each loop the criterion lets the rows of ``may_exit`` stop (from ``min_loops``), their output is the
         rule's ``finish`` of the exit state, and the later loops run on the rows still looping only — except each
-        attention call, which covers the whole batch so that an exited token's slot gets its exit loop's key
-        and value (looplm's ``copy``). Prompt tokens run every loop. -> ``[N, 1, d]`` for the coda."""
+        attention call, which covers the whole batch so that an exited token's slot gets its fill (looplm's
+        ``copy``: its exit loop's key and value; ``propagate``: :meth:`_propagate`). Prompt tokens run every loop.
+        -> ``[N, 1, d]`` for the coda."""
         spec, cfg, rule, ex = self.spec, self.cfg, self.rule, self.exit
         N = E.shape[0]
         x = self._part(self.prelude, "prelude", E[:, None], positions)  # [N, 1, d]
@@ -373,7 +372,7 @@ class _LoopedForCausalLM(nn.Module):
             embed_multiplier=self.embed_multiplier,
             readout_fn=self._readout,
             final_norm=self._final_norm,
-            check_readout=self._check_readout,
+            check_readout=self._readout,  # the kl check's (exit_spec refuses kl with a coda or under TP)
         )
         crit = make_criterion(Exit(criterion=ex["criterion"], threshold=ex["threshold"]))
         crit.begin(0)
