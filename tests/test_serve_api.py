@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -504,6 +505,25 @@ def test_stop_drains_new_requests_get_503_and_the_rest_an_error_event():
     assert "shutting down" in json.loads(events["long"][-2][6:])["error"]["message"]
 
 
+def test_looplm_serve_restarts_itself_with_libgomps_unthrottled_spin(monkeypatch):
+    """``looplm serve`` (the program, not a caller of ``looplm.cli.main``) respawns with OPENMP_SPIN_ENV where torch
+    runs on libgomp and the user set neither variable; never when one is set, never inside another program."""
+    from looplm.serve import cli
+
+    for k in cli.OPENMP_SPIN_ENV:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setattr(cli, "_uses_libgomp", lambda: True)
+    monkeypatch.setattr(sys, "argv", ["/venv/bin/looplm", "serve", "tiny-llama", "--port", "0"])
+    assert cli.openmp_spin_respawn() == [sys.executable, "-m", "looplm.cli", "serve", "tiny-llama", "--port", "0"]
+    assert cli.openmp_spin_respawn("/src/looplm/cli.py") is not None  # python -m looplm.cli
+    assert cli.openmp_spin_respawn("/venv/bin/pytest") is None  # a program calling main(): never replaced
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")  # the user's choice stands
+    assert cli.openmp_spin_respawn() is None
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setattr(cli, "_uses_libgomp", lambda: False)  # another OpenMP runtime: nothing to tune
+    assert cli.openmp_spin_respawn() is None
+
+
 def test_looplm_serve_on_sigterm_finishes_in_flight_and_exits_0():
     """The command: ``looplm serve PRESET --port 0`` (127.0.0.1), a streamed request in flight when SIGTERM comes
     finishes whole, the process exits 0 within the grace period."""
@@ -534,6 +554,13 @@ def test_looplm_serve_on_sigterm_finishes_in_flight_and_exits_0():
             m = re.search(r"listening on (http://127\.0\.0\.1:\d+)", line)
             url = m.group(1) if m else None
         assert url, "the server did not start"
+        from looplm.serve.cli import OPENMP_SPIN_ENV, _uses_libgomp
+
+        if _uses_libgomp() and not any(k in os.environ for k in OPENMP_SPIN_ENV):  # it restarted itself in place
+            environ = dict(
+                kv.split("=", 1) for kv in Path(f"/proc/{proc.pid}/environ").read_text().split("\0") if "=" in kv
+            )
+            assert {k: environ.get(k) for k in OPENMP_SPIN_ENV} == OPENMP_SPIN_ENV
         lines = []
         body = {"prompt": "hi", "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
