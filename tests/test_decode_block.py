@@ -595,12 +595,13 @@ def test_mamba2_step_of_a_padding_row(dtype):
     assert torch.equal(got_state.ssm_state[1], before[1]) and torch.equal(ref_state.ssm_state[1], before[1])
     assert not torch.equal(got_state.ssm_state[0], before[0])
     assert torch.equal(got_state.conv_state[1, :, -1], torch.zeros_like(got_state.conv_state[1, :, -1]))
-    torch.testing.assert_close(got_state.conv_state, ref_state.conv_state, rtol=0, atol=0)
     tol = (
         dict(rtol=1e-5, atol=1e-5)
         if dtype == torch.float32
         else dict(rtol=0.02, atol=0.02 * float(ref.float().abs().max()))
     )
+    # (the input projection may run on looplm's GEMV kernel, fp32 too: summation order only)
+    torch.testing.assert_close(got_state.conv_state.float(), ref_state.conv_state.float(), **tol)
     torch.testing.assert_close(got.float(), ref.float(), **tol)
     torch.testing.assert_close(
         got_state.ssm_state, ref_state.ssm_state, **(dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else tol)

@@ -56,8 +56,11 @@ def kernel_wins(rows: int, k: int, dtype: torch.dtype = torch.bfloat16, n: int =
     and for 2-8 rows of any K where the weight is small, N x K <= 2^19 (1 MB; ``n``: N, 0 = not known): 8 rows,
     one thread, AMD EPYC, weights in cache / streamed from memory after a 60 MB pass: N x K = 256 x 256
     2.2x / -, 704 x 256 1.9x, 260 x 1024 (the byte-level LMs' head) 0.9x / 2.2x, 576 x 576 1.1x.
-    fp32: 3-8 rows while they fit in L1 beside the weights (rows x K <= 6144; 1.4-2.7x MKL at K 576,
-    0.94x for 8 rows of K 1536); one row stays on MKL (at the bandwidth already).
+    fp32: 1-8 rows while they fit in L1 beside the weights (rows x K <= 6144; 1.4-2.7x MKL at K 576,
+    0.94x for 8 rows of K 1536). One and two rows: on the Intel Xeon MKL's one-row GEMV was at the bandwidth, but on
+    a 2-core AMD EPYC (avx512_bf16, 2026-12-07) it read weights streamed from memory at 10.6-14.3 GB/s against the
+    kernel's 25.7-30.6 (one row; two rows 6.2-6.5 against 30.5-31.6 GB/s; SmolLM2-135M's 1536 x 576 and
+    49,152 x 576 products), which made looplm's fp32 batch-1 decode step 39 ms against vLLM's 24.
     """
     if not kernels_available() or dtype not in _KERNEL_DTYPES:
         return False

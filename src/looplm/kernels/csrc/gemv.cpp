@@ -10,8 +10,8 @@
 // benchmarks/bench_decode.py times the decode step; tests/test_gemv.py checks every path against an
 // fp64 reference. The reference path is F.linear, used for every other case (looplm/layers/gemv.py).
 //
-// An fp32 kernel for 3-8 rows sits at the end (MKL's fp32 GEMV is at the bandwidth for one row, but
-// reads W at 8-14 GB/s for 4-8 rows; the tile here reaches 18-26 GB/s).
+// An fp32 kernel for 1-8 rows sits at the end (MKL reads W at 8-14 GB/s for 4-8 rows, and for one row of
+// weights streamed from memory on an AMD EPYC; the tile here reaches 18-31 GB/s).
 //
 // Shapes: x [M, K], W [N, K] (nn.Linear's layout), b [N] or absent -> y [M, N], all of one dtype.
 // bf16: each output is an fp32 sum of bf16 x bf16 products (vdpbf16ps / tdpbf16ps: pairs of products added
@@ -243,9 +243,9 @@ const uint16_t* block_at(const RowGroup& g, int64_t j) {  // the first weight of
 
 #endif  // LOOPLM_KERNELS
 
-// ---- fp32, 3-8 rows of x: AVX-512 FMA ----------------------------------------------------------
-// MKL's fp32 GEMM reads W at 8-14 GB/s for 4-8 rows of x (its one-row GEMV is at the bandwidth and
-// stays the path for one row). A tile of R weight rows x M rows of x (M R <= 16 accumulators): every
+// ---- fp32, 1-8 rows of x: AVX-512 FMA ----------------------------------------------------------
+// MKL's fp32 GEMM reads W at 8-14 GB/s for 4-8 rows of x; its one-row GEMV, at the bandwidth on the Intel Xeon,
+// read weights streamed from memory at 10-14 GB/s on an AMD EPYC (the kernel: 26-31 GB/s). A tile of R weight rows x M rows of x (M R <= 16 accumulators): every
 // W vector loaded feeds M fused multiply-adds, x stays in L1 (rows * K <= 6144 floats, checked by the
 // caller), the next tile's lines are prefetched; lane (m R + r) of the reduced vector is y[m, n + r].
 #if LOOPLM_KERNELS
@@ -307,7 +307,7 @@ void rows_fp32(const float* xp, const float* wp, const float* bp, int64_t K, int
 
 at::Tensor gemv_fp32(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias) {
   const auto* bp = static_cast<const float*>(check_args("gemv_fp32", at::kFloat, "float32", x, w, bias));
-  TORCH_CHECK(x.size(0) >= 3 && x.size(0) <= 8, "gemv_fp32: takes 3-8 rows of x, got ", x.size(0));
+  TORCH_CHECK(x.size(0) >= 1 && x.size(0) <= 8, "gemv_fp32: takes 1-8 rows of x, got ", x.size(0));
 #if !LOOPLM_KERNELS
   TORCH_CHECK(false, "gemv_fp32: looplm's CPU kernels were built without AVX-512 (this CPU lacks AVX512-BF16)");
   (void)bp;
@@ -319,6 +319,8 @@ at::Tensor gemv_fp32(const at::Tensor& x, const at::Tensor& w, const std::option
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   switch (x.size(0)) {  // R weight rows per tile with M R <= 16 accumulators
+    case 1: rows_fp32<1, 16>(xp, wp, bp, K, N, yp); break;
+    case 2: rows_fp32<2, 8>(xp, wp, bp, K, N, yp); break;
     case 3: rows_fp32<3, 5>(xp, wp, bp, K, N, yp); break;
     case 4: rows_fp32<4, 4>(xp, wp, bp, K, N, yp); break;
     case 5: rows_fp32<5, 3>(xp, wp, bp, K, N, yp); break;
@@ -350,7 +352,7 @@ constexpr int64_t kBf16SmallWeight = 1 << 19;  // bf16 without AMX: N x K of a w
 
 bool kernel_wins(int64_t rows, int64_t k, at::ScalarType dt, int64_t n) {  // the rule of looplm.layers.gemv.kernel_wins (tested equal)
   if (!LOOPLM_KERNELS) return false;
-  if (dt == at::kFloat) return rows >= 3 && rows <= 8 && rows * k <= kFp32MaxRowEntries;
+  if (dt == at::kFloat) return rows >= 1 && rows <= 8 && rows * k <= kFp32MaxRowEntries;
   if (dt != at::kBFloat16) return false;
   if (rows == 1) return true;
   if (rows > kMaxRows) return false;
