@@ -19,9 +19,6 @@ server with prefix caching or chunked prefill on is refused.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_plugin_exact import _prompts  # noqa: E402
-from tiny import write_tiny  # noqa: E402
+from tiny import serve_runs, write_tiny  # noqa: E402
 
 from looplm.decode.exits import Exit  # noqa: E402
 
@@ -92,20 +89,7 @@ def served(tmp_path_factory):
             "hf_overrides": {"looplm_exit": {"criterion": "convergence", "threshold": 0.6}},
         }
     )
-    job, result = root / "job.json", root / "result.json"
-    job.write_text(json.dumps({"runs": runs}))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "serve_tiny.py"), str(job), str(result)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"serve_tiny.py failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    runs = {r["name"]: r for r in json.loads(result.read_text())["runs"]}
+    runs = {r["name"]: r for r in serve_runs(root, runs)["runs"]}
     print("\nvLLM load + generate, seconds:", {n: r["seconds"] for n, r in runs.items()})
     return refs, runs
 

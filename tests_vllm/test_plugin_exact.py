@@ -14,9 +14,6 @@ for the module). Checked against looplm on the same weights:
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -24,7 +21,7 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny import VARIANTS, write_tiny  # noqa: E402
+from tiny import VARIANTS, serve_runs, write_tiny  # noqa: E402
 
 from looplm.hf.public import load_public  # noqa: E402
 
@@ -91,20 +88,7 @@ def serve_all(root: Path):
             )
     _, d = write_tiny("tiny-hybrid", root / "tiny-hybrid")
     runs.append({"name": "tiny-hybrid", "dir": str(d), "prompts": PROMPTS[:1], "max_tokens": 2})
-    job, result = root / "job.json", root / "result.json"
-    job.write_text(json.dumps({"runs": runs}))
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "serve_tiny.py"), str(job), str(result)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"serve_tiny.py failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    res = json.loads(result.read_text())
+    res = serve_runs(root, runs, kv_gib="2", timeout=900)
     return refs, {r["name"]: r for r in res["runs"]}, res
 
 

@@ -14,9 +14,6 @@ offline ``LLM`` at TP 1 (in-process) and at TP 2 (two spawned workers, one core 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -25,7 +22,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import test_exits  # noqa: E402
 from test_plugin_exact import TOL, _max_diff, _prompts, _reference  # noqa: E402
-from tiny import TP_VARIANTS, write_tiny  # noqa: E402
+from tiny import TP_VARIANTS, serve_runs, write_tiny  # noqa: E402
 
 HERE = Path(__file__).parent
 PROMPTS = _prompts(8, seed=1)
@@ -63,21 +60,8 @@ def served(tmp_path_factory):
                     "llm_kwargs": test_exits.NO_SHARING,
                 }
             )
-    job, result = root / "job.json", root / "result.json"
-    job.write_text(json.dumps({"runs": runs}))
     # one core per rank; the TP 1 runs use the in-process executor, which does not read the bind
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
-    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "serve_tiny.py"), str(job), str(result)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"serve_tiny.py failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
-    runs = {r["name"]: r for r in json.loads(result.read_text())["runs"]}
+    runs = {r["name"]: r for r in serve_runs(root, runs, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})["runs"]}
     print("\nvLLM load + generate, seconds:", {n: r["seconds"] for n, r in runs.items()})
     return refs, runs
 

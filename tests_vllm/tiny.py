@@ -9,6 +9,10 @@ near-ties between 260 almost equal logits.
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -83,3 +87,24 @@ def write_tiny(name: str, out: Path, seed: int = 0, fmt: str = "looplm") -> tupl
     else:
         export_hf(model, out, tokenizer="byte", overwrite=True)
     return model, out
+
+
+def serve_runs(root: Path, runs: list, env: dict | None = None, kv_gib: str = "1", timeout: float = 600) -> dict:
+    """Serve ``runs`` (``serve_tiny.py``'s job: one dict per model) with vLLM's offline ``LLM`` in one subprocess, the
+    engine in that process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``); ``env``: more environment; ``kv_gib``:
+    ``VLLM_CPU_KVCACHE_SPACE`` unless set. Returns serve_tiny.py's result (``{"runs": [...]}``); raises with its
+    stderr's tail when it fails."""
+    job, result = root / "job.json", root / "result.json"
+    job.write_text(json.dumps({"runs": runs}))
+    full_env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
+    full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", kv_gib)
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "serve_tiny.py"), str(job), str(result)],
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"serve_tiny.py failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
+    return json.loads(result.read_text())
