@@ -540,6 +540,15 @@ def test_cpp_dispatch_rule_is_the_python_one():
             for k in (64, 576, 1024, 1536, 2048, 6144, 8192):
                 want = gemv.available() and gemv.kernel_wins(rows, k, dt) and dt in (torch.bfloat16, torch.float32)
                 assert torch.ops.looplm_cpu.kernel_wins(rows, k, dt) == want, (dt, rows, k)
+    if (
+        gemv.available()
+    ):  # fp32: 1-8 rows, rows x K <= 6144 on Intel CPUs; 1-8 rows of any K elsewhere (MKL's slow path)
+        from looplm.utils import cpuinfo
+
+        intel = torch.ops.looplm_cpu.intel_cpu()
+        assert intel == (cpuinfo.vendor() == "GenuineIntel")
+        fp32 = {(1, 8192): not intel, (8, 768): True, (8, 1024): not intel, (4, 4096): not intel, (9, 64): False}
+        assert {rk: torch.ops.looplm_cpu.kernel_wins(*rk, torch.float32) for rk in fp32} == fp32
     if gemv.available() and not torch.ops.looplm_cpu.amx_ready():  # bf16 without AMX: up to 8 rows, rows x K <= 4608
         wins = {
             (5, 256): True,

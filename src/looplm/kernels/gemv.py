@@ -31,11 +31,11 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import dispatch
 from .loader import amx, constant_for_compile, enabled, extension_available, kernels_available, unavailable_reason  # noqa: F401
+from . import onednn
 from .gemm import TunedLinear
 
 MAX_ROWS = 16  # the AMX path's limit (one B tile holds 16 rows of x); above it torch's matmul is the path
@@ -61,6 +61,10 @@ def kernel_wins(rows: int, k: int, dtype: torch.dtype = torch.bfloat16, n: int =
     a 2-core AMD EPYC (avx512_bf16, 2026-12-07) it read weights streamed from memory at 10.6-14.3 GB/s against the
     kernel's 25.7-30.6 (one row; two rows 6.2-6.5 against 30.5-31.6 GB/s; SmolLM2-135M's 1536 x 576 and
     49,152 x 576 products), which made looplm's fp32 batch-1 decode step 39 ms against vLLM's 24.
+    On CPUs whose vendor is not Intel (where MKL takes its slow path) fp32 takes 1-8 rows of any K: on that AMD
+    EPYC (2 threads, weights streamed from memory) MKL ran 2-8 rows at 7.6-13.9 GB/s, the kernel 1.3-2.3x that
+    at every K measured (K 1024-4096, N 1024-4096: 0.47 against 1.37 ms for 8 rows of 4096 x 1024; 0.58 against
+    1.36 for 8 rows of 1024 x 4096), and oneDNN in between (``benchmarks/bench_prefill.py --rows``).
     """
     if not kernels_available() or dtype not in _KERNEL_DTYPES:
         return False
@@ -114,9 +118,10 @@ def uses_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` (``x [..., K]`` -> ``[..., N]``), on a kernel where it is faster."""
+    """``F.linear(x, weight, bias)`` (``x [..., K]`` -> ``[..., N]``), on a kernel where it is faster (fp32 rows that
+    no kernel takes: on oneDNN where :func:`looplm.kernels.onednn.applies`)."""
     if not uses_kernel(x, weight, bias):
-        return F.linear(x, weight, bias)
+        return onednn.linear(x, weight, bias)  # F.linear unless oneDNN applies
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
     if x.dtype == torch.bfloat16:
@@ -131,10 +136,13 @@ _PLAIN_LINEARS = (nn.Linear, TunedLinear)  # TunedLinear: a model switched for t
 
 def _prepare_linear(lin: nn.Module, batch_size: int | None):
     """A linear layer's decode step applies where its weights are bf16 or fp32 on the CPU and a kernel serves
-    the call's batch size (so e.g. fp32 at batch 1 keeps ``nn.Linear``, and its call costs nothing extra)."""
+    the call's batch size (so e.g. bf16 at batch 32 keeps ``nn.Linear``, and its call costs nothing extra), and
+    for fp32 weights wherever the prompt steps' products go to oneDNN (:func:`looplm.kernels.onednn.prefers_onednn`)."""
     w = lin.weight
     if w.dtype not in _KERNEL_DTYPES or w.device.type != "cpu" or not available():
         return None
+    if w.dtype == torch.float32 and onednn.prefers_onednn():
+        return True  # the prompt steps' products go to oneDNN (:mod:`looplm.kernels.onednn`) at any batch size
     if batch_size is not None and not kernel_wins(batch_size, lin.in_features, w.dtype, lin.out_features):
         return None
     return True
@@ -142,11 +150,14 @@ def _prepare_linear(lin: nn.Module, batch_size: int | None):
 
 def _linear_step(lin: nn.Module, prepared, x: torch.Tensor):
     """One new position per sequence (``x [B, 1, K]``: a decode step) on :func:`linear`; ``None`` (the layer's
-    own ``F.linear``) otherwise. Keeping the prompt step on ``F.linear`` makes the choice depend on the
+    own ``F.linear``) otherwise, except an fp32 prompt step where :func:`looplm.kernels.onednn.applies` (oneDNN
+    where MKL takes its slow path). Keeping the prompt step off the GEMV kernels makes the choice depend on the
     batch size only, which a compiled decode step holds fixed, not on the prompt length (inside
     :func:`looplm.dispatch.few_token_steps` a few positions per sequence take :func:`linear` too)."""
     if x.dim() == 3 and (x.shape[1] == 1 or (dispatch.few_token_calls() and x.shape[0] * x.shape[1] <= MAX_ROWS)):
         return linear(x, lin.weight, lin.bias)
+    if onednn.applies(x, lin.weight, lin.bias):  # an fp32 prompt step where MKL takes its slow path
+        return onednn.linear(x, lin.weight, lin.bias)
     return None
 
 
@@ -167,7 +178,9 @@ PROVIDER = "looplm.kernels.gemv"
 
 
 def register() -> None:
-    """Register the one-token step of plain linear layers (:func:`looplm.dispatch.decode_steps`)."""
+    """Register the one-token step of plain linear layers (:func:`looplm.dispatch.decode_steps`); refuses a bad
+    ``LOOPLM_FP32_GEMM`` here, before any product runs."""
+    onednn.prefers_onednn()
     for cls in _PLAIN_LINEARS:
         dispatch.register_decode_step(
             dispatch.DecodeStep(

@@ -347,12 +347,26 @@ bool amx_ready() {  // the CPU has AMX-BF16 / AMX-TILE and Linux lets this proce
 #endif
 }
 
+bool intel_cpu() {  // cpuid's vendor string is "GenuineIntel" (MKL's fp32 GEMM takes its fast paths there only)
+#if LOOPLM_KERNELS
+  static const bool intel = [] {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    return b == 0x756e6547u && d == 0x49656e69u && c == 0x6c65746eu;  // "Genu" "ineI" "ntel"
+  }();
+  return intel;
+#else
+  return false;
+#endif
+}
+
 constexpr int64_t kBf16MaxRowEntries = 4608;  // bf16 without AMX: rows x K the one-row path per row wins at
 constexpr int64_t kBf16SmallWeight = 1 << 19;  // bf16 without AMX: N x K of a weight (1 MB) it wins at for <= 8 rows
 
 bool kernel_wins(int64_t rows, int64_t k, at::ScalarType dt, int64_t n) {  // the rule of looplm.layers.gemv.kernel_wins (tested equal)
   if (!LOOPLM_KERNELS) return false;
-  if (dt == at::kFloat) return rows >= 1 && rows <= 8 && rows * k <= kFp32MaxRowEntries;
+  // fp32: 1-8 rows while they fit in L1 beside the weight tiles; on CPUs not Intel's (MKL's slow path) 1-8 rows of any K
+  if (dt == at::kFloat) return rows >= 1 && rows <= 8 && (rows * k <= kFp32MaxRowEntries || !intel_cpu());
   if (dt != at::kBFloat16) return false;
   if (rows == 1) return true;
   if (rows > kMaxRows) return false;
@@ -413,6 +427,7 @@ TORCH_LIBRARY(looplm_cpu, m) {
   m.def("gemv_bf16(Tensor x, Tensor weight, Tensor? bias=None, bool use_amx=True) -> Tensor");
   m.def("gemv_fp32(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("amx_ready() -> bool", &amx_ready);
+  m.def("intel_cpu() -> bool", &looplm_cpu::intel_cpu);
   m.def("kernel_wins(int rows, int k, ScalarType dtype, int n=0) -> bool", &looplm_cpu::kernel_wins);  // for the test that holds it to gemv.py's rule
 }
 TORCH_LIBRARY_IMPL(looplm_cpu, CPU, m) {

@@ -18,6 +18,9 @@ bool amx_ready();
 // n: the weight's N (output features; 0 = not known).
 bool kernel_wins(int64_t rows, int64_t k, at::ScalarType dt, int64_t n = 0);
 
+// Whether cpuid's vendor is GenuineIntel (false in the portable build).
+bool intel_cpu();
+
 // y [M, N] = x [M, K] · Wᵀ (+ b): a kernel where kernel_wins says so, else at::linear (torch's matmul).
 // x contiguous; W [N, K]; all of one dtype.
 at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias);
