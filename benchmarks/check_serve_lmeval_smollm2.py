@@ -52,7 +52,8 @@ def main(argv=None) -> int:
     from looplm.checkpoint_io import load_model_for_inference
     from looplm.eval.harness import LoopLMEvalModel, register_lm_eval_model, write_task_configs
     from looplm.serve import Engine, EngineConfig
-    from looplm.serve.api import Server, build_app
+    from looplm.serve.app import build_app
+    from looplm.serve.server import Server
 
     torch.manual_seed(0)
     hf_dir, run = smollm2_dirs(a.work, a.gguf)

@@ -23,7 +23,8 @@ pytest.importorskip("aiohttp")
 from looplm.bench.serve import Load, RequestRecord, _check, held_out_prompts, markdown, run_load, summarize, targets  # noqa: E402
 from looplm.data.tokenizers import ByteTokenizer  # noqa: E402
 from looplm.serve import Engine, EngineConfig  # noqa: E402
-from looplm.serve.api import Server, build_app  # noqa: E402
+from looplm.serve.app import build_app  # noqa: E402
+from looplm.serve.server import Server  # noqa: E402
 
 PROMPTS = ["The loop ", "Once upon a time", "A looped model runs its core again, ", "12345 "]
 

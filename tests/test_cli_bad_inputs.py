@@ -323,10 +323,10 @@ def no_servers(monkeypatch):
     def refuse(*a, **k):
         raise _Refused("the command went on to start a server / connect (its bad value was not refused first)")
 
-    from looplm.serve import api
+    from looplm.serve import server
 
-    monkeypatch.setattr(api, "run_server", refuse)
-    monkeypatch.setattr(api.Server, "start", refuse)
+    monkeypatch.setattr(server, "run_server", refuse)
+    monkeypatch.setattr(server.Server, "start", refuse)
     monkeypatch.setattr("socket.socket.connect", refuse)
     monkeypatch.setattr("socket.socket.bind", refuse)
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")  # bench adaptive / decode: no re-run of themselves in a child

@@ -31,7 +31,8 @@ transformers = pytest.importorskip("transformers")
 
 from looplm.data.tokenizers import ByteTokenizer, HFTokenizer  # noqa: E402
 from looplm.serve import Engine, EngineConfig  # noqa: E402
-from looplm.serve.api import Server, build_app  # noqa: E402
+from looplm.serve.app import build_app  # noqa: E402
+from looplm.serve.server import Server  # noqa: E402
 
 N = 12  # tokens per answer
 EXIT = "kl:0.006"  # the served engine's criterion (a mix of depths on tiny-coreloop)
@@ -200,7 +201,7 @@ def test_streamed_connections_send_each_chunk_at_once():
     import asyncio
     import socket
 
-    from looplm.serve.api import _bind
+    from looplm.serve.server import _bind
 
     async def accepted_nodelay():
         sock = _bind("127.0.0.1", 0)

@@ -26,7 +26,7 @@ from test_serve_api import _chat_tokenizer, _client, _metric, _model, _serve  # 
 
 from looplm.data.tokenizers import ByteTokenizer  # noqa: E402
 from looplm.serve import Engine, EngineConfig  # noqa: E402
-from looplm.serve.api import build_app  # noqa: E402
+from looplm.serve.app import build_app  # noqa: E402
 from looplm.serve.protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS  # noqa: E402
 
 SERVE = Path(__file__).resolve().parents[1] / "src" / "looplm" / "serve"

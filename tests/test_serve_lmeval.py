@@ -26,7 +26,8 @@ transformers = pytest.importorskip("transformers")
 from looplm.data.tokenizers import ByteTokenizer  # noqa: E402
 from looplm.eval.harness import LoopLMEvalModel, register_lm_eval_model  # noqa: E402
 from looplm.serve import Engine, EngineConfig  # noqa: E402
-from looplm.serve.api import Server, build_app  # noqa: E402
+from looplm.serve.app import build_app  # noqa: E402
+from looplm.serve.server import Server  # noqa: E402
 
 
 def _model():

@@ -1,5 +1,7 @@
 """Serving a looped model: an engine that batches requests continuously, each at its own depth
-(:mod:`.engine`), and an OpenAI-compatible HTTP server over it (:mod:`.api`, ``looplm serve``).
+(:mod:`.engine`), and an OpenAI-compatible HTTP server over it (``looplm serve``): the request path of the
+completions and chat endpoints (:mod:`.serving`), the FastAPI app (:mod:`.app`: routes, checks; its state and
+drain: :mod:`.state`) and its uvicorn runner (:mod:`.server`). (:mod:`.api` keeps the old imports working.)
 
 Importing ``looplm.serve`` loads neither FastAPI nor uvicorn: the engine is plain PyTorch and threads; the
 server's modules import them when a server is built. ``docs/serving.md`` is the user's guide.

@@ -315,7 +315,8 @@ def openmp_spin_respawn(argv0: str | None = None) -> list[str] | None:
 def cmd_serve(args) -> int:
     _need("fastapi", "looplm serve")
     _need("uvicorn", "looplm serve")
-    from .api import build_app, run_server
+    from .app import build_app
+    from .server import run_server
 
     if args.port < 0 or args.port > 65535:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
@@ -363,7 +364,8 @@ def cmd_chat(args) -> int:
     else:
         if not args.model:
             raise ValueError("looplm chat needs a RUN or PRESET to serve in this process, or --url of a running server")
-        from .api import Server, build_app
+        from .app import build_app
+        from .server import Server
 
         cfg = _engine_config(args)
         model, tok, name = load_served_model(args)
