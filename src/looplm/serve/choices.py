@@ -106,8 +106,9 @@ class Channel:
         if not self.items:
             self.ready.clear()
             try:
-                await asyncio.wait_for(self.ready.wait(), timeout)
-            except asyncio.TimeoutError:
+                async with asyncio.timeout(timeout):  # (not wait_for: no task made per event)
+                    await self.ready.wait()
+            except TimeoutError:
                 return None
         return self.items.popleft()
 
@@ -151,9 +152,10 @@ class Run:
             if c.handle is not None and not c.done:
                 c.handle.abort(reason)
 
-    async def events(self):
+    async def events(self, watch_disconnect: bool = True):
         """Yield each choice as an event changes it, until every choice has finished. Raises :class:`APIError`
-        (504) at the deadline and :class:`Disconnected` when the client has gone (both abort first)."""
+        (504) at the deadline and, with ``watch_disconnect`` (every ``_POLL_S``), :class:`Disconnected` when the
+        client has gone (both abort first). A stream passes False: the server cancels it when its client goes."""
         pending = len(self.choices)
         last_check = time.monotonic()
         while pending:
@@ -162,7 +164,7 @@ class Run:
                 self.abort()
                 self.state.metrics.requests.labels(self.endpoint, "timeout").inc()
                 raise self._timeout_error()
-            if now - last_check >= _POLL_S:
+            if watch_disconnect and now - last_check >= _POLL_S:
                 last_check = now
                 if await self.request.is_disconnected():
                     self.abort()

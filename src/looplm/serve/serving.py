@@ -42,6 +42,7 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import ClassVar
 
+from pydantic import BaseModel
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
@@ -239,9 +240,9 @@ class OpenAIServing:
     async def _events(
         self,
         run: Run,
-        first_chunks: Callable[[], Iterator[dict]],
-        chunk_of: Callable[[Choice, str, list[Tok], bool], dict],
-        usage_chunk: Callable[[], dict] | None,
+        first_chunks: Callable[[], Iterator[BaseModel]],
+        chunk_of: Callable[[Choice, str, list[Tok], bool], BaseModel],
+        usage_chunk: Callable[[], BaseModel] | None,
     ) -> AsyncIterator[str]:
         """The SSE body of :meth:`stream`: ``first_chunks()`` (chat's role, completions' echo), then one chunk per
         change of a choice (``chunk_of(choice, text, tokens, final)``), the usage chunk, ``[DONE]``. An error
@@ -250,7 +251,8 @@ class OpenAIServing:
         try:
             for chunk in first_chunks():
                 yield _sse(chunk)
-            async for c in run.events():
+            # the client going away cancels this stream (Starlette listens for the disconnect beside it): no polling
+            async for c in run.events(watch_disconnect=False):
                 if c.done:
                     run.check_finished(c)
                 shown = c.text.text if c.done else c.text.shown()
@@ -387,7 +389,7 @@ class CompletionServing(OpenAIServing):
         echoed: set[int] = set()  # the choices whose prompt went out with its log-probabilities
 
         def chunk(choices, usage=None):
-            return Completion(id=rid, created=created, model=model, choices=choices, usage=usage).model_dump()
+            return Completion(id=rid, created=created, model=model, choices=choices, usage=usage)
 
         def first_chunks():
             for c in run.choices:
@@ -505,7 +507,7 @@ class ChatServing(OpenAIServing):
         rid, created, model = self.new_id(), int(time.time()), self.state.model_name
 
         def chunk(choices, usage=None):
-            return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage).model_dump()
+            return ChatCompletionChunk(id=rid, created=created, model=model, choices=choices, usage=usage)
 
         def first_chunks():
             for c in run.choices:
@@ -589,4 +591,8 @@ def _num(x):
 
 
 def _sse(obj) -> str:
+    """One server-sent event: a wire model in pydantic's own (compiled) JSON encoder — a stream's chunks, one per
+    token —, else a dict (an error body) through ``json.dumps``; UTF-8 text either way, not ``\\u`` escapes."""
+    if isinstance(obj, BaseModel):
+        return f"data: {obj.model_dump_json()}\n\n"
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
