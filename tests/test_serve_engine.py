@@ -774,3 +774,31 @@ def test_engine_config_and_unservable_models_are_refused_before_any_work():
         EngineConfig(prefill="half")
     with pytest.raises(ValueError, match="cannot run this model.*kv policy 'shared'"):
         Engine(m, EngineConfig(exit="kl:0.01", kv_policy="shared", prefill="exit", prefill_chunk=None))
+
+
+def test_a_prepared_request_is_checked_once(engine_of):
+    """``Engine.prepare`` is the one validation pass: ``submit_group`` queues its requests without checking them
+    again (the server prepares each prompt once, in its worker thread, and submits on the event loop); a request
+    another engine prepared is refused; ``with_seed`` (a prompt's other samples) checks the seed only."""
+    m = _model()
+    eng, other = engine_of(m, max_batch=2), engine_of(m, max_batch=2)
+    sp = SamplingParams(max_tokens=3, temperature=0)
+    calls = []
+    check = eng.check
+    eng.check = lambda *a: calls.append(a) or check(*a)
+    pr, errs = eng.prepare([1, 2, 3], sp)
+    assert errs == [] and pr.prompt_ids == (1, 2, 3) and len(calls) == 1
+    bad, errs = eng.prepare([1, 2, 10**9], SamplingParams(max_tokens=-1))
+    assert bad is None and {f.field for f in errs} == {"prompt", "max_tokens"}
+    assert "token id 1000000000 is not in the model's vocabulary" in str(RequestError(errs))
+    calls.clear()
+    a, b = Collect(), Collect()
+    eng.submit_group([(pr, a), (pr.with_seed(7), b)])
+    assert calls == []  # not checked again
+    assert a.wait().tokens == b.wait().tokens == _alone(m, [1, 2, 3], 3)[0]  # greedy: the seed changes nothing
+    with pytest.raises(RequestError, match=r"seed: must be an int in \[0, 2\^63\), got -1"):
+        pr.with_seed(-1)
+    with pytest.raises(TypeError, match="PreparedRequest made by this engine's prepare"):
+        other.submit_group([(pr, Collect())])
+    with pytest.raises(TypeError, match="got tuple"):
+        eng.submit_group([(([1], sp), Collect())])

@@ -13,7 +13,16 @@ from dataclasses import dataclass, field
 from fastapi import Request
 
 from .detokenizer import IncrementalText
-from .engine import EngineClosed, FinishEvent, PromptEvent, QueueFull, RequestError, SamplingParams, TokenEvent
+from .engine import (
+    EngineClosed,
+    FinishEvent,
+    PreparedRequest,
+    PromptEvent,
+    QueueFull,
+    RequestError,
+    SamplingParams,
+    TokenEvent,
+)
 from .errors import APIError, closed_error
 from .protocol import Usage
 from .state import ServerState
@@ -41,6 +50,7 @@ class Choice:
     params: SamplingParams
     text: IncrementalText
     source: str | None = None  # the prompt's text as sent, for an echo (None: sent as token ids, or a chat)
+    prepared: PreparedRequest | None = None  # the engine's checked request (Engine.prepare): submitted unchecked
     handle: object = None
     finish: FinishEvent | None = None
     prompt_event: PromptEvent | None = None
@@ -130,7 +140,14 @@ class Run:
         """Every choice into the engine at once, or none (:meth:`Engine.submit_group`): a refusal queues nothing."""
         eng = self.state.engine
         try:
-            handles = eng.submit_group([(c.prompt_ids, c.params, self.channel.callback(c.index)) for c in self.choices])
+            handles = eng.submit_group(
+                [
+                    (c.prepared, self.channel.callback(c.index))
+                    if c.prepared is not None
+                    else (c.prompt_ids, c.params, self.channel.callback(c.index))
+                    for c in self.choices
+                ]
+            )
         except QueueFull:
             raise APIError(
                 429,

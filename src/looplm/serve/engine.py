@@ -73,6 +73,7 @@ __all__ = [
     "EngineConfig",
     "FieldError",
     "FinishEvent",
+    "PreparedRequest",
     "PromptEvent",
     "QueueFull",
     "RequestError",
@@ -296,6 +297,26 @@ class RequestHandle:
         self._engine._wake.set()
 
 
+@dataclass(frozen=True, eq=False)
+class PreparedRequest:
+    """A request that passed :meth:`Engine.check` — the one validation pass — made by :meth:`Engine.prepare`, which
+    :meth:`Engine.submit_group` queues without checking it again. ``thr`` / ``checks``: its exit threshold and
+    whether its tokens are checked at all (:meth:`Engine._threshold`)."""
+
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    thr: float
+    checks: bool
+    engine: "Engine"
+
+    def with_seed(self, seed: int | None) -> "PreparedRequest":
+        """The same request with another ``seed`` (the samples of one prompt differ only in it): only the seed is
+        checked, not the prompt again. Raises :class:`RequestError` (``seed``) outside ``[0, 2^63)``."""
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+            raise RequestError([FieldError("seed", f"must be an int in [0, 2^63), got {seed!r}")])
+        return replace(self, params=replace(self.params, seed=seed))
+
+
 # ---------------------------------------------------------------------------------------------- the engine
 @dataclass(eq=False)
 class _Request(Request):
@@ -452,8 +473,8 @@ class Engine:
         ids = list(prompt_ids) if prompt_ids is not None else []
         if not ids:
             bad("prompt", "is empty: give at least one token")
-        elif any(not is_int(t) or not 0 <= t < V for t in ids):
-            bad("prompt", f"holds a token id outside the model's vocabulary [0, {V})")
+        elif (out := next((t for t in ids if not is_int(t) or not 0 <= t < V), None)) is not None:
+            bad("prompt", f"token id {out!r} is not in the model's vocabulary (ids in [0, {V}))")
         elif is_int(p.max_tokens) and p.max_tokens >= 0 and len(ids) + p.max_tokens > self.max_model_len:
             room = self.max_model_len - len(ids)
             bad(
@@ -501,23 +522,45 @@ class Engine:
             )
         return errs
 
+    def prepare(self, prompt_ids, params: SamplingParams) -> tuple[PreparedRequest | None, list[FieldError]]:
+        """The one validation pass of a request: ``(the request, [])`` ready for :meth:`submit_group`, or ``(None,
+        every bad field)`` (:meth:`check`)."""
+        errs = self.check(prompt_ids, params)
+        if errs:
+            return None, errs
+        thr, checks = self._threshold(params.exit)
+        return PreparedRequest(tuple(prompt_ids), params, thr, checks, self), []
+
     def submit(self, prompt_ids, params: SamplingParams, on_event: Callable) -> RequestHandle:
         """Queue a request; ``on_event(event)`` is called from the engine thread (keep it short). Raises
         :class:`RequestError` (bad fields), :class:`QueueFull` or :class:`EngineClosed`."""
         return self.submit_group([(prompt_ids, params, on_event)])[0]
 
     def submit_group(self, requests: list) -> list[RequestHandle]:
-        """Queue ``requests`` ``[(prompt_ids, params, on_event)]`` — the samples of one request (``n``, or prompts ×
-        ``n``) — all at once or not at all: every field of every one is checked, then the capacity for the whole
-        group, before any is queued. Raises, with nothing queued, :class:`RequestError` (bad fields, each named once;
+        """Queue ``requests`` ``[(prompt_ids, params, on_event)]`` or ``[(prepared, on_event)]`` (a
+        :class:`PreparedRequest` of this engine: checked already, not again) — the samples of one request (``n``,
+        or prompts × ``n``) — all at once or not at all: every field of every one is checked, then the capacity for
+        the whole group, before any is queued. Raises, with nothing queued, :class:`RequestError` (bad fields, each named once;
         or a group larger than the server ever holds: ``max_batch + max_waiting``, field ``n``), :class:`QueueFull`
         (it does not fit now) or :class:`EngineClosed`. Returns their handles, in order."""
         requests = list(requests)
         if not requests:
             raise ValueError("submit_group needs at least one (prompt_ids, params, on_event)")
         errs: list[FieldError] = []
-        for prompt_ids, params, _ in requests:
-            errs += [e for e in self.check(prompt_ids, params) if e not in errs]
+        prepared: list[tuple[PreparedRequest, Callable]] = []
+        for item in requests:
+            if len(item) == 2:  # (prepared, on_event)
+                pr, on_event = item
+                if not isinstance(pr, PreparedRequest) or pr.engine is not self:
+                    raise TypeError(
+                        "submit_group: a 2-tuple item must be (PreparedRequest made by this engine's prepare(), "
+                        f"on_event); got {type(pr).__name__}"
+                    )
+            else:
+                prompt_ids, params, on_event = item
+                pr, bad = self.prepare(prompt_ids, params)
+                errs += [e for e in bad if e not in errs]
+            prepared.append((pr, on_event))
         n, B, W = len(requests), self.config.max_batch, self.config.max_waiting
         if not errs and n > B + W:
             errs.append(
@@ -529,11 +572,18 @@ class Engine:
             )
         if errs:
             raise RequestError(errs)
-        made = []
-        for prompt_ids, params, on_event in requests:
-            thr, checks = self._threshold(params.exit)
-            gen = self._sampler.new_generator(params, next(self.model.parameters()).device)
-            made.append((list(prompt_ids), params, on_event, thr, checks, gen))
+        device = next(self.model.parameters()).device
+        made = [
+            (
+                list(pr.prompt_ids),
+                pr.params,
+                on_event,
+                pr.thr,
+                pr.checks,
+                self._sampler.new_generator(pr.params, device),
+            )
+            for pr, on_event in prepared
+        ]
         with self._lock:
             if self._closed or self._thread is None or not self._thread.is_alive():
                 raise EngineClosed("the engine is not running (shut down, or not started): it takes no new request")

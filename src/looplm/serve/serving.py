@@ -16,11 +16,12 @@ A request goes through four steps:
    (:meth:`~OpenAIServing.check_sizes`): ``n`` × prompts beyond what the engine can ever hold at once
    (``max_batch + max_waiting``), a prompt of more characters (or token ids) than the context can hold, more
    messages than that (400). Then, off the event loop (a thread), the chat template, the tokenizer and the
-   engine's own checks (:meth:`~OpenAIServing.choices`, :meth:`Engine.check`: context length, the ``looplm``
-   extension);
-2. **submit**: one engine request per choice (``n`` per prompt; with a ``seed``, sample ``i`` uses
-   ``seed + i``); the engine calls back from its thread and :class:`~looplm.serve.choices.Channel` hands each
-   event to the event loop (``loop.call_soon_threadsafe``);
+   engine's own checks (:meth:`~OpenAIServing.choices`, :meth:`Engine.prepare` — the one pass of
+   :meth:`Engine.check`: token ids, context length, the ``looplm`` extension —, once per prompt);
+2. **submit**: the prepared requests, not checked again (:meth:`Engine.submit_group`): one engine request per
+   choice (``n`` per prompt; with a ``seed``, sample ``i`` uses ``seed + i``); the engine calls back from its
+   thread and :class:`~looplm.serve.choices.Channel` hands each event to the event loop
+   (``loop.call_soon_threadsafe``);
 3. **detokenize** (:class:`~looplm.serve.detokenizer.IncrementalText`): each choice's tokens become text as they
    come; the stop strings are the server's job (a stop string may span tokens; its text is cut; while
    streaming, text that may be the start of a stop string and a partial UTF-8 character are held back); a found
@@ -184,7 +185,6 @@ class OpenAIServing:
         errors: list[FieldError] = []
         prompts = self.prompts(req, errors)
         logprobs, limit, prompt_logprobs = self.logprobs(req), self.max_tokens(req), self.prompt_logprobs(req)
-        vocab = _vocab_size(eng)
         temperature = 1.0 if req.temperature is None else float(req.temperature)
         top_k = None if req.top_k in (None, 0, -1) else req.top_k
         stops = req.stop_strings()
@@ -192,12 +192,6 @@ class OpenAIServing:
         choices = []
         for pi, (ids, source) in enumerate(prompts):
             name = self.prompt_field if len(prompts) == 1 else f"{self.prompt_field}[{pi}]"
-            if not ids:
-                errors.append(FieldError(name, "is empty: give at least one token"))
-                continue
-            if vocab is not None and max(ids) >= vocab:
-                errors.append(FieldError(name, f"token id {max(ids)} is not in the model's vocabulary (ids < {vocab})"))
-                continue
             max_tokens = limit
             if max_tokens is None:  # chat without a limit: what the context leaves
                 max_tokens = max(int(getattr(eng, "max_model_len", 0) or 0) - len(ids), 1)
@@ -217,12 +211,13 @@ class OpenAIServing:
                     kv_policy=lo.kv_policy if lo else None,
                     speculative=lo.speculative if lo else None,
                 )
-                if i == 0:  # the samples of a prompt differ only in their seed (checked whole by the protocol)
-                    errs = [FieldError(name, f.message) if f.field == "prompt" else f for f in eng.check(ids, params)]
-                    errors += errs
+                # the engine's one check of the request (Engine.prepare); its samples differ in the seed only
+                if i == 0:
+                    first, errs = eng.prepare(ids, params)
+                    errors += [FieldError(name, f.message) if f.field == "prompt" else f for f in errs]
                     if errs:
                         break  # (the other samples would say the same)
-                # the samples of a prompt share its ids (the engine copies what it keeps)
+                prepared = first if i == 0 else first.with_seed(params.seed)  # (seed + i < 2^63: protocol-checked)
                 choices.append(
                     Choice(
                         index=pi * req.n + i,
@@ -231,6 +226,7 @@ class OpenAIServing:
                         params=params,
                         text=IncrementalText(tok, ids, stops),
                         source=source,
+                        prepared=prepared,
                     )
                 )
         if errors:
@@ -574,12 +570,6 @@ class ChatServing(OpenAIServing):
                 )
             )
         return ChatLogprobs(content=content)
-
-
-def _vocab_size(engine) -> int | None:
-    model = getattr(engine, "model", None)
-    cfg = getattr(model, "config", None)
-    return getattr(cfg, "vocab_size", None)
 
 
 def _num(x):
