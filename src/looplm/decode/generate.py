@@ -3,10 +3,47 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, fields
 
 import torch
 
 from .sampling import decode_context, eval_mode, sample_next, sampling_probs  # noqa: F401  (re-exported: looplm.decode.generate.sample_next)
+
+
+@dataclass(frozen=True)
+class _Decoding:
+    """The arguments of :func:`generate` that every decode path takes alike, checked once
+    (:func:`_check_generate_args`) and handed down as one: how a row's next token is picked, when a row ends
+    and what it emits after, the batch's mask, the rule's options and whether the statistics are returned.
+    By name they are also :func:`~looplm.decode.speculative.speculative_generate`'s and
+    :func:`~looplm.decode.depth_schedule.depth_batched_generate`'s keyword arguments (:meth:`kwargs`)."""
+
+    do_sample: bool
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+    attention_mask: torch.Tensor | None
+    generator: torch.Generator | None
+    loop_options: dict | None
+    return_stats: bool
+
+    def kwargs(self) -> dict:
+        """The fields by name, the objects themselves (:func:`dataclasses.asdict` would copy the mask and the
+        generator: another generator's draws)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @property
+    def pad(self) -> int:
+        """The id a row emits after its eos: ``pad_token_id``, else the eos id, else 0."""
+        if self.pad_token_id is not None:
+            return self.pad_token_id
+        return self.eos_token_id if self.eos_token_id is not None else 0
+
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's next token from ``logits [n, V]``: ``[n]`` (greedy, or temperature / top-k / top-p sampling)."""
+        return sample_next(logits, self.do_sample, self.temperature, self.top_k, self.top_p, self.generator)
 
 
 def _check_generate_args(
@@ -147,6 +184,18 @@ def generate(
         from .exits import Exit
 
         exit = Exit(criterion="replay", depths=num_loops or model.config.n_loops, kv="full")
+    args = _Decoding(
+        do_sample=do_sample,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        attention_mask=attention_mask,
+        generator=generator,
+        loop_options=loop_options,
+        return_stats=return_stats,
+    )
     if speculative is not None:
         from .speculative import speculative_generate
 
@@ -155,22 +204,7 @@ def generate(
                 f"generate: speculative decoding verifies at the model's K = {model.config.n_loops} loops; num_loops={num_loops!r} cannot change it"
             )
 
-        return speculative_generate(
-            model,
-            input_ids,
-            max_new_tokens,
-            speculative,
-            do_sample=do_sample,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            eos_token_id=eos_token_id,
-            pad_token_id=pad_token_id,
-            attention_mask=attention_mask,
-            generator=generator,
-            loop_options=loop_options,
-            return_stats=return_stats,
-        )
+        return speculative_generate(model, input_ids, max_new_tokens, speculative, **args.kwargs())
     if exit is not None:
         from .exits import Exit
 
@@ -188,40 +222,10 @@ def generate(
             from .depth_schedule import depth_batched_generate
             from .static_schedule import StaticDepthDecoder
 
-            return depth_batched_generate(
-                model,
-                input_ids,
-                max_new_tokens,
-                e,
-                do_sample,
-                temperature,
-                top_k,
-                top_p,
-                eos_token_id,
-                pad_token_id,
-                attention_mask,
-                generator,
-                loop_options,
-                return_stats,
-                decoder=StaticDepthDecoder if e.schedule == "static" else None,
-            )
+            decoder = StaticDepthDecoder if e.schedule == "static" else None
+            return depth_batched_generate(model, input_ids, max_new_tokens, e, **args.kwargs(), decoder=decoder)
         if not e.is_off(model) or return_stats:
-            return _generate_adaptive(
-                model,
-                input_ids,
-                max_new_tokens,
-                e,
-                do_sample,
-                temperature,
-                top_k,
-                top_p,
-                eos_token_id,
-                pad_token_id,
-                attention_mask,
-                generator,
-                loop_options,
-                return_stats,
-            )
+            return _generate_adaptive(model, input_ids, max_new_tokens, e, args)
     # the lean path: output ids and mask preallocated, KV slots preallocated for T + max_new_tokens,
     # the head applied to the last position only, token ids checked once (for the prompt), and no
     # host synchronisation per token except the all-rows-finished check when an eos id is given
@@ -231,18 +235,11 @@ def generate(
         cache = model.new_cache(B, cache_loops, capacity=T + max_new_tokens) if use_cache else None
 
         def step(i: int, ids: torch.Tensor, step_mask: torch.Tensor | None) -> torch.Tensor:
-            if use_cache:  # the prompt first, then the newest token against the cache
-                return model(
-                    ids if i == 0 else ids[:, -1:],
-                    cache=cache,
-                    attention_mask=step_mask,
-                    num_loops=num_loops,
-                    logits_to_keep=1,
-                    validate=i == 0,
-                    loop_options=loop_options,
-                ).logits
+            if use_cache and i > 0:  # the prompt first, then the newest token against the cache
+                ids = ids[:, -1:]
             return model(
                 ids,
+                cache=cache,  # (None without use_cache: the full forward each step)
                 attention_mask=step_mask,
                 num_loops=num_loops,
                 logits_to_keep=1,
@@ -250,43 +247,17 @@ def generate(
                 loop_options=loop_options,
             ).logits
 
-        return _decode(
-            model,
-            input_ids,
-            max_new_tokens,
-            attention_mask,
-            step,
-            do_sample,
-            temperature,
-            top_k,
-            top_p,
-            generator,
-            eos_token_id,
-            pad_token_id,
-        )
+        return _decode(model, input_ids, max_new_tokens, step, args)
 
 
-def _decode(
-    model,
-    input_ids,
-    max_new_tokens,
-    attention_mask,
-    step,
-    do_sample,
-    temperature,
-    top_k,
-    top_p,
-    generator,
-    eos_token_id,
-    pad_token_id,
-) -> torch.Tensor:
+def _decode(model, input_ids: torch.Tensor, max_new_tokens: int, step, args: _Decoding) -> torch.Tensor:
     """The token loop of both decode paths: ``step(i, ids [B, n], mask [B, n] | None)`` returns the logits
-    whose last position picks token ``i``; a row that has emitted ``eos_token_id`` pads from there on; the
-    loop ends early once every row has. Output ids and mask are preallocated for ``T + max_new_tokens``, and
-    the fused decode steps (:func:`decode_context`) are on for the whole loop."""
+    whose last position picks token ``i`` (``args.pick``); a row that has emitted ``eos_token_id`` pads from
+    there on; the loop ends early once every row has. Output ids and mask are preallocated for
+    ``T + max_new_tokens``, and the fused decode steps (:func:`decode_context`) are on for the whole loop."""
     B, T = input_ids.shape
-    if pad_token_id is None:
-        pad_token_id = eos_token_id if eos_token_id is not None else 0
+    # (locals: the loop reads them every token)
+    attention_mask, eos_token_id, pad_token_id, pick = args.attention_mask, args.eos_token_id, args.pad, args.pick
     padded = attention_mask is not None and bool((attention_mask == 0).any())
     out = torch.empty(B, T + max_new_tokens, dtype=input_ids.dtype, device=input_ids.device)
     out[:, :T] = input_ids
@@ -298,7 +269,7 @@ def _decode(
     with decode_context(model, B):
         for i in range(max_new_tokens):
             logits = step(i, out[:, :n], mask[:, :n] if padded else None)
-            nxt = sample_next(logits[:, -1], do_sample, temperature, top_k, top_p, generator)  # [B]
+            nxt = pick(logits[:, -1])  # [B]
             nxt = torch.where(finished, torch.full_like(nxt, pad_token_id), nxt)
             out[:, n] = nxt
             n += 1
@@ -310,44 +281,22 @@ def _decode(
 
 
 @torch.no_grad()
-def _generate_adaptive(
-    model,
-    input_ids,
-    max_new_tokens,
-    exit,
-    do_sample,
-    temperature,
-    top_k,
-    top_p,
-    eos_token_id,
-    pad_token_id,
-    attention_mask,
-    generator,
-    loop_options,
-    return_stats,
-):
+def _generate_adaptive(model, input_ids: torch.Tensor, max_new_tokens: int, exit, args: _Decoding):
     """:func:`generate` with per-token exit (:class:`looplm.decode.token_schedule.AdaptiveDecoder`): the prompt at full
     depth, every new token with its own exit."""
     from .token_schedule import AdaptiveDecoder
 
     with eval_mode(model):
-        dec = AdaptiveDecoder(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, exit, loop_options)
+        dec = AdaptiveDecoder(model, input_ids.shape[0], input_ids.shape[1] + max_new_tokens, exit, args.loop_options)
         ids = _decode(
             model,
             input_ids,
             max_new_tokens,
-            attention_mask,
             lambda i, ids, m: dec(ids if i == 0 else ids[:, -1:], m, validate=i == 0),
-            do_sample,
-            temperature,
-            top_k,
-            top_p,
-            generator,
-            eos_token_id,
-            pad_token_id,
+            args,
         )
         dec.flush()  # the last token's propagate fills, carried for its next token (looplm.decode.kv_fill)
-    return (ids, dec.stats) if return_stats else ids
+    return (ids, dec.stats) if args.return_stats else ids
 
 
 def adaptive_options(

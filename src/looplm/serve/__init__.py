@@ -7,6 +7,7 @@ Importing ``looplm.serve`` loads neither FastAPI nor uvicorn: the engine is plai
 server's modules import them when a server is built. ``docs/serving.md`` is the user's guide.
 """
 
+from . import engine as _engine
 from .engine import (  # noqa: F401
     Engine,
     EngineClosed,
@@ -21,16 +22,5 @@ from .engine import (  # noqa: F401
     TokenEvent,
 )
 
-__all__ = [
-    "Engine",
-    "EngineClosed",
-    "EngineConfig",
-    "FieldError",
-    "FinishEvent",
-    "PromptEvent",
-    "QueueFull",
-    "RequestError",
-    "RequestHandle",
-    "SamplingParams",
-    "TokenEvent",
-]
+# the engine's names imported above, in the engine's order (the rest of its API is imported from .engine)
+__all__ = [name for name in _engine.__all__ if name in globals()]
