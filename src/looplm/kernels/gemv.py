@@ -157,7 +157,7 @@ def _linear_step(lin: nn.Module, prepared, x: torch.Tensor):
     if x.dim() == 3 and (x.shape[1] == 1 or (dispatch.few_token_calls() and x.shape[0] * x.shape[1] <= MAX_ROWS)):
         return linear(x, lin.weight, lin.bias)
     if onednn.applies(x, lin.weight, lin.bias):  # an fp32 prompt step where MKL takes its slow path
-        return onednn.linear(x, lin.weight, lin.bias)
+        return onednn.linear_onednn(x, lin.weight, lin.bias)
     return None
 
 

@@ -68,12 +68,15 @@ def applies(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = N
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` (``x [..., K]`` -> ``[..., N]``), on oneDNN where :func:`applies`."""
-    if not applies(x, weight, bias):
-        return F.linear(x, weight, bias)
+    return linear_onednn(x, weight, bias) if applies(x, weight, bias) else F.linear(x, weight, bias)
+
+
+def linear_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The oneDNN product itself, for a caller that has asked :func:`applies` already."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()  # [M, K]
     y = torch.ops.mkldnn._linear_pointwise(x2, weight.contiguous(), bias, "none", [], "")  # [M, N]
     return y.view(*lead, weight.shape[0])
 
 
-__all__ = ["CHOICES", "ENV", "MIN_ROWS", "applies", "linear", "prefers_onednn"]
+__all__ = ["CHOICES", "ENV", "MIN_ROWS", "applies", "linear", "linear_onednn", "prefers_onednn"]

@@ -49,8 +49,8 @@ class Choice:
     prompt_ids: list[int]
     params: SamplingParams
     text: IncrementalText
+    prepared: PreparedRequest  # the engine's checked request (Engine.prepare): submitted without a second check
     source: str | None = None  # the prompt's text as sent, for an echo (None: sent as token ids, or a chat)
-    prepared: PreparedRequest | None = None  # the engine's checked request (Engine.prepare): submitted unchecked
     handle: object = None
     finish: FinishEvent | None = None
     prompt_event: PromptEvent | None = None
@@ -140,14 +140,7 @@ class Run:
         """Every choice into the engine at once, or none (:meth:`Engine.submit_group`): a refusal queues nothing."""
         eng = self.state.engine
         try:
-            handles = eng.submit_group(
-                [
-                    (c.prepared, self.channel.callback(c.index))
-                    if c.prepared is not None
-                    else (c.prompt_ids, c.params, self.channel.callback(c.index))
-                    for c in self.choices
-                ]
-            )
+            handles = eng.submit_group([(c.prepared, self.channel.callback(c.index)) for c in self.choices])
         except QueueFull:
             raise APIError(
                 429,
