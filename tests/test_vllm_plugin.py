@@ -88,6 +88,38 @@ def test_slots_in_run_order_per_loop_and_shared():
     assert plugin_spec(raw, kv_policy="shared").kv_policy == "shared"  # the argument wins over the config
 
 
+def test_stateloop_attention_mixer_gets_a_slot_per_iteration():
+    """StateLoop's X_attn (eq. 8): one slot per iteration after that iteration's core layers (looplm's
+    ``loop_slot``), one for every iteration under ``shared``; its heads from d_s / mixer_head_dim."""
+    over = {"rule.options.mixer": "attention", "rule.options.d_s": 96, "rule.options.mixer_head_dim": 32}
+    raw = _export_config("tiny-stateloop", over)  # (p, s, K, c) = (0, 2, 4, 0)
+    spec = plugin_spec(raw)
+    assert spec.rule_attention == (3, 32)
+    assert [(s.part, s.layer, s.loop) for s in spec.slots] == [
+        (part, layer, k) for k in range(4) for part, layer in (("core", 0), ("core", 1), ("rule", None))
+    ]
+    for s in spec.slots:
+        assert spec.slot_index(s.part, s.layer, s.loop) == s.index
+    shared = plugin_spec({**raw, "looplm_kv_policy": "shared"})
+    assert [(s.part, s.layer, s.loop) for s in shared.slots] == [
+        ("core", 0, None),
+        ("core", 1, None),
+        ("rule", None, None),
+    ]
+    assert {shared.slot_index("rule", None, k) for k in range(4)} == {2}
+    coda = plugin_spec(
+        _export_config("tiny-coreloop", {"rule": {"name": "stateloop", "options": {"mixer": "attention"}}})
+    )
+    assert coda.rule_attention == (1, 64)  # d_s = d = 64, mixer_head_dim 64 by default
+    assert [s.part for s in coda.slots] == ["prelude"] + ["core", "core", "rule"] * 3 + ["coda"]
+    assert coda.slot_index("coda", 3) == 10 and coda.slot_index("rule", None, 1) == 6
+    assert plugin_spec(_export_config("tiny-stateloop")).rule_attention is None  # the identity mixer has none
+    with pytest.raises(ValueError, match="has no rule attention slot"):
+        plugin_spec(_export_config("tiny-stateloop")).slot_index("rule", None, 0)
+    with pytest.raises(UnsupportedDesign, match="attention state mixer attends across the batch"):
+        plugin_spec({**raw, "looplm_exit": {"criterion": "convergence", "threshold": 0.1}})
+
+
 def test_served_loop_count_and_exit_threshold_come_from_the_config():
     spec = plugin_spec(_export_config("tiny-llama", num_loops=5))
     assert spec.num_loops == 5 and len(spec.slots) == 5 * 2
@@ -136,10 +168,8 @@ def test_per_token_rules_are_served(preset, overrides):
 
 
 _REFUSED = [
-    ("tiny-mamba2", {}, "Mamba-2 stack"),
-    ("tiny-hybrid", {}, "hybrid Mamba-2/attention stack (Mamba-2 blocks at physical layers [0, 2])"),
-    ("tiny-stateloop", {"rule.options.mixer": "attention"}, "StateLoop's 'attention' state mixer mixes tokens"),
-    ("tiny-stateloop", {"rule.options.mixer": "mamba2"}, "StateLoop's 'mamba2' state mixer"),
+    # Mamba-2 designs are served (tests/test_vllm_mamba.py); what of them is refused is tested there
+    ("tiny-stateloop", {"rule.options.mixer": "mamba2"}, "StateLoop's 'mamba2' state mixer mixes tokens"),
     ("tiny-llama", {"pause": {"n_pause": 2}}, "pause tokens"),
     ("tiny-llama", {"attention.sliding_window": 8}, "sliding-window attention"),
     (

@@ -5,10 +5,15 @@ out of pytest). The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSIN
 executor), so one process serves every directory of the job in turn, a few seconds each.
 
 Job: ``{"runs": [{"name", "dir", "prompts": [[ids]], "max_tokens", "alone": bool, "hf_overrides": {} | null,
-"tensor_parallel_size": int, "llm_kwargs": {}, "exit_stats": bool}]}``. A run with ``tensor_parallel_size`` > 1 uses vLLM's multiprocess executor (one
-spawned worker per rank, bound to the cores of ``VLLM_CPU_OMP_THREADS_BIND``, e.g. ``0|1``); the others run in
-this process. ``llm_kwargs`` go to ``LLM`` as given; with ``exit_stats`` the result holds the model's per-token
-exit counters (``LoopLMForCausalLM.exit_stats``) after the batch.
+"tensor_parallel_size": int, "llm_kwargs": {}, "exit_stats": bool, "extra_args": [{} | null], "refused": [{}]}]}``.
+``max_tokens`` is one int, or one per prompt; ``extra_args`` (optional) gives each prompt's
+``SamplingParams.extra_args``; each entry of ``refused`` (optional) is submitted alone with those ``extra_args`` after
+the batch, and its result is the error it raised (``None`` if it ran). A run of more than one rank (``tensor_parallel_size``, or ``pipeline_parallel_size`` in ``llm_kwargs``)
+uses vLLM's multiprocess executor (one spawned worker per rank, bound to the cores of ``VLLM_CPU_OMP_THREADS_BIND``,
+e.g. ``0|1``); the others run in this process. ``llm_kwargs`` go to ``LLM`` as given, over the defaults
+(``enforce_eager=True``, ...); with ``exit_stats`` the result holds the model's per-token
+exit counters (``LoopLMForCausalLM.exit_stats``) after the batch (with per-request thresholds, ``row_updates``: the
+batch updates their logits processor saw).
 Each run's result: the greedy tokens, their logprobs and the prompt logprobs of every prompt submitted
 together (one batch), and, with ``alone``, of each prompt submitted by itself; or ``error`` when the model
 did not load (the plugin's refusals).
@@ -35,7 +40,12 @@ def _out(o) -> dict:
 
 
 def _exit_stats(model) -> dict:
-    return dict(model.exit_stats)
+    out = dict(model.exit_stats)
+    if getattr(model, "request_thresholds", False):  # per-request thresholds: the batch updates the processor saw
+        from looplm.vllm.thresholds import installed
+
+        out["row_updates"] = dict(installed().counts)
+    return out
 
 
 def main(job_path: str, out_path: str) -> None:
@@ -57,8 +67,7 @@ def main(job_path: str, out_path: str) -> None:
         llm = None
         tp = r.get("tensor_parallel_size", 1)
         try:
-            llm = LLM(
-                model=r["dir"],
+            kw = dict(
                 dtype="float32",
                 enforce_eager=True,
                 skip_tokenizer_init=True,
@@ -66,25 +75,51 @@ def main(job_path: str, out_path: str) -> None:
                 max_num_seqs=16,
                 seed=0,
                 tensor_parallel_size=tp,
-                distributed_executor_backend="uni" if tp == 1 else "mp",
                 hf_overrides=r.get("hf_overrides"),
-                **r.get("llm_kwargs", {}),
             )
-            res["tensor_parallel_size"] = llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size
-            sp = SamplingParams(
-                temperature=0.0,
-                max_tokens=r["max_tokens"],
-                logprobs=0,
-                prompt_logprobs=0,
-                detokenize=False,
-                ignore_eos=True,
+            kw |= r.get("llm_kwargs", {})  # pipeline_parallel_size, enforce_eager, ... as given
+            ranks = tp * kw.get("pipeline_parallel_size", 1)
+            kw.setdefault("distributed_executor_backend", "uni" if ranks == 1 else "mp")
+            llm = LLM(model=r["dir"], **kw)
+            pc = llm.llm_engine.vllm_config.parallel_config
+            res["tensor_parallel_size"], res["pipeline_parallel_size"] = (
+                pc.tensor_parallel_size,
+                pc.pipeline_parallel_size,
             )
+
+            def params(max_tokens, extra_args=None):
+                return SamplingParams(
+                    temperature=0.0,
+                    max_tokens=max_tokens,
+                    logprobs=0,
+                    prompt_logprobs=0,
+                    detokenize=False,
+                    ignore_eos=True,
+                    extra_args=extra_args,
+                )
+
+            n = len(r["prompts"])
+            mt = r["max_tokens"] if isinstance(r["max_tokens"], list) else [r["max_tokens"]] * n
+            sp = params(mt[0])
+            if "extra_args" in r or isinstance(r["max_tokens"], list):
+                sp = [params(m, x) for m, x in zip(mt, r.get("extra_args") or [None] * n, strict=True)]
             prompts = [{"prompt_token_ids": p} for p in r["prompts"]]
             res["together"] = [_out(o) for o in llm.generate(prompts, sp, use_tqdm=False)]
             if r.get("exit_stats"):
                 res["exit_stats"] = llm.apply_model(_exit_stats)[0]
+            if r.get("refused"):
+                res["refused"] = []
+                for x in r["refused"]:
+                    try:
+                        llm.generate(prompts[:1], params(mt[0], x), use_tqdm=False)
+                        res["refused"].append(None)
+                    except Exception as e:
+                        res["refused"].append(f"{type(e).__name__}: {e}")
+                if r.get("exit_stats"):
+                    res["exit_stats_after_refused"] = llm.apply_model(_exit_stats)[0]
             if r.get("alone"):
-                res["alone"] = [_out(llm.generate([p], sp, use_tqdm=False)[0]) for p in prompts]
+                one = sp if isinstance(sp, list) else [sp] * n
+                res["alone"] = [_out(llm.generate([p], s, use_tqdm=False)[0]) for p, s in zip(prompts, one)]
         except Exception as e:  # a refusal: the message is what the test checks
             res["error"] = f"{type(e).__name__}: {e}"
         res["seconds"] = round(time.time() - t0, 2)

@@ -10,7 +10,8 @@ the tokens' depths differ:
 * ``timestep-adaln`` (per-loop block modulation) with ``kl``, ``copy``;
 * ``exit-gate-sandwich`` with ``gate``, ``copy`` and ``propagate``.
 
-Checked: the greedy tokens of 8 prompts served together equal each prompt's looplm ``generate`` with the same
+Checked: the greedy tokens of 8 prompts served together, and of each served alone (a step whose only token
+exits early: the skipped slots still get their fill), equal each prompt's looplm ``generate`` with the same
 ``Exit(criterion, threshold, kv)``, and differ from full depth somewhere (the exits and fills matter), and
 ``propagate``'s from ``copy``'s (tiny-coreloop);
 the loops vLLM ran for the decode tokens equal looplm's executed depths, and are fewer than full depth's; a
@@ -77,6 +78,7 @@ def served(tmp_path_factory):
                 "hf_overrides": exit_cfg,
                 "llm_kwargs": NO_SHARING,
                 "exit_stats": True,
+                "alone": True,
             }
         )
     first = next(iter(CASES))
@@ -107,6 +109,16 @@ def test_exits_equal_looplm_generate(served, name):
     st = run["exit_stats"]
     assert st["decode_tokens"] == len(PROMPTS) * (N_NEW - 1)
     assert st["executed_loops"] == loops < R * st["decode_tokens"], st
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_exits_of_a_request_alone_equal_looplm_generate(served, name):
+    """Each prompt served by itself: a decode step of one token that exits leaves no token looping, and the
+    loops it skipped still get their fill (the step's later attention calls run for the fill alone)."""
+    refs, runs = served
+    toks = refs[name][0]
+    for i, (r, v) in enumerate(zip(toks, runs[name]["alone"], strict=True)):
+        assert v["tokens"] == r, f"{name}, prompt {i} alone: vLLM with exits differs from looplm"
 
 
 def test_propagate_differs_from_copy(served):

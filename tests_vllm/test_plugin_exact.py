@@ -7,8 +7,9 @@ for the module). Checked against looplm on the same weights:
 * greedy tokens equal ``model.generate``'s (Ouro / Huginn: the model looplm's import reads from the directory);
 * the generated tokens' and the prompt's log-probabilities are within 1e-4 of looplm's;
 * 16 prompts of different lengths submitted together equal each prompt submitted alone;
-* the ``shared`` KV policy equals looplm's ``kv_shared`` cache;
-* a design the plugin cannot serve (Mamba-2 blocks) is refused when the model loads, by name and reason;
+* the ``shared`` KV policy equals looplm's ``kv_shared`` cache (StateLoop's attention mixer's slot too);
+* a design the plugin cannot serve (a hybrid Mamba-2 model with per-token exit; ``test_mamba.py`` serves
+  Mamba-2 designs) is refused when the model loads, by name and reason;
 * no code from a model directory is imported (no ``--trust-remote-code``).
 """
 
@@ -28,6 +29,7 @@ from looplm.hf.public import load_public  # noqa: E402
 HERE = Path(__file__).parent
 EXACT = [n for n in VARIANTS if n != "tiny-hybrid"]
 ORIGINAL = {"ouro", "huginn"}
+SHARED = ("tiny-coreloop", "stateloop-attn")
 N_NEW = 8
 TOL = 1e-4
 
@@ -75,11 +77,11 @@ def serve_all(root: Path):
             model = load_public(d)[0].float().eval()  # looplm's import of the directory is the reference
         refs[name] = _reference(model, PROMPTS, N_NEW)
         runs.append({"name": name, "dir": str(d), "prompts": PROMPTS, "max_tokens": N_NEW, "alone": True})
-        if name == "tiny-coreloop":
-            refs["tiny-coreloop/shared"] = _reference(model, PROMPTS, N_NEW, kv_shared=True)
+        if name in SHARED:  # the shared KV policy: the blocks' slots, and the rule attention's (stateloop-attn)
+            refs[f"{name}/shared"] = _reference(model, PROMPTS, N_NEW, kv_shared=True)
             runs.append(
                 {
-                    "name": "tiny-coreloop/shared",
+                    "name": f"{name}/shared",
                     "dir": str(d),
                     "prompts": PROMPTS,
                     "max_tokens": N_NEW,
@@ -87,7 +89,8 @@ def serve_all(root: Path):
                 }
             )
     _, d = write_tiny("tiny-hybrid", root / "tiny-hybrid")
-    runs.append({"name": "tiny-hybrid", "dir": str(d), "prompts": PROMPTS[:1], "max_tokens": 2})
+    exit = {"looplm_exit": {"criterion": "convergence", "threshold": 0.5}}
+    runs.append({"name": "tiny-hybrid", "dir": str(d), "prompts": PROMPTS[:1], "max_tokens": 2, "hf_overrides": exit})
     res = serve_runs(root, runs, kv_gib="2", timeout=900)
     return refs, {r["name"]: r for r in res["runs"]}, res
 
@@ -142,9 +145,10 @@ def test_concurrent_equal_alone(served, name):
         assert _max_diff(t["prompt_logprobs"], a["prompt_logprobs"]) <= TOL
 
 
-def test_shared_kv_policy_equals_looplm_kv_shared(served):
-    ref, run = _served(served, "tiny-coreloop/shared")
-    per_loop = served[0]["tiny-coreloop"]
+@pytest.mark.parametrize("name", SHARED)
+def test_shared_kv_policy_equals_looplm_kv_shared(served, name):
+    ref, run = _served(served, f"{name}/shared")
+    per_loop = served[0][name]
     assert any(r["tokens"] != p["tokens"] for r, p in zip(ref, per_loop)) or any(
         _max_diff(r["logprobs"], p["logprobs"]) > TOL for r, p in zip(ref, per_loop)
     ), "the shared policy must differ from per-loop slots here, or this test cannot tell them apart"
@@ -156,8 +160,8 @@ def test_shared_kv_policy_equals_looplm_kv_shared(served):
 def test_mamba_design_refused_at_load(served):
     _, runs, _ = served
     err = runs["tiny-hybrid"].get("error")
-    assert err is not None, "a hybrid Mamba-2 model was served"
-    assert "cannot serve 'tiny-hybrid'" in err and "Mamba-2" in err, err
+    assert err is not None, "a hybrid Mamba-2 model was served with per-token exit"
+    assert "cannot serve 'tiny-hybrid'" in err and "per-token exit (looplm_exit) with Mamba-2 blocks" in err, err
 
 
 if __name__ == "__main__":  # the exactness table of docs/vllm.md: python tests_vllm/test_plugin_exact.py

@@ -3,7 +3,8 @@
 vLLM's parallel layers shard the heads, the MLP and the vocabulary over the ranks and all-reduce after every
 ``RowParallelLinear``, so each rank holds the whole hidden state and runs looplm's rule modules replicated.
 Tiny random models with 4 query and 2 KV heads (``tiny.TP_VARIANTS``: CoreLoop with a prelude and a coda, a
-rule with parameters — timestep AdaLN —, and QK-norm + tied head + dense injection) are served by vLLM's
+rule with parameters — timestep AdaLN —, QK-norm + tied head + dense injection, and StateLoop's attention
+mixer, whose heads stay whole on each rank) are served by vLLM's
 offline ``LLM`` at TP 1 (in-process) and at TP 2 (two spawned workers, one core each:
 ``VLLM_CPU_OMP_THREADS_BIND='0|1'``), in one subprocess (``serve_tiny.py``). Checked:
 

@@ -39,6 +39,11 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "tiny-qwen3": ("tiny-qwen3", HD32),  # QK-norm, tied head
     "tiny-coreloop": ("tiny-coreloop", HD32),  # (1, 2, 3, 1), Llama-3 RoPE scaling, 1 KV head
     "tiny-stateloop": ("tiny-stateloop", HD32),  # StateLoop rule (identity mixer), embed scale
+    # StateLoop's attention state mixer (eq. 8): its own slot per iteration, 1 head of 64 beside the blocks' 32
+    "stateloop-attn": (
+        "tiny-stateloop",
+        {**HD32, "rule.options.mixer": "attention", "rule.options.mixer_head_dim": 64},
+    ),
     # other rules and block forms on tiny-llama
     "injection-dense": ("tiny-llama", {**HD32, "rule": {"name": "injection", "options": {"form": "dense"}}}),
     "timestep-adaln": ("tiny-llama", {**HD32, "rule": {"name": "timestep", "options": {"gating": "adaln"}}}),
@@ -54,7 +59,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # Ouro's and Huginn's architectures, small (written in their original formats by the tests)
     "ouro": ("ouro-1.4b", {**SMALL, "rule.options.threshold": 0.7}),
     "huginn": ("huginn-0125", {**SMALL, "n_prelude": 1, "n_coda": 1, "init_std": 0.02}),
-    # refused: Mamba-2 blocks
+    # refused: Mamba-2 blocks with per-token exit (MAMBA_VARIANTS are served)
     "tiny-hybrid": ("tiny-hybrid", {}),
 }
 # served at --tensor-parallel-size 2 (test_tensor_parallel.py): 4 query heads and 2 KV heads, so each rank
@@ -64,11 +69,43 @@ TP_VARIANTS: dict[str, tuple[str, dict]] = {
     "tp-coreloop": ("tiny-coreloop", KV2),  # (1, 2, 3, 1), Llama-3 RoPE scaling
     "tp-timestep-adaln": ("tiny-llama", {**KV2, "rule": {"name": "timestep", "options": {"gating": "adaln"}}}),
     "tp-injection-qwen3": ("tiny-qwen3", {**KV2, "rule": {"name": "injection", "options": {"form": "dense"}}}),
+    # StateLoop's attention mixer: its 2 heads stay whole on each rank (the rule is replicated)
+    "tp-stateloop-attn": (
+        "tiny-stateloop",
+        {**KV2, "rule.options.mixer": "attention", "rule.options.mixer_head_dim": 32},
+    ),
+}
+# served at --pipeline-parallel-size 2 (test_pipeline_parallel.py): the stages split between prelude, core and coda
+PP_VARIANTS: dict[str, tuple[str, dict]] = {
+    # (1, 2, 3, 1): rank 0 the prelude, rank 1 the core and the coda; E crosses to the core (dense injection reads it)
+    "pp-coreloop-injection": ("tiny-coreloop", {**HD32, "rule": {"name": "injection", "options": {"form": "dense"}}}),
+    # (0, 2, 3, 1): rank 0 the core (QK-norm), rank 1 the coda and the tied head (the embedding there too)
+    "pp-qwen3-coda": ("tiny-qwen3", {**HD32, "n_coda": 1}),
+}
+
+# Mamba-2 blocks through vLLM's Mamba-2 layer (test_mamba.py): the presets' Mamba-2 shapes (head dim 16, state 16),
+# attention at head dim 32
+MAMBA_VARIANTS: dict[str, tuple[str, dict]] = {
+    "mamba2-loop": ("tiny-mamba2", {}),  # (0, 2, 3, 0), Mamba-2 only, 2 groups
+    "hybrid-loop": ("tiny-hybrid", HD32),  # (0, 3, 2, 0), attention at layer 1 (partial RoPE), 1 group
+    # Mamba-2 prelude and coda around a hybrid core, sandwich norms, an MLP, dense injection
+    "hybrid-prelude-coda": (
+        "tiny-hybrid",
+        {
+            **HD32,
+            "n_prelude": 1,
+            "n_coda": 1,
+            "attn_layer_idx": [2],
+            "d_ff": 96,
+            "norm_placement": "sandwich",
+            "rule": {"name": "injection", "options": {"form": "dense"}},
+        },
+    ),
 }
 
 
 def build_tiny(name: str, seed: int = 0) -> looplm.LoopedLM:
-    preset, overrides = {**VARIANTS, **TP_VARIANTS}[name]
+    preset, overrides = {**VARIANTS, **TP_VARIANTS, **PP_VARIANTS, **MAMBA_VARIANTS}[name]
     torch.manual_seed(seed)
     model = looplm.build(looplm.load_model_config(preset, overrides)).float().eval()
     g = torch.Generator().manual_seed(seed + 1)

@@ -6,7 +6,9 @@ never imports this package, and importing this package does not import vLLM (onl
 :mod:`looplm.vllm.model` do), so its pure parts (:mod:`looplm.vllm.spec`) are usable and tested without vLLM.
 
 Served architectures (:data:`looplm.vllm.spec.ARCHITECTURES`): ``LoopLMForCausalLM`` (``looplm export hf``),
-``OuroForCausalLM`` and ``RavenForCausalLM`` (Ouro's and Huginn's directories in their original formats).
+``OuroForCausalLM`` and ``RavenForCausalLM`` (Ouro's and Huginn's directories in their original formats);
+an export with Mamba-2 blocks is built as ``LoopLMHybridForCausalLM`` / ``LoopLMMambaForCausalLM``
+(:data:`looplm.vllm.mamba_spec.MAMBA_ARCHITECTURES`, named by the plugin's config class).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ def register() -> None:
     for model_type, cls in CONFIG_CLASSES.items():
         AutoConfig.register(model_type, cls, exist_ok=True)
     have = getattr(ModelRegistry, "models", {})
-    for arch, target in ARCHITECTURES.items():
+    from .mamba_spec import MAMBA_ARCHITECTURES
+
+    for arch, target in {**ARCHITECTURES, **MAMBA_ARCHITECTURES}.items():
         current = have.get(arch)
         if (
             current is not None
@@ -36,3 +40,11 @@ def register() -> None:
         ):
             continue  # already ours
         ModelRegistry.register_model(arch, target)
+    # vLLM's per-architecture config hook of the Mamba-2 forms (looplm.vllm.mamba_config): prefix caching off,
+    # SSM states in float32, and a pure Mamba model's state-cache options (a hybrid gets those from vLLM)
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    from .mamba_config import LoopLMMambaFormConfig
+
+    for arch in MAMBA_ARCHITECTURES:
+        MODELS_CONFIG_MAP[arch] = LoopLMMambaFormConfig

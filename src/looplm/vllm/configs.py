@@ -2,8 +2,9 @@
 :func:`looplm.vllm.register` so that vLLM reads their ``config.json`` without ``--trust-remote-code`` and
 runs no code from the model directory (imports transformers, not vLLM).
 
-* ``looplm`` -> :class:`looplm.hf.remote.configuration_looplm.LoopLMConfig`, the export's own config class
-  (the same source the export carries);
+* ``looplm`` -> :class:`VllmLoopLMConfig`: the export's own config class
+  (:class:`looplm.hf.remote.configuration_looplm.LoopLMConfig`, the same source the export carries), which
+  names the served architecture of a Mamba-2 or hybrid design;
 * ``ouro`` / ``huginn_raven`` -> :class:`OuroConfig` / :class:`HuginnRavenConfig`: the original fields as they
   are, plus transformers' usual names (``hidden_size``, ``num_attention_heads``, ``max_position_embeddings``, ...)
   derived from the looplm config looplm's import maps them to (:func:`looplm.hf.public.public_config`),
@@ -16,7 +17,28 @@ from transformers import PretrainedConfig
 
 from ..hf.remote.configuration_looplm import LoopLMConfig, derived_fields
 
-__all__ = ["CONFIG_CLASSES", "HuginnRavenConfig", "LoopLMConfig", "OuroConfig"]
+__all__ = ["CONFIG_CLASSES", "HuginnRavenConfig", "LoopLMConfig", "OuroConfig", "VllmLoopLMConfig"]
+
+
+class VllmLoopLMConfig(LoopLMConfig):
+    """looplm's export config as vLLM reads it: :class:`LoopLMConfig` itself, except that a design with Mamba-2
+    blocks names the architecture vLLM builds for it (``LoopLMHybridForCausalLM`` / ``LoopLMMambaForCausalLM``,
+    :func:`looplm.vllm.mamba_spec.served_architecture`: vLLM reads a model's state interfaces from its class) and
+    carries ``mamba_chunk_size`` for vLLM's Mamba-2 metadata. The export itself still says ``LoopLMForCausalLM``."""
+
+    model_type = "looplm"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if not self.looplm:
+            return  # a default-constructed config (transformers makes one to diff against)
+        from ..config import ModelConfig
+        from .mamba_spec import mamba_layers, served_architecture
+
+        cfg = ModelConfig.from_dict(dict(self.looplm))
+        if mamba_layers(cfg):
+            self.architectures = [served_architecture(cfg)]
+            self.mamba_chunk_size = cfg.mamba.chunk_size
 
 
 class _PublicConfig(PretrainedConfig):
@@ -54,7 +76,7 @@ class HuginnRavenConfig(_PublicConfig):
 
 
 CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
-    "looplm": LoopLMConfig,
+    "looplm": VllmLoopLMConfig,
     "ouro": OuroConfig,
     "huginn_raven": HuginnRavenConfig,
 }

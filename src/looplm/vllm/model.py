@@ -17,7 +17,9 @@ Every block is looplm's residual block (:func:`looplm.blocks._branch`: ``pre`` /
 norms and the rule's modulation hooks) around vLLM layers: ``QKVParallelLinear``, ``RowParallelLinear``,
 ``MergedColumnParallelLinear`` + ``SiluAndMul``, ``RMSNorm`` (QK-norm too), ``get_rope`` and ``Attention``. Each
 attention slot of :attr:`looplm.vllm.spec.PluginSpec.slots` is one vLLM ``Attention`` named
-``attn_slots.<index>``, so vLLM pages one KV cache per (loop, layer). The recurrence rules run only where
+``attn_slots.<index>``, so vLLM pages one KV cache per (loop, layer). A rule with an attention of its own —
+StateLoop's ``attention`` state mixer ``X_attn`` (StateLoop eq. 8) — keeps its projections (looplm's modules) and
+attends through slots of its own, one per iteration (:class:`VRuleAttention`). The recurrence rules run only where
 :func:`looplm.vllm.spec.refusal` found that they act on each token's own state, so running them on the flat
 batch is exact: no token of one request reaches another's.
 
@@ -28,6 +30,11 @@ and each tensor loads through its parameter's ``weight_loader``, which cuts the 
 tensor. ``o_proj`` and ``down_proj`` (``RowParallelLinear``) and the embedding all-reduce, so every block returns
 the full ``[N, d]`` on every rank: the norms (QK-norm is per head), the rule modules and their parameters are
 replicated and load whole. What does not split is refused by name first (:func:`looplm.vllm.spec.tp_refusal`).
+
+Pipeline parallelism (``--pipeline-parallel-size P``, :mod:`looplm.vllm.stages`): the looped core runs whole on
+one rank (each loop feeds the next); the ranks split between the prelude's blocks, the core and the coda's blocks.
+A rank builds its own blocks and slots only (``PPMissingLayer`` elsewhere, which hands its input through) and sends
+the next ``hidden_states`` and ``embeds`` (``E``, read by injection rules in the core) as ``IntermediateTensors``.
 
 Per-token exit (config field ``looplm_exit``, :func:`looplm.vllm.spec.exit_spec`; docs/vllm.md#exits): in a step
 with decode tokens the loops run as looplm's token schedule on rows ``[N, 1, d]`` (:meth:`_exit_loops`): decode
@@ -45,7 +52,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 from vllm.config import VllmConfig
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention import Attention
@@ -55,13 +62,21 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.utils import maybe_prefix
+from vllm.model_executor.models.interfaces import SupportsPP
+from vllm.model_executor.models.utils import (
+    PPMissingLayer,
+    is_pp_missing_parameter,
+    make_empty_intermediate_tensors_factory,
+    maybe_prefix,
+)
+from vllm.sequence import IntermediateTensors
 
 from ..blocks import _branch
 from ..config import ModelConfig
 from ..context import BlockModulation, ForwardContext, LoopContext, restrict_context
 from ..decode.exits import Exit, finish_rest, keep_staying, make_criterion
 from ..recurrence import build_rule
+from .mamba_spec import is_mamba_slot
 from .spec import UnsupportedDesign, design_name, plugin_spec, vllm_param_name
 
 __all__ = ["LoopLMForCausalLM", "OuroForCausalLM", "RavenForCausalLM"]
@@ -70,6 +85,23 @@ __all__ = ["LoopLMForCausalLM", "OuroForCausalLM", "RavenForCausalLM"]
 def _rows(norm: nn.Module, d: int):
     """``norm`` on ``u [..., d]`` as vLLM's ``RMSNorm`` takes it, ``[rows, d]``, reshaped back."""
     return lambda u: norm(u.reshape(-1, d)).view(u.shape)
+
+
+def _rope(cfg: ModelConfig, head_dim: int, rotary_dim: int):
+    """vLLM's rotary embedding of looplm's tables (:mod:`looplm.layers.rope`): ``θ = rope_theta``, Llama-3
+    scaling when configured, half-split (neox) on the first ``rotary_dim`` of ``head_dim`` channels."""
+    a = cfg.attention
+    rope = {"rope_theta": a.rope_theta, "rope_type": "default", "partial_rotary_factor": rotary_dim / head_dim}
+    if a.rope_scaling is not None:
+        s = a.rope_scaling
+        rope |= {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position_embeddings,
+        }
+    return get_rope(head_dim, max_position=cfg.max_seq_len, is_neox_style=True, rope_parameters=rope)
 
 
 class VAttention(nn.Module):
@@ -97,23 +129,7 @@ class VAttention(nn.Module):
         )
         self.q_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if a.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, eps=cfg.norm_eps) if a.qk_norm else None
-        rope = {
-            "rope_theta": a.rope_theta,
-            "rope_type": "default",
-            "partial_rotary_factor": cfg.rotary_dim / cfg.head_dim,
-        }
-        if a.rope_scaling is not None:
-            s = a.rope_scaling
-            rope |= {
-                "rope_type": "llama3",
-                "factor": s.factor,
-                "low_freq_factor": s.low_freq_factor,
-                "high_freq_factor": s.high_freq_factor,
-                "original_max_position_embeddings": s.original_max_position_embeddings,
-            }
-        self.rotary_emb = get_rope(
-            self.head_dim, max_position=cfg.max_seq_len, is_neox_style=True, rope_parameters=rope
-        )
+        self.rotary_emb = _rope(cfg, self.head_dim, cfg.rotary_dim)
 
     def kv(self, u: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value ``[n, H_kv·hd]`` this layer writes for normed inputs ``u [n, d]`` (QK-norm, RoPE):
@@ -150,6 +166,44 @@ class VAttention(nn.Module):
         return y
 
 
+class VRuleAttention(nn.Module):
+    """The recurrence rule's own attention mixer — StateLoop's ``X_attn(S̃) = S̃ + CausalAttention(RMSNorm_m(S̃))``
+    (StateLoop eq. 8), one module shared across iterations with its own slot per iteration — on vLLM's paged
+    KV. It keeps looplm's ``q/k/v/o_proj`` modules (the rule's parameters, under their names; replicated on
+    every tensor-parallel rank like the rest of the rule) and replaces only the attention itself: vLLM's RoPE on
+    the whole head (looplm's ``rotary_dim = mixer_head_dim``) and the ``Attention`` slot of the iteration it runs
+    in, which the plugin's loop context hands to the rule's ``loop_slot`` (:class:`_RuleSlots`)."""
+
+    def __init__(self, inner: nn.Module, cfg: ModelConfig):
+        super().__init__()
+        if inner.q_norm is not None or inner.sliding_window is not None:  # StateLoop builds neither
+            raise UnsupportedDesign(design_name(cfg), "a rule attention with QK-norm or a window")
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = inner.q_proj, inner.k_proj, inner.v_proj, inner.o_proj
+        self.n_heads, self.head_dim = inner.n_heads, inner.head_dim  # as many KV heads (StateLoop's mixer)
+        self.rotary_emb = _rope(cfg, inner.head_dim, inner.rotary_dim)
+
+    def forward(self, x: torch.Tensor, fctx: ForwardContext, attn: Attention) -> torch.Tensor:
+        """``x [B, T, d_s]`` (the normed state ``RMSNorm_m(S̃)``; ``[1, N, d_s]``: every token of vLLM's batch)
+        -> ``[B, T, d_s]``; ``attn``: this iteration's slot."""
+        u = x.reshape(-1, x.shape[-1])  # [N, d_s]
+        q, k, v = self.q_proj(u), self.k_proj(u), self.v_proj(u)  # [N, H·hd]
+        q, k = self.rotary_emb(fctx.positions.reshape(-1), q, k)
+        return self.o_proj(attn(q, k, v)).view(x.shape)  # softmax(q kᵀ/√hd + causal) v over the slot's keys
+
+
+class _RuleSlots:
+    """The plugin's stand-in for looplm's decoding cache in the loop context, for a rule with an attention of
+    its own: :meth:`looplm.context.LoopContext.loop_slot` asks it for the rule's slot of iteration ``k`` and gets
+    that iteration's vLLM ``Attention`` (:attr:`looplm.vllm.spec.PluginSpec.slots`, part ``rule``)."""
+
+    def __init__(self, model: "_LoopedForCausalLM"):
+        self.model = model
+
+    def slot(self, key, factory, loop: int, family=None) -> Attention:
+        m = self.model
+        return m.attn_slots[m.spec.slot_index("rule", None, loop)]
+
+
 class VMLP(nn.Module):
     """SwiGLU ``down(silu(gate(x)) ⊙ up(x))`` (:class:`looplm.layers.mlp.SwiGLU`) with vLLM's fused gate/up."""
 
@@ -179,7 +233,12 @@ class VBlock(nn.Module):
         d, two = cfg.d_model, cfg.norm_placement != "pre"
         self.d, self.post_sum = d, cfg.norm_placement == "post-sum"
         self.mixer_norm = RMSNorm(d, eps=cfg.norm_eps)
-        self.mixer = VAttention(cfg, f"{prefix}.mixer", quant_config)
+        if cfg.mixer_of(layer) == "attention":
+            self.mixer = VAttention(cfg, f"{prefix}.mixer", quant_config)
+        else:  # Mamba-2: vLLM's MambaMixer2, its state per (loop, layer) in the model's slots (looplm.vllm.mamba)
+            from .mamba_layers import block_mixer
+
+            self.mixer = block_mixer(cfg, f"{prefix}.mixer", quant_config)
         self.mixer_out_norm = RMSNorm(d, eps=cfg.norm_eps) if two else None
         if cfg.d_ff > 0:
             self.mlp_norm = RMSNorm(d, eps=cfg.norm_eps)
@@ -211,20 +270,26 @@ class VBlock(nn.Module):
 
 
 class _Stack(nn.Module):
-    """``blocks`` of one part (prelude, core, coda) under looplm's names."""
+    """``blocks`` of one part (prelude, core, coda) under looplm's names; a block another pipeline rank runs is
+    vLLM's ``PPMissingLayer`` (no parameters; called, it hands its input through)."""
 
-    def __init__(self, cfg: ModelConfig, first: int, n: int, prefix: str, quant_config=None):
+    def __init__(self, cfg: ModelConfig, first: int, n: int, prefix: str, quant_config=None, holds=None):
         super().__init__()
-        self.blocks = nn.ModuleList(VBlock(cfg, first + i, f"{prefix}.blocks.{i}", quant_config) for i in range(n))
+        self.blocks = nn.ModuleList(
+            VBlock(cfg, first + i, f"{prefix}.blocks.{i}", quant_config)
+            if holds is None or holds(first + i)
+            else PPMissingLayer()
+            for i in range(n)
+        )
 
 
 class _Core(nn.Module):
-    def __init__(self, cfg: ModelConfig, prefix: str, quant_config=None):
+    def __init__(self, cfg: ModelConfig, prefix: str, quant_config=None, holds=None):
         super().__init__()
-        self.stack = _Stack(cfg, cfg.n_prelude, cfg.n_core, f"{prefix}.stack", quant_config)
+        self.stack = _Stack(cfg, cfg.n_prelude, cfg.n_core, f"{prefix}.stack", quant_config, holds)
 
 
-class _LoopedForCausalLM(nn.Module):
+class _LoopedForCausalLM(nn.Module, SupportsPP):
     """The vLLM model of a :class:`~looplm.vllm.spec.PluginSpec` (see the module docstring)."""
 
     family: str | None = None  # the original format whose tensor names load_weights maps (looplm.hf.public)
@@ -237,40 +302,97 @@ class _LoopedForCausalLM(nn.Module):
         spec = plugin_spec(hf, where=str(getattr(vllm_config.model_config, "model", "config.json")), tp=tp)
         self.tp = tp
         self.exit = spec.exit
-        if spec.exit is not None:
-            self._check_exit_scheduling(vllm_config, spec)
+        self.stage = self._pipeline_stage(vllm_config, spec)  # what this pipeline rank holds (stages.py)
+        from .thresholds import processor_listed  # per-request thresholds: looplm.vllm.processor is passed
+
+        self.request_thresholds = processor_listed(getattr(vllm_config.model_config, "logits_processors", None))
+        if spec.exit is not None or self.request_thresholds:
+            self._check_exit_scheduling(vllm_config, spec, self.request_thresholds)
         # per-token exit: decode tokens seen and the core loops they ran (read by tests_vllm/exit_probe.py)
         self.exit_stats = {"decode_tokens": 0, "executed_loops": 0, "forwards": 0}
         self.spec, self.config = spec, hf
         cfg, quant = spec.config, vllm_config.quant_config
         self.cfg = cfg
         d, V = cfg.d_model, cfg.vocab_size
-        self.embed = VocabParallelEmbedding(V, d, quant_config=quant, prefix=maybe_prefix(prefix, "embed"))
+        st = self.stage
+        if st.first or (st.last and cfg.tie_embeddings):  # (the last rank's head is the embedding when tied)
+            self.embed = VocabParallelEmbedding(V, d, quant_config=quant, prefix=maybe_prefix(prefix, "embed"))
+        else:
+            self.embed = PPMissingLayer()
         self.embed_multiplier = d**0.5 if cfg.embed_scale else 1.0
-        self.prelude = _Stack(cfg, 0, cfg.n_prelude, maybe_prefix(prefix, "prelude"), quant)
-        self.core = _Core(cfg, maybe_prefix(prefix, "core"), quant)
-        self.coda = _Stack(cfg, cfg.n_prelude + cfg.n_core, cfg.n_coda, maybe_prefix(prefix, "coda"), quant)
+        self.prelude = _Stack(
+            cfg, 0, cfg.n_prelude, maybe_prefix(prefix, "prelude"), quant, lambda i: st.holds("prelude", i)
+        )
+        self.core = _Core(cfg, maybe_prefix(prefix, "core"), quant, lambda i: st.core)
+        self.coda = _Stack(
+            cfg,
+            cfg.n_prelude + cfg.n_core,
+            cfg.n_coda,
+            maybe_prefix(prefix, "coda"),
+            quant,
+            lambda i: st.holds("coda", i),
+        )
         self.rule = build_rule(cfg)  # looplm's own rule module: its arithmetic, its parameters' names
-        if self.rule.loop_slot_mixers():  # a mixer of its own (refusal() already refuses the known ones)
+        mixers = self.rule.loop_slot_mixers()
+        if spec.rule_attention is not None:  # StateLoop's X_attn (eq. 8): looplm's projections, vLLM's slots
+            self.rule.mixer.mixer = VRuleAttention(self.rule.mixer.mixer, cfg)
+        elif mixers:  # a mixer of its own that refusal() does not know
             raise UnsupportedDesign(design_name(cfg), "the rule mixes tokens with a module of its own")
-        self.norm = RMSNorm(d, eps=cfg.norm_eps)
-        self.lm_head = ParallelLMHead(V, d, quant_config=quant, prefix=maybe_prefix(prefix, "lm_head"))
-        if cfg.tie_embeddings:
-            self.lm_head = self.lm_head.tie_weights(self.embed)
-        self.logits_processor = LogitsProcessor(V)
+        if st.last:
+            self.norm = RMSNorm(d, eps=cfg.norm_eps)
+            self.lm_head = ParallelLMHead(V, d, quant_config=quant, prefix=maybe_prefix(prefix, "lm_head"))
+            if cfg.tie_embeddings:
+                self.lm_head = self.lm_head.tie_weights(self.embed)
+            self.logits_processor = LogitsProcessor(V)
+        else:
+            self.norm, self.lm_head = PPMissingLayer(), PPMissingLayer()  # (two: vLLM finds them by name)
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(["hidden_states", "embeds"], d)
         a = cfg.attention
+        # (query heads, KV heads, head dim) of a slot on this rank: the blocks' are split over the ranks, the
+        # rule's own attention (its module replicated) keeps every head on each rank
+        blocks = (a.n_heads // tp, max(1, cfg.n_kv_heads // tp), cfg.head_dim)
+        rule = None if spec.rule_attention is None else (spec.rule_attention[0],) * 2 + (spec.rule_attention[1],)
         self.attn_slots = nn.ModuleList(
-            Attention(
-                a.n_heads // tp,
-                cfg.head_dim,
-                cfg.head_dim**-0.5,
-                num_kv_heads=max(1, cfg.n_kv_heads // tp),
+            PPMissingLayer()  # a slot of a block another pipeline rank runs
+            if not st.holds(s.part, s.layer)
+            else self._mamba_slot(s, f"{maybe_prefix(prefix, 'attn_slots')}.{s.index}")
+            if is_mamba_slot(cfg, s)  # a Mamba-2 block's state of this (loop, layer), not a KV cache
+            else Attention(
+                H,
+                hd,
+                hd**-0.5,
+                num_kv_heads=H_kv,
                 cache_config=vllm_config.cache_config,
-                quant_config=quant,
+                quant_config=quant if s.part != "rule" else None,
                 prefix=f"{maybe_prefix(prefix, 'attn_slots')}.{s.index}",
             )
             for s in spec.slots
+            for H, H_kv, hd in [rule if s.part == "rule" else blocks]
         )
+        self._rule_slots = None if rule is None else _RuleSlots(self)
+
+    @staticmethod
+    def _pipeline_stage(vllm_config: VllmConfig, spec):
+        """This rank's :class:`looplm.vllm.stages.Stage` (pipeline parallelism; one stage holding everything at
+        size 1). A size the model cannot be cut into is refused by name before any layer is built."""
+        from .stages import pipeline_refusal, pipeline_stages
+
+        pp = vllm_config.parallel_config.pipeline_parallel_size
+        cfg = spec.config
+        why = pipeline_refusal(cfg, spec.num_loops, pp, spec.exit)
+        if why is not None:
+            raise UnsupportedDesign(design_name(cfg), why, str(getattr(vllm_config.model_config, "model", "")))
+        return pipeline_stages(cfg, spec.num_loops, pp)[get_pp_group().rank_in_group if pp > 1 else 0]
+
+    def _slot(self, part: str, layer: int, loop: int | None) -> nn.Module:
+        """The slot block ``layer`` of ``part`` runs with at core iteration ``loop``: a vLLM ``Attention``, or a
+        Mamba-2 state (:mod:`looplm.vllm.mamba`, whose model classes add the per-loop states of ``shared``)."""
+        return self.attn_slots[self.spec.slot_index(part, layer, loop)]
+
+    def _mamba_slot(self, s, name: str) -> nn.Module:
+        from .mamba_layers import mamba_slot
+
+        return mamba_slot(self, s, name)
 
     # --- the looped forward --------------------------------------------------------------------
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -293,18 +415,27 @@ class _LoopedForCausalLM(nn.Module):
         n_all = 0 if rows is None else stores["n_all"]
         for i, blk in enumerate(stack.blocks):
             layer = self._first(part) + i
-            attn = self.attn_slots[self.spec.slot_index(part, layer, loop)]
+            attn = self._slot(part, layer, loop)
             store = None if rows is None else stores.setdefault(layer, {})
             x = blk(x, positions, attn, None if mods is None else mods[i], rows, store, n_all)
         return x
 
     @staticmethod
-    def _check_exit_scheduling(vllm_config: VllmConfig, spec) -> None:
+    def _check_exit_scheduling(vllm_config: VllmConfig, spec, request_thresholds: bool = False) -> None:
         """Per-token exit tells a prompt token from a decode token by its request's query length (one new token
         after at least one cached: decode). A prompt cut into chunks, or one whose prefix came from the prefix
         cache, could run one token after cached ones and take exits that looplm's ``prefill='full'`` never
         takes: both are refused by name. So is a compiled forward (torch.compile / CUDA graphs would trace one
-        path through the data-dependent exits): exits run with ``--enforce-eager``."""
+        path through the data-dependent exits): exits run with ``--enforce-eager``. With the per-request
+        threshold processor (``request_thresholds``), a server it cannot serve — no ``looplm_exit``, or the
+        ``gate`` criterion — is refused too (:func:`looplm.vllm.thresholds.server_refusal`): a request's
+        ``validate_params`` sees the request only, so what depends on the server is checked here."""
+        if request_thresholds:
+            from .thresholds import server_refusal
+
+            why = server_refusal(spec.exit)
+            if why is not None:
+                raise ValueError(why)
         on = []
         if getattr(vllm_config.compilation_config, "mode", 0) != 0:  # CompilationMode.NONE
             on.append("compilation (pass --enforce-eager / enforce_eager=True)")
@@ -351,6 +482,17 @@ class _LoopedForCausalLM(nn.Module):
             store["k"].index_copy_(0, g, k)
             store["v"].index_copy_(0, g, v)
 
+    def _fill_slots(self, loops: range, stores: dict) -> None:
+        """The attention calls of core ``loops`` that no token runs any more (every token of the step left
+        earlier): each writes the kept keys and values (``copy``: the exit loop's; ``propagate``: the stand-in's)
+        into its slot, with zero queries whose output is dropped — the fill looplm's cache holds for those loops."""
+        for k in loops:
+            for i, blk in enumerate(self.core.stack.blocks):
+                layer = self.cfg.n_prelude + i
+                store = stores[layer]
+                q = store["k"].new_zeros(store["k"].shape[0], blk.mixer.q_size)  # [N, H·hd]
+                self.attn_slots[self.spec.slot_index("core", layer, k)](q, store["k"], store["v"])
+
     def _exit_loops(self, E: torch.Tensor, positions: torch.Tensor, may_exit: torch.Tensor) -> torch.Tensor:
         """The looped forward with per-token exit (looplm's token schedule, :mod:`looplm.decode.token_schedule`,
         on vLLM's batch): every token is a row ``[N, 1, d]`` (the served rules act on each token's own state);
@@ -358,9 +500,21 @@ class _LoopedForCausalLM(nn.Module):
         rule's ``finish`` of the exit state, and the later loops run on the rows still looping only — except each
         attention call, which covers the whole batch so that an exited token's slot gets its fill (looplm's
         ``copy``: its exit loop's key and value; ``propagate``: :meth:`_propagate`). Prompt tokens run every loop.
+        With the per-request threshold processor (:mod:`looplm.vllm.processor`) each token is checked against
+        its own request's threshold (``thr [N]``, by row through ``query_start_loc``; ``0``: full depth).
         -> ``[N, 1, d]`` for the coda."""
         spec, cfg, rule, ex = self.spec, self.cfg, self.rule, self.exit
         N = E.shape[0]
+        thr, allowed = None, may_exit  # [N]: each token's threshold (None: the server's for all), may it exit
+        if self.request_thresholds:
+            from .thresholds import installed, token_thresholds
+
+            reg = installed()
+            if reg is None:
+                raise RuntimeError("looplm.vllm.processor is listed but was not constructed in this process")
+            md = get_forward_context().attn_metadata[self.attn_slots[0].layer_name]
+            thr = token_thresholds(reg, md.query_start_loc, N, ex["threshold"], E.device)  # [N] float32
+            allowed = may_exit & (thr > 0)  # ε = 0 (or 'none'): full depth, as looplm's Exit with ε = 0
         x = self._part(self.prelude, "prelude", E[:, None], positions)  # [N, 1, d]
         lctx = LoopContext(
             num_loops=spec.num_loops,
@@ -391,10 +545,12 @@ class _LoopedForCausalLM(nn.Module):
             executed.index_add_(0, rows, torch.ones_like(rows))
             if k == R - 1:
                 break
+            if thr is not None:  # the rows still looping, each at its request's threshold: distance < ε [n]
+                crit.threshold = thr.index_select(0, rows)
             leave = crit.check(k, h, state, sub, rows, self)  # [n]: the criterion of the rows still looping
             if k + 1 < ex["min_loops"]:
                 continue
-            leave = leave & may_exit.index_select(0, rows)
+            leave = leave & allowed.index_select(0, rows)
             if not bool(leave.any()):
                 continue
             out = leave.nonzero()[:, 0]
@@ -410,7 +566,8 @@ class _LoopedForCausalLM(nn.Module):
             if ex["kv"] == "propagate":  # the skipped loops' slots: the stand-in Z^{k+1} through each core layer
                 self._propagate(rule.next_input(st_out, replace(ctx_out, iteration=k + 1)), g, positions, stores)
             state, rows, sub = keep_staying(rule, crit, lctx, state, rows, leave)
-            if rows.numel() == 0:
+            if rows.numel() == 0:  # every token left: the later loops' slots still get their fill
+                self._fill_slots(range(k + 1, R), stores)
                 break
         if rows.numel():
             if y is None:
@@ -434,29 +591,49 @@ class _LoopedForCausalLM(nn.Module):
         inputs_embeds: torch.Tensor | None = None,
         **_,
     ) -> torch.Tensor:
-        """``input_ids, positions [N]`` (every scheduled token of every request) -> hidden states ``[N, d]``."""
-        spec, cfg = self.spec, self.cfg
-        E = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [N, d]
-        if self.embed_multiplier != 1.0:
-            E = E * self.embed_multiplier
+        """``input_ids, positions [N]`` (every scheduled token of every request) -> hidden states ``[N, d]``
+        (on a pipeline rank before the last: ``IntermediateTensors`` of ``hidden_states`` and ``embeds``, each
+        ``[N, d]``, for the next rank, which gets them as ``intermediate_tensors``)."""
+        st = self.stage
+        if st.first:
+            E = self.embed(input_ids) if inputs_embeds is None else inputs_embeds  # [N, d]
+            if self.embed_multiplier != 1.0:
+                E = E * self.embed_multiplier
+            x = E
+        else:  # a later pipeline stage: the previous rank's output and E (injection rules read it in the core)
+            x, E = intermediate_tensors["hidden_states"], intermediate_tensors["embeds"]
         self.exit_stats["forwards"] += 1
         may_exit = None if self.exit is None else self._decode_mask(E.shape[0])
-        if may_exit is not None:  # per-token exit: the decode tokens of this step may stop early
+        if may_exit is not None:  # per-token exit: the decode tokens of this step may stop early (pp = 1)
             y = self._exit_loops(E, positions, may_exit)
             return self._final_norm(self._part(self.coda, "coda", y, positions))[:, 0]  # [N, d]
-        E = E[None]  # [1, N, d]: looplm's [B, T]
-        x = self._part(self.prelude, "prelude", E, positions)
+        E, x = E[None], x[None]  # [1, N, d]: looplm's [B, T]
+        x = self._part(self.prelude, "prelude", x, positions)  # (blocks of other ranks hand x through)
+        if st.core:
+            x = self._core_loops(x, E, positions)
+        y = self._part(self.coda, "coda", x, positions)  # [1, N, d]
+        if not st.last:
+            return IntermediateTensors({"hidden_states": y[0], "embeds": E[0]})
+        return self._final_norm(y)[0]  # [N, d]
+
+    def _core_loops(self, x: torch.Tensor, E: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The looped core on the prelude's output ``x [1, N, d]`` (``E [1, N, d]``: the embeddings) -> the rule's
+        ``finish``, the coda's input ``[1, N, d]``."""
+        spec, cfg = self.spec, self.cfg
+        has_embed = isinstance(self.embed, VocabParallelEmbedding)
         lctx = LoopContext(
             num_loops=spec.num_loops,
             train_loops=cfg.n_loops,
             fctx=ForwardContext(positions=positions[None]),
             loop_options=dict(spec.loop_options),
             embeddings=E,
-            # the rank's vocabulary shard under TP: only PonderLM reads it, and tp_refusal refuses it there
-            embed_weight=self.embed.weight[: cfg.vocab_size] if self.tp == 1 else None,
+            # the rank's vocabulary shard under TP: only PonderLM reads it, and tp_refusal (pipeline_refusal)
+            # refuses it under tensor (pipeline) parallelism
+            embed_weight=self.embed.weight[: cfg.vocab_size] if self.tp == 1 and has_embed else None,
             embed_multiplier=self.embed_multiplier,
             readout_fn=self._readout,
             final_norm=self._final_norm,
+            cache=self._rule_slots,  # the rule's own attention slots (StateLoop's X_attn), else None
         )
         state = self.rule.begin(x, lctx)
         for k in range(spec.num_loops):
@@ -465,8 +642,7 @@ class _LoopedForCausalLM(nn.Module):
             mods = self.rule.block_modulation(state, lctx)
             h = self._part(self.core.stack, "core", z, positions, loop=k, mods=mods)  # H^k
             state = self.rule.step(state, h, lctx)
-        y = self._part(self.coda, "coda", self.rule.finish(state, lctx), positions)  # [1, N, d]
-        return self._final_norm(y)[0]  # [N, d]
+        return self.rule.finish(state, lctx)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
@@ -485,7 +661,8 @@ class _LoopedForCausalLM(nn.Module):
             if pname == "lm_head.weight" and self.cfg.tie_embeddings:
                 continue  # the embedding (stored once)
             if pname not in params:
-                unknown.append(name)
+                if not is_pp_missing_parameter(pname, self):  # (a block, slot or head another pipeline rank holds)
+                    unknown.append(name)
                 continue
             p = params[pname]
             loader = getattr(p, "weight_loader", default_weight_loader)

@@ -13,8 +13,12 @@ not installed (``tests/test_vllm_plugin.py``); :mod:`looplm.vllm.model` builds t
 
 Attention slots (the KV caches vLLM allocates, one per vLLM ``Attention`` layer)::
 
-    per-loop (default)  prelude l (p) | core (k, l) for k < r, l < s | coda l (c)      p + r·s + c slots
-    shared              prelude l (p) | core l, every loop writes and reads it | coda l     p + s + c slots
+    per-loop (default)  prelude l (p) | core (k, l) for k < r, l < s [, rule k] | coda l (c)   p + r·(s + m) + c slots
+    shared              prelude l (p) | core l [, rule], every loop writes and reads them | coda l     p + s + m + c slots
+
+``rule`` is the recurrence rule's own attention (StateLoop's ``attention`` state mixer ``X_attn``, StateLoop
+eq. 8; ``m = 1`` with it, else 0): one module shared across iterations with one slot per iteration, written
+after the core layers of that iteration, as looplm's :meth:`~looplm.context.LoopContext.loop_slot` keeps it.
 
 ``shared`` is looplm's ``kv_shared`` cache (:class:`looplm.cache.SharedKV`): each loop overwrites the
 token's entry, so an earlier token is seen at the last loop it ran. Choose it with the config field
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..config import ModelConfig
+from .mamba_spec import MAMBA_ARCHITECTURES, mamba_refusal, served_architecture
 
 __all__ = [
     "ARCHITECTURES",
@@ -39,6 +44,7 @@ __all__ = [
     "exit_spec",
     "plugin_spec",
     "refusal",
+    "rule_attention",
     "tp_refusal",
     "vllm_param_name",
 ]
@@ -77,13 +83,14 @@ class UnsupportedDesign(ValueError):
 @dataclass(frozen=True)
 class AttentionSlot:
     """One vLLM ``Attention`` layer (one paged KV cache): ``index`` is its place in the run order (the one
-    integer in its vLLM layer name), ``part`` ``prelude`` / ``core`` / ``coda``, ``layer`` the physical block
-    (0-based over ``p + s + c``), ``loop`` the core iteration ``k`` (``None`` outside the core, and for every
-    core slot under the ``shared`` policy)."""
+    integer in its vLLM layer name), ``part`` ``prelude`` / ``core`` / ``coda`` / ``rule`` (the rule's own
+    attention mixer), ``layer`` the physical block (0-based over ``p + s + c``; ``None`` for ``rule``), ``loop``
+    the core iteration ``k`` (``None`` outside the core, and for every core and rule slot under the ``shared``
+    policy)."""
 
     index: int
     part: str
-    layer: int
+    layer: int | None
     loop: int | None
 
 
@@ -101,6 +108,12 @@ class PluginSpec:
     )
 
     @property
+    def rule_attention(self) -> tuple[int, int] | None:
+        """``(heads, head_dim)`` of the rule's own attention mixer (StateLoop's ``X_attn``, eq. 8: ``d_s /
+        mixer_head_dim`` heads, as many KV heads), ``None`` when the rule has none."""
+        return rule_attention(self.config)
+
+    @property
     def slots(self) -> tuple[AttentionSlot, ...]:
         """Every attention slot, in the order the forward runs them."""
         c, out = self.config, []
@@ -110,20 +123,40 @@ class PluginSpec:
         for k in loops:
             for i in range(c.n_core):
                 out.append(AttentionSlot(len(out), "core", c.n_prelude + i, k))
+            if self.rule_attention is not None:  # the rule's step runs after the core layers of loop k
+                out.append(AttentionSlot(len(out), "rule", None, k))
         for i in range(c.n_coda):
             out.append(AttentionSlot(len(out), "coda", c.n_prelude + c.n_core + i, None))
         return tuple(out)
 
-    def slot_index(self, part: str, layer: int, loop: int | None = None) -> int:
-        """The slot a block of ``part`` at physical ``layer`` attends with at core iteration ``loop``."""
+    def slot_index(self, part: str, layer: int | None, loop: int | None = None) -> int:
+        """The slot a block of ``part`` at physical ``layer`` (``part='rule'``: the rule's own attention,
+        ``layer`` ignored) attends with at core iteration ``loop``."""
         c = self.config
         if part == "prelude":
             return layer
+        per = c.n_core + (self.rule_attention is not None)  # slots of one loop
+        k = 0 if self.kv_policy == "shared" else loop
         if part == "core":
-            i = layer - c.n_prelude
-            return c.n_prelude + (i if self.kv_policy == "shared" else loop * c.n_core + i)
-        n_core_slots = c.n_core * (1 if self.kv_policy == "shared" else self.num_loops)
+            return c.n_prelude + k * per + layer - c.n_prelude
+        if part == "rule":
+            if self.rule_attention is None:
+                raise ValueError(f"{design_name(c)} has no rule attention slot")
+            return c.n_prelude + k * per + c.n_core
+        n_core_slots = per * (1 if self.kv_policy == "shared" else self.num_loops)
         return c.n_prelude + n_core_slots + (layer - c.n_prelude - c.n_core)
+
+
+def rule_attention(cfg: ModelConfig) -> tuple[int, int] | None:
+    """``(heads, head_dim)`` of ``cfg``'s rule's own attention mixer (StateLoop ``mixer: attention``, eq. 8),
+    or ``None``. Read from the options as :class:`looplm.recurrence.stateloop.StateLoop` reads them: ``d_s``
+    (0 = ``d``) and ``mixer_head_dim`` (default 64)."""
+    o = cfg.rule.options
+    if cfg.rule.name != "stateloop" or o.get("mixer", "identity") != "attention":
+        return None
+    ds = o.get("d_s", 0) or cfg.d_model
+    hd = o.get("mixer_head_dim", 64)
+    return ds // hd, hd
 
 
 def design_name(cfg: ModelConfig) -> str:
@@ -142,20 +175,19 @@ def refusal(cfg: ModelConfig, num_loops: int | None = None, tp: int = 1) -> str 
 
     Served: attention blocks at any ``(p, s, K, c)``, every norm placement, GQA, QK-norm, biases, partial
     RoPE and Llama-3 scaling, and the rules that act on each token's own state (their arithmetic is looplm's
-    rule module itself): ``vanilla``, ``injection`` (seeded states), ``history``, ``timestep``, ``stateloop`` /
-    ``stateloop-state-only`` with the identity mixer, ``hyperloop``, ``mesh``, ``parcae``, ``ponderlm`` without
-    a coda, ``exit_gate`` (every loop runs; the gate selects each token's output).
+    rule module itself): ``vanilla``, ``injection`` (seeded states), ``history``, ``timestep``, ``stateloop`` with
+    the identity or the attention state mixer (its attention on slots of its own), ``stateloop-state-only``,
+    ``hyperloop``, ``mesh``, ``parcae``, ``ponderlm`` without
+    a coda, ``exit_gate`` (every loop runs; the gate selects each token's output). Mamba-2 blocks, alone or with
+    attention blocks, through vLLM's Mamba-2 layer with one state per (loop, layer) (what of them is refused:
+    :func:`looplm.vllm.mamba_spec.mamba_refusal`).
 
     Tensor parallelism (``tp > 1``, :func:`tp_refusal`): vLLM's parallel layers shard the heads, the MLP
     and the vocabulary, and every ``RowParallelLinear`` all-reduces, so each rank holds the full hidden state
     ``[N, d]``; the rule modules act on it and stay replicated (each rank loads their full weights)."""
-    non_attn = [i for i in range(cfg.n_physical) if cfg.mixer_of(i) != "attention"]
-    if non_attn:
-        kind = "hybrid Mamba-2/attention" if cfg.uses_attention else "Mamba-2"
-        return (
-            f"{kind} stack (Mamba-2 blocks at physical layers {non_attn}): a looped Mamba-2 block needs one SSM "
-            "state per (loop, layer) in vLLM's Mamba state cache, which the plugin does not build yet"
-        )
+    why = mamba_refusal(cfg, tp=tp)  # Mamba-2 blocks: vLLM's Mamba-2 layer, one state per (loop, layer)
+    if why is not None:
+        return why
     if cfg.pause is not None:
         return (
             "pause tokens: looplm inserts pauses after every input token inside the model, which changes the "
@@ -167,11 +199,11 @@ def refusal(cfg: ModelConfig, num_loops: int | None = None, tp: int = 1) -> str 
             f"(window {cfg.attention.sliding_window})"
         )
     name, o = cfg.rule.name, cfg.rule.options
-    if name in ("stateloop", "stateloop-state-only") and o.get("mixer", "identity") != "identity":
+    if name in ("stateloop", "stateloop-state-only") and o.get("mixer", "identity") not in ("identity", "attention"):
         return (
-            f"StateLoop's {o['mixer']!r} state mixer mixes tokens with a module of its own, shared across loops "
-            "with one decoding slot per iteration; the plugin has no vLLM layers for it yet (the identity mixer "
-            "is served)"
+            f"StateLoop's {o['mixer']!r} state mixer mixes tokens with a Mamba-2 layer of its own, shared across "
+            "loops with one SSM state per iteration; the plugin has no vLLM layers for it yet (the identity and "
+            "attention mixers are served)"
         )
     if name == "injection" and o.get("init_state") == "normal" and o.get("init_seed", 0) is None:
         return (
@@ -217,9 +249,9 @@ def tp_refusal(cfg: ModelConfig, tp: int) -> str | None:
         return None
     a, kv = cfg.attention, cfg.n_kv_heads
     fix = f"serve it with --tensor-parallel-size 1, or a size that divides it (tensor-parallel size {tp})"
-    if a.n_heads % tp:
+    if cfg.uses_attention and a.n_heads % tp:  # (a Mamba-2-only model has no attention heads to split)
         return f"its {a.n_heads} query heads do not split over {tp} tensor-parallel ranks; {fix}"
-    if kv % tp and tp % kv:
+    if cfg.uses_attention and kv % tp and tp % kv:
         return (
             f"its {kv} KV heads neither split over {tp} tensor-parallel ranks nor replicate evenly on them "
             f"(vLLM needs n_kv_heads % tp == 0 or tp % n_kv_heads == 0); {fix}"
@@ -301,6 +333,11 @@ def exit_spec(
         )
     elif cfg.rule.name in ("ponderlm",):
         why = "PonderLM's per-loop readout is not checked with per-token exit"
+    elif rule_attention(cfg) is not None:
+        why = (
+            "StateLoop's attention state mixer attends across the batch's tokens at every loop; the exit path runs "
+            "the rule on the tokens still looping only, which vLLM's attention metadata (every token) cannot serve"
+        )
     if why is not None:
         raise UnsupportedDesign(design_name(cfg), why, where)
     return {"criterion": crit, "threshold": float(t), "kv": kv, "min_loops": m}
@@ -339,7 +376,7 @@ def plugin_spec(hf_config: Any, *, kv_policy: str | None = None, where: str = "c
     c = _as_dict(hf_config)
     arch = (c.get("architectures") or [None])[0]
     mt = c.get("model_type")
-    if arch == "LoopLMForCausalLM" or (arch is None and mt == "looplm"):
+    if arch in ("LoopLMForCausalLM", *MAMBA_ARCHITECTURES) or (arch is None and mt == "looplm"):
         raw = c.get("looplm")
         if not isinstance(raw, Mapping) or not raw:
             raise ValueError(
@@ -352,7 +389,7 @@ def plugin_spec(hf_config: Any, *, kv_policy: str | None = None, where: str = "c
         opts = dict(c.get("loop_options") or {})
         if c.get("exit_threshold") is not None:
             opts.setdefault("exit_threshold", float(c["exit_threshold"]))
-        arch = "LoopLMForCausalLM"
+        arch = served_architecture(cfg)  # LoopLMForCausalLM, or its Mamba-2 / hybrid form (mamba_spec)
     elif arch in ("OuroForCausalLM", "RavenForCausalLM") or mt in ("ouro", "huginn_raven"):
         from ..hf.public import detect, public_config
 
@@ -375,7 +412,7 @@ def plugin_spec(hf_config: Any, *, kv_policy: str | None = None, where: str = "c
             f"looplm_kv_policy must be one of {list(KV_POLICIES)}, got {policy!r} "
             '(set it with --hf-overrides \'{"looplm_kv_policy": "shared"}\')'
         )
-    why = refusal(cfg, r, tp)
+    why = refusal(cfg, r, tp) or mamba_refusal(cfg, tp=tp, exit=c.get("looplm_exit"))
     if why is not None:
         raise UnsupportedDesign(design_name(cfg), why, where)
     if opts:
@@ -401,6 +438,8 @@ def vllm_param_name(name: str) -> tuple[str, str | int | None]:
     copy). ``q/k/v_proj`` -> ``qkv_proj`` shards ``q`` / ``k`` / ``v``; ``gate/up_proj`` -> ``gate_up_proj`` 0 / 1."""
     name = name.removeprefix(EXPORT_PREFIX)
     if name.startswith(_BLOCK_PARTS):
+        if name.endswith(".mixer.A_log"):  # Mamba-2: vLLM's A, its loader stores −exp(A_log)
+            return name.removesuffix("A_log") + "A", None
         for ours, (theirs, shard) in _FUSED.items():
             if ours in name:
                 return name.replace(ours, theirs, 1), shard
