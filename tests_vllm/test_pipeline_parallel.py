@@ -7,7 +7,9 @@ the embeddings ``embeds`` to the next. Two tiny random models (``tiny.PP_VARIANT
 
 * CoreLoop ``(1, 2, 3, 1)`` with dense injection: rank 0 runs the prelude, rank 1 the core (whose rule reads
   the embeddings E, sent from rank 0) and the coda;
-* Qwen3 ``(0, 2, 3, 1)``: rank 0 runs the core, rank 1 the coda and the tied head (its embedding loaded there).
+* Qwen3 ``(0, 2, 3, 1)`` whose rule normalises between loops with the final norm ``N`` (``inter_norm``): rank 0
+  runs the core (with ``N``, which every rank holds), rank 1 the coda and the tied head (its embedding loaded
+  there).
 
 Checked: the greedy tokens equal looplm ``generate``'s for 8 prompts submitted together, and the prompt and
 generated log-probabilities are within 1e-4 of looplm's. vLLM's CPU runner allocates the buffers a later pipeline

@@ -79,8 +79,12 @@ TP_VARIANTS: dict[str, tuple[str, dict]] = {
 PP_VARIANTS: dict[str, tuple[str, dict]] = {
     # (1, 2, 3, 1): rank 0 the prelude, rank 1 the core and the coda; E crosses to the core (dense injection reads it)
     "pp-coreloop-injection": ("tiny-coreloop", {**HD32, "rule": {"name": "injection", "options": {"form": "dense"}}}),
-    # (0, 2, 3, 1): rank 0 the core (QK-norm), rank 1 the coda and the tied head (the embedding there too)
-    "pp-qwen3-coda": ("tiny-qwen3", {**HD32, "n_coda": 1}),
+    # (0, 2, 3, 1): rank 0 the core (QK-norm; the rule's inter-loop norm is the final norm N, read there), rank 1
+    # the coda and the tied head (the embedding there too)
+    "pp-qwen3-coda": (
+        "tiny-qwen3",
+        {**HD32, "n_coda": 1, "rule": {"name": "vanilla", "options": {"inter_norm": True}}},
+    ),
 }
 
 # Mamba-2 blocks through vLLM's Mamba-2 layer (test_mamba.py): the presets' Mamba-2 shapes (head dim 16, state 16),

@@ -338,14 +338,16 @@ class _LoopedForCausalLM(nn.Module, SupportsPP):
             self.rule.mixer.mixer = VRuleAttention(self.rule.mixer.mixer, cfg)
         elif mixers:  # a mixer of its own that refusal() does not know
             raise UnsupportedDesign(design_name(cfg), "the rule mixes tokens with a module of its own")
+        # the final norm N on every pipeline rank (d weights): rules read it inside the core (Ouro's, Huginn's
+        # and Nanbeige's inter-loop and gate norms, lctx.final_norm), wherever the core runs
+        self.norm = RMSNorm(d, eps=cfg.norm_eps)
         if st.last:
-            self.norm = RMSNorm(d, eps=cfg.norm_eps)
             self.lm_head = ParallelLMHead(V, d, quant_config=quant, prefix=maybe_prefix(prefix, "lm_head"))
             if cfg.tie_embeddings:
                 self.lm_head = self.lm_head.tie_weights(self.embed)
             self.logits_processor = LogitsProcessor(V)
         else:
-            self.norm, self.lm_head = PPMissingLayer(), PPMissingLayer()  # (two: vLLM finds them by name)
+            self.lm_head = PPMissingLayer()
         self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(["hidden_states", "embeds"], d)
         a = cfg.attention
         # (query heads, KV heads, head dim) of a slot on this rank: the blocks' are split over the ranks, the
