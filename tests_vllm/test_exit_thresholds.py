@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_plugin_exact import _prompts  # noqa: E402
-from tiny import serve_runs, write_tiny  # noqa: E402
+from tiny import serve_named, write_tiny  # noqa: E402
 
 from looplm.decode.exits import Exit  # noqa: E402
 
@@ -113,8 +113,7 @@ def served(tmp_path_factory):
                 "llm_kwargs": NO_SHARING,
             }
         )
-    runs = {r["name"]: r for r in serve_runs(root, runs)["runs"]}
-    print("\nvLLM load + generate, seconds:", {n: r["seconds"] for n, r in runs.items()})
+    runs = serve_named(root, runs)
     return refs, runs
 
 

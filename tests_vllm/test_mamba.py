@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_plugin_exact import N_NEW, PROMPTS, TOL, _max_diff, _reference  # noqa: E402
+from test_plugin_exact import N_NEW, PROMPTS, TOL, _max_diff, _reference, assert_matches, table_row  # noqa: E402
 from tiny import MAMBA_VARIANTS, serve_runs, write_tiny  # noqa: E402
 
 EXACT = list(MAMBA_VARIANTS)
@@ -115,10 +115,7 @@ def _served(served, name):
 @pytest.mark.parametrize("name", [*EXACT, CHUNKED, SHARED, PREFIX])
 def test_greedy_and_logprobs_equal_looplm(served, name):
     ref, run = _served(served, name)
-    for i, (r, v) in enumerate(zip(ref, run["together"])):
-        assert v["tokens"] == r["tokens"], f"{name}, prompt {i} (length {len(PROMPTS[i])})"
-        assert _max_diff(r["prompt_logprobs"], v["prompt_logprobs"]) <= TOL, f"{name}, prompt {i}: prompt logprobs"
-        assert _max_diff(r["logprobs"], v["logprobs"]) <= TOL, f"{name}, prompt {i}: generated logprobs"
+    assert_matches(ref, run["together"], name)
 
 
 def test_shared_policy_differs_from_per_loop_here(served):
@@ -169,10 +166,7 @@ def served_tp(tmp_path_factory):
 def test_tensor_parallel_equals_looplm(served_tp, name):
     ref, run = _served(served_tp, name)
     assert run["tensor_parallel_size"] == 2
-    for i, (r, v) in enumerate(zip(ref, run["together"])):
-        assert v["tokens"] == r["tokens"], f"{name} at TP 2, prompt {i}"
-        assert _max_diff(r["prompt_logprobs"], v["prompt_logprobs"]) <= TOL, f"{name} at TP 2, prompt {i}"
-        assert _max_diff(r["logprobs"], v["logprobs"]) <= TOL, f"{name} at TP 2, prompt {i}"
+    assert_matches(ref, run["together"], f"{name} at TP 2")
 
 
 if __name__ == "__main__":  # the Mamba rows of docs/vllm.md's exactness table: python tests_vllm/test_mamba.py
@@ -181,12 +175,4 @@ if __name__ == "__main__":  # the Mamba rows of docs/vllm.md's exactness table: 
     with tempfile.TemporaryDirectory() as tmp:
         refs, runs = serve_all(Path(tmp))
     for name, ref in refs.items():
-        run = runs[name]
-        tog = run["together"]
-        same = sum(r["tokens"] == v["tokens"] for r, v in zip(ref, tog))
-        dp = max(_max_diff(r["prompt_logprobs"], v["prompt_logprobs"]) for r, v in zip(ref, tog))
-        dg = max(_max_diff(r["logprobs"], v["logprobs"]) for r, v in zip(ref, tog) if r["tokens"] == v["tokens"])
-        alone = (
-            "—" if "alone" not in run else f"{sum(t['tokens'] == a['tokens'] for t, a in zip(tog, run['alone']))}/16"
-        )
-        print(f"| {name} | {same}/{len(ref)} | {dp:.1e} | {dg:.1e} | {alone} | {run['seconds']} s |")
+        print(f"{table_row(name, ref, runs[name])} {runs[name]['seconds']} s |")

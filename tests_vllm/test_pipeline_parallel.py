@@ -26,8 +26,8 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_plugin_exact import TOL, _max_diff, _prompts, _reference  # noqa: E402
-from tiny import PP_VARIANTS, serve_runs, write_tiny  # noqa: E402
+from test_plugin_exact import _prompts, _reference, assert_matches  # noqa: E402
+from tiny import PP_VARIANTS, serve_named, write_tiny  # noqa: E402
 
 PROMPTS = _prompts(8, seed=3)
 N_NEW = 8
@@ -42,8 +42,7 @@ def served(tmp_path_factory):
         model, d = write_tiny(name, root / name)
         refs[name] = _reference(model, PROMPTS, N_NEW)  # asserts generate's tokens too
         runs.append({"name": name, "dir": str(d), "prompts": PROMPTS, "max_tokens": N_NEW, "llm_kwargs": PP2})
-    runs = {r["name"]: r for r in serve_runs(root, runs, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})["runs"]}
-    print("\nvLLM load + generate, seconds:", {n: r["seconds"] for n, r in runs.items()})
+    runs = serve_named(root, runs, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     return refs, runs
 
 
@@ -53,7 +52,4 @@ def test_pp2_equals_looplm(served, name):
     run = runs[name]
     assert "error" not in run, f"{name} at PP 2: {run['error']}"
     assert run["pipeline_parallel_size"] == 2
-    for i, (r, v) in enumerate(zip(refs[name], run["together"], strict=True)):
-        assert v["tokens"] == r["tokens"], f"{name}, prompt {i}: PP 2 differs from looplm generate"
-        assert _max_diff(r["prompt_logprobs"], v["prompt_logprobs"]) <= TOL, f"{name}, prompt {i}: prompt logprobs"
-        assert _max_diff(r["logprobs"], v["logprobs"]) <= TOL, f"{name}, prompt {i}: generated logprobs"
+    assert_matches(refs[name], run["together"], f"{name} at PP 2")

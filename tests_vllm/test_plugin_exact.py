@@ -111,6 +111,25 @@ def _max_diff(a: list, b: list) -> float:
     return max(abs(x - y) for x, y in zip(a, b) if x is not None and y is not None)
 
 
+def assert_matches(ref: list, together: list, label: str) -> None:
+    """vLLM's runs of the prompts (``together``) against looplm's (``ref``, :func:`_reference`): the same greedy
+    tokens, prompt and generated log-probabilities within ``TOL``."""
+    for i, (r, v) in enumerate(zip(ref, together, strict=True)):
+        assert v["tokens"] == r["tokens"], f"{label}, prompt {i}: tokens differ from looplm"
+        assert _max_diff(r["prompt_logprobs"], v["prompt_logprobs"]) <= TOL, f"{label}, prompt {i}: prompt logprobs"
+        assert _max_diff(r["logprobs"], v["logprobs"]) <= TOL, f"{label}, prompt {i}: generated logprobs"
+
+
+def table_row(name: str, ref: list, run: dict) -> str:
+    """``| name | tokens equal | prompt logprobs diff | generated logprobs diff | batched = alone |`` of a run."""
+    tog = run["together"]
+    same = sum(r["tokens"] == v["tokens"] for r, v in zip(ref, tog))
+    dp = max(_max_diff(r["prompt_logprobs"], v["prompt_logprobs"]) for r, v in zip(ref, tog))
+    dg = max(_max_diff(r["logprobs"], v["logprobs"]) for r, v in zip(ref, tog) if r["tokens"] == v["tokens"])
+    alone = "—" if "alone" not in run else f"{sum(t['tokens'] == a['tokens'] for t, a in zip(tog, run['alone']))}/16"
+    return f"| {name} | {same}/{len(ref)} | {dp:.1e} | {dg:.1e} | {alone} |"
+
+
 def test_registered_and_no_remote_code(served):
     _, runs, res = served
     assert res["registered"] == {"LoopLMForCausalLM": True, "OuroForCausalLM": True, "RavenForCausalLM": True}
@@ -175,12 +194,4 @@ if __name__ == "__main__":  # the exactness table of docs/vllm.md: python tests_
     )
     print("| --- | --- | --- | --- | --- |")
     for name, ref in refs.items():
-        run = runs[name]
-        tog = run["together"]
-        same = sum(r["tokens"] == v["tokens"] for r, v in zip(ref, tog))
-        dp = max(_max_diff(r["prompt_logprobs"], v["prompt_logprobs"]) for r, v in zip(ref, tog))
-        dg = max(_max_diff(r["logprobs"], v["logprobs"]) for r, v in zip(ref, tog) if r["tokens"] == v["tokens"])
-        alone = (
-            "—" if "alone" not in run else f"{sum(t['tokens'] == a['tokens'] for t, a in zip(tog, run['alone']))}/16"
-        )
-        print(f"| {name} | {same}/{len(ref)} | {dp:.1e} | {dg:.1e} | {alone} |")
+        print(table_row(name, ref, runs[name]))

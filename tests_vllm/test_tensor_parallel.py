@@ -22,8 +22,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 import test_exits  # noqa: E402
-from test_plugin_exact import TOL, _max_diff, _prompts, _reference  # noqa: E402
-from tiny import TP_VARIANTS, serve_runs, write_tiny  # noqa: E402
+from test_plugin_exact import _prompts, _reference, assert_matches  # noqa: E402
+from tiny import TP_VARIANTS, serve_named, write_tiny  # noqa: E402
 
 HERE = Path(__file__).parent
 PROMPTS = _prompts(8, seed=1)
@@ -62,8 +62,7 @@ def served(tmp_path_factory):
                 }
             )
     # one core per rank; the TP 1 runs use the in-process executor, which does not read the bind
-    runs = {r["name"]: r for r in serve_runs(root, runs, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})["runs"]}
-    print("\nvLLM load + generate, seconds:", {n: r["seconds"] for n, r in runs.items()})
+    runs = serve_named(root, runs, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     return refs, runs
 
 
@@ -77,8 +76,7 @@ def test_tp2_equals_tp1_and_looplm(served, name):
     for i, (r, a, b) in enumerate(zip(refs[name], tp1["together"], tp2["together"], strict=True)):
         assert a["tokens"] == r["tokens"], f"{name}, prompt {i}: TP 1 differs from looplm"
         assert b["tokens"] == a["tokens"], f"{name}, prompt {i}: TP 2 differs from TP 1"
-        assert _max_diff(r["prompt_logprobs"], b["prompt_logprobs"]) <= TOL, f"{name}, prompt {i}: prompt logprobs"
-        assert _max_diff(r["logprobs"], b["logprobs"]) <= TOL, f"{name}, prompt {i}: generated logprobs"
+    assert_matches(refs[name], tp2["together"], f"{name} at TP 2")
 
 
 def test_tp2_exits_equal_looplm(served):

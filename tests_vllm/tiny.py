@@ -149,3 +149,10 @@ def serve_runs(root: Path, runs: list, env: dict | None = None, kv_gib: str = "1
     if proc.returncode != 0:
         raise RuntimeError(f"serve_tiny.py failed ({proc.returncode}):\n{proc.stderr[-6000:]}")
     return json.loads(result.read_text())
+
+
+def serve_named(root: Path, runs: list, **kw) -> dict:
+    """:func:`serve_runs` (``kw``: its options), the results by run name; prints each run's load + generate time."""
+    out = {r["name"]: r for r in serve_runs(root, runs, **kw)["runs"]}
+    print("\nvLLM load + generate, seconds:", {n: r["seconds"] for n, r in out.items()})
+    return out

@@ -78,6 +78,7 @@ from ..decode.exits import Exit, finish_rest, keep_staying, make_criterion
 from ..recurrence import build_rule
 from .mamba_spec import is_mamba_slot
 from .spec import UnsupportedDesign, design_name, plugin_spec, vllm_param_name
+from .thresholds import installed, per_token, processor_listed, server_refusal, token_thresholds
 
 __all__ = ["LoopLMForCausalLM", "OuroForCausalLM", "RavenForCausalLM"]
 
@@ -303,8 +304,7 @@ class _LoopedForCausalLM(nn.Module, SupportsPP):
         self.tp = tp
         self.exit = spec.exit
         self.stage = self._pipeline_stage(vllm_config, spec)  # what this pipeline rank holds (stages.py)
-        from .thresholds import processor_listed  # per-request thresholds: looplm.vllm.processor is passed
-
+        # per-request thresholds: looplm.vllm.processor is among vLLM's logits processors
         self.request_thresholds = processor_listed(getattr(vllm_config.model_config, "logits_processors", None))
         if spec.exit is not None or self.request_thresholds:
             self._check_exit_scheduling(vllm_config, spec, self.request_thresholds)
@@ -433,8 +433,6 @@ class _LoopedForCausalLM(nn.Module, SupportsPP):
         ``gate`` criterion — is refused too (:func:`looplm.vllm.thresholds.server_refusal`): a request's
         ``validate_params`` sees the request only, so what depends on the server is checked here."""
         if request_thresholds:
-            from .thresholds import server_refusal
-
             why = server_refusal(spec.exit)
             if why is not None:
                 raise ValueError(why)
@@ -451,27 +449,29 @@ class _LoopedForCausalLM(nn.Module, SupportsPP):
                 "here; turn off " + " and ".join(on)
             )
 
-    def _decode_mask(self, n: int) -> torch.Tensor | None:
-        """``[n]`` bool: the tokens that may exit — each the one new token of a request with cached tokens
-        before it (from the step's attention metadata: ``query_start_loc``, ``seq_lens``); ``None`` when the
-        step has none (or no metadata: vLLM's profiling run)."""
+    def _step_metadata(self):
+        """The step's attention metadata of the first slot (``query_start_loc``, ``seq_lens`` are the same for
+        every slot), ``None`` outside a forward context or without metadata (vLLM's profiling run)."""
         if not is_forward_context_available():
             return None
         md = get_forward_context().attn_metadata
         if not isinstance(md, dict) or not md:
             return None
-        m = md.get(self.attn_slots[0].layer_name)
+        return md.get(self.attn_slots[0].layer_name)
+
+    def _decode_mask(self, n: int) -> torch.Tensor | None:
+        """``[n]`` bool: the tokens that may exit — each the one new token of a request with cached tokens
+        before it (from the step's attention metadata: ``query_start_loc``, ``seq_lens``); ``None`` when the
+        step has none (or no metadata: vLLM's profiling run)."""
+        m = self._step_metadata()
         qsl, seq = getattr(m, "query_start_loc", None), getattr(m, "seq_lens", None)
         if qsl is None or seq is None:
             return None
-        qlen = (qsl[1:] - qsl[:-1]).long()  # [requests]
+        qlen = qsl[1:] - qsl[:-1]  # [requests]
         dec = (qlen == 1) & (seq[: qlen.numel()] > 1)
         if not bool(dec.any()):
             return None
-        tok = torch.repeat_interleave(dec, qlen)
-        out = torch.zeros(n, dtype=torch.bool, device=tok.device)
-        out[: min(n, tok.numel())] = tok[:n]
-        return out
+        return per_token(dec, qsl, n, False)
 
     def _propagate(self, z: torch.Tensor, g: torch.Tensor, positions: torch.Tensor, stores: dict) -> None:
         """looplm's ``propagate`` fill (:mod:`looplm.decode.kv_fill`) for rows ``g`` leaving with stand-ins
@@ -505,31 +505,18 @@ class _LoopedForCausalLM(nn.Module, SupportsPP):
         With the per-request threshold processor (:mod:`looplm.vllm.processor`) each token is checked against
         its own request's threshold (``thr [N]``, by row through ``query_start_loc``; ``0``: full depth).
         -> ``[N, 1, d]`` for the coda."""
-        spec, cfg, rule, ex = self.spec, self.cfg, self.rule, self.exit
+        spec, rule, ex = self.spec, self.rule, self.exit
         N = E.shape[0]
         thr, allowed = None, may_exit  # [N]: each token's threshold (None: the server's for all), may it exit
         if self.request_thresholds:
-            from .thresholds import installed, token_thresholds
-
             reg = installed()
             if reg is None:
                 raise RuntimeError("looplm.vllm.processor is listed but was not constructed in this process")
-            md = get_forward_context().attn_metadata[self.attn_slots[0].layer_name]
-            thr = token_thresholds(reg, md.query_start_loc, N, ex["threshold"], E.device)  # [N] float32
+            thr = token_thresholds(reg, self._step_metadata().query_start_loc, N, ex["threshold"], E.device)  # [N]
             allowed = may_exit & (thr > 0)  # ε = 0 (or 'none'): full depth, as looplm's Exit with ε = 0
         x = self._part(self.prelude, "prelude", E[:, None], positions)  # [N, 1, d]
-        lctx = LoopContext(
-            num_loops=spec.num_loops,
-            train_loops=cfg.n_loops,
-            fctx=ForwardContext(positions=positions[:, None]),
-            loop_options=dict(spec.loop_options),
-            embeddings=E[:, None],
-            embed_weight=self.embed.weight[: cfg.vocab_size] if self.tp == 1 else None,
-            embed_multiplier=self.embed_multiplier,
-            readout_fn=self._readout,
-            final_norm=self._final_norm,
-            check_readout=self._readout,  # the kl check's (exit_spec refuses kl with a coda or under TP)
-        )
+        # check_readout: the kl check's (exit_spec refuses kl with a coda or under TP)
+        lctx = self._loop_context(E[:, None], positions[:, None], check_readout=self._readout)
         crit = make_criterion(Exit(criterion=ex["criterion"], threshold=ex["threshold"]))
         crit.begin(0)
         state = rule.begin(x, lctx)
@@ -618,16 +605,16 @@ class _LoopedForCausalLM(nn.Module, SupportsPP):
             return IntermediateTensors({"hidden_states": y[0], "embeds": E[0]})
         return self._final_norm(y)[0]  # [N, d]
 
-    def _core_loops(self, x: torch.Tensor, E: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The looped core on the prelude's output ``x [1, N, d]`` (``E [1, N, d]``: the embeddings) -> the rule's
-        ``finish``, the coda's input ``[1, N, d]``."""
-        spec, cfg = self.spec, self.cfg
+    def _loop_context(self, E: torch.Tensor, positions: torch.Tensor, **more) -> LoopContext:
+        """The rules' loop context for embeddings ``E`` and ``positions`` in looplm's ``[B, T]`` layout (the whole
+        batch as ``[1, N]``, or one row per token ``[N, 1]`` on the exit path); ``more``: further fields."""
+        cfg = self.cfg
         has_embed = isinstance(self.embed, VocabParallelEmbedding)
-        lctx = LoopContext(
-            num_loops=spec.num_loops,
+        return LoopContext(
+            num_loops=self.spec.num_loops,
             train_loops=cfg.n_loops,
-            fctx=ForwardContext(positions=positions[None]),
-            loop_options=dict(spec.loop_options),
+            fctx=ForwardContext(positions=positions),
+            loop_options=dict(self.spec.loop_options),
             embeddings=E,
             # the rank's vocabulary shard under TP: only PonderLM reads it, and tp_refusal (pipeline_refusal)
             # refuses it under tensor (pipeline) parallelism
@@ -635,8 +622,15 @@ class _LoopedForCausalLM(nn.Module, SupportsPP):
             embed_multiplier=self.embed_multiplier,
             readout_fn=self._readout,
             final_norm=self._final_norm,
-            cache=self._rule_slots,  # the rule's own attention slots (StateLoop's X_attn), else None
+            **more,
         )
+
+    def _core_loops(self, x: torch.Tensor, E: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The looped core on the prelude's output ``x [1, N, d]`` (``E [1, N, d]``: the embeddings) -> the rule's
+        ``finish``, the coda's input ``[1, N, d]``."""
+        spec = self.spec
+        # the rule's own attention slots (StateLoop's X_attn), else None
+        lctx = self._loop_context(E, positions[None], cache=self._rule_slots)
         state = self.rule.begin(x, lctx)
         for k in range(spec.num_loops):
             lctx.iteration = k

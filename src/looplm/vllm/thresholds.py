@@ -29,6 +29,7 @@ __all__ = [
     "RowThresholds",
     "install",
     "installed",
+    "per_token",
     "processor_listed",
     "request_threshold",
     "server_refusal",
@@ -109,20 +110,27 @@ class RowThresholds:
         return [self.rows.get(r, default) for r in range(n_rows)]
 
 
+def per_token(per_request: torch.Tensor, query_start_loc: torch.Tensor, n: int, fill) -> torch.Tensor:
+    """``[n]``: each token of the step gets its request's value of ``per_request [R]``. Request ``r``'s tokens are
+    ``query_start_loc[r] : query_start_loc[r + 1]`` (``query_start_loc [R + 1]``: vLLM lays the step's tokens out
+    request after request); tokens past the last request (padding) get ``fill``. On ``per_request``'s device."""
+    qlen = (query_start_loc[1:] - query_start_loc[:-1]).long().to(per_request.device)  # [R]
+    tok = torch.repeat_interleave(per_request, qlen)  # [Σ qlen]
+    out = torch.full((n,), fill, dtype=per_request.dtype, device=per_request.device)
+    m = min(n, tok.numel())
+    out[:m] = tok[:m]
+    return out
+
+
 def token_thresholds(
     rows: RowThresholds, query_start_loc: torch.Tensor, n: int, default: float, device=None
 ) -> torch.Tensor:
-    """``[n]`` float32: each token's threshold, from its request's row. Request ``r``'s tokens are
-    ``query_start_loc[r] : query_start_loc[r + 1]`` of the step (``query_start_loc [R + 1]``); tokens past the
-    last request (padding) get ``default``. float32: the criteria's distances are float32, and a Python float
-    threshold is compared in float32 too, so the tensor compares as the server's scalar does."""
-    qsl = query_start_loc.to("cpu", torch.long)
-    qlen = qsl[1:] - qsl[:-1]  # [R]
-    per_row = torch.tensor(rows.values(qlen.numel(), default), dtype=torch.float32)  # [R]
-    tok = torch.repeat_interleave(per_row, qlen)  # [Σ qlen]
-    out = torch.full((n,), float(default), dtype=torch.float32)
-    m = min(n, tok.numel())
-    out[:m] = tok[:m]
+    """``[n]`` float32: each token's threshold, from its request's row (:func:`per_token`; padding gets
+    ``default``). float32: the criteria's distances are float32, and a Python float threshold is compared in
+    float32 too, so the tensor compares as the server's scalar does."""
+    R = query_start_loc.numel() - 1
+    per_row = torch.tensor(rows.values(R, default), dtype=torch.float32)  # [R]
+    out = per_token(per_row, query_start_loc.to("cpu"), n, float(default))
     return out if device is None else out.to(device)
 
 
